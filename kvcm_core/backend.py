@@ -1,0 +1,295 @@
+"""The kernel-backend contract: a device runtime plus the kernels the core launches.
+
+A backend owns memory (device memory, and pinned host memory that its kernels can read and
+write), streams and events, and implements every kernel of the contract. The ``numpy``
+backend defines each kernel's result; every other backend must match it bit for bit (the
+conformance suite checks this). The core talks to the selected backend only through this
+interface, so a faster backend is installed and compared without touching the core.
+
+Memory is described by :class:`Buffer` objects and pages inside them by
+:class:`PageRegion` (buffer, offset of page 0, stride between page indices).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kvcm_core.records import KernelBackendCapabilities
+
+__all__ = [
+    "BAD_PAGE_INDEX",
+    "Buffer",
+    "CopyTask",
+    "Event",
+    "FingerprintPages",
+    "KernelBackend",
+    "MemoryKind",
+    "PageRegion",
+    "Stream",
+    "check_copy_args",
+]
+
+#: Page index of an absent or stale block, in every page table. Never folded to 0.
+BAD_PAGE_INDEX = -1
+
+
+class MemoryKind:
+    """Where a buffer lives."""
+
+    DEVICE = "device"
+    HOST = "host"  # pinned and device-mapped where the backend has a device
+
+
+class Buffer(abc.ABC):
+    """A block of memory owned by a backend.
+
+    Attributes:
+        nbytes: size in bytes.
+        kind: :class:`MemoryKind` value.
+        ptr: the address kernels use (the device address; for mapped host memory, its
+            device-side address).
+        host_ptr: the host address when the memory is host-visible, else ``None``.
+    """
+
+    nbytes: int
+    kind: str
+    ptr: int
+    host_ptr: int | None
+
+    @abc.abstractmethod
+    def free(self) -> None:
+        """Release the memory (idempotent). Views taken earlier become invalid."""
+
+    def host_view(self) -> np.ndarray:
+        """A ``uint8`` NumPy view of host-visible memory (raises for device memory)."""
+        raise TypeError(f"{self.kind} buffer of {type(self).__name__} has no host view")
+
+
+@attrs.frozen
+class PageRegion:
+    """Equal-sized pages in a buffer: page ``i`` starts at ``offset + i * stride``."""
+
+    buffer: Buffer
+    offset: int
+    stride: int
+
+    def page_start(self, index: int) -> int:
+        """Byte offset of page ``index`` inside :attr:`buffer`."""
+        return self.offset + index * self.stride
+
+
+@attrs.frozen
+class CopyTask:
+    """One ``copy_pages`` call's arguments, for batching several in one launch."""
+
+    dst: PageRegion
+    src: PageRegion
+    page_bytes: int
+    pairs: np.ndarray  # int32 [n, 2]: (destination index, source index)
+
+
+@attrs.frozen
+class FingerprintPages:
+    """A batch of pages for the fingerprint engine's write and check kernels.
+
+    Page ``i`` is ``page_bytes[i]`` bytes at address ``addresses[i]`` and is cut into
+    ``record_slots[i]`` token slots: slot ``t`` covers bytes
+    ``[t * P // R, (t + 1) * P // R)`` (``P`` the page size, ``R`` its slot count), filled
+    with the 16-byte record ``(token_ids[i, t], (positions[i] + t) mod 2**32, tags[i, 0],
+    tags[i, 1])`` as four little-endian uint32 words, repeated and cut at the slot's end.
+    Only slots in ``[begin[i], end[i])`` are written or checked.
+    """
+
+    addresses: np.ndarray  # int64 [n]: page start as kernels see it
+    page_bytes: np.ndarray  # int64 [n]
+    record_slots: np.ndarray  # int32 [n]: token slots in the page (tokens_per_block; 1 for SSM)
+    token_ids: np.ndarray  # uint32 [n, max record_slots]
+    begin: np.ndarray  # int32 [n]
+    end: np.ndarray  # int32 [n]
+    positions: np.ndarray  # int64 [n]: absolute position of token slot 0
+    tags: np.ndarray  # uint32 [n, 2]: (layer id, buffer ordinal << 16 | beam)
+
+    def __len__(self) -> int:
+        return len(self.addresses)
+
+
+class Stream(abc.ABC):
+    """An ordered queue of device work. On the numpy backend work runs at once."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Block until every piece of work queued so far has finished."""
+
+    @abc.abstractmethod
+    def wait_event(self, event: Event) -> None:
+        """Make later work on this stream wait for ``event``."""
+
+    @property
+    def handle(self) -> int:
+        """The native handle (``cudaStream_t`` as an int; 0 where there is none)."""
+        return 0
+
+
+class Event(abc.ABC):
+    """A marker in a stream that other streams and the host can wait for."""
+
+    @abc.abstractmethod
+    def record(self, stream: Stream | None = None) -> None:
+        """Mark the current end of ``stream`` (default stream if ``None``)."""
+
+    @abc.abstractmethod
+    def query(self) -> bool:
+        """True once all work before the recorded point has finished."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until the event has completed."""
+
+
+def check_copy_args(dst: PageRegion, src: PageRegion, page_bytes: int, pairs: np.ndarray) -> None:
+    """Validate ``copy_pages`` arguments; every backend calls this before launching.
+
+    Raises:
+        ValueError: wrong pair array, non-positive page size, negative offsets or strides,
+            or a page that would fall outside its buffer.
+    """
+    if page_bytes <= 0:
+        raise ValueError(f"page_bytes={page_bytes}: must be > 0")
+    if pairs.ndim != 2 or pairs.shape[1] != 2:
+        raise ValueError(f"pairs.shape={pairs.shape}: must be [n, 2] (destination, source)")
+    if pairs.dtype != np.int32:
+        raise ValueError(f"pairs.dtype={pairs.dtype}: must be int32")
+    for label, region, column in (("dst", dst, 0), ("src", src, 1)):
+        if region.offset < 0 or region.stride < 0:
+            raise ValueError(
+                f"{label} offset={region.offset} stride={region.stride}: must be >= 0"
+            )
+        if len(pairs) == 0:
+            continue
+        idx = pairs[:, column]
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0:
+            raise ValueError(f"{label} page index {lo}: must be >= 0")
+        end = region.offset + hi * region.stride + page_bytes
+        if end > region.buffer.nbytes:
+            raise ValueError(
+                f"{label} page index {hi} ends at byte {end}, past the buffer's "
+                f"{region.buffer.nbytes} bytes"
+            )
+
+
+class KernelBackend(abc.ABC):
+    """A device runtime and the kernels of the contract.
+
+    Subclasses set :attr:`name` and :attr:`capabilities`. Methods that take a ``stream``
+    queue work on it (``None`` = the backend's default stream) and return at once on
+    device backends; the numpy backend runs everything synchronously.
+    """
+
+    name: str = "abstract"
+    capabilities: KernelBackendCapabilities = KernelBackendCapabilities(has_device=False)
+
+    # -- runtime -----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def alloc_device(self, nbytes: int) -> Buffer:
+        """Device memory of ``nbytes`` (contents undefined)."""
+
+    @abc.abstractmethod
+    def alloc_host(self, nbytes: int) -> Buffer:
+        """Pinned, device-mapped host memory of ``nbytes`` (contents undefined)."""
+
+    @property
+    @abc.abstractmethod
+    def default_stream(self) -> Stream:
+        """The stream used when ``None`` is passed."""
+
+    @abc.abstractmethod
+    def create_stream(self) -> Stream:
+        """A new stream."""
+
+    @abc.abstractmethod
+    def create_event(self) -> Event:
+        """A new event (not yet recorded: it queries as complete)."""
+
+    def synchronize(self) -> None:
+        """Wait for all work on the device."""
+        self.default_stream.synchronize()
+
+    @abc.abstractmethod
+    def read(self, buffer: Buffer, offset: int, nbytes: int) -> np.ndarray:
+        """Copy ``nbytes`` at ``offset`` of ``buffer`` to a new host ``uint8`` array.
+
+        Synchronous, after all queued work: a backdoor for tests and tools, not a data path.
+        """
+
+    @abc.abstractmethod
+    def write(self, buffer: Buffer, offset: int, data: np.ndarray | bytes) -> None:
+        """Copy host bytes into ``buffer`` at ``offset``; synchronous (a backdoor)."""
+
+    def as_array(self, buffer: Buffer) -> Any:
+        """A zero-copy array view of the buffer: a NumPy array on the numpy backend, a
+        device array (DLPack, ``__cuda_array_interface__``) on CUDA backends."""
+        return buffer.host_view()
+
+    # -- kernels -----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def copy_pages(
+        self,
+        dst: PageRegion,
+        src: PageRegion,
+        page_bytes: int,
+        pairs: np.ndarray,
+        stream: Stream | None = None,
+    ) -> None:
+        """Copy pages: for each row ``(d, s)`` of ``pairs`` (int32 ``[n, 2]``), the
+        ``page_bytes`` bytes at ``src.page_start(s)`` go to ``dst.page_start(d)``.
+
+        Destination pages must not overlap each other or any source page of the same call
+        (the result is undefined otherwise). An empty ``pairs`` is a no-op. Regions may be
+        in device or host memory, any combination.
+        """
+
+    def copy_pages_batch(self, tasks: Sequence[CopyTask], stream: Stream | None = None) -> None:
+        """Several ``copy_pages`` calls as one unit of work (one launch where possible)."""
+        for task in tasks:
+            self.copy_pages(task.dst, task.src, task.page_bytes, task.pairs, stream)
+
+    @abc.abstractmethod
+    def convert_page_indices(
+        self,
+        slots: np.ndarray,
+        scale: int,
+        offset: int,
+        expansion: int = 1,
+        stream: Stream | None = None,
+    ) -> np.ndarray:
+        """Slot ids to page indices: ``out[..., i*expansion + e] = slots[..., i] * scale +
+        offset + e`` for ``e < expansion``; ``BAD_PAGE_INDEX`` entries stay
+        ``BAD_PAGE_INDEX`` (all ``expansion`` of them). Input and output are int32; the
+        output's last axis is ``expansion`` times longer.
+        """
+
+    # -- the fingerprint engine's kernels (quality.md §1) --------------------------------
+
+    @abc.abstractmethod
+    def fingerprint_write(self, pages: FingerprintPages, stream: Stream | None = None) -> None:
+        """Write the records of :class:`FingerprintPages` into their pages."""
+
+    @abc.abstractmethod
+    def fingerprint_check(
+        self, pages: FingerprintPages, stream: Stream | None = None
+    ) -> np.ndarray:
+        """Check pages against their records; returns ``bool [n]`` (True: exact match).
+
+        Synchronous: returns after the check ran.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release backend-wide resources (streams, compiled modules)."""

@@ -1,0 +1,99 @@
+"""Codec contracts: page codecs (GPU pages <-> cold pages) and blob codecs (bytes <-> bytes).
+
+A page codec is configured with a pool group's page layout and converts the pages of one
+block, spread over the group's pools, to and from one fixed-size cold page. It runs as
+device work through the backend (``copy_pages`` or compiled sources) so the same codec
+works on every backend. A blob codec compresses and checksums stored blobs for storage
+tiers; a corrupted blob raises :class:`~kvcm_core.errors.CorruptPageError`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from kvcm_core.backend import KernelBackend, PageRegion, Stream
+
+__all__ = ["BlobCodec", "BufferPlace", "PageCodec", "PageLayout"]
+
+
+@attrs.frozen
+class BufferPlace:
+    """Where one buffer's page of one block lies inside a pool group's slot."""
+
+    layer_id: int
+    role: str
+    pool: int  # index of the pool within the group
+    offset: int  # bytes from the start of the slot in that pool
+    size: int
+
+
+@attrs.frozen
+class PageLayout:
+    """The layout of one pool group: slot size per pool, and where each buffer lies."""
+
+    slot_sizes: tuple[int, ...]
+    buffers: tuple[BufferPlace, ...] = ()
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block over all pools."""
+        return sum(self.slot_sizes)
+
+
+class PageCodec(abc.ABC):
+    """Converts the pages of a pool group to and from cold pages."""
+
+    lossless: bool = True
+    error_bound: float | None = None
+
+    @abc.abstractmethod
+    def cold_page_size(self, layout: PageLayout) -> int:
+        """Fixed size in bytes of one cold page for ``layout``."""
+
+    @abc.abstractmethod
+    def encode(
+        self,
+        backend: KernelBackend,
+        layout: PageLayout,
+        src: Sequence[PageRegion],
+        src_slots: np.ndarray,
+        dst: PageRegion,
+        dst_slots: np.ndarray,
+        stream: Stream | None = None,
+    ) -> None:
+        """Encode block ``src_slots[i]`` (page ``src_slots[i]`` of every region of ``src``,
+        one region per pool) into cold page ``dst_slots[i]`` of ``dst``."""
+
+    @abc.abstractmethod
+    def decode(
+        self,
+        backend: KernelBackend,
+        layout: PageLayout,
+        src: PageRegion,
+        src_slots: np.ndarray,
+        dst: Sequence[PageRegion],
+        dst_slots: np.ndarray,
+        stream: Stream | None = None,
+    ) -> None:
+        """Decode cold page ``src_slots[i]`` of ``src`` into block ``dst_slots[i]`` of the
+        pools ``dst``."""
+
+
+class BlobCodec(abc.ABC):
+    """Bytes to bytes, for storage tiers; ``decode`` checks integrity."""
+
+    @abc.abstractmethod
+    def encode(self, data: bytes | memoryview) -> bytes:
+        """Encoded (compressed, checksummed) form of ``data``."""
+
+    @abc.abstractmethod
+    def decode(self, blob: bytes | memoryview, expected_size: int | None = None) -> bytes:
+        """The original bytes.
+
+        Raises:
+            CorruptPageError: the blob fails its checksum or length check.
+        """

@@ -1,0 +1,569 @@
+"""Configuration as frozen attrs values, built in Python, from a dict or from TOML.
+
+Every rule that can be checked before running is checked on construction and raises
+:class:`~kvcm_core.errors.ConfigError` naming the field, the value and the rule. Rules that
+need the installed plugins (tier media, codec names) are checked when the manager is built.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+
+from kvcm_core.errors import ConfigError
+from kvcm_core.types import ReusePolicy
+from kvcm_core.units import parse_size
+
+__all__ = [
+    "AttentionLayerConfig",
+    "BufferConfig",
+    "KVCacheManagerConfig",
+    "LayerConfig",
+    "LevelConfig",
+    "SparseConfig",
+    "SsmLayerConfig",
+    "SwaScratchConfig",
+]
+
+T = TypeVar("T")
+
+
+# -- field validators -------------------------------------------------------------------
+
+
+def _where(inst: object, attr: attrs.Attribute[Any]) -> str:
+    return f"{type(inst).__name__}.{attr.name}"
+
+
+def _int(minimum: int | None = None, *, optional: bool = False) -> Callable[..., None]:
+    def check(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+        if value is None and optional:
+            return
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(_where(inst, attr), value, "must be an int")
+        if minimum is not None and value < minimum:
+            raise ConfigError(_where(inst, attr), value, f"must be >= {minimum}")
+
+    return check
+
+
+def _bool(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(_where(inst, attr), value, "must be true or false")
+
+
+def _str(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(_where(inst, attr), value, "must be a non-empty string")
+
+
+def _policy(optional: bool) -> Callable[..., None]:
+    def check(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+        if value is None and optional:
+            return
+        if not isinstance(value, ReusePolicy):
+            allowed = ", ".join(p.name for p in ReusePolicy)
+            raise ConfigError(_where(inst, attr), value, f"must be a ReusePolicy ({allowed})")
+
+    return check
+
+
+def _to_policy(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return ReusePolicy[value.upper()]
+        except KeyError:
+            return value  # the validator reports it
+    return value
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+# -- leaf records -----------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class BufferConfig:
+    """One buffer of a layer: ``size`` bytes per block (a page).
+
+    Attributes:
+        role: unique within its layer (``"key"``, ``"value"``, ``"ssm_state"``...).
+        size: bytes one block needs (0: the buffer does not exist).
+        reuse_policy: overrides the layer's default; ``None`` inherits it.
+        is_sparse: the buffer's history lives in host memory (sparse attention).
+    """
+
+    role: str = attrs.field(validator=_str)
+    size: int = attrs.field(validator=_int(0))
+    reuse_policy: ReusePolicy | None = attrs.field(
+        default=None, converter=_to_policy, validator=_policy(optional=True)
+    )
+    is_sparse: bool = attrs.field(default=False, validator=_bool)
+
+
+def _pow2(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    _int(1)(inst, attr, value)
+    if not _is_pow2(value):
+        raise ConfigError(_where(inst, attr), value, "must be a power of two")
+
+
+@attrs.frozen(kw_only=True)
+class SparseConfig:
+    """Sparse attention of one layer (sparse.md).
+
+    Attributes:
+        unit_tokens: tokens per unit (power of two dividing ``tokens_per_block``).
+        num_selected: units the indexer selects per step.
+        working_set_units: units each request keeps on the GPU (>= ``num_selected``).
+        selection_id: layers with the same id share one selection; ``None`` never shares.
+    """
+
+    unit_tokens: int = attrs.field(validator=_pow2)
+    num_selected: int = attrs.field(validator=_int(1))
+    working_set_units: int = attrs.field(validator=_int(1))
+    selection_id: str | int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.working_set_units < self.num_selected:
+            raise ConfigError(
+                "SparseConfig.working_set_units",
+                self.working_set_units,
+                f"must be >= num_selected ({self.num_selected})",
+            )
+
+
+def _buffers(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, tuple) or not value:
+        raise ConfigError(_where(inst, attr), value, "must be a non-empty list of BufferConfig")
+    seen: set[str] = set()
+    for i, buf in enumerate(value):
+        if not isinstance(buf, BufferConfig):
+            raise ConfigError(f"{_where(inst, attr)}[{i}]", buf, "must be a BufferConfig")
+        if buf.role in seen:
+            raise ConfigError(
+                f"{_where(inst, attr)}[{i}].role", buf.role, "roles must be unique in a layer"
+            )
+        seen.add(buf.role)
+
+
+def _tuple(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list | tuple) else value
+
+
+@attrs.frozen(kw_only=True)
+class AttentionLayerConfig:
+    """An attention layer: full (``sliding_window_size=None``) or windowed, with sinks.
+
+    Attributes:
+        layer_id: unique across the model.
+        buffers: the layer's buffers (K, V, scales, indexer keys ...).
+        sliding_window_size: tokens in the window, or ``None`` for full attention.
+        num_sink_tokens: leading tokens always kept (needs a window).
+        reuse_policy: default policy of the layer's buffers.
+        sparse: sparse attention settings, or ``None``.
+    """
+
+    layer_id: int = attrs.field(validator=_int(0))
+    buffers: tuple[BufferConfig, ...] = attrs.field(converter=_tuple, validator=_buffers)
+    sliding_window_size: int | None = attrs.field(default=None, validator=_int(1, optional=True))
+    num_sink_tokens: int = attrs.field(default=0, validator=_int(0))
+    reuse_policy: ReusePolicy = attrs.field(
+        default=ReusePolicy.REQUIRED, converter=_to_policy, validator=_policy(optional=False)
+    )
+    sparse: SparseConfig | None = attrs.field(default=None)
+
+    def __attrs_post_init__(self) -> None:
+        where = f"AttentionLayerConfig(layer_id={self.layer_id})"
+        if self.num_sink_tokens and self.sliding_window_size is None:
+            raise ConfigError(
+                f"{where}.num_sink_tokens",
+                self.num_sink_tokens,
+                "sink tokens need a sliding window (full attention keeps every token)",
+            )
+        if self.sparse is not None and not isinstance(self.sparse, SparseConfig):
+            raise ConfigError(f"{where}.sparse", self.sparse, "must be a SparseConfig or None")
+        for i, buf in enumerate(self.buffers):
+            policy = self.effective_policy(buf)
+            if policy is ReusePolicy.SINK_REQUIRED_ONLY and (
+                self.sliding_window_size is None or self.num_sink_tokens == 0
+            ):
+                raise ConfigError(
+                    f"{where}.buffers[{i}].reuse_policy",
+                    policy,
+                    "SINK_REQUIRED_ONLY needs a sliding window with sink tokens",
+                )
+            if buf.is_sparse and self.sparse is None:
+                raise ConfigError(
+                    f"{where}.buffers[{i}].is_sparse",
+                    True,
+                    "sparse buffers need the layer's sparse=SparseConfig(...)",
+                )
+        if self.sparse is not None and not any(b.is_sparse for b in self.buffers):
+            raise ConfigError(
+                f"{where}.sparse", self.sparse, "a sparse layer needs at least one sparse buffer"
+            )
+
+    def effective_policy(self, buffer: BufferConfig) -> ReusePolicy:
+        """The buffer's own policy, or the layer's when it has none."""
+        return buffer.reuse_policy or self.reuse_policy
+
+
+@attrs.frozen(kw_only=True)
+class SsmLayerConfig:
+    """A recurrent-state layer (Mamba-style): one state page per request and beam."""
+
+    layer_id: int = attrs.field(validator=_int(0))
+    buffers: tuple[BufferConfig, ...] = attrs.field(converter=_tuple, validator=_buffers)
+    reuse_policy: ReusePolicy = attrs.field(
+        default=ReusePolicy.REQUIRED, converter=_to_policy, validator=_policy(optional=False)
+    )
+
+    def __attrs_post_init__(self) -> None:
+        where = f"SsmLayerConfig(layer_id={self.layer_id})"
+        if self.reuse_policy is ReusePolicy.SINK_REQUIRED_ONLY:
+            raise ConfigError(
+                f"{where}.reuse_policy",
+                self.reuse_policy,
+                "SINK_REQUIRED_ONLY is for windowed attention; SSM layers cannot use it",
+            )
+        for i, buf in enumerate(self.buffers):
+            if buf.reuse_policy is ReusePolicy.SINK_REQUIRED_ONLY:
+                raise ConfigError(
+                    f"{where}.buffers[{i}].reuse_policy",
+                    buf.reuse_policy,
+                    "SINK_REQUIRED_ONLY is for windowed attention; SSM buffers cannot use it",
+                )
+            if buf.is_sparse:
+                raise ConfigError(
+                    f"{where}.buffers[{i}].is_sparse", True, "SSM buffers cannot be sparse"
+                )
+
+    def effective_policy(self, buffer: BufferConfig) -> ReusePolicy:
+        """The buffer's own policy, or the layer's when it has none."""
+        return buffer.reuse_policy or self.reuse_policy
+
+
+LayerConfig = AttentionLayerConfig | SsmLayerConfig
+
+
+def _quota(value: Any) -> Any:
+    try:
+        return parse_size(value, "LevelConfig.quota")
+    except ConfigError:
+        return value  # the validator reports it with the rule
+
+
+def _quota_check(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        parse_size(value, "LevelConfig.quota")  # raises with the size rule
+    if value <= 0:
+        raise ConfigError(_where(inst, attr), value, "must be > 0 bytes")
+
+
+def _options(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(_where(inst, attr), value, "must be a mapping with string keys")
+
+
+@attrs.frozen(kw_only=True)
+class LevelConfig:
+    """One storage level, warm to cold.
+
+    Attributes:
+        tier: the tier plugin's name (``"gpu"``, ``"host"``, ``"disk"``...).
+        quota: bytes (int) or a size such as ``"8GiB"``.
+        codec: page codec of a cold level (``None``: the lossless ``"raw"``).
+        options: passed to the tier's factory (e.g. ``{"path": ...}`` for disk).
+    """
+
+    tier: str = attrs.field(validator=_str)
+    quota: int = attrs.field(converter=_quota, validator=_quota_check)
+    codec: str | None = attrs.field(default=None)
+    options: Mapping[str, Any] = attrs.field(factory=dict, validator=_options)
+
+    def __attrs_post_init__(self) -> None:
+        if self.codec is not None and (not isinstance(self.codec, str) or not self.codec):
+            raise ConfigError("LevelConfig.codec", self.codec, "must be a codec name or None")
+
+
+@attrs.frozen(kw_only=True)
+class SwaScratchConfig:
+    """SWA scratch pages for chunked prefill (concepts.md §5).
+
+    Attributes:
+        scratch_pages_per_block: sub-pages per block in a scratch slot (power of two).
+        max_scratch_slots: scratch slots a request may use at once.
+    """
+
+    scratch_pages_per_block: int = attrs.field(validator=_pow2)
+    max_scratch_slots: int = attrs.field(default=4, validator=_int(1))
+
+
+def _layers(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, tuple) or not value:
+        raise ConfigError("layers", value, "must be a non-empty list of layer configs")
+    seen: set[int] = set()
+    for i, layer in enumerate(value):
+        if not isinstance(layer, AttentionLayerConfig | SsmLayerConfig):
+            raise ConfigError(
+                f"layers[{i}]", layer, "must be an AttentionLayerConfig or SsmLayerConfig"
+            )
+        if layer.layer_id in seen:
+            raise ConfigError(f"layers[{i}].layer_id", layer.layer_id, "layer ids must be unique")
+        seen.add(layer.layer_id)
+
+
+def _levels(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, tuple) or not value:
+        raise ConfigError("levels", value, "must be a non-empty list of LevelConfig")
+    for i, level in enumerate(value):
+        if not isinstance(level, LevelConfig):
+            raise ConfigError(f"levels[{i}]", level, "must be a LevelConfig")
+    if value[0].codec is not None:
+        raise ConfigError(
+            "levels[0].codec", value[0].codec, "level 0 holds GPU pages and takes no codec"
+        )
+
+
+def _unit_interval(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ConfigError(attr.name, value, "must be a number in (0, 1]")
+
+
+def _opt_size(value: Any) -> Any:
+    if value is None:
+        return None
+    try:
+        return parse_size(value, "sparse_host_quota")
+    except ConfigError:
+        return value
+
+
+@attrs.frozen(kw_only=True)
+class KVCacheManagerConfig:
+    """Everything a :class:`~kvcm_core.KVCacheManager` needs.
+
+    Attributes:
+        tokens_per_block: tokens per block, a power of two (e.g. 16, 32, 64).
+        layers: the model's layers.
+        levels: storage levels, warm to cold; level 0 must be device memory.
+        kernel_backend: ``"auto"`` or a backend name (env ``KVCM_KERNEL_BACKEND``).
+        eviction_policy: eviction policy plugin used on every level.
+        max_util_for_resume: ``resume`` refuses when GPU utilisation would exceed this.
+        enable_partial_reuse: reuse the best partial block after the full-block walk.
+        reuse_match_backoff: tokens trimmed from every match (then re-pruned).
+        commit_min_snapshot: keep an SSM snapshot at each committed endpoint.
+        max_rewind_len: tokens ``resize`` may rewind history by.
+        max_beam_width: widest beam a request may use.
+        swa_scratch: SWA scratch pages for chunked prefill, or ``None``.
+        sparse_host_quota: host bytes for sparse pools (needed with sparse buffers).
+        pool_group_ratios: share of each level's quota per pool group (by pool group
+            index), or ``None`` to split by bytes per block.
+    """
+
+    tokens_per_block: int = attrs.field(validator=_pow2)
+    layers: tuple[LayerConfig, ...] = attrs.field(converter=_tuple, validator=_layers)
+    levels: tuple[LevelConfig, ...] = attrs.field(converter=_tuple, validator=_levels)
+    kernel_backend: str = attrs.field(default="auto", validator=_str)
+    eviction_policy: str = attrs.field(default="lru", validator=_str)
+    max_util_for_resume: float = attrs.field(default=0.97, validator=_unit_interval)
+    enable_partial_reuse: bool = attrs.field(default=True, validator=_bool)
+    reuse_match_backoff: int = attrs.field(default=0, validator=_int(0))
+    commit_min_snapshot: bool = attrs.field(default=False, validator=_bool)
+    max_rewind_len: int = attrs.field(default=0, validator=_int(0))
+    max_beam_width: int = attrs.field(default=1, validator=_int(1))
+    swa_scratch: SwaScratchConfig | None = attrs.field(default=None)
+    sparse_host_quota: int | None = attrs.field(default=None, converter=_opt_size)
+    pool_group_ratios: tuple[float, ...] | None = attrs.field(default=None, converter=_tuple)
+
+    def __attrs_post_init__(self) -> None:
+        tpb = self.tokens_per_block
+        if tpb > 65536:
+            raise ConfigError("tokens_per_block", tpb, "must be <= 65536")
+        if self.sparse_host_quota is not None and (
+            isinstance(self.sparse_host_quota, bool)
+            or not isinstance(self.sparse_host_quota, int)
+            or self.sparse_host_quota <= 0
+        ):
+            raise ConfigError(
+                "sparse_host_quota", self.sparse_host_quota, "must be a size > 0 bytes or None"
+            )
+        if self.swa_scratch is not None:
+            if not isinstance(self.swa_scratch, SwaScratchConfig):
+                raise ConfigError("swa_scratch", self.swa_scratch, "must be a SwaScratchConfig")
+            if self.swa_scratch.scratch_pages_per_block > tpb:
+                raise ConfigError(
+                    "swa_scratch.scratch_pages_per_block",
+                    self.swa_scratch.scratch_pages_per_block,
+                    f"must be <= tokens_per_block ({tpb})",
+                )
+        if self.pool_group_ratios is not None:
+            ratios = self.pool_group_ratios
+            if not isinstance(ratios, tuple) or not ratios or not all(
+                isinstance(r, int | float) and not isinstance(r, bool) and r > 0
+                and math.isfinite(r) for r in ratios
+            ):
+                raise ConfigError(
+                    "pool_group_ratios", ratios, "must be a non-empty list of numbers > 0"
+                )
+        if all(b.size == 0 for layer in self.layers for b in layer.buffers):
+            raise ConfigError("layers", "all buffers of size 0", "at least one buffer needs size > 0")
+        self._check_sparse()
+
+    def _check_sparse(self) -> None:
+        tpb = self.tokens_per_block
+        selections: dict[object, tuple[int, AttentionLayerConfig]] = {}
+        any_sparse = False
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, AttentionLayerConfig) or layer.sparse is None:
+                continue
+            sp = layer.sparse
+            any_sparse = True
+            if tpb % sp.unit_tokens:
+                raise ConfigError(
+                    f"layers[{i}].sparse.unit_tokens",
+                    sp.unit_tokens,
+                    f"must divide tokens_per_block ({tpb})",
+                )
+            units_per_page = tpb // sp.unit_tokens
+            for j, buf in enumerate(layer.buffers):
+                if buf.is_sparse and buf.size % units_per_page:
+                    raise ConfigError(
+                        f"layers[{i}].buffers[{j}].size",
+                        buf.size,
+                        f"a sparse buffer's size must be a multiple of units per page "
+                        f"({units_per_page})",
+                    )
+            if sp.selection_id is None:
+                continue  # silence is never shared
+            if sp.selection_id in selections:
+                j, other = selections[sp.selection_id]
+                o = other.sparse
+                assert o is not None
+                same = (o.unit_tokens, o.num_selected, o.working_set_units) == (
+                    sp.unit_tokens, sp.num_selected, sp.working_set_units)
+                same_cycle = (
+                    other.sliding_window_size, other.num_sink_tokens, other.reuse_policy
+                ) == (layer.sliding_window_size, layer.num_sink_tokens, layer.reuse_policy)
+                if not same or not same_cycle:
+                    raise ConfigError(
+                        f"layers[{i}].sparse.selection_id",
+                        sp.selection_id,
+                        f"layers sharing a selection must agree with layers[{j}] on "
+                        "unit_tokens, num_selected, working_set_units and life cycle",
+                    )
+            else:
+                selections[sp.selection_id] = (i, layer)
+        if any_sparse and self.sparse_host_quota is None:
+            raise ConfigError(
+                "sparse_host_quota", None, "sparse buffers need a host quota for their pools"
+            )
+
+    # -- named constructors ------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> KVCacheManagerConfig:
+        """Build from plain data (as read from TOML or JSON); unknown keys are rejected.
+
+        Layers are tables with ``type = "attention"`` (default) or ``"ssm"``; policies are
+        names (``"optional"``); sizes may be strings (``"8GiB"``).
+        """
+        raw = _check_keys(data, cls, "")
+        raw["layers"] = [_layer_from_dict(x, f"layers[{i}]") for i, x in
+                         enumerate(_list(raw.get("layers"), "layers"))]
+        raw["levels"] = [_build(LevelConfig, x, f"levels[{i}]") for i, x in
+                         enumerate(_list(raw.get("levels"), "levels"))]
+        if raw.get("swa_scratch") is not None:
+            raw["swa_scratch"] = _build(SwaScratchConfig, raw["swa_scratch"], "swa_scratch")
+        return cls(**raw)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> KVCacheManagerConfig:
+        """Read a TOML file (the top-level table, or its ``[kvcm]`` table)."""
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("toml", str(path), f"is not valid TOML: {exc}") from exc
+        if "kvcm" in data and isinstance(data["kvcm"], dict) and len(data) == 1:
+            data = data["kvcm"]
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data that :meth:`from_dict` reads back to an equal config."""
+
+        def convert(inst: Any, field: attrs.Attribute[Any], value: Any) -> Any:
+            if isinstance(value, ReusePolicy):
+                return value.name.lower()
+            return value
+
+        out = attrs.asdict(self, value_serializer=convert)
+        for layer, cfg in zip(out["layers"], self.layers, strict=True):
+            layer["type"] = "ssm" if isinstance(cfg, SsmLayerConfig) else "attention"
+        return _drop_none(out)
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def _list(value: Any, field: str) -> list[Any]:
+    if not isinstance(value, list | tuple):
+        raise ConfigError(field, value, "must be a list")
+    return list(value)
+
+
+def _check_keys(data: Any, cls: type, where: str, extra: Sequence[str] = ()) -> dict[str, Any]:
+    label = where or cls.__name__
+    if not isinstance(data, Mapping):
+        raise ConfigError(label, data, f"must be a table of {cls.__name__} fields")
+    names = {a.alias for a in attrs.fields(cls) if a.init} | set(extra)
+    for key in data:
+        if key not in names:
+            raise ConfigError(
+                f"{where}.{key}" if where else str(key),
+                data[key],
+                f"unknown key for {cls.__name__}; allowed: {', '.join(sorted(names))}",
+            )
+    return dict(data)
+
+
+def _build(cls: type[T], data: Any, where: str) -> T:
+    raw = _check_keys(data, cls, where)
+    try:
+        return cls(**raw)
+    except ConfigError as exc:
+        # Re-anchor the field at its place in the document.
+        field = exc.field.split(".", 1)[1] if "." in exc.field else exc.field
+        raise ConfigError(f"{where}.{field}", exc.value, exc.rule) from None
+    except TypeError as exc:
+        raise ConfigError(where, data, f"missing or wrong fields: {exc}") from None
+
+
+def _layer_from_dict(data: Any, where: str) -> LayerConfig:
+    if not isinstance(data, Mapping):
+        raise ConfigError(where, data, "must be a table describing a layer")
+    raw = dict(data)
+    kind = raw.pop("type", "attention")
+    if kind not in ("attention", "ssm"):
+        raise ConfigError(f"{where}.type", kind, "must be 'attention' or 'ssm'")
+    cls: type[LayerConfig] = AttentionLayerConfig if kind == "attention" else SsmLayerConfig
+    raw = _check_keys(raw, cls, where)
+    raw["buffers"] = [
+        _build(BufferConfig, b, f"{where}.buffers[{j}]")
+        for j, b in enumerate(_list(raw.get("buffers"), f"{where}.buffers"))
+    ]
+    if raw.get("sparse") is not None:
+        raw["sparse"] = _build(SparseConfig, raw["sparse"], f"{where}.sparse")
+    return _build(cls, raw, where)

@@ -1,0 +1,58 @@
+"""The kvcm exception hierarchy.
+
+Every error a user can see subclasses :class:`KvcmError`. Messages say what was wrong, with
+the offending value, and what is allowed, so that no ``AssertionError``, ``IndexError`` or
+``KeyError`` ever reaches an engine.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "CorruptPageError",
+    "InvalidStateError",
+    "KvcmError",
+    "OutOfPagesError",
+    "PluginError",
+    "TierIOError",
+]
+
+
+class KvcmError(Exception):
+    """Base class of every kvcm error."""
+
+
+class ConfigError(KvcmError, ValueError):
+    """A configuration value breaks a rule.
+
+    Attributes:
+        field: dotted path of the offending field (``"levels[1].quota"``).
+        value: the offending value.
+        rule: the rule it breaks, in words.
+    """
+
+    def __init__(self, field: str, value: object, rule: str) -> None:
+        self.field = field
+        self.value = value
+        self.rule = rule
+        super().__init__(f"{field}={value!r}: {rule}")
+
+
+class PluginError(KvcmError):
+    """A plugin failed to load, is duplicated, unknown or unavailable."""
+
+
+class OutOfPagesError(KvcmError):
+    """A level cannot free enough slots, even after evicting everything it may."""
+
+
+class InvalidStateError(KvcmError):
+    """An operation was called in a state that does not allow it (e.g. on a closed cache)."""
+
+
+class CorruptPageError(KvcmError):
+    """A stored page failed its checksum or length check; it is never returned as KV."""
+
+
+class TierIOError(KvcmError, OSError):
+    """A storage tier's read or write failed."""

@@ -1,0 +1,82 @@
+"""Small shared value types: strong integer ids, reuse policies and reuse scopes."""
+
+from __future__ import annotations
+
+import enum
+from typing import NewType
+
+import attrs
+
+__all__ = [
+    "BlockOrdinal",
+    "CacheGroupId",
+    "LayerGroupId",
+    "LevelId",
+    "PoolGroupId",
+    "PoolId",
+    "ReusePolicy",
+    "ReuseScope",
+    "SlotId",
+    "pool_reuse_policy",
+]
+
+#: A life cycle (cache group): pages allocated, kept and freed together.
+CacheGroupId = NewType("CacheGroupId", int)
+#: Alias of :data:`CacheGroupId` kept for the layer-level API.
+LayerGroupId = CacheGroupId
+PoolGroupId = NewType("PoolGroupId", int)
+PoolId = NewType("PoolId", int)
+SlotId = NewType("SlotId", int)
+LevelId = NewType("LevelId", int)
+BlockOrdinal = NewType("BlockOrdinal", int)
+
+
+class ReusePolicy(enum.Enum):
+    """How a buffer's pages take part in prefix reuse (concepts.md §4)."""
+
+    REQUIRED = "required"
+    OPTIONAL = "optional"
+    PRIVATE = "private"
+    SINK_REQUIRED_ONLY = "sink_required_only"
+
+    @property
+    def order(self) -> int:
+        """Position in the deterministic registration order."""
+        return _POLICY_ORDER[self]
+
+
+_POLICY_ORDER = {p: i for i, p in enumerate(ReusePolicy)}
+
+
+def pool_reuse_policy(policy: ReusePolicy) -> ReusePolicy:
+    """The policy a pool group is keyed by: SINK_REQUIRED_ONLY pools with REQUIRED."""
+    return ReusePolicy.REQUIRED if policy is ReusePolicy.SINK_REQUIRED_ONLY else policy
+
+
+@attrs.frozen
+class ReuseScope:
+    """Separates tenants and adapters: the same tokens under two scopes never match.
+
+    ``None`` and ``0`` are different values (``lora_id=None`` is "no adapter").
+    """
+
+    lora_id: int | None = None
+    salt: str | bytes | int | None = None
+
+    def encode(self) -> bytes:
+        """A canonical, unambiguous byte encoding (the root of the hash chain)."""
+        parts = []
+        for value in (self.lora_id, self.salt):
+            if value is None:
+                parts.append(b"N")
+            elif isinstance(value, bool):
+                raise TypeError(f"ReuseScope field is a bool ({value!r}); use an int or str")
+            elif isinstance(value, int):
+                parts.append(b"I" + str(value).encode())
+            elif isinstance(value, str):
+                parts.append(b"S" + value.encode("utf-8"))
+            else:
+                parts.append(b"B" + bytes(value))
+        return b"kvcm-scope-v1\x00" + b"\x00".join(
+            len(p).to_bytes(4, "little") + p for p in parts
+        )

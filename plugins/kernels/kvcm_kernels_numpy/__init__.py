@@ -1,0 +1,277 @@
+"""The ``numpy`` kernel backend: the reference every other backend must match.
+
+Its "device memory" is host memory, its streams and events are synchronous, and its kernels
+are plain NumPy. It is the default where no GPU exists, so the whole manager runs and is
+tested on machines without one.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+
+import numpy as np
+
+from kvcm_core import hookimpl
+from kvcm_core.backend import (
+    BAD_PAGE_INDEX,
+    Buffer,
+    Event,
+    FingerprintPages,
+    KernelBackend,
+    MemoryKind,
+    PageRegion,
+    Stream,
+    check_copy_args,
+)
+from kvcm_core.records import KernelBackendCapabilities, KernelBackendSpec
+
+__all__ = ["NumpyBackend", "NumpyBuffer", "fingerprint_image"]
+
+_ALIGN = 256
+CAPABILITIES = KernelBackendCapabilities(has_device=False, host_mapped=True)
+
+
+class NumpyBuffer(Buffer):
+    """Host memory standing in for device or pinned memory (aligned to 256 bytes)."""
+
+    def __init__(self, backend: NumpyBackend, nbytes: int, kind: str) -> None:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int | np.integer) or nbytes < 0:
+            raise ValueError(f"nbytes={nbytes!r}: must be an int >= 0")
+        self.nbytes = int(nbytes)
+        self.kind = kind
+        raw = np.empty(self.nbytes + _ALIGN, dtype=np.uint8)
+        start = (-raw.ctypes.data) % _ALIGN
+        self._raw: np.ndarray | None = raw
+        self._array: np.ndarray | None = raw[start : start + self.nbytes]
+        self.ptr = int(self._array.ctypes.data)
+        self.host_ptr = self.ptr
+        self._backend = backend
+        backend._track(self)
+
+    @property
+    def array(self) -> np.ndarray:
+        if self._array is None:
+            raise ValueError("buffer was freed")
+        return self._array
+
+    def host_view(self) -> np.ndarray:
+        return self.array
+
+    def free(self) -> None:
+        if self._array is not None:
+            self._backend._untrack(self)
+            self._array = None
+            self._raw = None
+
+    def __repr__(self) -> str:
+        return f"NumpyBuffer({self.kind}, {self.nbytes} bytes at {self.ptr:#x})"
+
+
+class NumpyStream(Stream):
+    """Work runs when it is queued; there is nothing to wait for."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_event(self, event: Event) -> None:
+        pass
+
+
+class NumpyEvent(Event):
+    def __init__(self) -> None:
+        self.recorded = False
+
+    def record(self, stream: Stream | None = None) -> None:
+        self.recorded = True
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _page_view(region: PageRegion, page_bytes: int, count: int) -> np.ndarray:
+    """``[count, page_bytes]`` strided view of a region's first ``count`` pages."""
+    base = region.buffer.host_view()
+    if count == 0:
+        return np.empty((0, page_bytes), dtype=np.uint8)
+    start = base[region.offset :]
+    return np.lib.stride_tricks.as_strided(
+        start, shape=(count, page_bytes), strides=(region.stride, 1), writeable=True
+    )
+
+
+def _slot_maps(page_bytes: int, slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each byte of a page: its token slot, and its offset inside the 16-byte record."""
+    j = np.arange(page_bytes, dtype=np.int64)
+    slot = ((j + 1) * slots - 1) // page_bytes
+    first = (slot * page_bytes) // slots
+    return slot, (j - first) % 16
+
+
+def fingerprint_image(pages: FingerprintPages, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Expected bytes and write mask of the pages ``rows`` (all of one size and slot count).
+
+    Returns:
+        ``(image uint8 [k, P], mask bool [k, P])``: the records, and which bytes belong to
+        slots in ``[begin, end)``.
+    """
+    p = int(pages.page_bytes[rows[0]])
+    r = int(pages.record_slots[rows[0]])
+    slot_of, off_of = _slot_maps(p, r)
+    words = np.empty((len(rows), r, 4), dtype="<u4")
+    words[:, :, 0] = pages.token_ids[rows, :r]
+    pos = pages.positions[rows, None] + np.arange(r, dtype=np.int64)[None, :]
+    words[:, :, 1] = (pos & 0xFFFFFFFF).astype("<u4")
+    words[:, :, 2] = pages.tags[rows, 0, None]
+    words[:, :, 3] = pages.tags[rows, 1, None]
+    record_bytes = words.view(np.uint8).reshape(len(rows), r, 16)
+    image = record_bytes[:, slot_of, off_of]
+    mask = (slot_of[None, :] >= pages.begin[rows, None]) & (
+        slot_of[None, :] < pages.end[rows, None]
+    )
+    return image, mask
+
+
+def _groups(pages: FingerprintPages) -> Iterator[np.ndarray]:
+    keys = pages.page_bytes.astype(np.int64) * (1 << 20) + pages.record_slots.astype(np.int64)
+    for key in np.unique(keys):
+        yield np.nonzero(keys == key)[0]
+
+
+class NumpyBackend(KernelBackend):
+    """The reference backend (see module docstring)."""
+
+    name = "numpy"
+    capabilities = CAPABILITIES
+
+    def __init__(self, options: dict | None = None) -> None:
+        self._stream = NumpyStream()
+        self._starts: list[int] = []
+        self._buffers: dict[int, NumpyBuffer] = {}
+
+    # -- runtime -----------------------------------------------------------------------
+
+    def _track(self, buf: NumpyBuffer) -> None:
+        if buf.nbytes:
+            bisect.insort(self._starts, buf.ptr)
+            self._buffers[buf.ptr] = buf
+
+    def _untrack(self, buf: NumpyBuffer) -> None:
+        if buf.nbytes and self._buffers.get(buf.ptr) is buf:
+            del self._buffers[buf.ptr]
+            self._starts.pop(bisect.bisect_left(self._starts, buf.ptr))
+
+    def _resolve(self, address: int, nbytes: int) -> tuple[NumpyBuffer, int]:
+        """The live buffer holding ``[address, address + nbytes)`` and the offset in it."""
+        i = bisect.bisect_right(self._starts, address) - 1
+        if i >= 0:
+            buf = self._buffers[self._starts[i]]
+            off = address - buf.ptr
+            if off + nbytes <= buf.nbytes:
+                return buf, off
+        raise ValueError(
+            f"address {address:#x} (+{nbytes} bytes) is not inside memory of this backend"
+        )
+
+    def alloc_device(self, nbytes: int) -> NumpyBuffer:
+        return NumpyBuffer(self, nbytes, MemoryKind.DEVICE)
+
+    def alloc_host(self, nbytes: int) -> NumpyBuffer:
+        return NumpyBuffer(self, nbytes, MemoryKind.HOST)
+
+    @property
+    def default_stream(self) -> Stream:
+        return self._stream
+
+    def create_stream(self) -> Stream:
+        return NumpyStream()
+
+    def create_event(self) -> Event:
+        return NumpyEvent()
+
+    def read(self, buffer: Buffer, offset: int, nbytes: int) -> np.ndarray:
+        if offset < 0 or nbytes < 0 or offset + nbytes > buffer.nbytes:
+            raise ValueError(f"read of {nbytes} bytes at {offset} outside {buffer.nbytes} bytes")
+        return buffer.host_view()[offset : offset + nbytes].copy()
+
+    def write(self, buffer: Buffer, offset: int, data: np.ndarray | bytes) -> None:
+        src = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes | bytearray) \
+            else np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        if offset < 0 or offset + src.size > buffer.nbytes:
+            raise ValueError(f"write of {src.size} bytes at {offset} outside {buffer.nbytes}")
+        buffer.host_view()[offset : offset + src.size] = src
+
+    # -- kernels -----------------------------------------------------------------------
+
+    def copy_pages(
+        self,
+        dst: PageRegion,
+        src: PageRegion,
+        page_bytes: int,
+        pairs: np.ndarray,
+        stream: Stream | None = None,
+    ) -> None:
+        check_copy_args(dst, src, page_bytes, pairs)
+        if len(pairs) == 0:
+            return
+        d_idx = pairs[:, 0].astype(np.intp)
+        s_idx = pairs[:, 1].astype(np.intp)
+        src_view = _page_view(src, page_bytes, int(s_idx.max()) + 1)
+        dst_view = _page_view(dst, page_bytes, int(d_idx.max()) + 1)
+        dst_view[d_idx] = src_view[s_idx]  # gather first, then scatter
+
+    def convert_page_indices(
+        self,
+        slots: np.ndarray,
+        scale: int,
+        offset: int,
+        expansion: int = 1,
+        stream: Stream | None = None,
+    ) -> np.ndarray:
+        if expansion < 1:
+            raise ValueError(f"expansion={expansion}: must be >= 1")
+        s = np.asarray(slots, dtype=np.int32)
+        wide = s.astype(np.int64)[..., None] * scale + offset + np.arange(expansion)
+        wide = np.where(s[..., None] == BAD_PAGE_INDEX, BAD_PAGE_INDEX, wide)
+        if wide.size and (wide.max() > np.iinfo(np.int32).max or wide.min() < BAD_PAGE_INDEX):
+            raise OverflowError("converted page index does not fit int32")
+        return wide.reshape(*s.shape[:-1], s.shape[-1] * expansion).astype(np.int32)
+
+    def _page_array(self, address: int, nbytes: int) -> np.ndarray:
+        buf, off = self._resolve(address, nbytes)
+        return buf.array[off : off + nbytes]
+
+    def fingerprint_write(self, pages: FingerprintPages, stream: Stream | None = None) -> None:
+        for rows in _groups(pages):
+            image, mask = fingerprint_image(pages, rows)
+            for k, i in enumerate(rows):
+                page = self._page_array(int(pages.addresses[i]), int(pages.page_bytes[i]))
+                m = mask[k]
+                page[m] = image[k][m]
+
+    def fingerprint_check(
+        self, pages: FingerprintPages, stream: Stream | None = None
+    ) -> np.ndarray:
+        ok = np.ones(len(pages), dtype=bool)
+        for rows in _groups(pages):
+            image, mask = fingerprint_image(pages, rows)
+            for k, i in enumerate(rows):
+                page = self._page_array(int(pages.addresses[i]), int(pages.page_bytes[i]))
+                m = mask[k]
+                ok[i] = bool(np.array_equal(page[m], image[k][m]))
+        return ok
+
+
+
+@hookimpl
+def kvcm_kernel_backends():
+    yield KernelBackendSpec(
+        name="numpy",
+        factory=NumpyBackend,
+        description="Reference backend: NumPy on the CPU, synchronous (no GPU needed)",
+        capabilities=CAPABILITIES,
+        priority=0,
+    )
