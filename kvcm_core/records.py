@@ -139,10 +139,13 @@ class EvictionPolicyCapabilities:
     Attributes:
         priorities: honours insertion priorities (0..100, lower is evicted first).
         max_priority: highest priority accepted.
+        lru_order: inside one priority, keys are evicted least recently used first
+            (insertion, ``touch`` and ``set_priority`` count as uses).
     """
 
     priorities: bool = True
     max_priority: int = 100
+    lru_order: bool = False
 
 
 @attrs.frozen(kw_only=True)
