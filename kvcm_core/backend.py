@@ -257,7 +257,14 @@ class KernelBackend(abc.ABC):
         """
 
     def copy_pages_batch(self, tasks: Sequence[CopyTask], stream: Stream | None = None) -> None:
-        """Several ``copy_pages`` calls as one unit of work (one launch where possible)."""
+        """Several ``copy_pages`` calls as one unit of work (one launch where possible).
+
+        Every task is validated before any is run, so bad arguments in one task raise
+        ``ValueError`` and copy nothing. Destination pages must not overlap each other or
+        any source page across the whole batch.
+        """
+        for task in tasks:
+            check_copy_args(task.dst, task.src, task.page_bytes, task.pairs)
         for task in tasks:
             self.copy_pages(task.dst, task.src, task.page_bytes, task.pairs, stream)
 
