@@ -8,8 +8,9 @@ need the installed plugins (tier media, codec names) are checked when the manage
 from __future__ import annotations
 
 import math
+import re
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,6 +38,10 @@ T = TypeVar("T")
 
 
 def _where(inst: object, attr: attrs.Attribute[Any]) -> str:
+    # Top-level fields are named bare ("tokens_per_block"), as in a TOML file; nested
+    # records by class, which from_dict re-anchors to their place ("levels[1].quota").
+    if isinstance(inst, KVCacheManagerConfig):
+        return attr.name
     return f"{type(inst).__name__}.{attr.name}"
 
 
@@ -62,6 +67,26 @@ def _str(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
         raise ConfigError(_where(inst, attr), value, "must be a non-empty string")
 
 
+_PLUGIN_NAME_RE = re.compile(r"^[a-z][a-z0-9_\-]{0,63}$")
+
+
+def _plugin_name(optional: bool = False) -> Callable[..., None]:
+    """A plugin name as records accept it; whether it is installed is checked later."""
+
+    def check(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+        if value is None and optional:
+            return
+        if not isinstance(value, str) or not _PLUGIN_NAME_RE.match(value):
+            raise ConfigError(
+                _where(inst, attr),
+                value,
+                "must be a plugin name: lower case letters, digits, '_' or '-', starting "
+                "with a letter (see `kvcm plugins`)",
+            )
+
+    return check
+
+
 def _policy(optional: bool) -> Callable[..., None]:
     def check(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
         if value is None and optional:
@@ -76,10 +101,43 @@ def _policy(optional: bool) -> Callable[..., None]:
 def _to_policy(value: Any) -> Any:
     if isinstance(value, str):
         try:
-            return ReusePolicy[value.upper()]
+            return ReusePolicy[value.strip().upper()]
         except KeyError:
             return value  # the validator reports it
     return value
+
+
+def _to_size(value: Any, field: str) -> Any:
+    if value is None:
+        return None
+    try:
+        return parse_size(value, field)
+    except ConfigError:
+        return value  # the validator reports it, naming the field
+
+
+def _buffer_size(value: Any) -> Any:
+    return _to_size(value, "BufferConfig.size")
+
+
+def _quota(value: Any) -> Any:
+    return _to_size(value, "LevelConfig.quota")
+
+
+def _sparse_quota(value: Any) -> Any:
+    return _to_size(value, "sparse_host_quota")
+
+
+def _size(minimum: int, *, optional: bool = False) -> Callable[..., None]:
+    def check(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+        if value is None and optional:
+            return
+        if isinstance(value, bool) or not isinstance(value, int):
+            parse_size(value, _where(inst, attr))  # raises with the size rule
+        if value < minimum:
+            raise ConfigError(_where(inst, attr), value, f"must be >= {minimum} bytes")
+
+    return check
 
 
 def _is_pow2(n: int) -> bool:
@@ -101,7 +159,7 @@ class BufferConfig:
     """
 
     role: str = attrs.field(validator=_str)
-    size: int = attrs.field(validator=_int(0))
+    size: int = attrs.field(converter=_buffer_size, validator=_size(0))
     reuse_policy: ReusePolicy | None = attrs.field(
         default=None, converter=_to_policy, validator=_policy(optional=True)
     )
@@ -112,6 +170,15 @@ def _pow2(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
     _int(1)(inst, attr, value)
     if not _is_pow2(value):
         raise ConfigError(_where(inst, attr), value, "must be a power of two")
+
+
+def _selection_id(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, str | int) or value == "":
+        raise ConfigError(
+            _where(inst, attr), value, "must be a non-empty string, an int, or None (no sharing)"
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -128,7 +195,7 @@ class SparseConfig:
     unit_tokens: int = attrs.field(validator=_pow2)
     num_selected: int = attrs.field(validator=_int(1))
     working_set_units: int = attrs.field(validator=_int(1))
-    selection_id: str | int | None = None
+    selection_id: str | int | None = attrs.field(default=None, validator=_selection_id)
 
     def __attrs_post_init__(self) -> None:
         if self.working_set_units < self.num_selected:
@@ -253,18 +320,9 @@ class SsmLayerConfig:
 LayerConfig = AttentionLayerConfig | SsmLayerConfig
 
 
-def _quota(value: Any) -> Any:
-    try:
-        return parse_size(value, "LevelConfig.quota")
-    except ConfigError:
-        return value  # the validator reports it with the rule
-
-
-def _quota_check(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        parse_size(value, "LevelConfig.quota")  # raises with the size rule
-    if value <= 0:
-        raise ConfigError(_where(inst, attr), value, "must be > 0 bytes")
+def _to_options(value: Any) -> Any:
+    # Plain data (tuples become lists) so that a config equals its to_dict() round trip.
+    return _plain(value) if isinstance(value, Mapping) else value
 
 
 def _options(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -283,14 +341,12 @@ class LevelConfig:
         options: passed to the tier's factory (e.g. ``{"path": ...}`` for disk).
     """
 
-    tier: str = attrs.field(validator=_str)
-    quota: int = attrs.field(converter=_quota, validator=_quota_check)
-    codec: str | None = attrs.field(default=None)
-    options: Mapping[str, Any] = attrs.field(factory=dict, validator=_options)
-
-    def __attrs_post_init__(self) -> None:
-        if self.codec is not None and (not isinstance(self.codec, str) or not self.codec):
-            raise ConfigError("LevelConfig.codec", self.codec, "must be a codec name or None")
+    tier: str = attrs.field(validator=_plugin_name())
+    quota: int = attrs.field(converter=_quota, validator=_size(1))
+    codec: str | None = attrs.field(default=None, validator=_plugin_name(optional=True))
+    options: Mapping[str, Any] = attrs.field(
+        factory=dict, converter=_to_options, validator=_options
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -337,15 +393,6 @@ def _unit_interval(inst: object, attr: attrs.Attribute[Any], value: Any) -> None
         raise ConfigError(attr.name, value, "must be a number in (0, 1]")
 
 
-def _opt_size(value: Any) -> Any:
-    if value is None:
-        return None
-    try:
-        return parse_size(value, "sparse_host_quota")
-    except ConfigError:
-        return value
-
-
 @attrs.frozen(kw_only=True)
 class KVCacheManagerConfig:
     """Everything a :class:`~kvcm_core.KVCacheManager` needs.
@@ -371,8 +418,8 @@ class KVCacheManagerConfig:
     tokens_per_block: int = attrs.field(validator=_pow2)
     layers: tuple[LayerConfig, ...] = attrs.field(converter=_tuple, validator=_layers)
     levels: tuple[LevelConfig, ...] = attrs.field(converter=_tuple, validator=_levels)
-    kernel_backend: str = attrs.field(default="auto", validator=_str)
-    eviction_policy: str = attrs.field(default="lru", validator=_str)
+    kernel_backend: str = attrs.field(default="auto", validator=_plugin_name())
+    eviction_policy: str = attrs.field(default="lru", validator=_plugin_name())
     max_util_for_resume: float = attrs.field(default=0.97, validator=_unit_interval)
     enable_partial_reuse: bool = attrs.field(default=True, validator=_bool)
     reuse_match_backoff: int = attrs.field(default=0, validator=_int(0))
@@ -380,21 +427,15 @@ class KVCacheManagerConfig:
     max_rewind_len: int = attrs.field(default=0, validator=_int(0))
     max_beam_width: int = attrs.field(default=1, validator=_int(1))
     swa_scratch: SwaScratchConfig | None = attrs.field(default=None)
-    sparse_host_quota: int | None = attrs.field(default=None, converter=_opt_size)
+    sparse_host_quota: int | None = attrs.field(
+        default=None, converter=_sparse_quota, validator=_size(1, optional=True)
+    )
     pool_group_ratios: tuple[float, ...] | None = attrs.field(default=None, converter=_tuple)
 
     def __attrs_post_init__(self) -> None:
         tpb = self.tokens_per_block
         if tpb > 65536:
             raise ConfigError("tokens_per_block", tpb, "must be <= 65536")
-        if self.sparse_host_quota is not None and (
-            isinstance(self.sparse_host_quota, bool)
-            or not isinstance(self.sparse_host_quota, int)
-            or self.sparse_host_quota <= 0
-        ):
-            raise ConfigError(
-                "sparse_host_quota", self.sparse_host_quota, "must be a size > 0 bytes or None"
-            )
         if self.swa_scratch is not None:
             if not isinstance(self.swa_scratch, SwaScratchConfig):
                 raise ConfigError("swa_scratch", self.swa_scratch, "must be a SwaScratchConfig")
@@ -404,22 +445,43 @@ class KVCacheManagerConfig:
                     self.swa_scratch.scratch_pages_per_block,
                     f"must be <= tokens_per_block ({tpb})",
                 )
+            if not any(
+                isinstance(layer, AttentionLayerConfig) and layer.sliding_window_size is not None
+                for layer in self.layers
+            ):
+                raise ConfigError(
+                    "swa_scratch",
+                    self.swa_scratch,
+                    "SWA scratch pages serve sliding-window layers; the model has none",
+                )
         if self.pool_group_ratios is not None:
             ratios = self.pool_group_ratios
-            if not isinstance(ratios, tuple) or not ratios or not all(
-                isinstance(r, int | float) and not isinstance(r, bool) and r > 0
-                and math.isfinite(r) for r in ratios
+            if (
+                not isinstance(ratios, tuple)
+                or not ratios
+                or not all(
+                    isinstance(r, int | float)
+                    and not isinstance(r, bool)
+                    and r > 0
+                    and math.isfinite(r)
+                    for r in ratios
+                )
             ):
                 raise ConfigError(
                     "pool_group_ratios", ratios, "must be a non-empty list of numbers > 0"
                 )
         if all(b.size == 0 for layer in self.layers for b in layer.buffers):
-            raise ConfigError("layers", "all buffers of size 0", "at least one buffer needs size > 0")
+            raise ConfigError(
+                "layers",
+                [layer.layer_id for layer in self.layers],
+                "every buffer has size 0; at least one buffer needs size > 0",
+            )
         self._check_sparse()
 
     def _check_sparse(self) -> None:
         tpb = self.tokens_per_block
-        selections: dict[object, tuple[int, AttentionLayerConfig]] = {}
+        # selection id -> (layer index, sparse settings, life cycle of its sparse buffers)
+        selections: dict[object, tuple[int, tuple[int, int, int], tuple[Any, ...]]] = {}
         any_sparse = False
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, AttentionLayerConfig) or layer.sparse is None:
@@ -433,37 +495,58 @@ class KVCacheManagerConfig:
                     f"must divide tokens_per_block ({tpb})",
                 )
             units_per_page = tpb // sp.unit_tokens
+            policies = set()
             for j, buf in enumerate(layer.buffers):
-                if buf.is_sparse and buf.size % units_per_page:
+                if not buf.is_sparse:
+                    continue
+                if buf.size % units_per_page:
                     raise ConfigError(
                         f"layers[{i}].buffers[{j}].size",
                         buf.size,
-                        f"a sparse buffer's size must be a multiple of units per page "
-                        f"({units_per_page})",
+                        "a sparse buffer's size must be a multiple of units per page "
+                        f"(tokens_per_block // unit_tokens = {units_per_page})",
                     )
+                policies.add(layer.effective_policy(buf))
+                if len(policies) > 1:
+                    raise ConfigError(
+                        f"layers[{i}].buffers[{j}].reuse_policy",
+                        layer.effective_policy(buf),
+                        "the sparse buffers of a layer share one selection, so they must "
+                        "share one life cycle (one effective reuse policy)",
+                    )
+            # Life cycle identity (concepts.md §3): window, sink blocks, policy.
+            cycle = (
+                layer.sliding_window_size,
+                -(-layer.num_sink_tokens // tpb),
+                policies.pop() if policies else None,
+            )
+            settings = (sp.unit_tokens, sp.num_selected, sp.working_set_units)
             if sp.selection_id is None:
                 continue  # silence is never shared
-            if sp.selection_id in selections:
-                j, other = selections[sp.selection_id]
-                o = other.sparse
-                assert o is not None
-                same = (o.unit_tokens, o.num_selected, o.working_set_units) == (
-                    sp.unit_tokens, sp.num_selected, sp.working_set_units)
-                same_cycle = (
-                    other.sliding_window_size, other.num_sink_tokens, other.reuse_policy
-                ) == (layer.sliding_window_size, layer.num_sink_tokens, layer.reuse_policy)
-                if not same or not same_cycle:
-                    raise ConfigError(
-                        f"layers[{i}].sparse.selection_id",
-                        sp.selection_id,
-                        f"layers sharing a selection must agree with layers[{j}] on "
-                        "unit_tokens, num_selected, working_set_units and life cycle",
-                    )
-            else:
-                selections[sp.selection_id] = (i, layer)
+            if sp.selection_id not in selections:
+                selections[sp.selection_id] = (i, settings, cycle)
+                continue
+            j, other_settings, other_cycle = selections[sp.selection_id]
+            if settings != other_settings:
+                raise ConfigError(
+                    f"layers[{i}].sparse.selection_id",
+                    sp.selection_id,
+                    f"layers sharing a selection must agree with layers[{j}] on "
+                    f"(unit_tokens, num_selected, working_set_units): {settings} != "
+                    f"{other_settings}",
+                )
+            if cycle != other_cycle:
+                raise ConfigError(
+                    f"layers[{i}].sparse.selection_id",
+                    sp.selection_id,
+                    f"layers sharing a selection must be in one life cycle with layers[{j}] "
+                    "(same sliding window, sink blocks and reuse policy of sparse buffers)",
+                )
         if any_sparse and self.sparse_host_quota is None:
             raise ConfigError(
-                "sparse_host_quota", None, "sparse buffers need a host quota for their pools"
+                "sparse_host_quota",
+                None,
+                "sparse buffers need a host quota for their pools (e.g. '16GiB')",
             )
 
     # -- named constructors ------------------------------------------------------------
@@ -473,48 +556,73 @@ class KVCacheManagerConfig:
         """Build from plain data (as read from TOML or JSON); unknown keys are rejected.
 
         Layers are tables with ``type = "attention"`` (default) or ``"ssm"``; policies are
-        names (``"optional"``); sizes may be strings (``"8GiB"``).
+        names (``"optional"``); sizes may be strings (``"8GiB"``). Errors name the field by
+        its place in the document (``"layers[2].buffers[0].size"``).
+
+        Args:
+            data: a mapping with the fields of :class:`KVCacheManagerConfig`.
+
+        Raises:
+            ConfigError: naming the field, the value and the rule broken.
         """
         raw = _check_keys(data, cls, "")
-        raw["layers"] = [_layer_from_dict(x, f"layers[{i}]") for i, x in
-                         enumerate(_list(raw.get("layers"), "layers"))]
-        raw["levels"] = [_build(LevelConfig, x, f"levels[{i}]") for i, x in
-                         enumerate(_list(raw.get("levels"), "levels"))]
+        raw["layers"] = [
+            _layer_from_dict(x, f"layers[{i}]")
+            for i, x in enumerate(_list(raw["layers"], "layers"))
+        ]
+        raw["levels"] = [
+            _build(LevelConfig, x, f"levels[{i}]")
+            for i, x in enumerate(_list(raw["levels"], "levels"))
+        ]
         if raw.get("swa_scratch") is not None:
             raw["swa_scratch"] = _build(SwaScratchConfig, raw["swa_scratch"], "swa_scratch")
         return cls(**raw)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> KVCacheManagerConfig:
-        """Read a TOML file (the top-level table, or its ``[kvcm]`` table)."""
+        """Read a TOML file: its top-level table, or its ``[kvcm]`` table if that is all.
+
+        Args:
+            path: the file to read.
+
+        Raises:
+            ConfigError: the file cannot be read, is not TOML, or breaks a rule.
+        """
         try:
             with open(path, "rb") as fh:
                 data = tomllib.load(fh)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("toml", str(path), f"is not valid TOML: {exc}") from exc
+        except OSError as exc:
+            raise ConfigError("toml", str(path), f"cannot be read: {exc.strerror}") from exc
         if "kvcm" in data and isinstance(data["kvcm"], dict) and len(data) == 1:
             data = data["kvcm"]
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data that :meth:`from_dict` reads back to an equal config."""
-
-        def convert(inst: Any, field: attrs.Attribute[Any], value: Any) -> Any:
-            if isinstance(value, ReusePolicy):
-                return value.name.lower()
-            return value
-
-        out = attrs.asdict(self, value_serializer=convert)
-        for layer, cfg in zip(out["layers"], self.layers, strict=True):
-            layer["type"] = "ssm" if isinstance(cfg, SsmLayerConfig) else "attention"
-        return _drop_none(out)
+        """Plain data (dicts, lists, str, int, float, bool) that :meth:`from_dict` reads
+        back to an equal config; fields left at ``None`` are omitted, so it can be written
+        as JSON or TOML."""
+        return _plain(self)
 
 
-def _drop_none(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _drop_none(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_drop_none(v) for v in value]
+def _plain(value: Any) -> Any:
+    """JSON/TOML-friendly data of a config record (lists, not tuples; no ``None`` fields)."""
+    if attrs.has(type(value)):
+        out: dict[str, Any] = {}
+        if isinstance(value, AttentionLayerConfig | SsmLayerConfig):
+            out["type"] = "ssm" if isinstance(value, SsmLayerConfig) else "attention"
+        for field in attrs.fields(type(value)):
+            item = getattr(value, field.name)
+            if field.init and item is not None:
+                out[field.name] = _plain(item)
+        return out
+    if isinstance(value, ReusePolicy):
+        return value.name.lower()
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
     return value
 
 
@@ -524,17 +632,26 @@ def _list(value: Any, field: str) -> list[Any]:
     return list(value)
 
 
-def _check_keys(data: Any, cls: type, where: str, extra: Sequence[str] = ()) -> dict[str, Any]:
+def _check_keys(data: Any, cls: type, where: str) -> dict[str, Any]:
+    """``data`` as a dict after refusing unknown keys and reporting missing required ones."""
     label = where or cls.__name__
     if not isinstance(data, Mapping):
         raise ConfigError(label, data, f"must be a table of {cls.__name__} fields")
-    names = {a.alias for a in attrs.fields(cls) if a.init} | set(extra)
+    fields = [a for a in attrs.fields(cls) if a.init]
+    names = {a.alias for a in fields}
     for key in data:
         if key not in names:
             raise ConfigError(
                 f"{where}.{key}" if where else str(key),
                 data[key],
                 f"unknown key for {cls.__name__}; allowed: {', '.join(sorted(names))}",
+            )
+    for a in fields:
+        if a.default is attrs.NOTHING and a.alias not in data:
+            raise ConfigError(
+                f"{where}.{a.alias}" if where else a.alias,
+                None,
+                f"is required by {cls.__name__}",
             )
     return dict(data)
 
@@ -547,8 +664,6 @@ def _build(cls: type[T], data: Any, where: str) -> T:
         # Re-anchor the field at its place in the document.
         field = exc.field.split(".", 1)[1] if "." in exc.field else exc.field
         raise ConfigError(f"{where}.{field}", exc.value, exc.rule) from None
-    except TypeError as exc:
-        raise ConfigError(where, data, f"missing or wrong fields: {exc}") from None
 
 
 def _layer_from_dict(data: Any, where: str) -> LayerConfig:
@@ -562,7 +677,7 @@ def _layer_from_dict(data: Any, where: str) -> LayerConfig:
     raw = _check_keys(raw, cls, where)
     raw["buffers"] = [
         _build(BufferConfig, b, f"{where}.buffers[{j}]")
-        for j, b in enumerate(_list(raw.get("buffers"), f"{where}.buffers"))
+        for j, b in enumerate(_list(raw["buffers"], f"{where}.buffers"))
     ]
     if raw.get("sparse") is not None:
         raw["sparse"] = _build(SparseConfig, raw["sparse"], f"{where}.sparse")
