@@ -86,8 +86,10 @@ class RawCodec(PageCodec):
         if len(cold_slots) > 1 and cold.stride < size:
             # Cold pages would overlap each other: copies would clobber one another.
             raise ValueError(f"cold region stride {cold.stride} < cold page size {size}")
-        pairs = np.stack([cold_slots, pool_slots], axis=1) if encode else np.stack(
-            [pool_slots, cold_slots], axis=1
+        pairs = (
+            np.stack([cold_slots, pool_slots], axis=1)
+            if encode
+            else np.stack([pool_slots, cold_slots], axis=1)
         )
         tasks = []
         start = 0

@@ -68,8 +68,7 @@ class LruPolicy(EvictionPolicy):
         check_priority(priority)
         if key in self._priority_of:
             raise ValueError(
-                f"cannot insert key {key!r}: already present "
-                f"(priority {self._priority_of[key]})"
+                f"cannot insert key {key!r}: already present (priority {self._priority_of[key]})"
             )
         self._add(key, priority)
 
