@@ -1,1 +1,548 @@
-"""Placeholder: being written."""
+"""The ``disk`` tier: pools in preallocated files, reached by asynchronous ``pread``/``pwrite``.
+
+Each pool is one file in the tier's directory: a 4 KiB header (magic, version, slot size)
+followed by the slots, so slot ``s`` starts at byte ``4096 + s * slot_bytes``. Reads and
+writes run on a thread pool shared by the tier's pools (``io_threads`` threads). A batch is
+sorted by slot and cut into runs of consecutive slots; each run is one ``preadv``/``pwritev``
+straight between the file and the caller's rows (no copy), so large transfers run at the
+file system's sequential speed. Any ``OSError``, and any short read or write, makes the
+handle's ``wait()`` raise :class:`~kvcm_core.errors.TierIOError`.
+
+Options:
+    path: the directory of pool files. Created with mode 0700 (an existing one we own is
+        tightened to 0700). Without it the tier uses a private temporary directory that
+        :meth:`DiskTier.close` removes.
+    io_threads: threads doing I/O (int >= 1, default 4).
+
+Persistence: a pool created with the ``name`` of an existing pool file in ``path`` reopens
+it and keeps its data (resized to the requested slot count); a file written with another
+slot size is refused. Unnamed pools get an anonymous file that is deleted on close.
+
+Security: files are created 0600 with ``O_CREAT | O_EXCL | O_NOFOLLOW`` relative to an open
+descriptor of the directory; pool names are reduced to a safe file name; a pool file that is
+a symbolic link, not a regular file, hard-linked, or owned by someone else is refused, and so
+is a ``path`` that is itself a symbolic link, a shared sticky directory (such as ``/tmp``)
+or a directory owned by another user.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import errno
+import hashlib
+import itertools
+import os
+import re
+import shutil
+import stat
+import struct
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from kvcm_core import hookimpl
+from kvcm_core.backend import KernelBackend
+from kvcm_core.errors import ConfigError, InvalidStateError, TierIOError
+from kvcm_core.records import Availability, Medium, TierCapabilities, TierSpec
+from kvcm_core.tier import IOHandle, StoragePool, Tier, check_slots
+
+__all__ = ["CAPABILITIES", "HEADER_BYTES", "DiskPool", "DiskTier"]
+
+CAPABILITIES = TierCapabilities(
+    device_accessible=False,
+    medium=Medium.FILE,
+    persistent=True,
+    file_mode=0o600,
+    dir_mode=0o700,
+)
+
+#: Bytes before slot 0 in every pool file (keeps slots page-aligned).
+HEADER_BYTES = 4096
+_MAGIC = b"KVCMPOOL"
+_VERSION = 1
+_HEADER = struct.Struct("<8sIIQ")  # magic, version, header bytes, slot bytes
+_SUFFIX = ".kvcm"
+_DEFAULT_THREADS = 4
+# One preadv/pwritev moves at most this many bytes and buffers (Linux caps one call at
+# about 2 GiB and IOV_MAX = 1024): large runs are cut so that several threads share them.
+# A task handed to one thread holds at most about _TASK_BYTES.
+_MAX_CALL_BYTES = 8 << 20
+_MAX_IOV = 1024
+_TASK_BYTES = 8 << 20
+
+
+def _availability() -> Availability:
+    if not hasattr(os, "preadv") or not hasattr(os, "pwritev"):
+        return Availability(False, "os.preadv/os.pwritev are missing on this platform")
+    return Availability(True)
+
+
+def _parse_options(options: Mapping[str, Any]) -> tuple[str | None, int]:
+    known = ("path", "io_threads")
+    for key in options:
+        if key not in known:
+            raise ConfigError(
+                f"disk.options.{key}", options[key], f"unknown option; known: {', '.join(known)}"
+            )
+    path = options.get("path")
+    if path is not None:
+        if not isinstance(path, str | os.PathLike) or not os.fspath(path):
+            raise ConfigError("disk.options.path", path, "must be a non-empty directory path")
+        path = os.fspath(path)
+    threads = options.get("io_threads", _DEFAULT_THREADS)
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024:
+        raise ConfigError("disk.options.io_threads", threads, "must be an int in 1..1024")
+    return path, threads
+
+
+def file_name(name: str) -> str:
+    """The file name of pool ``name``: letters, digits, ``_ . -`` only, never hidden.
+
+    A name that had to be changed gets a hash of the original appended, so two different
+    names never share a file.
+    """
+    safe = re.sub(r"[^A-Za-z0-9_.\-]", "_", name)[:96].lstrip(".")
+    if safe != name or not safe:
+        digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        safe = f"{safe or 'pool'}-{digest}"
+    return safe + _SUFFIX
+
+
+class _Batch(IOHandle):
+    """Handle of one ``read``/``write``: done when all of its tasks are."""
+
+    def __init__(self, futures: list[cf.Future[None]], keepalive: np.ndarray) -> None:
+        self._futures = futures
+        self._keepalive = keepalive  # the caller's rows must outlive the I/O
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self, timeout: float | None = None) -> None:
+        _, pending = cf.wait(self._futures, timeout=timeout)
+        if pending:
+            raise TimeoutError(f"disk I/O not finished after {timeout} s")
+        for future in self._futures:
+            exc = future.exception()
+            if exc is not None:
+                if isinstance(exc, TierIOError):
+                    raise exc
+                raise TierIOError(f"disk I/O failed: {type(exc).__name__}: {exc}") from exc
+
+
+# (file offset, buffers, bytes) of one preadv/pwritev
+_Call = tuple[int, list[memoryview], int]
+
+
+class DiskPool(StoragePool):
+    """One pool file (see module docstring). Built by :meth:`DiskTier.create_pool`.
+
+    Attributes:
+        name: the pool's name (empty for an anonymous pool).
+        path: the pool file.
+        data_offset: byte of the file where slot 0 starts.
+    """
+
+    data_offset = HEADER_BYTES
+
+    def __init__(
+        self, tier: DiskTier, fd: int, name: str, fname: str, slot_bytes: int, num_slots: int
+    ) -> None:
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self.name = name
+        self.path = os.path.join(tier.directory, fname)
+        self._tier = tier
+        self._fd: int | None = fd
+        self._fname = fname
+        self._pending: set[cf.Future[None]] = set()
+        self._lock = threading.Lock()
+
+    def _label(self) -> str:
+        return f"disk pool {self.name!r}" if self.name else "anonymous disk pool"
+
+    def _live_fd(self) -> int:
+        if self._fd is None:
+            raise InvalidStateError(f"{self._label()} was closed")
+        return self._fd
+
+    # -- I/O -------------------------------------------------------------------------
+
+    def write(self, slots: np.ndarray, source: np.ndarray) -> IOHandle:
+        """Store ``source[i]`` into ``slots[i]`` asynchronously.
+
+        Raises:
+            ValueError: a slot out of range or repeated, or ``source`` not ``uint8
+                [len(slots), slot_bytes]`` (raised here; nothing is written).
+            InvalidStateError: the pool was closed.
+        """
+        fd = self._live_fd()
+        arr = check_slots(self, slots)
+        rows = self._rows(source, len(arr), "source")
+        if rows.strides[1] != 1:
+            rows = np.ascontiguousarray(rows)
+        if len(np.unique(arr)) != len(arr):
+            raise ValueError(f"slots={arr.tolist()}: a write may name each slot only once")
+        return self._submit(fd, arr, rows, write=True)
+
+    def read(self, slots: np.ndarray, dest: np.ndarray) -> IOHandle:
+        """Load ``slots[i]`` into ``dest[i]`` asynchronously.
+
+        Raises:
+            ValueError: a slot out of range, or ``dest`` not a writable ``uint8
+                [len(slots), slot_bytes]`` array with contiguous rows.
+            InvalidStateError: the pool was closed.
+        """
+        fd = self._live_fd()
+        arr = check_slots(self, slots)
+        rows = self._rows(dest, len(arr), "dest")
+        if rows.strides[1] != 1 or not rows.flags.writeable:
+            raise ValueError(
+                f"dest strides={rows.strides} writeable={rows.flags.writeable}: must be a "
+                "writable array whose rows are contiguous"
+            )
+        return self._submit(fd, arr, rows, write=False)
+
+    def _rows(self, array: np.ndarray, n: int, what: str) -> np.ndarray:
+        if not isinstance(array, np.ndarray) or array.dtype != np.uint8:
+            raise ValueError(
+                f"{what} of type {type(array).__name__} "
+                f"dtype={getattr(array, 'dtype', None)}: must be a uint8 numpy array"
+            )
+        if array.shape != (n, self.slot_bytes):
+            raise ValueError(
+                f"{what}.shape={array.shape}: must be ({n}, {self.slot_bytes}) "
+                "(one row of slot_bytes per slot)"
+            )
+        return array
+
+    def _submit(self, fd: int, slots: np.ndarray, rows: np.ndarray, *, write: bool) -> IOHandle:
+        tasks = list(self._tasks(slots, rows))
+        futures = [
+            self._tier._executor.submit(_run_calls, fd, calls, write, self._label())
+            for calls in tasks
+        ]
+        with self._lock:
+            self._pending.update(futures)
+        for future in futures:
+            future.add_done_callback(self._forget)
+        return _Batch(futures, rows)
+
+    def _forget(self, future: cf.Future[None]) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    def _tasks(self, slots: np.ndarray, rows: np.ndarray) -> Iterator[list[_Call]]:
+        """Cut a batch into tasks for the I/O threads; each task is a list of calls.
+
+        A call is one ``preadv``/``pwritev`` over a run of consecutive slots: its buffers are
+        the caller's rows (consecutive rows merge into one buffer). Tasks aim at an equal
+        share of the batch per thread, between 256 KiB and 8 MiB.
+        """
+        if not len(slots):
+            return
+        sb = self.slot_bytes
+        order = np.argsort(slots, kind="stable")
+        sorted_slots = slots[order]
+        file_next = sorted_slots[1:] == sorted_slots[:-1] + 1
+        mem_next = file_next & (order[1:] == order[:-1] + 1) & (rows.strides[0] == sb)
+        # pieces: runs contiguous both in the file and in memory -> one buffer each
+        starts = np.concatenate(([0], np.nonzero(~mem_next)[0] + 1)).tolist()
+        ends = [*starts[1:], len(slots)]
+        share = -(-len(slots) * sb // self._tier._threads)
+        target = min(max(share, 256 << 10), _TASK_BYTES)
+        task: list[_Call] = []
+        task_bytes = 0
+        offset, nbytes = 0, 0  # the call being built
+        buffers: list[memoryview] = []
+        for a, b in zip(starts, ends, strict=True):
+            r0 = int(order[a])
+            view = memoryview(rows[r0 : r0 + (b - a)]).cast("B")
+            at = self.data_offset + int(sorted_slots[a]) * sb
+            joins = a > 0 and bool(file_next[a - 1])
+            for cut in range(0, len(view), _MAX_CALL_BYTES):
+                piece = view[cut : cut + _MAX_CALL_BYTES]
+                if (
+                    buffers
+                    and joins
+                    and len(buffers) < _MAX_IOV
+                    and nbytes + len(piece) <= _MAX_CALL_BYTES
+                ):
+                    buffers.append(piece)
+                    nbytes += len(piece)
+                else:
+                    if buffers:
+                        task.append((offset, buffers, nbytes))
+                        task_bytes += nbytes
+                        if task_bytes >= target:
+                            yield task
+                            task, task_bytes = [], 0
+                    offset, buffers, nbytes = at + cut, [piece], len(piece)
+                joins = True
+        task.append((offset, buffers, nbytes))
+        yield task
+
+    def _drain(self) -> None:
+        """Wait for this pool's I/O in flight (their errors belong to their handles)."""
+        with self._lock:
+            pending = list(self._pending)
+        cf.wait(pending)
+
+    # -- life cycle --------------------------------------------------------------------
+
+    def resize(self, num_slots: int) -> None:
+        """Grow or shrink the file to ``num_slots`` slots, keeping the kept slots' data.
+
+        Waits for this pool's I/O in flight first. Grown slots read as zeros.
+
+        Raises:
+            ValueError: ``num_slots`` is not an int >= 0.
+            InvalidStateError: the pool was closed.
+            TierIOError: the file could not be resized (the pool is unchanged).
+        """
+        num_slots = _check_count(num_slots)
+        fd = self._live_fd()
+        self._drain()
+        try:
+            _set_size(fd, self.data_offset + num_slots * self.slot_bytes)
+        except OSError as exc:
+            raise TierIOError(
+                f"{self._label()}: resize to {num_slots} slots failed: {exc}"
+            ) from exc
+        self.num_slots = num_slots
+
+    def close(self) -> None:
+        """Wait for I/O in flight and close the file (idempotent).
+
+        The file stays for a named pool (it is reopened by name); an anonymous pool's file
+        is deleted.
+        """
+        if self._fd is None:
+            return
+        self._drain()
+        fd, self._fd = self._fd, None
+        os.close(fd)
+        if not self.name:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._fname, dir_fd=self._tier._dir_fd)
+        self._tier._pools.pop(self._fname, None)
+
+
+def _run_calls(fd: int, calls: list[_Call], write: bool, label: str) -> None:
+    op = "pwritev" if write else "preadv"
+    for offset, buffers, nbytes in calls:
+        try:
+            done = os.pwritev(fd, buffers, offset) if write else os.preadv(fd, buffers, offset)
+        except OSError as exc:
+            raise TierIOError(
+                f"{label}: {op} of {nbytes} bytes at offset {offset} failed: {exc}"
+            ) from exc
+        if done != nbytes:
+            raise TierIOError(
+                f"{label}: short {op}: {done} of {nbytes} bytes at offset {offset} "
+                "(file truncated or disk full)"
+            )
+
+
+def _check_count(num_slots: object) -> int:
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int | np.integer):
+        raise ValueError(f"num_slots={num_slots!r}: must be an int >= 0")
+    if num_slots < 0:
+        raise ValueError(f"num_slots={num_slots!r}: must be >= 0")
+    return int(num_slots)
+
+
+def _set_size(fd: int, size: int) -> None:
+    """Make the file exactly ``size`` bytes, reserving the blocks where supported."""
+    current = os.fstat(fd).st_size
+    if size < current:
+        os.ftruncate(fd, size)
+    elif size > current:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:  # file systems without fallocate: sparse growth
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            os.ftruncate(fd, size)
+
+
+class DiskTier(Tier):
+    """Pools in files of one directory (see module docstring).
+
+    Raises:
+        ConfigError: an unknown option, a bad value, or an unsafe ``path``.
+    """
+
+    capabilities = CAPABILITIES
+
+    def __init__(self, backend: KernelBackend | None, options: Mapping[str, Any] | None = None):
+        super().__init__(backend, options or {})  # type: ignore[arg-type]
+        path, threads = _parse_options(self.options)
+        self._private = path is None
+        self.directory = tempfile.mkdtemp(prefix="kvcm-disk-") if path is None else path
+        self._dir_fd: int | None = _open_directory(self.directory)
+        self._threads = threads
+        self._executor = cf.ThreadPoolExecutor(threads, thread_name_prefix="kvcm-disk")
+        self._pools: dict[str, DiskPool] = {}
+        self._anonymous = itertools.count()
+
+    def create_pool(self, slot_bytes: int, num_slots: int, *, name: str = "") -> DiskPool:
+        """Create (or, for a ``name`` whose file exists, reopen) a pool.
+
+        Raises:
+            ValueError: bad sizes, a name already open in this tier, or an existing file
+                whose slot size differs.
+            TierIOError: the file is unsafe (symbolic link, not a regular file, hard-linked,
+                someone else's), not a kvcm pool file, or could not be created.
+            InvalidStateError: the tier was closed.
+        """
+        if self._dir_fd is None:
+            raise InvalidStateError("disk tier was closed")
+        if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int | np.integer):
+            raise ValueError(f"slot_bytes={slot_bytes!r}: must be an int >= 1")
+        if slot_bytes < 1:
+            raise ValueError(f"slot_bytes={slot_bytes!r}: must be >= 1")
+        num_slots = _check_count(num_slots)
+        if not isinstance(name, str):
+            raise ValueError(f"name={name!r}: must be a str")
+        if name:
+            fname = file_name(name)
+            if fname in self._pools:
+                raise ValueError(f"name={name!r}: a pool of that name is already open")
+        else:
+            fname = f".anon-{os.getpid()}-{id(self):x}-{next(self._anonymous)}{_SUFFIX}"
+        label = f"disk pool {name!r}" if name else "anonymous disk pool"
+        fd, created = self._open_file(fname, label)
+        try:
+            if created:
+                os.fchmod(fd, 0o600)
+                header = _HEADER.pack(_MAGIC, _VERSION, HEADER_BYTES, int(slot_bytes))
+                if os.pwrite(fd, header.ljust(HEADER_BYTES, b"\0"), 0) != HEADER_BYTES:
+                    raise TierIOError(f"{label}: short write of the file header")
+            else:
+                self._check_header(fd, label, int(slot_bytes))
+            _set_size(fd, HEADER_BYTES + int(slot_bytes) * num_slots)
+        except OSError as exc:
+            os.close(fd)
+            if created:
+                os.unlink(fname, dir_fd=self._dir_fd)
+            if isinstance(exc, TierIOError):
+                raise
+            raise TierIOError(f"{label}: could not prepare {fname!r}: {exc}") from exc
+        except BaseException:
+            os.close(fd)
+            if created:
+                os.unlink(fname, dir_fd=self._dir_fd)
+            raise
+        pool = DiskPool(self, fd, name, fname, int(slot_bytes), num_slots)
+        self._pools[fname] = pool
+        return pool
+
+    def _open_file(self, fname: str, label: str) -> tuple[int, bool]:
+        """Create ``fname`` exclusively, or open the existing regular file safely."""
+        flags = os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        where = os.path.join(self.directory, fname)
+        try:
+            return os.open(fname, flags | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=self._dir_fd), True
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise TierIOError(f"{label}: cannot create {where}: {exc}") from exc
+        try:
+            fd = os.open(fname, flags | getattr(os, "O_NONBLOCK", 0), dir_fd=self._dir_fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise TierIOError(
+                    f"{label}: {where} is a symbolic link; refusing to follow it"
+                ) from exc
+            raise TierIOError(f"{label}: cannot open {where}: {exc}") from exc
+        st = os.fstat(fd)
+        problem = ""
+        if not stat.S_ISREG(st.st_mode):
+            problem = "is not a regular file"
+        elif st.st_uid != os.geteuid():
+            problem = f"is owned by uid {st.st_uid}, not this process's uid {os.geteuid()}"
+        elif st.st_nlink != 1:
+            problem = f"has {st.st_nlink} hard links (must have exactly 1)"
+        if problem:
+            os.close(fd)
+            raise TierIOError(f"{label}: {where} {problem}; refusing to use it")
+        os.set_blocking(fd, True)
+        os.fchmod(fd, 0o600)
+        return fd, False
+
+    def _check_header(self, fd: int, label: str, slot_bytes: int) -> None:
+        raw = os.pread(fd, _HEADER.size, 0)
+        if len(raw) < _HEADER.size:
+            raise TierIOError(f"{label}: existing file is too short to be a kvcm pool file")
+        magic, version, header_bytes, stored = _HEADER.unpack(raw)
+        if magic != _MAGIC or version != _VERSION or header_bytes != HEADER_BYTES:
+            raise TierIOError(
+                f"{label}: existing file is not a kvcm pool file (magic={magic!r}, "
+                f"version={version}); remove it or choose another pool name"
+            )
+        if stored != slot_bytes:
+            raise ValueError(
+                f"slot_bytes={slot_bytes}: {label} exists with slots of {stored} bytes; "
+                "reopen it with the same slot size or choose another name"
+            )
+
+    def close(self) -> None:
+        """Close every pool, stop the I/O threads, and remove a private directory."""
+        if self._dir_fd is None:
+            return
+        for pool in list(self._pools.values()):
+            pool.close()
+        self._executor.shutdown(wait=True)
+        os.close(self._dir_fd)
+        self._dir_fd = None
+        if self._private:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _open_directory(path: str) -> int:
+    """Create or tighten ``path`` to 0700 and open it without following a final link."""
+    field = "disk.options.path"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ConfigError(field, path, f"cannot create the directory: {exc}") from exc
+    if os.path.islink(path):
+        raise ConfigError(field, path, "is a symbolic link; name the real directory")
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        rule = "is a symbolic link" if exc.errno == errno.ELOOP else f"cannot be opened: {exc}"
+        raise ConfigError(field, path, f"{rule}; name a real directory") from exc
+    st = os.fstat(fd)
+    rule = ""
+    if not stat.S_ISDIR(st.st_mode):
+        rule = "is not a directory"
+    elif st.st_uid != os.geteuid():
+        rule = f"is owned by uid {st.st_uid}, not this process's uid {os.geteuid()}"
+    elif st.st_mode & stat.S_ISVTX:
+        rule = "is a shared sticky directory (like /tmp); name a private subdirectory"
+    if rule:
+        os.close(fd)
+        raise ConfigError(field, path, rule)
+    os.fchmod(fd, 0o700)
+    return fd
+
+
+@hookimpl
+def kvcm_tiers() -> Iterator[TierSpec]:
+    yield TierSpec(
+        name="disk",
+        factory=DiskTier,
+        description="Preallocated files, asynchronous pread/pwrite on a thread pool",
+        capabilities=CAPABILITIES,
+        availability=_availability,
+    )
