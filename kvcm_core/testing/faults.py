@@ -1,0 +1,302 @@
+"""A fault-injecting tier for reliability tests (quality.md §3, "Faults").
+
+:class:`FaultyTier` wraps any tier and, following a mutable :class:`FaultPlan`, makes
+storage reads and writes fail through their handles, stores corrupted bytes, or holds
+completion back. Faults are deterministic (chosen by operation ordinal, never by chance or
+time), so a failing test replays exactly.
+
+What a fault does, so that code which ignores an error is caught rather than lucky:
+
+- a failed **write** stores poison bytes (``POISON``) in the slots it named, as a torn
+  write would, and its handle's ``wait()`` raises :class:`~kvcm_core.errors.TierIOError`;
+- a failed **read** fills the destination rows with poison and its handle raises;
+- a **corrupting write** stores the rows with their first byte inverted and reports
+  success (silent corruption, for checksum paths);
+- :meth:`FaultyTier.corrupt` inverts the first byte of one stored slot now;
+- **holding** keeps handles pending (``done()`` False, ``wait(timeout)`` raising
+  ``TimeoutError``) until :meth:`FaultyTier.release`; ``pending_polls`` makes each handle
+  answer ``done() == False`` that many times first.
+
+Device-accessible pools are passed through (kernels reach their memory directly, so there
+is no operation to fail); :meth:`FaultyTier.corrupt` works on them through the backend.
+Neither class is registered as a plugin; :func:`faulty_tier_spec` builds a record for
+tests that need one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import attrs
+import numpy as np
+
+from kvcm_core.backend import Buffer
+from kvcm_core.errors import TierIOError
+from kvcm_core.records import TierSpec
+from kvcm_core.tier import DevicePool, IOHandle, Pool, StoragePool, Tier, check_slots
+
+__all__ = [
+    "POISON",
+    "FaultPlan",
+    "FaultyDevicePool",
+    "FaultyStoragePool",
+    "FaultyTier",
+    "faulty_tier_spec",
+]
+
+#: Byte stored by a failed write and returned by a failed read.
+POISON = 0xEE
+
+
+def _ordinals(value: Iterable[int]) -> set[int]:
+    out = set()
+    for n in value:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"operation ordinal {n!r}: must be an int >= 1 (the first is 1)")
+        out.add(n)
+    return out
+
+
+@attrs.define(kw_only=True)
+class FaultPlan:
+    """Which operations of a :class:`FaultyTier` misbehave. Mutable: change it mid-test.
+
+    Ordinals count ``write`` (or ``read``) calls over all storage pools of the tier,
+    starting at 1.
+
+    Attributes:
+        fail_writes: ordinals of writes that fail.
+        fail_reads: ordinals of reads that fail.
+        fail_all_writes: every write fails.
+        fail_all_reads: every read fails.
+        corrupt_writes: ordinals of writes that store corrupted bytes and report success.
+        hold: new handles stay pending until :meth:`FaultyTier.release`.
+        pending_polls: each new handle answers ``done() == False`` this many times first.
+    """
+
+    fail_writes: set[int] = attrs.field(factory=set, converter=_ordinals)
+    fail_reads: set[int] = attrs.field(factory=set, converter=_ordinals)
+    fail_all_writes: bool = False
+    fail_all_reads: bool = False
+    corrupt_writes: set[int] = attrs.field(factory=set, converter=_ordinals)
+    hold: bool = False
+    pending_polls: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+
+
+class _FaultyHandle(IOHandle):
+    def __init__(
+        self,
+        inner: IOHandle,
+        error: TierIOError | None,
+        gate: threading.Event | None,
+        polls: int,
+        keep: np.ndarray | None,
+    ) -> None:
+        self._inner = inner
+        self._keep = keep  # staging rows of an injected write must outlive the inner I/O
+        self._error = error
+        self._gate = gate
+        self._polls = polls
+
+    def done(self) -> bool:
+        if self._gate is not None and not self._gate.is_set():
+            return False
+        if self._polls > 0:
+            self._polls -= 1
+            return False
+        return self._inner.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._gate is not None and not self._gate.wait(timeout):
+            raise TimeoutError(f"held by FaultyTier: not released within {timeout} s")
+        self._polls = 0
+        if self._error is not None:
+            try:
+                self._inner.wait(timeout)
+            except TierIOError:
+                pass
+            raise self._error
+        self._inner.wait(timeout)
+
+
+class FaultyStoragePool(StoragePool):
+    """A storage pool whose ``read``/``write`` follow the tier's :class:`FaultPlan`."""
+
+    def __init__(self, tier: FaultyTier, inner: StoragePool) -> None:
+        self.tier = tier
+        self.inner = inner
+
+    @property  # type: ignore[override]
+    def slot_bytes(self) -> int:
+        return self.inner.slot_bytes
+
+    @property  # type: ignore[override]
+    def num_slots(self) -> int:
+        return self.inner.num_slots
+
+    def write(self, slots: np.ndarray, source: np.ndarray) -> IOHandle:
+        """Write through the inner pool, failing or corrupting as planned."""
+        arr = check_slots(self, slots)
+        tier, plan = self.tier, self.tier.plan
+        tier.writes += 1
+        n = tier.writes
+        if plan.fail_all_writes or n in plan.fail_writes:
+            poison = np.full((len(arr), self.slot_bytes), POISON, dtype=np.uint8)
+            inner = self.inner.write(arr, poison)
+            tier.injected.append(f"write {n} failed (slots {arr.tolist()})")
+            error = TierIOError(f"injected fault: write {n} of slots {arr.tolist()} failed")
+            return tier._handle(inner, error, keep=poison)
+        if n in plan.corrupt_writes:
+            bad = np.array(source, dtype=np.uint8, copy=True)
+            bad[:, 0] ^= 0xFF
+            tier.injected.append(f"write {n} corrupted (slots {arr.tolist()})")
+            return tier._handle(self.inner.write(arr, bad), None, keep=bad)
+        return tier._handle(self.inner.write(arr, source), None)
+
+    def read(self, slots: np.ndarray, dest: np.ndarray) -> IOHandle:
+        """Read through the inner pool, failing as planned (poison in ``dest``)."""
+        arr = check_slots(self, slots)
+        tier, plan = self.tier, self.tier.plan
+        tier.reads += 1
+        n = tier.reads
+        if plan.fail_all_reads or n in plan.fail_reads:
+            if (
+                isinstance(dest, np.ndarray)
+                and dest.shape == (len(arr), self.slot_bytes)
+                and dest.flags.writeable
+            ):
+                dest[...] = POISON
+            else:  # let the inner pool report the bad argument
+                self.inner.read(arr, dest)
+            tier.injected.append(f"read {n} failed (slots {arr.tolist()})")
+            error = TierIOError(f"injected fault: read {n} of slots {arr.tolist()} failed")
+            return tier._handle(_Done(), error)
+        return tier._handle(self.inner.read(arr, dest), None)
+
+    def resize(self, num_slots: int) -> None:
+        self.inner.resize(num_slots)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class FaultyDevicePool(DevicePool):
+    """A device-accessible pool passed through unchanged (see module docstring)."""
+
+    def __init__(self, tier: FaultyTier, inner: DevicePool) -> None:
+        self.tier = tier
+        self.inner = inner
+
+    @property  # type: ignore[override]
+    def slot_bytes(self) -> int:
+        return self.inner.slot_bytes
+
+    @property  # type: ignore[override]
+    def num_slots(self) -> int:
+        return self.inner.num_slots
+
+    @property
+    def buffer(self) -> Buffer:
+        return self.inner.buffer
+
+    def resize(self, num_slots: int) -> None:
+        self.inner.resize(num_slots)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class _Done(IOHandle):
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        pass
+
+
+class FaultyTier(Tier):
+    """Wraps ``inner`` and injects the faults of ``plan`` (see module docstring).
+
+    Attributes:
+        inner: the wrapped tier.
+        plan: the faults to inject; mutable.
+        writes: storage writes so far (the ordinal of the last one).
+        reads: storage reads so far.
+        injected: one line per fault injected, in order.
+    """
+
+    def __init__(self, inner: Tier, plan: FaultPlan | None = None) -> None:
+        super().__init__(inner.backend, inner.options)
+        self.inner = inner
+        self.capabilities = inner.capabilities
+        self.plan = plan if plan is not None else FaultPlan()
+        self.writes = 0
+        self.reads = 0
+        self.injected: list[str] = []
+        self._gate = threading.Event()
+
+    def create_pool(self, slot_bytes: int, num_slots: int, *, name: str = "") -> Pool:
+        """A pool of the inner tier, wrapped."""
+        inner = self.inner.create_pool(slot_bytes, num_slots, name=name)
+        if isinstance(inner, StoragePool):
+            return FaultyStoragePool(self, inner)
+        if isinstance(inner, DevicePool):
+            return FaultyDevicePool(self, inner)
+        raise TypeError(f"{type(inner).__name__} is neither a StoragePool nor a DevicePool")
+
+    def _handle(
+        self, inner: IOHandle, error: TierIOError | None, keep: np.ndarray | None = None
+    ) -> IOHandle:
+        gate = self._gate if self.plan.hold else None
+        return _FaultyHandle(inner, error, gate, self.plan.pending_polls, keep)
+
+    def release(self) -> None:
+        """Let every held handle complete; handles made later are held again if
+        ``plan.hold`` is still set."""
+        gate, self._gate = self._gate, threading.Event()
+        gate.set()
+
+    def corrupt(self, pool: Pool, slot: int) -> None:
+        """Invert the first byte of ``slot`` of ``pool`` (a pool of this tier) now.
+
+        Raises:
+            ValueError: ``slot`` out of range, or ``pool`` not made by this tier.
+        """
+        if not isinstance(pool, FaultyStoragePool | FaultyDevicePool) or pool.tier is not self:
+            raise ValueError(f"pool {pool!r}: not a pool of this FaultyTier")
+        check_slots(pool, np.array([slot]))
+        self.injected.append(f"slot {slot} corrupted")
+        if isinstance(pool, FaultyStoragePool):
+            row = np.empty((1, pool.slot_bytes), dtype=np.uint8)
+            pool.inner.read(np.array([slot]), row).wait()
+            row[0, 0] ^= 0xFF
+            pool.inner.write(np.array([slot]), row).wait()
+            return
+        start = pool.inner.region.page_start(slot)
+        byte = self.backend.read(pool.inner.buffer, start, 1)
+        self.backend.write(pool.inner.buffer, start, byte ^ 0xFF)
+
+    def close(self) -> None:
+        """Release held handles and close the inner tier."""
+        self.release()
+        self.inner.close()
+
+
+def faulty_tier_spec(inner: TierSpec, plan: FaultPlan, *, name: str | None = None) -> TierSpec:
+    """A record whose factory wraps ``inner``'s tiers in :class:`FaultyTier` with ``plan``.
+
+    Every tier the record builds shares ``plan``, so a test changes faults in one place.
+    """
+
+    def factory(backend: object, options: object) -> FaultyTier:
+        return FaultyTier(inner.factory(backend, options), plan)
+
+    return TierSpec(
+        name=name or f"faulty-{inner.name}"[:64],
+        factory=factory,
+        description=f"{inner.name} with injected faults (tests)",
+        capabilities=inner.capabilities,
+        options_type=inner.options_type,
+        availability=inner.availability,
+    )
