@@ -1,0 +1,400 @@
+"""Conformance tests for codecs (page codecs and blob codecs).
+
+Page codecs run on the selected kernel backend (``KVCM_KERNEL_BACKEND``, else the available
+backend of highest priority: ``numpy`` on a machine without a GPU), on random pool layouts
+of one to four pools with odd slot sizes; their data is written and read back through the
+backend's backdoor. Lossless codecs must round-trip bit for bit; lossy ones are checked on
+random floats of :attr:`CodecConformance.lossy_element_dtype` against their declared
+``error_bound`` (never on fingerprints). Blob codecs round-trip random bytes, and
+checksummed ones must reject a flipped byte or a truncated blob with
+:class:`~kvcm_core.errors.CorruptPageError`. Tests gate on ``capabilities.kind``,
+``lossless`` and ``checksummed``, never on names.
+
+Subclass to run it for one codec::
+
+    from kvcm_core.testing.conformance.codec import CodecConformance
+
+    class TestMyCodec(CodecConformance):
+        plugin_name = "mine"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcm_core.backend import Buffer, KernelBackend, MemoryKind, PageRegion
+from kvcm_core.codec import BlobCodec, BufferPlace, PageCodec, PageLayout
+from kvcm_core.errors import CorruptPageError
+from kvcm_core.plugins import get_plugin_manager
+from kvcm_core.records import CodecKind
+from kvcm_core.testing.conformance import ConformanceBase
+
+__all__ = ["CodecConformance"]
+
+_SETTINGS = settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        # One base class, many subclasses (one per plugin): the same test function runs
+        # with different `self`s by design.
+        HealthCheck.differing_executors,
+    ],
+)
+_seeds = st.integers(0, 2**32 - 1)
+
+
+# -- random layouts ------------------------------------------------------------------------
+
+
+def _slot_sizes(itemsize: int) -> st.SearchStrategy[int]:
+    """Slot sizes in bytes, odd ones included when elements are bytes."""
+    return st.one_of(st.integers(1, 16), st.integers(17, 3000)).map(lambda n: n * itemsize)
+
+
+@st.composite
+def _layouts(draw: st.DrawFn, itemsize: int = 1) -> PageLayout:
+    """1 to 4 pools; each pool's slot holds one buffer of one layer."""
+    sizes = tuple(draw(st.lists(_slot_sizes(itemsize), min_size=1, max_size=4)))
+    places = tuple(
+        BufferPlace(layer_id=pool, role="kv", pool=pool, offset=0, size=size)
+        for pool, size in enumerate(sizes)
+    )
+    return PageLayout(slot_sizes=sizes, buffers=places)
+
+
+@attrs.frozen
+class _Region:
+    """Where slots lie in a buffer: slot ``i`` at ``offset + i * stride``."""
+
+    offset: int
+    stride: int
+    slots: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.offset + self.slots * self.stride + 3
+
+
+@attrs.frozen
+class _RoundTrip:
+    layout: PageLayout
+    pools: list[_Region]  # where the encoded blocks come from
+    targets: list[_Region]  # where they are decoded to (fresh buffers)
+    cold: _Region
+    cold_kind: str
+    pool_slots: list[int]
+    cold_slots: list[int]
+    target_slots: list[int]
+    seed: int
+
+
+def _region(draw: st.DrawFn, size: int, slots: int, itemsize: int) -> _Region:
+    """Unaligned regions, but with elements of lossy data starting on element boundaries."""
+    return _Region(
+        offset=draw(st.integers(0, 40)) * itemsize,
+        stride=size + draw(st.integers(0, 24)) * itemsize,
+        slots=slots,
+    )
+
+
+@st.composite
+def _round_trips(
+    draw: st.DrawFn, codec: PageCodec, itemsize: int, cold_kinds: list[str]
+) -> _RoundTrip:
+    layout = draw(_layouts(itemsize))
+    blocks = draw(st.integers(1, 12))
+    cold_capacity = draw(st.integers(1, 12))
+    count = draw(st.integers(0, min(blocks, cold_capacity)))
+    pool_slots = draw(st.permutations(range(blocks)))[:count]
+    target_slots = draw(st.permutations(range(blocks)))[:count]
+    cold_slots = draw(st.permutations(range(cold_capacity)))[:count]
+    return _RoundTrip(
+        layout=layout,
+        pools=[_region(draw, s, blocks, itemsize) for s in layout.slot_sizes],
+        targets=[_region(draw, s, blocks, itemsize) for s in layout.slot_sizes],
+        cold=_region(draw, codec.cold_page_size(layout), cold_capacity, 1),
+        cold_kind=draw(st.sampled_from(cold_kinds)),
+        pool_slots=list(pool_slots),
+        cold_slots=list(cold_slots),
+        target_slots=list(target_slots),
+        seed=draw(_seeds),
+    )
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _random_fill(rng: np.random.Generator, nbytes: int, dtype: np.dtype[Any] | None) -> np.ndarray:
+    """Random bytes, or (for lossy codecs) random floats in [-1, 1] as bytes."""
+    if dtype is None:
+        return rng.integers(0, 256, nbytes, dtype=np.uint8)
+    count = -(-nbytes // dtype.itemsize)
+    values = rng.uniform(-1.0, 1.0, count).astype(dtype)
+    return values.view(np.uint8)[:nbytes].copy()
+
+
+def _alloc(backend: KernelBackend, kind: str, nbytes: int) -> Buffer:
+    return backend.alloc_host(nbytes) if kind == MemoryKind.HOST else backend.alloc_device(nbytes)
+
+
+def _slot_bytes(image: np.ndarray, region: _Region, slot: int, size: int) -> np.ndarray:
+    start = region.offset + slot * region.stride
+    return image[start : start + size]
+
+
+def _outside(image: np.ndarray, region: _Region, slots: list[int], size: int) -> np.ndarray:
+    """The bytes of ``image`` outside the given slots (for untouched-memory checks)."""
+    keep = np.ones(len(image), dtype=bool)
+    for slot in slots:
+        start = region.offset + slot * region.stride
+        keep[start : start + size] = False
+    return image[keep]
+
+
+# -- the suite -----------------------------------------------------------------------------
+
+
+class CodecConformance(ConformanceBase):
+    """Checks a page codec's round trip and cold layout, or a blob codec's integrity."""
+
+    kvcm_kind = "codec"
+    #: Element type of the random data lossy page codecs are checked on (their
+    #: ``error_bound`` is per element of this type).
+    lossy_element_dtype: ClassVar[str] = "float16"
+
+    @pytest.fixture(scope="class")
+    def codec(self, kvcm_plugin_spec: Any) -> Any:
+        """The codec under test, built with default options."""
+        return kvcm_plugin_spec.factory({})
+
+    @pytest.fixture(scope="class")
+    def backend(self) -> Iterator[KernelBackend]:
+        """The selected kernel backend (``numpy`` where there is no GPU)."""
+        spec = get_plugin_manager().select_kernel_backend()
+        backend = spec.factory({})
+        yield backend
+        backend.close()
+
+    def _itemsize(self, spec: Any) -> int:
+        """Bytes per element of the random data: 1 for lossless codecs."""
+        return 1 if spec.capabilities.lossless else np.dtype(self.lossy_element_dtype).itemsize
+
+    @staticmethod
+    def _page(spec: Any) -> None:
+        if spec.capabilities.kind is not CodecKind.PAGE:
+            pytest.skip("not a page codec")
+
+    @staticmethod
+    def _blob(spec: Any) -> None:
+        if spec.capabilities.kind is not CodecKind.BLOB:
+            pytest.skip("not a blob codec")
+
+    # -- both kinds ----------------------------------------------------------------------
+
+    def test_codec_is_the_kind_and_precision_its_record_declares(
+        self, codec: Any, kvcm_plugin_spec: Any
+    ) -> None:
+        caps = kvcm_plugin_spec.capabilities
+        if caps.kind is CodecKind.PAGE:
+            assert isinstance(codec, PageCodec)
+            assert codec.lossless == caps.lossless
+            assert codec.error_bound == caps.error_bound
+        else:
+            assert isinstance(codec, BlobCodec)
+            assert caps.lossless, "a blob codec must give back the exact bytes"
+        if not caps.lossless:
+            assert caps.error_bound is not None and caps.error_bound > 0
+
+    # -- page codecs ---------------------------------------------------------------------
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_cold_page_size_is_fixed_and_positive(
+        self, codec: Any, kvcm_plugin_spec: Any, data: st.DataObject
+    ) -> None:
+        self._page(kvcm_plugin_spec)
+        layout = data.draw(_layouts(self._itemsize(kvcm_plugin_spec)))
+        size = codec.cold_page_size(layout)
+        assert isinstance(size, int) and size > 0
+        again = PageLayout(slot_sizes=tuple(layout.slot_sizes), buffers=tuple(layout.buffers))
+        assert codec.cold_page_size(again) == size
+        if kvcm_plugin_spec.capabilities.lossless:
+            # A fixed-size page cannot hold every possible block in fewer bytes.
+            assert size >= layout.page_bytes
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_encode_then_decode_round_trips_on_random_layouts(
+        self, codec: Any, kvcm_plugin_spec: Any, backend: KernelBackend, data: st.DataObject
+    ) -> None:
+        """Lossless: bit exact; lossy: within ``error_bound`` per element. Encoding touches
+        only its cold pages and no pool byte; decoding touches only its target slots."""
+        self._page(kvcm_plugin_spec)
+        caps = kvcm_plugin_spec.capabilities
+        dtype = None if caps.lossless else np.dtype(self.lossy_element_dtype)
+        cold_kinds = [MemoryKind.DEVICE]
+        if backend.capabilities.host_mapped:
+            cold_kinds.append(MemoryKind.HOST)
+        case = data.draw(_round_trips(codec, self._itemsize(kvcm_plugin_spec), cold_kinds))
+        layout, cold_size = case.layout, codec.cold_page_size(case.layout)
+        rng = np.random.default_rng(case.seed)
+        buffers: list[Buffer] = []
+        try:
+            images = {}
+
+            def filled(kind: str, region: _Region) -> Buffer:
+                buf = _alloc(backend, kind, region.nbytes)
+                buffers.append(buf)
+                images[id(buf)] = _random_fill(rng, region.nbytes, dtype)
+                backend.write(buf, 0, images[id(buf)])
+                return buf
+
+            pools = [filled(MemoryKind.DEVICE, r) for r in case.pools]
+            targets = [filled(MemoryKind.DEVICE, r) for r in case.targets]
+            cold = filled(case.cold_kind, case.cold)
+
+            def read(buf: Buffer) -> np.ndarray:
+                return backend.read(buf, 0, buf.nbytes)
+
+            codec.encode(
+                backend,
+                layout,
+                [PageRegion(b, r.offset, r.stride) for b, r in zip(pools, case.pools, strict=True)],
+                np.array(case.pool_slots, dtype=np.int32),
+                PageRegion(cold, case.cold.offset, case.cold.stride),
+                np.array(case.cold_slots, dtype=np.int32),
+            )
+            backend.synchronize()
+            for buf in pools:
+                assert np.array_equal(read(buf), images[id(buf)]), "encode changed a GPU pool"
+            cold_after = read(cold)
+            assert np.array_equal(
+                _outside(cold_after, case.cold, case.cold_slots, cold_size),
+                _outside(images[id(cold)], case.cold, case.cold_slots, cold_size),
+            ), "encode wrote outside its cold pages"
+
+            codec.decode(
+                backend,
+                layout,
+                PageRegion(cold, case.cold.offset, case.cold.stride),
+                np.array(case.cold_slots, dtype=np.int32),
+                [
+                    PageRegion(b, r.offset, r.stride)
+                    for b, r in zip(targets, case.targets, strict=True)
+                ],
+                np.array(case.target_slots, dtype=np.int32),
+            )
+            backend.synchronize()
+            assert np.array_equal(read(cold), cold_after), "decode changed the cold pages"
+            for p, size in enumerate(layout.slot_sizes):
+                got_image = read(targets[p])
+                want_image = images[id(targets[p])]
+                assert np.array_equal(
+                    _outside(got_image, case.targets[p], case.target_slots, size),
+                    _outside(want_image, case.targets[p], case.target_slots, size),
+                ), f"decode wrote outside its target slots in pool {p}"
+                for src_slot, dst_slot in zip(case.pool_slots, case.target_slots, strict=True):
+                    want = _slot_bytes(images[id(pools[p])], case.pools[p], src_slot, size)
+                    got = _slot_bytes(got_image, case.targets[p], dst_slot, size)
+                    if dtype is None:
+                        assert np.array_equal(got, want), (
+                            f"pool {p}: block {src_slot} came back different"
+                        )
+                    else:
+                        error = np.abs(
+                            got.view(dtype).astype(np.float64) - want.view(dtype).astype(np.float64)
+                        )
+                        assert np.all(np.isfinite(error)), f"pool {p}: non-finite values"
+                        assert error.max(initial=0.0) <= caps.error_bound, (
+                            f"pool {p}: error {error.max()} > bound {caps.error_bound}"
+                        )
+        finally:
+            for buf in buffers:
+                buf.free()
+
+    def test_encode_and_decode_of_no_blocks_change_nothing(
+        self, codec: Any, kvcm_plugin_spec: Any, backend: KernelBackend
+    ) -> None:
+        self._page(kvcm_plugin_spec)
+        itemsize = self._itemsize(kvcm_plugin_spec)
+        layout = PageLayout(slot_sizes=(3 * itemsize, 5 * itemsize))
+        cold_size = codec.cold_page_size(layout)
+        rng = np.random.default_rng(5)
+        pools = [backend.alloc_device(4 * s) for s in layout.slot_sizes]
+        cold = backend.alloc_device(4 * cold_size)
+        try:
+            before = []
+            for buf in [*pools, cold]:
+                image = rng.integers(0, 256, buf.nbytes, dtype=np.uint8)
+                backend.write(buf, 0, image)
+                before.append(image)
+            regions = [PageRegion(b, 0, s) for b, s in zip(pools, layout.slot_sizes, strict=True)]
+            none = np.zeros(0, dtype=np.int32)
+            codec.encode(backend, layout, regions, none, PageRegion(cold, 0, cold_size), none)
+            codec.decode(backend, layout, PageRegion(cold, 0, cold_size), none, regions, none)
+            backend.synchronize()
+            for buf, image in zip([*pools, cold], before, strict=True):
+                assert np.array_equal(backend.read(buf, 0, buf.nbytes), image)
+        finally:
+            for buf in [*pools, cold]:
+                buf.free()
+
+    # -- blob codecs ---------------------------------------------------------------------
+
+    @_SETTINGS
+    @given(payload=st.binary(max_size=5000))
+    def test_blob_round_trips_random_bytes(
+        self, codec: Any, kvcm_plugin_spec: Any, payload: bytes
+    ) -> None:
+        self._blob(kvcm_plugin_spec)
+        blob = codec.encode(payload)
+        assert isinstance(blob, bytes)
+        assert codec.decode(blob) == payload
+        assert codec.decode(memoryview(blob), expected_size=len(payload)) == payload
+        assert codec.decode(codec.encode(memoryview(payload))) == payload
+
+    @_SETTINGS
+    @given(payload=st.binary(max_size=3000), data=st.data())
+    def test_checksummed_blob_with_a_flipped_byte_raises_corrupt_page_error(
+        self, codec: Any, kvcm_plugin_spec: Any, payload: bytes, data: st.DataObject
+    ) -> None:
+        self._blob(kvcm_plugin_spec)
+        if not kvcm_plugin_spec.capabilities.checksummed:
+            pytest.skip("blob codec declares no checksum")
+        blob = bytearray(codec.encode(payload))
+        where = data.draw(st.integers(0, len(blob) - 1))
+        blob[where] ^= data.draw(st.integers(1, 255))
+        with pytest.raises(CorruptPageError):
+            codec.decode(bytes(blob))
+
+    @_SETTINGS
+    @given(payload=st.binary(max_size=3000), data=st.data())
+    def test_checksummed_blob_truncated_raises_corrupt_page_error(
+        self, codec: Any, kvcm_plugin_spec: Any, payload: bytes, data: st.DataObject
+    ) -> None:
+        self._blob(kvcm_plugin_spec)
+        if not kvcm_plugin_spec.capabilities.checksummed:
+            pytest.skip("blob codec declares no checksum")
+        blob = codec.encode(payload)
+        cut = data.draw(st.integers(0, len(blob) - 1))
+        with pytest.raises(CorruptPageError):
+            codec.decode(blob[:cut])
+
+    def test_checksummed_blob_of_unexpected_size_raises_corrupt_page_error(
+        self, codec: Any, kvcm_plugin_spec: Any
+    ) -> None:
+        self._blob(kvcm_plugin_spec)
+        if not kvcm_plugin_spec.capabilities.checksummed:
+            pytest.skip("blob codec declares no checksum")
+        blob = codec.encode(b"kv page bytes" * 10)
+        with pytest.raises(CorruptPageError):
+            codec.decode(blob, expected_size=131)
