@@ -12,9 +12,11 @@ Names listed in ``KVCM_DISABLE_PLUGINS`` (comma separated) are blocked: an entry
 that name is never imported, and a record of that name is ignored.
 
 Records are collected once per kind, on first use, and cached. A plugin that fails to
-import or whose hook raises gives a :class:`~kvcm_core.errors.PluginError` that names it
-and says how to disable it; two records of one kind with the same name give a
-``PluginError`` naming both distributions.
+import, implements a ``kvcm_*`` hook that does not exist, or whose hook raises or yields
+something other than its kind's record gives a :class:`~kvcm_core.errors.PluginError`
+that names it, its distribution, and says how to disable it. Two entry points of one name,
+or two records of one kind with the same name, give a ``PluginError`` naming both
+distributions. An unknown name gives a ``PluginError`` listing the available ones.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import functools
 import importlib.metadata
 import os
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import attrs
 import pluggy
@@ -114,10 +116,20 @@ class KvcmPluginManager:
             return ep.dist.name if ep.dist is not None else "<unknown>"
 
         for ep in sorted(eps, key=lambda e: (dist_name(e), e.name)):
-            if ep.name in self.disabled or self._pm.has_plugin(ep.name):
+            if ep.name in self.disabled:
                 continue
             dist = dist_name(ep)
             version = ep.dist.version if ep.dist is not None else "?"
+            if self._pm.has_plugin(ep.name):
+                known = self._sources.get(ep.name)
+                if known is not None and known.distribution == dist:
+                    continue  # loaded already (load_entry_points called twice)
+                where = f"{known.distribution} {known.version}" if known else "registered by hand"
+                raise PluginError(
+                    f"duplicate plugin name {ep.name!r}: entry point {ep.value!r} of "
+                    f"distribution {dist} {version} and the plugin from {where}. Uninstall "
+                    f"one, or block the name with {DISABLE_ENV}={ep.name}"
+                )
             try:
                 module = ep.load()
             except Exception as exc:
@@ -141,13 +153,29 @@ class KvcmPluginManager:
         Returns:
             The plugin's name in the manager.
         """
+        label = repr(name) if name else repr(plugin)
         try:
             plugin_name = self._pm.register(plugin, name=name)
         except (ValueError, pluggy.PluginValidationError) as exc:
             raise PluginError(
-                f"plugin {name or plugin!r} of {distribution} could not be registered: {exc}"
+                f"plugin {label} of distribution {distribution} could not be registered: "
+                f"{exc}. Disable it with {DISABLE_ENV}={name or '<name>'}"
             ) from exc
-        assert plugin_name is not None
+        if plugin_name is None:  # blocked in pluggy
+            raise PluginError(f"plugin {label} is blocked and was not registered")
+        # A misspelt hook (``kvcm_teirs``) would otherwise be silently ignored.
+        for hook_name in dir(self._pm.hook):
+            caller = getattr(self._pm.hook, hook_name)
+            if hook_name.startswith("_") or caller.spec is not None:
+                continue
+            if any(i.plugin_name == plugin_name for i in caller.get_hookimpls()):
+                self._pm.unregister(name=plugin_name)
+                known = ", ".join(_KINDS) + ", kvcm_event_sinks"
+                raise PluginError(
+                    f"plugin {plugin_name!r} of distribution {distribution} implements "
+                    f"{hook_name}(), which is not a kvcm hook (known: {known}). Disable it "
+                    f"with {DISABLE_ENV}={plugin_name}"
+                )
         self._sources[plugin_name] = _Source(distribution, version)
         self._cache.clear()
         return plugin_name
@@ -173,21 +201,31 @@ class KvcmPluginManager:
         found: dict[str, RegisteredPlugin] = {}
         hook = getattr(self._pm.hook, hook_name)
         for impl in hook.get_hookimpls():
+            if impl.hookwrapper or impl.wrapper:
+                continue  # wrappers observe other implementations; they register nothing
             source = self._sources.get(impl.plugin_name, _Source("<registered>", ""))
+            blame = f"plugin {impl.plugin_name!r} of distribution {source.distribution}"
+            disable = f"Disable it with {DISABLE_ENV}={impl.plugin_name}"
             try:
-                records = list(impl.function() or ())
+                result = impl.function()
+                if isinstance(result, PluginSpec) or not isinstance(result, Iterable | None):
+                    raise PluginError(
+                        f"{blame} returned {type(result).__name__} from {hook_name}(); it "
+                        f"must yield {record_type.__name__} records (or return a list). "
+                        f"{disable}"
+                    )
+                records = list(result or ())
+            except PluginError:
+                raise
             except Exception as exc:
                 raise PluginError(
-                    f"plugin {impl.plugin_name!r} of {source.distribution} failed in "
-                    f"{hook_name}(): {type(exc).__name__}: {exc}. "
-                    f"Disable it with {DISABLE_ENV}={impl.plugin_name}"
+                    f"{blame} failed in {hook_name}(): {type(exc).__name__}: {exc}. {disable}"
                 ) from exc
             for record in records:
                 if not isinstance(record, record_type):
                     raise PluginError(
-                        f"plugin {impl.plugin_name!r} of {source.distribution} yielded "
-                        f"{type(record).__name__} from {hook_name}(); expected "
-                        f"{record_type.__name__}"
+                        f"{blame} yielded {type(record).__name__} from {hook_name}(); "
+                        f"expected {record_type.__name__}. {disable}"
                     )
                 if record.name in self.disabled:
                     continue
@@ -198,7 +236,8 @@ class KvcmPluginManager:
                         f"{first.plugin!r} of distribution {first.distribution} "
                         f"{first.version} and by plugin {impl.plugin_name!r} of distribution "
                         f"{source.distribution} {source.version}. Uninstall one, or disable "
-                        f"one with {DISABLE_ENV}=<plugin name>"
+                        f"one with {DISABLE_ENV}={first.plugin} or "
+                        f"{DISABLE_ENV}={impl.plugin_name}"
                     )
                 found[record.name] = RegisteredPlugin(
                     record, impl.plugin_name, source.distribution, source.version
@@ -240,18 +279,30 @@ class KvcmPluginManager:
     def event_sinks(self, config: Any) -> list[Any]:
         """Event sinks that plugins provide for one manager's ``config``."""
         sinks: list[Any] = []
-        for batch in self._pm.hook.kvcm_event_sinks(config=config):
-            sinks.extend(batch or ())
+        for impl in reversed(self._pm.hook.kvcm_event_sinks.get_hookimpls()):
+            if impl.hookwrapper or impl.wrapper:
+                continue
+            source = self._sources.get(impl.plugin_name, _Source("<registered>", ""))
+            try:
+                kwargs = {"config": config} if "config" in impl.argnames else {}
+                batch = cast("Iterable[Any] | None", impl.function(**kwargs))
+                sinks.extend(batch or ())
+            except Exception as exc:
+                raise PluginError(
+                    f"plugin {impl.plugin_name!r} of distribution {source.distribution} "
+                    f"failed in kvcm_event_sinks(): {type(exc).__name__}: {exc}. "
+                    f"Disable it with {DISABLE_ENV}={impl.plugin_name}"
+                ) from exc
         return sinks
 
     # -- lookups -----------------------------------------------------------------------
 
-    @staticmethod
-    def _lookup(kind: str, table: Mapping[str, SpecT], name: str) -> SpecT:
+    def _lookup(self, kind: str, table: Mapping[str, SpecT], name: str) -> SpecT:
         spec = table.get(name)
         if spec is None:
             known = ", ".join(sorted(table)) or "none"
-            raise PluginError(f"unknown {kind} {name!r}; available: {known}")
+            why = f" (blocked by {DISABLE_ENV})" if name in self.disabled else ""
+            raise PluginError(f"unknown {kind} {name!r}{why}; available: {known}")
         return spec
 
     def tier(self, name: str) -> TierSpec:
@@ -282,16 +333,16 @@ class KvcmPluginManager:
             name = os.environ.get(BACKEND_ENV, "auto") or "auto"
         if name != "auto":
             spec = self.kernel_backend(name)
-            avail = spec.availability()
-            if not avail:
-                raise PluginError(f"kernel backend {name!r} is unavailable: {avail.reason}")
+            ok, reason = self.availability_of(spec)
+            if not ok:
+                raise PluginError(f"kernel backend {name!r} is unavailable: {reason}")
             return spec
-        candidates = [s for s in self.kernel_backends().values() if s.availability()]
+        backends = self.kernel_backends()
+        verdicts = {n: self.availability_of(s) for n, s in backends.items()}
+        candidates = [s for n, s in backends.items() if verdicts[n][0]]
         if not candidates:
-            raise PluginError(
-                "no kernel backend is available; installed: "
-                + (", ".join(self.kernel_backends()) or "none")
-            )
+            why = "; ".join(f"{n}: {r}" for n, (_, r) in verdicts.items()) or "none installed"
+            raise PluginError(f"no kernel backend is available ({why})")
         top = max(s.priority for s in candidates)
         best = [s for s in candidates if s.priority == top]
         if len(best) > 1:
