@@ -9,9 +9,32 @@ on declared capabilities, never on names.
 
 from __future__ import annotations
 
-from typing import ClassVar
+import importlib
+from typing import Any, ClassVar
 
-__all__ = ["ConformanceBase"]
+__all__ = [
+    "CodecConformance",
+    "ConformanceBase",
+    "EvictionPolicyConformance",
+    "KernelBackendConformance",
+    "TierConformance",
+]
+
+# Suite classes, imported on first access: importing this package stays cheap (no pytest or
+# hypothesis), since the pytest plugin and every suite import ConformanceBase from here.
+_LAZY = {
+    "CodecConformance": "codec",
+    "EvictionPolicyConformance": "eviction",
+    "KernelBackendConformance": "kernels",
+    "TierConformance": "tier",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
 class ConformanceBase:
