@@ -277,9 +277,9 @@ class KvcmPluginManager:
         }
 
     def event_sinks(self, config: Any) -> list[Any]:
-        """Event sinks that plugins provide for one manager's ``config``."""
+        """Event sinks that plugins provide for one manager's ``config``, in load order."""
         sinks: list[Any] = []
-        for impl in reversed(self._pm.hook.kvcm_event_sinks.get_hookimpls()):
+        for impl in self._pm.hook.kvcm_event_sinks.get_hookimpls():  # load order
             if impl.hookwrapper or impl.wrapper:
                 continue
             source = self._sources.get(impl.plugin_name, _Source("<registered>", ""))
