@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcm_core.backend import KernelBackend, PageRegion
+from kvcm_core.backend import KernelBackend, PageRegion, Stream
 from kvcm_core.codec import BlobCodec, PageCodec, PageLayout
 from kvcm_core.errors import CorruptPageError
 from kvcm_core.records import CodecCapabilities, CodecKind, CodecSpec
@@ -59,10 +59,28 @@ class _TruncatingCodec(PageCodec):
                     backend.write(region.buffer, start, page)
                 at += size // 2
 
-    def encode(self, backend, layout, src, src_slots, dst, dst_slots, stream=None):  # type: ignore[no-untyped-def]
+    def encode(
+        self,
+        backend: KernelBackend,
+        layout: PageLayout,
+        src: Sequence[PageRegion],
+        src_slots: np.ndarray,
+        dst: PageRegion,
+        dst_slots: np.ndarray,
+        stream: Stream | None = None,
+    ) -> None:
         self._move(backend, layout, src, src_slots, dst, dst_slots, encode=True)
 
-    def decode(self, backend, layout, src, src_slots, dst, dst_slots, stream=None):  # type: ignore[no-untyped-def]
+    def decode(
+        self,
+        backend: KernelBackend,
+        layout: PageLayout,
+        src: PageRegion,
+        src_slots: np.ndarray,
+        dst: Sequence[PageRegion],
+        dst_slots: np.ndarray,
+        stream: Stream | None = None,
+    ) -> None:
         self._move(backend, layout, dst, dst_slots, src, src_slots, encode=False)
 
 
