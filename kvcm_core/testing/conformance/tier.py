@@ -1,0 +1,576 @@
+"""Conformance tests for storage tiers.
+
+Every registered tier runs through :class:`TierConformance` on the ``numpy`` backend. Data
+goes in through the tier's own path and is checked through a *backdoor* so that ``read`` is
+never tested only by trusting ``write``:
+
+- device-accessible pools are written and read by kernels (``copy_pages`` between the pool's
+  region and a staging buffer) and checked with the backend's ``read`` at
+  ``region.page_start(slot)``;
+- storage pools are written and read through their handles and checked through
+  :meth:`TierConformance.backdoor_read`, by default (for persistent tiers) a second tier
+  instance that reopens the pool by name.
+
+Tests gate on declared capabilities (``device_accessible``, ``medium``, ``persistent``,
+``file_mode``, ``dir_mode``), never on names. Rules a tier must follow beyond the
+signatures in :mod:`kvcm_core.tier`:
+
+- an unknown option raises :class:`~kvcm_core.errors.ConfigError`;
+- bad pool sizes, out-of-range slots and misshapen host arrays raise ``ValueError`` at the
+  call, before anything is written;
+- I/O on a closed pool raises :class:`~kvcm_core.errors.InvalidStateError`; ``close`` is
+  idempotent;
+- file tiers keep every file under the directory their options name, created with the
+  declared ``file_mode``/``dir_mode``, and refuse (with a ``KvcmError``) a symbolic link in
+  place of a pool file or of their directory;
+- persistent tiers reopen a named pool: written, closed, reopened with the same name and
+  slot size, it reads back.
+
+Subclass to run it for one tier::
+
+    from kvcm_core.testing.conformance.tier import TierConformance
+
+    class TestMyTier(TierConformance):
+        plugin_name = "mytier"
+
+Override :meth:`TierConformance.tier_options` when the tier needs options (keep every
+file it creates under the directory given), and :meth:`TierConformance.backdoor_read` to
+check stored bytes through a path of your own (reading the file directly, for instance).
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcm_core.backend import KernelBackend, PageRegion
+from kvcm_core.errors import ConfigError, InvalidStateError, KvcmError, TierIOError
+from kvcm_core.plugins import get_plugin_manager
+from kvcm_core.records import Medium, TierSpec
+from kvcm_core.testing.conformance import ConformanceBase
+from kvcm_core.tier import DevicePool, IOHandle, Pool, StoragePool, Tier
+
+__all__ = ["TierConformance"]
+
+_SETTINGS = settings(
+    max_examples=15,
+    deadline=None,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,  # the tier is shared by examples on purpose
+        HealthCheck.differing_executors,  # one base class, one subclass per plugin
+    ],
+)
+
+# Slot sizes from 1 byte to 1 MiB, mostly not powers of two, weighted to the small end.
+_slot_sizes = st.one_of(
+    st.integers(1, 100),
+    st.integers(101, 64 << 10),
+    st.integers((64 << 10) + 1, 1 << 20),
+    st.sampled_from([1, 4096, 1 << 20]),
+)
+_seeds = st.integers(0, 2**32 - 1)
+#: Bytes of one pool in a random example, at most (keeps an example well under a second).
+_BUDGET = 6 << 20
+_IO_FUNCTIONS = ("pread", "pwrite", "preadv", "pwritev")
+
+
+def _max_slots(slot_bytes: int, cap: int = 12) -> int:
+    return max(1, min(cap, _BUDGET // slot_bytes))
+
+
+def _random_rows(seed: int, n: int, slot_bytes: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, slot_bytes), dtype=np.uint8)
+
+
+class TierConformance(ConformanceBase):
+    """The conformance suite of storage tiers (see module docstring)."""
+
+    kvcm_kind: ClassVar[str] = "tier"
+
+    spec: TierSpec
+    backend: KernelBackend
+    tmp_path: Path
+
+    # -- hooks for subclasses ------------------------------------------------------------
+
+    def tier_options(self, tmp_path: Path) -> dict[str, Any]:
+        """Options for the tier under test, keeping all its files under ``tmp_path``.
+
+        The default gives persistent file tiers ``{"path": tmp_path / "tier"}`` and every
+        other tier no options.
+        """
+        caps = self.spec.capabilities
+        if caps.persistent and caps.medium is Medium.FILE:
+            return {"path": str(tmp_path / "tier")}
+        return {}
+
+    def backdoor_read(self, pool: Pool, slot: int) -> bytes | None:
+        """The bytes stored in ``slot``, through a path independent of ``pool``'s own I/O.
+
+        The default reads device-accessible pools with the backend's ``read`` at
+        ``region.page_start(slot)``; for persistent storage tiers it reopens the pool by name
+        in a second tier instance built from the same options; otherwise ``None`` (no
+        backdoor: the test then relies on ``read`` alone).
+        """
+        if isinstance(pool, DevicePool):
+            start = pool.region.page_start(slot)
+            return bytes(self.backend.read(pool.buffer, start, pool.slot_bytes))
+        where = self._names.get(id(pool))
+        if not self.spec.capabilities.persistent or where is None:
+            return None
+        name, base = where
+        second = self._second.get(base)
+        if second is None:
+            second = self._second[base] = self.spec.factory(self.backend, self.tier_options(base))
+        other = second.create_pool(pool.slot_bytes, pool.num_slots, name=name)
+        assert isinstance(other, StoragePool)
+        try:
+            row = np.zeros((1, pool.slot_bytes), dtype=np.uint8)
+            other.read(np.array([slot]), row).wait()
+        finally:
+            other.close()
+        return row.tobytes()
+
+    # -- fixtures ------------------------------------------------------------------------
+
+    @pytest.fixture
+    def tier(self, kvcm_plugin_spec: TierSpec, tmp_path: Path) -> Iterator[Tier]:
+        """A tier from the plugin's factory on a fresh numpy backend."""
+        self.spec = kvcm_plugin_spec
+        self.backend = get_plugin_manager().kernel_backend("numpy").factory({})
+        self.tmp_path = tmp_path
+        self._opened: list[Tier] = []
+        self._names: dict[int, tuple[str, Path]] = {}
+        self._bases: dict[int, Path] = {}
+        self._counter = itertools.count()
+        self._second: dict[Path, Tier] = {}
+        tier = self.open_tier()
+        yield tier
+        for second in self._second.values():
+            second.close()
+        for opened in reversed(self._opened):
+            opened.close()
+        self.backend.close()
+
+    def open_tier(self, base: Path | None = None) -> Tier:
+        """Another tier instance (closed after the test), with options for ``base``."""
+        base = base or self.tmp_path
+        tier = self.spec.factory(self.backend, self.tier_options(base))
+        self._opened.append(tier)
+        self._bases[id(tier)] = base
+        return tier
+
+    def new_pool(self, tier: Tier, slot_bytes: int, num_slots: int, name: str = "") -> Pool:
+        """A pool with a fresh name (remembered for the backdoor)."""
+        name = name or f"pool{next(self._counter)}"
+        pool = tier.create_pool(slot_bytes, num_slots, name=name)
+        self._names[id(pool)] = (name, self._bases.get(id(tier), self.tmp_path))
+        return pool
+
+    # -- data paths ----------------------------------------------------------------------
+
+    def put(self, pool: Pool, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Store ``rows[i]`` in ``slots[i]`` through the pool's own path."""
+        if isinstance(pool, StoragePool):
+            pool.write(slots, rows).wait()
+            return
+        assert isinstance(pool, DevicePool)
+        if not len(slots):
+            return
+        staging = self.backend.alloc_host(rows.size)
+        try:
+            self.backend.write(staging, 0, rows)
+            pairs = np.stack([slots, np.arange(len(slots))], axis=1).astype(np.int32)
+            region = PageRegion(staging, 0, pool.slot_bytes)
+            self.backend.copy_pages(pool.region, region, pool.slot_bytes, pairs)
+            self.backend.synchronize()
+        finally:
+            staging.free()
+
+    def get(self, pool: Pool, slots: np.ndarray) -> np.ndarray:
+        """The rows stored in ``slots`` through the pool's own path."""
+        out = np.zeros((len(slots), pool.slot_bytes), dtype=np.uint8)
+        if isinstance(pool, StoragePool):
+            pool.read(slots, out).wait()
+            return out
+        assert isinstance(pool, DevicePool)
+        if not len(slots):
+            return out
+        staging = self.backend.alloc_host(out.size)
+        try:
+            pairs = np.stack([np.arange(len(slots)), slots], axis=1).astype(np.int32)
+            region = PageRegion(staging, 0, pool.slot_bytes)
+            self.backend.copy_pages(region, pool.region, pool.slot_bytes, pairs)
+            self.backend.synchronize()
+            out[...] = self.backend.read(staging, 0, out.size).reshape(out.shape)
+        finally:
+            staging.free()
+        return out
+
+    def check_stored(self, pool: Pool, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Assert ``rows`` are in ``slots``: through the pool's path and the backdoor."""
+        order = np.random.default_rng(len(slots)).permutation(len(slots))
+        got = self.get(pool, slots[order])
+        for k, i in enumerate(order):
+            assert np.array_equal(got[k], rows[i]), f"slot {int(slots[i])} read back wrong"
+        for i in range(min(len(slots), 3)):
+            back = self.backdoor_read(pool, int(slots[i]))
+            if back is not None:
+                assert back == rows[i].tobytes(), f"slot {int(slots[i])} stored wrong bytes"
+
+    # -- the record and the pools ----------------------------------------------------------
+
+    def test_tier_declares_the_capabilities_of_its_record(self, tier: Tier) -> None:
+        assert tier.capabilities == self.spec.capabilities
+        pool = self.new_pool(tier, 64, 2)
+        if tier.capabilities.device_accessible:
+            assert isinstance(pool, DevicePool)
+        else:
+            assert isinstance(pool, StoragePool)
+            assert not isinstance(pool, DevicePool)
+
+    def test_pool_reports_its_size(self, tier: Tier) -> None:
+        pool = self.new_pool(tier, 1000, 7)
+        assert (pool.slot_bytes, pool.num_slots, pool.nbytes) == (1000, 7, 7000)
+        if isinstance(pool, DevicePool):
+            assert pool.buffer.nbytes >= pool.nbytes
+            assert pool.base_address == pool.buffer.ptr
+            assert pool.region.page_start(3) - pool.region.page_start(2) == 1000
+
+    @pytest.mark.parametrize(
+        ("slot_bytes", "num_slots"), [(0, 4), (-8, 4), (64, -1), (1.5, 4), (True, 4)]
+    )
+    def test_bad_pool_sizes_are_refused(self, tier: Tier, slot_bytes: Any, num_slots: Any) -> None:
+        with pytest.raises(ValueError):
+            tier.create_pool(slot_bytes, num_slots, name="bad")
+
+    def test_unknown_option_is_refused_with_config_error(self, tier: Tier) -> None:
+        options = {**self.tier_options(self.tmp_path / "other"), "no_such_option": 1}
+        with pytest.raises(ConfigError) as info:
+            self.spec.factory(self.backend, options)
+        assert "no_such_option" in str(info.value)
+
+    def test_empty_pool_can_be_created_and_grown(self, tier: Tier) -> None:
+        pool = self.new_pool(tier, 48, 0)
+        assert pool.nbytes == 0
+        pool.resize(3)
+        rows = _random_rows(1, 3, 48)
+        self.put(pool, np.arange(3), rows)
+        self.check_stored(pool, np.arange(3), rows)
+
+    # -- data ------------------------------------------------------------------------------
+
+    @_SETTINGS
+    @given(data=st.data(), slot_bytes=_slot_sizes, seed=_seeds)
+    def test_bytes_round_trip_through_every_slot(
+        self, tier: Tier, data: st.DataObject, slot_bytes: int, seed: int
+    ) -> None:
+        num_slots = data.draw(st.integers(1, _max_slots(slot_bytes)), label="num_slots")
+        chosen = data.draw(
+            st.lists(st.integers(0, num_slots - 1), min_size=1, unique=True), label="slots"
+        )
+        slots = np.array(chosen, dtype=np.int64)
+        rows = _random_rows(seed, len(slots), slot_bytes)
+        pool = self.new_pool(tier, slot_bytes, num_slots)
+        try:
+            self.put(pool, slots, rows)
+            self.check_stored(pool, slots, rows)
+        finally:
+            pool.close()
+
+    def test_rewriting_a_slot_replaces_its_bytes_only(self, tier: Tier) -> None:
+        pool = self.new_pool(tier, 333, 4)
+        first = _random_rows(2, 4, 333)
+        self.put(pool, np.arange(4), first)
+        second = _random_rows(3, 1, 333)
+        self.put(pool, np.array([2]), second)
+        expected = first.copy()
+        expected[2] = second[0]
+        self.check_stored(pool, np.arange(4), expected)
+
+    @_SETTINGS
+    @given(data=st.data(), slot_bytes=_slot_sizes, seed=_seeds)
+    def test_resize_keeps_the_data_of_kept_slots(
+        self, tier: Tier, data: st.DataObject, slot_bytes: int, seed: int
+    ) -> None:
+        cap = _max_slots(slot_bytes)
+        before = data.draw(st.integers(1, cap), label="before")
+        sizes = data.draw(st.lists(st.integers(0, cap), min_size=1, max_size=3), label="sizes")
+        pool = self.new_pool(tier, slot_bytes, before)
+        try:
+            rows = _random_rows(seed, before, slot_bytes)
+            self.put(pool, np.arange(before), rows)
+            kept = before
+            for size in sizes:
+                pool.resize(size)
+                assert (pool.num_slots, pool.nbytes) == (size, size * slot_bytes)
+                kept = min(kept, size)
+                self.check_stored(pool, np.arange(kept), rows[:kept])
+            # slots gained by growing are usable
+            if pool.num_slots > kept:
+                fresh = np.arange(kept, pool.num_slots)
+                new_rows = _random_rows(seed + 1, len(fresh), slot_bytes)
+                self.put(pool, fresh, new_rows)
+                self.check_stored(pool, fresh, new_rows)
+                self.check_stored(pool, np.arange(kept), rows[:kept])
+        finally:
+            pool.close()
+
+    def test_out_of_range_slots_are_refused_and_nothing_is_written(self, tier: Tier) -> None:
+        pool = self.new_pool(tier, 100, 4)
+        rows = _random_rows(4, 4, 100)
+        self.put(pool, np.arange(4), rows)
+        junk = np.full((2, 100), 0xAB, dtype=np.uint8)
+        if isinstance(pool, StoragePool):
+            for slots in ([0, 4], [-1, 1], [1, 1 << 40]):
+                with pytest.raises(ValueError):
+                    pool.write(np.array(slots), junk)
+                with pytest.raises(ValueError):
+                    pool.read(np.array(slots), np.zeros((2, 100), dtype=np.uint8))
+        else:
+            assert isinstance(pool, DevicePool)
+            # the allocation holds the pool's slots and no further whole slot
+            assert pool.buffer.nbytes < pool.region.page_start(5)
+            staging = self.backend.alloc_host(junk.size)
+            try:
+                self.backend.write(staging, 0, junk)
+                src = PageRegion(staging, 0, 100)
+                with pytest.raises(ValueError):
+                    self.backend.copy_pages(
+                        pool.region, src, 100, np.array([[0, 0], [4, 1]], dtype=np.int32)
+                    )
+            finally:
+                staging.free()
+        self.check_stored(pool, np.arange(4), rows)
+
+    def test_misshapen_host_arrays_are_refused(self, tier: Tier) -> None:
+        pool = self.new_pool(tier, 64, 4)
+        if not isinstance(pool, StoragePool):
+            pytest.skip("device-accessible pools take no host arrays")
+        rows = _random_rows(5, 2, 64)
+        self.put(pool, np.array([0, 1]), rows)
+        for bad in (
+            np.zeros((2, 63), dtype=np.uint8),
+            np.zeros((3, 64), dtype=np.uint8),
+            np.zeros((2, 16), dtype=np.uint32),
+            np.zeros(128, dtype=np.uint8),
+        ):
+            with pytest.raises(ValueError):
+                pool.write(np.array([0, 1]), bad)
+            with pytest.raises(ValueError):
+                pool.read(np.array([0, 1]), bad)
+        self.check_stored(pool, np.array([0, 1]), rows)
+
+    def test_hundreds_of_operations_in_flight_all_complete_correctly(self, tier: Tier) -> None:
+        if tier.capabilities.device_accessible:
+            pytest.skip("device-accessible pools are reached by kernels, not by I/O handles")
+        n, slot_bytes = 400, 1500
+        pool = self.new_pool(tier, slot_bytes, n)
+        assert isinstance(pool, StoragePool)
+        rows = _random_rows(6, n, slot_bytes)
+        order = np.random.default_rng(7).permutation(n)
+        # single slots and small scattered batches, all submitted before any wait
+        batches = [order[i : i + 1] for i in range(0, 200)]
+        batches += [order[i : i + 5] for i in range(200, n, 5)]
+        handles: list[IOHandle] = [pool.write(b, rows[b]) for b in batches]
+        for handle in handles:
+            handle.wait()
+            assert handle.done()
+        dests = [np.zeros((len(b), slot_bytes), dtype=np.uint8) for b in batches]
+        handles = [pool.read(b[::-1].copy(), d) for b, d in zip(batches, dests, strict=True)]
+        for handle in handles:
+            handle.wait()
+        for b, d in zip(batches, dests, strict=True):
+            assert np.array_equal(d, rows[b[::-1]])
+        self.check_stored(pool, np.arange(n), rows)
+
+    def test_large_consecutive_batch_round_trips(self, tier: Tier) -> None:
+        slot_bytes, n = (64 << 10) + 7, 300  # about 19 MiB in one call
+        pool = self.new_pool(tier, slot_bytes, n)
+        rows = _random_rows(8, n, slot_bytes)
+        self.put(pool, np.arange(n), rows)
+        self.check_stored(pool, np.arange(n), rows)
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    def test_close_is_idempotent_and_a_closed_pool_refuses_use(self, tier: Tier) -> None:
+        pool = self.new_pool(tier, 64, 2)
+        pool.close()
+        pool.close()
+        with pytest.raises(InvalidStateError):
+            if isinstance(pool, StoragePool):
+                pool.write(np.array([0]), np.zeros((1, 64), dtype=np.uint8))
+            else:
+                assert isinstance(pool, DevicePool)
+                _ = pool.buffer
+        if isinstance(pool, StoragePool):
+            with pytest.raises(InvalidStateError):
+                pool.read(np.array([0]), np.zeros((1, 64), dtype=np.uint8))
+        tier.close()
+        tier.close()
+
+    # -- faults ----------------------------------------------------------------------------
+
+    def test_io_failure_surfaces_as_tier_io_error(
+        self, tier: Tier, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        caps = tier.capabilities
+        if caps.device_accessible or caps.medium is not Medium.FILE:
+            pytest.skip("needs a file tier reached through I/O handles")
+        pool = self.new_pool(tier, 4096, 8)
+        assert isinstance(pool, StoragePool)
+        rows = _random_rows(9, 8, 4096)
+        pool.write(np.arange(8), rows).wait()
+
+        def fail(*args: Any, **kwargs: Any) -> Any:
+            raise OSError(errno.EIO, "injected I/O error")
+
+        for fn in _IO_FUNCTIONS:
+            if hasattr(os, fn):
+                monkeypatch.setattr(os, fn, fail)
+        write = pool.write(np.array([1, 2]), rows[:2])
+        with pytest.raises(TierIOError):
+            write.wait()
+        assert write.done()
+        read = pool.read(np.array([5]), np.zeros((1, 4096), dtype=np.uint8))
+        with pytest.raises(TierIOError):
+            read.wait()
+        assert read.done()
+        monkeypatch.undo()
+        # the pool carries on: untouched slots are intact, failed slots can be rewritten
+        self.check_stored(pool, np.array([0, 5, 7]), rows[[0, 5, 7]])
+        self.put(pool, np.array([1, 2]), rows[3:5])
+        self.check_stored(pool, np.array([1, 2]), rows[3:5])
+
+    # -- persistence and files -------------------------------------------------------------
+
+    def _files_under(self, root: Path) -> dict[Path, os.stat_result]:
+        out = {}
+        for dirpath, dirnames, filenames in os.walk(root):
+            for entry in (*dirnames, *filenames):
+                p = Path(dirpath) / entry
+                out[p] = p.lstat()
+        return out
+
+    def test_persistent_pool_reads_back_after_reopen(self, tier: Tier) -> None:
+        if not tier.capabilities.persistent:
+            pytest.skip("tier does not declare persistence")
+        rows = _random_rows(10, 6, 777)
+        pool = self.new_pool(tier, 777, 6, name="kept")
+        self.put(pool, np.arange(6), rows)
+        pool.close()
+        tier.close()
+        again = self.open_tier()
+        reopened = self.new_pool(again, 777, 6, name="kept")
+        self.check_stored(reopened, np.arange(6), rows)
+
+    def test_files_and_directories_get_the_declared_modes(self, tier: Tier) -> None:
+        caps = tier.capabilities
+        if caps.file_mode is None and caps.dir_mode is None:
+            pytest.skip("tier declares no file or directory modes")
+        pools = [self.new_pool(tier, 512, 4, name=n) for n in ("a", "b")]
+        pools.append(tier.create_pool(512, 4))  # unnamed too
+        self.put(pools[0], np.arange(4), _random_rows(11, 4, 512))
+        entries = self._files_under(self.tmp_path)
+        assert entries, "the tier created nothing under the directory its options name"
+        for path, info in entries.items():
+            mode = info.st_mode
+            if stat.S_ISDIR(mode) and caps.dir_mode is not None:
+                assert stat.S_IMODE(mode) == caps.dir_mode, f"{path}: mode {mode:o}"
+            elif stat.S_ISREG(mode) and caps.file_mode is not None:
+                assert stat.S_IMODE(mode) == caps.file_mode, f"{path}: mode {mode:o}"
+
+    def test_existing_directory_is_tightened_to_dir_mode(self, tier: Tier) -> None:
+        if tier.capabilities.dir_mode is None:
+            pytest.skip("tier declares no directory mode")
+        base = self.tmp_path / "loose"
+        first = self.open_tier(base)
+        self.new_pool(first, 64, 1, name="probe")
+        first.close()
+        dirs = [p for p, i in self._files_under(base).items() if stat.S_ISDIR(i.st_mode)]
+        for d in dirs:
+            d.chmod(0o777)
+        second = self.open_tier(base)
+        self.new_pool(second, 64, 1, name="probe2")
+        for d in dirs:
+            if d.exists():
+                assert stat.S_IMODE(d.stat().st_mode) == tier.capabilities.dir_mode, str(d)
+
+    def _pool_files(self, tier: Tier, base: Path, name: str) -> list[Path]:
+        before = set(self._files_under(base))
+        pool = self.new_pool(tier, 256, 2, name=name)
+        self.put(pool, np.arange(2), _random_rows(12, 2, 256))
+        pool.close()
+        return [p for p in self._files_under(base) if p not in before and p.is_file()]
+
+    def test_symlink_planted_in_place_of_a_pool_file_is_refused(self, tier: Tier) -> None:
+        caps = tier.capabilities
+        if caps.file_mode is None or not caps.persistent:
+            pytest.skip("needs a persistent file tier that declares its file mode")
+        base = self.tmp_path / "planted"
+        first = self.open_tier(base)
+        files = self._pool_files(first, base, "victim")
+        first.close()
+        assert files, "creating a named pool created no file under the tier's directory"
+        outside = self.tmp_path / "outside"
+        outside.mkdir()
+        target = outside / "precious"
+        target.write_bytes(b"precious data" * 1000)
+        for f in files:
+            f.unlink()
+            f.symlink_to(target)
+        second = self.open_tier(base)
+        with pytest.raises(KvcmError):
+            pool = second.create_pool(256, 2, name="victim")
+            if isinstance(pool, StoragePool):  # a lazy tier must refuse at first I/O
+                pool.write(np.arange(2), np.zeros((2, 256), dtype=np.uint8)).wait()
+        assert target.read_bytes() == b"precious data" * 1000
+
+    def test_symlinked_directory_is_refused(self, tier: Tier) -> None:
+        if tier.capabilities.dir_mode is None:
+            pytest.skip("tier declares no directory mode")
+        base = self.tmp_path / "moved"
+        first = self.open_tier(base)
+        files = self._pool_files(first, base, "probe")
+        first.close()
+        assert files
+        tier_dir = files[0].parent
+        elsewhere = self.tmp_path / "elsewhere"
+        tier_dir.rename(elsewhere)
+        tier_dir.symlink_to(elsewhere, target_is_directory=True)
+        before = set(self._files_under(elsewhere))
+        with pytest.raises(KvcmError):
+            second = self.open_tier(base)
+            self.new_pool(second, 256, 2, name="other")
+        assert set(self._files_under(elsewhere)) == before
+
+    def test_pool_names_cannot_escape_the_directory(self, tier: Tier) -> None:
+        if tier.capabilities.medium is not Medium.FILE or not self.tier_options(self.tmp_path):
+            pytest.skip("needs a file tier whose directory the options name")
+        base = self.tmp_path / "names"
+        around = {p.name for p in self.tmp_path.iterdir()}
+        named = self.open_tier(base)
+        hostile = ["../escape", "../../escape2", "/abs/escape3", "..", ".", "a/b", "a_b", "\x00"]
+        rows = _random_rows(13, len(hostile), 128)
+        pools = [self.new_pool(named, 128, 1, name=n) for n in hostile]
+        for i, pool in enumerate(pools):
+            self.put(pool, np.array([0]), rows[i : i + 1])
+        for i, pool in enumerate(pools):  # distinct names never share storage
+            self.check_stored(pool, np.array([0]), rows[i : i + 1])
+        assert {p.name for p in self.tmp_path.iterdir()} == around | {"names"}
+        assert not Path("/abs").exists()
+        for path in self._files_under(base):
+            assert path.resolve().is_relative_to(base.resolve()), path
