@@ -122,3 +122,8 @@ __all__ = [
     "parse_size",
     "reset_plugin_manager",
 ]
+
+from kvcm_core.cache import CacheStatus, KVCache  # noqa: E402
+from kvcm_core.manager import KVCacheManager  # noqa: E402
+
+__all__ += ["CacheStatus", "KVCache", "KVCacheManager"]

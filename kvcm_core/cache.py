@@ -1,0 +1,597 @@
+"""KVCache: one request's pages, page tables and lengths (concepts.md §2, §11).
+
+The three lengths always satisfy ``num_committed_tokens <= history_length <= capacity``.
+Semantics kvcm fixes where the spec is silent (documented in docs/semantics.md):
+
+- ``commit(tokens)`` gives the tokens at positions ``[T, T + len(tokens))`` where ``T`` is
+  the number of tokens the cache knows (reused prefix plus earlier commits). History
+  advances to at least ``T + len(tokens)``, every newly full block is published (unless
+  ``stop_committing()`` was called), and pages that became stale are released.
+- ``resize(capacity, history_length)`` may also move history (the TRT-LLM style): within
+  ``[max(num_committed_tokens, old_capacity - max_rewind_len), old_capacity]``. Moving it
+  back rewinds (known tokens past it are forgotten).
+- An SSM life cycle has one live state page per request, shown in the page table at block
+  ``history_length // tokens_per_block`` (when that block exists); every other entry is
+  ``BAD_PAGE_INDEX``. The model reads the state at ``history`` there and writes the state
+  after this step's tokens back in place. Snapshots are published when the cache closes
+  (at its final endpoint) and, with ``commit_min_snapshot``, by copy at every commit that
+  ends exactly on a block boundary.
+- The trailing partial block is published when the cache closes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvcm_core.backend import BAD_PAGE_INDEX, Stream
+from kvcm_core.errors import InvalidStateError
+from kvcm_core.eviction import check_priority
+from kvcm_core.events import EventKind
+from kvcm_core.radix import Node, block_keys, scope_root_key
+from kvcm_core.stats import RequestStats
+from kvcm_core.types import ReuseScope
+
+if TYPE_CHECKING:
+    from kvcm_core.manager import KVCacheManager
+    from kvcm_core.matching import Match
+    from kvcm_core.storage import Page
+
+__all__ = ["CacheStatus", "KVCache"]
+
+
+class CacheStatus(enum.Enum):
+    ACTIVE = "active"
+    SUSPENDED = "suspended"
+    CLOSED = "closed"
+
+
+def _check_count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        raise ValueError(f"{name}={value!r}: must be an int >= 0")
+    return int(value)
+
+
+class KVCache:
+    """The paged KV cache of one request. Made only by
+    :meth:`KVCacheManager.create_kv_cache`."""
+
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        scope: ReuseScope,
+        match: Match,
+        input_tokens: Sequence[Any],
+        cache_id: Any,
+        priority_callback: Callable[[int], int] | None,
+    ) -> None:
+        m = manager
+        tpb = m.tokens_per_block
+        self._m = m
+        self._tpb = tpb
+        self.id = cache_id
+        self.scope = scope
+        self._root_key = scope_root_key(scope)
+        self._priority_cb = priority_callback
+        end = match.length
+        self._status = CacheStatus.SUSPENDED
+        self._capacity = self._history = self._committed = end
+        self._tokens: list[Any] = list(input_tokens[:end])
+        self._keys: list[bytes] = list(match.keys)
+        self._nodes: list[Node] = list(match.nodes[: end // tpb])
+        self._published = end // tpb
+        self._commit_on = True
+        self._version = 0
+        self._table_keys: list[Any] = [None] * len(m.life_cycles)
+        self._tables: list[np.ndarray | None] = [None] * len(m.life_cycles)
+        self.stats = RequestStats()
+        ngroups = len(m.life_cycles)
+        nb = -(-end // tpb)
+        self._pages: list[list[Page | None]] = [[] for _ in range(ngroups)]
+        self._ssm: list[Page | None] = [None] * ngroups
+        self._pending: list[tuple[int, int, Page]] = []  # (group, block, source) to copy
+        self._released_to = [0] * ngroups
+        self._m._stats.lookups += 1 if len(input_tokens) else 0
+        self._m._stats.lookup_tokens += len(input_tokens)
+        self._m._stats.hit_tokens += end
+        reused = 0
+        partial_block = end // tpb if end % tpb else -1
+        for g in m._attn_groups:
+            lc = m.life_cycles[g]
+            pages_g: list[Page | None] = [None] * nb
+            start, stop = lc.stale_range(end, tpb)
+            self._released_to[g] = stop
+            gstats = m._stats.groups[g]
+            for b in range(nb):
+                if start <= b < stop:
+                    continue
+                page = match.nodes[b].pages[g]
+                if page is None:
+                    continue
+                page.store.hold(page)
+                page.reused = True
+                if b == partial_block:
+                    self._pending.append((g, b, page))
+                    gstats.reused_partial_blocks += 1
+                else:
+                    pages_g[b] = page
+                    gstats.reused_full_blocks += 1
+                reused += 1
+            self._pages[g] = pages_g
+            gstats.missed_blocks += max(0, -(-len(input_tokens) // tpb) - nb)
+        for g in m._ssm_groups:
+            if end:
+                page = match.nodes[(end - 1) // tpb].pages[g]
+                if page is not None:
+                    page.store.hold(page)
+                    page.reused = True
+                    self._pending.append((g, -1, page))
+                    reused += 1
+        self.stats.reused_blocks = reused
+        self.stats.allocated_blocks = reused
+        self.stats.missed_blocks = max(0, -(-len(input_tokens) // tpb) - nb)
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def status(self) -> CacheStatus:
+        return self._status
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def history_length(self) -> int:
+        return self._history
+
+    @property
+    def num_committed_tokens(self) -> int:
+        return self._committed
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self._capacity // self._tpb)
+
+    @property
+    def beam_width(self) -> int:
+        return 1
+
+    @property
+    def batch_row(self) -> int | None:
+        return None
+
+    @property
+    def reuse_status(self) -> dict[int, Any]:
+        return {}
+
+    @property
+    def manager(self) -> KVCacheManager:
+        return self._m
+
+    def _require(self, *allowed: CacheStatus) -> None:
+        if self._status not in allowed:
+            raise InvalidStateError(
+                f"cache {self.id!r} is {self._status.name}; this operation needs "
+                + " or ".join(s.name for s in allowed)
+            )
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def _priority(self, block: int) -> int:
+        if self._priority_cb is None:
+            return 35
+        return check_priority(self._priority_cb(block))
+
+    def _new_pages(self, group: int, blocks: Sequence[int]) -> list[Page]:
+        pages = self._m._take(group, len(blocks))
+        store = self._m._gpu_store[group]
+        for page, b in zip(pages, blocks, strict=True):
+            store.lock(page)
+            if self._priority_cb is not None:
+                page.priority = self._priority(b)
+        n = len(pages)
+        self.stats.allocated_blocks += n
+        self.stats.newly_allocated_blocks += n
+        return pages
+
+    def resume(self, stream: Stream | None = None,
+               optional_reuse_groups: Sequence[int] | None = None) -> bool:
+        """Bring the cache to the GPU and lock its pages; False (nothing changed) when the
+        GPU level is too full (``max_util_for_resume``) or cannot provide the pages."""
+        if self._status is CacheStatus.CLOSED:
+            self._require(CacheStatus.SUSPENDED)
+        if self._status is CacheStatus.ACTIVE:
+            return True
+        m = self._m
+        tpb = self._tpb
+        nb = self.num_blocks
+        wanted: dict[int, list[int]] = {}
+        needs: dict[int, int] = {}
+        for g in m._attn_groups:
+            start, stop = m.life_cycles[g].stale_range(self._history, tpb)
+            blocks = [b for b, p in enumerate(self._pages[g]) if p is None
+                      and not start <= b < stop and b < nb]
+            if blocks:
+                wanted[g] = blocks
+                pg = m._gpu_store[g].pool_group
+                needs[pg] = needs.get(pg, 0) + len(blocks)
+        for g in m._ssm_groups:
+            if self._ssm[g] is None:
+                wanted[g] = [-1]
+                pg = m._gpu_store[g].pool_group
+                needs[pg] = needs.get(pg, 0) + 1
+        limit = m.config.max_util_for_resume
+        mine: dict[int, int] = {}
+        for page in self._all_pages():
+            mine[page.store.pool_group] = mine.get(page.store.pool_group, 0) + 1
+        for store in m.stores[0]:
+            locked = store.num_slots - store.num_free - len(store.droppable) - len(store.held)
+            used = locked + mine.get(store.pool_group, 0) + needs.get(store.pool_group, 0)
+            if used > limit * store.num_slots:
+                return False
+        if not m._can_take(needs):
+            return False
+        # Lock what we hold first, so eviction for the new pages cannot touch it.
+        for page in self._all_pages():
+            page.store.hold_to_lock(page)
+        sources = {(g, b): page for g, b, page in self._pending}
+        for g, blocks in wanted.items():
+            pages = self._new_pages(g, blocks)
+            copies = []
+            for b, page in zip(blocks, pages, strict=True):
+                if m.life_cycles[g].is_ssm:
+                    self._ssm[g] = page
+                else:
+                    self._pages[g][b] = page
+                src = sources.get((g, b))
+                if src is not None:
+                    copies.append((page.slot, src.slot))
+            m._copy_blocks(g, copies, stream)
+        for _, _, src in self._pending:
+            src.store.unhold(src)
+        self._pending.clear()
+        self._version += 1
+        self._status = CacheStatus.ACTIVE
+        return True
+
+    def _all_pages(self) -> list[Page]:
+        out = [p for pages_g in self._pages for p in pages_g if p is not None]
+        out.extend(p for p in self._ssm if p is not None)
+        return out
+
+    def suspend(self) -> None:
+        """Turn locks into holds (pages may then move to colder levels)."""
+        self._require(CacheStatus.ACTIVE, CacheStatus.SUSPENDED)
+        if self._status is CacheStatus.SUSPENDED:
+            return
+        for page in reversed(self._all_pages()):
+            page.store.lock_to_hold(page)
+        self._status = CacheStatus.SUSPENDED
+        self._version += 1
+
+    def resize(self, capacity: int, history_length: int | None = None) -> bool:
+        """Set this step's capacity (and optionally move history). Returns False, with
+        everything unchanged, when level 0 cannot provide the pages."""
+        self._require(CacheStatus.ACTIVE)
+        m = self._m
+        tpb = self._tpb
+        capacity = _check_count("capacity", capacity)
+        if history_length is None:
+            history = self._history
+        else:
+            history = _check_count("history_length", history_length)
+            lo = max(self._committed, self._capacity - m.config.max_rewind_len)
+            if not lo <= history <= self._capacity:
+                raise ValueError(
+                    f"history_length={history}: must be in [{lo}, {self._capacity}] "
+                    f"(>= num_committed_tokens and old capacity - max_rewind_len, "
+                    f"<= old capacity)"
+                )
+        if capacity < history:
+            raise ValueError(f"capacity={capacity}: must be >= history_length ({history})")
+        nb_new = -(-capacity // tpb)
+        keep = max(0, history - m.config.max_rewind_len)
+        releases: list[tuple[int, int]] = []
+        grow: dict[int, list[int]] = {}
+        needs: dict[int, int] = {}
+        extra: dict[int, int] = {}
+        for g in m._attn_groups:
+            pages_g = self._pages[g]
+            old_nb = len(pages_g)
+            lc = m.life_cycles[g]
+            if lc.window is not None:
+                start, stop = lc.stale_range(keep, tpb)
+                for b in range(max(start, self._released_to[g]), min(stop, old_nb)):
+                    if pages_g[b] is not None:
+                        releases.append((g, b))
+            for b in range(nb_new, old_nb):
+                if pages_g[b] is not None and (g, b) not in releases:
+                    releases.append((g, b))
+            if nb_new > old_nb:
+                grow[g] = list(range(old_nb, nb_new))
+                pg = m._gpu_store[g].pool_group
+                needs[pg] = needs.get(pg, 0) + nb_new - old_nb
+        if needs:
+            for g, b in releases:
+                page = self._pages[g][b]
+                assert page is not None
+                if page.locks == 1 and not page.holds:
+                    pg = page.store.pool_group
+                    extra[pg] = extra.get(pg, 0) + 1
+            if not m._can_take(needs, extra):
+                return False
+        for g, b in reversed(releases):
+            page = self._pages[g][b]
+            self._pages[g][b] = None
+            page.store.unlock(page)
+        for g in m._windowed_groups:
+            lc = m.life_cycles[g]
+            self._released_to[g] = max(self._released_to[g], lc.stale_range(keep, tpb)[1])
+        for g in m._attn_groups:
+            del self._pages[g][nb_new:]
+        for g, blocks in grow.items():
+            self._pages[g].extend(self._new_pages(g, blocks))
+        if history < len(self._tokens):
+            del self._tokens[history:]
+            del self._keys[history // tpb:]
+        self._capacity = capacity
+        self._history = history
+        if releases or grow:
+            self._version += 1
+        return True
+
+    def commit(self, tokens: Sequence[Any]) -> None:
+        """Give the tokens at positions ``[T, T + len(tokens))`` (``T``: tokens known so
+        far); history advances to at least their end and full blocks are published."""
+        self._require(CacheStatus.ACTIVE)
+        if isinstance(tokens, np.ndarray):
+            tokens = tokens.tolist()
+        known = len(self._tokens)
+        end = known + len(tokens)
+        if end > self._capacity:
+            raise ValueError(
+                f"commit of {len(tokens)} tokens after {known} known ends at {end}, past "
+                f"capacity {self._capacity}"
+            )
+        self._tokens.extend(tokens)
+        moved = end > self._history
+        if moved:
+            self._history = end
+        tpb = self._tpb
+        if self._commit_on:
+            full = end // tpb
+            while self._published < full and self._commit_on:
+                self._publish_block(self._published)
+            if self._published * tpb > self._committed:
+                self._committed = self._published * tpb
+            m = self._m
+            if (m.config.commit_min_snapshot and m._ssm_groups and end % tpb == 0
+                    and end == self._history and self._published == end // tpb and end):
+                self._snapshot(self._nodes[end // tpb - 1])
+        if moved and self._m._windowed_groups:
+            self._release_stale()
+
+    def _release_stale(self) -> None:
+        m = self._m
+        tpb = self._tpb
+        keep = max(0, self._history - m.config.max_rewind_len)
+        changed = False
+        for g in m._windowed_groups:
+            start, stop = m.life_cycles[g].stale_range(keep, tpb)
+            lo = max(start, self._released_to[g])
+            if stop <= lo:
+                continue
+            pages_g = self._pages[g]
+            for b in range(min(stop, len(pages_g)) - 1, lo - 1, -1):
+                page = pages_g[b]
+                if page is not None:
+                    pages_g[b] = None
+                    page.store.unlock(page)
+                    changed = True
+            self._released_to[g] = stop
+        if changed:
+            self._version += 1
+
+    def _parent_node(self, block: int) -> Node | None:
+        """The node a new block goes under, or None if that chain left the tree."""
+        if block == 0:
+            return self._m.tree.root(self._root_key)
+        parent = self._nodes[block - 1]
+        if parent.parent is None:  # detached from the tree by an eviction
+            return None
+        return parent
+
+    def _block_key(self, block: int) -> bytes:
+        while len(self._keys) <= block:
+            b = len(self._keys)
+            prev = self._keys[b - 1] if b else self._root_key
+            chunk = self._tokens[b * self._tpb : (b + 1) * self._tpb]
+            self._keys.append(block_keys(prev, chunk, self._tpb, 0, 1)[0])
+        return self._keys[block]
+
+    def _publish_block(self, b: int) -> None:
+        m = self._m
+        parent = self._parent_node(b)
+        if parent is None:
+            self._commit_on = False
+            return
+        key = self._block_key(b)
+        node = parent.children.get(key)
+        tokens_b = tuple(self._tokens[b * self._tpb : (b + 1) * self._tpb])
+        if node is None:
+            if parent.partials:
+                self._supersede_partials(parent, tokens_b)
+            node = m.tree.add_full(parent, key, tokens_b)
+        for g in m._publish_groups:
+            mine = self._pages[g][b]
+            if mine is None:
+                continue
+            theirs = node.pages[g]
+            if theirs is mine:
+                continue
+            if theirs is None:
+                node.pages[g] = mine
+                mine.node = node
+                m._event(EventKind.STORED, node, g, mine.level, tokens_b)
+            elif theirs.level == 0 and mine.node is None:
+                # Rebase onto the identical tree block and free our copy.
+                theirs.store.lock(theirs)
+                theirs.reused = True
+                self._pages[g][b] = theirs
+                mine.store.unlock(mine)
+                m._stats.groups[g].rebased_blocks += 1
+                self._version += 1
+        self._nodes.append(node)
+        self._published = b + 1
+
+    def _supersede_partials(self, parent: Node, tokens: tuple) -> None:
+        """Remove partial children that ``tokens`` covers (the longer block wins)."""
+        m = self._m
+        for p in list(parent.partials):
+            if tokens[: len(p.tokens)] == p.tokens and len(p.tokens) < len(tokens):
+                for g, page in enumerate(p.pages):
+                    if page is None:
+                        continue
+                    p.pages[g] = None
+                    m._event(EventKind.REMOVED, p, g, page.level)
+                    page.store.unpublish(page)
+                m.tree.detach(p)
+
+    def _snapshot(self, node: Node) -> None:
+        """Copy the live SSM state into a snapshot page of ``node`` (best effort)."""
+        m = self._m
+        for g in m._ssm_groups:
+            live = self._ssm[g]
+            if live is None or node.pages[g] is not None or not m.life_cycles[g].publishes:
+                continue
+            store = m._gpu_store[g]
+            if not m._can_take({store.pool_group: 1}):
+                continue
+            snap = m._take(g, 1)[0]
+            m._copy_blocks(g, [(snap.slot, live.slot)])
+            snap.node = node
+            node.pages[g] = snap
+            store._enter_policy(snap)
+            m._event(EventKind.STORED, node, g, snap.level)
+
+    def stop_committing(self) -> None:
+        """Publish nothing more from this cache (e.g. after a rewind it cannot redo)."""
+        self._require(CacheStatus.ACTIVE, CacheStatus.SUSPENDED)
+        self._commit_on = False
+
+    def _publish_tail(self) -> Node | None:
+        """Publish the trailing partial block; returns the node ending at the cache's
+        known tokens (for the SSM snapshot), or None."""
+        m = self._m
+        tpb = self._tpb
+        n = len(self._tokens)
+        b = n // tpb
+        if n % tpb == 0:
+            return self._nodes[b - 1] if b and self._published >= b else None
+        if self._published < b:
+            return None
+        parent = self._parent_node(b)
+        if parent is None:
+            return None
+        part = tuple(self._tokens[b * tpb :])
+        for child in parent.iter_children():
+            if child.tokens[: len(part)] == part:
+                return child if len(child.tokens) == len(part) else None
+        self._supersede_partials(parent, part)
+        node = m.tree.add_partial(parent, part)
+        for g in m._publish_groups:
+            pages_g = self._pages[g]
+            mine = pages_g[b] if b < len(pages_g) else None
+            if mine is not None and mine.node is None:
+                node.pages[g] = mine
+                mine.node = node
+                m._event(EventKind.STORED, node, g, mine.level, part)
+        return node
+
+    def close(self) -> None:
+        """Release every page; committed ones stay reusable until evicted. Idempotent."""
+        if self._status is CacheStatus.CLOSED:
+            return
+        m = self._m
+        tpb = self._tpb
+        if self._commit_on and len(self._tokens) <= self._history:
+            node = self._publish_tail()
+            if (node is not None and len(self._tokens) == self._history
+                    and node.end(tpb) == self._history):
+                for g in m._ssm_groups:
+                    live = self._ssm[g]
+                    if live is not None and node.pages[g] is None and \
+                            m.life_cycles[g].publishes:
+                        node.pages[g] = live
+                        live.node = node
+                        m._event(EventKind.STORED, node, g, live.level)
+        active = self._status is CacheStatus.ACTIVE
+        for g in m._attn_groups:
+            for page in reversed(self._pages[g]):
+                if page is not None:
+                    if active:
+                        page.store.unlock(page)
+                    else:
+                        page.store.unhold(page)
+            self._pages[g] = []
+        for g in m._ssm_groups:
+            page = self._ssm[g]
+            if page is not None:
+                if active:
+                    page.store.unlock(page)
+                else:
+                    page.store.unhold(page)
+                self._ssm[g] = None
+        for _, _, src in self._pending:
+            src.store.unhold(src)
+        self._pending.clear()
+        self._status = CacheStatus.CLOSED
+        self._version += 1
+        m._open.pop(id(self), None)
+
+    # -- page tables ---------------------------------------------------------------------------
+
+    def get_base_page_indices(self, group: int, beam: int = 0) -> np.ndarray:
+        """Slot ids of this cache's blocks for one cache group (read-only int32 array of
+        ``num_blocks``); ``BAD_PAGE_INDEX`` for absent or stale blocks."""
+        m = self._m
+        if isinstance(group, bool) or not isinstance(group, int | np.integer) or not (
+                0 <= group < len(m.life_cycles)):
+            raise ValueError(f"group={group!r}: must be a cache group id in "
+                             f"0..{len(m.life_cycles) - 1}")
+        if beam != 0:
+            raise ValueError(f"beam={beam!r}: this cache has beam width 1")
+        tpb = self._tpb
+        nb = -(-self._capacity // tpb)
+        lc = m.life_cycles[group]
+        stale = lc.stale_range(self._history, tpb)
+        key = (self._version, nb, stale)
+        if self._table_keys[group] == key:
+            table = self._tables[group]
+            assert table is not None
+            return table
+        table = np.full(nb, BAD_PAGE_INDEX, dtype=np.int32)
+        if lc.is_ssm:
+            live = self._ssm[group]
+            b = self._history // tpb
+            if live is not None and live.level == 0 and b < nb:
+                table[b] = live.slot
+        else:
+            for b, page in enumerate(self._pages[group][:nb]):
+                if page is not None and page.level == 0:
+                    table[b] = page.slot
+            table[stale[0] : stale[1]] = BAD_PAGE_INDEX
+        table.flags.writeable = False
+        self._tables[group] = table
+        self._table_keys[group] = key
+        return table
+
+    def __repr__(self) -> str:
+        return (f"KVCache(id={self.id!r}, {self._status.name}, committed={self._committed}, "
+                f"history={self._history}, capacity={self._capacity})")
+
+

@@ -1,0 +1,125 @@
+"""Prefix matching: the full-block walk, partial matching, pruning to a fixed point and
+backoff (concepts.md §9).
+
+Pruning checks every candidate endpoint from the longest down: SSM life cycles need a
+snapshot exactly at the endpoint; constraining attention life cycles need a page for
+every block outside their stale range at the endpoint (SINK_REQUIRED_ONLY: its sink
+blocks only). Full-attention REQUIRED life cycles are checked during the walk itself, so
+the walk stops at the first block they cannot serve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+
+from kvcm_core.radix import Node, PrefixTree, block_keys, encode_tokens
+
+if TYPE_CHECKING:
+    from kvcm_core.lifecycle import LifeCycle
+
+__all__ = ["Match", "match_prefix"]
+
+
+@attrs.define
+class Match:
+    """Result of a lookup.
+
+    Attributes:
+        length: tokens reused (the endpoint).
+        nodes: the node of every block ``[0, ceil(length / tpb))``; the last may be used
+            partially (then it is copied into a private page at first resume).
+        keys: chain keys of the full blocks walked (reusable for commit).
+        data: the prompt's token bytes (reusable for commit hashing).
+    """
+
+    length: int
+    nodes: list[Node]
+    keys: list[bytes]
+    data: bytes | None
+
+
+def match_prefix(
+    tree: PrefixTree,
+    root_key: bytes,
+    tokens: Sequence,
+    tpb: int,
+    life_cycles: Sequence[LifeCycle],
+    *,
+    walk_groups: Sequence[int],
+    prune_groups: Sequence[int],
+    partial: bool,
+    backoff: int,
+) -> Match:
+    """Find the longest reusable prefix of ``tokens`` (see module docstring)."""
+    n = len(tokens)
+    root = tree.roots.get(root_key)
+    data, mm = encode_tokens(tokens) if n else (b"", False)
+    if root is None or n == 0:
+        return Match(0, [], [], None if mm else data)
+    nfull = n // tpb
+    chain: list[Node] = []
+    keys: list[bytes] = []
+    node = root
+    key = root_key
+    # Walk full blocks by key, hashing lazily so a miss costs one hash.
+    for b in range(nfull):
+        k = block_keys(key, tokens, tpb, b, b + 1, None if mm else data)[0]
+        child = node.children.get(k)
+        if child is None:
+            break
+        pages = child.pages
+        if any(pages[g] is None for g in walk_groups):
+            break
+        keys.append(k)
+        chain.append(child)
+        node = child
+        key = k
+    length = len(chain) * tpb
+    nodes = chain
+    if partial and length < n:
+        limit = min(tpb, n - length)
+        best, plen = tree.best_partial(node, tokens[length : length + limit], limit)
+        if best is not None and plen > 0 and all(best.pages[g] is not None
+                                                 for g in walk_groups):
+            nodes = [*chain, best]
+            length += plen
+    length = _prune(nodes, length, tpb, life_cycles, prune_groups)
+    if backoff and length:
+        length = _prune(nodes, max(0, length - backoff), tpb, life_cycles, prune_groups)
+    nodes = nodes[: -(-length // tpb)]
+    return Match(length, nodes, keys[: length // tpb], None if mm else data)
+
+
+def _feasible(nodes: Sequence[Node], end: int, tpb: int,
+              life_cycles: Sequence[LifeCycle], groups: Sequence[int]) -> bool:
+    nb = -(-end // tpb)
+    for g in groups:
+        lc = life_cycles[g]
+        if lc.is_ssm:
+            if end == 0:
+                continue
+            node = nodes[(end - 1) // tpb]
+            if node.pages[g] is None or node.end(tpb) != end:
+                return False
+            continue
+        start, stop = lc.stale_range(end, tpb)
+        for b in (*range(0, start), *range(stop, nb)):
+            if lc.constrains_block(b) and nodes[b].pages[g] is None:
+                return False
+    return True
+
+
+def _prune(nodes: Sequence[Node], length: int, tpb: int,
+           life_cycles: Sequence[LifeCycle], groups: Sequence[int]) -> int:
+    """The longest endpoint ``<= length`` every pruning group can serve."""
+    if not groups:
+        return length
+    candidate = length
+    while candidate > 0:
+        if _feasible(nodes, candidate, tpb, life_cycles, groups):
+            return candidate
+        candidate = (candidate - 1) // tpb * tpb  # the previous block boundary
+    return 0

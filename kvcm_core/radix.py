@@ -1,0 +1,217 @@
+"""The prefix tree: hash-chained block keys and the nodes that hold committed pages.
+
+Keys form a chain rooted in the :class:`~kvcm_core.types.ReuseScope`:
+``root = H(scope)``, ``key(block) = H(key(parent) || tokens)`` with H = SHA-256 and tokens
+as 4-byte little-endian ints (multimodal items as 32-byte digests). Matching compares
+digests only, so H must be cryptographic; keys are deterministic across processes.
+
+Each node is one block and holds, per life cycle, at most one committed page. Full blocks
+are children of their parent by key; partial blocks (fewer than ``tokens_per_block``
+tokens) are leaves kept in their parent's ``partials`` list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvcm_core.types import ReuseScope
+
+__all__ = ["Node", "PrefixTree", "TokenSeq", "block_keys", "encode_tokens", "scope_root_key"]
+
+TokenSeq = Sequence[int | bytes] | np.ndarray
+_MM_MARK = b"\xffkvcm-mm\x00"
+_sha256 = hashlib.sha256
+
+
+def scope_root_key(scope: ReuseScope | None) -> bytes:
+    """The chain root of a scope (``None`` is the default scope)."""
+    return _sha256((scope or ReuseScope()).encode()).digest()
+
+
+def encode_tokens(tokens: TokenSeq) -> tuple[bytes, bool]:
+    """Tokens as 4-byte little-endian ints; returns ``(data, has_multimodal)``.
+
+    Multimodal items (32-byte digests) are not encoded here: a sequence holding any is
+    hashed block by block with :func:`_encode_mm_block`.
+    """
+    if isinstance(tokens, np.ndarray):
+        return tokens.astype("<i4", copy=False).tobytes(), False
+    try:
+        arr = array("i", tokens)
+    except TypeError:
+        return b"", True
+    if arr.itemsize != 4:  # pragma: no cover - exotic platforms
+        return np.asarray(tokens, dtype="<i4").tobytes(), False
+    return arr.tobytes(), False
+
+
+def _encode_mm_block(items: Sequence[int | bytes]) -> bytes:
+    """A block holding digests: a marker, a bitmap of digest positions, then the items."""
+    bitmap = 0
+    parts = []
+    for i, item in enumerate(items):
+        if isinstance(item, bytes | bytearray):
+            if len(item) != 32:
+                raise ValueError(f"multimodal item at position {i}: must be a 32-byte digest, "
+                                 f"got {len(item)} bytes")
+            bitmap |= 1 << i
+            parts.append(bytes(item))
+        else:
+            parts.append(int(item).to_bytes(4, "little", signed=True))
+    nbytes = (len(items) + 7) // 8
+    return _MM_MARK + bitmap.to_bytes(nbytes, "little") + b"".join(parts)
+
+
+def block_keys(
+    parent: bytes, tokens: TokenSeq, tpb: int, start_block: int, end_block: int,
+    data: bytes | None = None,
+) -> list[bytes]:
+    """Chain keys of full blocks ``[start_block, end_block)`` given the key before them."""
+    keys = []
+    if data is None:
+        data, mm = encode_tokens(tokens)
+    else:
+        mm = False
+    if not mm:
+        step = 4 * tpb
+        mv = memoryview(data)
+        key = parent
+        for b in range(start_block, end_block):
+            h = _sha256(key)
+            h.update(mv[b * step : (b + 1) * step])
+            key = h.digest()
+            keys.append(key)
+        return keys
+    key = parent
+    for b in range(start_block, end_block):
+        key = _sha256(key + _encode_mm_block(tokens[b * tpb : (b + 1) * tpb])).digest()
+        keys.append(key)
+    return keys
+
+
+def token_id32(item: int | bytes) -> int:
+    """A 32-bit id for a token or digest (for fingerprints and first-token indexes)."""
+    if isinstance(item, bytes | bytearray):
+        return int.from_bytes(item[:4], "little")
+    return int(item) & 0xFFFFFFFF
+
+
+class Node:
+    """One block of the tree.
+
+    Attributes:
+        key: chain key (full blocks) or ``None`` (partial blocks, the root).
+        parent: parent node (``None`` for a root).
+        ordinal: block index (root: -1).
+        tokens: the block's tokens (a tuple; empty for a root).
+        pages: per life cycle, the committed page or ``None``.
+        children: full child blocks by key.
+        partials: partial child blocks.
+    """
+
+    __slots__ = ("children", "key", "ordinal", "pages", "parent", "partials", "tokens")
+
+    def __init__(self, key: bytes | None, parent: Node | None, ordinal: int,
+                 tokens: tuple, num_groups: int) -> None:
+        self.key = key
+        self.parent = parent
+        self.ordinal = ordinal
+        self.tokens = tokens
+        self.pages: list[Any] = [None] * num_groups
+        self.children: dict[bytes, Node] = {}
+        self.partials: list[Node] = []
+
+    @property
+    def is_full(self) -> bool:
+        return self.key is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def end(self, tpb: int) -> int:
+        """Token count up to the end of this block."""
+        return self.ordinal * tpb + len(self.tokens)
+
+    def has_pages(self) -> bool:
+        return any(p is not None for p in self.pages)
+
+    def iter_children(self) -> Iterator[Node]:
+        yield from self.children.values()
+        yield from self.partials
+
+    def subtree(self) -> Iterator[Node]:
+        """Every node below this one (not itself), depth first."""
+        stack = list(self.iter_children())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.iter_children())
+
+    def __repr__(self) -> str:
+        kind = "full" if self.is_full else "partial"
+        return f"Node({kind} #{self.ordinal}, {len(self.tokens)} tokens)"
+
+
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixTree:
+    """Roots per scope, node counting, and removal of nodes."""
+
+    def __init__(self, num_groups: int) -> None:
+        self.num_groups = num_groups
+        self.roots: dict[bytes, Node] = {}
+        self.num_nodes = 0
+
+    def root(self, root_key: bytes, create: bool = True) -> Node | None:
+        node = self.roots.get(root_key)
+        if node is None and create:
+            node = Node(root_key, None, -1, (), self.num_groups)
+            self.roots[root_key] = node
+        return node
+
+    def add_full(self, parent: Node, key: bytes, tokens: tuple) -> Node:
+        node = Node(key, parent, parent.ordinal + 1, tokens, self.num_groups)
+        parent.children[key] = node
+        self.num_nodes += 1
+        return node
+
+    def add_partial(self, parent: Node, tokens: tuple) -> Node:
+        node = Node(None, parent, parent.ordinal + 1, tokens, self.num_groups)
+        parent.partials.append(node)
+        self.num_nodes += 1
+        return node
+
+    def detach(self, node: Node) -> None:
+        """Remove a node (and so its subtree) from its parent."""
+        parent = node.parent
+        if parent is None:
+            return
+        if node.key is not None and parent.children.get(node.key) is node:
+            del parent.children[node.key]
+            self.num_nodes -= 1
+        elif node in parent.partials:
+            parent.partials.remove(node)
+            self.num_nodes -= 1
+        node.parent = None
+
+    def best_partial(self, parent: Node, tokens: Sequence[Any], limit: int) -> tuple[Node | None, int]:
+        """The child of ``parent`` sharing the longest prefix with ``tokens[:limit]``."""
+        best, best_len = None, 0
+        want = tokens[:limit]
+        for child in parent.iter_children():
+            n = common_prefix(child.tokens, want)
+            if n > best_len:
+                best, best_len = child, n
+        return best, best_len

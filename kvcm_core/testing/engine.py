@@ -1,0 +1,215 @@
+"""An engine loop around the fingerprint engine: admit, prefill in chunks, decode, commit,
+preempt by suspend, finish. Tests and ``kvcm simulate`` share it.
+
+A :class:`Request` knows all its tokens in advance (prompt then output), so that every
+step's KV can be written and checked; ``prompt_len`` tokens are prefilled in chunks, the
+rest are decoded one per step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from kvcm_core.cache import CacheStatus
+from kvcm_core.testing.fingerprint import FingerprintEngine, StepWork
+from kvcm_core.types import ReuseScope
+
+__all__ = ["EngineLoop", "Request"]
+
+
+@attrs.define(eq=False)
+class Request:
+    """A request whose tokens are known in advance.
+
+    Attributes:
+        id: identifier.
+        tokens: prompt followed by the output tokens.
+        prompt_len: tokens prefilled (in chunks) before decoding starts.
+        scope: reuse scope.
+        priority_callback: passed to ``create_kv_cache``.
+    """
+
+    id: Any
+    tokens: list[Any]
+    prompt_len: int
+    scope: ReuseScope | None = None
+    priority_callback: Callable[[int], int] | None = None
+    cache: Any = None
+    reused: int = 0
+    preemptions: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.cache is not None and self.cache.history_length >= len(self.tokens)
+
+
+@attrs.define
+class StepReport:
+    """What one :meth:`EngineLoop.step` did."""
+
+    stepped: int = 0
+    tokens: int = 0
+    finished: list[Request] = attrs.Factory(list)
+    preempted: list[Request] = attrs.Factory(list)
+    resumed: list[Request] = attrs.Factory(list)
+
+
+class EngineLoop:
+    """A small continuous-batching scheduler driving the manager through the fingerprint
+    engine.
+
+    Args:
+        manager: the KV-cache manager.
+        chunk_tokens: prefill chunk size.
+        max_batch: most requests running at once.
+        token_budget: most tokens processed per step (prefill chunks shrink to fit).
+        check: run the fingerprint check every step (on by default).
+        close_finished: close requests when they finish (else the caller does).
+    """
+
+    def __init__(self, manager: Any, *, chunk_tokens: int = 64, max_batch: int = 64,
+                 token_budget: int | None = None, check: bool = True,
+                 close_finished: bool = True) -> None:
+        self.manager = manager
+        self.engine = FingerprintEngine(manager)
+        self.chunk_tokens = chunk_tokens
+        self.max_batch = max_batch
+        self.token_budget = token_budget
+        self.check = check
+        self.close_finished = close_finished
+        self.waiting: deque[Request] = deque()
+        self.suspended: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+
+    def submit(self, req: Request) -> None:
+        """Queue a request; its cache is created (prefix matched) when it is admitted."""
+        self.waiting.append(req)
+
+    def _admit(self, req: Request) -> bool:
+        m = self.manager
+        if req.cache is None:
+            match_len = max(0, req.prompt_len - 1)
+            req.cache = m.create_kv_cache(req.scope, req.tokens[:match_len], id=req.id,
+                                          priority_callback=req.priority_callback)
+            req.reused = req.cache.history_length
+        return bool(req.cache.resume())
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.suspended or self.running)
+
+    def step(self) -> StepReport:
+        """One iteration: resume suspended requests first, admit waiting ones, give each
+        running request its next chunk (preempting the newest on shortage), check and
+        write the fingerprints, commit, and finish completed requests."""
+        report = StepReport()
+        while self.suspended and len(self.running) < self.max_batch:
+            req = self.suspended[0]
+            if not req.cache.resume():
+                break
+            self.suspended.popleft()
+            self.running.append(req)
+            report.resumed.append(req)
+        while self.waiting and not self.suspended and len(self.running) < self.max_batch:
+            req = self.waiting[0]
+            if not self._admit(req):
+                if req.cache is not None and not self.running:
+                    break  # nothing else would free space: stay queued
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+        budget = self.token_budget
+        work: list[StepWork] = []
+        stepped: list[tuple[Request, int]] = []
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            cache = req.cache
+            hist = cache.history_length
+            want = self.chunk_tokens if hist < req.prompt_len else 1
+            if hist < req.prompt_len:
+                want = min(want, req.prompt_len - hist)
+            if budget is not None:
+                want = min(want, budget)
+                if want <= 0:
+                    i += 1
+                    continue
+            cap = min(len(req.tokens), hist + want)
+            while not cache.resize(cap):
+                victim = self._preempt(exclude=req)
+                if victim is None:
+                    break
+                report.preempted.append(victim)
+                if self.running.index(req) < i:  # keep our index right
+                    i -= 1
+            else:
+                work.append(StepWork(cache, req.tokens))
+                stepped.append((req, cap))
+                if budget is not None:
+                    budget -= cap - hist
+                i += 1
+                continue
+            # Could not grow even after preempting everyone else: suspend this one.
+            self.running.remove(req)
+            req.cache.suspend()
+            req.preemptions += 1
+            self.suspended.appendleft(req)
+            report.preempted.append(req)
+        if work:
+            if self.check:
+                self.engine.check(work)
+            self.engine.write(work)
+        for req, cap in stepped:
+            cache = req.cache
+            known = cache.history_length
+            cache.commit(req.tokens[known:cap])
+            report.stepped += 1
+            report.tokens += cap - known
+        for req, _ in stepped:
+            if req.done:
+                self.running.remove(req)
+                if self.close_finished:
+                    req.cache.close()
+                self.finished.append(req)
+                report.finished.append(req)
+        return report
+
+    def _preempt(self, exclude: Request) -> Request | None:
+        """Suspend the newest running request other than ``exclude``."""
+        for req in reversed(self.running):
+            if req is not exclude and req.cache.status is CacheStatus.ACTIVE:
+                self.running.remove(req)
+                req.cache.suspend()
+                req.preemptions += 1
+                self.suspended.appendleft(req)
+                return req
+        return None
+
+    def run(self, requests: Iterable[Request] = (), max_steps: int = 1_000_000,
+            on_step: Callable[[StepReport], None] | None = None) -> list[Request]:
+        """Submit ``requests`` and step until everything finished."""
+        for req in requests:
+            self.submit(req)
+        for _ in range(max_steps):
+            if self.idle:
+                return self.finished
+            report = self.step()
+            if on_step is not None:
+                on_step(report)
+            if not report.stepped and not report.resumed and not report.finished:
+                if self.running or self.suspended or self.waiting:
+                    stuck = [r.id for r in (*self.running, *self.suspended, *self.waiting)]
+                    raise RuntimeError(f"engine loop made no progress; stuck: {stuck[:10]}")
+        raise RuntimeError(f"engine loop did not finish in {max_steps} steps")
+
+
+def run_requests(manager: Any, requests: Sequence[Request], **kwargs: Any) -> EngineLoop:
+    """Run ``requests`` to completion through a new :class:`EngineLoop`."""
+    loop = EngineLoop(manager, **kwargs)
+    loop.run(requests)
+    return loop

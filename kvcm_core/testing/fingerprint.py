@@ -1,0 +1,271 @@
+"""The fingerprint engine: a stand-in model that makes every wrong KV byte visible.
+
+Every step it writes into each page a 16-byte record per token slot encoding
+``(token id, position, layer, buffer ordinal << 16 | beam)``, repeated to fill the slot
+(see :class:`~kvcm_core.backend.FingerprintPages`), and before writing it checks every
+page the request's history needs: needed pages must be valid and hold exactly the records
+of the tokens they claim; stale pages must be ``BAD_PAGE_INDEX``. An SSM state page holds
+one record ``(crc32 of all tokens so far, history length, layer, buffer)``.
+
+The expected layout (which blocks are stale, where the SSM state lives) is computed here
+from the model configuration, independently of the manager's own code. Checks and writes
+of many requests are batched into one call of the backend's fingerprint kernels, so a
+CUDA backend runs them as kernels.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kvcm_core.backend import BAD_PAGE_INDEX, FingerprintPages
+from kvcm_core.config import AttentionLayerConfig, SsmLayerConfig
+from kvcm_core.errors import KvcmError
+from kvcm_core.radix import token_id32
+
+__all__ = ["FingerprintEngine", "FingerprintMismatch", "StepWork"]
+
+
+class FingerprintMismatch(KvcmError):
+    """A page did not hold what the request's history says it must."""
+
+
+@attrs.frozen
+class _Buffer:
+    layer_id: int
+    role: str
+    ordinal: int
+    group: int
+    size: int
+    is_ssm: bool
+    window: int | None
+    sink_blocks: int
+
+
+def _stale(buf: _Buffer, history: int, tpb: int) -> tuple[int, int]:
+    """The spec's stale range, computed from the layer config (not the manager)."""
+    if buf.is_ssm:
+        return 0, history // tpb
+    if buf.window is None:
+        return 0, 0
+    start = min(-(-history // tpb), buf.sink_blocks)
+    return start, max(start, (history + 1 - buf.window) // tpb)
+
+
+@attrs.define
+class StepWork:
+    """One request's step: check ``[0, history)``, then write ``[history, capacity)``."""
+
+    cache: Any
+    tokens: Sequence[Any]  # the request's tokens, at least up to capacity
+    beam: int = 0
+
+
+def _ids(tokens: Sequence[Any], n: int) -> np.ndarray:
+    if isinstance(tokens, np.ndarray):
+        out = tokens[:n].astype(np.int64).astype(np.uint32)
+    else:
+        out = np.fromiter((token_id32(t) for t in tokens[:n]), dtype=np.uint32, count=n)
+    return out
+
+
+def prefix_crc(tokens: Sequence[Any], n: int) -> int:
+    """The SSM record's state id: crc32 of the first ``n`` token ids."""
+    return zlib.crc32(_ids(tokens, n).astype("<u4").tobytes())
+
+
+class FingerprintEngine:
+    """Drives checks and writes for a :class:`~kvcm_core.KVCacheManager`.
+
+    Args:
+        manager: the manager whose pages are checked.
+    """
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self.backend = manager.backend
+        self.tpb = manager.tokens_per_block
+        tpb = self.tpb
+        buffers = []
+        for layer in manager.config.layers:
+            for ordinal, buf in enumerate(layer.buffers):
+                if buf.size == 0:
+                    continue
+                group = manager.get_buffer_group_id(layer.layer_id, buf.role)
+                if isinstance(layer, SsmLayerConfig):
+                    buffers.append(_Buffer(layer.layer_id, buf.role, ordinal, group, buf.size,
+                                           True, None, 0))
+                else:
+                    assert isinstance(layer, AttentionLayerConfig)
+                    buffers.append(_Buffer(
+                        layer.layer_id, buf.role, ordinal, group, buf.size, False,
+                        layer.sliding_window_size, -(-layer.num_sink_tokens // tpb)))
+        self.buffers: tuple[_Buffer, ...] = tuple(buffers)
+        self.checked_pages = 0
+        self.written_pages = 0
+
+    # -- building page batches ------------------------------------------------------------
+
+    def _rows(self, work: Iterable[StepWork], writing: bool) -> FingerprintPages | None:
+        tpb = self.tpb
+        m = self.manager
+        addr: list[np.ndarray] = []
+        nbytes: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        tok: list[np.ndarray] = []
+        begin: list[np.ndarray] = []
+        end: list[np.ndarray] = []
+        pos: list[np.ndarray] = []
+        tags: list[np.ndarray] = []
+        bases = {(b.layer_id, b.role): (m.get_mem_pool_base_address(b.layer_id, b.role),
+                                        m.get_page_stride(b.layer_id, b.role))
+                 for b in self.buffers}
+        for w in work:
+            cache = w.cache
+            hist = cache.history_length
+            cap = cache.capacity
+            nb = -(-cap // tpb)
+            if writing:
+                lo, hi = hist, cap
+            else:
+                lo, hi = 0, hist
+            ntok = -(-max(cap, hist) // tpb) * tpb
+            ids = np.zeros(ntok, dtype=np.uint32)
+            known = min(len(w.tokens), max(cap, hist))
+            ids[:known] = _ids(w.tokens, known)
+            block_ids = ids.reshape(-1, tpb) if ntok else ids.reshape(0, tpb)
+            tables: dict[int, np.ndarray] = {}
+            for buf in self.buffers:
+                table = tables.get(buf.group)
+                if table is None:
+                    table = np.asarray(cache.get_base_page_indices(buf.group, w.beam))
+                    tables[buf.group] = table
+                    self._check_table(cache, buf, table, nb)
+                base, stride = bases[(buf.layer_id, buf.role)]
+                tag = np.array([buf.layer_id, (buf.ordinal << 16) | w.beam], dtype=np.uint32)
+                if buf.is_ssm:
+                    if writing:
+                        state_at = cap
+                    elif hist == 0:
+                        continue  # a fresh state holds nothing to check
+                    else:
+                        state_at = hist
+                    slot = int(table[hist // tpb]) if hist // tpb < nb else None
+                    if slot is None:
+                        if writing and cap > hist:
+                            raise FingerprintMismatch(
+                                f"cache {cache.id!r}: no SSM state page at block "
+                                f"{hist // tpb} for layer {buf.layer_id}/{buf.role}")
+                        continue
+                    addr.append(np.array([base + slot * stride], dtype=np.int64))
+                    nbytes.append(np.array([buf.size], dtype=np.int64))
+                    slots.append(np.array([1], dtype=np.int32))
+                    row = np.zeros((1, tpb), dtype=np.uint32)
+                    row[0, 0] = prefix_crc(w.tokens, state_at)
+                    tok.append(row)
+                    begin.append(np.array([0], dtype=np.int32))
+                    end.append(np.array([1], dtype=np.int32))
+                    pos.append(np.array([state_at], dtype=np.int64))
+                    tags.append(tag[None, :])
+                    continue
+                if hi <= lo:
+                    continue
+                b0, b1 = lo // tpb, -(-hi // tpb)
+                s0, s1 = _stale(buf, hist, tpb)
+                blocks = np.arange(b0, b1)
+                blocks = blocks[(blocks < s0) | (blocks >= s1)]
+                if blocks.size == 0:
+                    continue
+                sl = table[blocks].astype(np.int64)
+                addr.append(base + sl * stride)
+                nbytes.append(np.full(blocks.size, buf.size, dtype=np.int64))
+                slots.append(np.full(blocks.size, tpb, dtype=np.int32))
+                tok.append(block_ids[blocks])
+                first = blocks * tpb
+                begin.append(np.clip(lo - first, 0, tpb).astype(np.int32))
+                end.append(np.clip(hi - first, 0, tpb).astype(np.int32))
+                pos.append(first.astype(np.int64))
+                tags.append(np.broadcast_to(tag, (blocks.size, 2)))
+        if not addr:
+            return None
+        return FingerprintPages(
+            addresses=np.concatenate(addr), page_bytes=np.concatenate(nbytes),
+            record_slots=np.concatenate(slots), token_ids=np.concatenate(tok),
+            begin=np.concatenate(begin), end=np.concatenate(end),
+            positions=np.concatenate(pos), tags=np.concatenate(tags).astype(np.uint32),
+        )
+
+    def _check_table(self, cache: Any, buf: _Buffer, table: np.ndarray, nb: int) -> None:
+        """Stale and unused entries are BAD; needed entries are valid slot ids."""
+        tpb = self.tpb
+        hist = cache.history_length
+        where = f"cache {cache.id!r} group {buf.group} (layer {buf.layer_id}/{buf.role})"
+        if table.shape != (nb,):
+            raise FingerprintMismatch(f"{where}: page table has shape {table.shape}, "
+                                      f"expected ({nb},)")
+        num_slots = self.manager.stores[0][
+            self.manager.layout.group_to_pool_group[buf.group]].num_slots
+        if buf.is_ssm:
+            live = hist // tpb
+            for b in range(nb):
+                v = int(table[b])
+                if b == live:
+                    if not 0 <= v < num_slots:
+                        raise FingerprintMismatch(f"{where}: SSM state page {v} invalid")
+                elif v != BAD_PAGE_INDEX:
+                    raise FingerprintMismatch(
+                        f"{where}: SSM block {b} is {v}, expected BAD_PAGE_INDEX (state "
+                        f"lives at block {live})")
+            return
+        s0, s1 = _stale(buf, hist, tpb)
+        stale = table[s0:s1]
+        if np.any(stale != BAD_PAGE_INDEX):
+            raise FingerprintMismatch(f"{where}: stale blocks [{s0}, {s1}) hold {stale}, "
+                                      "expected BAD_PAGE_INDEX")
+        needed = np.concatenate([table[:s0], table[s1:]])
+        if needed.size and (needed.min() < 0 or needed.max() >= num_slots):
+            raise FingerprintMismatch(f"{where}: needed blocks have invalid pages {table}")
+        if len(np.unique(needed)) != needed.size:
+            raise FingerprintMismatch(f"{where}: two blocks share one page: {table}")
+
+    # -- the two steps --------------------------------------------------------------------------
+
+    def check(self, work: Iterable[StepWork]) -> None:
+        """Check every page the requests' histories need.
+
+        Raises:
+            FingerprintMismatch: naming the request, layer, buffer and block.
+        """
+        work = list(work)
+        pages = self._rows(work, writing=False)
+        if pages is None:
+            return
+        ok = self.backend.fingerprint_check(pages)
+        self.checked_pages += len(pages)
+        if not ok.all():
+            bad = int(np.nonzero(~ok)[0][0])
+            raise FingerprintMismatch(
+                f"page at address {int(pages.addresses[bad]):#x} (positions "
+                f"{int(pages.positions[bad]) + int(pages.begin[bad])}.."
+                f"{int(pages.positions[bad]) + int(pages.end[bad]) - 1}, layer "
+                f"{int(pages.tags[bad, 0])}, buffer {int(pages.tags[bad, 1]) >> 16}) does "
+                f"not hold its tokens' records; {int((~ok).sum())} bad pages of "
+                f"{len(ok)} in this check ({', '.join(repr(w.cache.id) for w in work[:8])})"
+            )
+
+    def write(self, work: Iterable[StepWork]) -> None:
+        """Write the records of ``[history, capacity)`` (and the SSM state at capacity)."""
+        pages = self._rows(list(work), writing=True)
+        if pages is None:
+            return
+        self.backend.fingerprint_write(pages)
+        self.written_pages += len(pages)
+
+    def step(self, work: Sequence[StepWork]) -> None:
+        """Check, then write: what the model would read and write this step."""
+        self.check(work)
+        self.write(work)
