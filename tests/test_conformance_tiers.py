@@ -3,10 +3,16 @@ through it too, and unit tests of :class:`~kvcm_core.testing.faults.FaultyTier`.
 
 from __future__ import annotations
 
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
 import numpy as np
 import pytest
+from kvcm_tier_disk import HEADER_BYTES, DiskTier, file_name
 
-from kvcm_core.errors import TierIOError
+from kvcm_core.errors import ConfigError, TierIOError
 from kvcm_core.plugins import get_plugin_manager
 from kvcm_core.records import TierSpec
 from kvcm_core.testing.conformance.tier import TierConformance
@@ -165,3 +171,144 @@ def test_faulty_tier_spec_shares_one_plan_across_the_tiers_it_builds() -> None:
         pool = tier.create_pool(16, 1)
         with pytest.raises(TierIOError):
             pool.write(np.array([0]), _rows(1)).wait()
+
+
+# -- the disk tier's own rules -------------------------------------------------------------
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[DiskTier]:
+    tier = DiskTier(None, {"path": str(tmp_path / "d"), "io_threads": 2})
+    yield tier
+    tier.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"bogus": 1}, "disk.options.bogus"),
+        ({"io_threads": 0}, "disk.options.io_threads"),
+        ({"io_threads": "4"}, "disk.options.io_threads"),
+        ({"io_threads": True}, "disk.options.io_threads"),
+        ({"path": ""}, "disk.options.path"),
+        ({"path": 17}, "disk.options.path"),
+    ],
+)
+def test_disk_bad_option_is_a_config_error_naming_it(options: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        DiskTier(None, options)
+    assert info.value.field == field
+
+
+def test_disk_refuses_a_shared_sticky_directory(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with pytest.raises(ConfigError, match="sticky"):
+        DiskTier(None, {"path": str(shared)})
+
+
+def test_disk_short_read_of_a_truncated_file_is_a_tier_io_error(disk: DiskTier) -> None:
+    pool = disk.create_pool(4096, 4, name="short")
+    pool.write(np.arange(4), np.ones((4, 4096), dtype=np.uint8)).wait()
+    os.truncate(pool.path, HEADER_BYTES + 4096 + 100)  # cut inside slot 1
+    with pytest.raises(TierIOError, match="short"):
+        pool.read(np.array([1]), np.zeros((1, 4096), dtype=np.uint8)).wait()
+    out = np.zeros((1, 4096), dtype=np.uint8)
+    pool.read(np.array([0]), out).wait()
+    assert (out == 1).all()
+
+
+def test_disk_reopen_with_another_slot_size_is_refused(disk: DiskTier) -> None:
+    disk.create_pool(64, 2, name="sized").close()
+    with pytest.raises(ValueError, match="slots of 64 bytes"):
+        disk.create_pool(128, 2, name="sized")
+
+
+def test_disk_refuses_a_foreign_file_under_a_pool_name(disk: DiskTier) -> None:
+    foreign = Path(disk.directory) / file_name("mine")
+    foreign.write_bytes(b"not a pool" * 1000)
+    with pytest.raises(TierIOError, match="not a kvcm pool file"):
+        disk.create_pool(64, 2, name="mine")
+    assert foreign.read_bytes() == b"not a pool" * 1000
+
+
+def test_disk_refuses_a_hard_linked_pool_file(disk: DiskTier, tmp_path: Path) -> None:
+    pool = disk.create_pool(64, 2, name="linked")
+    pool.close()
+    os.link(pool.path, tmp_path / "second-name")
+    with pytest.raises(TierIOError, match="hard links"):
+        disk.create_pool(64, 2, name="linked")
+
+
+def test_disk_refuses_a_second_open_pool_of_the_same_name(disk: DiskTier) -> None:
+    disk.create_pool(64, 2, name="twice")
+    with pytest.raises(ValueError, match="already open"):
+        disk.create_pool(64, 2, name="twice")
+
+
+def test_disk_anonymous_pool_file_is_deleted_on_close(disk: DiskTier) -> None:
+    pool = disk.create_pool(64, 2)
+    assert os.path.exists(pool.path)
+    pool.close()
+    assert not os.path.exists(pool.path)
+
+
+def test_disk_private_directory_is_removed_on_close() -> None:
+    tier = DiskTier(None, {})
+    directory = tier.directory
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    tier.create_pool(64, 2, name="x")
+    tier.close()
+    assert not os.path.exists(directory)
+
+
+def test_disk_file_is_preallocated_to_its_slots(disk: DiskTier) -> None:
+    pool = disk.create_pool(1000, 9, name="sized")
+    assert os.path.getsize(pool.path) == HEADER_BYTES + 9000
+    pool.resize(3)
+    assert os.path.getsize(pool.path) == HEADER_BYTES + 3000
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    calls: list[tuple[str, int]] = []
+    for fn in ("preadv", "pwritev"):
+        real = getattr(os, fn)
+
+        def counted(fd: int, buffers: list, offset: int, _real=real, _fn=fn) -> int:
+            calls.append((_fn, len(buffers)))
+            return _real(fd, buffers, offset)
+
+        monkeypatch.setattr(os, fn, counted)
+    return calls
+
+
+def test_disk_consecutive_slots_move_in_one_call(
+    disk: DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = disk.create_pool(4096, 64, name="runs")
+    rows = np.random.default_rng(0).integers(0, 256, (64, 4096), dtype=np.uint8)
+    calls = _count_calls(monkeypatch)
+    # slots 10..19 given out of order: one call gathering the caller's rows
+    slots = np.random.default_rng(1).permutation(np.arange(10, 20))
+    pool.write(slots, rows[:10]).wait()
+    assert len(calls) == 1 and calls[0][0] == "pwritev"
+    calls.clear()
+    # rows in slot order merge into a single buffer
+    out = np.zeros((10, 4096), dtype=np.uint8)
+    pool.read(np.arange(10, 20), out).wait()
+    assert calls == [("preadv", 1)]
+    assert np.array_equal(out[np.argsort(np.argsort(slots))], rows[:10])
+    calls.clear()
+    # two runs with a gap: two calls
+    pool.read(np.array([1, 2, 3, 7, 8]), np.zeros((5, 4096), dtype=np.uint8)).wait()
+    assert sorted(calls) == [("preadv", 1), ("preadv", 1)]
+
+
+def test_disk_large_run_is_shared_by_the_io_threads(
+    disk: DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = disk.create_pool(1 << 20, 32, name="big")
+    calls = _count_calls(monkeypatch)
+    pool.write(np.arange(32), np.zeros((32, 1 << 20), dtype=np.uint8)).wait()
+    assert len(calls) == 4  # 32 MiB in 8 MiB calls

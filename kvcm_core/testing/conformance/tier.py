@@ -527,17 +527,22 @@ class TierConformance(ConformanceBase):
         assert files, "creating a named pool created no file under the tier's directory"
         outside = self.tmp_path / "outside"
         outside.mkdir()
-        target = outside / "precious"
-        target.write_bytes(b"precious data" * 1000)
-        for f in files:
-            f.unlink()
+        # the targets are genuine pool files, so only refusing the link itself protects them
+        targets = []
+        for i, f in enumerate(files):
+            target = outside / f"precious{i}"
+            f.rename(target)
+            target.chmod(0o640)
             f.symlink_to(target)
+            targets.append((target, target.read_bytes()))
         second = self.open_tier(base)
         with pytest.raises(KvcmError):
             pool = second.create_pool(256, 2, name="victim")
             if isinstance(pool, StoragePool):  # a lazy tier must refuse at first I/O
                 pool.write(np.arange(2), np.zeros((2, 256), dtype=np.uint8)).wait()
-        assert target.read_bytes() == b"precious data" * 1000
+        for target, content in targets:
+            assert target.read_bytes() == content
+            assert stat.S_IMODE(target.stat().st_mode) == 0o640
 
     def test_symlinked_directory_is_refused(self, tier: Tier) -> None:
         if tier.capabilities.dir_mode is None:
