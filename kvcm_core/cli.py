@@ -1,0 +1,434 @@
+"""The ``kvcm`` command.
+
+Subcommands:
+
+- ``kvcm plugins [--json]``: every registered plugin (kind, name, distribution, version,
+  whether it is available here and why not, key capabilities, description) and the kernel
+  backend ``kernel_backend="auto"`` selects.
+- ``kvcm conformance [--plugin NAME ...] [-k EXPR] [--json]``: run the conformance suite
+  (:mod:`kvcm_core.testing.suite`) in-process and print a table of plugin x result; the
+  exit status is non-zero on any failure.
+- ``kvcm bench kernels|manager ...``: the benchmarks (:mod:`kvcm_core.bench`).
+- ``kvcm simulate ...``: the main job (:mod:`kvcm_core.simulate`).
+- ``kvcm --version``.
+
+Heavy modules (pytest, the benchmarks, the simulator) are imported only by the subcommand
+that needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import enum
+import importlib
+import importlib.metadata
+import io
+import json
+import os
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+from rich.console import Console
+from rich.table import Table
+
+from kvcm_core.errors import PluginError
+from kvcm_core.plugins import (
+    AUTOLOAD_ENV,
+    DISABLE_ENV,
+    KvcmPluginManager,
+    RegisteredPlugin,
+    get_plugin_manager,
+)
+
+__all__ = ["main"]
+
+_KIND_ORDER = {"tier": 0, "kernel_backend": 1, "codec": 2, "eviction_policy": 3}
+OUTCOMES = ("passed", "failed", "skipped", "xfailed")
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("kvcm")
+    except importlib.metadata.PackageNotFoundError:
+        from kvcm_core import __version__
+
+        return __version__
+
+
+def _console(stderr: bool = False) -> Console:
+    # Wide enough for the tables when output is piped (rich defaults to 80 columns then).
+    console = Console(stderr=stderr)
+    if not console.is_terminal:
+        console = Console(stderr=stderr, width=160)
+    return console
+
+
+def _error(message: str) -> None:
+    _console(stderr=True).print(f"[bold red]kvcm:[/] {message}", highlight=False, markup=True)
+
+
+# -- kvcm plugins -------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
+
+
+def _capabilities(record: RegisteredPlugin) -> dict[str, Any]:
+    spec = record.spec
+    caps = getattr(spec, "capabilities", None)
+    out = {k: _plain(v) for k, v in attrs.asdict(caps, recurse=False).items()} if caps else {}
+    if hasattr(spec, "priority"):
+        out["priority"] = spec.priority
+    return out
+
+
+def _capability_summary(caps: dict[str, Any]) -> str:
+    """Short text: true flags by name, other set values as key=value (octal for modes)."""
+    parts = []
+    for key, value in caps.items():
+        if value is True:
+            parts.append(key)
+        elif value is False or value is None:
+            continue
+        elif key.endswith("_mode") and isinstance(value, int):
+            parts.append(f"{key}={value:o}")
+        else:
+            parts.append(f"{key}={value}")
+    return ", ".join(parts)
+
+
+def _plugin_rows(pm: KvcmPluginManager) -> list[dict[str, Any]]:
+    rows = []
+    records = sorted(pm.registered(), key=lambda r: (_KIND_ORDER.get(r.spec.kind, 9), r.spec.name))
+    for record in records:
+        ok, reason = pm.availability_of(record.spec)
+        rows.append(
+            {
+                "kind": record.spec.kind,
+                "name": record.spec.name,
+                "plugin": record.plugin,
+                "distribution": record.distribution,
+                "version": record.version,
+                "available": ok,
+                "reason": reason,
+                "capabilities": _capabilities(record),
+                "known_gaps": dict(record.spec.known_gaps),
+                "description": record.spec.description,
+            }
+        )
+    return rows
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    try:
+        pm = get_plugin_manager()
+        rows = _plugin_rows(pm)
+    except PluginError as exc:
+        _error(str(exc))
+        return 1
+    try:
+        auto: str | None = pm.select_kernel_backend("auto").name
+        auto_error = ""
+    except PluginError as exc:
+        auto, auto_error = None, str(exc)
+    env_backend = os.environ.get("KVCM_KERNEL_BACKEND", "")
+    autoload = os.environ.get(AUTOLOAD_ENV, "1") != "0"
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "version": _version(),
+                    "plugins": rows,
+                    "auto_kernel_backend": auto,
+                    "auto_kernel_backend_error": auto_error or None,
+                    "disabled": sorted(pm.disabled),
+                    "autoload": autoload,
+                },
+                indent=2,
+            )
+        )
+        return 0
+    console = _console()
+    table = Table(title=f"kvcm {_version()} plugins", title_justify="left")
+    for column in ("kind", "name", "distribution", "version", "available", "capabilities"):
+        table.add_column(column, no_wrap=column in ("kind", "name", "version"))
+    table.add_column("description", overflow="fold")
+    for row in rows:
+        available = "[green]yes[/]" if row["available"] else f"[red]no[/]: {row['reason']}"
+        caps = _capability_summary(row["capabilities"])
+        if row["known_gaps"]:
+            caps += f"{', ' if caps else ''}known_gaps={len(row['known_gaps'])}"
+        table.add_row(
+            row["kind"].replace("_", " "),
+            row["name"],
+            row["distribution"],
+            row["version"],
+            available,
+            caps,
+            row["description"],
+        )
+    console.print(table)
+    if not rows:
+        console.print(
+            "No plugins registered."
+            + (f" ({AUTOLOAD_ENV}=0: entry points are not loaded.)" if not autoload else "")
+        )
+    if pm.disabled:
+        console.print(f"Blocked by {DISABLE_ENV}: {', '.join(sorted(pm.disabled))}")
+    source = f" ({'KVCM_KERNEL_BACKEND=' + env_backend})" if env_backend else ""
+    if auto is not None:
+        console.print(f'kernel_backend="auto" selects: [bold]{auto}[/]{source}')
+    else:
+        console.print(f'kernel_backend="auto" selects nothing{source}: {auto_error}')
+    return 0
+
+
+# -- kvcm conformance ---------------------------------------------------------------------
+
+
+class _Collector:
+    """A pytest plugin counting outcomes per (kind, plugin) of conformance tests."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, tuple[str, str]] = {}
+        self.outcome: dict[str, str] = {}
+        self.counts: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
+        self.reasons: dict[tuple[str, str], list[str]] = defaultdict(list)
+        self.collect_errors: list[str] = []
+
+    def pytest_collection_modifyitems(self, items: list[Any]) -> None:
+        for item in items:
+            cls = getattr(item, "cls", None)
+            kind = getattr(cls, "kvcm_kind", "")
+            callspec = getattr(item, "callspec", None)
+            name = callspec.params.get("kvcm_plugin_name") if callspec else None
+            name = name or getattr(cls, "plugin_name", None)
+            if kind and name:
+                self.keys[item.nodeid] = (kind, name)
+
+    def pytest_collectreport(self, report: Any) -> None:
+        if report.failed:
+            self.collect_errors.append(report.nodeid or "<collection>")
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        key = self.keys.get(report.nodeid)
+        if key is None:
+            return  # e.g. "no tier plugin selected" placeholders
+        current = self.outcome.get(report.nodeid)
+        if report.failed:
+            current = "failed"
+        elif current != "failed":
+            if report.skipped:
+                if hasattr(report, "wasxfail"):
+                    current = "xfailed"
+                else:
+                    current = "skipped"
+                    reason = _skip_reason(report)
+                    if reason and reason not in self.reasons[key]:
+                        self.reasons[key].append(reason)
+            elif report.when == "call":
+                current = "passed"  # a non-strict xpass counts as passed
+        if current is not None:
+            self.outcome[report.nodeid] = current
+        if report.when == "teardown":
+            self.counts[key][self.outcome.pop(report.nodeid, "passed")] += 1
+
+    def rows(self) -> list[dict[str, Any]]:
+        out = []
+        for kind, name in sorted(self.counts, key=lambda k: (_KIND_ORDER.get(k[0], 9), k[1])):
+            counts = self.counts[(kind, name)]
+            out.append(
+                {
+                    "kind": kind,
+                    "plugin": name,
+                    **{o: counts[o] for o in OUTCOMES},
+                    "skip_reasons": self.reasons[(kind, name)],
+                }
+            )
+        return out
+
+
+def _skip_reason(report: Any) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        text = str(longrepr[2])
+        return text.removeprefix("Skipped: ")
+    return ""
+
+
+def _cmd_conformance(args: argparse.Namespace) -> int:
+    try:
+        pm = get_plugin_manager()
+        known = {r.spec.name for r in pm.registered()}
+    except PluginError as exc:
+        _error(str(exc))
+        return 1
+    unknown = [n for n in args.plugin if n not in known]
+    if unknown:
+        _error(
+            f"unknown plugin {', '.join(map(repr, unknown))}; available: "
+            f"{', '.join(sorted(known)) or 'none'}"
+        )
+        return 2
+
+    import importlib.util
+
+    import pytest
+
+    # Located, not imported: pytest imports it inside the session, after setting up
+    # assertion rewriting for it and its base classes.
+    suite = importlib.util.find_spec("kvcm_core.testing.suite")
+    assert suite is not None and suite.origin is not None
+    collector = _Collector()
+    pytest_args = [
+        suite.origin,
+        "-c",
+        os.devnull,  # the suite's own settings, not those of whatever project is around
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rfE",
+        "--tb=short",
+    ]
+    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        pytest_args += ["-p", "kvcm_core.testing.pytest_plugin"]
+    for name in args.plugin:
+        pytest_args += ["--kvcm-plugin", name]
+    if args.k:
+        pytest_args += ["-k", args.k]
+    pytest_args += args.pytest_args
+    if args.json:
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = int(pytest.main(pytest_args, plugins=[collector]))
+    else:
+        code = int(pytest.main(pytest_args, plugins=[collector]))
+    rows = collector.rows()
+    failed = code != 0 or any(r["failed"] for r in rows)
+    if args.json:
+        print(json.dumps({"exit_code": code, "results": rows}, indent=2))
+    else:
+        _print_conformance(rows, code)
+    return (code or 1) if failed else 0
+
+
+def _print_conformance(rows: list[dict[str, Any]], code: int) -> None:
+    console = _console()
+    table = Table(title="kvcm conformance", title_justify="left")
+    table.add_column("kind", no_wrap=True)
+    table.add_column("plugin", no_wrap=True)
+    for outcome in OUTCOMES:
+        table.add_column(outcome, justify="right")
+    table.add_column("skip reasons", overflow="fold")
+    for row in rows:
+        failed = f"[red]{row['failed']}[/]" if row["failed"] else "0"
+        table.add_row(
+            row["kind"].replace("_", " "),
+            row["plugin"],
+            str(row["passed"]),
+            failed,
+            str(row["skipped"]),
+            str(row["xfailed"]),
+            "; ".join(row["skip_reasons"]),
+        )
+    console.print(table)
+    if code == 5 or not rows:
+        console.print("No conformance test ran (check --plugin and -k).")
+
+
+# -- lazily dispatched subcommands ----------------------------------------------------------
+
+
+def _dispatch(module: str, argv: list[str], what: str) -> int:
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing and (module == missing or module.startswith(missing + ".")):
+            _error(f"{what} is not built yet ({module} is missing).")
+            return 2
+        raise
+    return int(mod.main(argv) or 0)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    return _dispatch(f"kvcm_core.bench.{args.target}", args.rest, f"`kvcm bench {args.target}`")
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    return _dispatch("kvcm_core.simulate", args.rest, "`kvcm simulate`")
+
+
+# -- entry point ----------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvcm",
+        description="kvcm: a paged KV-cache manager for LLM inference engines.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvcm {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("plugins", help="list every registered plugin and its availability")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_cmd_plugins)
+
+    p = sub.add_parser(
+        "conformance",
+        help="run the plugin conformance suite; a table of plugin x result",
+        description="Run the conformance suite for every registered plugin (or those named). "
+        "Arguments after `--` go to pytest.",
+    )
+    p.add_argument(
+        "--plugin",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="only these plugins (repeatable)",
+    )
+    p.add_argument("-k", metavar="EXPR", help="only tests matching this pytest -k expression")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("pytest_args", nargs="*", help=argparse.SUPPRESS)
+    p.set_defaults(func=_cmd_conformance)
+
+    # No -h of their own: `kvcm simulate --help` reaches the simulator's parser.
+    p = sub.add_parser(
+        "bench", help="kernel and manager benchmarks (other arguments go on)", add_help=False
+    )
+    p.add_argument("target", choices=["kernels", "manager"])
+    p.set_defaults(func=_cmd_bench, passes_rest=True)
+
+    p = sub.add_parser(
+        "simulate", help="replay a serving workload through the manager", add_help=False
+    )
+    p.set_defaults(func=_cmd_simulate, passes_rest=True)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``kvcm`` command.
+
+    Args:
+        argv: arguments without the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status.
+    """
+    parser = _parser()
+    args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if rest and not getattr(args, "passes_rest", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
