@@ -364,6 +364,8 @@ class KVCache:
         tpb = self._tpb
         if self._commit_on:
             full = end // tpb
+            if self._published < full:
+                self._block_key(full - 1)
             while self._published < full and self._commit_on:
                 self._publish_block(self._published)
             if self._published * tpb > self._committed:
@@ -406,12 +408,15 @@ class KVCache:
         return parent
 
     def _block_key(self, block: int) -> bytes:
-        while len(self._keys) <= block:
-            b = len(self._keys)
-            prev = self._keys[b - 1] if b else self._root_key
-            chunk = self._tokens[b * self._tpb : (b + 1) * self._tpb]
-            self._keys.append(block_keys(prev, chunk, self._tpb, 0, 1)[0])
-        return self._keys[block]
+        keys = self._keys
+        if len(keys) <= block:
+            # Hash every missing block up to ``block`` from one encoding of their tokens.
+            b0 = len(keys)
+            tpb = self._tpb
+            prev = keys[b0 - 1] if b0 else self._root_key
+            keys.extend(block_keys(prev, self._tokens[b0 * tpb : (block + 1) * tpb], tpb,
+                                   0, block + 1 - b0))
+        return keys[block]
 
     def _publish_block(self, b: int) -> None:
         m = self._m

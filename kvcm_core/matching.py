@@ -10,6 +10,7 @@ the walk stops at the first block they cannot serve.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from kvcm_core.lifecycle import LifeCycle
 
 __all__ = ["Match", "match_prefix"]
+
+_CHUNK = 32  # blocks encoded at a time during the walk
 
 
 @attrs.define
@@ -56,41 +59,70 @@ def match_prefix(
     """Find the longest reusable prefix of ``tokens`` (see module docstring)."""
     n = len(tokens)
     root = tree.roots.get(root_key)
-    data, mm = encode_tokens(tokens) if n else (b"", False)
     if root is None or n == 0:
-        return Match(0, [], [], None if mm else data)
+        return Match(0, [], [], None)
+    # Encode tokens lazily, a chunk at a time: a short match never pays for a long prompt.
+    data, mm = encode_tokens(tokens[: _CHUNK * tpb])
     nfull = n // tpb
     chain: list[Node] = []
     keys: list[bytes] = []
     node = root
     key = root_key
     # Walk full blocks by key, hashing lazily so a miss costs one hash.
-    for b in range(nfull):
-        k = block_keys(key, tokens, tpb, b, b + 1, None if mm else data)[0]
-        child = node.children.get(k)
-        if child is None:
-            break
-        pages = child.pages
-        if any(pages[g] is None for g in walk_groups):
-            break
-        keys.append(k)
-        chain.append(child)
-        node = child
-        key = k
+    if mm:
+        for b in range(nfull):
+            k = block_keys(key, tokens, tpb, b, b + 1)[0]
+            child = node.children.get(k)
+            if child is None or not _has_all(child.pages, walk_groups):
+                break
+            keys.append(k)
+            chain.append(child)
+            node = child
+            key = k
+    else:
+        mv = memoryview(data)
+        step = 4 * tpb
+        sha = hashlib.sha256
+        single = walk_groups[0] if len(walk_groups) == 1 else None
+        for b in range(nfull):
+            off = (b % _CHUNK) * step
+            if off == 0 and b:
+                mv = memoryview(encode_tokens(tokens[b * tpb : (b + _CHUNK) * tpb])[0])
+            h = sha(key)
+            h.update(mv[off : off + step])
+            k = h.digest()
+            child = node.children.get(k)
+            if child is None:
+                break
+            if single is not None:
+                if child.pages[single] is None:
+                    break
+            elif not _has_all(child.pages, walk_groups):
+                break
+            keys.append(k)
+            chain.append(child)
+            node = child
+            key = k
     length = len(chain) * tpb
     nodes = chain
     if partial and length < n:
         limit = min(tpb, n - length)
         best, plen = tree.best_partial(node, tokens[length : length + limit], limit)
-        if best is not None and plen > 0 and all(best.pages[g] is not None
-                                                 for g in walk_groups):
+        if best is not None and plen > 0 and _has_all(best.pages, walk_groups):
             nodes = [*chain, best]
             length += plen
     length = _prune(nodes, length, tpb, life_cycles, prune_groups)
     if backoff and length:
         length = _prune(nodes, max(0, length - backoff), tpb, life_cycles, prune_groups)
     nodes = nodes[: -(-length // tpb)]
-    return Match(length, nodes, keys[: length // tpb], None if mm else data)
+    return Match(length, nodes, keys[: length // tpb], None)
+
+
+def _has_all(pages: list, groups: Sequence[int]) -> bool:
+    for g in groups:
+        if pages[g] is None:
+            return False
+    return True
 
 
 def _feasible(nodes: Sequence[Node], end: int, tpb: int,

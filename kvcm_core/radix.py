@@ -114,7 +114,8 @@ class Node:
         partials: partial child blocks.
     """
 
-    __slots__ = ("children", "key", "ordinal", "pages", "parent", "partials", "tokens")
+    __slots__ = ("by_first", "children", "key", "ordinal", "pages", "parent", "partials",
+                 "tokens")
 
     def __init__(self, key: bytes | None, parent: Node | None, ordinal: int,
                  tokens: tuple, num_groups: int) -> None:
@@ -125,6 +126,8 @@ class Node:
         self.pages: list[Any] = [None] * num_groups
         self.children: dict[bytes, Node] = {}
         self.partials: list[Node] = []
+        # Children by first token, so partial matching never scans a wide fan-out.
+        self.by_first: dict[Any, list[Node]] | None = None
 
     @property
     def is_full(self) -> bool:
@@ -181,15 +184,32 @@ class PrefixTree:
             self.roots[root_key] = node
         return node
 
+    @staticmethod
+    def _index(parent: Node, node: Node) -> None:
+        if parent.by_first is None:
+            parent.by_first = {}
+        parent.by_first.setdefault(node.tokens[0], []).append(node)
+
+    @staticmethod
+    def _unindex(parent: Node, node: Node) -> None:
+        if parent.by_first is not None:
+            bucket = parent.by_first.get(node.tokens[0])
+            if bucket is not None and node in bucket:
+                bucket.remove(node)
+                if not bucket:
+                    del parent.by_first[node.tokens[0]]
+
     def add_full(self, parent: Node, key: bytes, tokens: tuple) -> Node:
         node = Node(key, parent, parent.ordinal + 1, tokens, self.num_groups)
         parent.children[key] = node
+        self._index(parent, node)
         self.num_nodes += 1
         return node
 
     def add_partial(self, parent: Node, tokens: tuple) -> Node:
         node = Node(None, parent, parent.ordinal + 1, tokens, self.num_groups)
         parent.partials.append(node)
+        self._index(parent, node)
         self.num_nodes += 1
         return node
 
@@ -204,13 +224,16 @@ class PrefixTree:
         elif node in parent.partials:
             parent.partials.remove(node)
             self.num_nodes -= 1
+        self._unindex(parent, node)
         node.parent = None
 
     def best_partial(self, parent: Node, tokens: Sequence[Any], limit: int) -> tuple[Node | None, int]:
         """The child of ``parent`` sharing the longest prefix with ``tokens[:limit]``."""
         best, best_len = None, 0
         want = tokens[:limit]
-        for child in parent.iter_children():
+        if not want or parent.by_first is None:
+            return None, 0
+        for child in parent.by_first.get(want[0], ()):
             n = common_prefix(child.tokens, want)
             if n > best_len:
                 best, best_len = child, n

@@ -1,0 +1,294 @@
+"""Host-overhead benchmark of the manager (``kvcm bench manager``).
+
+Replays the workload shapes of ``shared/peer_bench/vllm_host_overhead.py`` so the two can
+be compared side by side, in one sitting, on the same machine:
+
+- decode: ``--decode-batch`` running requests with ``--decode-context``-token contexts,
+  one token per request-step: ``resize(capacity + 1)`` then ``commit([token])`` (the
+  allocation and the block hashing/publishing vLLM splits into ``allocate_slots`` and
+  appending the token), microseconds per request-step;
+- prefill: ``--prefill-requests`` requests of ``--prefill-len`` tokens sharing a
+  ``--prefix-len``-token prefix: ``create_kv_cache`` (lookup, hashing the matched blocks)
+  + ``resume`` + ``resize``, microseconds per request and per matched block; the commit of
+  the prompt (hashing and publishing the new blocks) is timed apart;
+- lookup scaling: ``probe_reuse`` of a prompt matching ``--lookup-match`` blocks with 10k,
+  100k and 1M other blocks cached, microseconds per matched block.
+
+The numpy backend is used (no device work is timed): this measures host overhead only.
+Results are written as JSON with the machine, versions and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
+from kvcm_core.manager import KVCacheManager
+
+VOCAB = 128_000
+ns = time.perf_counter_ns
+
+
+def make_manager(tpb: int, num_blocks: int, page_bytes: int = 16) -> KVCacheManager:
+    """One full-attention layer with tiny pages: only bookkeeping is measured."""
+    cfg = KVCacheManagerConfig(
+        tokens_per_block=tpb,
+        layers=[AttentionLayerConfig(layer_id=0, buffers=[BufferConfig(role="kv",
+                                                                        size=page_bytes)])],
+        levels=[LevelConfig(tier="gpu", quota=num_blocks * page_bytes)],
+        kernel_backend="numpy",
+    )
+    return KVCacheManager(cfg)
+
+
+def rand_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def run_decode(args: argparse.Namespace, tpb: int, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    batch, ctx, steps = args.decode_batch, args.decode_context, args.decode_steps
+    m = make_manager(tpb, args.num_blocks)
+    caches = []
+    for i in range(batch):
+        prompt = rand_tokens(rng, ctx)
+        c = m.create_kv_cache(None, prompt[:-1], id=i)
+        assert c.resume()
+        assert c.resize(ctx)
+        c.commit(prompt[c.history_length:])
+        caches.append(c)
+    out = [[rng.randrange(VOCAB) for _ in range(batch)] for _ in range(steps)]
+    gc.collect()
+    gc.freeze()
+    step_ns = []
+    table_ns = []
+    boundary = []
+    for s in range(steps):
+        toks = out[s]
+        boundary.append(caches[0].capacity % tpb == 0)
+        t0 = ns()
+        for c, tok in zip(caches, toks, strict=True):
+            if not c.resize(c.capacity + 1):
+                raise RuntimeError("out of blocks in decode")
+            c.commit((tok,))
+        t1 = ns()
+        for c in caches:
+            c.get_base_page_indices(0)
+        t2 = ns()
+        step_ns.append(t1 - t0)
+        table_ns.append(t2 - t1)
+    blocks = [c.num_blocks for c in caches]
+    free_ns = []
+    for c in caches:
+        t0 = ns()
+        c.close()
+        free_ns.append(ns() - t0)
+    gc.unfreeze()
+    bd = [t for t, b in zip(step_ns, boundary, strict=True) if b]
+    nbd = [t for t, b in zip(step_ns, boundary, strict=True) if not b]
+    res = {
+        "resize_commit_us_per_req_step": sum(step_ns) / (steps * batch) / 1e3,
+        "resize_commit_us_per_req_step_block_boundary":
+            sum(bd) / (len(bd) * batch) / 1e3 if bd else float("nan"),
+        "resize_commit_us_per_req_step_no_new_block":
+            sum(nbd) / (len(nbd) * batch) / 1e3 if nbd else float("nan"),
+        "page_table_us_per_req_step": sum(table_ns) / (steps * batch) / 1e3,
+        "close_us_per_request": sum(free_ns) / batch / 1e3,
+        "close_us_per_block": sum(free_ns) / sum(blocks) / 1e3,
+    }
+    m.shutdown()
+    return res
+
+
+def run_prefill(args: argparse.Namespace, tpb: int, seed: int) -> dict[str, float]:
+    rng = random.Random(seed + 1_000_003)
+    n, length, prefix = args.prefill_requests, args.prefill_len, args.prefix_len
+    m = make_manager(tpb, args.num_blocks)
+    system = rand_tokens(rng, prefix)
+    prompts = [system + rand_tokens(rng, length - prefix) for _ in range(n)]
+    gc.collect()
+    gc.freeze()
+    create_ns, alloc_ns, commit_ns, hits = [], [], [], []
+    caches = []
+    for i, p in enumerate(prompts):
+        t0 = ns()
+        c = m.create_kv_cache(None, p, id=i)
+        t1 = ns()
+        if not (c.resume() and c.resize(length)):
+            raise RuntimeError("out of blocks in prefill")
+        t2 = ns()
+        c.commit(p[c.history_length:])
+        t3 = ns()
+        create_ns.append(t1 - t0)
+        alloc_ns.append(t2 - t1)
+        commit_ns.append(t3 - t2)
+        hits.append(c.stats.reused_blocks)
+        caches.append(c)
+    blocks = [c.num_blocks for c in caches]
+    free_ns = []
+    for c in caches:
+        t0 = ns()
+        c.close()
+        free_ns.append(ns() - t0)
+    gc.unfreeze()
+    warm = [i for i, h in enumerate(hits) if h > 0]
+    expect = prefix // tpb
+    if len(warm) != n - 1 or any(hits[i] != expect for i in warm):
+        raise RuntimeError(f"unexpected hits {hits[:4]} (expected {expect})")
+    matched = sum(hits[i] for i in warm)
+    wsum = lambda xs: sum(xs[i] for i in warm)  # noqa: E731
+    res = {
+        "matched_blocks_per_warm_request": expect,
+        "create_us_per_request": wsum(create_ns) / len(warm) / 1e3,
+        "resume_resize_us_per_request": wsum(alloc_ns) / len(warm) / 1e3,
+        "total_us_per_request": (wsum(create_ns) + wsum(alloc_ns)) / len(warm) / 1e3,
+        "lookup_us_per_matched_block": wsum(create_ns) / matched / 1e3,
+        "total_us_per_matched_block": (wsum(create_ns) + wsum(alloc_ns)) / matched / 1e3,
+        "commit_us_per_new_block": wsum(commit_ns) / (len(warm) * (length - prefix) // tpb) / 1e3,
+        "close_us_per_request": sum(free_ns) / n / 1e3,
+        "close_us_per_block": sum(free_ns) / sum(blocks) / 1e3,
+    }
+    m.shutdown()
+    return res
+
+
+def run_lookup_scaling(args: argparse.Namespace, tpb: int, seed: int) -> dict[str, Any]:
+    """probe_reuse cost per matched block with N other blocks cached."""
+    rng = random.Random(seed + 7)
+    out: dict[str, Any] = {}
+    match_blocks = args.lookup_match
+    per_prompt = 256  # blocks per filler prompt
+    for cached in args.lookup_sizes:
+        m = make_manager(tpb, cached + 4 * match_blocks + per_prompt, page_bytes=4)
+        filled = 0
+        i = 0
+        while filled < cached:
+            nblk = min(per_prompt, cached - filled)
+            p = rand_tokens(rng, nblk * tpb)
+            c = m.create_kv_cache(None, p, id=("f", i))
+            c.resume()
+            c.resize(len(p))
+            c.commit(p)
+            c.close()
+            filled += nblk
+            i += 1
+        target = rand_tokens(rng, match_blocks * tpb)
+        c = m.create_kv_cache(None, target, id="t")
+        c.resume()
+        c.resize(len(target))
+        c.commit(target)
+        c.close()
+        probe = target + rand_tokens(rng, tpb)
+        gc.collect()
+        gc.freeze()
+        reps = []
+        for _ in range(args.lookup_reps):
+            t0 = ns()
+            for _ in range(20):
+                got = m.probe_reuse(None, probe)
+            reps.append((ns() - t0) / 20)
+        gc.unfreeze()
+        if got != match_blocks * tpb:
+            raise RuntimeError(f"probe matched {got}, expected {match_blocks * tpb}")
+        out[str(cached)] = {
+            "cached_blocks": m.tree.num_nodes,
+            "us_per_matched_block_min": min(reps) / match_blocks / 1e3,
+            "us_per_matched_block_median": statistics.median(reps) / match_blocks / 1e3,
+        }
+        m.shutdown()
+        del m
+        gc.collect()
+    sizes = [str(s) for s in args.lookup_sizes]
+    if len(sizes) > 1:
+        out["ratio_largest_to_smallest_median"] = (
+            out[sizes[-1]]["us_per_matched_block_median"]
+            / out[sizes[0]]["us_per_matched_block_median"])
+    return out
+
+
+def _agg(runs: list[dict[str, float]], fn: Any) -> dict[str, float]:
+    return {k: fn([r[k] for r in runs]) for k in runs[0]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvcm bench manager", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32])
+    ap.add_argument("--num-blocks", type=int, default=131072)
+    ap.add_argument("--decode-batch", type=int, default=256)
+    ap.add_argument("--decode-context", type=int, default=2048)
+    ap.add_argument("--decode-steps", type=int, default=128)
+    ap.add_argument("--prefill-requests", type=int, default=512)
+    ap.add_argument("--prefill-len", type=int, default=4096)
+    ap.add_argument("--prefix-len", type=int, default=2048)
+    ap.add_argument("--lookup-sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    ap.add_argument("--lookup-match", type=int, default=64)
+    ap.add_argument("--lookup-reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cpu", type=int, default=-1,
+                    help="pin to this CPU (default: the last one; -2: no pinning)")
+    ap.add_argument("--out", default="benchmarks/results/host_overhead.json")
+    args = ap.parse_args(argv)
+    pinned = None
+    if args.cpu != -2 and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        pinned = cpus[-1] if args.cpu == -1 else args.cpu
+        os.sched_setaffinity(0, {pinned})
+    results: dict[str, Any] = {}
+    for tpb in args.block_sizes:
+        dec, pre = [], []
+        for rep in range(args.warmup + args.reps):
+            d = run_decode(args, tpb, args.seed + rep)
+            p = run_prefill(args, tpb, args.seed + rep)
+            tag = "warmup" if rep < args.warmup else f"rep{rep - args.warmup}"
+            print(f"tpb={tpb} {tag}: decode {d['resize_commit_us_per_req_step']:.3f} "
+                  f"us/req-step, prefill lookup {p['lookup_us_per_matched_block']:.3f} "
+                  f"us/matched block, {p['total_us_per_request']:.1f} us/req", flush=True)
+            if rep >= args.warmup:
+                dec.append(d)
+                pre.append(p)
+        results[f"block_size_{tpb}"] = {
+            "decode": {"median": _agg(dec, statistics.median), "min": _agg(dec, min),
+                       "runs": dec},
+            "prefill_prefix_reuse": {"median": _agg(pre, statistics.median),
+                                     "min": _agg(pre, min), "runs": pre},
+        }
+    tpb0 = args.block_sizes[0]
+    results["lookup_scaling"] = {"block_size": tpb0,
+                                 **run_lookup_scaling(args, tpb0, args.seed)}
+    print("lookup scaling:", json.dumps(results["lookup_scaling"], indent=1), flush=True)
+    import kvcm_core
+    doc = {
+        "what": "kvcm KVCacheManager host (CPU) overhead, numpy backend, workload shapes of "
+                "shared/peer_bench/vllm_host_overhead.py",
+        "kvcm_version": kvcm_core.__version__,
+        "python_version": platform.python_version(),
+        "machine": {"nproc": os.cpu_count(), "platform": platform.platform(),
+                    "processor": platform.processor(), "pinned_cpu": pinned},
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": vars(args),
+        "timer": "time.perf_counter_ns; median and min over reps of per-rep means; gc frozen "
+                 "after setup",
+        "results": results,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
