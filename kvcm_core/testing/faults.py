@@ -126,14 +126,8 @@ class FaultyStoragePool(StoragePool):
     def __init__(self, tier: FaultyTier, inner: StoragePool) -> None:
         self.tier = tier
         self.inner = inner
-
-    @property  # type: ignore[override]
-    def slot_bytes(self) -> int:
-        return self.inner.slot_bytes
-
-    @property  # type: ignore[override]
-    def num_slots(self) -> int:
-        return self.inner.num_slots
+        self.slot_bytes = inner.slot_bytes
+        self.num_slots = inner.num_slots
 
     def write(self, slots: np.ndarray, source: np.ndarray) -> IOHandle:
         """Write through the inner pool, failing or corrupting as planned."""
@@ -176,6 +170,7 @@ class FaultyStoragePool(StoragePool):
 
     def resize(self, num_slots: int) -> None:
         self.inner.resize(num_slots)
+        self.num_slots = self.inner.num_slots
 
     def close(self) -> None:
         self.inner.close()
@@ -187,14 +182,8 @@ class FaultyDevicePool(DevicePool):
     def __init__(self, tier: FaultyTier, inner: DevicePool) -> None:
         self.tier = tier
         self.inner = inner
-
-    @property  # type: ignore[override]
-    def slot_bytes(self) -> int:
-        return self.inner.slot_bytes
-
-    @property  # type: ignore[override]
-    def num_slots(self) -> int:
-        return self.inner.num_slots
+        self.slot_bytes = inner.slot_bytes
+        self.num_slots = inner.num_slots
 
     @property
     def buffer(self) -> Buffer:
@@ -202,6 +191,7 @@ class FaultyDevicePool(DevicePool):
 
     def resize(self, num_slots: int) -> None:
         self.inner.resize(num_slots)
+        self.num_slots = self.inner.num_slots
 
     def close(self) -> None:
         self.inner.close()

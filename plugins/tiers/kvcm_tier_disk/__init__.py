@@ -48,7 +48,7 @@ from kvcm_core import hookimpl
 from kvcm_core.backend import KernelBackend
 from kvcm_core.errors import ConfigError, InvalidStateError, TierIOError
 from kvcm_core.records import Availability, Medium, TierCapabilities, TierSpec
-from kvcm_core.tier import IOHandle, StoragePool, Tier, check_slots
+from kvcm_core.tier import CompletedIO, IOHandle, StoragePool, Tier, check_slots
 
 __all__ = ["CAPABILITIES", "HEADER_BYTES", "DiskPool", "DiskTier"]
 
@@ -183,7 +183,7 @@ class DiskPool(StoragePool):
         fd = self._live_fd()
         arr = check_slots(self, slots)
         rows = self._rows(source, len(arr), "source")
-        if rows.strides[1] != 1:
+        if not _rows_contiguous(rows):
             rows = np.ascontiguousarray(rows)
         if len(np.unique(arr)) != len(arr):
             raise ValueError(f"slots={arr.tolist()}: a write may name each slot only once")
@@ -200,7 +200,7 @@ class DiskPool(StoragePool):
         fd = self._live_fd()
         arr = check_slots(self, slots)
         rows = self._rows(dest, len(arr), "dest")
-        if rows.strides[1] != 1 or not rows.flags.writeable:
+        if not _rows_contiguous(rows) or not rows.flags.writeable:
             raise ValueError(
                 f"dest strides={rows.strides} writeable={rows.flags.writeable}: must be a "
                 "writable array whose rows are contiguous"
@@ -221,6 +221,8 @@ class DiskPool(StoragePool):
         return array
 
     def _submit(self, fd: int, slots: np.ndarray, rows: np.ndarray, *, write: bool) -> IOHandle:
+        if not len(slots):
+            return CompletedIO()
         tasks = list(self._tasks(slots, rows))
         futures = [
             self._tier._executor.submit(_run_calls, fd, calls, write, self._label())
@@ -249,7 +251,8 @@ class DiskPool(StoragePool):
         order = np.argsort(slots, kind="stable")
         sorted_slots = slots[order]
         file_next = sorted_slots[1:] == sorted_slots[:-1] + 1
-        mem_next = file_next & (order[1:] == order[:-1] + 1) & (rows.strides[0] == sb)
+        packed = rows.flags.c_contiguous
+        mem_next = file_next & (order[1:] == order[:-1] + 1) & packed
         # pieces: runs contiguous both in the file and in memory -> one buffer each
         starts = np.concatenate(([0], np.nonzero(~mem_next)[0] + 1)).tolist()
         ends = [*starts[1:], len(slots)]
@@ -261,7 +264,7 @@ class DiskPool(StoragePool):
         buffers: list[memoryview] = []
         for a, b in zip(starts, ends, strict=True):
             r0 = int(order[a])
-            view = memoryview(rows[r0 : r0 + (b - a)]).cast("B")
+            view = rows[r0 : r0 + (b - a)].data.cast("B")
             at = self.data_offset + int(sorted_slots[a]) * sb
             joins = a > 0 and bool(file_next[a - 1])
             for cut in range(0, len(view), _MAX_CALL_BYTES):
@@ -330,6 +333,11 @@ class DiskPool(StoragePool):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._fname, dir_fd=self._tier._dir_fd)
         self._tier._pools.pop(self._fname, None)
+
+
+def _rows_contiguous(rows: np.ndarray) -> bool:
+    """Each row is one contiguous run of bytes (empty and single-byte rows always are)."""
+    return rows.size == 0 or rows.shape[1] <= 1 or rows.strides[1] == 1
 
 
 def _run_calls(fd: int, calls: list[_Call], write: bool, label: str) -> None:
