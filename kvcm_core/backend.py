@@ -150,6 +150,15 @@ class Event(abc.ABC):
     def synchronize(self) -> None:
         """Block the host until the event has completed."""
 
+    def elapsed_ms(self, start: Event) -> float:
+        """Device time in milliseconds from ``start`` to this event, both recorded and
+        complete (benchmarks time device work with it).
+
+        Raises:
+            NotImplementedError: the backend has no device clock (numpy).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not time device work")
+
 
 def check_copy_args(dst: PageRegion, src: PageRegion, page_bytes: int, pairs: np.ndarray) -> None:
     """Validate ``copy_pages`` arguments; every backend calls this before launching.
@@ -231,6 +240,28 @@ class KernelBackend(abc.ABC):
     @abc.abstractmethod
     def write(self, buffer: Buffer, offset: int, data: np.ndarray | bytes) -> None:
         """Copy host bytes into ``buffer`` at ``offset``; synchronous (a backdoor)."""
+
+    def copy_bytes(
+        self,
+        dst: Buffer,
+        dst_offset: int,
+        src: Buffer,
+        src_offset: int,
+        nbytes: int,
+        stream: Stream | None = None,
+    ) -> None:
+        """One contiguous copy of ``nbytes`` (a plain memcpy queued on ``stream``): the
+        physical limit that page copies are measured against.
+
+        Raises:
+            ValueError: a range outside its buffer.
+        """
+        for label, buf, off in (("destination", dst, dst_offset), ("source", src, src_offset)):
+            if off < 0 or nbytes < 0 or off + nbytes > buf.nbytes:
+                raise ValueError(f"copy {label} of {nbytes} bytes at {off} outside {buf.nbytes}")
+        dst.host_view()[dst_offset : dst_offset + nbytes] = src.host_view()[
+            src_offset : src_offset + nbytes
+        ]
 
     def as_array(self, buffer: Buffer) -> Any:
         """A zero-copy array view of the buffer: a NumPy array on the numpy backend, a
