@@ -1,0 +1,435 @@
+"""Prefix reuse on one (GPU) level, fingerprint-verified (concepts.md §9, scenarios.md
+"Prefix reuse" and "Hybrid models").
+
+Every request is driven through the fingerprint engine, so a reused page that does not hold
+exactly the KV of its tokens (for every layer and buffer) fails the step that reads it.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import (
+    Driver,
+    assert_invariants,
+    full_layers,
+    hybrid_layers,
+    page_holds,
+    table,
+    tokens,
+    tree_node,
+    tree_page,
+    windowed_layers,
+)
+
+from kvcm_core import BAD_PAGE_INDEX, ReuseScope
+from kvcm_core.testing.engine import EngineLoop, Request
+
+# -- full attention ---------------------------------------------------------------------
+
+
+def test_full_attention_reuse_holds_the_kv_of_its_tokens(managers):
+    m = managers(full_layers(), slots=64)
+    d = Driver(m)
+    t = tokens(23)
+    d.run(t, chunk=7)
+    assert m.probe_reuse(None, t[:22]) == 22
+    b = d.create(t[:22] + tokens(9, seed=1))
+    assert b.history_length == b.capacity == b.num_committed_tokens == 22
+    d.run_to(b, 31, chunk=3)  # every step re-checks the reused pages
+    b.close()
+
+
+def test_probe_reuse_equals_what_create_kv_cache_reuses(managers):
+    m = managers(hybrid_layers(), slots=64, commit_min_snapshot=True)
+    d = Driver(m)
+    base = tokens(30)
+    d.run(base, end=30, chunk=6)
+    for n in range(0, 31):
+        probe = m.probe_reuse(None, base[:n])
+        c = m.create_kv_cache(None, base[:n])
+        assert c.history_length == probe, n
+        c.close()
+    assert_invariants(m)
+
+
+def test_reuse_of_a_whole_block_prompt_reuses_every_block(managers):
+    m = managers(full_layers(), slots=32)
+    d = Driver(m)
+    t = tokens(16)
+    d.run(t)
+    c = d.create([*t, 7], match_len=16)
+    assert c.history_length == 16
+    assert c.resume()
+    assert table(c, 0) == [tree_page(m, t, b, 0).slot for b in range(4)]
+    d.run_to(c, 17)
+
+
+# -- sliding window with sinks ------------------------------------------------------------
+
+
+def test_windowed_reuse_needs_only_sinks_and_window_at_the_endpoint(managers):
+    m = managers(windowed_layers(window=8, sinks=4), slots=64)
+    d = Driver(m)
+    t = tokens(32)
+    d.run(t)
+    b = d.create(t[:25] + tokens(6, seed=3))
+    assert b.history_length == 25
+    assert b.resume()
+    # At history 25 the window needs blocks [(25 + 1 - 8) // 4, 7) = [4, 7), plus sink 0.
+    tab = table(b, 0)
+    assert tab[1:4] == [BAD_PAGE_INDEX] * 3
+    assert all(x != BAD_PAGE_INDEX for x in (tab[0], tab[4], tab[5], tab[6]))
+    d.run_to(b, 31, chunk=2)
+    b.close()
+
+
+def test_windowed_match_is_not_cut_by_missing_stale_pages(managers):
+    """A request that could only ever commit sink and window pages is still reusable."""
+    m = managers(windowed_layers(window=8, sinks=4), slots=64)
+    d = Driver(m)
+    t = tokens(40)
+    d.run(t)
+    # Drop the committed pages of stale blocks 1..5: no match endpoint past 28 needs them.
+    for b in range(1, 6):
+        page = tree_page(m, t, b, 0)
+        m._drop(page, from_policy=False)
+    assert_invariants(m)
+    assert m.probe_reuse(None, t[:39]) == 39  # needs sink 0 and window blocks 8, 9
+    # Endpoints 8..27 need one of the dropped blocks in their window; 4 needs only sink 0.
+    assert m.probe_reuse(None, t[:27]) == 4
+    c = d.create([*t, 5, 6], match_len=39)
+    assert c.history_length == 39
+    d.run_to(c, 42, chunk=1)
+    c.close()
+
+
+# -- hybrid: windowed + full + SSM --------------------------------------------------------
+
+
+def test_hybrid_ssm_reuse_only_at_an_exact_snapshot(managers):
+    m = managers(hybrid_layers(), slots=64)
+    d = Driver(m)
+    t = tokens(20)
+    d.run(t, chunk=6)  # closes at 20: the SSM snapshot is published at 20 only
+    assert m.probe_reuse(None, t) == 20
+    for n in (19, 16, 15, 12, 1):
+        assert m.probe_reuse(None, t[:n]) == 0, n
+    ext = d.create(t + tokens(5, seed=9), match_len=20)
+    assert ext.history_length == 20
+    d.run_to(ext, 25)
+    ext.close()
+
+
+def test_hybrid_snapshot_at_20_is_not_reused_by_a_fork_at_15(managers):
+    m = managers(hybrid_layers(), slots=64)
+    d = Driver(m)
+    t = tokens(20)
+    d.run(t, chunk=6)
+    fork = t[:15] + tokens(10, seed=4)
+    assert m.probe_reuse(None, fork[:24]) == 0
+    c = d.create(fork)
+    assert c.history_length == 0
+    d.run_to(c, 25)
+    c.close()
+
+
+def test_hybrid_fork_with_min_snapshots_resumes_at_the_last_snapshot_before_it(managers):
+    m = managers(hybrid_layers(), slots=64, commit_min_snapshot=True)
+    d = Driver(m)
+    t = tokens(20)
+    d.run(t, chunk=6)  # commits end at 6, 12, 18, 20: block-boundary snapshots at 12, 20
+    fork = t[:15] + tokens(10, seed=4)
+    assert m.probe_reuse(None, fork[:24]) == 12
+    c = d.create(fork)
+    assert c.history_length == 12
+    d.run_to(c, 25, chunk=4)
+    c.close()
+
+
+def test_hybrid_match_is_the_minimum_every_constraining_group_can_serve(managers):
+    m = managers(hybrid_layers(window=8, sinks=4), slots=64, commit_min_snapshot=True)
+    d = Driver(m)
+    t = tokens(24)
+    d.run(t, chunk=4)  # a snapshot at every block boundary
+    full_g, ssm_g = m.get_layer_group_id(0), m.get_layer_group_id(3)
+    win_g = m.get_layer_group_id(1)
+    assert m.probe_reuse(None, t) == 24
+    # SSM: drop the snapshot at 24 -> the match falls back to the one at 20.
+    m._drop(tree_node(m, t, 24).pages[ssm_g], from_policy=False)
+    assert m.probe_reuse(None, t) == 20
+    # Window: drop block 4 of the windowed group -> endpoint 20 needs it in its window
+    # (blocks 3, 4 and sink 0); 16 needs only blocks 0, 2, 3.
+    m._drop(tree_page(m, t, 4, win_g), from_policy=False)
+    assert m.probe_reuse(None, t) == 16
+    # Full attention: drop block 2 -> everything from block 2 on is gone.
+    m._drop(tree_page(m, t, 2, full_g), from_policy=False)
+    assert m.probe_reuse(None, t) == 8
+    assert_invariants(m)
+    c = d.create([*t, 3], match_len=24)
+    assert c.history_length == 8
+    d.run_to(c, 25)
+    c.close()
+
+
+# -- many requests sharing one prefix -------------------------------------------------------
+
+
+def test_many_requests_reuse_one_system_prompt_at_once(managers):
+    m = managers(full_layers(), slots=400)
+    d = Driver(m)
+    system = tokens(21, seed=1)
+    d.run([*system, 9], end=22)
+    caches = [d.create(system + tokens(7, seed=100 + i) + tokens(6, seed=200 + i))
+              for i in range(20)]
+    for c in caches:
+        assert c.history_length == 21
+        assert c.resume()
+    shared = [table(c, 0)[:5] for c in caches]
+    assert all(s == shared[0] for s in shared)  # one page per shared full block
+    assert len({table(c, 0)[5] for c in caches}) == 20  # private copies of the partial
+    for _ in range(4):
+        d.steps(caches, 3)
+    for c in caches:
+        d.check(c)
+        c.close()
+
+
+@pytest.mark.parametrize("layers", [full_layers(), windowed_layers()],
+                         ids=["full", "windowed"])
+def test_second_pass_over_the_same_20_prompts_hits_everything_reusable(managers, layers):
+    m = managers(layers, slots=600)
+    system = tokens(21, seed=1)
+    prompts = [system + tokens(10 + i % 5, seed=10 + i) for i in range(20)]
+    outs = [tokens(5 + i % 3, seed=50 + i) for i in range(20)]
+    first = [Request(i, p + o, len(p)) for i, (p, o) in enumerate(zip(prompts, outs,
+                                                                        strict=True))]
+    loop = EngineLoop(m, chunk_tokens=8, max_batch=6)
+    loop.run(first)
+    assert_invariants(m)
+    for p in prompts:
+        assert m.probe_reuse(None, p[:-1]) == len(p) - 1
+    second = [Request(100 + i, list(r.tokens), r.prompt_len) for i, r in enumerate(first)]
+    EngineLoop(m, chunk_tokens=8, max_batch=6).run(second)
+    assert [r.reused for r in second] == [len(p) - 1 for p in prompts]
+    assert_invariants(m)
+
+
+# -- partial blocks -------------------------------------------------------------------------
+
+
+def test_reused_partial_block_is_copied_into_a_private_page_at_first_resume(managers):
+    m = managers(full_layers(), slots=64)
+    d = Driver(m)
+    t = tokens(10)
+    d.run(t)  # closes at 10: block 2 is published as a partial block of 2 tokens
+    partial = tree_node(m, t, 10)
+    assert partial is not None and not partial.is_full
+    src = partial.pages[0].slot
+    m.get_and_reset_iteration_stats()
+    b = d.create(t + tokens(5, seed=2), match_len=12)
+    assert b.history_length == 10
+    assert b.resume()
+    tab = table(b, 0)
+    assert tab[:2] == [tree_page(m, t, 0, 0).slot, tree_page(m, t, 1, 0).slot]
+    assert tab[2] != src
+    assert page_holds(m, 0, "k", tab[2], t, 2, 2)  # the copy holds the partial's tokens
+    stats = m.get_and_reset_iteration_stats()
+    assert stats.groups[0].reused_partial_blocks == 1
+    assert stats.groups[0].reused_full_blocks == 2
+    assert stats.groups[0].intra_device_copies == 1
+    d.run_to(b, 15, chunk=1)
+    b.close()
+
+
+def test_two_requests_writing_after_one_partial_block_do_not_see_each_other(managers):
+    m = managers(full_layers(), slots=64)
+    d = Driver(m)
+    t = tokens(10)
+    d.run(t)
+    src = tree_node(m, t, 10).pages[0].slot
+    x = t + tokens(8, seed=21)
+    y = t + tokens(8, seed=22)
+    cx, cy = d.create(x, match_len=12), d.create(y, match_len=12)
+    assert cx.history_length == cy.history_length == 10
+    assert cx.resume() and cy.resume()
+    assert table(cx, 0)[2] != table(cy, 0)[2]
+    d.steps([cx, cy], 1)  # both write position 10 of block 2, with different tokens
+    # The tree's partial page is untouched by either writer.
+    for layer in (0, 1):
+        for role in ("k", "v"):
+            assert page_holds(m, layer, role, src, t, 2, 2)
+    d.steps([cx, cy], 1)
+    d.steps([cx, cy], 3)  # completes block 2: each commits its own full block
+    d.check(cx, cy)
+    assert tree_page(m, x, 2, 0) is not tree_page(m, y, 2, 0)
+    # A third request still reuses the original 10 tokens correctly.
+    z = d.create(t + tokens(4, seed=23), match_len=12)
+    assert z.history_length == 10
+    d.run_to(z, 14, chunk=2)
+    for c in (cx, cy, z):
+        c.close()
+
+
+def test_partial_reuse_off_reuses_only_full_blocks(managers):
+    for partial, want in ((True, 10), (False, 8)):
+        m = managers(full_layers(), slots=64, enable_partial_reuse=partial)
+        d = Driver(m)
+        t = tokens(10)
+        d.run(t)
+        follow = t + tokens(6, seed=3)
+        assert m.probe_reuse(None, follow[:15]) == want
+        c = d.create(follow)
+        assert c.history_length == want
+        d.run_to(c, 16)
+        c.close()
+
+
+def test_partial_match_inside_a_full_tree_block(managers):
+    m = managers(full_layers(), slots=64)
+    d = Driver(m)
+    t = tokens(16)
+    d.run(t)
+    fork = t[:14] + tokens(4, seed=8)
+    assert m.probe_reuse(None, fork[:17]) == 14
+    c = d.create(fork)
+    assert c.history_length == 14
+    d.run_to(c, 18, chunk=1)
+    # The tree's full block 3 still holds t[12:16].
+    assert page_holds(m, 0, "k", tree_page(m, t, 3, 0).slot, t, 3, 4)
+    c.close()
+
+
+# -- rebasing -------------------------------------------------------------------------------
+
+
+def test_identical_full_blocks_committed_concurrently_end_up_as_one_page(managers):
+    m = managers(full_layers(), slots=64)
+    d = Driver(m)
+    t = tokens(19)
+    a, b = d.create(t), d.create(t)
+    assert a.history_length == b.history_length == 0
+    assert a.resume() and b.resume()
+    m.get_and_reset_iteration_stats()
+    d.steps([a, b], 8)  # a commits first, then b finds identical blocks 0 and 1
+    assert table(a, 0)[:2] == table(b, 0)[:2]
+    assert m.get_and_reset_iteration_stats().groups[0].rebased_blocks == 2
+    st = m.get_storage_statistics(0)
+    assert st.total - st.free == 2  # b's own copies were freed
+    d.steps([a, b], 2)  # position 10: b's block 2 is partial and stays private
+    assert table(a, 0)[2] != table(b, 0)[2]
+    d.steps([a, b], 2)  # block 2 full in both: rebased again
+    assert table(a, 0)[:3] == table(b, 0)[:3]
+    st = m.get_storage_statistics(0)
+    assert st.total - st.free == 3
+    d.steps([a, b], 7)
+    d.check(a, b)
+    a.close()
+    d.check(b)
+    b.close()
+
+
+def test_a_partial_block_is_never_rebased_onto_a_full_tree_block(managers):
+    m = managers(full_layers(), slots=64)
+    d = Driver(m)
+    t = tokens(16)
+    b = d.create(t)
+    d.run(t, end=16)  # a full copy of t is committed while b waits
+    assert b.history_length == 0
+    assert b.resume()
+    d.run_to(b, 10, chunk=10)  # blocks 0, 1 rebased; block 2 partial
+    assert table(b, 0)[:2] == [tree_page(m, t, k, 0).slot for k in range(2)]
+    tree2 = tree_page(m, t, 2, 0).slot
+    assert table(b, 0)[2] != tree2
+    d.step(b, 1)  # b writes position 10 into its own page
+    assert page_holds(m, 0, "k", tree2, t, 2, 4)
+    b.close()
+
+
+# -- scopes ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    (ReuseScope(), ReuseScope(lora_id=0)),
+    (ReuseScope(lora_id=None), ReuseScope(lora_id=0)),
+    (ReuseScope(lora_id=1), ReuseScope(lora_id=2)),
+    (ReuseScope(salt="tenant-a"), ReuseScope(salt="tenant-b")),
+    (ReuseScope(salt=None), ReuseScope(salt=0)),
+    (ReuseScope(salt=0), ReuseScope(salt="0")),
+    (ReuseScope(salt="x"), ReuseScope(salt=b"x")),
+    (ReuseScope(lora_id=1, salt="s"), ReuseScope(lora_id=1, salt=None)),
+])
+def test_any_scope_difference_means_no_reuse(managers, first, second):
+    m = managers(full_layers(), slots=64)
+    d = Driver(m)
+    t = tokens(13)
+    d.run(t, scope=first)
+    assert m.probe_reuse(first, t[:12]) == 12
+    assert m.probe_reuse(second, t[:12]) == 0
+    c = d.create(t, scope=second)
+    assert c.history_length == 0
+    d.run_to(c, 13)
+    c.close()
+
+
+def test_none_scope_is_the_default_scope(managers):
+    m = managers(full_layers(), slots=64)
+    d = Driver(m)
+    t = tokens(9)
+    d.run(t, scope=None)
+    assert m.probe_reuse(ReuseScope(), t[:8]) == 8
+
+
+# -- backoff ----------------------------------------------------------------------------------
+
+
+def test_backoff_shortens_every_match(managers):
+    m = managers(full_layers(), slots=64, reuse_match_backoff=3)
+    d = Driver(m)
+    t = tokens(20)
+    d.run(t)
+    for n in (20, 13, 9, 4):
+        assert m.probe_reuse(None, t[:n]) == n - 3, n
+    c = d.create([*t, 1], match_len=20)
+    assert c.history_length == 17
+    d.run_to(c, 21)
+    c.close()
+
+
+def test_backoff_longer_than_the_match_reuses_nothing(managers):
+    m = managers(full_layers(), slots=64, reuse_match_backoff=5)
+    d = Driver(m)
+    t = tokens(8)
+    d.run(t)
+    assert m.probe_reuse(None, t[:5]) == 0
+    assert m.probe_reuse(None, t[:4]) == 0
+    assert m.probe_reuse(None, t[:8]) == 3
+    c = d.create([*t[:4], 1, 2], match_len=4)
+    assert c.history_length == 0
+
+
+def test_backoff_rechecks_pruning_at_the_shortened_endpoint(managers):
+    m = managers(hybrid_layers(), slots=64, commit_min_snapshot=True, reuse_match_backoff=3)
+    d = Driver(m)
+    t = tokens(20)
+    d.run(t, chunk=4)  # snapshots at 4, 8, ..., 20
+    # 20 - 3 = 17 has no snapshot: the match falls back to 16.
+    assert m.probe_reuse(None, t) == 16
+    c = d.create([*t, 4], match_len=20)
+    assert c.history_length == 16
+    d.run_to(c, 21)
+    c.close()
+
+
+# -- multimodal items -------------------------------------------------------------------------
+
+
+def test_multimodal_digests_take_part_in_matching(managers):
+    m = managers(full_layers(), slots=64)
+    img_a, img_b = bytes(range(32)), bytes(range(1, 33))
+    t = [5, 6, img_a, 7, 8, 9, 10, 11, 12]
+    c = m.create_kv_cache(None, t)
+    assert c.resume() and c.resize(9)
+    c.commit(t)
+    c.close()
+    assert m.probe_reuse(None, t) == 9
+    assert m.probe_reuse(None, [5, 6, img_b, 7, 8, 9, 10, 11, 12]) == 2
