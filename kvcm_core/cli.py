@@ -33,6 +33,7 @@ from typing import Any
 
 import attrs
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvcm_core.errors import PluginError
@@ -68,7 +69,7 @@ def _console(stderr: bool = False) -> Console:
 
 
 def _error(message: str) -> None:
-    _console(stderr=True).print(f"[bold red]kvcm:[/] {message}", highlight=False, markup=True)
+    _console(stderr=True).print(f"[bold red]kvcm:[/] {escape(message)}", highlight=False)
 
 
 # -- kvcm plugins -------------------------------------------------------------------------
@@ -161,18 +162,20 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
         table.add_column(column, no_wrap=column in ("kind", "name", "version"))
     table.add_column("description", overflow="fold")
     for row in rows:
-        available = "[green]yes[/]" if row["available"] else f"[red]no[/]: {row['reason']}"
+        # Plugin text is escaped: "install kvcm[cupy]" is not rich markup.
+        reason = escape(row["reason"])
+        available = "[green]yes[/]" if row["available"] else f"[red]no[/]: {reason}"
         caps = _capability_summary(row["capabilities"])
         if row["known_gaps"]:
             caps += f"{', ' if caps else ''}known_gaps={len(row['known_gaps'])}"
         table.add_row(
             row["kind"].replace("_", " "),
-            row["name"],
-            row["distribution"],
-            row["version"],
+            escape(row["name"]),
+            escape(row["distribution"]),
+            escape(row["version"]),
             available,
-            caps,
-            row["description"],
+            escape(caps),
+            escape(row["description"]),
         )
     console.print(table)
     if not rows:
@@ -186,7 +189,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     if auto is not None:
         console.print(f'kernel_backend="auto" selects: [bold]{auto}[/]{source}')
     else:
-        console.print(f'kernel_backend="auto" selects nothing{source}: {auto_error}')
+        console.print(f'kernel_backend="auto" selects nothing{source}: {escape(auto_error)}')
     return 0
 
 
@@ -335,7 +338,7 @@ def _print_conformance(rows: list[dict[str, Any]], code: int) -> None:
             failed,
             str(row["skipped"]),
             str(row["xfailed"]),
-            "; ".join(row["skip_reasons"]),
+            escape("; ".join(row["skip_reasons"])),
         )
     console.print(table)
     if code == 5 or not rows:

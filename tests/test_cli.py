@@ -96,7 +96,7 @@ def test_plugins_says_why_a_plugin_is_unavailable(
                 factory=dict,
                 capabilities=KernelBackendCapabilities(has_device=True),
                 priority=100,
-                availability=lambda: Availability(False, "no CUDA driver found"),
+                availability=lambda: Availability(False, "no driver; install kvcm[cuda]"),
                 description="CUDA through cuda-python",
             )
 
@@ -107,12 +107,12 @@ def test_plugins_says_why_a_plugin_is_unavailable(
     (row,) = json.loads(capsys.readouterr().out)["plugins"]
     assert (row["available"], row["reason"], row["distribution"]) == (
         False,
-        "no CUDA driver found",
+        "no driver; install kvcm[cuda]",
         "kvcm-cuda",
     )
     assert cli.main(["plugins"]) == 0
     out = capsys.readouterr().out
-    assert "no: no CUDA driver found" in out
+    assert "no: no driver; install kvcm[cuda]" in out  # shown as text, not as rich markup
     assert 'kernel_backend="auto" selects nothing' in out
 
 
