@@ -3,6 +3,7 @@ subcommands."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -73,6 +74,18 @@ def test_plugins_lists_every_builtin_with_distribution_kvcm(
     assert numpy["available"] is True
     assert numpy["capabilities"]["has_device"] is False
     assert data["auto_kernel_backend"] is not None
+
+
+def test_plugins_lists_the_example_tier_with_its_own_distribution(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    try:
+        importlib.metadata.distribution("kvcm-tier-example")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("examples/kvcm-tier-example is not installed (README's test command does)")
+    assert cli.main(["plugins", "--json"]) == 0
+    rows = {(p["kind"], p["name"]): p for p in json.loads(capsys.readouterr().out)["plugins"]}
+    assert rows[("tier", "mmap")]["distribution"] == "kvcm-tier-example"
 
 
 def test_plugins_table_names_each_plugin_and_the_auto_backend(
