@@ -109,7 +109,13 @@ class KvcmPluginManager:
     # -- loading -----------------------------------------------------------------------
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
-        """Import and register every entry point of ``group`` not blocked."""
+        """Import and register every entry point of ``group`` not blocked, in order of
+        (distribution name, entry-point name). Calling it again is harmless.
+
+        Raises:
+            PluginError: an entry point fails to import, implements an unknown hook, or
+                has the name of a plugin from another distribution.
+        """
         eps = importlib.metadata.entry_points(group=group)
 
         def dist_name(ep: importlib.metadata.EntryPoint) -> str:
@@ -150,8 +156,18 @@ class KvcmPluginManager:
     ) -> str:
         """Register a plugin object (usually a module with ``kvcm_*`` hookimpls).
 
+        Args:
+            plugin: the module or object carrying the hook implementations.
+            name: its plugin name (default: pluggy's canonical name of the object).
+            distribution: where it came from, named in errors and by ``kvcm plugins``.
+            version: the distribution's version.
+
         Returns:
             The plugin's name in the manager.
+
+        Raises:
+            PluginError: the name is taken, or the plugin implements a hook that kvcm does
+                not define (a misspelling) or with arguments its spec does not have.
         """
         label = repr(name) if name else repr(plugin)
         try:
