@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvcm_core.backend import BAD_PAGE_INDEX, Stream
-from kvcm_core.errors import InvalidStateError
+from kvcm_core.errors import InvalidStateError, TierIOError
 from kvcm_core.eviction import check_priority
 from kvcm_core.events import EventKind
 from kvcm_core.radix import Node, block_keys, scope_root_key
@@ -94,6 +94,7 @@ class KVCache:
         self._ssm: list[Page | None] = [None] * ngroups
         self._pending: list[tuple[int, int, Page]] = []  # (group, block, source) to copy
         self._released_to = [0] * ngroups
+        self._lost = False
         self._m._stats.lookups += 1 if len(input_tokens) else 0
         self._m._stats.lookup_tokens += len(input_tokens)
         self._m._stats.hit_tokens += end
@@ -113,6 +114,7 @@ class KVCache:
                     continue
                 page.store.hold(page)
                 page.reused = True
+                m._stats.reused_blocks_by_level[page.level] += 1
                 if b == partial_block:
                     self._pending.append((g, b, page))
                     gstats.reused_partial_blocks += 1
@@ -206,6 +208,14 @@ class KVCache:
             self._require(CacheStatus.SUSPENDED)
         if self._status is CacheStatus.ACTIVE:
             return True
+        if not self._lost and any(
+                p is not None and p.level < 0 for pages in (*self._pages, self._ssm)
+                for p in pages) or any(src.level < 0 for _, _, src in self._pending):
+            self._lost = True
+        if self._lost:
+            raise TierIOError(
+                f"cache {self.id!r} lost pages to a storage failure; close it and recompute "
+                "(create_kv_cache again: what is still cached will be reused)")
         m = self._m
         tpb = self._tpb
         nb = self.num_blocks
@@ -224,33 +234,55 @@ class KVCache:
                 wanted[g] = [-1]
                 pg = m._gpu_store[g].pool_group
                 needs[pg] = needs.get(pg, 0) + 1
+        cold = [p for p in self._all_pages() if p.level != 0]
+        for page in cold:
+            pg = m._gpu_store[page.group].pool_group
+            needs[pg] = needs.get(pg, 0) + 1
         limit = m.config.max_util_for_resume
         mine: dict[int, int] = {}
         for page in self._all_pages():
-            mine[page.store.pool_group] = mine.get(page.store.pool_group, 0) + 1
+            if page.level == 0:
+                mine[page.store.pool_group] = mine.get(page.store.pool_group, 0) + 1
         for store in m.stores[0]:
             locked = store.num_slots - store.num_free - len(store.droppable) - len(store.held)
             used = locked + mine.get(store.pool_group, 0) + needs.get(store.pool_group, 0)
             if used > limit * store.num_slots:
                 return False
-        if not m._can_take(needs):
-            return False
-        # Lock what we hold first, so eviction for the new pages cannot touch it.
-        for page in self._all_pages():
+        # Lock what is on the GPU first, so making room cannot push it down.
+        warm = [p for p in self._all_pages() if p.level == 0]
+        for page in warm:
             page.store.hold_to_lock(page)
-        sources = {(g, b): page for g, b, page in self._pending}
-        for g, blocks in wanted.items():
-            pages = self._new_pages(g, blocks)
-            copies = []
-            for b, page in zip(blocks, pages, strict=True):
-                if m.life_cycles[g].is_ssm:
-                    self._ssm[g] = page
-                else:
-                    self._pages[g][b] = page
-                src = sources.get((g, b))
-                if src is not None:
-                    copies.append((page.slot, src.slot))
-            m._copy_blocks(g, copies, stream)
+        if not m._can_take(needs):
+            for page in reversed(warm):
+                page.store.lock_to_hold(page)
+            return False
+        fresh: list[Page] = []
+        try:
+            for pg, n in needs.items():
+                m._make_room(m.stores[0][pg], n)
+            # Cold pages of ours come back in one batch per source store.
+            cold = [p for p in self._all_pages() if p.level != 0]
+            m._onboard(cold, stream)
+            for page in cold:
+                page.store.hold_to_lock(page)
+            sources = {(g, b): page for g, b, page in self._pending}
+            for g, blocks in wanted.items():
+                pages = self._new_pages(g, blocks)
+                fresh.extend(pages)
+                copies = []
+                for b, page in zip(blocks, pages, strict=True):
+                    src = sources.get((g, b))
+                    if src is not None:
+                        copies.append((page, src))
+                m._fill(g, copies, stream)
+                for b, page in zip(blocks, pages, strict=True):
+                    if m.life_cycles[g].is_ssm:
+                        self._ssm[g] = page
+                    else:
+                        self._pages[g][b] = page
+        except TierIOError:
+            self._fail_resume(fresh)
+            raise
         for _, _, src in self._pending:
             src.store.unhold(src)
         self._pending.clear()
@@ -258,9 +290,28 @@ class KVCache:
         self._status = CacheStatus.ACTIVE
         return True
 
+    def _fail_resume(self, fresh: list[Page]) -> None:
+        """A read failed during resume: undo the locks, free new pages, and mark the cache
+        lost (its data is incomplete: the engine must close it and recompute)."""
+        fresh_ids = {id(p) for p in fresh}
+        for g in range(len(self._pages)):
+            self._pages[g] = [None if p is not None and id(p) in fresh_ids else p
+                              for p in self._pages[g]]
+        for g in range(len(self._ssm)):
+            if self._ssm[g] is not None and id(self._ssm[g]) in fresh_ids:
+                self._ssm[g] = None
+        for page in fresh:
+            page.store.unlock(page)
+        for page in self._all_pages():
+            if page.level < 0:
+                continue  # lost: nothing to give back
+            if page.locks and page.store is not None:
+                page.store.lock_to_hold(page)
+        self._lost = True
+
     def _all_pages(self) -> list[Page]:
-        out = [p for pages_g in self._pages for p in pages_g if p is not None]
-        out.extend(p for p in self._ssm if p is not None)
+        out = [p for pages_g in self._pages for p in pages_g if p is not None and p.level >= 0]
+        out.extend(p for p in self._ssm if p is not None and p.level >= 0)
         return out
 
     def suspend(self) -> None:
@@ -483,6 +534,14 @@ class KVCache:
             store._enter_policy(snap)
             m._event(EventKind.STORED, node, g, snap.level)
 
+    def prefetch(self, level: int = 0) -> int:
+        """Hint for a suspended cache: bring its pages up to ``level`` (0: the GPU) where
+        there is room without pushing held pages down. Returns the pages moved."""
+        self._require(CacheStatus.SUSPENDED, CacheStatus.ACTIVE)
+        if self._status is CacheStatus.ACTIVE:
+            return 0
+        return self._m._prefetch([p for p in self._all_pages() if p.level > level], level)
+
     def stop_committing(self) -> None:
         """Publish nothing more from this cache (e.g. after a rewind it cannot redo)."""
         self._require(CacheStatus.ACTIVE, CacheStatus.SUSPENDED)
@@ -537,7 +596,7 @@ class KVCache:
         active = self._status is CacheStatus.ACTIVE
         for g in m._attn_groups:
             for page in reversed(self._pages[g]):
-                if page is not None:
+                if page is not None and page.level >= 0:
                     if active:
                         page.store.unlock(page)
                     else:
@@ -545,14 +604,15 @@ class KVCache:
             self._pages[g] = []
         for g in m._ssm_groups:
             page = self._ssm[g]
-            if page is not None:
+            if page is not None and page.level >= 0:
                 if active:
                     page.store.unlock(page)
                 else:
                     page.store.unhold(page)
                 self._ssm[g] = None
         for _, _, src in self._pending:
-            src.store.unhold(src)
+            if src.level >= 0:
+                src.store.unhold(src)
         self._pending.clear()
         self._status = CacheStatus.CLOSED
         self._version += 1

@@ -15,18 +15,20 @@ import numpy as np
 
 from kvcm_core.backend import CopyTask, KernelBackend, PageRegion, Stream
 from kvcm_core.config import KVCacheManagerConfig
-from kvcm_core.errors import ConfigError, InvalidStateError, OutOfPagesError
+from kvcm_core.errors import ConfigError, InvalidStateError, OutOfPagesError, TierIOError
 from kvcm_core.events import BlockEvent, EventKind
 from kvcm_core.layout import BufferAttr, PageIndexConverter, StorageLayout
 from kvcm_core.lifecycle import LifeCycleRegistry
 from kvcm_core.matching import Match, match_prefix
 from kvcm_core.plugins import KvcmPluginManager, get_plugin_manager
 from kvcm_core.radix import Node, PrefixTree, scope_root_key
-from kvcm_core.records import Medium
+from kvcm_core.codec import PageCodec
+from kvcm_core.migration import Mover
+from kvcm_core.records import CodecKind, Medium
 from kvcm_core.stats import IterationStats
 from kvcm_core.storage import Page, PoolGroupStore, StorageStatistics
 from kvcm_core.tier import DevicePool
-from kvcm_core.types import CacheGroupId, ReuseScope
+from kvcm_core.types import CacheGroupId, ReuseScope, pool_reuse_policy
 
 __all__ = ["KVCacheManager"]
 
@@ -58,12 +60,14 @@ class KVCacheManager:
         policy_spec = pm.eviction_policy(config.eviction_policy)
         self._make_policy: Callable[[], Any] = lambda: policy_spec.factory({})
 
-        if len(config.levels) > 1:
-            raise ConfigError(
-                "levels", [lv.tier for lv in config.levels],
-                "only one level (the GPU level) is supported by this version",
-            )
         self._tiers = []
+        cold_codecs = {lv.codec or "raw" for lv in config.levels[1:]}
+        if len(cold_codecs) > 1:
+            raise ConfigError(
+                "levels[*].codec", sorted(cold_codecs),
+                "every cold level must use the same page codec (cold pages move between "
+                "cold levels as they are)",
+            )
         for i, level in enumerate(config.levels):
             spec = pm.tier(level.tier)
             if i == 0 and spec.capabilities.medium is not Medium.DEVICE:
@@ -75,16 +79,58 @@ class KVCacheManager:
             if level.codec is not None:
                 pm.codec(level.codec)  # unknown names fail here, listing the known ones
             self._tiers.append(spec.factory(self.backend, level.options))
+        self.codec: PageCodec | None = None
+        if cold_codecs:
+            codec_spec = pm.codec(cold_codecs.pop())
+            if codec_spec.capabilities.kind is not CodecKind.PAGE:
+                raise ConfigError("levels[1].codec", codec_spec.name,
+                                  "must be a page codec (blob codecs are for storage tiers)")
+            self.codec = codec_spec.factory({})
+        self._mover = Mover(self.backend, self.codec)
+        nlevels = len(config.levels)
 
         slots = self.layout.split_quota(config.levels[0].quota, config.pool_group_ratios)
-        last = len(config.levels) == 1
         self.stores: list[list[PoolGroupStore]] = [[]]
         for pg, n in zip(self.layout.pool_groups, slots, strict=True):
             pools = [
                 self._tiers[0].create_pool(size, n, name=f"L0-pg{pg.id}-pool{k}")
                 for k, size in enumerate(pg.slot_sizes)
             ]
-            self.stores[0].append(PoolGroupStore(0, pg.id, pools, self._make_policy, last))
+            self.stores[0].append(
+                PoolGroupStore(0, pg.id, pools, self._make_policy, nlevels == 1))
+        # Cold grouping: (pool policy, cold page size), independent of the GPU grouping.
+        ngroups = len(self.registry.life_cycles)
+        self._layouts = [pg.page_layout() for pg in self.layout.pool_groups]
+        self._cold_key_of: list[tuple] = []
+        cold_keys: dict[tuple, list[int]] = {}
+        if self.codec is not None:
+            for g in range(ngroups):
+                pg = self.layout.group_to_pool_group[CacheGroupId(g)]
+                size = self.codec.cold_page_size(self._layouts[pg])
+                key = (pool_reuse_policy(self.registry.life_cycles[g].policy), size)
+                self._cold_key_of.append(key)
+                cold_keys.setdefault(key, []).append(g)
+        self._cold_keys = list(cold_keys)
+        self._cold_store: list[list[PoolGroupStore]] = [[]]  # [level][group]
+        for li in range(1, nlevels):
+            quota = config.levels[li].quota
+            weights = [key[1] * len(cold_keys[key]) for key in self._cold_keys]
+            total = sum(weights)
+            stores = []
+            for ci, (key, w) in enumerate(zip(self._cold_keys, weights, strict=True)):
+                n = int(quota * w / total) // key[1]
+                if n < 1:
+                    raise ConfigError(
+                        f"levels[{li}].quota", quota,
+                        f"too small: cold group {ci} ({key[1]} bytes per page) gets no slot")
+                # Unnamed: kvcm does not persist its tree, so cold files are private to
+                # this manager (two managers never share a file).
+                pool = self._tiers[li].create_pool(key[1], n)
+                stores.append(PoolGroupStore(li, ci, [pool], self._make_policy,
+                                             li == nlevels - 1))
+            self.stores.append(stores)
+            self._cold_store.append(
+                [stores[self._cold_keys.index(self._cold_key_of[g])] for g in range(ngroups)])
         # Per cache group: its level-0 store.
         self._gpu_store: list[PoolGroupStore] = [
             self.stores[0][self.layout.group_to_pool_group[CacheGroupId(g)]]
@@ -250,34 +296,216 @@ class KVCacheManager:
 
     def _can_take(self, needs: Mapping[int, int], extra: Mapping[int, int] | None = None) -> bool:
         """Whether level 0 can provide ``needs[pool group]`` new slots (``extra``: slots
-        that the caller will release first)."""
+        that the caller will release first, becoming free or droppable)."""
         for pg, n in needs.items():
             store = self.stores[0][pg]
             have = store.num_free + len(store.droppable) + (extra or {}).get(pg, 0)
-            if n > have:
+            if n > have and not self._room(store, n - (extra or {}).get(pg, 0)):
                 return False
         return True
 
     def _take(self, group: int, n: int) -> list[Page]:
-        """``n`` locked-ready pages for ``group`` on level 0, evicting as needed."""
+        """``n`` new pages for ``group`` on level 0 (the caller locks them), evicting
+        (moving down or dropping) as needed."""
         store = self._gpu_store[group]
         if n > store.num_free:
-            self._evict(store, n - store.num_free)
+            self._make_room(store, n)
         return store.take_slots(group, n)
 
-    def _evict(self, store: PoolGroupStore, n: int) -> None:
-        """Free ``n`` slots of a store by dropping droppable pages (LRU order)."""
-        if n > len(store.droppable):
+    def _next_store(self, page: Page) -> PoolGroupStore:
+        return self._cold_store[page.level + 1][page.group]
+
+    def _pick_victims(self, store: PoolGroupStore, k: int) -> list[Page]:
+        """The first ``k`` pages to leave ``store``: droppable ones (LRU) then held ones
+        (only where they can move down)."""
+        out: list[Page] = []
+        for page in store.droppable.victims():
+            if len(out) == k:
+                return out
+            out.append(page)
+        if not store.last_level:
+            for page in store.held.victims():
+                if len(out) == k:
+                    return out
+                out.append(page)
+        return out
+
+    def _room(self, store: PoolGroupStore, n: int) -> bool:
+        """Whether ``_make_room(store, n)`` would succeed (no side effects)."""
+        k = n - store.num_free
+        if k <= 0:
+            return True
+        victims = self._pick_victims(store, k)
+        if len(victims) < k:
+            return False
+        if store.last_level:
+            return True
+        for nxt, pages in self._by_next(victims).items():
+            if not self._room(nxt, len(pages)):
+                held = sum(1 for p in pages if p.holds)
+                if not self._room(nxt, held):
+                    return False
+        return True
+
+    def _by_next(self, victims: list[Page]) -> dict[PoolGroupStore, list[Page]]:
+        out: dict[PoolGroupStore, list[Page]] = {}
+        for page in victims:
+            out.setdefault(self._next_store(page), []).append(page)
+        return out
+
+    def _make_room(self, store: PoolGroupStore, n: int) -> None:
+        """Free slots until ``store`` has ``n`` free: victims move one level down
+        (recursively making room there) or, at the last level or when the next level is
+        full, droppable victims are dropped. All or nothing.
+
+        Raises:
+            OutOfPagesError: not enough can be freed (nothing was changed).
+        """
+        k = n - store.num_free
+        if k <= 0:
+            return
+        if not self._room(store, n):
             raise OutOfPagesError(
-                f"level {store.level} pool group {store.pool_group}: need {n} more slots, "
-                f"only {len(store.droppable)} evictable"
+                f"level {store.level} pool group {store.pool_group}: need {k} more slots; "
+                f"{len(store.droppable)} droppable and {len(store.held)} held pages cannot "
+                "free them"
             )
-        freed = 0
-        while freed < n:
-            victim = store.droppable.pop_victim()
-            if victim is None:  # pragma: no cover - guarded by the check above
-                raise OutOfPagesError("eviction policy ran dry")
-            freed += self._drop(victim, from_policy=True)
+        victims = self._pick_victims(store, k)
+        if store.last_level:
+            for page in victims:
+                if page.store is store and page.node is not None and not page.holds:
+                    self._drop(page, from_policy=False)
+            return
+        drops: list[Page] = []
+        for nxt, pages in self._by_next(victims).items():
+            if self._room(nxt, len(pages)):
+                movers = pages
+            else:
+                movers = [p for p in pages if p.holds]
+                drops.extend(p for p in pages if not p.holds)
+            self._make_room(nxt, len(movers))
+            failed = self._move(movers, nxt)
+            drops.extend(p for p in failed if not p.holds)
+        for page in drops:
+            if page.store is store and page.slot >= 0 and page.node is not None \
+                    and not page.holds and not page.locks:
+                self._drop(page, from_policy=False)
+        if store.num_free < n:
+            raise OutOfPagesError(
+                f"level {store.level} pool group {store.pool_group}: could not free {k} "
+                "slots (a write to the next level failed for held pages)"
+            )
+
+    def _move(self, pages: list[Page], dst: PoolGroupStore,
+              stream: Stream | None = None) -> list[Page]:
+        """Move unlocked pages of one store to ``dst`` (which has room). Returns the pages
+        that could not be moved (I/O failure: they stay where they were)."""
+        if not pages:
+            return []
+        src = pages[0].store
+        slots = [dst.free.pop() for _ in pages]
+        layout = self._layouts[self.layout.group_to_pool_group[CacheGroupId(pages[0].group)]]
+        try:
+            self._mover.copy(layout, src, [p.slot for p in pages], dst, slots, stream)
+        except TierIOError:
+            dst.free.extend(reversed(slots))
+            self._stats.io_failures += 1
+            return list(pages)
+        for page, slot in zip(pages, slots, strict=True):
+            self._rehome(page, dst, slot)
+        return []
+
+    def _rehome(self, page: Page, dst: PoolGroupStore, slot: int) -> None:
+        """Point a page at its new place after its data was copied there."""
+        src = page.store
+        src._leave_policy(page)
+        if src.pages[page.slot] is page:
+            src.pages[page.slot] = None
+            src.free.append(page.slot)
+        from_level = page.level
+        page.store = dst
+        page.slot = slot
+        page.level = dst.level
+        dst.pages[slot] = page
+        dst._enter_policy(page)
+        gstats = self._stats.groups[page.group]
+        nbytes = self._cold_bytes(page.group)
+        if dst.level > from_level:
+            gstats.offload_blocks += 1
+            gstats.offload_bytes += nbytes
+        else:
+            gstats.onboard_blocks += 1
+            gstats.onboard_bytes += nbytes
+        if page.node is not None:
+            self._event(EventKind.MOVED, page.node, page.group, dst.level,
+                        from_level=from_level)
+
+    def _cold_bytes(self, group: int) -> int:
+        pg = self.layout.group_to_pool_group[CacheGroupId(group)]
+        if self.codec is None:
+            return self._layouts[pg].page_bytes
+        return self._cold_key_of[group][1]
+
+    def _fill(self, group: int, pairs: list[tuple[Page, Page]],
+              stream: Stream | None = None) -> None:
+        """Copy the data of source pages (any level) into new level-0 pages, leaving the
+        sources where they are. ``pairs`` holds ``(destination, source)``.
+
+        Raises:
+            TierIOError: a source on a storage level could not be read.
+        """
+        by_src: dict[PoolGroupStore, list[tuple[Page, Page]]] = {}
+        for dst, src in pairs:
+            by_src.setdefault(src.store, []).append((dst, src))
+        layout = self._layouts[self.layout.group_to_pool_group[CacheGroupId(group)]]
+        gpu = self._gpu_store[group]
+        for src_store, items in by_src.items():
+            self._mover.copy(layout, src_store, [s.slot for _, s in items], gpu,
+                             [d.slot for d, _ in items], stream)
+            if src_store.level == 0:
+                self._stats.groups[group].intra_device_copies += len(items)
+            else:
+                self._stats.groups[group].onboard_blocks += len(items)
+                self._stats.groups[group].onboard_bytes += len(items) * self._cold_bytes(group)
+
+    def _onboard(self, pages: list[Page], stream: Stream | None = None) -> None:
+        """Move held pages of colder levels to level 0 (room must exist).
+
+        Raises:
+            TierIOError: a page could not be read; it is forgotten (dropped from the tree,
+                slot freed) and the others that were read stay on level 0.
+        """
+        by_src: dict[PoolGroupStore, list[Page]] = {}
+        for page in pages:
+            by_src.setdefault(page.store, []).append(page)
+        for src, group_pages in by_src.items():
+            gpu = self._gpu_store[group_pages[0].group]
+            try_pages = group_pages
+            failed = self._move(try_pages, gpu, stream)
+            if failed:
+                for page in failed:
+                    self._lose(page)
+                raise TierIOError(
+                    f"reading {len(failed)} pages from level {src.level} failed; they are "
+                    "dropped from the prefix tree and must be recomputed"
+                )
+
+    def _lose(self, page: Page) -> None:
+        """A page whose data cannot be read: forget it everywhere (its holders keep a dead
+        reference and must recompute)."""
+        node = page.node
+        if node is not None:
+            node.pages[page.group] = None
+            page.node = None
+            self._event(EventKind.REMOVED, node, page.group, page.level)
+            lc = self.life_cycles[page.group]
+            if not lc.is_ssm and lc.constrains_block(node.ordinal) and (
+                    lc.window is None or node.ordinal < lc.num_sink_blocks):
+                self._invalidate_below(node, page.store)
+        store = page.store
+        store._leave_policy(page)
+        store.release_slot(page)
+        page.level = -1
 
     def _drop(self, page: Page, *, from_policy: bool) -> int:
         """Remove a droppable page from the tree and free its slot. Dropping a page that
@@ -357,7 +585,7 @@ class KVCacheManager:
     # -- events ------------------------------------------------------------------------------
 
     def _event(self, kind: EventKind, node: Node, group: int, level: int,
-               token_ids: tuple = ()) -> None:
+               token_ids: tuple = (), from_level: int | None = None) -> None:
         if not self._sinks:
             return
         parent = node.parent
@@ -366,6 +594,7 @@ class KVCacheManager:
             block_key=(node.key or b"").hex() if node.key else f"partial:{id(node):x}",
             parent_key=parent.key.hex() if parent is not None and parent.key else None,
             group=group, level=level, medium=self._medium(level), token_ids=token_ids,
+            from_level=from_level,
         ))
         if len(self._events) >= _EVENT_BATCH:
             self.flush_events()
@@ -420,11 +649,105 @@ class KVCacheManager:
                     pool.close()
         for tier in self._tiers:
             tier.close()
+        self._mover.close()
         self._closed = True
 
-    def resize(self, level: int, quota: int) -> bool:  # pragma: no cover - next issue
-        """Change a level's quota while every cache is suspended (not in this version)."""
-        raise NotImplementedError("manager.resize(level, quota) comes with multi-level storage")
+    def resize(self, level: int, quota: int | str) -> bool:
+        """Grow or shrink a level's quota while every cache is suspended, moving pages out
+        of the released space (into free slots of the level, else down a level). Returns
+        False, with nothing changed, when the pages cannot be placed.
+
+        Raises:
+            InvalidStateError: a cache is active.
+            ConfigError: bad level or quota.
+        """
+        from kvcm_core.cache import CacheStatus
+        from kvcm_core.units import parse_size
+
+        self._check_open()
+        if isinstance(level, bool) or not isinstance(level, int) or not (
+                0 <= level < len(self.stores)):
+            raise ConfigError("level", level, f"must be in 0..{len(self.stores) - 1}")
+        quota = parse_size(quota, "quota")
+        active = [c.id for c in self._open.values() if c.status is CacheStatus.ACTIVE]
+        if active:
+            raise InvalidStateError(
+                f"manager.resize() needs every cache suspended; active: {active[:8]}")
+        stores = self.stores[level]
+        if level == 0:
+            slots = self.layout.split_quota(quota, self.config.pool_group_ratios)
+        else:
+            weights = [key[1] * sum(1 for k in self._cold_key_of if k == key)
+                       for key in self._cold_keys]
+            total = sum(weights)
+            slots = [int(quota * w / total) // key[1]
+                     for key, w in zip(self._cold_keys, weights, strict=True)]
+            if min(slots) < 1:
+                raise ConfigError("quota", quota, f"too small for level {level}")
+        # Check first: every store must be able to fit its live pages below its new size.
+        plans = []
+        for store, new in zip(stores, slots, strict=True):
+            high = [p for p in store.pages[new:] if p is not None]
+            free_low = sum(1 for f in store.free if f < new)
+            short = len(high) - free_low
+            if short > 0 and not self._room(store, store.num_free + short):
+                return False
+            plans.append((store, new, short))
+        for store, new, short in plans:
+            if new >= store.num_slots:
+                self._grow_store(store, new)
+                continue
+            if short > 0:
+                self._make_room(store, store.num_free + short)
+            high = [p for p in store.pages[new:] if p is not None]
+            low_free = sorted(f for f in store.free if f < new)[: len(high)]
+            if high:
+                for page in high:  # compaction: each high page into a low free slot
+                    store.free.remove(low_free[0])
+                    layout = self._layouts[
+                        self.layout.group_to_pool_group[CacheGroupId(page.group)]]
+                    self._mover.copy(layout, store, [page.slot], store, [low_free[0]])
+                    store.pages[page.slot] = None
+                    store.free.append(page.slot)
+                    page.slot = low_free.pop(0)
+                    store.pages[page.slot] = page
+            for pool in store.pools:
+                pool.resize(new)
+            store.free = [f for f in store.free if f < new]
+            del store.pages[new:]
+            store.num_slots = new
+        return True
+
+    def _grow_store(self, store: PoolGroupStore, new: int) -> None:
+        old = store.num_slots
+        for pool in store.pools:
+            pool.resize(new)
+        store.pages.extend([None] * (new - old))
+        store.free[:0] = list(range(new - 1, old - 1, -1))
+        store.num_slots = new
+
+    def _prefetch(self, pages: list[Page], level: int) -> int:
+        """Move pages up to ``level`` where room exists without pushing held pages."""
+        moved = 0
+        by: dict[tuple[PoolGroupStore, PoolGroupStore], list[Page]] = {}
+        for page in pages:
+            dst = self._gpu_store[page.group] if level == 0 else \
+                self._cold_store[level][page.group]
+            by.setdefault((page.store, dst), []).append(page)
+        for (_src, dst), group_pages in by.items():
+            room = dst.num_free + len(dst.droppable)
+            take = group_pages[:room]
+            if not take:
+                continue
+            if len(take) > dst.num_free:
+                victims = self._pick_victims(dst, len(take) - dst.num_free)
+                for v in victims:
+                    if not v.holds and not v.locks and v.node is not None and v.slot >= 0:
+                        self._drop(v, from_policy=False)
+            take = take[: dst.num_free]
+            failed = self._move(take, dst)
+            moved += len(take) - len(failed)
+        return moved
 
     def check_invariants(self) -> None:
         """Check internal invariants (tests and debugging): accounting identity per pool
@@ -442,7 +765,7 @@ class KVCacheManager:
                         continue
                     if slot in seen_free:
                         raise AssertionError(f"slot {slot} both free and owned by {page}")
-                    if page.slot != slot or page.store is not store:
+                    if page.slot != slot or page.store is not store or page.level != level:
                         raise AssertionError(f"{page} is filed under slot {slot}")
                     if page.locks:
                         locked += 1

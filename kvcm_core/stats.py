@@ -57,6 +57,7 @@ class IterationStats:
     lookups: int = 0
     lookup_tokens: int = 0
     hit_tokens: int = 0
+    io_failures: int = 0
 
     @classmethod
     def empty(cls, num_groups: int, num_levels: int) -> IterationStats:

@@ -145,8 +145,15 @@ class EngineLoop:
                 if victim is None:
                     break
                 report.preempted.append(victim)
-                if self.running.index(req) < i:  # keep our index right
-                    i -= 1
+                # A victim that already got its chunk this step gives it back.
+                for k, (done_req, done_cap) in enumerate(stepped):
+                    if done_req is victim:
+                        del stepped[k]
+                        del work[k]
+                        if budget is not None:
+                            budget += done_cap - victim.cache.history_length
+                        break
+                i = self.running.index(req)
             else:
                 work.append(StepWork(cache, req.tokens))
                 stepped.append((req, cap))
