@@ -304,6 +304,18 @@ def test_misspelt_hook_is_refused_at_load_naming_the_plugin(use_dists: Any) -> N
     assert "KVCM_DISABLE_PLUGINS=faketypo" in message
 
 
+def test_hook_taking_arguments_its_spec_does_not_have_is_refused_at_registration() -> None:
+    class TooMany:
+        @hookimpl
+        def kvcm_tiers(self, backend: Any) -> Any:
+            return []
+
+    pm = KvcmPluginManager(autoload=False)
+    with pytest.raises(PluginError, match=r"(?s)plugin 'greedy' of distribution d .*'backend'"):
+        pm.register(TooMany(), name="greedy", distribution="d")
+    assert pm.registered() == []
+
+
 def test_records_are_collected_once_until_a_plugin_is_registered() -> None:
     first = Plugin(tiers=[tier("a")])
     pm = bare(first)
