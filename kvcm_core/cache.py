@@ -25,6 +25,7 @@ import enum
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import numpy as np
 
 from kvcm_core.backend import BAD_PAGE_INDEX, Stream
@@ -33,14 +34,31 @@ from kvcm_core.eviction import check_priority
 from kvcm_core.events import EventKind
 from kvcm_core.radix import Node, block_keys, scope_root_key
 from kvcm_core.stats import RequestStats
-from kvcm_core.types import ReuseScope
+from kvcm_core.types import ReusePolicy, ReuseScope
 
 if TYPE_CHECKING:
     from kvcm_core.manager import KVCacheManager
     from kvcm_core.matching import Match
     from kvcm_core.storage import Page
 
-__all__ = ["CacheStatus", "KVCache"]
+__all__ = ["CacheStatus", "KVCache", "ReuseStatus"]
+
+
+@attrs.frozen
+class ReuseStatus:
+    """What the prefix match offers one non-REQUIRED cache group (concepts.md §4).
+
+    Attributes:
+        policy: the group's reuse policy.
+        complete: every page needed at the endpoint is available.
+        endpoint: tokens the claim reuses up to (the match length).
+        coverage: ``[begin, end)`` token ranges the claimed pages provide.
+    """
+
+    policy: ReusePolicy
+    complete: bool
+    endpoint: int
+    coverage: tuple[tuple[int, int], ...]
 
 
 class CacheStatus(enum.Enum):
@@ -115,15 +133,17 @@ class KVCache:
                 page.store.hold(page)
                 page.reused = True
                 m._stats.reused_blocks_by_level[page.level] += 1
+                counted = lc.policy is not ReusePolicy.OPTIONAL  # counted once chosen
                 if b == partial_block:
                     self._pending.append((g, b, page))
-                    gstats.reused_partial_blocks += 1
+                    gstats.reused_partial_blocks += counted
                 else:
                     pages_g[b] = page
-                    gstats.reused_full_blocks += 1
+                    gstats.reused_full_blocks += counted
                 reused += 1
             self._pages[g] = pages_g
-            gstats.missed_blocks += max(0, -(-len(input_tokens) // tpb) - nb)
+            if lc.policy is not ReusePolicy.OPTIONAL:
+                gstats.missed_blocks += max(0, -(-len(input_tokens) // tpb) - nb)
         for g in m._ssm_groups:
             if end:
                 page = match.nodes[(end - 1) // tpb].pages[g]
@@ -132,6 +152,15 @@ class KVCache:
                     page.reused = True
                     self._pending.append((g, -1, page))
                     reused += 1
+        self._reuse_status: dict[int, ReuseStatus] = {}
+        self._optional_decided = False
+        self._selected: set[int] = set()
+        self._pending_choice: list[tuple[int, int, Page]] = []
+        self._first_resume_done = False
+        self._recompute: dict[int, list[int]] = {}
+        for g, lc in enumerate(m.life_cycles):
+            if lc.policy is not ReusePolicy.REQUIRED:
+                self._reuse_status[g] = self._status_of(g, end)
         self.stats.reused_blocks = reused
         self.stats.allocated_blocks = reused
         self.stats.missed_blocks = max(0, -(-len(input_tokens) // tpb) - nb)
@@ -167,8 +196,41 @@ class KVCache:
         return None
 
     @property
-    def reuse_status(self) -> dict[int, Any]:
-        return {}
+    def reuse_status(self) -> dict[int, ReuseStatus]:
+        """Per non-REQUIRED cache group, what the match offers (see :class:`ReuseStatus`)."""
+        return dict(self._reuse_status)
+
+    def _status_of(self, g: int, end: int) -> ReuseStatus:
+        m = self._m
+        lc = m.life_cycles[g]
+        tpb = self._tpb
+        if lc.is_ssm:
+            have = any(grp == g for grp, _, _ in self._pending)
+            return ReuseStatus(lc.policy, have or end == 0, end,
+                               ((0, end),) if have and end else ())
+        start, stop = lc.stale_range(end, tpb)
+        pending = {b for grp, b, _ in self._pending if grp == g}
+        ranges: list[list[int]] = []
+        complete = True
+        for b in range(-(-end // tpb)):
+            if start <= b < stop:
+                continue
+            if self._pages[g][b] is None and b not in pending:
+                complete = False
+                continue
+            lo, hi = b * tpb, min(end, (b + 1) * tpb)
+            if ranges and ranges[-1][1] == lo:
+                ranges[-1][1] = hi
+            else:
+                ranges.append([lo, hi])
+        return ReuseStatus(lc.policy, complete, end, tuple((a, b) for a, b in ranges))
+
+    def recompute_blocks(self, group: int) -> list[int]:
+        """Blocks (``-1``: the SSM state) whose pages were given fresh at the first resume
+        although history covers them: the engine must recompute or reconstruct them
+        (declined OPTIONAL groups, missing SINK_REQUIRED_ONLY window pages, PRIVATE
+        state)."""
+        return list(self._recompute.get(group, ()))
 
     @property
     def manager(self) -> KVCacheManager:
@@ -219,29 +281,38 @@ class KVCache:
         m = self._m
         tpb = self._tpb
         nb = self.num_blocks
+        declined = self._decide_optional(optional_reuse_groups)
+        declined_groups = {g for g, _, _ in declined}
         wanted: dict[int, list[int]] = {}
         needs: dict[int, int] = {}
+        extra: dict[int, int] = {}
+        for g, _, page in declined:
+            if page.level == 0 and page.holds == 1 and not page.locks:
+                pg = page.store.pool_group
+                extra[pg] = extra.get(pg, 0) + 1
         for g in m._attn_groups:
             start, stop = m.life_cycles[g].stale_range(self._history, tpb)
-            blocks = [b for b, p in enumerate(self._pages[g]) if p is None
+            drop = g in declined_groups
+            blocks = [b for b, p in enumerate(self._pages[g]) if (p is None or drop)
                       and not start <= b < stop and b < nb]
             if blocks:
                 wanted[g] = blocks
                 pg = m._gpu_store[g].pool_group
                 needs[pg] = needs.get(pg, 0) + len(blocks)
         for g in m._ssm_groups:
-            if self._ssm[g] is None:
+            if self._ssm[g] is None or g in declined_groups:
                 wanted[g] = [-1]
                 pg = m._gpu_store[g].pool_group
                 needs[pg] = needs.get(pg, 0) + 1
-        cold = [p for p in self._all_pages() if p.level != 0]
+        declined_ids = {id(p) for _, _, p in declined}
+        cold = [p for p in self._all_pages() if p.level != 0 and id(p) not in declined_ids]
         for page in cold:
             pg = m._gpu_store[page.group].pool_group
             needs[pg] = needs.get(pg, 0) + 1
         limit = m.config.max_util_for_resume
         mine: dict[int, int] = {}
         for page in self._all_pages():
-            if page.level == 0:
+            if page.level == 0 and id(page) not in declined_ids:
                 mine[page.store.pool_group] = mine.get(page.store.pool_group, 0) + 1
         for store in m.stores[0]:
             locked = store.num_slots - store.num_free - len(store.droppable) - len(store.held)
@@ -249,13 +320,14 @@ class KVCache:
             if used > limit * store.num_slots:
                 return False
         # Lock what is on the GPU first, so making room cannot push it down.
-        warm = [p for p in self._all_pages() if p.level == 0]
+        warm = [p for p in self._all_pages() if p.level == 0 and id(p) not in declined_ids]
         for page in warm:
             page.store.hold_to_lock(page)
-        if not m._can_take(needs):
+        if not m._can_take(needs, extra):
             for page in reversed(warm):
                 page.store.lock_to_hold(page)
             return False
+        self._apply_declines(declined)
         fresh: list[Page] = []
         try:
             for pg, n in needs.items():
@@ -274,6 +346,9 @@ class KVCache:
                     src = sources.get((g, b))
                     if src is not None:
                         copies.append((page, src))
+                    elif not self._first_resume_done and (b < 0 and self._history > 0 or
+                                                          0 <= b * tpb < self._history):
+                        self._recompute.setdefault(g, []).append(b)
                 m._fill(g, copies, stream)
                 for b, page in zip(blocks, pages, strict=True):
                     if m.life_cycles[g].is_ssm:
@@ -286,9 +361,68 @@ class KVCache:
         for _, _, src in self._pending:
             src.store.unhold(src)
         self._pending.clear()
+        self._first_resume_done = True
         self._version += 1
         self._status = CacheStatus.ACTIVE
         return True
+
+    def _decide_optional(self, selected: Sequence[int] | None) -> list[tuple[int, int, Page]]:
+        """Validate the OPTIONAL choice; return the claims to give up ``(group, block,
+        page)`` (block -1: a pending copy or SSM snapshot). Raises ValueError, with nothing
+        changed, for a REQUIRED, unknown or incomplete group."""
+        m = self._m
+        optional = {g for g, st in self._reuse_status.items()
+                    if st.policy is ReusePolicy.OPTIONAL}
+        if self._optional_decided:
+            if selected is not None and set(selected) != self._selected:
+                raise ValueError(
+                    f"optional_reuse_groups={list(selected)!r}: the choice was made at the "
+                    f"first resume ({sorted(self._selected)}) and cannot change")
+            return []
+        chosen = set()
+        for g in selected or ():
+            if isinstance(g, bool) or not isinstance(g, int | np.integer) or not (
+                    0 <= g < len(m.life_cycles)):
+                raise ValueError(f"optional_reuse_groups: {g!r} is not a cache group id "
+                                 f"(0..{len(m.life_cycles) - 1})")
+            if g not in optional:
+                raise ValueError(
+                    f"optional_reuse_groups: group {g} has policy "
+                    f"{m.life_cycles[g].policy.name}; only OPTIONAL groups can be chosen "
+                    f"(OPTIONAL groups: {sorted(optional)})")
+            if not self._reuse_status[g].complete:
+                raise ValueError(
+                    f"optional_reuse_groups: group {g} is incomplete (coverage "
+                    f"{self._reuse_status[g].coverage} of endpoint "
+                    f"{self._reuse_status[g].endpoint}); it cannot be reused")
+            chosen.add(int(g))
+        declined: list[tuple[int, int, Page]] = []
+        for g in sorted(optional - chosen):
+            for b, page in enumerate(self._pages[g]):
+                if page is not None:
+                    declined.append((g, b, page))
+            declined.extend((grp, -1, p) for grp, _, p in self._pending if grp == g)
+        self._selected = chosen
+        self._pending_choice = declined
+        return declined
+
+    def _apply_declines(self, declined: list[tuple[int, int, Page]]) -> None:
+        """Give up declined claims before allocating their replacements; count the chosen
+        ones in the statistics (declined groups count nothing)."""
+        m = self._m
+        if self._optional_decided:
+            return
+        gone = {id(p) for _, _, p in declined}
+        for g, b, page in declined:
+            if b >= 0 and self._pages[g][b] is page:
+                self._pages[g][b] = None
+            page.store.unhold(page)
+        self._pending = [(g, b, p) for g, b, p in self._pending if id(p) not in gone]
+        for g in self._selected:
+            claimed = sum(1 for p in self._pages[g] if p is not None) + sum(
+                1 for grp, _, _ in self._pending if grp == g)
+            m._stats.groups[g].reused_full_blocks += claimed
+        self._optional_decided = True
 
     def _fail_resume(self, fresh: list[Page]) -> None:
         """A read failed during resume: undo the locks, free new pages, and mark the cache

@@ -97,7 +97,21 @@ class EngineLoop:
             req.cache = m.create_kv_cache(req.scope, req.tokens[:match_len], id=req.id,
                                           priority_callback=req.priority_callback)
             req.reused = req.cache.history_length
-        return bool(req.cache.resume())
+        cache = req.cache
+        chosen = self.choose_optional(cache)
+        if not cache.resume(optional_reuse_groups=chosen):
+            return False
+        # Recompute what the cache got fresh although its history covers it.
+        self.engine.recompute([StepWork(cache, req.tokens)])
+        return True
+
+    def choose_optional(self, cache: Any) -> list[int]:
+        """OPTIONAL groups to reuse at first resume: every complete one (override to test
+        other choices)."""
+        from kvcm_core.types import ReusePolicy
+
+        return [g for g, st in cache.reuse_status.items()
+                if st.policy is ReusePolicy.OPTIONAL and st.complete]
 
     @property
     def idle(self) -> bool:

@@ -107,10 +107,16 @@ class FingerprintEngine:
         self.buffers: tuple[_Buffer, ...] = tuple(buffers)
         self.checked_pages = 0
         self.written_pages = 0
+        self._ssm_pending: dict[int, StepWork] = {}  # id(cache) -> state to reconstruct
 
     # -- building page batches ------------------------------------------------------------
 
-    def _rows(self, work: Iterable[StepWork], writing: bool) -> FingerprintPages | None:
+    def _rows(self, work: Iterable[StepWork], writing: bool, *,
+              only_blocks: dict[int, list[int]] | None = None,
+              ssm_only: bool = False) -> FingerprintPages | None:
+        """Pages to check (``writing=False``: ``[0, history)``) or write (``[history,
+        capacity)``). ``only_blocks`` restricts attention rows to those blocks of
+        ``[0, history)`` (recompute); ``ssm_only`` keeps SSM rows only."""
         tpb = self.tpb
         m = self.manager
         addr: list[np.ndarray] = []
@@ -129,7 +135,7 @@ class FingerprintEngine:
             hist = cache.history_length
             cap = cache.capacity
             nb = -(-cap // tpb)
-            if writing:
+            if writing and only_blocks is None:
                 lo, hi = hist, cap
             else:
                 lo, hi = 0, hist
@@ -148,6 +154,8 @@ class FingerprintEngine:
                 base, stride = bases[(buf.layer_id, buf.role)]
                 tag = np.array([buf.layer_id, (buf.ordinal << 16) | w.beam], dtype=np.uint32)
                 if buf.is_ssm:
+                    if only_blocks is not None:
+                        continue
                     if writing:
                         state_at = cap
                     elif hist == 0:
@@ -172,12 +180,14 @@ class FingerprintEngine:
                     pos.append(np.array([state_at], dtype=np.int64))
                     tags.append(tag[None, :])
                     continue
-                if hi <= lo:
+                if hi <= lo or ssm_only:
                     continue
                 b0, b1 = lo // tpb, -(-hi // tpb)
                 s0, s1 = _stale(buf, hist, tpb)
                 blocks = np.arange(b0, b1)
                 blocks = blocks[(blocks < s0) | (blocks >= s1)]
+                if only_blocks is not None:
+                    blocks = blocks[np.isin(blocks, only_blocks.get(buf.group, []))]
                 if blocks.size == 0:
                     continue
                 sl = table[blocks].astype(np.int64)
@@ -234,6 +244,39 @@ class FingerprintEngine:
 
     # -- the two steps --------------------------------------------------------------------------
 
+    def recompute(self, work: Iterable[StepWork]) -> None:
+        """After a first resume: write the records of blocks the cache got fresh although
+        its history covers them (``cache.recompute_blocks``), as a model recomputing them
+        would. SSM state is reconstructed at the next check, once its page is in the table.
+        """
+        for w in work:
+            cache = w.cache
+            groups = {buf.group for buf in self.buffers}
+            blocks = {g: cache.recompute_blocks(g) for g in groups}
+            if any(-1 in b for b in blocks.values()):
+                self._ssm_pending[id(cache)] = w
+            attn = {g: [b for b in bl if b >= 0] for g, bl in blocks.items()}
+            if any(attn.values()):
+                pages = self._rows([w], writing=True, only_blocks=attn)
+                if pages is not None:
+                    self.backend.fingerprint_write(pages)
+                    self.written_pages += len(pages)
+
+    def _reconstruct_ssm(self, work: list[StepWork]) -> None:
+        todo = [w for w in work if id(w.cache) in self._ssm_pending]
+        if not todo:
+            return
+        ready = []
+        for w in todo:
+            cache = w.cache
+            if cache.history_length // self.tpb < -(-cache.capacity // self.tpb):
+                ready.append(w)
+                del self._ssm_pending[id(cache)]
+        if ready:
+            pages = self._rows(ready, writing=False, ssm_only=True)
+            if pages is not None:
+                self.backend.fingerprint_write(pages)
+
     def check(self, work: Iterable[StepWork]) -> None:
         """Check every page the requests' histories need.
 
@@ -241,6 +284,8 @@ class FingerprintEngine:
             FingerprintMismatch: naming the request, layer, buffer and block.
         """
         work = list(work)
+        if self._ssm_pending:
+            self._reconstruct_ssm(work)
         pages = self._rows(work, writing=False)
         if pages is None:
             return
