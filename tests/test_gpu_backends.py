@@ -284,7 +284,7 @@ def test_convert_page_indices_equals_numpy_including_overflow(
     for shape, scale, offset, expansion in [
         ((7,), 1, 0, 1),
         ((3, 129), 4, 17, 3),
-        ((256, 2048), 2, -5, 1),
+        ((256, 2048), 2, 5, 1),
         ((2, 3, 5), 1000, 1 << 20, 2),
     ]:
         slots = rng.integers(0, 1 << 16, shape, dtype=np.int32)
