@@ -31,14 +31,14 @@ PY
 
 status=0
 if [ "$MODE" != "bench" ]; then
-  timeout 330 "$PY" -m pytest -q -m gpu tests/test_gpu_backends.py -p no:cacheprovider \
-    -x --tb=short 2>&1 | tee "$OUT/tests_gpu.log" | tail -25 || status=1
-  timeout 330 "$PY" -m pytest -q tests/test_conformance_kernels.py -p no:cacheprovider \
+  timeout 150 "$PY" -m pytest -q -m gpu tests/test_gpu_backends.py -p no:cacheprovider \
+    --tb=short 2>&1 | tee "$OUT/tests_gpu.log" | tail -25 || status=1
+  timeout 200 "$PY" -m pytest -q tests/test_conformance_kernels.py -p no:cacheprovider \
     --kvcm-plugin cupy --kvcm-plugin cuda --tb=short 2>&1 | tee "$OUT/conformance.log" \
     | tail -25 || status=1
 fi
 case "$MODE" in
-  full|bench) timeout 400 "$PY" -m kvcm_core.bench.kernels --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -120 ;;
+  full|bench) timeout 200 "$PY" -m kvcm_core.bench.kernels --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -120 ;;
   quick) timeout 200 "$PY" -m kvcm_core.bench.kernels --quick --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -80 ;;
 esac
 exit $status
