@@ -32,7 +32,7 @@ from kvcm_core.backend import BAD_PAGE_INDEX, Stream
 from kvcm_core.errors import InvalidStateError, TierIOError
 from kvcm_core.eviction import check_priority
 from kvcm_core.events import EventKind
-from kvcm_core.radix import Node, block_keys, scope_root_key
+from kvcm_core.radix import Node, block_keys, encode_tokens, scope_root_key
 from kvcm_core.stats import RequestStats
 from kvcm_core.types import ReusePolicy, ReuseScope
 
@@ -250,13 +250,23 @@ class KVCache:
             return 35
         return check_priority(self._priority_cb(block))
 
-    def _new_pages(self, group: int, blocks: Sequence[int]) -> list[Page]:
+    def _priorities(self, blocks: Sequence[int]) -> dict[int, int]:
+        """Priorities of new blocks, asked before anything changes (a bad callback fails
+        the operation with nothing changed)."""
+        if self._priority_cb is None:
+            return {}
+        return {b: self._priority(max(b, 0)) for b in set(blocks)}
+
+    def _new_pages(self, group: int, blocks: Sequence[int],
+                   prios: dict[int, int] | None = None) -> list[Page]:
+        if prios is None:
+            prios = self._priorities(blocks)
         pages = self._m._take(group, len(blocks))
         store = self._m._gpu_store[group]
         for page, b in zip(pages, blocks, strict=True):
             store.lock(page)
-            if self._priority_cb is not None:
-                page.priority = self._priority(b)
+            if prios:
+                page.priority = prios[b]
         n = len(pages)
         self.stats.allocated_blocks += n
         self.stats.newly_allocated_blocks += n
@@ -319,6 +329,7 @@ class KVCache:
             used = locked + mine.get(store.pool_group, 0) + needs.get(store.pool_group, 0)
             if used > limit * store.num_slots:
                 return False
+        prios = self._priorities([b for blocks in wanted.values() for b in blocks])
         # Lock what is on the GPU first, so making room cannot push it down.
         warm = [p for p in self._all_pages() if p.level == 0 and id(p) not in declined_ids]
         for page in warm:
@@ -339,7 +350,7 @@ class KVCache:
                 page.store.hold_to_lock(page)
             sources = {(g, b): page for g, b, page in self._pending}
             for g, blocks in wanted.items():
-                pages = self._new_pages(g, blocks)
+                pages = self._new_pages(g, blocks, prios)
                 fresh.extend(pages)
                 copies = []
                 for b, page in zip(blocks, pages, strict=True):
@@ -500,6 +511,7 @@ class KVCache:
                 grow[g] = list(range(old_nb, nb_new))
                 pg = m._gpu_store[g].pool_group
                 needs[pg] = needs.get(pg, 0) + nb_new - old_nb
+        prios = self._priorities([b for blocks in grow.values() for b in blocks])
         if needs:
             for g, b in releases:
                 page = self._pages[g][b]
@@ -519,7 +531,7 @@ class KVCache:
         for g in m._attn_groups:
             del self._pages[g][nb_new:]
         for g, blocks in grow.items():
-            self._pages[g].extend(self._new_pages(g, blocks))
+            self._pages[g].extend(self._new_pages(g, blocks, prios))
         if history < len(self._tokens):
             del self._tokens[history:]
             del self._keys[history // tpb:]
@@ -535,6 +547,9 @@ class KVCache:
         self._require(CacheStatus.ACTIVE)
         if isinstance(tokens, np.ndarray):
             tokens = tokens.tolist()
+        elif not isinstance(tokens, list | tuple):
+            tokens = list(tokens)
+        encode_tokens(tokens)  # refuse bad tokens before anything changes
         known = len(self._tokens)
         end = known + len(tokens)
         if end > self._capacity:
@@ -758,6 +773,7 @@ class KVCache:
         """Slot ids of this cache's blocks for one cache group (read-only int32 array of
         ``num_blocks``); ``BAD_PAGE_INDEX`` for absent or stale blocks."""
         m = self._m
+        self._require(CacheStatus.ACTIVE, CacheStatus.SUSPENDED)
         if isinstance(group, bool) or not isinstance(group, int | np.integer) or not (
                 0 <= group < len(m.life_cycles)):
             raise ValueError(f"group={group!r}: must be a cache group id in "

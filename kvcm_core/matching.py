@@ -59,10 +59,13 @@ def match_prefix(
     """Find the longest reusable prefix of ``tokens`` (see module docstring)."""
     n = len(tokens)
     root = tree.roots.get(root_key)
-    if root is None or n == 0:
+    if n == 0:
         return Match(0, [], [], None)
     # Encode tokens lazily, a chunk at a time: a short match never pays for a long prompt.
+    # The first chunk is encoded even when nothing is cached, so bad tokens fail early.
     data, mm = encode_tokens(tokens[: _CHUNK * tpb])
+    if root is None:
+        return Match(0, [], [], None)
     nfull = n // tpb
     chain: list[Node] = []
     keys: list[bytes] = []

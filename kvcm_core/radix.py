@@ -40,14 +40,40 @@ def encode_tokens(tokens: TokenSeq) -> tuple[bytes, bool]:
     hashed block by block with :func:`_encode_mm_block`.
     """
     if isinstance(tokens, np.ndarray):
+        if tokens.size and tokens.dtype.kind in "iu" and (
+                int(tokens.min()) < _I32_MIN or int(tokens.max()) > _I32_MAX):
+            raise ValueError("token ids must fit a 32-bit signed int; got values in "
+                             f"{int(tokens.min())}..{int(tokens.max())}")
         return tokens.astype("<i4", copy=False).tobytes(), False
     try:
         arr = array("i", tokens)
     except TypeError:
+        check_tokens(tokens)
         return b"", True
+    except OverflowError:
+        check_tokens(tokens)
+        raise
     if arr.itemsize != 4:  # pragma: no cover - exotic platforms
         return np.asarray(tokens, dtype="<i4").tobytes(), False
     return arr.tobytes(), False
+
+
+_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
+
+
+def check_tokens(tokens: Sequence[Any]) -> None:
+    """Raise ValueError naming the first item that is neither a 32-bit int token nor a
+    32-byte multimodal digest."""
+    for i, item in enumerate(tokens):
+        if isinstance(item, bytes | bytearray):
+            if len(item) != 32:
+                raise ValueError(f"token {i}: a multimodal item must be a 32-byte digest, got "
+                                 f"{len(item)} bytes")
+        elif isinstance(item, bool) or not isinstance(item, int | np.integer):
+            raise ValueError(f"token {i}={item!r}: must be an int token id or a 32-byte "
+                             "digest")
+        elif not _I32_MIN <= int(item) <= _I32_MAX:
+            raise ValueError(f"token {i}={item!r}: token ids must fit a 32-bit signed int")
 
 
 def _encode_mm_block(items: Sequence[int | bytes]) -> bytes:
