@@ -260,6 +260,24 @@ def test_resume_refused_over_max_util_changes_nothing(managers):
     b.close()
 
 
+@pytest.mark.xfail(strict=True, reason="bug (testing/engine.py EngineLoop): a request that "
+                   "cannot grow preempts every other running request, then suspends itself; "
+                   "on one level suspending frees no GPU page, so the next step repeats the "
+                   "same order and the loop raises 'no progress' although the preempted "
+                   "request already holds every page it needs to finish")
+def test_engine_loop_finishes_a_request_that_already_holds_its_pages(managers):
+    from kvcm_core.testing.engine import EngineLoop, Request
+
+    m = managers(full_layers(), slots=16)
+    b = tokens(33, seed=2)
+    loop = EngineLoop(m, chunk_tokens=1, max_batch=2)
+    loop.run([Request("warm", b[:2], 2)])  # b's first 2 tokens are reusable
+    # a (8 blocks) and b (9 blocks) cannot both be resident (17 > 16), but a alone can
+    # finish with the pages it holds, then b.
+    loop.run([Request("a", tokens(31, seed=1), 1), Request("b", b, 3)])
+    assert {r.id for r in loop.finished} == {"warm", "a", "b"}
+
+
 # -- eviction ------------------------------------------------------------------------------
 
 
