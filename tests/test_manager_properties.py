@@ -40,9 +40,10 @@ SCOPES = [None, ReuseScope(salt="other")]
 PREFIXES = [tokens(24, seed=1000 + i) for i in range(3)]
 MAX_LEN = 44
 
-_settings = settings(max_examples=int(os.environ.get("KVCM_PROPERTY_EXAMPLES", "35")), deadline=None,
-                     suppress_health_check=[HealthCheck.too_slow,
-                                            HealthCheck.data_too_large])
+#: ``KVCM_PROPERTY_EXAMPLES=2000`` for a longer local soak.
+_settings = settings(max_examples=int(os.environ.get("KVCM_PROPERTY_EXAMPLES", "35")),
+                     deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 def _new_tokens(data: st.DataObject) -> list[int]:
