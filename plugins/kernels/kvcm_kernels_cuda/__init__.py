@@ -1,7 +1,9 @@
 """The ``cuda`` kernel backend: kvcm's kernels on cuda-python's driver API and NVRTC.
 
 Runs in the device's primary context (shared with the CUDA runtime, so CuPy or PyTorch in
-the same process see the same memory). Memory: ``cuMemAlloc``; ``cuMemHostAlloc`` with
+the same process see the same memory), retained for the life of the process: streams and
+events may outlive :meth:`close` in Python's garbage, and a released context would leave
+them dangling. Memory: ``cuMemAlloc``; ``cuMemHostAlloc`` with
 ``CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP`` and ``cuMemHostGetDevicePointer``.
 Kernels: the shared CUDA C source of :mod:`kvcm_kernels_cuda_common`, compiled by NVRTC for
 the device's architecture (``-arch=sm_XY``) and cached on disk per architecture (see
@@ -440,15 +442,6 @@ class CudaDriverBackend(CudaKernelBackend):
             stream=self._default.handle,
             synchronize=self._device_synchronize,
         )
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        super().close()
-        self._module = None
-        if self._ctx is not None:
-            self._drv.cuDevicePrimaryCtxRelease(self._dev)
-            self._ctx = None
 
 
 def _store(path: Path, image: bytes) -> None:

@@ -324,7 +324,7 @@ class _StagingRing:
 
     def release(self, slot: _Slot, stream_native: Any) -> None:
         assert slot.done is not None
-        self._backend._event_record(slot.done, stream_native)
+        self._backend._event_record(slot.done.native, stream_native)
         slot.pending = True
 
     def close(self) -> None:
