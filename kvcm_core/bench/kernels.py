@@ -105,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a short run: 4KiB,64KiB,1MiB pages, batches 1,256,4096, 3 reps",
     )
+    p.add_argument(
+        "--options",
+        default="{}",
+        help="JSON object of backend options added to every backend built (e.g. "
+        "'{\"block_threads\": 128}')",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results", help="output folder")
     p.add_argument("--tag", default="", help="text added to the output file names")
@@ -190,7 +196,8 @@ def _bench_backend(
     paths = ["sm", "ce"] if caps.copy_engine else ["default"]
     instances: dict[str, KernelBackend] = {}
     for path in paths:
-        instances[path] = spec.factory({} if path == "default" else {"copy_path": path})
+        extra = {} if path == "default" else {"copy_path": path}
+        instances[path] = spec.factory({**args.options, **extra})
     main_backend = instances[paths[0]]
     info: dict[str, Any] = {}
     device_info = getattr(main_backend, "device_info", None)
@@ -575,6 +582,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] | None = None) -> d
             "reps": args.reps,
             "warmup": args.warmup,
             "seed": args.seed,
+            "options": args.options,
         },
         "skipped": skipped,
         "backends": [],
@@ -599,6 +607,9 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     bad = [d for d in args.directions if d not in DIRECTIONS]
     if bad:
         raise SystemExit(f"unknown direction(s) {bad}; known: {', '.join(DIRECTIONS)}")
+    args.options = json.loads(args.options)
+    if not isinstance(args.options, dict):
+        raise SystemExit(f"--options must be a JSON object, not {args.options!r}")
     args.pool_bytes = parse_size(args.pool)
     args.max_bytes = min(parse_size(args.max_bytes), args.pool_bytes)
     return args
