@@ -211,8 +211,8 @@ def snapshot_state(m: KVCacheManager, *caches: Any) -> Any:
     st = m.get_storage_statistics(0).as_dict()
     per_cache = [
         (c.status, c.capacity, c.history_length, c.num_committed_tokens, c.num_blocks,
-         [table(c, g) for g in range(m.num_cache_groups)], dict(c.stats.__dict__)
-         if hasattr(c.stats, "__dict__") else repr(c.stats))
+         [table(c, g) for g in range(m.num_cache_groups)]
+         if c.status.name != "CLOSED" else None, repr(c.stats))
         for c in caches
     ]
     stores = [(s.num_free, len(s.droppable), len(s.held)) for s in m.stores[0]]

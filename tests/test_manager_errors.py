@@ -98,9 +98,6 @@ def test_commit_past_capacity_is_refused(active):
     _expect(ValueError, lambda: c.commit(toks[10:13]), m, c, match="capacity")
 
 
-@pytest.mark.xfail(strict=True, reason="bug: commit() appends the tokens and advances "
-                   "history before hashing them, so a token that cannot be encoded raises "
-                   "after the cache changed (history moved, nothing published)")
 @pytest.mark.parametrize("bad", [["x", "y"], [2**40, 1]], ids=["str", "out-of-int32"])
 def test_commit_of_unencodable_tokens_changes_nothing(managers, bad):
     m = managers(full_layers(), slots=16)
@@ -110,9 +107,6 @@ def test_commit_of_unencodable_tokens_changes_nothing(managers, bad):
     _expect((ValueError, TypeError), lambda: c.commit(bad), m, c)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: token ids outside int32 raise OverflowError "
-                   "from array('i') in radix.encode_tokens instead of a ValueError naming "
-                   "the token")
 def test_token_ids_outside_int32_give_a_value_error(managers):
     m = managers(full_layers(), slots=16)
     with pytest.raises(ValueError):
@@ -131,11 +125,6 @@ def test_a_bad_multimodal_digest_is_a_value_error(managers):
 # -- priority callbacks ------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="bug: KVCache._new_pages takes the slots before "
-                   "calling the priority callback; a callback that returns an invalid "
-                   "priority (or raises) leaves taken, unreferenced slots behind "
-                   "(check_invariants: 'unreferenced uncommitted page not freed') and the "
-                   "cache half-resized")
 @pytest.mark.parametrize("callback", [lambda b: 500, lambda b: -1, lambda b: 1 / 0],
                          ids=["too-high", "negative", "raises"])
 def test_a_bad_priority_callback_fails_the_resize_and_changes_nothing(managers, callback):
@@ -199,9 +188,6 @@ def test_operations_on_a_closed_cache_are_refused(managers):
     assert c.status is CacheStatus.CLOSED
 
 
-@pytest.mark.xfail(strict=True, reason="bug?: get_base_page_indices on a CLOSED cache "
-                   "returns a table of BAD_PAGE_INDEX sized by its old capacity instead of "
-                   "refusing (spec: operations on a closed cache are refused)")
 def test_page_table_of_a_closed_cache_is_refused(managers):
     m = managers(full_layers(), slots=16)
     c = m.create_kv_cache(None, [])
@@ -220,9 +206,6 @@ def test_resize_and_commit_need_an_active_cache(managers):
     c.close()
 
 
-@pytest.mark.xfail(strict=True, reason="not implemented: resume(optional_reuse_groups=...) "
-                   "ignores its argument; concepts.md §4 wants ValueError for a REQUIRED, "
-                   "unknown or incomplete group, leaving the cache suspended")
 @pytest.mark.parametrize("groups", [[0], [7]], ids=["required", "unknown"])
 def test_resume_naming_a_non_optional_group_is_refused(managers, groups):
     m = managers(full_layers(), slots=16)
