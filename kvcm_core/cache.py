@@ -743,13 +743,19 @@ class KVCache:
                         live.node = node
                         m._event(EventKind.STORED, node, g, live.level)
         active = self._status is CacheStatus.ACTIVE
-        for g in m._attn_groups:
-            for page in reversed(self._pages[g]):
+        # Deepest block first, every group of a block together: the LRU order then evicts
+        # a chain from its tail, and no group's pages of a block age apart from the others.
+        depth = max((len(self._pages[g]) for g in m._attn_groups), default=0)
+        for b in range(depth - 1, -1, -1):
+            for g in m._attn_groups:
+                pages_g = self._pages[g]
+                page = pages_g[b] if b < len(pages_g) else None
                 if page is not None and page.level >= 0:
                     if active:
                         page.store.unlock(page)
                     else:
                         page.store.unhold(page)
+        for g in m._attn_groups:
             self._pages[g] = []
         for g in m._ssm_groups:
             page = self._ssm[g]
