@@ -69,11 +69,17 @@ class EngineLoop:
         token_budget: most tokens processed per step (prefill chunks shrink to fit).
         check: run the fingerprint check every step (on by default).
         close_finished: close requests when they finish (else the caller does).
+        preempt_mode: ``"suspend"``, ``"recompute"`` (close and queue again) or ``"auto"``
+            (recompute when there is a single level, where suspending frees no GPU page).
     """
 
     def __init__(self, manager: Any, *, chunk_tokens: int = 64, max_batch: int = 64,
                  token_budget: int | None = None, check: bool = True,
-                 close_finished: bool = True) -> None:
+                 close_finished: bool = True, preempt_mode: str = "auto") -> None:
+        if preempt_mode not in ("auto", "suspend", "recompute"):
+            raise ValueError(f"preempt_mode={preempt_mode!r}: must be auto, suspend or "
+                             "recompute")
+        self.preempt_mode = preempt_mode
         self.manager = manager
         self.engine = FingerprintEngine(manager)
         self.chunk_tokens = chunk_tokens
@@ -175,11 +181,8 @@ class EngineLoop:
                     budget -= cap - hist
                 i += 1
                 continue
-            # Could not grow even after preempting everyone else: suspend this one.
-            self.running.remove(req)
-            req.cache.suspend()
-            req.preemptions += 1
-            self.suspended.appendleft(req)
+            # Could not grow even after preempting everyone else: preempt this one too.
+            self._preempt_one(req)
             report.preempted.append(req)
         if work:
             if self.check:
@@ -201,15 +204,29 @@ class EngineLoop:
         return report
 
     def _preempt(self, exclude: Request) -> Request | None:
-        """Suspend the newest running request other than ``exclude``."""
+        """Preempt the newest running request other than ``exclude``."""
         for req in reversed(self.running):
             if req is not exclude and req.cache.status is CacheStatus.ACTIVE:
-                self.running.remove(req)
-                req.cache.suspend()
-                req.preemptions += 1
-                self.suspended.appendleft(req)
+                self._preempt_one(req)
                 return req
         return None
+
+    def _preempt_one(self, req: Request) -> None:
+        """Suspend ``req`` (its pages can move to colder levels), or, where suspending frees
+        no GPU page (a single level), close it and queue it again to be recomputed: what
+        it committed stays reusable, the rest is computed again."""
+        self.running.remove(req)
+        req.preemptions += 1
+        mode = self.preempt_mode
+        if mode == "auto":
+            mode = "recompute" if len(self.manager.levels) == 1 else "suspend"
+        if mode == "suspend":
+            req.cache.suspend()
+            self.suspended.appendleft(req)
+        else:
+            req.cache.close()
+            req.cache = None
+            self.waiting.appendleft(req)
 
     def run(self, requests: Iterable[Request] = (), max_steps: int = 1_000_000,
             on_step: Callable[[StepReport], None] | None = None) -> list[Request]:
