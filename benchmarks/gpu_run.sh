@@ -37,16 +37,8 @@ if [ "$MODE" != "bench" ]; then
     --kvcm-plugin cupy --kvcm-plugin cuda --tb=short 2>&1 | tee "$OUT/conformance.log" \
     | tail -25 || status=1
 fi
-if [ "$MODE" = "full" ]; then  # launch geometry variants of the gather kernel, summary only
-  for bt in 128 512; do
-    timeout 60 "$PY" -m kvcm_core.bench.kernels --backend cuda --directions h2d,d2h,d2d \
-      --page-sizes 4KiB,16KiB,64KiB,1MiB --batches 4096 --reps 5 --naive-pages 1 --no-plot \
-      --options "{\"block_threads\": $bt, \"copy_path\": \"sm\"}" --out /tmp/variants \
-      2>&1 | grep -E "^  (sm|default|ce) " | sed "s/^/bt$bt /" >>"$OUT/variants.log"
-  done
-fi
 case "$MODE" in
-  full|bench) timeout 200 "$PY" -m kvcm_core.bench.kernels --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -120 ;;
+  full|bench) timeout 240 "$PY" -m kvcm_core.bench.kernels --out "$OUT" --sweep-threads 128,256,512 2>&1 | tee "$OUT/bench.log" | tail -120 ;;
   quick) timeout 200 "$PY" -m kvcm_core.bench.kernels --quick --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -80 ;;
 esac
 exit $status

@@ -111,6 +111,12 @@ def _parser() -> argparse.ArgumentParser:
         help="JSON object of backend options added to every backend built (e.g. "
         "'{\"block_threads\": 128}')",
     )
+    p.add_argument(
+        "--sweep-threads",
+        default="",
+        help="comma-separated block sizes: also time the gather kernel (copy_path='sm') "
+        "with each, side by side, at the largest batch of every page size",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results", help="output folder")
     p.add_argument("--tag", default="", help="text added to the output file names")
@@ -303,6 +309,58 @@ def _bench_backend(
                         rows.append(row)
                 log(f"[{name}] copy_pages path={path} {direction} done")
         result["copy_pages"] = rows
+
+        # The gather kernel's block size, variants interleaved so drift hits all alike.
+        sweep = []
+        if args.sweep_threads and caps.copy_engine:
+            variants = {
+                bt: spec.factory({**args.options, "copy_path": "sm", "block_threads": bt})
+                for bt in args.sweep_threads
+            }
+            try:
+                for direction in args.directions:
+                    src, dst = pools.pair(direction)
+                    for page in args.page_sizes:
+                        slots = args.pool_bytes // page
+                        fits = [
+                            b for b in args.batches if b <= slots and b * page <= args.max_bytes
+                        ]
+                        if not fits:
+                            continue
+                        batch = max(fits)
+                        pairs = np.stack(
+                            [rng.permutation(slots)[:batch], rng.permutation(slots)[:batch]],
+                            axis=1,
+                        ).astype(np.int32)
+                        d_region, s_region = PageRegion(dst, 0, page), PageRegion(src, 0, page)
+                        for _round in range(2):
+                            for bt, variant in variants.items():
+                                dev, _host = _timed(
+                                    variant,
+                                    lambda b=variant, d=d_region, s=s_region, p=page, q=pairs: (
+                                        b.copy_pages(d, s, p, q)
+                                    ),
+                                    args.reps,
+                                    args.warmup,
+                                )
+                                st = _stats(dev, _bytes_moved(direction, page * batch))
+                                sweep.append(
+                                    {
+                                        "block_threads": bt,
+                                        "round": _round,
+                                        "direction": direction,
+                                        "page_bytes": page,
+                                        "batch": batch,
+                                        **st,
+                                        "ratio": st["gbps_median"]
+                                        / limits[direction]["gbps_median"],
+                                    }
+                                )
+                log(f"[{name}] block size sweep done")
+            finally:
+                for variant in variants.values():
+                    variant.close()
+        result["sweep"] = sweep
 
         # Bare launch cost: an empty kernel, and a launch followed by a synchronize.
         launch: dict[str, float] = {}
@@ -535,6 +593,17 @@ def _print_summary(report: dict[str, Any]) -> None:
                 f"{r['batch']:>6} {r['gbps_median']:>8.1f} {r['ratio']:>6.3f} "
                 f"{r['host_us_median']:>8.1f}"
             )
+    for res in report["backends"]:
+        if res.get("sweep"):
+            print(f"\n{res['backend']}: gather kernel block size sweep (ratio, two rounds)")
+            keys = sorted({(r["direction"], r["page_bytes"]) for r in res["sweep"]})
+            for direction, page in keys:
+                cells = [
+                    f"bt{r['block_threads']} {r['ratio']:.3f}"
+                    for r in res["sweep"]
+                    if (r["direction"], r["page_bytes"]) == (direction, page)
+                ]
+                print(f"  {direction} {page // KiB:>5} KiB: " + "  ".join(cells))
     print("\ntargets (largest batch of each page size)")
     for t in report["targets"]:
         mark = "ok  " if t["met"] else "MISS"
@@ -607,6 +676,7 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     bad = [d for d in args.directions if d not in DIRECTIONS]
     if bad:
         raise SystemExit(f"unknown direction(s) {bad}; known: {', '.join(DIRECTIONS)}")
+    args.sweep_threads = [int(x) for x in args.sweep_threads.split(",") if x]
     args.options = json.loads(args.options)
     if not isinstance(args.options, dict):
         raise SystemExit(f"--options must be a JSON object, not {args.options!r}")

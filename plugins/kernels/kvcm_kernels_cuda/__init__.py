@@ -380,12 +380,14 @@ class CudaDriverBackend(CudaKernelBackend):
         shared_bytes: int,
     ) -> None:
         if all(type(a) is np.uint64 for a in args):
-            values = np.array(args, dtype=np.uint64)
-            pointers = np.arange(len(args), dtype=np.uint64) * 8 + values.ctypes.data
+            # 64-bit arguments (all of kvcm's own kernels): a per-thread value array and a
+            # constant array of pointers into it, so a launch allocates nothing.
+            values, pointers = self._arg_arrays(len(args))
+            values[:] = args
+            keep: Any = None
         else:
-            holders = [np.array(a) for a in args]
-            values = holders  # type: ignore[assignment]
-            pointers = np.array([h.ctypes.data for h in holders], dtype=np.uint64)
+            keep = [np.array(a) for a in args]
+            pointers = np.array([h.ctypes.data for h in keep], dtype=np.uint64)
         _ok(
             self._drv.cuLaunchKernel(
                 function,
@@ -393,12 +395,23 @@ class CudaDriverBackend(CudaKernelBackend):
                 *block,
                 shared_bytes,
                 stream_native,
-                pointers.ctypes.data if len(args) else 0,
+                int(pointers.ctypes.data) if len(args) else 0,
                 0,
             ),
             "cuLaunchKernel",
         )
-        del values  # the driver copied the arguments at launch
+        del keep  # the driver copied the arguments at launch
+
+    def _arg_arrays(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        cache = getattr(self._tls, "args", None)
+        if cache is None:
+            cache = self._tls.args = {}
+        pair = cache.get(count)
+        if pair is None:
+            values = np.zeros(max(count, 1), dtype=np.uint64)
+            pointers = np.arange(max(count, 1), dtype=np.uint64) * 8 + values.ctypes.data
+            pair = cache[count] = (values, pointers)
+        return pair
 
     def device_info(self) -> dict[str, Any]:
         self._enter()

@@ -53,10 +53,10 @@ AUTO_CE_MIN_PAGE_BYTES: dict[tuple[str, str], int | None] = {
     (MemoryKind.HOST, MemoryKind.HOST): None,
 }
 
-_DEFAULTS: dict[str, Any] = {"device": 0, "copy_path": "auto", "block_threads": 256}
+_DEFAULTS: dict[str, Any] = {"device": 0, "copy_path": "auto", "block_threads": 512}
 _MASK64 = (1 << 64) - 1
 _ALIGN = 256
-_RING_SLOTS = 16
+_RING_SLOTS = 8
 _MAX_GRID_Y = 65535
 _MAX_GRID_X = (1 << 31) - 1
 
@@ -278,65 +278,86 @@ def _u64(values: Sequence[int]) -> list[np.generic]:
 
 
 class _Slot:
-    """Pinned input/output memory plus a device copy of the input; reused once ``done``."""
+    """One slot of the staging arena: pinned ``[input | output]`` (``view``; kernels reach
+    it at ``host_ptr``) and a device copy of the input at ``dev_ptr``."""
 
-    def __init__(self) -> None:
-        self.host: CudaBuffer | None = None  # [input | output], pinned and mapped
-        self.device: CudaBuffer | None = None  # device copy of the input
+    def __init__(self, done: CudaEvent) -> None:
+        self.view = np.empty(0, dtype=np.uint8)
+        self.host_ptr = 0
+        self.dev_ptr = 0
         self.in_cap = 0
         self.out_cap = 0
-        self.done: CudaEvent | None = None
+        self.done = done
         self.pending = False
 
 
 class _StagingRing:
-    """A ring of :class:`_Slot`: tables for a launch are written into pinned memory, copied
-    to the device on the launch's stream, and the slot is reused only after an event says
-    the launch finished. No allocation and no host synchronisation in the steady state."""
+    """Slots carved from one pinned arena and one device arena: tables for a launch are
+    written into pinned memory, copied to the device on the launch's stream, and a slot is
+    reused only after its event says that launch finished. No allocation and no host
+    synchronisation in the steady state; a table larger than a slot regrows the whole arena
+    (geometrically, so rarely)."""
 
-    def __init__(self, backend: CudaKernelBackend, slots: int = _RING_SLOTS) -> None:
+    def __init__(
+        self,
+        backend: CudaKernelBackend,
+        slots: int = _RING_SLOTS,
+        in_cap: int = 256 << 10,
+        out_cap: int = 64 << 10,
+    ) -> None:
         self._backend = backend
-        self._slots = [_Slot() for _ in range(slots)]
+        self._slots = [_Slot(backend._new_event(timing=False)) for _ in range(slots)]
         self._next = 0
+        self._host: CudaBuffer | None = None
+        self._device: CudaBuffer | None = None
+        self._in_cap, self._out_cap = in_cap, out_cap
+
+    def _layout(self) -> None:
+        b = self._backend
+        self._drain()
+        for buf in (self._host, self._device):
+            if buf is not None:
+                buf.free()
+        k, stride = len(self._slots), self._in_cap + self._out_cap
+        self._host = b.alloc_host(k * stride)
+        self._device = b.alloc_device(k * self._in_cap)
+        view = self._host.host_view()
+        for i, slot in enumerate(self._slots):
+            slot.view = view[i * stride : (i + 1) * stride]
+            slot.host_ptr = self._host.ptr + i * stride
+            slot.dev_ptr = self._device.ptr + i * self._in_cap
+            slot.in_cap, slot.out_cap = self._in_cap, self._out_cap
+
+    def _drain(self) -> None:
+        for slot in self._slots:
+            if slot.pending:
+                slot.done.synchronize()
+                slot.pending = False
 
     def acquire(self, in_bytes: int, out_bytes: int) -> _Slot:
+        if self._host is None or in_bytes > self._in_cap or out_bytes > self._out_cap:
+            while in_bytes > self._in_cap:
+                self._in_cap *= 2
+            while out_bytes > self._out_cap:
+                self._out_cap *= 2
+            self._layout()
         slot = self._slots[self._next]
         self._next = (self._next + 1) % len(self._slots)
-        if slot.pending and slot.done is not None:
+        if slot.pending:
             slot.done.synchronize()
             slot.pending = False
-        if in_bytes > slot.in_cap or out_bytes > slot.out_cap:
-            self._grow(slot, in_bytes, out_bytes)
         return slot
 
-    def _grow(self, slot: _Slot, in_bytes: int, out_bytes: int) -> None:
-        b = self._backend
-        in_cap = max(slot.in_cap, 1 << max(16, (max(in_bytes, 1) - 1).bit_length()))
-        out_cap = max(slot.out_cap, 1 << max(12, (max(out_bytes, 1) - 1).bit_length()))
-        for old in (slot.host, slot.device):
-            if old is not None:
-                old.free()
-        slot.host = b.alloc_host(in_cap + out_cap)
-        slot.device = b.alloc_device(in_cap)
-        slot.in_cap, slot.out_cap = in_cap, out_cap
-        if slot.done is None:
-            slot.done = b._new_event(timing=False)
-
     def release(self, slot: _Slot, stream_native: Any) -> None:
-        assert slot.done is not None
         self._backend._event_record(slot.done.native, stream_native)
         slot.pending = True
 
     def close(self) -> None:
-        for slot in self._slots:
-            if slot.pending and slot.done is not None:
-                slot.done.synchronize()
-            for buf in (slot.host, slot.device):
-                if buf is not None:
-                    buf.free()
-            slot.host = slot.device = None
-            slot.in_cap = slot.out_cap = 0
-            slot.pending = False
+        self._drain()
+        for buf in (self._host, self._device):
+            if buf is not None:
+                buf.free()
+        self._host = self._device = None
 
 
 # -- the backend -----------------------------------------------------------------------------
@@ -629,8 +650,7 @@ class CudaKernelBackend(KernelBackend):
         max_chunks = 1
         with self._lock:
             slot = self._ring.acquire(in_bytes, 0)
-            assert slot.host is not None and slot.device is not None
-            view = slot.host.host_view()
+            view = slot.view
             desc = view[:table].view(np.int64).reshape(ntasks, COPY_DESC_WORDS)
             pairs_view = view[table:in_bytes].view(np.int32).reshape(npairs, 2)
             first = 0
@@ -649,8 +669,8 @@ class CudaKernelBackend(KernelBackend):
                 )
                 pairs_view[first : first + len(t.pairs)] = t.pairs
                 first += len(t.pairs)
-            dev = slot.device.ptr
-            self._memcpy_async(dev, slot.host.ptr, in_bytes, stream.native)
+            dev = slot.dev_ptr
+            self._memcpy_async(dev, slot.host_ptr, in_bytes, stream.native)
             grid = (min(max_chunks, _MAX_GRID_X), min(npairs, _MAX_GRID_Y), 1)
             self._launch(
                 module.function("kvcm_copy_pages"),
@@ -688,8 +708,7 @@ class CudaKernelBackend(KernelBackend):
         out_bytes = _align(4 * n * expansion) + _ALIGN
         with self._lock:
             slot = self._ring.acquire(0, in_bytes + out_bytes)
-            assert slot.host is not None
-            view = slot.host.host_view()
+            view = slot.view
             base = slot.in_cap  # output region of the slot holds input, output and flag
             view[base : base + 4 * n].view(np.int32)[:] = s.reshape(-1)
             flag_at = base + in_bytes
@@ -703,20 +722,19 @@ class CudaKernelBackend(KernelBackend):
                 (threads, 1, 1),
                 _u64(
                     [
-                        slot.host.ptr + base,
-                        slot.host.ptr + out_at,
+                        slot.host_ptr + base,
+                        slot.host_ptr + out_at,
                         n,
                         int(scale),
                         int(offset),
                         int(expansion),
-                        slot.host.ptr + flag_at,
+                        slot.host_ptr + flag_at,
                     ]
                 ),
                 st.native,
                 0,
             )
             self._ring.release(slot, st.native)
-            assert slot.done is not None
             slot.done.synchronize()
             slot.pending = False
             overflow = int(view[flag_at : flag_at + 4].view(np.int32)[0])
@@ -800,20 +818,19 @@ class CudaKernelBackend(KernelBackend):
         out_bytes = _align(4 * n) if check else 0
         with self._lock:
             slot = self._ring.acquire(in_bytes, out_bytes)
-            assert slot.host is not None and slot.device is not None
-            view = slot.host.host_view()
+            view = slot.view
             view[:table_bytes].view(np.int64)[:] = table.reshape(-1)
             tok_at = _align(table_bytes)
             view[tok_at : tok_at + tokens.nbytes].view(np.uint32)[:] = tokens.reshape(-1)
-            dev = slot.device.ptr
-            self._memcpy_async(dev, slot.host.ptr, in_bytes, st.native)
+            dev = slot.dev_ptr
+            self._memcpy_async(dev, slot.host_ptr, in_bytes, st.native)
             threads = self._threads
             grid = (max(1, min(-(-units // threads), 4096)), min(n, _MAX_GRID_Y), 1)
             if check:
                 bad_at = slot.in_cap
                 view[bad_at : bad_at + 4 * n].view(np.int32)[:] = 0
                 name = "kvcm_fingerprint_check"
-                args = [dev, n, dev + tok_at, slot.host.ptr + bad_at]
+                args = [dev, n, dev + tok_at, slot.host_ptr + bad_at]
             else:
                 name = "kvcm_fingerprint_write"
                 args = [dev, n, dev + tok_at]
@@ -821,7 +838,6 @@ class CudaKernelBackend(KernelBackend):
             self._ring.release(slot, st.native)
             if not check:
                 return None
-            assert slot.done is not None
             slot.done.synchronize()
             slot.pending = False
             return view[bad_at : bad_at + 4 * n].view(np.int32) == 0
