@@ -27,7 +27,13 @@ from kvcm_core.backend import (
     Stream,
     check_copy_args,
 )
-from kvcm_kernels_cuda_common.source import COPY_DESC_WORDS, FP_DESC_WORDS, KERNEL_NAMES, SOURCE
+from kvcm_kernels_cuda_common.source import (
+    COPY_CHUNK_BYTES_PER_THREAD,
+    COPY_DESC_WORDS,
+    FP_DESC_WORDS,
+    KERNEL_NAMES,
+    SOURCE,
+)
 
 __all__ = [
     "AUTO_CE_MIN_PAGE_BYTES",
@@ -43,9 +49,11 @@ __all__ = [
 COPY_PATHS = ("auto", "sm", "ce")
 
 #: ``copy_path="auto"``: smallest page size, per (source kind, destination kind), from which
-#: the copy engine is used instead of the SM gather kernel (``None``: never). Set from the
-#: kernel benchmark on an H200 (benchmarks/README.md): the gather kernel matched or beat the
-#: copy engine at every page size and batch measured, so ``auto`` always gathers.
+#: the copy engine is used instead of the SM gather kernel (``None``: never). This default
+#: (gather everywhere) is the ``cupy`` backend's: its copy-engine path is one
+#: ``cudaMemcpyAsync`` per page, which the gather kernel beat at every batch of more than one
+#: page on an H200 (benchmarks/README.md). A backend overrides it with
+#: :attr:`CudaKernelBackend.auto_ce_min_page_bytes`.
 AUTO_CE_MIN_PAGE_BYTES: dict[tuple[str, str], int | None] = {
     (MemoryKind.HOST, MemoryKind.DEVICE): None,
     (MemoryKind.DEVICE, MemoryKind.HOST): None,
@@ -370,6 +378,9 @@ class CudaKernelBackend(KernelBackend):
         options: see :func:`parse_options`.
     """
 
+    #: The ``copy_path="auto"`` policy (see :data:`AUTO_CE_MIN_PAGE_BYTES`).
+    auto_ce_min_page_bytes: dict[tuple[str, str], int | None] = AUTO_CE_MIN_PAGE_BYTES
+
     #: Options of a subclass beyond the shared ones, with their defaults.
     extra_options: dict[str, Any] = {}
 
@@ -606,7 +617,7 @@ class CudaKernelBackend(KernelBackend):
         """``"sm"`` (gather kernel) or ``"ce"`` (copy engine) for one copy's shape."""
         if self.copy_path != "auto":
             return self.copy_path
-        threshold = AUTO_CE_MIN_PAGE_BYTES.get((src_kind, dst_kind))
+        threshold = self.auto_ce_min_page_bytes.get((src_kind, dst_kind))
         return "ce" if threshold is not None and page_bytes >= threshold else "sm"
 
     def copy_pages(
@@ -642,7 +653,7 @@ class CudaKernelBackend(KernelBackend):
                 self._memcpy_batch(dsts, srcs, sizes, stream.native)
             return
         module = self._kernels()
-        chunk = self._threads * 64  # 16-byte vectors, 4 in flight per thread
+        chunk = self._threads * COPY_CHUNK_BYTES_PER_THREAD
         ntasks = len(tasks)
         npairs = sum(len(t.pairs) for t in tasks)
         table = COPY_DESC_WORDS * 8 * ntasks

@@ -8,14 +8,21 @@ same stream: no host synchronisation per call.
 
 from __future__ import annotations
 
-__all__ = ["COPY_CHUNK_BYTES", "COPY_DESC_WORDS", "FP_DESC_WORDS", "KERNEL_NAMES", "SOURCE"]
+__all__ = [
+    "COPY_CHUNK_BYTES_PER_THREAD",
+    "COPY_DESC_WORDS",
+    "FP_DESC_WORDS",
+    "KERNEL_NAMES",
+    "SOURCE",
+]
 
 #: int64 words of one copy descriptor (``CopyDesc`` below).
 COPY_DESC_WORDS = 8
 #: int64 words of one fingerprint descriptor (``FpDesc`` below).
 FP_DESC_WORDS = 8
-#: Bytes of a page that one block copies per work item (256 threads x 16 B x 4 in flight).
-COPY_CHUNK_BYTES = 16 << 10
+#: Bytes of a page that one block copies per work item, per thread of the block (16-byte
+#: vectors, 4 in flight): 32 KiB with the default 512 threads.
+COPY_CHUNK_BYTES_PER_THREAD = 64
 
 KERNEL_NAMES = (
     "kvcm_copy_pages",
