@@ -507,8 +507,8 @@ def _plot(report: dict[str, Any], path: Path) -> bool:
         top, bottom = axes[0][col], axes[1][col]
         for res in report["backends"]:
             rows = [r for r in res.get("copy_pages", []) if r["direction"] == direction]
-            for path in res["paths"]:
-                mine = [r for r in rows if r["path"] == path]
+            for copy_path in res["paths"]:
+                mine = [r for r in rows if r["path"] == copy_path]
                 pages = sorted({r["page_bytes"] for r in mine})
                 best = []
                 for p in pages:
@@ -516,7 +516,10 @@ def _plot(report: dict[str, Any], path: Path) -> bool:
                     best.append(max(at, key=lambda r: r["batch"])["ratio"])
                 if pages:
                     top.plot(
-                        [p / KiB for p in pages], best, marker="o", label=f"{res['backend']} {path}"
+                        [p / KiB for p in pages],
+                        best,
+                        marker="o",
+                        label=f"{res['backend']} {copy_path}",
                     )
                 mid = sorted({r["page_bytes"] for r in mine})
                 if mid:
@@ -528,7 +531,7 @@ def _plot(report: dict[str, Any], path: Path) -> bool:
                         [r["batch"] for r in at],
                         [r["ratio"] for r in at],
                         marker="o",
-                        label=f"{res['backend']} {path} ({p64 // KiB} KiB)",
+                        label=f"{res['backend']} {copy_path} ({p64 // KiB} KiB)",
                     )
             naive = sorted(
                 (r for r in res.get("naive", []) if r["direction"] == direction),
