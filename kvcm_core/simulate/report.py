@@ -1,0 +1,234 @@
+"""The report of ``kvcm simulate``: one JSON document, a rich table and PNG plots.
+
+matplotlib is imported only to draw, and only if installed (``pip install kvcm[plot]``);
+without it the plots are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvcm_core.simulate.runner import RunResult, kind_rates, percentiles
+
+__all__ = ["build_report", "print_report", "write_json", "write_plots"]
+
+
+def _run_dict(res: RunResult) -> dict[str, Any]:
+    reused = res.reused_blocks_by_level
+    total_reused = sum(reused)
+    if total_reused:
+        by_level: list[float | None] = [res.hit_rate * n / total_reused for n in reused]
+    elif len(res.levels) == 1:
+        by_level = [res.hit_rate]
+    else:  # the manager did not say where reused blocks came from
+        by_level = [None] * len(res.levels)
+    calls = {k: {"calls": v[0], "total_s": v[1] / 1e9,
+                 "mean_us": v[1] / v[0] / 1e3 if v[0] else 0.0}
+             for k, v in sorted(res.manager_ns.items())}
+    manager_ns = sum(v[1] for v in res.manager_ns.values())
+    return {
+        "label": res.label,
+        "levels": res.levels,
+        "steps": res.steps,
+        "wall_s": res.wall_s,
+        "requests_finished": res.finished,
+        "hit_rate": {
+            "overall": res.hit_rate,
+            "by_level": by_level,
+            "by_kind": kind_rates(res),
+            "lookup_tokens": res.lookup_tokens,
+            "hit_tokens": res.hit_tokens,
+        },
+        "recompute_lookups": {
+            "lookups": res.relookups,
+            "lookup_tokens": res.relookup_tokens,
+            "hit_tokens": res.relookup_hit_tokens,
+        },
+        "reused_blocks_by_level": reused,
+        "bytes_moved": {
+            "onboard_bytes": res.onboard_bytes, "onboard_blocks": res.onboard_blocks,
+            "offload_bytes": res.offload_bytes, "offload_blocks": res.offload_blocks,
+            "intra_device_copies": res.intra_device_copies,
+        },
+        "evictions": {"dropped_blocks": res.dropped_blocks,
+                      "dropped_before_reuse": res.dropped_before_reuse},
+        "preemptions": res.preemptions,
+        "timing": {
+            "manager_s": manager_ns / 1e9,
+            "manager_us_per_step": percentiles(res.manager_ns_per_step, 1e-3),
+            "manager_us_per_request": percentiles(
+                list(res.manager_ns_per_request.values()), 1e-3),
+            "manager_calls": calls,
+            "fingerprint_s": res.fingerprint_ns / 1e9,
+        },
+        "verification": {
+            "steps_checked": res.steps_checked,
+            "pages_checked": res.pages_checked,
+            "pages_written": res.pages_written,
+            "invariant_checks": res.invariant_checks,
+        },
+        "series": res.series,
+    }
+
+
+def build_report(*, meta: dict[str, Any], workload: dict[str, Any],
+                 main: RunResult | None, gpu_only: RunResult | None,
+                 bound: dict[str, Any] | None, error: str | None) -> dict[str, Any]:
+    """The whole report as plain data (what is written as JSON)."""
+    out: dict[str, Any] = {"meta": meta, "workload": workload,
+                           "verification": {"ok": error is None, "error": error}}
+    run = _run_dict(main) if main is not None else None
+    out["run"] = run
+    out["gpu_only"] = _run_dict(gpu_only) if gpu_only is not None else None
+    out["infinite_bound"] = bound
+    summary: dict[str, Any] = {}
+    if main is not None:
+        summary["hit_rate"] = main.hit_rate
+    if bound is not None:
+        summary["infinite_bound"] = bound["hit_rate"]
+        if main is not None and bound["hit_rate"]:
+            summary["fraction_of_bound"] = main.hit_rate / bound["hit_rate"]
+    if gpu_only is not None:
+        summary["gpu_only_hit_rate"] = gpu_only.hit_rate
+        if bound is not None and bound["hit_rate"]:
+            summary["gpu_only_fraction_of_bound"] = gpu_only.hit_rate / bound["hit_rate"]
+    out["summary"] = summary
+    return out
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)  # pragma: no cover
+
+
+def print_report(report: dict[str, Any], console: Console) -> None:
+    """The report as a table: one column for the run, one for the GPU-only comparison."""
+    run, gpu, bound = report["run"], report["gpu_only"], report["infinite_bound"]
+    wl = report["workload"]
+    title = (f"kvcm simulate: {wl['requests']} requests "
+             f"({', '.join(f'{n} {k}' for k, n in wl['by_kind'].items())}); "
+             f"working set {_bytes(wl['working_set_bytes'])}")
+    table = Table(title=title, show_lines=False)
+    table.add_column("")
+    cols = [r for r in (run, gpu) if r is not None]
+    for r in cols:
+        table.add_column(r["label"], justify="right")
+    if bound is not None:
+        table.add_column("infinite cache", justify="right")
+
+    def row(name: str, values: list[str], bound_value: str = "") -> None:
+        table.add_row(name, *values, *([bound_value] if bound is not None else []))
+
+    for lv in range(max(len(r["levels"]) for r in cols) if cols else 0):
+        row(f"level {lv} quota", [
+            f"{r['levels'][lv]['tier']} {_bytes(r['levels'][lv]['quota'])}"
+            if lv < len(r["levels"]) else "" for r in cols])
+    row("hit rate", [_pct(r["hit_rate"]["overall"]) for r in cols],
+        _pct(bound["hit_rate"]) if bound else "")
+    if bound and bound["hit_rate"]:
+        row("  / infinite-cache bound",
+            [_pct(r["hit_rate"]["overall"] / bound["hit_rate"]) for r in cols], "100%")
+    nlev = max(len(r["levels"]) for r in cols) if cols else 0
+    for lv in range(nlev):
+        row(f"  from level {lv}", [
+            _pct(r["hit_rate"]["by_level"][lv]) if lv < len(r["levels"]) else "" for r in cols])
+    for kind in wl["by_kind"]:
+        row(f"  {kind}", [_pct(r["hit_rate"]["by_kind"][kind]) for r in cols],
+            _pct(bound["by_kind"][kind]) if bound else "")
+    row("onboard / offload", [
+        f"{_bytes(r['bytes_moved']['onboard_bytes'])} / "
+        f"{_bytes(r['bytes_moved']['offload_bytes'])}" for r in cols])
+    row("evicted (never reused)", [
+        f"{r['evictions']['dropped_blocks']} ({r['evictions']['dropped_before_reuse']})"
+        for r in cols])
+    row("preemptions", [str(r["preemptions"]) for r in cols])
+    row("steps", [str(r["steps"]) for r in cols])
+    row("manager µs/step mean, p99", [
+        f"{r['timing']['manager_us_per_step']['mean']:.0f}, "
+        f"{r['timing']['manager_us_per_step']['p99']:.0f}" for r in cols])
+    row("manager µs/req mean, p99", [
+        f"{r['timing']['manager_us_per_request']['mean']:.0f}, "
+        f"{r['timing']['manager_us_per_request']['p99']:.0f}" for r in cols])
+    row("manager / fingerprint s", [
+        f"{r['timing']['manager_s']:.2f} / {r['timing']['fingerprint_s']:.2f}" for r in cols])
+    row("pages checked", [f"{r['verification']['pages_checked']:,}" for r in cols])
+    row("wall time", [f"{r['wall_s']:.1f} s" for r in cols],
+        f"{bound['wall_s']:.1f} s" if bound else "")
+    console.print(table)
+    for note in report["meta"].get("notes", []):
+        console.print(f"[yellow]note:[/] {note}")
+    ver = report["verification"]
+    if ver["ok"]:
+        steps = sum(r["verification"]["steps_checked"] for r in cols)
+        console.print(f"[green]verified:[/] every page checked at every step ({steps} steps)")
+    else:
+        console.print(f"[red]VERIFICATION FAILED:[/] {ver['error']}")
+
+
+def write_plots(report: dict[str, Any], out: Path) -> list[Path] | str:
+    """``hit_rate.png`` and ``occupancy.png``; returns their paths, or a note why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'kvcm[plot]'): plots skipped"
+    runs = [r for r in (report["run"], report["gpu_only"]) if r is not None]
+    bound = report["infinite_bound"]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in runs:
+        s = r["series"]
+        pts = [(x, y) for x, y in zip(s["step"], s["hit_rate"], strict=True) if y is not None]
+        line = ax.plot([p[0] for p in pts], [p[1] for p in pts], alpha=0.35, lw=1)[0]
+        ax.plot(s["step"], s["cumulative_hit_rate"], color=line.get_color(), lw=2,
+                label=f"{r['label']} (cumulative {r['hit_rate']['overall']:.3f})")
+    if bound is not None:
+        ax.axhline(bound["hit_rate"], color="k", ls="--",
+                   label=f"infinite-cache bound {bound['hit_rate']:.3f}")
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("prefix hit rate (reused / looked-up tokens)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Prefix hit rate over time (thin: per interval)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "hit_rate.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in runs:
+        s = r["series"]
+        for lv, occ in enumerate(s["occupancy"]):
+            tier = r["levels"][lv]["tier"]
+            ax.plot(s["step"], occ, lw=1.5, label=f"{r['label']}: L{lv} {tier} used")
+            ax.plot(s["step"], s["evictable"][lv], lw=1, ls=":",
+                    label=f"{r['label']}: L{lv} {tier} evictable")
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("fraction of the level's slots")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Level occupancy over time")
+    ax.legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "occupancy.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths

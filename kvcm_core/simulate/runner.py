@@ -1,0 +1,435 @@
+"""Replaying a trace through the manager: the measured run, the infinite-cache bound and
+the working set.
+
+The measured run drives :class:`~kvcm_core.testing.engine.EngineLoop` (the scheduler the
+tests use) step by step: requests are submitted when they arrive (a session's next request
+``delay`` steps after its predecessor finished), the fingerprint engine checks every page
+every step, and the manager's counters are read after every step.
+
+Manager time is measured by wrapping, on the instances, the manager's ``create_kv_cache``
+and each cache's ``resume``, ``resize``, ``commit``, ``suspend``, ``close`` and
+``get_base_page_indices`` (the page tables the engine reads); the fingerprint engine's
+``check`` and ``write`` are timed apart, less the page-table reads they make.
+
+The infinite-cache bound replays the requests, in the order the measured run created their
+caches, through a second manager whose only level holds the whole working set (nothing is
+ever evicted; the run checks that): each request looks up the same tokens (its prompt less
+the last token) and then commits its whole sequence at once. So the bound uses the
+manager's own matching rules (block granularity, partial reuse, sliding-window and sink
+constraints), and since every request created earlier is fully committed when a request
+looks up, it is an upper bound of what any cache size can reuse on that run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kvcm_core.cache import CacheStatus
+from kvcm_core.config import AttentionLayerConfig, KVCacheManagerConfig, LevelConfig
+from kvcm_core.manager import KVCacheManager
+from kvcm_core.simulate.workload import KINDS, TraceRequest
+from kvcm_core.testing.engine import EngineLoop, Request, StepReport
+
+__all__ = ["RunResult", "SchedulerConfig", "infinite_bound", "run_trace", "working_set"]
+
+_ns = time.perf_counter_ns
+_TIMED_CACHE_CALLS = ("resume", "resize", "commit", "suspend", "close")
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerConfig:
+    """Scheduler knobs (the ``[simulate]`` table, besides ``workload``).
+
+    Attributes:
+        chunk_tokens: prefill chunk size.
+        max_batch: most requests running at once.
+        token_budget: most tokens processed per step.
+        invariants_every: run the manager's invariant check every this many steps (0: only
+            at the end).
+        samples: about how many points the time series keep.
+    """
+
+    chunk_tokens: int = 256
+    max_batch: int = 16
+    token_budget: int = 1024
+    invariants_every: int = 100
+    samples: int = 200
+
+
+@attrs.define
+class RunResult:
+    """What one replay measured. Token counts are prompt tokens looked up and reused."""
+
+    label: str
+    levels: list[dict[str, Any]]
+    steps: int = 0
+    wall_s: float = 0.0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    reused_blocks_by_level: list[int] = attrs.Factory(list)
+    onboard_blocks: int = 0
+    onboard_bytes: int = 0
+    offload_blocks: int = 0
+    offload_bytes: int = 0
+    intra_device_copies: int = 0
+    dropped_blocks: int = 0
+    dropped_before_reuse: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    creation_order: list[str] = attrs.Factory(list)
+    first_lookup: set[str] = attrs.Factory(set)
+    relookups: int = 0
+    relookup_tokens: int = 0
+    relookup_hit_tokens: int = 0
+    all_lookup_tokens: int = 0
+    all_hit_tokens: int = 0
+    by_kind: dict[str, list[int]] = attrs.Factory(dict)  # kind -> [lookup, hit]
+    manager_ns: dict[str, list[int]] = attrs.Factory(dict)  # call -> [calls, ns]
+    manager_ns_per_step: list[int] = attrs.Factory(list)
+    manager_ns_per_request: dict[str, int] = attrs.Factory(dict)
+    fingerprint_ns: int = 0
+    pages_checked: int = 0
+    pages_written: int = 0
+    steps_checked: int = 0
+    invariant_checks: int = 0
+    series: dict[str, Any] = attrs.Factory(dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+
+
+def bytes_per_block(config: KVCacheManagerConfig) -> int:
+    """Bytes one block of tokens takes over every buffer of every layer."""
+    return sum(b.size for layer in config.layers for b in layer.buffers
+               if isinstance(layer, AttentionLayerConfig))
+
+
+def working_set(trace: list[TraceRequest], config: KVCacheManagerConfig) -> dict[str, int]:
+    """Distinct blocks (full, plus each sequence's trailing partial block) over the whole
+    trace, per reuse scope: what an unbounded cache would end up holding, and its bytes."""
+    tpb = config.tokens_per_block
+    seen: set[bytes] = set()
+    for r in trace:
+        key = hashlib.blake2b(r.scope.encode(), digest_size=16).digest()
+        data = r.tokens.astype("<i4").tobytes()
+        step = 4 * tpb
+        for off in range(0, len(data), step):
+            key = hashlib.blake2b(key + data[off:off + step], digest_size=16).digest()
+            seen.add(key)
+    blocks = len(seen)
+    largest = max((-(-len(r.tokens) // tpb) for r in trace), default=0)
+    return {"blocks": blocks, "bytes": blocks * bytes_per_block(config),
+            "largest_request_blocks": largest, "bytes_per_block": bytes_per_block(config)}
+
+
+class _Timers:
+    """Accumulates manager time per call kind, per step and per request."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        self.step_ns = 0
+        self.table_ns = 0  # page-table reads (made from inside the fingerprint engine)
+        self.per_request: dict[str, int] = defaultdict(int)
+
+    def wrap(self, name: str, fn: Callable[..., Any], owner: str | None) -> Callable[..., Any]:
+        slot = self.calls[name]
+        per_request = self.per_request
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = _ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = _ns() - t0
+                slot[0] += 1
+                slot[1] += dt
+                self.step_ns += dt
+                if name == "page_tables":
+                    self.table_ns += dt
+                if owner is not None:
+                    per_request[owner] += dt
+
+        return timed
+
+
+def _instrument(manager: KVCacheManager, loop: EngineLoop, timers: _Timers,
+                res: RunResult, kinds: dict[str, str]) -> None:
+    """Time manager calls by wrapping them on the instances (EngineLoop is unchanged)."""
+    create = manager.create_kv_cache
+
+    def create_kv_cache(scope: Any = None, input_tokens: Any = (), id: Any = None,
+                        priority_callback: Any = None) -> Any:
+        if isinstance(input_tokens, np.ndarray):
+            # PrefixTree.best_partial tests a token slice's truth value: give it a list.
+            input_tokens = input_tokens.tolist()
+        t0 = _ns()
+        cache = create(scope, input_tokens, id=id, priority_callback=priority_callback)
+        dt = _ns() - t0
+        slot = timers.calls["create_kv_cache"]
+        slot[0] += 1
+        slot[1] += dt
+        timers.step_ns += dt
+        rid = str(id)
+        timers.per_request[rid] += dt
+        n, hit = len(input_tokens), cache.history_length
+        if rid in res.first_lookup:
+            # A request preempted by recompute looks up again: counted apart.
+            res.relookups += 1
+            res.relookup_tokens += n
+            res.relookup_hit_tokens += hit
+        else:
+            res.first_lookup.add(rid)
+            res.creation_order.append(rid)
+            res.lookup_tokens += n
+            res.hit_tokens += hit
+            kind = res.by_kind[kinds[rid]]
+            kind[0] += n
+            kind[1] += hit
+        for name in _TIMED_CACHE_CALLS:
+            setattr(cache, name, timers.wrap(name, getattr(cache, name), str(id)))
+        cache.get_base_page_indices = timers.wrap("page_tables", cache.get_base_page_indices,
+                                                  str(id))
+        return cache
+
+    manager.create_kv_cache = create_kv_cache  # type: ignore[method-assign]
+    engine = loop.engine
+    fp = [0]
+
+    def timed(fn: Callable[[Any], None]) -> Callable[[Any], None]:
+        def run(work: Any) -> None:
+            t0, tables0 = _ns(), timers.table_ns
+            try:
+                fn(work)
+            finally:
+                fp[0] += _ns() - t0 - (timers.table_ns - tables0)
+
+        return run
+
+    for name in ("check", "write", "recompute"):
+        if hasattr(engine, name):
+            setattr(engine, name, timed(getattr(engine, name)))
+    loop._kvcm_sim_fp_ns = fp  # type: ignore[attr-defined]
+
+
+
+class _SimLoop(EngineLoop):
+    """EngineLoop whose preemption spares requests already given their chunk this step.
+
+    Such a request has been resized past its history and not committed yet; giving its
+    chunk back wastes the step's work, and in recompute mode EngineLoop then reads the
+    closed victim's cache (None). If no other request can be preempted, the requester
+    preempts itself, as EngineLoop does.
+    """
+
+    def _preempt(self, exclude: Request) -> Request | None:
+        for req in reversed(self.running):
+            cache = req.cache
+            if (req is not exclude and cache.status is CacheStatus.ACTIVE
+                    and cache.capacity == cache.history_length):
+                self._preempt_one(req)
+                return req
+        return None
+
+
+StepHook = Callable[[KVCacheManager, EngineLoop, int], None]
+Progress = Callable[[RunResult, StepReport | None], None]
+
+
+def run_trace(
+    config: KVCacheManagerConfig,
+    trace: list[TraceRequest],
+    sched: SchedulerConfig,
+    *,
+    label: str = "run",
+    check: bool = True,
+    on_step: StepHook | None = None,
+    progress: Progress | None = None,
+) -> RunResult:
+    """Replay ``trace`` through a new manager built from ``config``.
+
+    Args:
+        config: the manager configuration (its level list is used as is).
+        trace: the requests.
+        sched: scheduler knobs.
+        label: names the run in the report.
+        check: run the fingerprint check every step (writes always happen).
+        on_step: called after every step with ``(manager, loop, step)`` (fault injection).
+        progress: called after every step with the partial result and the step's report.
+
+    Raises:
+        FingerprintMismatch: a page did not hold what a request's history says.
+        AssertionError: a manager invariant broke.
+        RuntimeError: the scheduler made no progress.
+    """
+    manager = KVCacheManager(config)
+    levels = [{"tier": lv.tier, "quota": lv.quota} for lv in config.levels]
+    res = RunResult(label=label, levels=levels,
+                    reused_blocks_by_level=[0] * len(config.levels))
+    res.by_kind = {k: [0, 0] for k in KINDS}
+    loop = _SimLoop(manager, chunk_tokens=sched.chunk_tokens, max_batch=sched.max_batch,
+                      token_budget=sched.token_budget, check=check)
+    timers = _Timers()
+    _instrument(manager, loop, timers, res, {r.id: r.kind for r in trace})
+    children: dict[str, list[int]] = defaultdict(list)
+    ready: list[tuple[int, int]] = []  # (step, trace index)
+    for i, r in enumerate(trace):
+        if r.after is None:
+            ready.append((r.arrival or 0, i))
+        else:
+            children[r.after].append(i)
+    heapq.heapify(ready)
+    nlevels = len(config.levels)
+    every = max(1, sched.invariants_every) if sched.invariants_every else 0
+    series: dict[str, Any] = {"step": [], "hit_rate": [], "cumulative_hit_rate": [],
+                              "running": [], "manager_us": [],
+                              "occupancy": [[] for _ in range(nlevels)],
+                              "evictable": [[] for _ in range(nlevels)]}
+    window = [0, 0, 0]  # lookup tokens, hit tokens, manager ns since the last sample
+    sample_every = max(1, int(trace_span_estimate(trace, sched) / max(1, sched.samples)))
+    step = 0
+    t_start = time.perf_counter()
+    try:
+        while True:
+            while ready and ready[0][0] <= step:
+                _, i = heapq.heappop(ready)
+                r = trace[i]
+                loop.submit(Request(r.id, r.tokens, r.prompt_len, scope=r.scope))  # type: ignore[arg-type]
+            if loop.idle:
+                if not ready:
+                    break
+                step = ready[0][0]
+                continue
+            timers.step_ns = 0
+            look0, hit0 = res.lookup_tokens, res.hit_tokens
+            report = loop.step()
+            if check and report.stepped:
+                res.steps_checked += 1
+            res.preemptions += len(report.preempted)
+            for req in report.finished:
+                res.finished += 1
+                for j in children.get(req.id, ()):
+                    heapq.heappush(ready, (step + 1 + trace[j].delay, j))
+            st = manager.get_and_reset_iteration_stats()
+            res.all_lookup_tokens += st.lookup_tokens
+            res.all_hit_tokens += st.hit_tokens
+            for lv, n in enumerate(st.reused_blocks_by_level):
+                res.reused_blocks_by_level[lv] += n
+            for g in st.groups:
+                res.onboard_blocks += g.onboard_blocks
+                res.onboard_bytes += g.onboard_bytes
+                res.offload_blocks += g.offload_blocks
+                res.offload_bytes += g.offload_bytes
+                res.intra_device_copies += g.intra_device_copies
+                res.dropped_blocks += g.dropped_blocks
+                res.dropped_before_reuse += g.dropped_before_reuse
+            res.manager_ns_per_step.append(timers.step_ns)
+            window[0] += res.lookup_tokens - look0
+            window[1] += res.hit_tokens - hit0
+            window[2] += timers.step_ns
+            if not (report.stepped or report.resumed or report.finished):
+                stuck = [r.id for r in (*loop.running, *loop.suspended, *loop.waiting)]
+                raise RuntimeError(f"step {step}: the scheduler made no progress; stuck: "
+                                   f"{stuck[:10]}")
+            if on_step is not None:
+                on_step(manager, loop, step)
+            if every and (res.steps + 1) % every == 0:
+                manager.check_invariants()
+                res.invariant_checks += 1
+            if res.steps % sample_every == 0:
+                series["step"].append(step)
+                series["hit_rate"].append(window[1] / window[0] if window[0] else None)
+                series["cumulative_hit_rate"].append(res.hit_rate)
+                series["running"].append(len(loop.running))
+                series["manager_us"].append(window[2] / 1e3)
+                for lv in range(nlevels):
+                    s = manager.get_storage_statistics(lv)
+                    series["occupancy"][lv].append(
+                        (s.total - s.free) / s.total if s.total else 0.0)
+                    series["evictable"][lv].append(s.evictable / s.total if s.total else 0.0)
+                window = [0, 0, 0]
+            res.steps += 1
+            step += 1
+            if progress is not None:
+                progress(res, report)
+        manager.check_invariants()
+        res.invariant_checks += 1
+    finally:
+        res.wall_s = time.perf_counter() - t_start
+        res.manager_ns = {k: list(v) for k, v in timers.calls.items()}
+        res.manager_ns_per_request = dict(timers.per_request)
+        res.fingerprint_ns = loop._kvcm_sim_fp_ns[0]  # type: ignore[attr-defined]
+        res.pages_checked = loop.engine.checked_pages
+        res.pages_written = loop.engine.written_pages
+        res.series = series
+        for req in (*loop.running, *loop.suspended, *loop.waiting):
+            if req.cache is not None:
+                req.cache.close()
+        manager.shutdown()
+    return res
+
+
+def trace_span_estimate(trace: list[TraceRequest], sched: SchedulerConfig) -> int:
+    """A rough number of steps the trace takes (to space the time-series samples)."""
+    tokens = sum(len(r.tokens) for r in trace)
+    decode = sum(r.output_len for r in trace)
+    last = max((r.arrival or 0 for r in trace), default=0)
+    return max(last, tokens // max(1, sched.token_budget) + decode // max(1, sched.max_batch))
+
+
+def infinite_bound(config: KVCacheManagerConfig, trace: list[TraceRequest],
+                   order: list[str], ws_bytes: int) -> dict[str, Any]:
+    """The hit rate an unbounded cache gets on ``trace`` replayed in ``order`` (see the
+    module docstring). Requests not in ``order`` (never created) follow in trace order."""
+    quota = 2 * ws_bytes + 64 * bytes_per_block(config) * max(1, len(config.layers))
+    cfg = attrs.evolve(config, levels=[LevelConfig(tier=config.levels[0].tier, quota=quota)],
+                       max_util_for_resume=1.0)
+    m = KVCacheManager(cfg)
+    by_id = {r.id: r for r in trace}
+    seen = set(order)
+    ids = [i for i in order if i in by_id] + [r.id for r in trace if r.id not in seen]
+    by_kind = {k: [0, 0] for k in KINDS}
+    lookup = hit = 0
+    t0 = time.perf_counter()
+    try:
+        for rid in ids:
+            r = by_id[rid]
+            n = max(0, r.prompt_len - 1)
+            cache = m.create_kv_cache(r.scope, r.tokens[:n].tolist(), id=rid)
+            reused = cache.history_length
+            lookup += n
+            hit += reused
+            by_kind[r.kind][0] += n
+            by_kind[r.kind][1] += reused
+            if not cache.resume() or not cache.resize(len(r.tokens)):
+                raise RuntimeError("the infinite-cache replay ran out of pages (working set "
+                                   "underestimated)")
+            cache.commit(r.tokens[cache.history_length:])
+            cache.close()
+        stats = m.get_and_reset_iteration_stats()
+        dropped = sum(g.dropped_blocks for g in stats.groups)
+    finally:
+        m.shutdown()
+    return {"hit_rate": hit / lookup if lookup else 0.0, "lookup_tokens": lookup,
+            "hit_tokens": hit, "dropped_blocks": dropped, "wall_s": time.perf_counter() - t0,
+            "by_kind": {k: (v[1] / v[0] if v[0] else None) for k, v in by_kind.items()}}
+
+
+def kind_rates(res: RunResult) -> dict[str, float | None]:
+    return {k: (v[1] / v[0] if v[0] else None) for k, v in res.by_kind.items()}
+
+
+def percentiles(values: list[int], scale: float) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0.0}
+    arr = np.asarray(values, dtype=np.float64) * scale
+    return {"mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)),
+            "p99": float(np.percentile(arr, 99)), "max": float(arr.max())}

@@ -1,0 +1,261 @@
+"""The seeded workload of ``kvcm simulate``: a trace of requests whose reuse is realistic.
+
+Four kinds of request, mixed by weight:
+
+- ``chat``: a multi-turn session. Turn ``k``'s prompt is turn ``k - 1``'s whole token
+  sequence (its prompt and its answer) followed by a new user message, so every later turn
+  can reuse everything the session computed so far. Sessions open with one of the tenant's
+  shared system prompts.
+- ``system``: a single request that opens with a shared system prompt (an API product with
+  a fixed instruction block): only the system prompt is reusable.
+- ``agent``: an agent loop. Step ``k``'s prompt is step ``k - 1``'s whole sequence followed
+  by a tool's output, so prompts grow by hundreds of tokens a step.
+- ``oneoff``: a prompt with nothing in common with anything else.
+
+A request that continues a session waits for its predecessor to finish, then for a think
+time (a user typing, a tool running) in steps; other requests arrive on a Poisson process.
+Each tenant is its own reuse scope, so identical tokens of two tenants never match.
+Everything follows from the seed: the same settings and seed give the same trace.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kvcm_core.errors import ConfigError
+from kvcm_core.types import ReuseScope
+
+__all__ = ["KINDS", "TraceRequest", "WorkloadConfig", "generate_trace", "trace_summary"]
+
+KINDS = ("chat", "system", "agent", "oneoff")
+
+
+def _range(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    ok = (isinstance(value, tuple) and len(value) == 2
+          and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+          and 0 <= value[0] <= value[1])
+    if not ok:
+        raise ConfigError(f"simulate.{attr.name}", list(value) if isinstance(value, tuple)
+                          else value, "must be [low, high] with 0 <= low <= high")
+
+
+def _to_range(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value, value)
+    return value
+
+
+def _positive_int(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"simulate.{attr.name}", value, "must be an int >= 1")
+
+
+def _mix(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, Mapping) or not value:
+        raise ConfigError("simulate.mix", value, f"must be a table of weights for {KINDS}")
+    for k, w in value.items():
+        if k not in KINDS:
+            raise ConfigError(f"simulate.mix.{k}", w, f"unknown kind; known: {', '.join(KINDS)}")
+        if isinstance(w, bool) or not isinstance(w, int | float) or w < 0:
+            raise ConfigError(f"simulate.mix.{k}", w, "must be a weight >= 0")
+    if sum(value.values()) <= 0:
+        raise ConfigError("simulate.mix", dict(value), "needs at least one positive weight")
+
+
+@attrs.frozen(kw_only=True)
+class WorkloadConfig:
+    """Workload knobs (the ``[simulate.workload]`` table). Ranges are ``[low, high]``
+    inclusive, drawn uniformly; token counts are in tokens, times in engine steps.
+
+    Attributes:
+        requests: requests in the trace (sessions are cut short at this count).
+        mix: relative weight of each kind of session (``chat``, ``system``, ``agent``,
+            ``oneoff``).
+        tenants: reuse scopes; each has its own system prompts.
+        system_prompts: shared system prompts per tenant.
+        system_prompt_tokens: length of a system prompt.
+        chat_turns: turns in a chat session.
+        user_tokens: a user message.
+        answer_tokens: the output of a chat or system request.
+        think_steps: steps between a chat turn's end and the next turn's arrival.
+        agent_steps: steps in an agent loop.
+        task_tokens: an agent's task description (after the system prompt).
+        tool_tokens: a tool's output appended at each agent step.
+        action_tokens: the output of an agent step (the next tool call).
+        tool_steps: steps a tool runs between two agent steps.
+        oneoff_tokens: a one-off prompt.
+        arrival_rate: new sessions per step (Poisson).
+        vocab: token ids are drawn from ``[0, vocab)``.
+        duration: if set, sessions start only during the first ``duration`` steps (the
+            trace may then hold fewer than ``requests`` requests).
+    """
+
+    requests: int = attrs.field(default=300, validator=_positive_int)
+    mix: Mapping[str, float] = attrs.field(
+        factory=lambda: {"chat": 0.3, "system": 0.3, "agent": 0.15, "oneoff": 0.25},
+        converter=dict, validator=_mix)
+    tenants: int = attrs.field(default=2, validator=_positive_int)
+    system_prompts: int = attrs.field(default=3, validator=_positive_int)
+    system_prompt_tokens: tuple[int, int] = attrs.field(default=(200, 500), converter=_to_range,
+                                                        validator=_range)
+    chat_turns: tuple[int, int] = attrs.field(default=(2, 6), converter=_to_range,
+                                              validator=_range)
+    user_tokens: tuple[int, int] = attrs.field(default=(20, 120), converter=_to_range,
+                                               validator=_range)
+    answer_tokens: tuple[int, int] = attrs.field(default=(10, 60), converter=_to_range,
+                                                 validator=_range)
+    think_steps: tuple[int, int] = attrs.field(default=(5, 60), converter=_to_range,
+                                               validator=_range)
+    agent_steps: tuple[int, int] = attrs.field(default=(3, 8), converter=_to_range,
+                                               validator=_range)
+    task_tokens: tuple[int, int] = attrs.field(default=(50, 200), converter=_to_range,
+                                               validator=_range)
+    tool_tokens: tuple[int, int] = attrs.field(default=(80, 300), converter=_to_range,
+                                               validator=_range)
+    action_tokens: tuple[int, int] = attrs.field(default=(10, 40), converter=_to_range,
+                                                 validator=_range)
+    tool_steps: tuple[int, int] = attrs.field(default=(1, 10), converter=_to_range,
+                                              validator=_range)
+    oneoff_tokens: tuple[int, int] = attrs.field(default=(100, 600), converter=_to_range,
+                                                 validator=_range)
+    arrival_rate: float = attrs.field(default=0.5)
+    vocab: int = attrs.field(default=32000, validator=_positive_int)
+    duration: int | None = attrs.field(default=None)
+
+    def __attrs_post_init__(self) -> None:
+        rate = self.arrival_rate
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or rate <= 0:
+            raise ConfigError("simulate.arrival_rate", rate, "must be a number > 0")
+        if self.duration is not None and (isinstance(self.duration, bool) or not isinstance(
+                self.duration, int) or self.duration < 1):
+            raise ConfigError("simulate.duration", self.duration, "must be an int >= 1")
+        if self.chat_turns[0] < 1 or self.agent_steps[0] < 1:
+            raise ConfigError("simulate.chat_turns/agent_steps", None, "need at least 1")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WorkloadConfig:
+        """Build from a TOML table; unknown keys are refused, listing the known ones."""
+        names = {a.name for a in attrs.fields(cls)}
+        for key in data:
+            if key not in names:
+                raise ConfigError(f"simulate.workload.{key}", data[key],
+                                  f"unknown key; allowed: {', '.join(sorted(names))}")
+        return cls(**dict(data))
+
+
+@attrs.frozen(eq=False)
+class TraceRequest:
+    """One request of the trace.
+
+    Attributes:
+        id: ``"<kind><session>.<turn>"``.
+        kind: one of :data:`KINDS`.
+        session: the session number (unique across kinds).
+        turn: 0 for the first request of a session.
+        scope: the tenant's reuse scope.
+        tokens: prompt then output (int32).
+        prompt_len: prompt tokens.
+        arrival: the step it arrives at (first requests of sessions only, else ``None``).
+        after: the id of the request it continues (it arrives ``delay`` steps after that
+            one finishes), or ``None``.
+        delay: think or tool time in steps.
+    """
+
+    id: str
+    kind: str
+    session: int
+    turn: int
+    scope: ReuseScope
+    tokens: np.ndarray
+    prompt_len: int
+    arrival: int | None
+    after: str | None
+    delay: int
+
+    @property
+    def output_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+def generate_trace(cfg: WorkloadConfig, seed: int) -> list[TraceRequest]:
+    """The trace for ``cfg`` and ``seed``, in generation order (sessions by arrival).
+
+    Deterministic: a pure function of ``cfg`` and ``seed``.
+    """
+    rng = np.random.default_rng(seed)
+    kinds = [k for k in KINDS if cfg.mix.get(k, 0) > 0]
+    weights = np.array([float(cfg.mix[k]) for k in kinds])
+    weights /= weights.sum()
+
+    def draw(r: tuple[int, int]) -> int:
+        return int(rng.integers(r[0], r[1] + 1))
+
+    def toks(n: int) -> np.ndarray:
+        return rng.integers(0, cfg.vocab, n, dtype=np.int32)
+
+    scopes = [ReuseScope(salt=f"tenant{t}") for t in range(cfg.tenants)]
+    system = [[toks(draw(cfg.system_prompt_tokens)) for _ in range(cfg.system_prompts)]
+              for _ in scopes]
+    out: list[TraceRequest] = []
+    clock = 0.0
+    session = 0
+    while len(out) < cfg.requests:
+        clock += rng.exponential(1.0 / cfg.arrival_rate)
+        if cfg.duration is not None and clock >= cfg.duration:
+            break
+        kind = kinds[int(rng.choice(len(kinds), p=weights))]
+        tenant = int(rng.integers(len(scopes)))
+        scope = scopes[tenant]
+        prompt_of_tenant = system[tenant][int(rng.integers(cfg.system_prompts))]
+        arrival: int | None = int(clock)
+        after: str | None = None
+        if kind == "oneoff":
+            turns = [(toks(draw(cfg.oneoff_tokens)), draw(cfg.answer_tokens), 0)]
+        elif kind == "system":
+            turns = [(np.concatenate([prompt_of_tenant, toks(draw(cfg.user_tokens))]),
+                      draw(cfg.answer_tokens), 0)]
+        elif kind == "chat":
+            n = draw(cfg.chat_turns)
+            turns = [(np.concatenate([prompt_of_tenant, toks(draw(cfg.user_tokens))])
+                      if t == 0 else toks(draw(cfg.user_tokens)),
+                      draw(cfg.answer_tokens), draw(cfg.think_steps)) for t in range(n)]
+        else:  # agent
+            n = draw(cfg.agent_steps)
+            turns = [(np.concatenate([prompt_of_tenant, toks(draw(cfg.task_tokens))])
+                      if t == 0 else toks(draw(cfg.tool_tokens)),
+                      draw(cfg.action_tokens), draw(cfg.tool_steps)) for t in range(n)]
+        history = np.zeros(0, dtype=np.int32)
+        for t, (new, answer, think) in enumerate(turns):
+            if len(out) >= cfg.requests:
+                break
+            prompt = np.concatenate([history, new])
+            tokens = np.concatenate([prompt, toks(max(1, answer))])
+            rid = f"{kind}{session}.{t}"
+            out.append(TraceRequest(
+                id=rid, kind=kind, session=session, turn=t, scope=scope, tokens=tokens,
+                prompt_len=len(prompt), arrival=arrival if t == 0 else None,
+                after=after if t else None, delay=think if t else 0))
+            history = tokens
+            after = rid
+        session += 1
+    return out
+
+
+def trace_summary(trace: list[TraceRequest]) -> dict[str, Any]:
+    """Counts of a trace: requests and tokens, overall and by kind."""
+    by_kind = Counter(r.kind for r in trace)
+    return {
+        "requests": len(trace),
+        "sessions": len({r.session for r in trace}),
+        "by_kind": {k: by_kind.get(k, 0) for k in KINDS},
+        "prompt_tokens": int(sum(r.prompt_len for r in trace)),
+        "output_tokens": int(sum(r.output_len for r in trace)),
+        "last_arrival": max((r.arrival for r in trace if r.arrival is not None), default=0),
+    }
