@@ -1,0 +1,145 @@
+"""``kvcm simulate`` (quality.md §4): a short run verifies every step and reports; an
+injected corruption fails it; the workload is seeded and realistic."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcm_core.simulate import load_config, main
+from kvcm_core.simulate.workload import KINDS, WorkloadConfig, generate_trace
+
+SHORT = ["--requests", "24", "--quiet", "--seed", "3"]
+
+
+def _report(out: Path) -> dict:
+    return json.loads((out / "report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
+    out = tmp_path_factory.mktemp("sim")
+    return main([*SHORT, "--out", str(out)]), out
+
+
+def test_short_run_verifies_every_step_and_exits_zero(short_run: tuple[int, Path]) -> None:
+    code, out = short_run
+    assert code == 0
+    rep = _report(out)
+    assert rep["verification"] == {"ok": True, "error": None}
+    run = rep["run"]
+    assert run["requests_finished"] == rep["workload"]["requests"] == 24
+    assert run["verification"]["steps_checked"] > 0
+    assert run["verification"]["pages_checked"] > 0
+    assert run["verification"]["invariant_checks"] >= 1
+
+
+def test_report_json_has_the_documented_keys(short_run: tuple[int, Path]) -> None:
+    _, out = short_run
+    rep = _report(out)
+    assert {"meta", "workload", "verification", "run", "gpu_only", "infinite_bound",
+            "summary"} <= rep.keys()
+    run = rep["run"]
+    assert {"overall", "by_level", "by_kind"} <= run["hit_rate"].keys()
+    assert len(run["hit_rate"]["by_level"]) == len(run["levels"])
+    assert {"onboard_bytes", "offload_bytes"} <= run["bytes_moved"].keys()
+    assert {"dropped_blocks", "dropped_before_reuse"} <= run["evictions"].keys()
+    timing = run["timing"]
+    assert {"manager_s", "manager_us_per_step", "manager_us_per_request", "manager_calls",
+            "fingerprint_s"} <= timing.keys()
+    assert timing["manager_calls"]["create_kv_cache"]["calls"] >= 24
+    series = run["series"]
+    assert len(series["occupancy"]) == len(run["levels"])
+    assert len(series["step"]) == len(series["cumulative_hit_rate"]) > 0
+    assert {"hit_rate", "fraction_of_bound"} <= rep["summary"].keys()
+    if len(run["levels"]) > 1:
+        assert rep["gpu_only"]["levels"] == run["levels"][:1]
+
+
+def test_infinite_bound_is_at_least_every_measured_hit_rate(
+        short_run: tuple[int, Path]) -> None:
+    _, out = short_run
+    rep = _report(out)
+    bound = rep["infinite_bound"]
+    assert bound["dropped_blocks"] == 0
+    assert 0 < bound["hit_rate"] <= 1
+    for run in (rep["run"], rep["gpu_only"]):
+        if run is not None:
+            assert run["hit_rate"]["overall"] <= bound["hit_rate"] + 1e-12
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib not installed")
+def test_plots_are_written_as_png(short_run: tuple[int, Path]) -> None:
+    _, out = short_run
+    for name in ("hit_rate.png", "occupancy.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_corrupted_page_fails_verification_with_exit_one(tmp_path: Path) -> None:
+    code = main([*SHORT, "--requests", "12", "--no-compare", "--no-plots", "--corrupt-at",
+                 "4", "--out", str(tmp_path)])
+    assert code == 1
+    rep = _report(tmp_path)
+    assert rep["verification"]["ok"] is False
+    assert "FingerprintMismatch" in rep["verification"]["error"]
+
+
+def test_gpu_only_flag_runs_level_zero_alone(tmp_path: Path) -> None:
+    code = main([*SHORT, "--requests", "10", "--gpu-only", "--no-plots", "--out",
+                 str(tmp_path)])
+    assert code == 0
+    rep = _report(tmp_path)
+    assert len(rep["run"]["levels"]) == 1 and rep["gpu_only"] is None
+
+
+def test_bad_configuration_exits_two(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("[simulate]\nbogus = 1\n[kvcm]\n")
+    assert main(["--config", str(cfg), "--quiet", "--out", str(tmp_path)]) == 2
+
+
+def test_embedded_default_loads() -> None:
+    sim = load_config()
+    assert sim.level_fractions is not None
+    assert len(sim.level_fractions) == len(sim.kvcm["levels"])
+
+
+def test_workload_is_deterministic_for_a_seed() -> None:
+    cfg = WorkloadConfig(requests=80)
+    a, b = generate_trace(cfg, 7), generate_trace(cfg, 7)
+    assert [r.id for r in a] == [r.id for r in b]
+    assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b, strict=True))
+    c = generate_trace(cfg, 8)
+    assert [r.tokens.tolist() for r in a] != [r.tokens.tolist() for r in c]
+
+
+def test_workload_produces_every_kind() -> None:
+    trace = generate_trace(WorkloadConfig(requests=80), 0)
+    assert {r.kind for r in trace} == set(KINDS)
+    assert len(trace) == 80
+
+
+def test_later_turns_extend_the_whole_earlier_sequence() -> None:
+    trace = generate_trace(WorkloadConfig(requests=120), 1)
+    by_id = {r.id: r for r in trace}
+    continued = [r for r in trace if r.after is not None]
+    assert continued and {r.kind for r in continued} == {"chat", "agent"}
+    for r in continued:
+        prev = by_id[r.after]
+        assert r.prompt_len > len(prev.tokens)
+        assert np.array_equal(r.tokens[:len(prev.tokens)], prev.tokens)
+
+
+def test_shared_system_prompts_are_shared_within_a_tenant_only() -> None:
+    trace = generate_trace(WorkloadConfig(requests=120, tenants=2, system_prompts=1), 2)
+    heads: dict[object, set[bytes]] = {}
+    for r in trace:
+        if r.kind == "system":
+            heads.setdefault(r.scope, set()).add(r.tokens[:200].tobytes())
+    assert all(len(h) == 1 for h in heads.values())
+    assert len({next(iter(h)) for h in heads.values()}) == len(heads)
