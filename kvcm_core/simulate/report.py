@@ -219,13 +219,14 @@ def write_plots(report: dict[str, Any], out: Path) -> list[Path] | str:
         s = r["series"]
         for lv, occ in enumerate(s["occupancy"]):
             tier = r["levels"][lv]["tier"]
-            ax.plot(s["step"], occ, lw=1.5, label=f"{r['label']}: L{lv} {tier} used")
-            ax.plot(s["step"], s["evictable"][lv], lw=1, ls=":",
+            line = ax.plot(s["step"], occ, lw=1.5,
+                           label=f"{r['label']}: L{lv} {tier} used")[0]
+            ax.plot(s["step"], s["evictable"][lv], lw=1, ls=":", color=line.get_color(),
                     label=f"{r['label']}: L{lv} {tier} evictable")
     ax.set_xlabel("engine step")
     ax.set_ylabel("fraction of the level's slots")
     ax.set_ylim(0, 1.02)
-    ax.set_title("Level occupancy over time")
+    ax.set_title("Level occupancy over time (dotted: evictable part)")
     ax.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
     paths.append(out / "occupancy.png")
