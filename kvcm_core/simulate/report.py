@@ -125,7 +125,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
              f"({', '.join(f'{n} {k}' for k, n in wl['by_kind'].items())}); "
              f"working set {_bytes(wl['working_set_bytes'])}")
     table = Table(title=title, show_lines=False)
-    table.add_column("")
+    table.add_column("", no_wrap=True)
     cols = [r for r in (run, gpu) if r is not None]
     for r in cols:
         table.add_column(r["label"], justify="right")
@@ -142,7 +142,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     row("hit rate", [_pct(r["hit_rate"]["overall"]) for r in cols],
         _pct(bound["hit_rate"]) if bound else "")
     if bound and bound["hit_rate"]:
-        row("  / infinite-cache bound",
+        row("  / bound",
             [_pct(r["hit_rate"]["overall"] / bound["hit_rate"]) for r in cols], "100%")
     nlev = max(len(r["levels"]) for r in cols) if cols else 0
     for lv in range(nlev):
@@ -159,11 +159,11 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         for r in cols])
     row("preemptions", [str(r["preemptions"]) for r in cols])
     row("steps", [str(r["steps"]) for r in cols])
-    row("manager µs/step mean, p99", [
-        f"{r['timing']['manager_us_per_step']['mean']:.0f}, "
+    row("manager µs/step mean,p99", [
+        f"{r['timing']['manager_us_per_step']['mean']:.0f},"
         f"{r['timing']['manager_us_per_step']['p99']:.0f}" for r in cols])
-    row("manager µs/req mean, p99", [
-        f"{r['timing']['manager_us_per_request']['mean']:.0f}, "
+    row("manager µs/req mean,p99", [
+        f"{r['timing']['manager_us_per_request']['mean']:.0f},"
         f"{r['timing']['manager_us_per_request']['p99']:.0f}" for r in cols])
     row("manager / fingerprint s", [
         f"{r['timing']['manager_s']:.2f} / {r['timing']['fingerprint_s']:.2f}" for r in cols])
