@@ -538,13 +538,16 @@ def test_offload_onboard_stats_and_moved_events(tmp_path, cleanup):
 # -- a property test -------------------------------------------------------------------------
 
 _OPS = st.lists(
-    st.tuples(st.sampled_from(["new", "step", "suspend", "resume", "close", "mresize",
-                               "prefetch"]),
+    st.tuples(st.sampled_from(["new"] * 3 + ["step"] * 6 + ["suspend"] * 3
+                              + ["resume", "close", "mresize", "prefetch"]),
               st.integers(0, 7), st.integers(1, 12)),
-    min_size=5, max_size=40)
+    min_size=10, max_size=60)
+
+#: Totals over the examples of the last run (to check the workload really moves pages).
+PROP_TOTALS: dict[str, int] = {}
 
 
-@settings(max_examples=25, deadline=None,
+@settings(max_examples=30, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture,
                                  HealthCheck.too_slow])
 @given(ops=_OPS, layout=st.sampled_from(["full", "full", "hybrid"]))
@@ -617,6 +620,12 @@ def test_random_workloads_over_three_levels(tmp_path_factory, ops, layout):
                 d.check(c)
                 c.suspend()
         close_all(m)
+        stats = m.get_and_reset_iteration_stats()
+        for key, v in (("offload", sum(g.offload_blocks for g in stats.groups)),
+                       ("onboard", sum(g.onboard_blocks for g in stats.groups)),
+                       ("dropped", sum(g.dropped_blocks for g in stats.groups)),
+                       ("reused_cold", sum(stats.reused_blocks_by_level[1:]))):
+            PROP_TOTALS[key] = PROP_TOTALS.get(key, 0) + v
         assert_all_free(m)
     finally:
         if not m._closed:
