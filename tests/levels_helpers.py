@@ -263,7 +263,7 @@ class TierPlugin:
         self.spec = spec
 
     @hookimpl
-    def kvcm_tiers(self):  # noqa: ANN201 - pluggy hook
+    def kvcm_tiers(self):
         yield self.spec
 
 
@@ -280,7 +280,7 @@ class SinkPlugin:
         self.sink = sink
 
     @hookimpl
-    def kvcm_event_sinks(self, config):  # noqa: ANN001, ANN201 - pluggy hook
+    def kvcm_event_sinks(self, config):
         return [self.sink]
 
 

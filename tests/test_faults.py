@@ -22,6 +22,7 @@ from levels_helpers import (
     level_counts,
     make_manager,
     page_levels,
+    quota,
     snapshot,
     tokens,
 )
@@ -126,7 +127,7 @@ def test_failed_write_of_part_of_a_chain_keeps_only_the_prefix_that_arrived(faul
 def test_failed_host_to_disk_write_of_cold_droppable_blocks_never_serves_poison(faulty):
     """Every disk write fails: closed blocks pushed off the host are dropped, reuse only
     ever comes from levels that hold good data."""
-    m, plan, tier = faulty([("gpu", 4), ("host", 4), ("faulty-disk", 16)])
+    m, plan, _tier = faulty([("gpu", 4), ("host", 4), ("faulty-disk", 16)])
     d = Driver(m)
     plan.fail_all_writes = True
     reqs = [tokens(12, 200 + i) for i in range(6)]
@@ -137,8 +138,8 @@ def test_failed_host_to_disk_write_of_cold_droppable_blocks_never_serves_poison(
     assert m.get_and_reset_iteration_stats().io_failures > 0
     plan.fail_all_writes = False
     for t in reqs:
-        want = m.probe_reuse(None, t + [1])
-        c = d.create(t + [1, 2, 3], match_len=13)
+        want = m.probe_reuse(None, [*t, 1])
+        c = d.create([*t, 1, 2, 3], match_len=13)
         assert c.history_length == want
         d.run_to(c)
         c.close()
@@ -152,7 +153,7 @@ def test_failed_host_to_disk_write_of_cold_droppable_blocks_never_serves_poison(
     "after clear_reusable_blocks)"))
 def test_failed_write_of_held_pages_during_resume_returns_false_and_changes_nothing(
         faulty):
-    m, plan, tier = faulty([("gpu", 8), ("host", 8), ("faulty-disk", 24)])
+    m, plan, _tier = faulty([("gpu", 8), ("host", 8), ("faulty-disk", 24)])
     d = Driver(m)
     x = d.write(tokens(32, 1), chunk=32)
     y = d.write(tokens(32, 2), chunk=32)
@@ -175,7 +176,7 @@ def test_failed_write_of_held_pages_during_resume_returns_false_and_changes_noth
     "bug: KVCache.resize raises OutOfPagesError (not False, not TierIOError) when the "
     "eviction it needs must write held pages to the next level and that write fails"))
 def test_failed_write_of_held_pages_during_cache_resize_returns_false(faulty):
-    m, plan, tier = faulty([("gpu", 8), ("host", 8), ("faulty-disk", 16)])
+    m, plan, _tier = faulty([("gpu", 8), ("host", 8), ("faulty-disk", 16)])
     d = Driver(m)
     a = d.write(tokens(32, 1), chunk=32)
     b = d.write(tokens(32, 2), chunk=32)        # A -> host (full)
@@ -192,10 +193,29 @@ def test_failed_write_of_held_pages_during_cache_resize_returns_false(faulty):
     assert snapshot(m, a, b, c) == before
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "bug: manager.resize raises OutOfPagesError (not False as documented, nor TierIOError) "
+    "when shrinking a level must write held pages to the next level and that write fails"))
+@pytest.mark.parametrize("level", [0, 1])
+def test_failed_write_of_held_pages_during_manager_resize_returns_false(faulty, level):
+    m, plan, _tier = faulty([("gpu", 8), ("host", 8), ("faulty-disk", 16)])
+    d = Driver(m)
+    a = d.write(tokens(32, 1), chunk=32)
+    b = d.write(tokens(32, 2), chunk=32)        # A on the host, B on the GPU
+    plan.fail_all_writes = True
+    before = snapshot(m, a, b)
+    try:
+        ok = m.resize(level, quota("full", level, 2))
+    except TierIOError:
+        ok = False
+    assert ok is False
+    assert snapshot(m, a, b) == before
+
+
 def test_failed_write_of_held_pages_leaves_every_page_where_it_was(faulty):
     """Whatever the error, a failed write of held pages loses nothing: every page keeps
     its data (the fingerprints verify once the disk works again) and no slot leaks."""
-    m, plan, tier = faulty([("gpu", 8), ("host", 8), ("faulty-disk", 16)])
+    m, plan, _tier = faulty([("gpu", 8), ("host", 8), ("faulty-disk", 16)])
     d = Driver(m)
     a = d.write(tokens(32, 1), chunk=32)
     b = d.write(tokens(32, 2), chunk=32)
@@ -283,7 +303,7 @@ def test_failed_disk_read_while_reusing_closed_blocks(faulty):
 
 def test_failed_read_of_a_partial_block_claim_is_a_tier_error(faulty):
     """Only the partial block is on disk; its copy (made at first resume) fails."""
-    m, plan, tier = faulty([("gpu", 8), ("faulty-disk", 40)])
+    m, plan, _tier = faulty([("gpu", 8), ("faulty-disk", 40)])
     d = Driver(m)
     p_toks = tokens(6, 1)                       # 1 full block + 2 tokens
     d.write(p_toks, suspend=False).close()
@@ -307,7 +327,7 @@ def test_failed_read_of_a_partial_block_claim_is_a_tier_error(faulty):
 
 
 def test_failed_disk_read_during_prefetch_keeps_the_pages_on_disk(faulty):
-    m, plan, tier = faulty()
+    m, plan, _tier = faulty()
     d = Driver(m)
     a, b, c = _push_to_disk(d)
     assert m.resize(1, 40 * 1024)
@@ -340,7 +360,7 @@ def _flip(m, page):
 
 
 def test_fingerprint_engine_catches_a_corrupted_host_page(faulty):
-    m, plan, tier = faulty([("gpu", 8), ("host", 24), ("faulty-disk", 40)])
+    m, _plan, _tier = faulty([("gpu", 8), ("host", 24), ("faulty-disk", 40)])
     d = Driver(m)
     a = d.write(tokens(22, 1))
     b = d.write(tokens(22, 2))
@@ -357,7 +377,7 @@ def test_fingerprint_engine_catches_a_corrupted_host_page(faulty):
 def test_fingerprint_engine_catches_a_corrupted_disk_blob(faulty):
     """The raw codec has no checksum, so kvcm cannot detect this (not tested); the oracle
     must, so that a test driving kvcm over such a store would fail."""
-    m, plan, tier = faulty()
+    m, _plan, tier = faulty()
     d = Driver(m)
     a, b, c = _push_to_disk(d)
     page = cache_pages(a)[2]
