@@ -244,7 +244,6 @@ def test_cascade_moves_droppable_blocks_down_and_drops_only_at_the_last_level(
     d = Driver(m)
     reqs = [tokens(16, 100 + i) for i in range(5)]  # 4 full blocks each
     m.get_and_reset_iteration_stats()
-    expect = {0: [(0,)], 1: [(1,), (0,)], 2: [(2,), (1,), (0,)]}
     for i, t in enumerate(reqs):
         d.write(t, suspend=False).close()
         assert_invariants(m)
@@ -260,7 +259,6 @@ def test_cascade_moves_droppable_blocks_down_and_drops_only_at_the_last_level(
         # Nothing is dropped before the disk is full.
         assert st.groups[0].dropped_blocks == (4 if i >= 3 else 0), (i, st)
         assert st.groups[0].offload_blocks == 4 * min(i, 2), (i, st)
-    del expect
     assert m.get_storage_statistics(2).evictable == 4
 
 
