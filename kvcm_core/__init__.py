@@ -36,8 +36,8 @@ from kvcm_core.errors import (
     PluginError,
     TierIOError,
 )
-from kvcm_core.eviction import DEFAULT_PRIORITY, EvictionPolicy
 from kvcm_core.events import BlockEvent, EventKind, EventSink
+from kvcm_core.eviction import DEFAULT_PRIORITY, EvictionPolicy
 from kvcm_core.hookspecs import hookimpl
 from kvcm_core.plugins import KvcmPluginManager, get_plugin_manager, reset_plugin_manager
 from kvcm_core.records import (
@@ -123,7 +123,7 @@ __all__ = [
     "reset_plugin_manager",
 ]
 
-from kvcm_core.cache import CacheStatus, KVCache  # noqa: E402
-from kvcm_core.manager import KVCacheManager  # noqa: E402
+from kvcm_core.cache import CacheStatus, KVCache
+from kvcm_core.manager import KVCacheManager
 
 __all__ += ["CacheStatus", "KVCache", "KVCacheManager"]

@@ -29,9 +29,9 @@ import attrs
 import numpy as np
 
 from kvcm_core.backend import BAD_PAGE_INDEX, Stream
-from kvcm_core.errors import InvalidStateError, TierIOError
-from kvcm_core.eviction import check_priority
+from kvcm_core.errors import InvalidStateError, OutOfPagesError, TierIOError
 from kvcm_core.events import EventKind
+from kvcm_core.eviction import check_priority
 from kvcm_core.radix import Node, block_keys, encode_tokens, scope_root_key
 from kvcm_core.stats import RequestStats
 from kvcm_core.types import ReusePolicy, ReuseScope
@@ -280,9 +280,9 @@ class KVCache:
             self._require(CacheStatus.SUSPENDED)
         if self._status is CacheStatus.ACTIVE:
             return True
-        if not self._lost and any(
+        if (not self._lost and any(
                 p is not None and p.level < 0 for pages in (*self._pages, self._ssm)
-                for p in pages) or any(src.level < 0 for _, _, src in self._pending):
+                for p in pages)) or any(src.level < 0 for _, _, src in self._pending):
             self._lost = True
         if self._lost:
             raise TierIOError(
@@ -296,7 +296,7 @@ class KVCache:
         wanted: dict[int, list[int]] = {}
         needs: dict[int, int] = {}
         extra: dict[int, int] = {}
-        for g, _, page in declined:
+        for _g, _, page in declined:
             if page.level == 0 and page.holds == 1 and not page.locks:
                 pg = page.store.pool_group
                 extra[pg] = extra.get(pg, 0) + 1
@@ -339,10 +339,16 @@ class KVCache:
                 page.store.lock_to_hold(page)
             return False
         self._apply_declines(declined)
-        fresh: list[Page] = []
         try:
             for pg, n in needs.items():
                 m._make_room(m.stores[0][pg], n)
+        except OutOfPagesError:
+            # A write to a colder level failed while making room: give up for now.
+            for page in reversed(warm):
+                page.store.lock_to_hold(page)
+            return False
+        fresh: list[Page] = []
+        try:
             # Cold pages of ours come back in one batch per source store.
             cold = [p for p in self._all_pages() if p.level != 0]
             m._onboard(cold, stream)
@@ -357,7 +363,7 @@ class KVCache:
                     src = sources.get((g, b))
                     if src is not None:
                         copies.append((page, src))
-                    elif not self._first_resume_done and (b < 0 and self._history > 0 or
+                    elif not self._first_resume_done and ((b < 0 and self._history > 0) or
                                                           0 <= b * tpb < self._history):
                         self._recompute.setdefault(g, []).append(b)
                 m._fill(g, copies, stream)
@@ -521,6 +527,15 @@ class KVCache:
                     extra[pg] = extra.get(pg, 0) + 1
             if not m._can_take(needs, extra):
                 return False
+            for pg, n in needs.items():
+                # Make the room before releasing anything where that alone suffices: a
+                # failed write while making room then leaves this cache untouched.
+                store = m.stores[0][pg]
+                if n > store.num_free and m._room(store, n):
+                    try:
+                        m._make_room(store, n)
+                    except OutOfPagesError:
+                        return False
         for g, b in reversed(releases):
             page = self._pages[g][b]
             self._pages[g][b] = None
@@ -790,7 +805,7 @@ class KVCache:
         nb = -(-self._capacity // tpb)
         lc = m.life_cycles[group]
         stale = lc.stale_range(self._history, tpb)
-        key = (self._version, nb, stale)
+        key = (self._version, m._epoch, nb, stale)
         if self._table_keys[group] == key:
             table = self._tables[group]
             assert table is not None

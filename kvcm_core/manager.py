@@ -14,16 +14,16 @@ from typing import Any
 import numpy as np
 
 from kvcm_core.backend import CopyTask, KernelBackend, PageRegion, Stream
+from kvcm_core.codec import PageCodec
 from kvcm_core.config import KVCacheManagerConfig
 from kvcm_core.errors import ConfigError, InvalidStateError, OutOfPagesError, TierIOError
 from kvcm_core.events import BlockEvent, EventKind
 from kvcm_core.layout import BufferAttr, PageIndexConverter, StorageLayout
 from kvcm_core.lifecycle import LifeCycleRegistry
 from kvcm_core.matching import Match, match_prefix
+from kvcm_core.migration import Mover
 from kvcm_core.plugins import KvcmPluginManager, get_plugin_manager
 from kvcm_core.radix import Node, PrefixTree, scope_root_key
-from kvcm_core.codec import PageCodec
-from kvcm_core.migration import Mover
 from kvcm_core.records import CodecKind, Medium
 from kvcm_core.stats import IterationStats
 from kvcm_core.storage import Page, PoolGroupStore, StorageStatistics
@@ -152,6 +152,7 @@ class KVCacheManager:
         self._sinks = pm.event_sinks(config)
         self._stats = IterationStats.empty(len(lcs), len(config.levels))
         self._closed = False
+        self._epoch = 0  # bumped whenever a page moves: page tables read it
 
     # -- public lookups -------------------------------------------------------------------
 
@@ -246,7 +247,7 @@ class KVCacheManager:
         self,
         scope: ReuseScope | None = None,
         input_tokens: Sequence[int | bytes] | np.ndarray = (),
-        id: Any = None,  # noqa: A002 - the public name
+        id: Any = None,
         priority_callback: Callable[[int], int] | None = None,
     ) -> Any:
         """Match the prompt's prefix and return a SUSPENDED cache holding the matched pages.
@@ -331,7 +332,9 @@ class KVCacheManager:
         return out
 
     def _room(self, store: PoolGroupStore, n: int) -> bool:
-        """Whether ``_make_room(store, n)`` would succeed (no side effects)."""
+        """Whether ``_make_room(store, n)`` would succeed (no side effects): enough victims,
+        and the held ones among them fit one level down (droppable ones can always be
+        dropped)."""
         k = n - store.num_free
         if k <= 0:
             return True
@@ -341,11 +344,22 @@ class KVCacheManager:
         if store.last_level:
             return True
         for nxt, pages in self._by_next(victims).items():
-            if not self._room(nxt, len(pages)):
-                held = sum(1 for p in pages if p.holds)
-                if not self._room(nxt, held):
-                    return False
+            held = sum(1 for p in pages if p.holds)
+            if held and not self._room(nxt, held):
+                return False
         return True
+
+    def _capacity(self, store: PoolGroupStore, limit: int) -> int:
+        """The most free slots (up to ``limit``) ``store`` can offer (binary search on the
+        monotone ``_room``)."""
+        lo, hi = min(limit, store.num_free), limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._room(store, mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _by_next(self, victims: list[Page]) -> dict[PoolGroupStore, list[Page]]:
         out: dict[PoolGroupStore, list[Page]] = {}
@@ -354,12 +368,14 @@ class KVCacheManager:
         return out
 
     def _make_room(self, store: PoolGroupStore, n: int) -> None:
-        """Free slots until ``store`` has ``n`` free: victims move one level down
-        (recursively making room there) or, at the last level or when the next level is
-        full, droppable victims are dropped. All or nothing.
+        """Free slots until ``store`` has ``n`` free: victims move one level down (making
+        room there recursively) as far as the next level can take them; droppable victims
+        it cannot take are dropped (the least recently used first). Checked before
+        anything moves.
 
         Raises:
-            OutOfPagesError: not enough can be freed (nothing was changed).
+            OutOfPagesError: not enough can be freed (nothing was changed), or a write of
+                held pages to the next level failed (pages that did move stay moved).
         """
         k = n - store.num_free
         if k <= 0:
@@ -376,16 +392,34 @@ class KVCacheManager:
                 if page.store is store and page.node is not None and not page.holds:
                     self._drop(page, from_policy=False)
             return
-        drops: list[Page] = []
+        overflow: list[Page] = []
         for nxt, pages in self._by_next(victims).items():
-            if self._room(nxt, len(pages)):
-                movers = pages
-            else:
-                movers = [p for p in pages if p.holds]
-                drops.extend(p for p in pages if not p.holds)
+            held = [p for p in pages if p.holds]
+            droppable = [p for p in pages if not p.holds]  # least recently used first
+            keep = self._capacity(nxt, len(pages)) - len(held)
+            cut = len(droppable) - max(0, keep)
+            movers = held + droppable[cut:]
+            overflow.extend(droppable[:cut])
             self._make_room(nxt, len(movers))
             failed = self._move(movers, nxt)
-            drops.extend(p for p in failed if not p.holds)
+            overflow.extend(p for p in failed if not p.holds)
+        # Droppable pages the next level could not take go further down where there is
+        # room, and are dropped only when no colder level can take them.
+        for level in range(store.level + 2, len(self.stores)):
+            if not overflow:
+                break
+            by_store: dict[PoolGroupStore, list[Page]] = {}
+            for page in overflow:
+                if page.store is store and page.slot >= 0 and page.node is not None \
+                        and not page.holds and not page.locks:
+                    by_store.setdefault(self._cold_store[level][page.group], []).append(page)
+            overflow = []
+            for dst, pages in by_store.items():
+                cut = len(pages) - self._capacity(dst, len(pages))
+                overflow.extend(pages[:cut])
+                self._make_room(dst, len(pages) - cut)
+                overflow.extend(self._move(pages[cut:], dst))
+        drops = overflow
         for page in drops:
             if page.store is store and page.slot >= 0 and page.node is not None \
                     and not page.holds and not page.locks:
@@ -393,7 +427,7 @@ class KVCacheManager:
         if store.num_free < n:
             raise OutOfPagesError(
                 f"level {store.level} pool group {store.pool_group}: could not free {k} "
-                "slots (a write to the next level failed for held pages)"
+                "slots (a write of held pages to the next level failed)"
             )
 
     def _move(self, pages: list[Page], dst: PoolGroupStore,
@@ -423,6 +457,7 @@ class KVCacheManager:
             src.pages[page.slot] = None
             src.free.append(page.slot)
         from_level = page.level
+        self._epoch += 1
         page.store = dst
         page.slot = slot
         page.level = dst.level
@@ -506,6 +541,7 @@ class KVCacheManager:
         store._leave_policy(page)
         store.release_slot(page)
         page.level = -1
+        self._epoch += 1
 
     def _drop(self, page: Page, *, from_policy: bool) -> int:
         """Remove a droppable page from the tree and free its slot. Dropping a page that
@@ -698,7 +734,10 @@ class KVCacheManager:
                 self._grow_store(store, new)
                 continue
             if short > 0:
-                self._make_room(store, store.num_free + short)
+                try:
+                    self._make_room(store, store.num_free + short)
+                except OutOfPagesError:
+                    return False  # a write failed; pages that moved stay valid
             high = [p for p in store.pages[new:] if p is not None]
             low_free = sorted(f for f in store.free if f < new)[: len(high)]
             if high:

@@ -116,7 +116,10 @@ def match_prefix(
             length += plen
     length = _prune(nodes, length, tpb, life_cycles, prune_groups)
     if backoff and length:
-        length = _prune(nodes, max(0, length - backoff), tpb, life_cycles, prune_groups)
+        length = max(0, length - backoff)
+        if not partial:
+            length = length // tpb * tpb  # no partial reuse: block-aligned endpoints only
+        length = _prune(nodes, length, tpb, life_cycles, prune_groups)
     nodes = nodes[: -(-length // tpb)]
     return Match(length, nodes, keys[: length // tpb], None)
 

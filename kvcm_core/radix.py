@@ -253,11 +253,12 @@ class PrefixTree:
         self._unindex(parent, node)
         node.parent = None
 
-    def best_partial(self, parent: Node, tokens: Sequence[Any], limit: int) -> tuple[Node | None, int]:
+    def best_partial(self, parent: Node, tokens: Sequence[Any],
+                     limit: int) -> tuple[Node | None, int]:
         """The child of ``parent`` sharing the longest prefix with ``tokens[:limit]``."""
         best, best_len = None, 0
         want = tokens[:limit]
-        if not want or parent.by_first is None:
+        if len(want) == 0 or parent.by_first is None:
             return None, 0
         for child in parent.by_first.get(want[0], ()):
             n = common_prefix(child.tokens, want)

@@ -40,8 +40,19 @@ class PageState(enum.Enum):
 class Page:
     """One slot at one level holding one block of one life cycle."""
 
-    __slots__ = ("group", "holds", "level", "locks", "node", "priority", "ready", "reused",
-                 "slot", "store", "__weakref__")
+    __slots__ = (
+        "__weakref__",
+        "group",
+        "holds",
+        "level",
+        "locks",
+        "node",
+        "priority",
+        "ready",
+        "reused",
+        "slot",
+        "store",
+    )
 
     def __init__(self, store: PoolGroupStore, slot: int, group: int) -> None:
         self.store = store

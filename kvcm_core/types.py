@@ -60,8 +60,19 @@ class ReuseScope:
     ``None`` and ``0`` are different values (``lora_id=None`` is "no adapter").
     """
 
-    lora_id: int | None = None
-    salt: str | bytes | int | None = None
+    lora_id: int | None = attrs.field(default=None)
+    salt: str | bytes | int | None = attrs.field(default=None)
+
+    @lora_id.validator
+    def _check_lora(self, attribute: attrs.Attribute[object], value: object) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"ReuseScope.lora_id={value!r}: must be an int or None")
+
+    @salt.validator
+    def _check_salt(self, attribute: attrs.Attribute[object], value: object) -> None:
+        if value is not None and (isinstance(value, bool)
+                                  or not isinstance(value, str | bytes | int)):
+            raise TypeError(f"ReuseScope.salt={value!r}: must be a str, bytes, int or None")
 
     def encode(self) -> bytes:
         """A canonical, unambiguous byte encoding (the root of the hash chain)."""

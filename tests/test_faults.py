@@ -145,12 +145,6 @@ def test_failed_host_to_disk_write_of_cold_droppable_blocks_never_serves_poison(
         c.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: when making room for resume() needs held pages written to the next level and "
-    "that write fails, _make_room raises OutOfPagesError out of KVCache.resume (only "
-    "TierIOError is handled): the cache's warm pages stay LOCKED while it is SUSPENDED, a "
-    "later resume drives holds to -1, and after close they leak (2 GPU slots unavailable "
-    "after clear_reusable_blocks)"))
 def test_failed_write_of_held_pages_during_resume_returns_false_and_changes_nothing(
         faulty):
     m, plan, _tier = faulty([("gpu", 8), ("host", 8), ("faulty-disk", 24)])
@@ -172,9 +166,6 @@ def test_failed_write_of_held_pages_during_resume_returns_false_and_changes_noth
     d.resume_and_verify(a, b, x, y)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: KVCache.resize raises OutOfPagesError (not False, not TierIOError) when the "
-    "eviction it needs must write held pages to the next level and that write fails"))
 def test_failed_write_of_held_pages_during_cache_resize_returns_false(faulty):
     m, plan, _tier = faulty([("gpu", 8), ("host", 8), ("faulty-disk", 16)])
     d = Driver(m)
@@ -193,9 +184,6 @@ def test_failed_write_of_held_pages_during_cache_resize_returns_false(faulty):
     assert snapshot(m, a, b, c) == before
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: manager.resize raises OutOfPagesError (not False as documented, nor TierIOError) "
-    "when shrinking a level must write held pages to the next level and that write fails"))
 @pytest.mark.parametrize("level", [0, 1])
 def test_failed_write_of_held_pages_during_manager_resize_returns_false(faulty, level):
     m, plan, _tier = faulty([("gpu", 8), ("host", 8), ("faulty-disk", 16)])

@@ -175,11 +175,6 @@ def test_page_table_shows_bad_while_pages_are_away_fresh_table(tmp_path, cleanup
     assert table_is_bad(a, m)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: KVCache.get_base_page_indices caches its table under (version, nb, stale); "
-    "pages of a suspended cache moving down (manager._rehome) do not bump the cache's "
-    "version, so a table read before the move keeps naming GPU slots now owned by "
-    "another request"))
 def test_page_table_read_before_eviction_shows_bad_after_it(tmp_path, cleanup):
     m = make_manager([("gpu", 8), ("host", 24)], tmp_path)
     cleanup(m)
@@ -279,10 +274,6 @@ def _chain(m, toks):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: _make_room moves victims to L+1 only if L+1 can take the whole batch; else "
-    "every droppable victim is dropped at L, even when L+1 (and below) have free slots: "
-    "eviction drops before the last level"))
 def test_a_batch_larger_than_the_next_level_still_moves_what_fits(tmp_path, cleanup):
     m = make_manager([("gpu", 8), ("host", 4), ("disk", 16)], tmp_path)
     cleanup(m)

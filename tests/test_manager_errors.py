@@ -166,10 +166,11 @@ def test_scope_of_the_wrong_type_is_refused(managers, scope):
     _expect(TypeError, lambda: m.probe_reuse(scope, [1, 2, 3]), m, match="scope")
 
 
-@pytest.mark.parametrize("scope", [ReuseScope(lora_id=True), ReuseScope(salt=False)])
-def test_scope_with_a_bool_field_is_refused(managers, scope):
-    m = managers(full_layers(), slots=16)
-    _expect(TypeError, lambda: m.create_kv_cache(scope, [1, 2, 3]), m, match="bool")
+@pytest.mark.parametrize("fields", [{"lora_id": True}, {"salt": False}, {"salt": [1, 2]},
+                                    {"salt": 1.5}, {"lora_id": "a"}])
+def test_scope_fields_of_the_wrong_type_are_refused_at_construction(fields):
+    with pytest.raises(TypeError, match="ReuseScope"):
+        ReuseScope(**fields)
 
 
 # -- closed and suspended caches -------------------------------------------------------------

@@ -260,11 +260,6 @@ def test_resume_refused_over_max_util_changes_nothing(managers):
     b.close()
 
 
-@pytest.mark.xfail(strict=True, reason="bug (testing/engine.py EngineLoop): a request that "
-                   "cannot grow preempts every other running request, then suspends itself; "
-                   "on one level suspending frees no GPU page, so the next step repeats the "
-                   "same order and the loop raises 'no progress' although the preempted "
-                   "request already holds every page it needs to finish")
 def test_engine_loop_finishes_a_request_that_already_holds_its_pages(managers):
     from kvcm_core.testing.engine import EngineLoop, Request
 

@@ -29,7 +29,7 @@ import random
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         "python_version": platform.python_version(),
         "machine": {"nproc": os.cpu_count(), "platform": platform.platform(),
                     "processor": platform.processor(), "pinned_cpu": pinned},
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "config": vars(args),
         "timer": "time.perf_counter_ns; median and min over reps of per-rep means; gc frozen "
                  "after setup",

@@ -25,7 +25,7 @@ import platform
 import random
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "kvcm_version": kvcm_core.__version__,
         "python_version": platform.python_version(),
         "platform": platform.platform(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "config": vars(args),
         "results": results,
     }

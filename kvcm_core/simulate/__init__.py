@@ -136,18 +136,7 @@ def _manager_config(sim: SimulateConfig, ws: dict[str, int], gpu_only: bool,
     if gpu_only:
         levels = levels[:1]
     raw["levels"] = levels
-    cfg = KVCacheManagerConfig.from_dict(raw)
-    if len(cfg.levels) > 1:
-        try:
-            KVCacheManager(cfg).shutdown()
-        except ConfigError as exc:
-            if exc.field != "levels":
-                raise
-            # Transitional: this manager version takes a single level. Run on level 0 and
-            # say so, rather than fail; the same file runs all levels once they exist.
-            notes.append(f"levels {[lv.tier for lv in cfg.levels[1:]]} skipped: {exc}")
-            cfg = attrs.evolve(cfg, levels=cfg.levels[:1])
-    return cfg
+    return KVCacheManagerConfig.from_dict(raw)
 
 
 def corrupt_after(at_step: int) -> StepHook:

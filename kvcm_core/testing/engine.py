@@ -146,6 +146,7 @@ class EngineLoop:
         budget = self.token_budget
         work: list[StepWork] = []
         stepped: list[tuple[Request, int]] = []
+        started: list[int] = []  # history of each stepped request before this step
         i = 0
         while i < len(self.running):
             req = self.running[i]
@@ -171,12 +172,14 @@ class EngineLoop:
                         del stepped[k]
                         del work[k]
                         if budget is not None:
-                            budget += done_cap - victim.cache.history_length
+                            budget += done_cap - started[k]
+                        del started[k]
                         break
                 i = self.running.index(req)
             else:
                 work.append(StepWork(cache, req.tokens))
                 stepped.append((req, cap))
+                started.append(hist)
                 if budget is not None:
                     budget -= cap - hist
                 i += 1
