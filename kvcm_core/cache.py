@@ -132,26 +132,31 @@ class KVCache:
                     continue
                 page.store.hold(page)
                 page.reused = True
-                m._stats.reused_blocks_by_level[page.level] += 1
                 counted = lc.policy is not ReusePolicy.OPTIONAL  # counted once chosen
+                if counted:
+                    m._stats.reused_blocks_by_level[page.level] += 1
+                    reused += 1
                 if b == partial_block:
                     self._pending.append((g, b, page))
                     gstats.reused_partial_blocks += counted
                 else:
                     pages_g[b] = page
                     gstats.reused_full_blocks += counted
-                reused += 1
             self._pages[g] = pages_g
             if lc.policy is not ReusePolicy.OPTIONAL:
                 gstats.missed_blocks += max(0, -(-len(input_tokens) // tpb) - nb)
         for g in m._ssm_groups:
             if end:
-                page = match.nodes[(end - 1) // tpb].pages[g]
-                if page is not None:
+                node = match.nodes[(end - 1) // tpb]
+                page = node.pages[g]
+                # A snapshot serves only the exact endpoint it was taken at.
+                if page is not None and node.end(tpb) == end:
                     page.store.hold(page)
                     page.reused = True
                     self._pending.append((g, -1, page))
-                    reused += 1
+                    if m.life_cycles[g].policy is not ReusePolicy.OPTIONAL:
+                        m._stats.reused_blocks_by_level[page.level] += 1
+                        reused += 1
         self._reuse_status: dict[int, ReuseStatus] = {}
         self._optional_decided = False
         self._selected: set[int] = set()
@@ -436,9 +441,13 @@ class KVCache:
             page.store.unhold(page)
         self._pending = [(g, b, p) for g, b, p in self._pending if id(p) not in gone]
         for g in self._selected:
-            claimed = sum(1 for p in self._pages[g] if p is not None) + sum(
-                1 for grp, _, _ in self._pending if grp == g)
-            m._stats.groups[g].reused_full_blocks += claimed
+            claimed = [p for p in self._pages[g] if p is not None]
+            claimed += [p for grp, _, p in self._pending if grp == g]
+            m._stats.groups[g].reused_full_blocks += len(claimed)
+            self.stats.reused_blocks += len(claimed)
+            self.stats.allocated_blocks += len(claimed)
+            for p in claimed:
+                m._stats.reused_blocks_by_level[p.level] += 1
         self._optional_decided = True
 
     def _fail_resume(self, fresh: list[Page]) -> None:

@@ -510,13 +510,13 @@ class KVCacheManager:
             TierIOError: a page could not be read; it is forgotten (dropped from the tree,
                 slot freed) and the others that were read stay on level 0.
         """
-        by_src: dict[PoolGroupStore, list[Page]] = {}
+        # One batch per (source store, GPU store): a cold group may merge life cycles of
+        # several GPU pool groups, whose pages go back to different pools.
+        by_src: dict[tuple[PoolGroupStore, PoolGroupStore], list[Page]] = {}
         for page in pages:
-            by_src.setdefault(page.store, []).append(page)
-        for src, group_pages in by_src.items():
-            gpu = self._gpu_store[group_pages[0].group]
-            try_pages = group_pages
-            failed = self._move(try_pages, gpu, stream)
+            by_src.setdefault((page.store, self._gpu_store[page.group]), []).append(page)
+        for (src, gpu), group_pages in by_src.items():
+            failed = self._move(group_pages, gpu, stream)
             if failed:
                 for page in failed:
                     self._lose(page)

@@ -227,10 +227,6 @@ def test_pages_of_pooled_sink_required_only_and_required_move_down_and_back_inta
     assert_all_free(m)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: manager._onboard groups pages by source store "
-                   "only and sends them all to the GPU store of the first page's group; a "
-                   "cold group merging life cycles of two GPU pool groups onboards pages "
-                   "into the wrong pool (wrong KV returned)")
 @pytest.mark.parametrize("stack", COLD_STACK_IDS)
 def test_cold_group_merging_two_gpu_pool_groups_onboards_each_page_to_its_own_pool(
         stack, tmp_path):
@@ -499,8 +495,6 @@ def test_unselected_optional_groups_count_in_no_group_statistic():
         c.close()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a declined OPTIONAL group's claims are counted "
-                   "in reused_blocks_by_level and the request's reused_blocks at creation")
 def test_unselected_optional_groups_count_in_no_hit_statistic():
     m = manager(split_kv_layers())
     k, v = group_of(m, 0, "k"), group_of(m, 0, "v")
@@ -562,10 +556,6 @@ def test_optional_ssm_state_at_the_endpoint_is_reused_elsewhere_incomplete():
     assert_all_free(m)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: an OPTIONAL SSM claim is taken from the node "
-                   "of the match's last block without checking that the snapshot ends "
-                   "exactly at the endpoint (cache.py KVCache.__init__), so a snapshot at "
-                   "20 is reused by a fork at 18")
 def test_optional_ssm_state_is_not_reused_by_a_fork_inside_its_block():
     m = manager([att(0), ssm(1, buf("s", 48, P.OPTIONAL))])
     g = group_of(m, 1, "s")
