@@ -82,7 +82,7 @@ class KVCache:
         manager: KVCacheManager,
         scope: ReuseScope,
         match: Match,
-        input_tokens: Sequence[Any],
+        input_tokens: Sequence[Any] | np.ndarray,
         cache_id: Any,
         priority_callback: Callable[[int], int] | None,
     ) -> None:
@@ -548,7 +548,8 @@ class KVCache:
         for g, b in reversed(releases):
             page = self._pages[g][b]
             self._pages[g][b] = None
-            page.store.unlock(page)
+            if page is not None:
+                page.store.unlock(page)
         for g in m._windowed_groups:
             lc = m.life_cycles[g]
             self._released_to[g] = max(self._released_to[g], lc.stale_range(keep, tpb)[1])

@@ -43,6 +43,7 @@ def kvcm_tiers() -> Iterable[TierSpec]:
         def kvcm_tiers():
             yield TierSpec(name="mmap", factory=MmapTier, capabilities=CAPS)
     """
+    raise NotImplementedError  # a specification: pluggy never calls it
 
 
 # ---------------------------------------------------------------------------------------
@@ -66,6 +67,7 @@ def kvcm_kernel_backends() -> Iterable[KernelBackendSpec]:
         def kvcm_kernel_backends():
             yield KernelBackendSpec(name="mine", factory=Mine, capabilities=CAPS, priority=50)
     """
+    raise NotImplementedError  # a specification: pluggy never calls it
 
 
 # ---------------------------------------------------------------------------------------
@@ -88,6 +90,7 @@ def kvcm_codecs() -> Iterable[CodecSpec]:
         def kvcm_codecs():
             yield CodecSpec(name="fp8", factory=Fp8Codec, capabilities=FP8_CAPS)
     """
+    raise NotImplementedError  # a specification: pluggy never calls it
 
 
 @hookspec
@@ -105,6 +108,7 @@ def kvcm_eviction_policies() -> Iterable[EvictionPolicySpec]:
         def kvcm_eviction_policies():
             yield EvictionPolicySpec(name="lfu", factory=LfuPolicy)
     """
+    raise NotImplementedError  # a specification: pluggy never calls it
 
 
 # ---------------------------------------------------------------------------------------
@@ -131,3 +135,4 @@ def kvcm_event_sinks(config: Any) -> Iterable[EventSink]:
         def kvcm_event_sinks(config):
             yield KafkaSink(topic="kv-events")
     """
+    raise NotImplementedError  # a specification: pluggy never calls it

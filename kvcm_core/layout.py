@@ -98,8 +98,8 @@ class StorageLayout:
         layouts: dict[CacheGroupId, tuple[tuple[int, ...], dict]] = {}
         for gid, lc in enumerate(registry.life_cycles):
             group = CacheGroupId(gid)
-            slot_sizes, places = _coalesce(registry.members[group])
-            layouts[group] = (slot_sizes, places)
+            slot_sizes, lc_places = _coalesce(registry.members[group])
+            layouts[group] = (slot_sizes, lc_places)
             key = (pool_reuse_policy(lc.policy), slot_sizes, lc.sparse)
             keyed.setdefault(key, []).append(group)
         self.pool_groups: list[PoolGroupLayout] = []
@@ -135,8 +135,9 @@ class StorageLayout:
         shares, one per pool group.
         """
         pgs = self.pool_groups
+        weights: list[float]
         if ratios is None:
-            weights = [pg.page_bytes * len(pg.life_cycles) for pg in pgs]
+            weights = [float(pg.page_bytes * len(pg.life_cycles)) for pg in pgs]
         else:
             if len(ratios) != len(pgs):
                 raise ConfigError(

@@ -105,8 +105,8 @@ class KVCacheManager:
         cold_keys: dict[tuple, list[int]] = {}
         if self.codec is not None:
             for g in range(ngroups):
-                pg = self.layout.group_to_pool_group[CacheGroupId(g)]
-                size = self.codec.cold_page_size(self._layouts[pg])
+                pgid = self.layout.group_to_pool_group[CacheGroupId(g)]
+                size = self.codec.cold_page_size(self._layouts[pgid])
                 key = (pool_reuse_policy(self.registry.life_cycles[g].policy), size)
                 self._cold_key_of.append(key)
                 cold_keys.setdefault(key, []).append(g)
@@ -246,7 +246,7 @@ class KVCacheManager:
     def create_kv_cache(
         self,
         scope: ReuseScope | None = None,
-        input_tokens: Sequence[int | bytes] | np.ndarray = (),
+        input_tokens: Sequence[Any] | np.ndarray = (),
         id: Any = None,
         priority_callback: Callable[[int], int] | None = None,
     ) -> Any:
@@ -281,7 +281,7 @@ class KVCacheManager:
             raise TypeError(f"scope={scope!r}: must be a ReuseScope or None")
         return scope
 
-    def _match(self, scope: ReuseScope, tokens: Sequence[int | bytes]) -> Match:
+    def _match(self, scope: ReuseScope, tokens: Sequence[Any] | np.ndarray) -> Match:
         return match_prefix(
             self.tree, scope_root_key(scope), tokens, self.tokens_per_block,
             self.life_cycles, walk_groups=self._walk_groups,
@@ -323,12 +323,12 @@ class KVCacheManager:
         for page in store.droppable.victims():
             if len(out) == k:
                 return out
-            out.append(page)
+            out.append(page)  # type: ignore[arg-type]  # policies hold Page keys
         if not store.last_level:
             for page in store.held.victims():
                 if len(out) == k:
                     return out
-                out.append(page)
+                out.append(page)  # type: ignore[arg-type]
         return out
 
     def _room(self, store: PoolGroupStore, n: int) -> bool:
@@ -666,7 +666,7 @@ class KVCacheManager:
                     victim = store.droppable.pop_victim()
                     if victim is None:
                         break
-                    self._drop(victim, from_policy=True)
+                    self._drop(victim, from_policy=True)  # type: ignore[arg-type]
         self.tree = PrefixTree(len(self.life_cycles))
         self.flush_events()
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
+import numpy as np
 
 from kvcm_core.radix import Node, PrefixTree, block_keys, encode_tokens
 
@@ -47,7 +48,7 @@ class Match:
 def match_prefix(
     tree: PrefixTree,
     root_key: bytes,
-    tokens: Sequence,
+    tokens: Sequence[Any] | np.ndarray,
     tpb: int,
     life_cycles: Sequence[LifeCycle],
     *,

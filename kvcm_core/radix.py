@@ -23,7 +23,7 @@ from kvcm_core.types import ReuseScope
 
 __all__ = ["Node", "PrefixTree", "TokenSeq", "block_keys", "encode_tokens", "scope_root_key"]
 
-TokenSeq = Sequence[int | bytes] | np.ndarray
+TokenSeq = Sequence[Any] | np.ndarray
 _MM_MARK = b"\xffkvcm-mm\x00"
 _sha256 = hashlib.sha256
 
@@ -46,7 +46,7 @@ def encode_tokens(tokens: TokenSeq) -> tuple[bytes, bool]:
                              f"{int(tokens.min())}..{int(tokens.max())}")
         return tokens.astype("<i4", copy=False).tobytes(), False
     try:
-        arr = array("i", tokens)
+        arr = array("i", tokens)  # type: ignore[arg-type]  # ints, checked by array
     except TypeError:
         check_tokens(tokens)
         return b"", True
@@ -115,7 +115,8 @@ def block_keys(
         return keys
     key = parent
     for b in range(start_block, end_block):
-        key = _sha256(key + _encode_mm_block(tokens[b * tpb : (b + 1) * tpb])).digest()
+        chunk = list(tokens[b * tpb : (b + 1) * tpb])
+        key = _sha256(key + _encode_mm_block(chunk)).digest()
         keys.append(key)
     return keys
 
@@ -187,7 +188,7 @@ class Node:
         return f"Node({kind} #{self.ordinal}, {len(self.tokens)} tokens)"
 
 
-def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+def common_prefix(a: Sequence[Any], b: TokenSeq) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -253,7 +254,7 @@ class PrefixTree:
         self._unindex(parent, node)
         node.parent = None
 
-    def best_partial(self, parent: Node, tokens: Sequence[Any],
+    def best_partial(self, parent: Node, tokens: TokenSeq,
                      limit: int) -> tuple[Node | None, int]:
         """The child of ``parent`` sharing the longest prefix with ``tokens[:limit]``."""
         best, best_len = None, 0
