@@ -143,9 +143,11 @@ def run_prefill(args: argparse.Namespace, tpb: int, seed: int) -> dict[str, floa
     gc.unfreeze()
     warm = [i for i, h in enumerate(hits) if h > 0]
     expect = prefix // tpb
-    if len(warm) != n - 1 or any(hits[i] != expect for i in warm):
-        raise RuntimeError(f"unexpected hits {hits[:4]} (expected {expect})")
-    matched = sum(hits[i] for i in warm)
+    # A warm request reuses the shared prefix's full blocks, and now and then one partial
+    # block more (its first suffix token equals another request's): count full blocks.
+    if len(warm) != n - 1 or any(not expect <= hits[i] <= expect + 1 for i in warm):
+        raise RuntimeError(f"unexpected hits {sorted(set(hits))[:6]} (expected {expect})")
+    matched = expect * len(warm)
     wsum = lambda xs: sum(xs[i] for i in warm)  # noqa: E731
     res = {
         "matched_blocks_per_warm_request": expect,
