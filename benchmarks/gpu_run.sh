@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# The GPU machine's run: GPU tests, the kernel-backend conformance suite on the GPU
-# backends, and the kernel benchmark. Installs nothing from a registry: the checkout is
-# installed editable without dependencies (entry points need an install; PYTHONPATH alone
-# does not make the plugin manager find the plugins), everything else is already there.
+# The GPU machine's run. Installs nothing from a registry: the checkout is installed
+# editable without dependencies (entry points need an install; PYTHONPATH alone does not
+# make the plugin manager find the plugins), everything else is already there.
 #
-#   bash benchmarks/gpu_run.sh [full|quick|tests]     # results under $OUT (default ./out)
+#   bash benchmarks/gpu_run.sh tests    # GPU tests, kernel conformance, the manager suite
+#                                       # on each GPU backend (KVCM_TEST_BACKEND)
+#   bash benchmarks/gpu_run.sh bench    # kernel benchmark, simulate on the GPU
+#   bash benchmarks/gpu_run.sh quick    # GPU tests and a quick benchmark
+# Results under $OUT (default ./out).
 set -uo pipefail
-MODE="${1:-full}"
+MODE="${1:-tests}"
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -16,11 +19,11 @@ PY="${PYTHON:-python3}"
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   "$PY" -c 'import sys; print(sys.version)'
-  "$PY" -m pip list 2>/dev/null | grep -iE '^(cupy|cuda-|numpy|pluggy|attrs|pytest|hypothesis|matplotlib)'
+  "$PY" -m pip list 2>/dev/null | grep -iE '^(cupy|cuda-|numpy|pluggy|attrs|pytest|hypothesis|matplotlib|rich)'
 } >"$OUT/env.txt" 2>&1
 
-"$PY" -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/env.txt" 2>&1 \
-  || { echo "editable install failed"; cat "$OUT/env.txt"; exit 1; }
+"$PY" -m pip install -q --no-deps --no-build-isolation -e . -e examples/kvcm-tier-example \
+  >>"$OUT/env.txt" 2>&1 || { echo "editable install failed"; cat "$OUT/env.txt"; exit 1; }
 "$PY" - <<'PY' 2>&1 | tee -a "$OUT/env.txt"
 from kvcm_core.plugins import get_plugin_manager
 pm = get_plugin_manager()
@@ -30,15 +33,30 @@ print("auto ->", pm.select_kernel_backend("auto").name)
 PY
 
 status=0
-if [ "$MODE" != "bench" ]; then
-  timeout 150 "$PY" -m pytest -q -m gpu tests/test_gpu_backends.py -p no:cacheprovider \
-    --tb=short 2>&1 | tee "$OUT/tests_gpu.log" | tail -25 || status=1
-  timeout 200 "$PY" -m pytest -q tests/test_conformance_kernels.py -p no:cacheprovider \
-    --kvcm-plugin cupy --kvcm-plugin cuda --tb=short 2>&1 | tee "$OUT/conformance.log" \
-    | tail -25 || status=1
-fi
+run() {  # run LOG TIMEOUT CMD...: tee into $OUT/LOG, keep the tail on stdout
+  local log=$1 limit=$2; shift 2
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$log" | tail -6 || status=1
+}
+MANAGER_TESTS="tests/test_prefix_reuse.py tests/test_manager_lifecycle.py tests/test_levels.py tests/test_reuse_policies.py tests/test_faults.py tests/test_manager_errors.py"
 case "$MODE" in
-  full|bench) timeout 240 "$PY" -m kvcm_core.bench.kernels --out "$OUT" --sweep-threads 128,256,512 2>&1 | tee "$OUT/bench.log" | tail -120 ;;
-  quick) timeout 200 "$PY" -m kvcm_core.bench.kernels --quick --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -80 ;;
+  tests)
+    run tests_gpu.log 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider --tb=short
+    run conformance.log 200 "$PY" -m pytest -q tests/test_conformance_kernels.py \
+      tests/test_conformance_codecs.py tests/test_conformance_tiers.py -p no:cacheprovider \
+      --tb=short
+    for b in cuda cupy; do
+      KVCM_TEST_BACKEND=$b KVCM_PROPERTY_EXAMPLES=10 run "manager_$b.log" 150 \
+        "$PY" -m pytest -q $MANAGER_TESTS -p no:cacheprovider --tb=short -x
+    done
+    ;;
+  bench)
+    run bench.log 330 "$PY" -m kvcm_core.bench.kernels --out "$OUT" --sweep-threads 128,512
+    run simulate.log 120 "$PY" -m kvcm_core.cli simulate --quiet --out "$OUT/simulate"
+    ;;
+  quick)
+    run tests_gpu.log 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider --tb=short
+    run bench.log 200 "$PY" -m kvcm_core.bench.kernels --quick --out "$OUT"
+    ;;
 esac
+grep -hE "passed|failed|error" "$OUT"/*.log 2>/dev/null | tail -20
 exit $status

@@ -8,6 +8,7 @@ wrong page, a stale page left in a table or a corrupted copy fails the test at o
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -42,11 +43,16 @@ def kv(size: int = PAGE, policy: ReusePolicy | None = None) -> list[BufferConfig
             BufferConfig(role="v", size=size, reuse_policy=policy)]
 
 
+#: Kernel backend the manager tests run on: numpy here; set ``KVCM_TEST_BACKEND=cuda`` (or
+#: ``cupy``) on a GPU machine to run the same fingerprint-verified tests there.
+TEST_BACKEND = os.environ.get("KVCM_TEST_BACKEND", "numpy")
+
+
 def make_config(layers: Sequence[Any], *, quota: int = BIG_QUOTA, tpb: int = TPB,
                 **kw: Any) -> KVCacheManagerConfig:
     return KVCacheManagerConfig(
         tokens_per_block=tpb, layers=list(layers),
-        levels=[LevelConfig(tier="gpu", quota=quota)], kernel_backend="numpy", **kw)
+        levels=[LevelConfig(tier="gpu", quota=quota)], kernel_backend=TEST_BACKEND, **kw)
 
 
 def full_layers(tpb: int = TPB) -> list[Any]:

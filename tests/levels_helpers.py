@@ -10,6 +10,7 @@ Every data check goes through :class:`~kvcm_core.testing.fingerprint.Fingerprint
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -114,7 +115,8 @@ def make_manager(tiers: Sequence[tuple[str, int]], tmp_path: Path, *, layout: st
     kw.setdefault("max_util_for_resume", 1.0)
     cfg = KVCacheManagerConfig(tokens_per_block=TPB, layers=LAYOUTS[layout](),
                                levels=make_levels(layout, tiers, tmp_path),
-                               kernel_backend="numpy", **kw)
+                               kernel_backend=os.environ.get("KVCM_TEST_BACKEND", "numpy"),
+                               **kw)
     m = KVCacheManager(cfg, plugin_manager=pm)
     for pg, store in zip(m.layout.pool_groups, m.stores[0], strict=True):
         assert store.num_slots == tiers[0][1] * len(pg.life_cycles)

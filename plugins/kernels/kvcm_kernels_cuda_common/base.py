@@ -61,7 +61,7 @@ AUTO_CE_MIN_PAGE_BYTES: dict[tuple[str, str], int | None] = {
     (MemoryKind.HOST, MemoryKind.HOST): None,
 }
 
-_DEFAULTS: dict[str, Any] = {"device": 0, "copy_path": "auto", "block_threads": 512}
+_DEFAULTS: dict[str, Any] = {"device": 0, "copy_path": "auto", "block_threads": 128}
 _MASK64 = (1 << 64) - 1
 _ALIGN = 256
 _RING_SLOTS = 8
