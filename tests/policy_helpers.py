@@ -9,6 +9,7 @@ Every data check goes through :class:`~kvcm_core.testing.fingerprint.Fingerprint
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,7 @@ def _pool_layout(layers: Sequence[Any], **kw: Any) -> KVCacheManager:
     cfg = KVCacheManagerConfig(tokens_per_block=TPB, layers=list(layers),
                                levels=[LevelConfig(tier="gpu", quota=1 << 22),
                                        LevelConfig(tier="host", quota=1 << 22)],
-                               kernel_backend="numpy", **kw)
+                               kernel_backend=os.environ.get("KVCM_TEST_BACKEND", "numpy"), **kw)
     return KVCacheManager(cfg)
 
 
@@ -114,7 +115,7 @@ def make_manager(layers: Sequence[Any], stack: Sequence[str] = ("gpu",),
                                   options=options))
     kw.setdefault("max_util_for_resume", 1.0)
     cfg = KVCacheManagerConfig(tokens_per_block=TPB, layers=list(layers), levels=levels,
-                               kernel_backend="numpy",
+                               kernel_backend=os.environ.get("KVCM_TEST_BACKEND", "numpy"),
                                pool_group_ratios=tuple(float(w) for w in weights), **kw)
     m = KVCacheManager(cfg)
     got = [s.num_slots for s in m.stores[0]]
