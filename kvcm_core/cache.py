@@ -118,33 +118,37 @@ class KVCache:
         self._m._stats.hit_tokens += end
         reused = 0
         partial_block = end // tpb if end % tpb else -1
+        nodes = match.nodes
+        by_level = m._stats.reused_blocks_by_level
         for g in m._attn_groups:
             lc = m.life_cycles[g]
-            pages_g: list[Page | None] = [None] * nb
             start, stop = lc.stale_range(end, tpb)
             self._released_to[g] = stop
             gstats = m._stats.groups[g]
-            for b in range(nb):
-                if start <= b < stop:
-                    continue
-                page = match.nodes[b].pages[g]
-                if page is None:
-                    continue
+            # Claim every needed page of the match (held until the first resume).
+            pages_g: list[Page | None] = [node.pages[g] for node in nodes[:nb]]
+            pages_g[start:stop] = [None] * (stop - start)
+            if partial_block >= 0 and pages_g[partial_block] is not None:
+                src = pages_g[partial_block]
+                pages_g[partial_block] = None
+                self._pending.append((g, partial_block, src))
+                claimed = [p for p in pages_g if p is not None]
+                claimed.append(src)
+                nfull = len(claimed) - 1
+            else:
+                claimed = [p for p in pages_g if p is not None]
+                nfull = len(claimed)
+            for page in claimed:
                 page.store.hold(page)
                 page.reused = True
-                counted = lc.policy is not ReusePolicy.OPTIONAL  # counted once chosen
-                if counted:
-                    m._stats.reused_blocks_by_level[page.level] += 1
-                    reused += 1
-                if b == partial_block:
-                    self._pending.append((g, b, page))
-                    gstats.reused_partial_blocks += counted
-                else:
-                    pages_g[b] = page
-                    gstats.reused_full_blocks += counted
-            self._pages[g] = pages_g
-            if lc.policy is not ReusePolicy.OPTIONAL:
+            if lc.policy is not ReusePolicy.OPTIONAL:  # OPTIONAL: counted once chosen
+                for page in claimed:
+                    by_level[page.level] += 1
+                reused += len(claimed)
+                gstats.reused_full_blocks += nfull
+                gstats.reused_partial_blocks += len(claimed) - nfull
                 gstats.missed_blocks += max(0, -(-len(input_tokens) // tpb) - nb)
+            self._pages[g] = pages_g
         for g in m._ssm_groups:
             if end:
                 node = match.nodes[(end - 1) // tpb]

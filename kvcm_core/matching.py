@@ -84,29 +84,28 @@ def match_prefix(
             node = child
             key = k
     else:
-        mv = memoryview(data)
         step = 4 * tpb
         sha = hashlib.sha256
         single = walk_groups[0] if len(walk_groups) == 1 else None
-        for b in range(nfull):
-            off = (b % _CHUNK) * step
-            if off == 0 and b:
-                mv = memoryview(encode_tokens(tokens[b * tpb : (b + _CHUNK) * tpb])[0])
-            h = sha(key)
-            h.update(mv[off : off + step])
-            k = h.digest()
-            child = node.children.get(k)
-            if child is None:
-                break
-            if single is not None:
-                if child.pages[single] is None:
+        b = 0
+        while b < nfull:
+            if b:
+                data = encode_tokens(tokens[b * tpb : min(nfull, b + _CHUNK) * tpb])[0]
+            stop = min(nfull - b, _CHUNK) * step
+            for off in range(0, stop, step):
+                k = sha(key + data[off : off + step]).digest()
+                child = node.children.get(k)
+                if child is None or (
+                        child.pages[single] is None if single is not None
+                        else not _has_all(child.pages, walk_groups)):
+                    b = nfull
                     break
-            elif not _has_all(child.pages, walk_groups):
-                break
-            keys.append(k)
-            chain.append(child)
-            node = child
-            key = k
+                keys.append(k)
+                chain.append(child)
+                node = child
+                key = k
+            else:
+                b += _CHUNK
     length = len(chain) * tpb
     nodes = chain
     if partial and length < n:

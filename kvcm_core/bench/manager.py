@@ -180,7 +180,7 @@ def run_lookup_scaling(args: argparse.Namespace, tpb: int, seed: int) -> dict[st
             c = m.create_kv_cache(None, p, id=("f", i))
             c.resume()
             c.resize(len(p))
-            c.commit(p)
+            c.commit(p[c.history_length:])
             c.close()
             filled += nblk
             i += 1
@@ -188,7 +188,7 @@ def run_lookup_scaling(args: argparse.Namespace, tpb: int, seed: int) -> dict[st
         c = m.create_kv_cache(None, target, id="t")
         c.resume()
         c.resize(len(target))
-        c.commit(target)
+        c.commit(target[c.history_length:])
         c.close()
         probe = target + rand_tokens(rng, tpb)
         gc.collect()
