@@ -67,6 +67,9 @@ class CacheStatus(enum.Enum):
     CLOSED = "closed"
 
 
+_I32 = 1 << 31
+
+
 def _check_count(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
         raise ValueError(f"{name}={value!r}: must be an int >= 0")
@@ -113,6 +116,8 @@ class KVCache:
         self._pending: list[tuple[int, int, Page]] = []  # (group, block, source) to copy
         self._released_to = [0] * ngroups
         self._lost = False
+        # False when resize must always take the full path (e.g. SWA scratch bookkeeping).
+        self._scratch_free_path = manager.config.swa_scratch is None
         self._m._stats.lookups += 1 if len(input_tokens) else 0
         self._m._stats.lookup_tokens += len(input_tokens)
         self._m._stats.hit_tokens += end
@@ -491,9 +496,17 @@ class KVCache:
     def resize(self, capacity: int, history_length: int | None = None) -> bool:
         """Set this step's capacity (and optionally move history). Returns False, with
         everything unchanged, when level 0 cannot provide the pages."""
-        self._require(CacheStatus.ACTIVE)
-        m = self._m
+        if self._status is not CacheStatus.ACTIVE:
+            self._require(CacheStatus.ACTIVE)
         tpb = self._tpb
+        if (history_length is None and type(capacity) is int
+                and self._history <= capacity
+                and (capacity + tpb - 1) // tpb == (self._capacity + tpb - 1) // tpb
+                and self._scratch_free_path):
+            # The decode fast path: same blocks, same history, nothing to allocate.
+            self._capacity = capacity
+            return True
+        m = self._m
         capacity = _check_count("capacity", capacity)
         if history_length is None:
             history = self._history
@@ -573,12 +586,15 @@ class KVCache:
     def commit(self, tokens: Sequence[Any]) -> None:
         """Give the tokens at positions ``[T, T + len(tokens))`` (``T``: tokens known so
         far); history advances to at least their end and full blocks are published."""
-        self._require(CacheStatus.ACTIVE)
+        if self._status is not CacheStatus.ACTIVE:
+            self._require(CacheStatus.ACTIVE)
         if isinstance(tokens, np.ndarray):
             tokens = tokens.tolist()
         elif not isinstance(tokens, list | tuple):
             tokens = list(tokens)
-        encode_tokens(tokens)  # refuse bad tokens before anything changes
+        # Refuse bad tokens before anything changes (a cheap check for decode steps).
+        if len(tokens) > 4 or not all(type(t) is int and -_I32 <= t < _I32 for t in tokens):
+            encode_tokens(tokens)
         known = len(self._tokens)
         end = known + len(tokens)
         if end > self._capacity:
