@@ -33,6 +33,7 @@ from kvcm_core.errors import InvalidStateError, OutOfPagesError, TierIOError
 from kvcm_core.events import EventKind
 from kvcm_core.eviction import check_priority
 from kvcm_core.radix import Node, block_keys, encode_tokens, scope_root_key
+from kvcm_core.scratch import ScratchDesc, scratch_slots_needed
 from kvcm_core.stats import RequestStats
 from kvcm_core.types import ReusePolicy, ReuseScope
 
@@ -116,6 +117,11 @@ class KVCache:
         self._pending: list[tuple[int, int, Page]] = []  # (group, block, source) to copy
         self._released_to = [0] * ngroups
         self._lost = False
+        # SWA scratch (kvcm_core.scratch): per group, this cache's scratch slots and the
+        # scratch blocks [begin, end) of the current step (live until history moves).
+        self._scratch_slots: dict[int, list[Page]] = {}
+        self._scratch_range: dict[int, tuple[int, int]] = {}
+        self._scratch_live = False
         # False when resize must always take the full path (e.g. SWA scratch bookkeeping).
         self._scratch_free_path = manager.config.swa_scratch is None
         self._m._stats.lookups += 1 if len(input_tokens) else 0
@@ -488,6 +494,7 @@ class KVCache:
         self._require(CacheStatus.ACTIVE, CacheStatus.SUSPENDED)
         if self._status is CacheStatus.SUSPENDED:
             return
+        self._drop_scratch()
         for page in reversed(self._all_pages()):
             page.store.lock_to_hold(page)
         self._status = CacheStatus.SUSPENDED
@@ -543,6 +550,8 @@ class KVCache:
                 grow[g] = list(range(old_nb, nb_new))
                 pg = m._gpu_store[g].pool_group
                 needs[pg] = needs.get(pg, 0) + nb_new - old_nb
+        plan = (self._plan_scratch(capacity, history, nb_new, releases, grow, needs)
+                if m._scratch_groups else None)
         prios = self._priorities([b for blocks in grow.values() for b in blocks])
         if needs:
             for g, b in releases:
@@ -551,6 +560,10 @@ class KVCache:
                 if page.locks == 1 and not page.holds:
                     pg = page.store.pool_group
                     extra[pg] = extra.get(pg, 0) + 1
+            for g, (*_, drop, _) in (plan or {}).items():
+                if drop:
+                    pg = m._gpu_store[g].pool_group
+                    extra[pg] = extra.get(pg, 0) + drop
             if not m._can_take(needs, extra):
                 return False
             for pg, n in needs.items():
@@ -570,10 +583,18 @@ class KVCache:
         for g in m._windowed_groups:
             lc = m.life_cycles[g]
             self._released_to[g] = max(self._released_to[g], lc.stale_range(keep, tpb)[1])
+        if plan is not None:
+            self._apply_scratch(plan, history)
         for g in m._attn_groups:
             del self._pages[g][nb_new:]
         for g, blocks in grow.items():
-            self._pages[g].extend(self._new_pages(g, blocks, prios))
+            if plan is None:
+                self._pages[g].extend(self._new_pages(g, blocks, prios))
+                continue
+            pages_g = self._pages[g]  # scratch blocks stay None
+            pages_g.extend([None] * (nb_new - len(pages_g)))
+            for b, page in zip(blocks, self._new_pages(g, blocks, prios), strict=True):
+                pages_g[b] = page
         if history < len(self._tokens):
             del self._tokens[history:]
             del self._keys[history // tpb:]
@@ -610,9 +631,7 @@ class KVCache:
         if self._commit_on:
             full = end // tpb
             if self._published < full:
-                self._block_key(full - 1)
-            while self._published < full and self._commit_on:
-                self._publish_block(self._published)
+                self._publish_range(self._published, full)
             if self._published * tpb > self._committed:
                 self._committed = self._published * tpb
             m = self._m
@@ -624,6 +643,7 @@ class KVCache:
 
     def _release_stale(self) -> None:
         m = self._m
+        self._scratch_live = False  # history moved: this step's scratch pages are spent
         tpb = self._tpb
         keep = max(0, self._history - m.config.max_rewind_len)
         changed = False
@@ -663,40 +683,54 @@ class KVCache:
                                    0, block + 1 - b0))
         return keys[block]
 
-    def _publish_block(self, b: int) -> None:
+    def _publish_range(self, b0: int, b1: int) -> None:
+        """Publish full blocks ``[b0, b1)`` (the hot path of prefill commits)."""
         m = self._m
-        parent = self._parent_node(b)
-        if parent is None:
-            self._commit_on = False
-            return
-        key = self._block_key(b)
-        node = parent.children.get(key)
-        tokens_b = tuple(self._tokens[b * self._tpb : (b + 1) * self._tpb])
-        if node is None:
-            if parent.partials:
-                self._supersede_partials(parent, tokens_b)
-            node = m.tree.add_full(parent, key, tokens_b)
-        for g in m._publish_groups:
-            mine = self._pages[g][b]
-            if mine is None:
-                continue
-            theirs = node.pages[g]
-            if theirs is mine:
-                continue
-            if theirs is None:
-                node.pages[g] = mine
-                mine.node = node
-                m._event(EventKind.STORED, node, g, mine.level, tokens_b)
-            elif theirs.level == 0 and mine.node is None:
-                # Rebase onto the identical tree block and free our copy.
-                theirs.store.lock(theirs)
-                theirs.reused = True
-                self._pages[g][b] = theirs
-                mine.store.unlock(mine)
-                m._stats.groups[g].rebased_blocks += 1
-                self._version += 1
-        self._nodes.append(node)
-        self._published = b + 1
+        tpb = self._tpb
+        tree = m.tree
+        groups = m._publish_groups
+        events = bool(m._sinks)
+        stats = m._stats.groups
+        self._block_key(b1 - 1)
+        keys = self._keys
+        tokens = self._tokens
+        all_pages = self._pages
+        nodes = self._nodes
+        parent = self._parent_node(b0)
+        for b in range(b0, b1):
+            if parent is None:
+                self._commit_on = False
+                return
+            key = keys[b]
+            node = parent.children.get(key)
+            if node is None:
+                tokens_b = tuple(tokens[b * tpb : (b + 1) * tpb])
+                if parent.partials:
+                    self._supersede_partials(parent, tokens_b)
+                node = tree.add_full(parent, key, tokens_b)
+            for g in groups:
+                mine = all_pages[g][b]
+                if mine is None:
+                    continue
+                theirs = node.pages[g]
+                if theirs is mine:
+                    continue
+                if theirs is None:
+                    node.pages[g] = mine
+                    mine.node = node
+                    if events:
+                        m._event(EventKind.STORED, node, g, mine.level, node.tokens)
+                elif theirs.level == 0 and mine.node is None:
+                    # Rebase onto the identical tree block and free our copy.
+                    theirs.store.lock(theirs)
+                    theirs.reused = True
+                    all_pages[g][b] = theirs
+                    mine.store.unlock(mine)
+                    stats[g].rebased_blocks += 1
+                    self._version += 1
+            nodes.append(node)
+            self._published = b + 1
+            parent = node
 
     def _supersede_partials(self, parent: Node, tokens: tuple) -> None:
         """Remove partial children that ``tokens`` covers (the longer block wins)."""
@@ -788,6 +822,7 @@ class KVCache:
                         live.node = node
                         m._event(EventKind.STORED, node, g, live.level)
         active = self._status is CacheStatus.ACTIVE
+        self._drop_scratch()
         # Deepest block first, every group of a block together: the LRU order then evicts
         # a chain from its tail, and no group's pages of a block age apart from the others.
         depth = max((len(self._pages[g]) for g in m._attn_groups), default=0)
@@ -817,6 +852,125 @@ class KVCache:
         self._status = CacheStatus.CLOSED
         self._version += 1
         m._open.pop(id(self), None)
+
+    # -- SWA scratch pages (kvcm_core.scratch, docs/semantics.md) ------------------------------
+
+    def scratch(self, group: int) -> ScratchDesc | None:
+        """This step's scratch blocks of one cache group, or None (no scratch blocks this
+        step, the group has no scratch, or history moved past the step).
+
+        Scratch blocks show ``BAD_PAGE_INDEX`` in :meth:`get_base_page_indices`; a
+        buffer's page indices for them come from
+        ``manager.get_page_index_converter(layer_id, role).convert(table, desc)``.
+        """
+        m = self._m
+        if isinstance(group, bool) or not isinstance(group, int | np.integer) or not (
+                0 <= group < len(m.life_cycles)):
+            raise ValueError(f"group={group!r}: must be a cache group id in "
+                             f"0..{len(m.life_cycles) - 1}")
+        rng = self._scratch_range.get(int(group))
+        if rng is None or rng[1] <= rng[0] or not self._scratch_live or \
+                self._status is not CacheStatus.ACTIVE:
+            return None
+        sc = m.config.swa_scratch
+        assert sc is not None
+        return ScratchDesc(rng[0], rng[1], tuple(p.slot for p in self._scratch_slots[group]),
+                           sc.scratch_pages_per_block)
+
+    def _plan_scratch(self, capacity: int, history: int, nb_new: int,
+                      releases: list[tuple[int, int]], grow: dict[int, list[int]],
+                      needs: dict[int, int]) -> dict[int, tuple[int, int, int, int, list[int]]]:
+        """Plan this step's scratch blocks per scratch group, adjusting ``releases``,
+        ``grow`` and ``needs`` of :meth:`resize` in place. Returns ``group -> (begin, end,
+        scratch slots to take, scratch slots to drop, blocks to give a page again)``.
+
+        Scratch blocks: new blocks (first token at or after ``history``) stale at
+        ``max(0, capacity - max_rewind_len)`` (never sinks), at most what
+        ``max_scratch_slots`` hold; the rest get ordinary pages."""
+        m = self._m
+        tpb = self._tpb
+        sc = m.config.swa_scratch
+        assert sc is not None
+        keep_c = max(0, capacity - m.config.max_rewind_len)
+        first_new = -(-history // tpb)
+        released = set(releases)
+        plan: dict[int, tuple[int, int, int, int, list[int]]] = {}
+        for g in m._scratch_groups:
+            lc = m.life_cycles[g]
+            pages_g = self._pages[g]
+            old_nb = len(pages_g)
+            pg = m._gpu_store[g].pool_group
+            start, stop = lc.stale_range(keep_c, tpb)
+            begin = max(first_new, start)
+            end = min(stop, nb_new, begin + m._scratch_max_blocks[g])
+            if end <= begin:
+                begin = end = 0
+            k = scratch_slots_needed(end - begin, sc.scratch_pages_per_block,
+                                     m._scratch_scales[g])
+            have = len(self._scratch_slots.get(g, ()))
+            # Blocks of the range hold no page: pages they still have (an earlier resize of
+            # this step) hold nothing needed (they start at or after history).
+            for b in range(begin, min(end, old_nb)):
+                if pages_g[b] is not None and (g, b) not in released:
+                    releases.append((g, b))
+                    released.add((g, b))
+            if g in grow:
+                kept = [b for b in grow[g] if not begin <= b < end]
+                needs[pg] -= len(grow[g]) - len(kept)
+                grow[g] = kept
+            # Blocks an earlier range left without a page that are needed again.
+            s_h, e_h = lc.stale_range(history, tpb)
+            ob, oe = self._scratch_range.get(g, (0, 0))
+            fill = [b for b in range(ob, min(oe, old_nb, nb_new))
+                    if pages_g[b] is None and not s_h <= b < e_h and not begin <= b < end]
+            if fill:
+                grow[g] = sorted(grow.get(g, []) + fill)
+                needs[pg] = needs.get(pg, 0) + len(fill)
+            take = max(0, k - have)
+            drop = have if k == 0 else 0
+            if take:
+                needs[pg] = needs.get(pg, 0) + take
+            plan[g] = (begin, end, take, drop, fill)
+        return plan
+
+    def _apply_scratch(self, plan: dict[int, tuple[int, int, int, int, list[int]]],
+                       history: int) -> None:
+        """Carry out :meth:`_plan_scratch` (after resize checked that level 0 has room)."""
+        m = self._m
+        changed = False
+        for g, (begin, end, take, drop, fill) in plan.items():
+            slots = self._scratch_slots.setdefault(g, [])
+            if drop:
+                for page in reversed(slots):
+                    page.store.unlock(page)
+                slots.clear()
+                changed = True
+            if take:
+                pages = m._take(g, take)
+                for page in pages:
+                    page.store.lock(page)
+                slots.extend(pages)
+                changed = True
+            if self._scratch_range.get(g, (0, 0)) != (begin, end):
+                changed = True
+            self._scratch_range[g] = (begin, end)
+            for b in fill:
+                if b * self._tpb < history:  # its tokens were lost with the scratch page
+                    self._recompute.setdefault(g, []).append(b)
+        self._scratch_live = True
+        if changed:
+            self._version += 1
+
+    def _drop_scratch(self) -> None:
+        """Release every scratch slot (suspend, close)."""
+        for slots in self._scratch_slots.values():
+            for page in reversed(slots):
+                page.store.unlock(page)
+            slots.clear()
+        if self._scratch_range:
+            self._scratch_range.clear()
+            self._version += 1
+        self._scratch_live = False
 
     # -- page tables ---------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,9 @@ def encode_tokens(tokens: TokenSeq) -> tuple[bytes, bool]:
 
 
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
+_INDEX_FANOUT = 8  # children scanned directly before a first-token index is kept
+_NO_CHILDREN: dict = {}  # shared, never mutated: a node's children until its first one
+_NO_PARTIALS: list = []  # likewise for partial children
 
 
 def check_tokens(tokens: Sequence[Any]) -> None:
@@ -151,8 +154,10 @@ class Node:
         self.ordinal = ordinal
         self.tokens = tokens
         self.pages: list[Any] = [None] * num_groups
-        self.children: dict[bytes, Node] = {}
-        self.partials: list[Node] = []
+        # Shared empty containers until the first child: most nodes are leaves or have one
+        # child, and fewer container objects mean less allocation and garbage collection.
+        self.children: dict[bytes, Node] = _NO_CHILDREN
+        self.partials: list[Node] = _NO_PARTIALS
         # Children by first token, so partial matching never scans a wide fan-out.
         self.by_first: dict[Any, list[Node]] | None = None
 
@@ -213,9 +218,17 @@ class PrefixTree:
 
     @staticmethod
     def _index(parent: Node, node: Node) -> None:
-        if parent.by_first is None:
-            parent.by_first = {}
-        parent.by_first.setdefault(node.tokens[0], []).append(node)
+        # Most nodes have one child: index a parent only once its fan-out is wide enough
+        # that scanning its children would cost more than keeping the index.
+        by_first = parent.by_first
+        if by_first is None:
+            if len(parent.children) + len(parent.partials) <= _INDEX_FANOUT:
+                return
+            by_first = parent.by_first = {}
+            for child in parent.iter_children():
+                by_first.setdefault(child.tokens[0], []).append(child)
+            return
+        by_first.setdefault(node.tokens[0], []).append(node)
 
     @staticmethod
     def _unindex(parent: Node, node: Node) -> None:
@@ -228,14 +241,20 @@ class PrefixTree:
 
     def add_full(self, parent: Node, key: bytes, tokens: tuple) -> Node:
         node = Node(key, parent, parent.ordinal + 1, tokens, self.num_groups)
-        parent.children[key] = node
+        if parent.children is _NO_CHILDREN:
+            parent.children = {key: node}
+        else:
+            parent.children[key] = node
         self._index(parent, node)
         self.num_nodes += 1
         return node
 
     def add_partial(self, parent: Node, tokens: tuple) -> Node:
         node = Node(None, parent, parent.ordinal + 1, tokens, self.num_groups)
-        parent.partials.append(node)
+        if parent.partials is _NO_PARTIALS:
+            parent.partials = [node]
+        else:
+            parent.partials.append(node)
         self._index(parent, node)
         self.num_nodes += 1
         return node
@@ -259,9 +278,13 @@ class PrefixTree:
         """The child of ``parent`` sharing the longest prefix with ``tokens[:limit]``."""
         best, best_len = None, 0
         want = tokens[:limit]
-        if len(want) == 0 or parent.by_first is None:
+        if len(want) == 0:
             return None, 0
-        for child in parent.by_first.get(want[0], ()):
+        if parent.by_first is None:
+            candidates: Iterable[Node] = parent.iter_children()
+        else:
+            candidates = parent.by_first.get(want[0], ())
+        for child in candidates:
             n = common_prefix(child.tokens, want)
             if n > best_len:
                 best, best_len = child, n
