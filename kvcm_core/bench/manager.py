@@ -24,14 +24,13 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import statistics
 import sys
 import time
-from datetime import UTC, datetime
 from typing import Any
 
+from kvcm_core.bench import result_header, write_result
 from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
 from kvcm_core.manager import KVCacheManager
 
@@ -271,24 +270,16 @@ def main(argv: list[str] | None = None) -> int:
     results["lookup_scaling"] = {"block_size": tpb0,
                                  **run_lookup_scaling(args, tpb0, args.seed)}
     print("lookup scaling:", json.dumps(results["lookup_scaling"], indent=1), flush=True)
-    import kvcm_core
     doc = {
-        "what": "kvcm KVCacheManager host (CPU) overhead, numpy backend, workload shapes of "
-                "shared/peer_bench/vllm_host_overhead.py",
-        "kvcm_version": kvcm_core.__version__,
-        "python_version": platform.python_version(),
-        "machine": {"nproc": os.cpu_count(), "platform": platform.platform(),
-                    "processor": platform.processor(), "pinned_cpu": pinned},
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **result_header("kvcm KVCacheManager host (CPU) overhead, numpy backend, workload "
+                        "shapes of shared/peer_bench/vllm_host_overhead.py"),
+        "pinned_cpu": pinned,
         "config": vars(args),
         "timer": "time.perf_counter_ns; median and min over reps of per-rep means; gc frozen "
                  "after setup",
         "results": results,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(doc, fh, indent=1)
-    print(f"wrote {args.out}")
+    write_result(doc, args.out)
     return 0
 
 

@@ -19,15 +19,12 @@ prefix hit rate (reused tokens / looked-up tokens) of both runs on the same trac
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import random
 import sys
 import time
-from datetime import UTC, datetime
 from typing import Any
 
+from kvcm_core.bench import result_header, write_result
 from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
 from kvcm_core.manager import KVCacheManager
 from kvcm_core.testing.engine import EngineLoop, Request
@@ -132,21 +129,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['run']:>32}: prefix hit rate {r['hit_rate']:.3f} "
               f"({r['hit_tokens']}/{r['lookup_tokens']} tokens), {r['dropped_blocks']} "
               f"blocks dropped, {r['checked_pages']} pages verified, {r['seconds']:.1f} s")
-    import kvcm_core
-
     doc = {
-        "what": "prefix hit rate of a mixed-precision companion: REQUIRED vs SINK_REQUIRED_ONLY",
-        "kvcm_version": kvcm_core.__version__,
-        "python_version": platform.python_version(),
-        "platform": platform.platform(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **result_header("prefix hit rate of a mixed-precision companion: REQUIRED vs "
+                        "SINK_REQUIRED_ONLY"),
         "config": vars(args),
         "results": results,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(doc, fh, indent=1)
-    print(f"wrote {args.out}")
+    write_result(doc, args.out)
     return 0
 
 
