@@ -8,9 +8,11 @@ other threads.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
 from kvcm_core.backend import CopyTask, KernelBackend, PageRegion, Stream
@@ -25,6 +27,7 @@ from kvcm_core.migration import Mover
 from kvcm_core.plugins import KvcmPluginManager, get_plugin_manager
 from kvcm_core.radix import Node, PrefixTree, scope_root_key
 from kvcm_core.records import CodecKind, Medium
+from kvcm_core.scratch import max_scratch_blocks, validate_scratch_layout
 from kvcm_core.stats import IterationStats
 from kvcm_core.storage import Page, PoolGroupStore, StorageStatistics
 from kvcm_core.tier import DevicePool
@@ -56,6 +59,15 @@ class KVCacheManager:
         self.kernel_backend: str = backend_spec.name
         self.registry = LifeCycleRegistry(config)
         self.layout = StorageLayout(self.registry)
+        # SWA scratch (kvcm_core.scratch): group -> scale of each pool of its pool group,
+        # and the most scratch blocks max_scratch_slots hold.
+        self._scratch_scales = validate_scratch_layout(config, self.registry, self.layout)
+        self._scratch_groups = sorted(self._scratch_scales)
+        self._scratch_max_blocks = {
+            g: max_scratch_blocks(config.swa_scratch.max_scratch_slots,
+                                  config.swa_scratch.scratch_pages_per_block, scales)
+            for g, scales in self._scratch_scales.items()
+        } if config.swa_scratch is not None else {}
         self.life_cycles = self.registry.life_cycles
         policy_spec = pm.eviction_policy(config.eviction_policy)
         self._make_policy: Callable[[], Any] = lambda: policy_spec.factory({})
@@ -150,6 +162,7 @@ class KVCacheManager:
         self._ids = itertools.count()
         self._events: list[BlockEvent] = []
         self._sinks = pm.event_sinks(config)
+        self.event_sink_errors: dict[str, int] = {}
         self._stats = IterationStats.empty(len(lcs), len(config.levels))
         self._closed = False
         self._epoch = 0  # bumped whenever a page moves: page tables read it
@@ -208,8 +221,15 @@ class KVCacheManager:
         return PageRegion(pool.buffer, attr.offset, pool.slot_bytes)
 
     def get_page_index_converter(self, layer_id: int, role: str) -> PageIndexConverter:
-        self.registry.get_buffer_group_id(layer_id, role)
-        return self.layout.converter((layer_id, role))
+        """``(scale, offset, expansion)`` of a buffer's page indices, and, for buffers of an
+        SWA scratch group, ``scratch_pages_per_block`` (``convert`` maps scratch blocks)."""
+        group = self.registry.get_buffer_group_id(layer_id, role)
+        conv = self.layout.converter((layer_id, role))
+        if group in self._scratch_scales:
+            assert self.config.swa_scratch is not None
+            conv = attrs.evolve(conv, scratch_pages_per_block=(
+                self.config.swa_scratch.scratch_pages_per_block))
+        return conv
 
     @property
     def pool_group_descs(self) -> list[dict[str, Any]]:
@@ -639,12 +659,24 @@ class KVCacheManager:
         return self._tiers[level].capabilities.medium.value
 
     def flush_events(self) -> None:
-        """Deliver pending events to the event sinks."""
+        """Deliver pending events to the event sinks.
+
+        A sink that raises never disturbs the manager: the batch is counted in
+        ``event_sink_errors`` (per sink) and a warning names the sink once.
+        """
         if not self._events:
             return
         batch, self._events = self._events, []
         for sink in self._sinks:
-            sink.on_events(batch)
+            try:
+                sink.on_events(batch)
+            except Exception as exc:  # a sink's failure must not break the engine's step
+                name = type(sink).__name__
+                if name not in self.event_sink_errors:
+                    warnings.warn(f"kvcm event sink {name} raised {type(exc).__name__}: "
+                                  f"{exc}; its events are dropped and counted",
+                                  RuntimeWarning, stacklevel=2)
+                self.event_sink_errors[name] = self.event_sink_errors.get(name, 0) + 1
 
     # -- whole-manager operations -------------------------------------------------------------
 
