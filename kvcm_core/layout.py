@@ -10,8 +10,10 @@ block in every pool of the group.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
+import numpy as np
 
 from kvcm_core.codec import BufferPlace, PageLayout
 from kvcm_core.errors import ConfigError
@@ -38,12 +40,28 @@ class PageIndexConverter:
 
     In the SHARED index space a pool is an array of pages of the buffer's size starting at
     the pool's base, so ``scale = slot_bytes // size`` and ``offset = offset_in_slot //
-    size``. ``BAD_PAGE_INDEX`` stays as it is.
+    size``. ``BAD_PAGE_INDEX`` stays as it is. Blocks of an SWA scratch range map into
+    their scratch slots' sub-pages (:meth:`convert`, :mod:`kvcm_core.scratch`).
     """
 
     scale: int
     offset: int
     expansion: int = 1
+    #: SWA scratch: sub-pages per scratch block (0: the buffer's group has no scratch).
+    scratch_pages_per_block: int = 0
+
+    def convert(self, base: Any, scratch: Any = None) -> np.ndarray:
+        """Page indices of this buffer for a base page table (int32, last axis blocks).
+
+        Ordinary blocks: ``slot * scale + offset``; the blocks of ``scratch`` (a
+        :class:`~kvcm_core.scratch.ScratchDesc` from ``cache.scratch(group)``): their
+        rotated index in the scratch slots; ``BAD_PAGE_INDEX`` stays as it is. NumPy here;
+        see :func:`kvcm_core.scratch.convert_with_scratch`.
+        """
+        from kvcm_core.scratch import convert_with_scratch
+
+        return convert_with_scratch(base, self.scale, self.offset, self.expansion,
+                                    self.scratch_pages_per_block, scratch)
 
 
 @attrs.frozen

@@ -105,6 +105,15 @@ class FingerprintEngine:
                         layer.layer_id, buf.role, ordinal, group, buf.size, False,
                         layer.sliding_window_size, -(-layer.num_sink_tokens // tpb)))
         self.buffers: tuple[_Buffer, ...] = tuple(buffers)
+        # SWA scratch: the layers in the order a model runs them, and every attention
+        # buffer's converter and pool base (page index i is at pool_base + i * size).
+        self._layer_order = sorted({b.layer_id for b in buffers if not b.is_ssm})
+        self._conv = {(b.layer_id, b.role): manager.get_page_index_converter(b.layer_id, b.role)
+                      for b in buffers if not b.is_ssm}
+        self._pool_base = {
+            (b.layer_id, b.role): manager.get_mem_pool_base_address(b.layer_id, b.role)
+            - manager.buffer_attr(b.layer_id, b.role).offset
+            for b in buffers if not b.is_ssm}
         self.checked_pages = 0
         self.written_pages = 0
         self._ssm_pending: dict[int, StepWork] = {}  # id(cache) -> state to reconstruct
@@ -236,11 +245,151 @@ class FingerprintEngine:
         if np.any(stale != BAD_PAGE_INDEX):
             raise FingerprintMismatch(f"{where}: stale blocks [{s0}, {s1}) hold {stale}, "
                                       "expected BAD_PAGE_INDEX")
-        needed = np.concatenate([table[:s0], table[s1:]])
+        desc = self._scratch_desc(cache, buf.group)
+        if desc is None:
+            needed = np.concatenate([table[:s0], table[s1:]])
+        else:
+            self._check_scratch(cache, buf, table, nb, desc, num_slots, where)
+            keep = np.ones(nb, dtype=bool)
+            keep[s0:s1] = False
+            keep[desc.begin : desc.end] = False
+            needed = table[keep]
         if needed.size and (needed.min() < 0 or needed.max() >= num_slots):
             raise FingerprintMismatch(f"{where}: needed blocks have invalid pages {table}")
         if len(np.unique(needed)) != needed.size:
             raise FingerprintMismatch(f"{where}: two blocks share one page: {table}")
+
+    # -- SWA scratch: layer by layer ------------------------------------------------------------
+
+    @staticmethod
+    def _scratch_desc(cache: Any, group: int) -> Any:
+        get = getattr(cache, "scratch", None)
+        return None if get is None else get(group)
+
+    def _has_scratch(self, cache: Any) -> bool:
+        return any(self._scratch_desc(cache, g) is not None
+                   for g in {b.group for b in self.buffers if not b.is_ssm})
+
+    def _check_scratch(self, cache: Any, buf: _Buffer, table: np.ndarray, nb: int, desc: Any,
+                       num_slots: int, where: str) -> None:
+        """The scratch rule, from the layer config: scratch blocks start at or after
+        history, end within capacity, and are stale once history reaches ``max(0,
+        capacity - max_rewind_len)`` (never sinks); they show BAD; their slot ids are
+        valid, distinct, enough for the range, and no page of the cache in that pool group.
+        """
+        tpb = self.tpb
+        m = self.manager
+        hist, cap = cache.history_length, cache.capacity
+        keep = max(0, cap - m.config.max_rewind_len)
+        k0, k1 = _stale(buf, keep, tpb)
+        b0, b1 = desc.begin, desc.end
+        if not (-(-hist // tpb) <= b0 < b1 <= nb and k0 <= b0 and b1 <= k1):
+            raise FingerprintMismatch(
+                f"{where}: scratch blocks [{b0}, {b1}) break the rule: they must start at or "
+                f"after history ({hist} tokens) and be stale at {keep} tokens (stale "
+                f"[{k0}, {k1}), {nb} blocks)")
+        if np.any(table[b0:b1] != BAD_PAGE_INDEX):
+            raise FingerprintMismatch(f"{where}: scratch blocks [{b0}, {b1}) hold pages "
+                                      f"{table[b0:b1]}, expected BAD_PAGE_INDEX")
+        ids = np.asarray(desc.slot_ids, dtype=np.int64)
+        conv = self._conv[(buf.layer_id, buf.role)]
+        spb = desc.scratch_pages_per_block
+        want = -(-(b1 - b0) * spb // conv.scale)
+        if (ids.size < want or len(np.unique(ids)) != ids.size
+                or (ids.size and (ids.min() < 0 or ids.max() >= num_slots))):
+            raise FingerprintMismatch(f"{where}: scratch slots {desc.slot_ids} invalid for "
+                                      f"{b1 - b0} blocks of {spb} sub-pages ({want} needed)")
+        pool_group = m.layout.group_to_pool_group[buf.group]
+        for g, pgid in m.layout.group_to_pool_group.items():
+            if pgid == pool_group:
+                used = np.asarray(cache.get_base_page_indices(g))
+                if np.isin(ids, used).any():
+                    raise FingerprintMismatch(f"{where}: a scratch slot of {desc.slot_ids} "
+                                              f"is also a page of group {g}: {used}")
+
+    def _layer_pages(self, work: list[StepWork], layer_id: int,
+                     writing: bool) -> FingerprintPages | None:
+        """One layer's attention pages: ``writing``: the records of ``[history,
+        capacity)``; else every page the chunk's queries read (blocks not stale at history
+        and below ``ceil(capacity / tpb)``, with their tokens below capacity). Pages are
+        addressed through the page-index converter (scratch blocks included)."""
+        tpb = self.tpb
+        addr, nbytes, tok, begin, end, pos, tags = [], [], [], [], [], [], []
+        for w in work:
+            cache = w.cache
+            hist, cap = cache.history_length, cache.capacity
+            nb = -(-cap // tpb)
+            if cap <= hist:
+                continue
+            ids = np.zeros(nb * tpb, dtype=np.uint32)
+            known = min(len(w.tokens), cap)
+            ids[:known] = _ids(w.tokens, known)
+            block_ids = ids.reshape(nb, tpb)
+            for buf in self.buffers:
+                if buf.layer_id != layer_id or buf.is_ssm:
+                    continue
+                key = (buf.layer_id, buf.role)
+                table = np.asarray(cache.get_base_page_indices(buf.group, w.beam))
+                index = self._conv[key].convert(table, self._scratch_desc(cache, buf.group))
+                s0, s1 = _stale(buf, hist, tpb)
+                blocks = np.arange(hist // tpb if writing else 0, nb)
+                blocks = blocks[(blocks < s0) | (blocks >= s1)]
+                if blocks.size == 0:
+                    continue
+                idx = index[blocks].astype(np.int64)
+                if np.any(idx == BAD_PAGE_INDEX):
+                    raise FingerprintMismatch(
+                        f"cache {cache.id!r} layer {buf.layer_id}/{buf.role}: blocks "
+                        f"{blocks[idx == BAD_PAGE_INDEX].tolist()} have no page index")
+                first = blocks * tpb
+                addr.append(self._pool_base[key] + idx * buf.size)
+                nbytes.append(np.full(blocks.size, buf.size, dtype=np.int64))
+                tok.append(block_ids[blocks])
+                lo = hist if writing else 0
+                begin.append(np.clip(lo - first, 0, tpb).astype(np.int32))
+                end.append(np.clip(cap - first, 0, tpb).astype(np.int32))
+                pos.append(first.astype(np.int64))
+                tag = np.array([buf.layer_id, (buf.ordinal << 16) | w.beam], dtype=np.uint32)
+                tags.append(np.broadcast_to(tag, (blocks.size, 2)))
+        if not addr:
+            return None
+        n = sum(len(a) for a in addr)
+        return FingerprintPages(
+            addresses=np.concatenate(addr), page_bytes=np.concatenate(nbytes),
+            record_slots=np.full(n, tpb, dtype=np.int32), token_ids=np.concatenate(tok),
+            begin=np.concatenate(begin), end=np.concatenate(end),
+            positions=np.concatenate(pos), tags=np.concatenate(tags).astype(np.uint32),
+        )
+
+    def _write_by_layer(self, work: list[StepWork]) -> None:
+        """The write step of caches with scratch blocks, the way a model runs: SSM state
+        first, then for each layer (by layer id) write its records of ``[history,
+        capacity)`` and at once check every page its attention reads this step, before the
+        next layer overwrites the scratch sub-pages."""
+        pages = self._rows(work, writing=True, ssm_only=True)
+        if pages is not None:
+            self.backend.fingerprint_write(pages)
+            self.written_pages += len(pages)
+        for layer_id in self._layer_order:
+            pages = self._layer_pages(work, layer_id, writing=True)
+            if pages is None:
+                continue
+            self.backend.fingerprint_write(pages)
+            self.written_pages += len(pages)
+            pages = self._layer_pages(work, layer_id, writing=False)
+            assert pages is not None
+            ok = self.backend.fingerprint_check(pages)
+            self.checked_pages += len(pages)
+            if not ok.all():
+                bad = int(np.nonzero(~ok)[0][0])
+                raise FingerprintMismatch(
+                    f"layer {layer_id}, right after writing it: page at address "
+                    f"{int(pages.addresses[bad]):#x} (positions "
+                    f"{int(pages.positions[bad]) + int(pages.begin[bad])}.."
+                    f"{int(pages.positions[bad]) + int(pages.end[bad]) - 1}, buffer "
+                    f"{int(pages.tags[bad, 1]) >> 16}) does not hold its tokens' records; "
+                    f"{int((~ok).sum())} bad pages of {len(ok)} "
+                    f"({', '.join(repr(w.cache.id) for w in work[:8])})")
 
     # -- the two steps --------------------------------------------------------------------------
 
@@ -303,8 +452,17 @@ class FingerprintEngine:
             )
 
     def write(self, work: Iterable[StepWork]) -> None:
-        """Write the records of ``[history, capacity)`` (and the SSM state at capacity)."""
-        pages = self._rows(list(work), writing=True)
+        """Write the records of ``[history, capacity)`` (and the SSM state at capacity).
+
+        Caches with SWA scratch blocks this step are written layer by layer, each layer
+        checked right after it is written (see :meth:`_write_by_layer`)."""
+        work = list(work)
+        layered = ([w for w in work if self._has_scratch(w.cache)]
+                   if self.manager.config.swa_scratch is not None else [])
+        if layered:
+            self._write_by_layer(layered)
+            work = [w for w in work if not any(w is x for x in layered)]
+        pages = self._rows(work, writing=True)
         if pages is None:
             return
         self.backend.fingerprint_write(pages)

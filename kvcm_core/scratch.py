@@ -1,0 +1,270 @@
+"""SWA scratch pages for chunked prefill (concepts.md §5, docs/semantics.md).
+
+A model runs layer by layer. During a prefill chunk ``[H, C)`` a windowed block that will
+be stale once history reaches ``C`` (stale at ``max(0, C - max_rewind_len)``, so a rewind
+never needs it; sink blocks never) is read only by the attention of each layer in this
+step. Such a *scratch block* gets no slot of its own: the blocks of one step share a few
+*scratch slots* of their cache group's pool group.
+
+Index arithmetic (one pool of the group; ``scale = slot_bytes // page_size`` sub-pages per
+slot, a buffer at sub-page ``layer_offset = offset // page_size``, ``spb`` =
+``scratch_pages_per_block``). Scratch block ``b`` of the range ``[begin, end)``, at
+position ``p = b - begin``::
+
+    total = p * spb
+    slot  = slot_ids[total // scale]
+    sub   = (total % scale + layer_offset) % scale
+    index = slot * scale + sub           # in units of the page size, from the pool base
+
+So a scratch slot holds ``scale / spb`` blocks instead of one. Different layers of one
+block never share a sub-page (their ``layer_offset`` differ modulo ``scale``), and, where
+the configuration passes :func:`validate_scratch_layout`, different blocks of one layer
+never share one either. Different layers of *different* blocks may share a sub-page (layer
+``l + 1``'s block ``p`` reuses layer ``l``'s block ``p + 1`` sub-page when ``spb`` equals
+a layer's buffer count): that is safe only because the model finishes layer ``l`` (its
+writes and its attention reads) before layer ``l + 1`` starts. A scratch page holds
+nothing after the step.
+
+When ``spb`` does not divide ``scale``, a block's nominal sub-pages
+``[total, total + spb)`` may cross the end of its slot. kvcm keeps every buffer of such a
+block in the slot where the block starts (``slot_ids[total // scale]``), folding the
+sub-page index back with the modulo. The folded sub-pages must not meet those of the
+first block of the same slot for the same layer: :func:`validate_scratch_layout` proves
+this for every pool at manager construction (the pattern repeats every
+``spb / gcd(spb, scale)`` slots) and raises :class:`~kvcm_core.errors.ConfigError`
+naming the layer otherwise.
+
+A pool group whose pools have different scales (buffers of different page sizes, each
+layer present in some pools only: *unequal membership*) uses one list of slot ids for all
+its pools; a range of ``n`` blocks needs ``max over pools of ceil(n * spb / scale)`` of
+them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+
+from kvcm_core.backend import BAD_PAGE_INDEX
+from kvcm_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvcm_core.config import KVCacheManagerConfig
+    from kvcm_core.layout import StorageLayout
+    from kvcm_core.lifecycle import LifeCycleRegistry
+
+__all__ = [
+    "ScratchDesc",
+    "convert_with_scratch",
+    "max_scratch_blocks",
+    "scratch_page_index",
+    "scratch_slots_needed",
+    "validate_scratch_layout",
+]
+
+_I32_MAX = (1 << 31) - 1
+
+
+def _slot_ids(value: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in value)
+
+
+@attrs.frozen
+class ScratchDesc:
+    """The scratch blocks of one cache group of one cache for the current step.
+
+    Attributes:
+        begin: first scratch block.
+        end: one past the last scratch block (``end > begin``).
+        slot_ids: the cache's scratch slots of the group (slot ids of its pool group), in
+            the order the index arithmetic uses them.
+        scratch_pages_per_block: ``spb``, sub-pages per block in a scratch slot.
+    """
+
+    begin: int
+    end: int
+    slot_ids: tuple[int, ...] = attrs.field(converter=_slot_ids)
+    scratch_pages_per_block: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def slot_id_array(self) -> np.ndarray:
+        """The slot ids as an int32 array (what a kernel reads)."""
+        return np.asarray(self.slot_ids, dtype=np.int32)
+
+    def __contains__(self, block: object) -> bool:
+        return isinstance(block, int | np.integer) and self.begin <= int(block) < self.end
+
+
+def scratch_slots_needed(num_blocks: int, spb: int, scales: Sequence[int]) -> int:
+    """Slot ids a range of ``num_blocks`` scratch blocks needs (shared by all pools)."""
+    if num_blocks <= 0:
+        return 0
+    return max(-(-num_blocks * spb // s) for s in scales)
+
+
+def max_scratch_blocks(max_slots: int, spb: int, scales: Sequence[int]) -> int:
+    """The most scratch blocks ``max_slots`` slot ids can hold in every pool."""
+    return min(max_slots * s // spb for s in scales)
+
+
+def scratch_page_index(position: int, layer_offset: int, scale: int, spb: int,
+                       slot_ids: Sequence[int]) -> int:
+    """Page index (units of the page size, from the pool base) of a buffer at sub-page
+    ``layer_offset`` for the scratch block at ``position`` of its range."""
+    total = position * spb
+    slot = int(slot_ids[total // scale])
+    return slot * scale + (total % scale + layer_offset) % scale
+
+
+def convert_with_scratch(base: np.ndarray, scale: int, offset: int, expansion: int,
+                         spb: int, scratch: ScratchDesc | None) -> np.ndarray:
+    """A base page table (slot ids, ``BAD_PAGE_INDEX`` for absent or stale blocks) to one
+    buffer's page indices: ``out[..., i*expansion + e] = slot * scale + offset + e`` for
+    ordinary blocks, the rotated scratch index for the blocks of ``scratch``, and
+    ``BAD_PAGE_INDEX`` (all ``expansion`` of them) where the base table has it.
+
+    With ``expansion > 1`` the converter counts units of ``page_size / expansion``, so the
+    scratch arithmetic runs in whole pages (``scale // expansion`` sub-pages a slot, the
+    buffer at ``offset // expansion``) and each page expands to ``expansion`` units.
+    Output is int32, like :meth:`KernelBackend.convert_page_indices`.
+    """
+    slots = np.asarray(base)
+    if slots.ndim == 0:
+        raise ValueError("base must be an array of slot ids (last axis: blocks)")
+    idx = slots.astype(np.int64) * scale + offset
+    bad = slots == BAD_PAGE_INDEX
+    if scratch is not None and scratch.end > scratch.begin:
+        if spb <= 0:
+            raise ValueError("this buffer is not in an SWA scratch group "
+                             "(scratch_pages_per_block is 0); pass scratch=None")
+        if scratch.scratch_pages_per_block != spb:
+            raise ValueError(
+                f"scratch descriptor has scratch_pages_per_block="
+                f"{scratch.scratch_pages_per_block}, the converter {spb}")
+        nb = slots.shape[-1]
+        blocks = np.arange(scratch.begin, min(scratch.end, nb), dtype=np.int64)
+        if blocks.size:
+            unit_scale, unit_offset = scale // expansion, offset // expansion
+            total = (blocks - scratch.begin) * spb
+            which = total // unit_scale
+            ids = np.asarray(scratch.slot_ids, dtype=np.int64)
+            if which.max() >= ids.size:
+                raise ValueError(
+                    f"scratch descriptor has {ids.size} slot ids; blocks "
+                    f"[{scratch.begin}, {scratch.end}) need {int(which.max()) + 1}")
+            sub = (total % unit_scale + unit_offset) % unit_scale
+            idx[..., blocks] = (ids[which] * unit_scale + sub) * expansion
+            bad[..., blocks] = False
+    if expansion > 1:
+        idx = (idx[..., :, None] + np.arange(expansion, dtype=np.int64)).reshape(
+            *idx.shape[:-1], idx.shape[-1] * expansion)
+        bad = np.repeat(bad, expansion, axis=-1)
+    out = np.where(bad, BAD_PAGE_INDEX, idx)
+    if out.size and int(out.max()) > _I32_MAX:
+        raise OverflowError("page indices exceed int32")
+    return out.astype(np.int32)
+
+
+# -- construction-time validation ---------------------------------------------------------
+
+
+def _layer_spans(places: Mapping[tuple[int, str], Any], pool: int,
+                 members: set[tuple[int, str]], size_of: Mapping[tuple[int, str], int]
+                 ) -> dict[int, list[int]]:
+    """layer id -> sorted sub-page offsets of its buffers (of ``members``) in ``pool``."""
+    spans: dict[int, list[int]] = {}
+    for key, place in places.items():
+        if key in members and place.pool == pool:
+            spans.setdefault(key[0], []).append(place.offset // size_of[key])
+    for offs in spans.values():
+        offs.sort()
+    return spans
+
+
+def _wrap_gaps(scale: int, spb: int) -> list[tuple[int, int]]:
+    """For each slot of one period: (blocks starting in it, cyclic gap between its last
+    and its first block's sub-page windows)."""
+    period = spb // math.gcd(spb, scale)
+    out = []
+    for k in range(period):
+        first = -(-k * scale // spb)  # first block starting in slot k
+        last = -(-(k + 1) * scale // spb) - 1
+        m = last - first + 1
+        if m >= 2:
+            r0 = first * spb - k * scale
+            r1 = last * spb - k * scale
+            out.append((m, scale - (r1 - r0)))
+    return out
+
+
+def validate_scratch_layout(config: KVCacheManagerConfig, registry: LifeCycleRegistry,
+                            layout: StorageLayout) -> dict[int, tuple[int, ...]]:
+    """Check that the scratch arithmetic aliases nothing within a layer, for every pool of
+    every windowed (dense) cache group; returns ``group -> scale of each pool``.
+
+    Raises:
+        ConfigError: naming ``swa_scratch.scratch_pages_per_block`` and the layer.
+    """
+    sc = config.swa_scratch
+    if sc is None:
+        return {}
+    spb = sc.scratch_pages_per_block
+    field = "swa_scratch.scratch_pages_per_block"
+    index_of = {layer.layer_id: i for i, layer in enumerate(config.layers)}
+    out: dict[int, tuple[int, ...]] = {}
+    for g, lc in enumerate(registry.life_cycles):
+        if not lc.is_windowed or lc.sparse:
+            continue
+        members = {(lid, role) for lid, role, _ in registry.members[g]}  # type: ignore[index]
+        size_of = {(lid, role): size for lid, role, size in registry.members[g]}  # type: ignore[index]
+        pgid = layout.group_to_pool_group[g]  # type: ignore[index]
+        pg = layout.pool_groups[pgid]
+        scales = []
+        for pool, slot_bytes in enumerate(pg.slot_sizes):
+            sizes = {size_of[k] for k in members if pg.places[k].pool == pool}
+            (size,) = sizes  # one life cycle's pool coalesces one page size
+            scale = slot_bytes // size
+            scales.append(scale)
+            if spb > scale:
+                raise ConfigError(
+                    field, spb,
+                    f"must be <= the sub-pages per slot of every scratch pool: cache group "
+                    f"{g} ({lc.describe()}) pool {pool} holds {scale} pages of {size} bytes "
+                    "a slot")
+            spans = _layer_spans(pg.places, pool, members, size_of)
+            gaps = _wrap_gaps(scale, spb)
+            for layer_id, offs in spans.items():
+                where = f"layers[{index_of[layer_id]}] (layer_id={layer_id})"
+                n = len(offs)
+                if offs != list(range(offs[0], offs[0] + n)):
+                    raise ConfigError(
+                        field, spb,
+                        f"{where}: its buffers in pool {pool} of cache group {g} are not "
+                        f"contiguous sub-pages ({offs}); scratch blocks would alias")
+                if n > spb:
+                    raise ConfigError(
+                        field, spb,
+                        f"{where} has {n} buffers of {size} bytes in pool {pool} of cache "
+                        f"group {g}; a scratch block needs at least that many sub-pages "
+                        f"(scratch_pages_per_block >= {n}), else two blocks of the layer "
+                        "alias")
+                for m, gap in gaps:
+                    if gap < n:
+                        raise ConfigError(
+                            field, spb,
+                            f"{where}: with {scale} sub-pages a slot in pool {pool} of "
+                            f"cache group {g}, {m} scratch blocks start in one slot and "
+                            f"the last one's sub-pages wrap onto the first one's ({n} "
+                            f"buffers, gap {gap}); two blocks of the layer would alias. "
+                            "Use a scratch_pages_per_block that divides the slot's "
+                            "sub-pages")
+        out[g] = tuple(scales)
+    return out
