@@ -256,6 +256,9 @@ def validate_scratch_layout(config: KVCacheManagerConfig, registry: LifeCycleReg
                         f"group {g}; a scratch block needs at least that many sub-pages "
                         f"(scratch_pages_per_block >= {n}), else two blocks of the layer "
                         "alias")
+            for layer_id, offs in spans.items():
+                where = f"layers[{index_of[layer_id]}] (layer_id={layer_id})"
+                n = len(offs)
                 for m, gap in gaps:
                     if gap < n:
                         raise ConfigError(
