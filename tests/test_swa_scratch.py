@@ -557,3 +557,46 @@ def test_config_error_layer_with_more_buffers_than_spb_names_the_layer() -> None
         KVCacheManager(make_config(layers, swa_scratch=scratch_cfg(2)))
     assert err.value.field == "swa_scratch.scratch_pages_per_block"
     assert "layers[1] (layer_id=2) has 3 buffers" in err.value.rule
+
+
+def test_a_second_resize_in_one_step_reshapes_scratch_and_still_verifies(managers: Any) -> None:
+    m = managers(swa_model(), swa_scratch=scratch_cfg())
+    g = windowed_group(m)
+    d = Driver(m)
+    toks = tokens(200, seed=17)
+    cache = d.create(toks)
+    assert cache.resume()
+    prefill(d, cache, 40, 40)
+    assert cache.resize(100)
+    wide = cache.scratch(g)
+    assert cache.resize(64)  # the engine shrank the chunk: fewer blocks are stale by 64
+    narrow = cache.scratch(g)
+    assert wide is not None and narrow is not None and narrow.end < wide.end
+    table = cache.get_base_page_indices(g)
+    assert all(table[b] != BAD_PAGE_INDEX for b in range(narrow.end, cache.num_blocks))
+    d.engine.step([StepWork(cache, toks)])
+    cache.commit(toks[40:64])
+    prefill(d, cache, 120, 40)
+    d.check(cache)
+    assert_invariants(m)
+
+
+def test_a_commit_short_of_the_chunk_lists_lost_scratch_blocks_for_recompute(
+        managers: Any) -> None:
+    m = managers(swa_model(), swa_scratch=scratch_cfg())
+    g = windowed_group(m)
+    d = Driver(m)
+    toks = tokens(200, seed=18)
+    cache = d.create(toks)
+    assert cache.resume()
+    assert cache.resize(80)
+    desc = cache.scratch(g)
+    assert desc is not None
+    d.engine.step([StepWork(cache, toks)])
+    cache.commit(toks[:50])  # history 50 still needs blocks of the spent scratch range
+    assert cache.resize(60)
+    lost = cache.recompute_blocks(g)
+    assert lost and all(desc.begin <= b < desc.end and b * 4 < 50 for b in lost)
+    table = cache.get_base_page_indices(g)
+    assert all(table[b] != BAD_PAGE_INDEX for b in lost)
+    assert_invariants(m)
