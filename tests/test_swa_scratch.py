@@ -542,7 +542,7 @@ def test_config_error_spb_larger_than_the_sub_pages_of_a_slot_names_the_field() 
 def test_config_error_aliasing_layout_names_the_field_and_the_layer() -> None:
     # pool of 5 sub-pages (K/V, K/V, K): three blocks start in slot 0 and the third
     # one's sub-pages wrap onto the first one's for a two-buffer layer.
-    layers = swa_model(2, full=False) + [AttentionLayerConfig(
+    layers = [*swa_model(2, full=False), AttentionLayerConfig(
         layer_id=9, buffers=[BufferConfig(role="k", size=PAGE)], sliding_window_size=W,
         num_sink_tokens=SINKS)]
     with pytest.raises(ConfigError) as err:
