@@ -655,6 +655,25 @@ def test_private_state_is_suspended_offloaded_and_brought_back_bit_exact(stack, 
     assert_all_free(m)
 
 
+@pytest.mark.xfail(strict=True, reason="bug: commit adds a tree node for every full block "
+                   "even when no life cycle publishes a page (a PRIVATE-only model): the "
+                   "page-less nodes are never collected (the tree grows with every request) "
+                   "and, with no constraining life cycle, a match walks them: probe_reuse "
+                   "and hit_tokens report reuse while nothing is cached")
+def test_a_model_with_only_private_state_publishes_and_reuses_nothing():
+    m = manager([att(0, buf("k", policy=P.PRIVATE)), ssm(1, buf("s", 48, P.PRIVATE))])
+    d = Driver(m)
+    for seed in range(5):
+        d.write(tokens(24, seed))
+    assert [n for n in tree_nodes(m) if not n.has_pages() and not list(n.subtree())] == []
+    assert m.probe_reuse(None, tokens(24, 3)) == 0
+    m.get_and_reset_iteration_stats()
+    c = d.create(tokens(30, 3), 24)
+    assert c.history_length == 0
+    assert m.get_and_reset_iteration_stats().hit_tokens == 0
+    c.close()
+
+
 # -- SINK_REQUIRED_ONLY ---------------------------------------------------------------------------
 
 
