@@ -105,7 +105,7 @@ class KVCache:
         self._keys: list[bytes] = list(match.keys)
         self._nodes: list[Node] = list(match.nodes[: end // tpb])
         self._published = end // tpb
-        self._commit_on = True
+        self._commit_on = m._publishes_anything
         self._version = 0
         self._table_keys: list[Any] = [None] * len(m.life_cycles)
         self._tables: list[np.ndarray | None] = [None] * len(m.life_cycles)

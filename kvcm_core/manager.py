@@ -157,6 +157,8 @@ class KVCacheManager:
         self._prune_groups = [g for g, lc in enumerate(lcs)
                               if lc.constrains and g not in self._walk_groups]
         self._publish_groups = [g for g in self._attn_groups if lcs[g].publishes]
+        # A model whose every life cycle is PRIVATE publishes nothing: no tree at all.
+        self._publishes_anything = any(lc.publishes for lc in lcs)
         self.tree = PrefixTree(len(lcs))
         self._open: dict[int, Any] = {}
         self._ids = itertools.count()
@@ -421,6 +423,8 @@ class KVCacheManager:
             movers = held + droppable[cut:]
             overflow.extend(droppable[:cut])
             self._make_room(nxt, len(movers))
+            # Making room below may have dropped an ancestor, freeing chosen pages with it.
+            movers = [p for p in movers if p.store is store and p.slot >= 0]
             failed = self._move(movers, nxt)
             overflow.extend(p for p in failed if not p.holds)
         # Droppable pages the next level could not take go further down where there is
@@ -438,7 +442,8 @@ class KVCacheManager:
                 cut = len(pages) - self._capacity(dst, len(pages))
                 overflow.extend(pages[:cut])
                 self._make_room(dst, len(pages) - cut)
-                overflow.extend(self._move(pages[cut:], dst))
+                alive = [p for p in pages[cut:] if p.store is store and p.slot >= 0]
+                overflow.extend(self._move(alive, dst))
         drops = overflow
         for page in drops:
             if page.store is store and page.slot >= 0 and page.node is not None \
@@ -616,12 +621,17 @@ class KVCacheManager:
         return freed
 
     def _collect(self, node: Node) -> None:
-        """Detach empty leaves upwards (a block with no page and no child is garbage)."""
+        """Detach empty leaves upwards (a block with no page and no child is garbage), and
+        forget a scope's root once nothing is cached under it."""
         while (node.parent is not None and not node.children and not node.partials
                and not node.has_pages()):
             parent = node.parent
             self.tree.detach(node)
             node = parent
+        if node.parent is None and node.ordinal < 0 and not node.children \
+                and not node.partials and node.key is not None \
+                and self.tree.roots.get(node.key) is node:
+            del self.tree.roots[node.key]
 
     def _copy_blocks(self, group: int, pairs: list[tuple[int, int]],
                      stream: Stream | None = None) -> None:

@@ -249,9 +249,17 @@ class PoolGroupStore:
                 self.droppable.touch(page)
 
     def statistics(self, into: StorageStatistics) -> None:
-        into.total += self.num_slots
-        into.free += len(self.free)
-        into.evictable += self.num_evictable
-        into.unavailable += self.num_slots - len(self.free) - self.num_evictable
-        into.total_bytes += self.num_slots * self.slot_bytes
-        into.used_bytes += (self.num_slots - len(self.free)) * self.slot_bytes
+        # Read each count once, so a reader on another thread gets a consistent snapshot
+        # of this store (free + evictable + unavailable == total) while it changes.
+        total = self.num_slots
+        free = len(self.free)
+        evictable = self.num_evictable
+        if free + evictable > total:  # torn read across a resize: clamp, keep the identity
+            evictable = max(0, total - free)
+            free = min(free, total)
+        into.total += total
+        into.free += free
+        into.evictable += evictable
+        into.unavailable += total - free - evictable
+        into.total_bytes += total * self.slot_bytes
+        into.used_bytes += (total - free) * self.slot_bytes

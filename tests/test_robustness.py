@@ -94,17 +94,8 @@ def requests(n: int, rng: random.Random, *, first_id: int = 0, shared: Sequence[
     return out
 
 
-class SafeLoop(EngineLoop):
-    """Closes the cache of a request it could not admit, so that its reuse claims are not
-    held while it waits (the known one-level deadlock:
-    test_policy_properties.py::test_engine_loop_waiting_claims_do_not_deadlock_one_level)."""
-
-    def _admit(self, req: Request) -> bool:
-        if super()._admit(req):
-            return True
-        req.cache.close()
-        req.cache = None
-        return False
+# EngineLoop itself now gives back the claims of a request it could not admit.
+SafeLoop = EngineLoop
 
 
 def suspend_all(loop: EngineLoop) -> None:
@@ -203,12 +194,6 @@ def test_statistics_polled_from_another_thread_never_raise_while_the_workload_ve
     assert_invariants(m)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: get_storage_statistics() is not a consistent snapshot when read from another "
-    "thread (semantics.md 'Threads' allows it): PoolGroupStore.statistics reads "
-    "len(self.free), num_evictable and num_slots twice (once for free/evictable/total, again "
-    "to compute unavailable), so a slot taken or released between the reads gives "
-    "free + evictable + unavailable != total (and can make unavailable negative)"))
 def test_a_statistics_snapshot_read_from_another_thread_satisfies_the_identity(
         tmp_path, cleanup):
     """Deterministic interleaving: the poller thread is paused (by a per-thread trace
@@ -409,12 +394,6 @@ def test_host_memory_does_not_grow_over_a_long_steady_run(tmp_path, cleanup):
     assert_invariants(m)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: PrefixTree.roots keeps one root Node per ReuseScope forever: _collect() stops at "
-    "a root (parent None) and nothing else removes roots, so a long run with a salt per "
-    "request or tenant (vLLM's per-request cache_salt) grows host memory without bound "
-    "although every block of those scopes was evicted (only clear_reusable_blocks() "
-    "releases them)"))
 def test_host_memory_does_not_grow_when_every_request_has_its_own_salt(tmp_path, cleanup):
     m = make_manager([("gpu", 12), ("host", 12), ("disk", 24)], tmp_path)
     cleanup(m)
@@ -588,14 +567,6 @@ def test_disk_tier_files_are_0600_in_a_0700_directory(tmp_path, cleanup):
 # -- eviction cascade -------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=(ValueError, AssertionError), reason=(
-    "bug: KVCacheManager._make_room picks GPU victims (movers), then makes room on the next "
-    "level recursively; when that recursion drops a block at the last level whose page "
-    "every longer match needs, _invalidate_below frees the droppable pages below it on "
-    "every level, including movers already picked on the GPU (slot = -1). _move then "
-    "copies slot -1: the raw codec raises ValueError out of cache.resize() (a CUDA codec "
-    "would read out of bounds), and the destination slots popped by _move are never "
-    "returned (check_invariants: slot neither free nor owned)"))
 def test_a_cascade_that_drops_an_ancestor_never_moves_its_freed_descendant(tmp_path):
     m = make_manager([("gpu", 4), ("host", 2), ("disk", 2)], tmp_path)
     try:
@@ -702,10 +673,6 @@ def test_soak_lite_320_requests_mixed_policies_tiny_gpu_and_host_three_levels(tm
     assert stats["offload"] > 0 and stats["onboard"] > 0, stats
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "bug: same as test_a_cascade_that_drops_an_ancestor_never_moves_its_freed_descendant: "
-    "with a small last level, drops there invalidate descendants already picked as movers "
-    "one level up, and _move copies slot -1 (ValueError out of cache.resize)"))
 def test_soak_lite_with_a_tiny_last_level_too(tmp_path):
     m = _soak_manager(tmp_path, gpu_quota=9000, disk_quota=30_000)
     try:

@@ -106,6 +106,10 @@ class EngineLoop:
         cache = req.cache
         chosen = self.choose_optional(cache)
         if not cache.resume(optional_reuse_groups=chosen):
+            # Give the claims back while waiting: held claims of queued requests could fill
+            # the GPU (on one level they can never move). The prefix is matched again.
+            cache.close()
+            req.cache = None
             return False
         # Recompute what the cache got fresh although its history covers it.
         self.engine.recompute([StepWork(cache, req.tokens)])
