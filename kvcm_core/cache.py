@@ -139,8 +139,8 @@ class KVCache:
             # Claim every needed page of the match (held until the first resume).
             pages_g: list[Page | None] = [node.pages[g] for node in nodes[:nb]]
             pages_g[start:stop] = [None] * (stop - start)
-            if partial_block >= 0 and pages_g[partial_block] is not None:
-                src = pages_g[partial_block]
+            src = pages_g[partial_block] if partial_block >= 0 else None
+            if src is not None:
                 pages_g[partial_block] = None
                 self._pending.append((g, partial_block, src))
                 claimed = [p for p in pages_g if p is not None]

@@ -22,6 +22,7 @@ matplotlib is installed, a PNG plot.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import platform
@@ -230,7 +231,7 @@ def _bench_backend(
             n = args.max_bytes
             dev, host = _timed(
                 main_backend,
-                lambda s=src, d=dst, n=n: main_backend.copy_bytes(d, 0, s, 0, n),
+                functools.partial(main_backend.copy_bytes, dst, 0, src, 0, n),
                 args.reps,
                 args.warmup,
             )
@@ -289,9 +290,7 @@ def _bench_backend(
                         d_region, s_region = PageRegion(dst, 0, page), PageRegion(src, 0, page)
                         dev, host = _timed(
                             backend,
-                            lambda b=backend, d=d_region, s=s_region, p=page, q=pairs: b.copy_pages(
-                                d, s, p, q
-                            ),
+                            functools.partial(backend.copy_pages, d_region, s_region, page, pairs),
                             args.reps,
                             args.warmup,
                         )
@@ -337,8 +336,8 @@ def _bench_backend(
                             for bt, variant in variants.items():
                                 dev, _host = _timed(
                                     variant,
-                                    lambda b=variant, d=d_region, s=s_region, p=page, q=pairs: (
-                                        b.copy_pages(d, s, p, q)
+                                    functools.partial(
+                                        variant.copy_pages, d_region, s_region, page, pairs
                                     ),
                                     args.reps,
                                     args.warmup,
@@ -390,9 +389,8 @@ def _bench_backend(
             page = 4 * KiB
             dev, host = _timed(
                 backend,
-                lambda b=backend, s=src, d=dst, p=page, q=one: b.copy_pages(
-                    PageRegion(d, 0, p), PageRegion(s, 0, p), p, q
-                ),
+                functools.partial(backend.copy_pages, PageRegion(dst, 0, page),
+                                  PageRegion(src, 0, page), page, one),
                 200,
                 20,
             )
@@ -408,7 +406,7 @@ def _bench_backend(
         for expansion in (1, 2):
             dev, host = _timed(
                 main_backend,
-                lambda e=expansion: main_backend.convert_page_indices(slots_arr, 4, 7, e),
+                functools.partial(main_backend.convert_page_indices, slots_arr, 4, 7, expansion),
                 max(3, args.reps),
                 args.warmup,
             )
