@@ -171,6 +171,7 @@ class KVCache:
                     self._pending.append((g, -1, page))
                     if m.life_cycles[g].policy is not ReusePolicy.OPTIONAL:
                         m._stats.reused_blocks_by_level[page.level] += 1
+                        m._stats.groups[g].reused_full_blocks += 1
                         reused += 1
         self._reuse_status: dict[int, ReuseStatus] = {}
         self._optional_decided = False

@@ -8,6 +8,7 @@ rest are decoded one per step.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -41,6 +42,7 @@ class Request:
     cache: Any = None
     reused: int = 0
     preemptions: int = 0
+    arrival: int = 0  # submission order: earlier requests are preempted last
 
     @property
     def done(self) -> bool:
@@ -87,6 +89,7 @@ class EngineLoop:
         self.token_budget = token_budget
         self.check = check
         self.close_finished = close_finished
+        self._arrivals = itertools.count()
         self.waiting: deque[Request] = deque()
         self.suspended: deque[Request] = deque()
         self.running: list[Request] = []
@@ -94,6 +97,7 @@ class EngineLoop:
 
     def submit(self, req: Request) -> None:
         """Queue a request; its cache is created (prefix matched) when it is admitted."""
+        req.arrival = next(self._arrivals)
         self.waiting.append(req)
 
     def _admit(self, req: Request) -> bool:
@@ -211,12 +215,17 @@ class EngineLoop:
         return report
 
     def _preempt(self, exclude: Request) -> Request | None:
-        """Preempt the newest running request other than ``exclude``."""
-        for req in reversed(self.running):
-            if req is not exclude and req.cache.status is CacheStatus.ACTIVE:
-                self._preempt_one(req)
-                return req
-        return None
+        """Preempt the latest-arrived running request that arrived after ``exclude``
+        (never an older one: an old request is not sacrificed for a newer one, which could
+        livelock when nothing is reusable); None if there is none."""
+        victims = [r for r in self.running
+                   if r is not exclude and r.arrival > exclude.arrival
+                   and r.cache.status is CacheStatus.ACTIVE]
+        if not victims:
+            return None
+        req = max(victims, key=lambda r: r.arrival)
+        self._preempt_one(req)
+        return req
 
     def _preempt_one(self, req: Request) -> None:
         """Suspend ``req`` (its pages can move to colder levels), or, where suspending frees
