@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 
 from kvcm_core.records import KernelBackendCapabilities
+
+if TYPE_CHECKING:
+    from kvcm_core.scratch import ScratchDesc
 
 __all__ = [
     "BAD_PAGE_INDEX",
@@ -307,11 +310,35 @@ class KernelBackend(abc.ABC):
         offset: int,
         expansion: int = 1,
         stream: Stream | None = None,
+        *,
+        scratch: ScratchDesc | None = None,
     ) -> np.ndarray:
         """Slot ids to page indices: ``out[..., i*expansion + e] = slots[..., i] * scale +
         offset + e`` for ``e < expansion``; ``BAD_PAGE_INDEX`` entries stay
         ``BAD_PAGE_INDEX`` (all ``expansion`` of them). Input and output are int32; the
         output's last axis is ``expansion`` times longer.
+
+        ``scratch`` (a :class:`~kvcm_core.scratch.ScratchDesc`, SWA scratch pages) applies
+        to the last axis (blocks): a block ``b`` of the table with ``begin <= b < end`` maps,
+        whatever its slot entry (the base table shows ``BAD_PAGE_INDEX`` there), to its
+        rotated index in the descriptor's scratch slots. With ``p = b - begin``,
+        ``spb = scratch_pages_per_block``, ``S = scale // expansion`` and ``O = offset //
+        expansion`` (the arithmetic runs in whole pages of ``expansion`` units)::
+
+            total = p * spb
+            page  = slot_ids[total // S] * S + (total % S + O) % S
+            out[..., b*expansion + e] = page * expansion + e
+
+        Other blocks convert as without ``scratch``; blocks of the range past the table's
+        end are ignored. ``scratch=None`` (or a range outside the table) is the plain
+        conversion. The reference is :func:`kvcm_core.scratch.convert_page_indices_reference`.
+
+        Raises:
+            ValueError: ``expansion < 1``; with ``scratch``: ``begin < 0``, ``spb < 1``,
+                ``scale`` outside ``[1, INT32_MAX]``, ``scale`` or ``offset`` not a multiple
+                of ``expansion``, too few slot ids or one outside ``[0, INT32_MAX]``
+                (:func:`kvcm_core.scratch.scratch_kernel_args`).
+            OverflowError: a result outside ``[BAD_PAGE_INDEX, INT32_MAX]``.
         """
 
     # -- the fingerprint engine's kernels (quality.md §1) --------------------------------

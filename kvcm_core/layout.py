@@ -50,18 +50,20 @@ class PageIndexConverter:
     #: SWA scratch: sub-pages per scratch block (0: the buffer's group has no scratch).
     scratch_pages_per_block: int = 0
 
-    def convert(self, base: Any, scratch: Any = None) -> np.ndarray:
+    def convert(self, base: Any, scratch: Any = None, backend: Any = None,
+                stream: Any = None) -> np.ndarray:
         """Page indices of this buffer for a base page table (int32, last axis blocks).
 
         Ordinary blocks: ``slot * scale + offset``; the blocks of ``scratch`` (a
         :class:`~kvcm_core.scratch.ScratchDesc` from ``cache.scratch(group)``): their
-        rotated index in the scratch slots; ``BAD_PAGE_INDEX`` stays as it is. NumPy here;
-        see :func:`kvcm_core.scratch.convert_with_scratch`.
+        rotated index in the scratch slots; ``BAD_PAGE_INDEX`` stays as it is. Runs
+        ``backend.convert_page_indices`` (on ``stream``) when a kernel backend is given,
+        else its NumPy reference; see :func:`kvcm_core.scratch.convert_with_scratch`.
         """
         from kvcm_core.scratch import convert_with_scratch
 
         return convert_with_scratch(base, self.scale, self.offset, self.expansion,
-                                    self.scratch_pages_per_block, scratch)
+                                    self.scratch_pages_per_block, scratch, backend, stream)
 
 
 @attrs.frozen

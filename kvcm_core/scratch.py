@@ -53,14 +53,18 @@ from kvcm_core.backend import BAD_PAGE_INDEX
 from kvcm_core.errors import ConfigError
 
 if TYPE_CHECKING:
+    from kvcm_core.backend import KernelBackend, Stream
     from kvcm_core.config import KVCacheManagerConfig
     from kvcm_core.layout import StorageLayout
     from kvcm_core.lifecycle import LifeCycleRegistry
 
 __all__ = [
     "ScratchDesc",
+    "ScratchKernelArgs",
+    "convert_page_indices_reference",
     "convert_with_scratch",
     "max_scratch_blocks",
+    "scratch_kernel_args",
     "scratch_page_index",
     "scratch_slots_needed",
     "validate_scratch_layout",
@@ -124,23 +128,124 @@ def scratch_page_index(position: int, layer_offset: int, scale: int, spb: int,
     return slot * scale + (total % scale + layer_offset) % scale
 
 
+@attrs.frozen
+class ScratchKernelArgs:
+    """A :class:`ScratchDesc` checked against one conversion, as a kernel takes it.
+
+    The scratch arithmetic runs in whole pages of ``expansion`` units: ``unit_scale =
+    scale // expansion`` pages a slot, the buffer at page ``unit_offset = (offset //
+    expansion) % unit_scale``. Blocks ``b`` of the table with ``begin <= b < stop`` (``stop``
+    is the descriptor's ``end`` clipped to the table's width) are scratch blocks, at position
+    ``p = b - begin``::
+
+        total = p * spb
+        page  = slot_ids[total // unit_scale] * unit_scale
+                + (total % unit_scale + unit_offset) % unit_scale
+        out[..., b*expansion + e] = page * expansion + e     (e < expansion)
+    """
+
+    begin: int
+    stop: int
+    spb: int
+    unit_scale: int
+    unit_offset: int
+    #: int32, at least the slot ids the blocks ``[begin, stop)`` use.
+    slot_ids: np.ndarray
+
+
+def scratch_kernel_args(scratch: ScratchDesc, width: int, scale: int, offset: int,
+                        expansion: int) -> ScratchKernelArgs | None:
+    """Check ``scratch`` for a conversion of a table ``width`` blocks wide; ``None`` when no
+    block of the table is a scratch block (the plain conversion applies).
+
+    Raises:
+        TypeError: ``scratch`` is not a :class:`ScratchDesc`.
+        ValueError: ``begin < 0``, ``scratch_pages_per_block < 1``, ``scale`` or ``offset``
+            not a multiple of ``expansion``, ``scale < 1`` or above int32, a slot id outside
+            ``[0, INT32_MAX]``, or fewer slot ids than the blocks in the table need.
+    """
+    if not isinstance(scratch, ScratchDesc):
+        raise TypeError(f"scratch={scratch!r}: must be a kvcm_core.scratch.ScratchDesc or None")
+    begin, end, spb = int(scratch.begin), int(scratch.end), int(scratch.scratch_pages_per_block)
+    if begin < 0:
+        raise ValueError(f"scratch begin={begin}: must be >= 0")
+    if spb < 1:
+        raise ValueError(f"scratch_pages_per_block={spb}: must be >= 1")
+    scale, offset, expansion = int(scale), int(offset), int(expansion)
+    if not 1 <= scale <= _I32_MAX:
+        raise ValueError(f"scale={scale}: with scratch it must be in [1, {_I32_MAX}]")
+    if scale % expansion or offset % expansion:
+        raise ValueError(
+            f"scale={scale}, offset={offset}: with scratch both must be multiples of "
+            f"expansion={expansion} (the scratch arithmetic runs in whole pages)")
+    stop = min(end, int(width))
+    if stop <= begin:
+        return None
+    unit_scale = scale // expansion
+    needed = (stop - 1 - begin) * spb // unit_scale + 1
+    ids = scratch.slot_ids
+    if len(ids) < needed:
+        raise ValueError(
+            f"scratch descriptor has {len(ids)} slot ids; blocks [{begin}, {stop}) need "
+            f"{needed}")
+    if any(not 0 <= i <= _I32_MAX for i in ids[:needed]):
+        raise ValueError(f"scratch slot ids {ids[:needed]}: must be in [0, {_I32_MAX}]")
+    return ScratchKernelArgs(begin, stop, spb, unit_scale, (offset // expansion) % unit_scale,
+                             np.asarray(ids[:needed], dtype=np.int32))
+
+
+def convert_page_indices_reference(slots: Any, scale: int, offset: int, expansion: int = 1,
+                                   scratch: ScratchDesc | None = None) -> np.ndarray:
+    """The reference of :meth:`KernelBackend.convert_page_indices` (the ``numpy`` backend
+    runs it): ``out[..., i*expansion + e] = slots[..., i] * scale + offset + e`` (int64,
+    wrapping), ``BAD_PAGE_INDEX`` for all ``expansion`` entries of a ``BAD_PAGE_INDEX``
+    slot, and the rotated scratch index (:class:`ScratchKernelArgs`) for the blocks of
+    ``scratch``, whatever their slot entry.
+
+    Raises:
+        ValueError: ``expansion < 1``, a 0-d ``slots``, or a bad ``scratch``
+            (:func:`scratch_kernel_args`).
+        OverflowError: a result outside ``[BAD_PAGE_INDEX, INT32_MAX]``.
+    """
+    if expansion < 1:
+        raise ValueError(f"expansion={expansion}: must be >= 1")
+    s = np.asarray(slots, dtype=np.int32)
+    if s.ndim == 0:
+        raise ValueError("slots must be an array of slot ids (last axis: blocks)")
+    sa = None if scratch is None else scratch_kernel_args(
+        scratch, s.shape[-1], scale, offset, expansion)
+    wide = s.astype(np.int64)[..., None] * scale + offset + np.arange(expansion)
+    wide = np.where(s[..., None] == BAD_PAGE_INDEX, BAD_PAGE_INDEX, wide)
+    if sa is not None:
+        total = np.arange(sa.stop - sa.begin, dtype=np.int64) * sa.spb
+        page = (sa.slot_ids.astype(np.int64)[total // sa.unit_scale] * sa.unit_scale
+                + (total % sa.unit_scale + sa.unit_offset) % sa.unit_scale)
+        wide[..., sa.begin : sa.stop, :] = (page[:, None] * expansion
+                                            + np.arange(expansion, dtype=np.int64))
+    if wide.size and (wide.max() > _I32_MAX or wide.min() < BAD_PAGE_INDEX):
+        raise OverflowError("converted page index does not fit int32")
+    return wide.reshape(*s.shape[:-1], s.shape[-1] * expansion).astype(np.int32)
+
+
 def convert_with_scratch(base: np.ndarray, scale: int, offset: int, expansion: int,
-                         spb: int, scratch: ScratchDesc | None) -> np.ndarray:
+                         spb: int, scratch: ScratchDesc | None,
+                         backend: KernelBackend | None = None,
+                         stream: Stream | None = None) -> np.ndarray:
     """A base page table (slot ids, ``BAD_PAGE_INDEX`` for absent or stale blocks) to one
     buffer's page indices: ``out[..., i*expansion + e] = slot * scale + offset + e`` for
     ordinary blocks, the rotated scratch index for the blocks of ``scratch``, and
     ``BAD_PAGE_INDEX`` (all ``expansion`` of them) where the base table has it.
 
-    With ``expansion > 1`` the converter counts units of ``page_size / expansion``, so the
-    scratch arithmetic runs in whole pages (``scale // expansion`` sub-pages a slot, the
-    buffer at ``offset // expansion``) and each page expands to ``expansion`` units.
-    Output is int32, like :meth:`KernelBackend.convert_page_indices`.
+    ``spb`` is the buffer's ``scratch_pages_per_block`` (0: not in a scratch group), checked
+    against the descriptor's. The conversion itself is
+    :meth:`KernelBackend.convert_page_indices` of ``backend`` (on ``stream``), or without
+    one its reference :func:`convert_page_indices_reference`; see
+    :class:`ScratchKernelArgs` for the arithmetic (with ``expansion > 1`` it runs in whole
+    pages, ``scale // expansion`` a slot, and each page expands to ``expansion`` units).
+    Output is int32.
     """
-    slots = np.asarray(base)
-    if slots.ndim == 0:
+    if np.ndim(base) == 0:
         raise ValueError("base must be an array of slot ids (last axis: blocks)")
-    idx = slots.astype(np.int64) * scale + offset
-    bad = slots == BAD_PAGE_INDEX
     if scratch is not None and scratch.end > scratch.begin:
         if spb <= 0:
             raise ValueError("this buffer is not in an SWA scratch group "
@@ -149,28 +254,12 @@ def convert_with_scratch(base: np.ndarray, scale: int, offset: int, expansion: i
             raise ValueError(
                 f"scratch descriptor has scratch_pages_per_block="
                 f"{scratch.scratch_pages_per_block}, the converter {spb}")
-        nb = slots.shape[-1]
-        blocks = np.arange(scratch.begin, min(scratch.end, nb), dtype=np.int64)
-        if blocks.size:
-            unit_scale, unit_offset = scale // expansion, offset // expansion
-            total = (blocks - scratch.begin) * spb
-            which = total // unit_scale
-            ids = np.asarray(scratch.slot_ids, dtype=np.int64)
-            if which.max() >= ids.size:
-                raise ValueError(
-                    f"scratch descriptor has {ids.size} slot ids; blocks "
-                    f"[{scratch.begin}, {scratch.end}) need {int(which.max()) + 1}")
-            sub = (total % unit_scale + unit_offset) % unit_scale
-            idx[..., blocks] = (ids[which] * unit_scale + sub) * expansion
-            bad[..., blocks] = False
-    if expansion > 1:
-        idx = (idx[..., :, None] + np.arange(expansion, dtype=np.int64)).reshape(
-            *idx.shape[:-1], idx.shape[-1] * expansion)
-        bad = np.repeat(bad, expansion, axis=-1)
-    out = np.where(bad, BAD_PAGE_INDEX, idx)
-    if out.size and int(out.max()) > _I32_MAX:
-        raise OverflowError("page indices exceed int32")
-    return out.astype(np.int32)
+    else:
+        scratch = None
+    if backend is None:
+        return convert_page_indices_reference(base, scale, offset, expansion, scratch)
+    return np.asarray(backend.convert_page_indices(base, scale, offset, expansion, stream,
+                                                   scratch=scratch))
 
 
 # -- construction-time validation ---------------------------------------------------------

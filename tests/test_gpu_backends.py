@@ -27,7 +27,9 @@ from kvcm_core.backend import (
     PageRegion,
 )
 from kvcm_core.errors import PluginError
+from kvcm_core.layout import PageIndexConverter
 from kvcm_core.plugins import BACKEND_ENV, get_plugin_manager
+from kvcm_core.scratch import ScratchDesc
 
 GPU_BACKENDS = ("cupy", "cuda")
 
@@ -298,6 +300,63 @@ def test_convert_page_indices_equals_numpy_including_overflow(
         reference.convert_page_indices(big, 4, 0)
     with pytest.raises(OverflowError):
         gpu.convert_page_indices(big, 4, 0)
+
+
+def _scratch_case(
+    rng: np.random.Generator, shape: tuple[int, ...], unit_scale: int, expansion: int
+) -> tuple[np.ndarray, int, int, ScratchDesc]:
+    """Slot ids with BAD entries and a scratch range over (and past) the table."""
+    width = shape[-1]
+    slots = rng.integers(0, 1 << 16, shape, dtype=np.int32)
+    slots[rng.random(shape) < 0.2] = BAD_PAGE_INDEX
+    spb = int(rng.integers(1, unit_scale + 1))
+    begin = int(rng.integers(0, width + 2))
+    end = begin + int(rng.integers(1, width + 3))
+    ids = rng.integers(0, 1 << 16, max(1, end * spb // unit_scale + 2))
+    offset = int(rng.integers(0, 3 * unit_scale)) * expansion
+    return slots, unit_scale * expansion, offset, ScratchDesc(begin, end, tuple(ids), spb)
+
+
+@pytest.mark.gpu
+def test_convert_page_indices_with_scratch_equals_numpy_bit_for_bit(
+    gpu: KernelBackend, reference: KernelBackend
+) -> None:
+    rng = np.random.default_rng(11)
+    cases = [
+        ((7,), 1, 1),
+        ((13,), 8, 2),
+        ((3, 129), 6, 1),
+        ((3, 129), 4, 3),
+        ((256, 2048), 8, 1),  # more elements than one grid: grid-stride loop
+        ((2, 3, 50), 5, 2),
+    ]
+    for _ in range(20):
+        width = int(rng.integers(1, 40))
+        shape = (width,) if rng.random() < 0.5 else (int(rng.integers(1, 5)), width)
+        cases.append((shape, int(rng.integers(1, 17)), int(rng.integers(1, 3))))
+    for shape, unit_scale, expansion in cases:
+        slots, scale, offset, desc = _scratch_case(rng, shape, unit_scale, expansion)
+        got = gpu.convert_page_indices(slots, scale, offset, expansion, scratch=desc)
+        want = reference.convert_page_indices(slots, scale, offset, expansion, scratch=desc)
+        assert got.dtype == np.int32 and got.shape == want.shape
+        assert np.array_equal(got, want), (shape, scale, offset, expansion, desc)
+        plain = gpu.convert_page_indices(slots, scale, offset, expansion, scratch=None)
+        assert np.array_equal(
+            plain, reference.convert_page_indices(slots, scale, offset, expansion)
+        )
+    # The converter runs the backend's kernel; the staging ring is reused across calls.
+    conv = PageIndexConverter(8, 3, 1, scratch_pages_per_block=2)
+    table = np.array([5, BAD_PAGE_INDEX, BAD_PAGE_INDEX, 4, BAD_PAGE_INDEX], dtype=np.int32)
+    desc = ScratchDesc(1, 4, (9, 11), 2)
+    for _ in range(3 * 8):
+        assert np.array_equal(conv.convert(table, desc, backend=gpu), conv.convert(table, desc))
+    big = ScratchDesc(0, 2, (1 << 29,), 1)
+    with pytest.raises(OverflowError):
+        reference.convert_page_indices(table, 8, 0, scratch=big)
+    with pytest.raises(OverflowError):
+        gpu.convert_page_indices(table, 8, 0, scratch=big)
+    with pytest.raises(ValueError):
+        gpu.convert_page_indices(table, 8, 0, scratch=ScratchDesc(0, 5, (1,), 4))
 
 
 def _fingerprint_batch(

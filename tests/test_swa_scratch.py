@@ -173,6 +173,10 @@ def test_index_arithmetic_matches_scalar_rule_and_never_aliases_within_a_block_o
         assert got.dtype == np.int32 and got.shape == (nb,)
         for b in range(nb):
             assert got[b] == ref_index(b, table, conv.scale, conv.offset, spb, desc), (lid, b)
+        # the manager's kernel backend runs the same conversion (cupy/cuda on a GPU run)
+        assert np.array_equal(conv.convert(table, desc, backend=m.backend), got)
+        assert np.array_equal(conv.convert(np.stack([table, table]), desc, backend=m.backend),
+                              np.stack([got, got]))
         assert got[0] == got[2] == got[nb - 1] == BAD_PAGE_INDEX  # BAD stays BAD
         pool = m.buffer_attr(lid, role).pool
         for b in range(desc.begin, desc.end):

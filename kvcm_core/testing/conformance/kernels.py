@@ -35,6 +35,7 @@ from kvcm_core.backend import (
     MemoryKind,
     PageRegion,
 )
+from kvcm_core.scratch import ScratchDesc
 from kvcm_core.testing.conformance import ConformanceBase
 
 __all__ = ["KernelBackendConformance"]
@@ -731,6 +732,112 @@ class KernelBackendConformance(ConformanceBase):
         out = np.asarray(backend.convert_page_indices(slots, 1, 1, expansion))
         bad = [BAD_PAGE_INDEX] * expansion
         assert out.tolist() == [bad + [1 + e for e in range(expansion)] + bad]
+
+    @_FAST_SETTINGS
+    @given(data=st.data())
+    def test_convert_page_indices_with_scratch_matches_scalar_model(
+        self, backend: KernelBackend, data: st.DataObject
+    ) -> None:
+        rows = data.draw(st.one_of(st.just(None), st.integers(0, 3)))
+        width = data.draw(st.integers(0, 14))
+        shape = (width,) if rows is None else (rows, width)
+        size = int(np.prod(shape))
+        values = data.draw(
+            st.lists(
+                st.one_of(st.just(BAD_PAGE_INDEX), st.integers(0, 50_000)),
+                min_size=size,
+                max_size=size,
+            )
+        )
+        slots = np.array(values, dtype=np.int32).reshape(shape)
+        before = slots.copy()
+        expansion = data.draw(st.integers(1, 2))
+        unit_scale = data.draw(st.integers(1, 16))
+        scale, offset = unit_scale * expansion, data.draw(st.integers(0, 300)) * expansion
+        spb = data.draw(st.integers(1, unit_scale))
+        begin = data.draw(st.integers(0, width + 3))  # inside the table or past it
+        end = data.draw(st.integers(begin + 1, begin + width + 4))
+        stop = min(end, width)
+        needed = 0 if stop <= begin else (stop - 1 - begin) * spb // unit_scale + 1
+        ids = data.draw(st.lists(st.integers(0, 50_000), min_size=needed,
+                                 max_size=needed + 2))
+        desc = ScratchDesc(begin, end, tuple(ids), spb)
+        out = np.asarray(backend.convert_page_indices(slots, scale, offset, expansion,
+                                                      scratch=desc))
+        backend.synchronize()
+        assert out.dtype == np.int32
+        assert out.shape == (*shape[:-1], shape[-1] * expansion)
+        for index in np.ndindex(*shape):
+            head, b = index[:-1], index[-1]
+            slot = int(slots[index])
+            if begin <= b < end:
+                total = (b - begin) * spb
+                page = ids[total // unit_scale] * unit_scale + (
+                    total % unit_scale + offset // expansion) % unit_scale
+                want = [page * expansion + e for e in range(expansion)]
+            elif slot == BAD_PAGE_INDEX:
+                want = [BAD_PAGE_INDEX] * expansion
+            else:
+                want = [slot * scale + offset + e for e in range(expansion)]
+            got = out[(*head, slice(b * expansion, (b + 1) * expansion))].tolist()
+            assert got == want, (index, desc, scale, offset, expansion)
+        assert np.array_equal(slots, before)
+
+    @pytest.mark.parametrize("expansion", [1, 2])
+    def test_convert_page_indices_scratch_none_or_outside_is_the_plain_conversion(
+        self, backend: KernelBackend, expansion: int
+    ) -> None:
+        slots = np.array([[3, BAD_PAGE_INDEX, 0, 7], [BAD_PAGE_INDEX, 1, 2, 5]], dtype=np.int32)
+        plain = np.asarray(backend.convert_page_indices(slots, 6, 2, expansion))
+        for scratch in (None, ScratchDesc(4, 9, (), 2), ScratchDesc(7, 8, (1,), 1)):
+            got = np.asarray(backend.convert_page_indices(slots, 6, 2, expansion,
+                                                          scratch=scratch))
+            assert np.array_equal(got, plain), scratch
+
+    def test_convert_page_indices_scratch_maps_bad_blocks_of_every_row(
+        self, backend: KernelBackend
+    ) -> None:
+        # scale 8, spb 2: blocks 1, 2, 3 at positions 0, 1, 2 -> slot 9 sub-pages 3, 5,
+        # 7 (offset 3), and block 4 (position 3, total 6) -> sub-page (6 + 3) % 8 = 1.
+        slots = np.array(
+            [[5, BAD_PAGE_INDEX, BAD_PAGE_INDEX, 4, BAD_PAGE_INDEX, BAD_PAGE_INDEX, 2]] * 2,
+            dtype=np.int32,
+        )
+        out = np.asarray(backend.convert_page_indices(
+            slots, 8, 3, 1, scratch=ScratchDesc(1, 5, (9, 11), 2)))
+        row = [5 * 8 + 3, 9 * 8 + 3, 9 * 8 + 5, 9 * 8 + 7, 9 * 8 + 1, BAD_PAGE_INDEX, 2 * 8 + 3]
+        assert out.tolist() == [row, row]
+        # expansion 2: whole pages (4 a slot, the buffer at page 1), two units each.
+        out = np.asarray(backend.convert_page_indices(
+            slots[0], 8, 2, 2, scratch=ScratchDesc(2, 3, (6,), 2)))
+        assert out[4:6].tolist() == [(6 * 4 + 1) * 2, (6 * 4 + 1) * 2 + 1]
+        assert out[2:4].tolist() == [BAD_PAGE_INDEX, BAD_PAGE_INDEX]
+        assert out[6:8].tolist() == [4 * 8 + 2, 4 * 8 + 3]
+
+    @pytest.mark.parametrize(
+        ("scale", "offset", "expansion", "scratch", "error"),
+        [
+            (4, 0, 1, ScratchDesc(-1, 2, (0, 1), 1), ValueError),  # begin < 0
+            (4, 0, 1, ScratchDesc(0, 2, (0,), 0), ValueError),  # spb < 1
+            (4, 0, 1, ScratchDesc(0, 6, (0,), 2), ValueError),  # too few slot ids
+            (4, 0, 1, ScratchDesc(0, 2, (-3,), 1), ValueError),  # negative slot id
+            (6, 0, 4, ScratchDesc(0, 2, (0,), 1), ValueError),  # scale % expansion
+            (6, 1, 2, ScratchDesc(0, 2, (0,), 1), ValueError),  # offset % expansion
+            (0, 0, 1, ScratchDesc(0, 2, (0,), 1), ValueError),  # scale < 1
+            (4, 0, 1, ScratchDesc(0, 2, (1 << 30,), 1), OverflowError),  # index > int32
+        ],
+    )
+    def test_convert_page_indices_refuses_bad_scratch_arguments(
+        self, backend: KernelBackend, scale: int, offset: int, expansion: int,
+        scratch: Any, error: type[Exception]
+    ) -> None:
+        slots = np.array([BAD_PAGE_INDEX, BAD_PAGE_INDEX, 1], dtype=np.int32)
+        with pytest.raises(error):
+            backend.convert_page_indices(slots, scale, offset, expansion, scratch=scratch)
+        with pytest.raises(TypeError):
+            backend.convert_page_indices(
+                slots, 4, 0, 1, scratch=(0, 2, (0, 1), 1)  # type: ignore[arg-type]
+            )
 
     # -- fingerprint engine --------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from kvcm_core.backend import (
     Stream,
     check_copy_args,
 )
+from kvcm_core.scratch import ScratchDesc, scratch_kernel_args
 from kvcm_kernels_cuda_common.source import (
     COPY_CHUNK_BYTES_PER_THREAD,
     COPY_DESC_WORDS,
@@ -702,27 +703,43 @@ class CudaKernelBackend(KernelBackend):
         offset: int,
         expansion: int = 1,
         stream: Stream | None = None,
+        *,
+        scratch: ScratchDesc | None = None,
     ) -> np.ndarray:
         if expansion < 1:
             raise ValueError(f"expansion={expansion}: must be >= 1")
         s = np.ascontiguousarray(np.asarray(slots, dtype=np.int32))
+        if s.ndim == 0:
+            raise ValueError("slots must be an array of slot ids (last axis: blocks)")
         lead, width = s.shape[:-1], s.shape[-1]
         for name, value in (("scale", scale), ("offset", offset), ("expansion", expansion)):
             if not -(1 << 63) <= int(value) < (1 << 63):
                 raise OverflowError(f"{name}={value}: does not fit int64")
+        sa = None if scratch is None else scratch_kernel_args(
+            scratch, width, scale, offset, expansion)
         n = s.size
         if n == 0:
             return np.empty((*lead, width * expansion), dtype=np.int32)
         st = self._stream(stream)
         module = self._kernels()
         in_bytes = _align(4 * n)
+        ids_bytes = 0 if sa is None else _align(4 * len(sa.slot_ids))
         out_bytes = _align(4 * n * expansion) + _ALIGN
         with self._lock:
-            slot = self._ring.acquire(0, in_bytes + out_bytes)
+            # The output region of a ring slot is pinned and device-mapped: it holds the
+            # input, the scratch slot ids, the overflow flag and the output.
+            slot = self._ring.acquire(0, in_bytes + ids_bytes + out_bytes)
             view = slot.view
-            base = slot.in_cap  # output region of the slot holds input, output and flag
+            base = slot.in_cap
             view[base : base + 4 * n].view(np.int32)[:] = s.reshape(-1)
-            flag_at = base + in_bytes
+            ids_at = base + in_bytes
+            if sa is not None:
+                view[ids_at : ids_at + 4 * len(sa.slot_ids)].view(np.int32)[:] = sa.slot_ids
+                scratch_args = [sa.begin, sa.stop, sa.spb, sa.unit_scale, sa.unit_offset,
+                                slot.host_ptr + ids_at]
+            else:
+                scratch_args = [0, 0, 0, 1, 0, 0]
+            flag_at = ids_at + ids_bytes
             out_at = flag_at + _ALIGN
             view[flag_at : flag_at + 4].view(np.int32)[0] = 0
             threads = self._threads
@@ -740,6 +757,8 @@ class CudaKernelBackend(KernelBackend):
                         int(offset),
                         int(expansion),
                         slot.host_ptr + flag_at,
+                        width,
+                        *scratch_args,
                     ]
                 ),
                 st.native,

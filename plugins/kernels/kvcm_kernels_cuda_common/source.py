@@ -109,16 +109,40 @@ kvcm_copy_pages(u64 descs, u64 ndescs, u64 pairs, u64 npairs, u64 chunk_bytes) {
 
 // out[i * expansion + e] = in[i] * scale + offset + e (wrapping int64, as NumPy), or -1 for
 // -1; any result outside [-1, INT32_MAX] sets *flag.
+// SWA scratch (scratch_stop > scratch_begin): element i is block b = i % width of its row;
+// blocks in [scratch_begin, scratch_stop) map, whatever in[i], to
+// page = ids[p * spb / unit_scale] * unit_scale + (p * spb % unit_scale + unit_offset) %
+// unit_scale (p = b - scratch_begin), out = page * expansion + e. The host checked the
+// arguments (0 <= unit_offset < unit_scale <= INT32_MAX, ids in [0, INT32_MAX] and enough
+// of them), so nothing here wraps.
 extern "C" __global__ void
 kvcm_convert_page_indices(u64 in_ptr, u64 out_ptr, u64 n, i64 scale, i64 offset,
-                          i64 expansion, u64 flag_ptr) {
+                          i64 expansion, u64 flag_ptr, i64 width, i64 scratch_begin,
+                          i64 scratch_stop, i64 spb, i64 unit_scale, i64 unit_offset,
+                          u64 ids_ptr) {
     const int* in = (const int*)in_ptr;
+    const int* ids = (const int*)ids_ptr;
     int* out = (int*)out_ptr;
     int bad = 0;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (i64)n;
          i += (i64)gridDim.x * blockDim.x) {
         const int v = in[i];
         int* o = out + i * expansion;
+        if (scratch_stop > scratch_begin) {
+            const i64 b = i % width;
+            if (b >= scratch_begin && b < scratch_stop) {
+                const i64 total = (b - scratch_begin) * spb;
+                i64 sub = total % unit_scale + unit_offset;
+                if (sub >= unit_scale) sub -= unit_scale;
+                const i64 page = ((i64)ids[total / unit_scale] * unit_scale + sub) * expansion;
+                for (i64 e = 0; e < expansion; ++e) {
+                    const i64 w = page + e;
+                    if (w > 2147483647LL) bad = 1;
+                    o[e] = (int)w;
+                }
+                continue;
+            }
+        }
         if (v == -1) {
             for (i64 e = 0; e < expansion; ++e) o[e] = -1;
             continue;

@@ -14,7 +14,6 @@ import numpy as np
 
 from kvcm_core import hookimpl
 from kvcm_core.backend import (
-    BAD_PAGE_INDEX,
     Buffer,
     Event,
     FingerprintPages,
@@ -25,6 +24,7 @@ from kvcm_core.backend import (
     check_copy_args,
 )
 from kvcm_core.records import KernelBackendCapabilities, KernelBackendSpec
+from kvcm_core.scratch import ScratchDesc, convert_page_indices_reference
 
 __all__ = ["NumpyBackend", "NumpyBuffer", "fingerprint_image"]
 
@@ -230,15 +230,10 @@ class NumpyBackend(KernelBackend):
         offset: int,
         expansion: int = 1,
         stream: Stream | None = None,
+        *,
+        scratch: ScratchDesc | None = None,
     ) -> np.ndarray:
-        if expansion < 1:
-            raise ValueError(f"expansion={expansion}: must be >= 1")
-        s = np.asarray(slots, dtype=np.int32)
-        wide = s.astype(np.int64)[..., None] * scale + offset + np.arange(expansion)
-        wide = np.where(s[..., None] == BAD_PAGE_INDEX, BAD_PAGE_INDEX, wide)
-        if wide.size and (wide.max() > np.iinfo(np.int32).max or wide.min() < BAD_PAGE_INDEX):
-            raise OverflowError("converted page index does not fit int32")
-        return wide.reshape(*s.shape[:-1], s.shape[-1] * expansion).astype(np.int32)
+        return convert_page_indices_reference(slots, scale, offset, expansion, scratch)
 
     def _locate(self, pages: FingerprintPages) -> tuple[np.ndarray, np.ndarray]:
         """For every page: index of the live buffer holding it, and its offset there."""
