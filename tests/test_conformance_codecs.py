@@ -110,7 +110,8 @@ class TestSuiteOnALossyPageCodec(CodecConformance):
     plugin_name = "test-lossy"
 
     @pytest.fixture(scope="class")
-    def kvcm_plugin_spec(self) -> CodecSpec:
+    @classmethod
+    def kvcm_plugin_spec(cls) -> CodecSpec:
         return CodecSpec(
             name="test-lossy",
             factory=_TruncatingCodec,
@@ -122,7 +123,8 @@ class TestSuiteOnAChecksummedBlobCodec(CodecConformance):
     plugin_name = "test-crc32"
 
     @pytest.fixture(scope="class")
-    def kvcm_plugin_spec(self) -> CodecSpec:
+    @classmethod
+    def kvcm_plugin_spec(cls) -> CodecSpec:
         return CodecSpec(
             name="test-crc32",
             factory=_Crc32Codec,

@@ -31,7 +31,8 @@ class TestDictTier(TierConformance):
     plugin_name = "dict"
 
     @pytest.fixture(scope="class")
-    def kvcm_plugin_spec(self) -> TierSpec:
+    @classmethod
+    def kvcm_plugin_spec(cls) -> TierSpec:
         return DICT_TIER_SPEC
 
     def backdoor_read(self, pool: Pool, slot: int) -> bytes | None:
@@ -45,7 +46,8 @@ class TestFaultyDiskWithoutFaults(TierConformance):
     plugin_name = "faulty-disk"
 
     @pytest.fixture(scope="class")
-    def kvcm_plugin_spec(self) -> TierSpec:
+    @classmethod
+    def kvcm_plugin_spec(cls) -> TierSpec:
         return faulty_tier_spec(get_plugin_manager().tier("disk"), FaultPlan())
 
 

@@ -172,12 +172,14 @@ class CodecConformance(ConformanceBase):
     lossy_element_dtype: ClassVar[str] = "float16"
 
     @pytest.fixture(scope="class")
-    def codec(self, kvcm_plugin_spec: Any) -> Any:
+    @classmethod
+    def codec(cls, kvcm_plugin_spec: Any) -> Any:
         """The codec under test, built with default options."""
         return kvcm_plugin_spec.factory({})
 
     @pytest.fixture(scope="class")
-    def backend(self) -> Iterator[KernelBackend]:
+    @classmethod
+    def backend(cls) -> Iterator[KernelBackend]:
         """The selected kernel backend (``numpy`` where there is no GPU)."""
         spec = get_plugin_manager().select_kernel_backend()
         backend = spec.factory({})

@@ -358,7 +358,8 @@ class KernelBackendConformance(ConformanceBase):
     kvcm_kind = "kernel_backend"
 
     @pytest.fixture(scope="class")
-    def backend(self, kvcm_plugin_spec: Any) -> Iterator[KernelBackend]:
+    @classmethod
+    def backend(cls, kvcm_plugin_spec: Any) -> Iterator[KernelBackend]:
         """The backend under test, built with default options."""
         backend = kvcm_plugin_spec.factory({})
         yield backend
