@@ -69,6 +69,7 @@ class CacheStatus(enum.Enum):
 
 
 _I32 = 1 << 31
+_NO_STALE = (0, 0)
 
 
 def _check_count(name: str, value: Any) -> int:
@@ -979,22 +980,23 @@ class KVCache:
         """Slot ids of this cache's blocks for one cache group (read-only int32 array of
         ``num_blocks``); ``BAD_PAGE_INDEX`` for absent or stale blocks."""
         m = self._m
-        self._require(CacheStatus.ACTIVE, CacheStatus.SUSPENDED)
-        if isinstance(group, bool) or not isinstance(group, int | np.integer) or not (
-                0 <= group < len(m.life_cycles)):
+        if self._status is CacheStatus.CLOSED:
+            self._require(CacheStatus.ACTIVE, CacheStatus.SUSPENDED)
+        if (type(group) is not int and (isinstance(group, bool) or not isinstance(
+                group, int | np.integer))) or not 0 <= group < len(m.life_cycles):
             raise ValueError(f"group={group!r}: must be a cache group id in "
                              f"0..{len(m.life_cycles) - 1}")
         if beam != 0:
             raise ValueError(f"beam={beam!r}: this cache has beam width 1")
         tpb = self._tpb
-        nb = -(-self._capacity // tpb)
+        nb = (self._capacity + tpb - 1) // tpb
         lc = m.life_cycles[group]
-        stale = lc.stale_range(self._history, tpb)
+        # Full attention has no stale range: its table depends on the pages only.
+        stale = lc.stale_range(self._history, tpb) if lc.window is not None or lc.is_ssm \
+            else _NO_STALE
         key = (self._version, m._epoch, nb, stale)
         if self._table_keys[group] == key:
-            table = self._tables[group]
-            assert table is not None
-            return table
+            return self._tables[group]  # type: ignore[return-value]
         table = np.full(nb, BAD_PAGE_INDEX, dtype=np.int32)
         if lc.is_ssm:
             live = self._ssm[group]
