@@ -92,12 +92,24 @@ def match_prefix(
             if b:
                 data = encode_tokens(tokens[b * tpb : min(nfull, b + _CHUNK) * tpb])[0]
             stop = min(nfull - b, _CHUNK) * step
+            if single is not None:  # the common case, kept free of per-block branching
+                for off in range(0, stop, step):
+                    k = sha(key + data[off : off + step]).digest()
+                    child = node.children.get(k)
+                    if child is None or child.pages[single] is None:
+                        b = nfull
+                        break
+                    keys.append(k)
+                    chain.append(child)
+                    node = child
+                    key = k
+                else:
+                    b += _CHUNK
+                continue
             for off in range(0, stop, step):
                 k = sha(key + data[off : off + step]).digest()
                 child = node.children.get(k)
-                if child is None or (
-                        child.pages[single] is None if single is not None
-                        else not _has_all(child.pages, walk_groups)):
+                if child is None or not _has_all(child.pages, walk_groups):
                     b = nfull
                     break
                 keys.append(k)
