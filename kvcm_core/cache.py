@@ -62,6 +62,15 @@ class ReuseStatus:
     coverage: tuple[tuple[int, int], ...]
 
 
+@attrs.define(eq=False)
+class _Beam:
+    """Pages of one extra beam: shared with beam 0 below the fork, its own from there."""
+
+    fork: int  # history at the fork: positions below were written by beam 0
+    pages: list[list[Any]]  # per cache group, per block
+    ssm: list[Any]  # per cache group: the beam's live SSM state
+
+
 class CacheStatus(enum.Enum):
     ACTIVE = "active"
     SUSPENDED = "suspended"
@@ -116,6 +125,7 @@ class KVCache:
         self._pages: list[list[Page | None]] = [[] for _ in range(ngroups)]
         self._ssm: list[Page | None] = [None] * ngroups
         self._pending: list[tuple[int, int, Page]] = []  # (group, block, source) to copy
+        self._beams: list[_Beam] = []  # beams 1.. (beam 0 is self._pages / self._ssm)
         self._released_to = [0] * ngroups
         self._lost = False
         # SWA scratch (kvcm_core.scratch): per group, this cache's scratch slots and the
@@ -211,7 +221,112 @@ class KVCache:
 
     @property
     def beam_width(self) -> int:
-        return 1
+        return 1 + len(self._beams)
+
+    def beam_fork(self, beam: int) -> int:
+        """History length when ``beam`` was forked from beam 0 (0 for beam 0): its tokens
+        below that position are beam 0's and their KV pages were written by beam 0."""
+        self._check_beam(beam)
+        return self._beams[beam - 1].fork if beam else 0
+
+    def _check_beam(self, beam: Any) -> None:
+        if isinstance(beam, bool) or not isinstance(beam, int | np.integer) or not (
+                0 <= beam < self.beam_width):
+            raise ValueError(f"beam={beam!r}: must be in 0..{self.beam_width - 1} (beam "
+                             f"width {self.beam_width})")
+
+    def _page_lists(self) -> list[list[list[Any]]]:
+        """Per beam, the per-group page lists (beam 0 first)."""
+        return [self._pages, *(bm.pages for bm in self._beams)]
+
+    def set_beam_width(self, width: int) -> bool:
+        """Fork beams from beam 0 (or drop the last ones) for beam search.
+
+        New beams share every full block beam 0 has written (below ``history_length //
+        tokens_per_block``), get a private copy of the partial block at ``history_length``
+        and of the SSM state, and fresh pages for the blocks after it. Dropping beams
+        releases their pages. Only beam 0 publishes to the prefix tree (``commit`` takes
+        beam 0's tokens). Returns False, with nothing changed, when level 0 cannot provide
+        the pages. SWA scratch pages are not used with beams.
+        """
+        self._require(CacheStatus.ACTIVE)
+        m = self._m
+        if isinstance(width, bool) or not isinstance(width, int | np.integer) or not (
+                1 <= width <= m.config.max_beam_width):
+            raise ValueError(f"width={width!r}: must be in 1..{m.config.max_beam_width} "
+                             "(KVCacheManagerConfig.max_beam_width)")
+        width = int(width)
+        if width < self.beam_width:
+            for bm in reversed(self._beams[width - 1:]):
+                self._release_beam(bm)
+            del self._beams[width - 1:]
+            self._version += 1
+            return True
+        if width == self.beam_width:
+            return True
+        if m._scratch_groups:
+            raise InvalidStateError("beams are not supported together with SWA scratch pages")
+        tpb = self._tpb
+        hist = self._history
+        shared_below = hist // tpb  # full blocks beam 0 has written
+        tail = shared_below if hist % tpb else -1
+        new = width - self.beam_width
+        needs: dict[int, int] = {}
+        plan: dict[int, list[int]] = {}
+        for g in m._attn_groups:
+            own = [b for b, p in enumerate(self._pages[g]) if p is not None
+                   and b >= shared_below]
+            plan[g] = own
+            if own:
+                pg = m._gpu_store[g].pool_group
+                needs[pg] = needs.get(pg, 0) + new * len(own)
+        for g in m._ssm_groups:
+            if self._ssm[g] is not None:
+                pg = m._gpu_store[g].pool_group
+                needs[pg] = needs.get(pg, 0) + new
+        prios = self._priorities([b for own in plan.values() for b in own])
+        if not m._can_take(needs):
+            return False
+        for _ in range(new):
+            beam = _Beam(hist, [], [None] * len(m.life_cycles))
+            for g in range(len(m.life_cycles)):
+                base = self._pages[g]
+                pages_g: list[Any] = [p if b < shared_below else None
+                                      for b, p in enumerate(base)]
+                for page in pages_g:
+                    if page is not None:
+                        page.store.lock(page)
+                own = plan.get(g, [])
+                if own:
+                    fresh = self._new_pages(g, own, prios)
+                    for b, page in zip(own, fresh, strict=True):
+                        pages_g[b] = page
+                    src = base[tail] if tail in own else None
+                    copy = pages_g[tail] if tail in own else None
+                    if src is not None and copy is not None:
+                        m._copy_blocks(g, [(copy.slot, src.slot)])
+                beam.pages.append(pages_g)
+            for g in m._ssm_groups:
+                live = self._ssm[g]
+                if live is not None:
+                    page = self._new_pages(g, [-1], prios)[0]
+                    m._copy_blocks(g, [(page.slot, live.slot)])
+                    beam.ssm[g] = page
+            self._beams.append(beam)
+        self._version += 1
+        return True
+
+    def _release_beam(self, beam: _Beam) -> None:
+        active = self._status is CacheStatus.ACTIVE
+        refs = [p for pages_g in beam.pages for p in reversed(pages_g) if p is not None]
+        refs += [p for p in beam.ssm if p is not None]
+        for page in refs:
+            if page.level < 0:
+                continue
+            if active:
+                page.store.unlock(page)
+            else:
+                page.store.unhold(page)
 
     @property
     def batch_row(self) -> int | None:
@@ -302,8 +417,11 @@ class KVCache:
             self._require(CacheStatus.SUSPENDED)
         if self._status is CacheStatus.ACTIVE:
             return True
+        lists = [*self._pages, self._ssm]
+        for bm in self._beams:
+            lists += [*bm.pages, bm.ssm]
         if (not self._lost and any(
-                p is not None and p.level < 0 for pages in (*self._pages, self._ssm)
+                p is not None and p.level < 0 for pages in lists
                 for p in pages)) or any(src.level < 0 for _, _, src in self._pending):
             self._lost = True
         if self._lost:
@@ -338,7 +456,7 @@ class KVCache:
                 needs[pg] = needs.get(pg, 0) + 1
         declined_ids = {id(p) for _, _, p in declined}
         cold = [p for p in self._all_pages() if p.level != 0 and id(p) not in declined_ids]
-        for page in cold:
+        for page in {id(p): p for p in cold}.values():  # a page shared by beams moves once
             pg = m._gpu_store[page.group].pool_group
             needs[pg] = needs.get(pg, 0) + 1
         limit = m.config.max_util_for_resume
@@ -373,7 +491,7 @@ class KVCache:
         try:
             # Cold pages of ours come back in one batch per source store.
             cold = [p for p in self._all_pages() if p.level != 0]
-            m._onboard(cold, stream)
+            m._onboard(list({id(p): p for p in cold}.values()), stream)
             for page in cold:
                 page.store.hold_to_lock(page)
             sources = {(g, b): page for g, b, page in self._pending}
@@ -487,8 +605,14 @@ class KVCache:
         self._lost = True
 
     def _all_pages(self) -> list[Page]:
+        """Every page reference of the cache (a page shared by beams appears once per
+        beam: each reference is one lock or hold)."""
         out = [p for pages_g in self._pages for p in pages_g if p is not None and p.level >= 0]
         out.extend(p for p in self._ssm if p is not None and p.level >= 0)
+        for bm in self._beams:
+            out.extend(p for pages_g in bm.pages for p in pages_g
+                       if p is not None and p.level >= 0)
+            out.extend(p for p in bm.ssm if p is not None and p.level >= 0)
         return out
 
     def suspend(self) -> None:
@@ -554,6 +678,10 @@ class KVCache:
                 needs[pg] = needs.get(pg, 0) + nb_new - old_nb
         plan = (self._plan_scratch(capacity, history, nb_new, releases, grow, needs)
                 if m._scratch_groups else None)
+        if self._beams:  # every beam grows and sheds the same blocks as beam 0
+            for g, blocks in grow.items():
+                pg = m._gpu_store[g].pool_group
+                needs[pg] += len(blocks) * len(self._beams)
         prios = self._priorities([b for blocks in grow.values() for b in blocks])
         if needs:
             for g, b in releases:
@@ -577,18 +705,23 @@ class KVCache:
                         m._make_room(store, n)
                     except OutOfPagesError:
                         return False
-        for g, b in reversed(releases):
-            page = self._pages[g][b]
-            self._pages[g][b] = None
-            if page is not None:
-                page.store.unlock(page)
+        for lists in self._page_lists():
+            for g, b in reversed(releases):
+                page = lists[g][b]
+                lists[g][b] = None
+                if page is not None:
+                    page.store.unlock(page)
         for g in m._windowed_groups:
             lc = m.life_cycles[g]
             self._released_to[g] = max(self._released_to[g], lc.stale_range(keep, tpb)[1])
         if plan is not None:
             self._apply_scratch(plan, history)
-        for g in m._attn_groups:
-            del self._pages[g][nb_new:]
+        for lists in self._page_lists():
+            for g in m._attn_groups:
+                del lists[g][nb_new:]
+        for bm in self._beams:
+            for g, blocks in grow.items():
+                bm.pages[g].extend(self._new_pages(g, blocks, prios))
         for g, blocks in grow.items():
             if plan is None:
                 self._pages[g].extend(self._new_pages(g, blocks, prios))
@@ -654,13 +787,14 @@ class KVCache:
             lo = max(start, self._released_to[g])
             if stop <= lo:
                 continue
-            pages_g = self._pages[g]
-            for b in range(min(stop, len(pages_g)) - 1, lo - 1, -1):
-                page = pages_g[b]
-                if page is not None:
-                    pages_g[b] = None
-                    page.store.unlock(page)
-                    changed = True
+            for lists in self._page_lists():
+                pages_g = lists[g]
+                for b in range(min(stop, len(pages_g)) - 1, lo - 1, -1):
+                    page = pages_g[b]
+                    if page is not None:
+                        pages_g[b] = None
+                        page.store.unlock(page)
+                        changed = True
             self._released_to[g] = stop
         if changed:
             self._version += 1
@@ -825,6 +959,9 @@ class KVCache:
                         m._event(EventKind.STORED, node, g, live.level)
         active = self._status is CacheStatus.ACTIVE
         self._drop_scratch()
+        for bm in reversed(self._beams):
+            self._release_beam(bm)
+        self._beams.clear()
         # Deepest block first, every group of a block together: the LRU order then evicts
         # a chain from its tail, and no group's pages of a block age apart from the others.
         depth = max((len(self._pages[g]) for g in m._attn_groups), default=0)
@@ -987,7 +1124,8 @@ class KVCache:
             raise ValueError(f"group={group!r}: must be a cache group id in "
                              f"0..{len(m.life_cycles) - 1}")
         if beam != 0:
-            raise ValueError(f"beam={beam!r}: this cache has beam width 1")
+            self._check_beam(beam)
+            return self._beam_table(group, int(beam))
         tpb = self._tpb
         nb = (self._capacity + tpb - 1) // tpb
         lc = m.life_cycles[group]
@@ -1011,6 +1149,28 @@ class KVCache:
         table.flags.writeable = False
         self._tables[group] = table
         self._table_keys[group] = key
+        return table
+
+    def _beam_table(self, group: int, beam: int) -> np.ndarray:
+        """Page table of an extra beam (built on each call: beams are short-lived)."""
+        m = self._m
+        tpb = self._tpb
+        nb = (self._capacity + tpb - 1) // tpb
+        lc = m.life_cycles[group]
+        bm = self._beams[beam - 1]
+        table = np.full(nb, BAD_PAGE_INDEX, dtype=np.int32)
+        if lc.is_ssm:
+            live = bm.ssm[group]
+            b = self._history // tpb
+            if live is not None and live.level == 0 and b < nb:
+                table[b] = live.slot
+        else:
+            for b, page in enumerate(bm.pages[group][:nb]):
+                if page is not None and page.level == 0:
+                    table[b] = page.slot
+            start, stop = lc.stale_range(self._history, tpb)
+            table[start:stop] = BAD_PAGE_INDEX
+        table.flags.writeable = False
         return table
 
     def __repr__(self) -> str:

@@ -154,6 +154,7 @@ class FingerprintEngine:
             ids[:known] = _ids(w.tokens, known)
             block_ids = ids.reshape(-1, tpb) if ntok else ids.reshape(0, tpb)
             tables: dict[int, np.ndarray] = {}
+            fork = cache.beam_fork(w.beam) if w.beam else 0
             for buf in self.buffers:
                 table = tables.get(buf.group)
                 if table is None:
@@ -161,7 +162,6 @@ class FingerprintEngine:
                     tables[buf.group] = table
                     self._check_table(cache, buf, table, nb)
                 base, stride = bases[(buf.layer_id, buf.role)]
-                tag = np.array([buf.layer_id, (buf.ordinal << 16) | w.beam], dtype=np.uint32)
                 if buf.is_ssm:
                     if only_blocks is not None:
                         continue
@@ -187,28 +187,38 @@ class FingerprintEngine:
                     begin.append(np.array([0], dtype=np.int32))
                     end.append(np.array([1], dtype=np.int32))
                     pos.append(np.array([state_at], dtype=np.int64))
-                    tags.append(tag[None, :])
+                    # A forked beam's state is beam 0's until the beam writes its own.
+                    writer = w.beam if state_at > fork else 0
+                    tags.append(np.array([[buf.layer_id, (buf.ordinal << 16) | writer]],
+                                         dtype=np.uint32))
                     continue
                 if hi <= lo or ssm_only:
                     continue
-                b0, b1 = lo // tpb, -(-hi // tpb)
                 s0, s1 = _stale(buf, hist, tpb)
-                blocks = np.arange(b0, b1)
-                blocks = blocks[(blocks < s0) | (blocks >= s1)]
-                if only_blocks is not None:
-                    blocks = blocks[np.isin(blocks, only_blocks.get(buf.group, []))]
-                if blocks.size == 0:
-                    continue
-                sl = table[blocks].astype(np.int64)
-                addr.append(base + sl * stride)
-                nbytes.append(np.full(blocks.size, buf.size, dtype=np.int64))
-                slots.append(np.full(blocks.size, tpb, dtype=np.int32))
-                tok.append(block_ids[blocks])
-                first = blocks * tpb
-                begin.append(np.clip(lo - first, 0, tpb).astype(np.int32))
-                end.append(np.clip(hi - first, 0, tpb).astype(np.int32))
-                pos.append(first.astype(np.int64))
-                tags.append(np.broadcast_to(tag, (blocks.size, 2)))
+                # Positions below a beam's fork were written by beam 0 (shared or copied).
+                segments = [(lo, min(hi, fork), 0), (max(lo, fork), hi, w.beam)] \
+                    if w.beam else [(lo, hi, 0)]
+                for seg_lo, seg_hi, writer in segments:
+                    if seg_hi <= seg_lo:
+                        continue
+                    blocks = np.arange(seg_lo // tpb, -(-seg_hi // tpb))
+                    blocks = blocks[(blocks < s0) | (blocks >= s1)]
+                    if only_blocks is not None:
+                        blocks = blocks[np.isin(blocks, only_blocks.get(buf.group, []))]
+                    if blocks.size == 0:
+                        continue
+                    sl = table[blocks].astype(np.int64)
+                    addr.append(base + sl * stride)
+                    nbytes.append(np.full(blocks.size, buf.size, dtype=np.int64))
+                    slots.append(np.full(blocks.size, tpb, dtype=np.int32))
+                    tok.append(block_ids[blocks])
+                    first = blocks * tpb
+                    begin.append(np.clip(seg_lo - first, 0, tpb).astype(np.int32))
+                    end.append(np.clip(seg_hi - first, 0, tpb).astype(np.int32))
+                    pos.append(first.astype(np.int64))
+                    seg_tag = np.array([buf.layer_id, (buf.ordinal << 16) | writer],
+                                       dtype=np.uint32)
+                    tags.append(np.broadcast_to(seg_tag, (blocks.size, 2)))
         if not addr:
             return None
         return FingerprintPages(

@@ -1,0 +1,201 @@
+"""Beam search: beams fork from beam 0, share its full written blocks, copy the partial
+tail and the SSM state, write their own continuations, and only beam 0 publishes.
+Fingerprint-verified every step for every beam."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvcm_core import (
+    BAD_PAGE_INDEX,
+    AttentionLayerConfig,
+    BufferConfig,
+    InvalidStateError,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    LevelConfig,
+    SsmLayerConfig,
+)
+from kvcm_core.testing.fingerprint import FingerprintEngine, StepWork
+
+TPB = 4
+
+
+def _manager(tmp: Path | None = None, *, slots: int = 64, hybrid: bool = False,
+             levels: int = 1) -> KVCacheManager:
+    layers: list[Any] = [AttentionLayerConfig(layer_id=0, buffers=[
+        BufferConfig(role="k", size=64), BufferConfig(role="v", size=64)])]
+    if hybrid:
+        layers += [
+            AttentionLayerConfig(layer_id=1, buffers=[BufferConfig(role="kv", size=32)],
+                                 sliding_window_size=8, num_sink_tokens=4),
+            SsmLayerConfig(layer_id=2, buffers=[BufferConfig(role="state", size=48)]),
+        ]
+    per_slot = 128 + (32 + 48 if hybrid else 0)
+    lv = [LevelConfig(tier="gpu", quota=slots * per_slot)]
+    if levels > 1:
+        lv.append(LevelConfig(tier="host", quota=8 * slots * per_slot))
+    return KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=TPB, layers=layers, levels=lv, max_beam_width=4,
+        max_util_for_resume=1.0, kernel_backend="numpy"))
+
+
+class BeamDriver:
+    """Runs one cache: prefill of a prompt, a fork, then decode steps where each beam
+    writes its own tokens; beam 0's tokens are committed."""
+
+    def __init__(self, m: KVCacheManager, prompt: list[int], seed: int = 0) -> None:
+        self.m = m
+        self.engine = FingerprintEngine(m)
+        self.rng = np.random.default_rng(seed)
+        self.cache = m.create_kv_cache(None, prompt[:-1])
+        assert self.cache.resume()
+        self.beams = [list(prompt)]
+
+    def step(self, n: int = 1) -> None:
+        c = self.cache
+        cap = c.history_length + n
+        for beam in self.beams:
+            while len(beam) < cap:
+                beam.append(int(self.rng.integers(0, 1000)))
+        assert c.resize(cap)
+        work = [StepWork(c, beam, k) for k, beam in enumerate(self.beams)]
+        self.engine.step(work)
+        c.commit(self.beams[0][c.history_length:cap])
+        self.m.check_invariants()
+
+    def prefill(self, upto: int) -> None:
+        while self.cache.history_length < upto:
+            self.step(min(3, upto - self.cache.history_length))
+
+    def fork(self, width: int) -> bool:
+        ok = self.cache.set_beam_width(width)
+        if ok:
+            h = self.cache.history_length
+            while len(self.beams) < width:
+                self.beams.append(list(self.beams[0][:h]))
+            del self.beams[width:]
+        return ok
+
+    def check_all(self) -> None:
+        c = self.cache
+        self.engine.check([StepWork(c, beam, k) for k, beam in enumerate(self.beams)])
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 1000, n).tolist()
+
+
+@pytest.mark.parametrize("fork_at", [8, 10])  # on a block boundary, and mid-block
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_beams_share_written_full_blocks_copy_the_tail_and_write_their_own(fork_at, hybrid):
+    m = _manager(hybrid=hybrid)
+    d = BeamDriver(m, _prompt(6, 1))
+    d.prefill(fork_at)
+    assert d.fork(3)
+    c = d.cache
+    assert c.beam_width == 3 and c.beam_fork(2) == fork_at
+    d.check_all()
+    g = m.get_layer_group_id(0)
+    t0, t1 = c.get_base_page_indices(g, 0), c.get_base_page_indices(g, 1)
+    shared = fork_at // TPB
+    assert (t0[:shared] == t1[:shared]).all()  # written full blocks are shared
+    if fork_at % TPB:
+        assert t0[shared] != t1[shared]  # the partial tail is a private copy
+    for _ in range(9):
+        d.step()  # every beam writes its own tokens, checked every step
+    t0, t1, t2 = (c.get_base_page_indices(g, k) for k in range(3))
+    tail = c.history_length // TPB
+    assert len({int(t0[tail]), int(t1[tail]), int(t2[tail])}) == 3
+    c.close()
+    m.clear_reusable_blocks()
+    st = m.get_storage_statistics(0)
+    assert st.free == st.total
+
+
+def test_only_beam_0_publishes_its_tokens():
+    m = _manager()
+    d = BeamDriver(m, _prompt(6, 2))
+    d.prefill(8)
+    assert d.fork(2)
+    for _ in range(8):
+        d.step()
+    beam0, beam1 = list(d.beams[0]), list(d.beams[1])
+    d.cache.close()
+    assert m.probe_reuse(None, beam0[:16]) == 16
+    assert m.probe_reuse(None, beam1[:16]) == 8  # only the shared prefix
+
+
+def test_dropping_beams_releases_their_pages_and_beam_0_goes_on():
+    m = _manager()
+    d = BeamDriver(m, _prompt(6, 3))
+    d.prefill(10)
+    before = m.get_storage_statistics(0).free
+    assert d.fork(4)
+    for _ in range(5):
+        d.step()
+    assert d.fork(1)
+    assert d.cache.beam_width == 1
+    d.step()
+    d.check_all()
+    assert m.get_storage_statistics(0).free >= before - 2  # beam 0's own growth only
+    with pytest.raises(ValueError, match="beam"):
+        d.cache.get_base_page_indices(0, 1)
+
+
+def test_a_fork_that_does_not_fit_returns_false_and_changes_nothing():
+    m = _manager(slots=6)
+    d = BeamDriver(m, _prompt(6, 4))
+    d.prefill(14)  # 4 blocks of 6 used, tail block partial
+    stats = m.get_storage_statistics(0).as_dict()
+    tables = d.cache.get_base_page_indices(0).copy()
+    assert not d.cache.set_beam_width(4)  # 3 tails + growth cannot fit
+    assert d.cache.beam_width == 1
+    assert m.get_storage_statistics(0).as_dict() == stats
+    assert (d.cache.get_base_page_indices(0) == tables).all()
+    m.check_invariants()
+
+
+def test_beams_survive_suspend_and_resume_through_the_host_level_bit_exact(tmp_path):
+    m = _manager(tmp_path, slots=12, hybrid=True, levels=2)
+    d = BeamDriver(m, _prompt(6, 5))
+    d.prefill(10)
+    assert d.fork(2)
+    for _ in range(3):
+        d.step()
+    d.cache.suspend()
+    # Push the suspended beams' pages to the host with other traffic.
+    other = BeamDriver(m, _prompt(6, 6))
+    other.prefill(30)
+    other.cache.close()
+    levels = {p.level for p in d.cache._all_pages()}
+    assert 1 in levels, levels
+    g = m.get_layer_group_id(0)
+    assert (d.cache.get_base_page_indices(g, 1) == BAD_PAGE_INDEX).any()
+    assert d.cache.resume()
+    d.check_all()
+    for _ in range(3):
+        d.step()
+    d.cache.close()
+    m.clear_reusable_blocks()
+    for lv in range(2):
+        st = m.get_storage_statistics(lv)
+        assert st.free == st.total
+
+
+def test_beam_width_is_validated():
+    m = _manager()
+    c = m.create_kv_cache(None, [])
+    with pytest.raises(InvalidStateError):
+        c.set_beam_width(2)  # suspended
+    assert c.resume()
+    for bad in (0, 5, True, "2"):
+        with pytest.raises(ValueError, match="max_beam_width"):
+            c.set_beam_width(bad)
+    with pytest.raises(ValueError, match="beam"):
+        c.beam_fork(1)
+    c.close()
