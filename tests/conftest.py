@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 from kvcm_core import (
     BAD_PAGE_INDEX,
@@ -42,6 +43,13 @@ def kv(size: int = PAGE, policy: ReusePolicy | None = None) -> list[BufferConfig
     return [BufferConfig(role="k", size=size, reuse_policy=policy),
             BufferConfig(role="v", size=size, reuse_policy=policy)]
 
+
+# CI runs the property tests derandomised, so a submission's result never depends on luck;
+# locally they explore new examples every run (and `KVCM_HYPOTHESIS_PROFILE=ci` reproduces CI).
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("KVCM_HYPOTHESIS_PROFILE",
+                                     "ci" if os.environ.get("CI") else "dev"))
 
 #: Kernel backend the manager tests run on: numpy here; set ``KVCM_TEST_BACKEND=cuda`` (or
 #: ``cupy``) on a GPU machine to run the same fingerprint-verified tests there.

@@ -58,6 +58,7 @@ class StepReport:
     finished: list[Request] = attrs.Factory(list)
     preempted: list[Request] = attrs.Factory(list)
     resumed: list[Request] = attrs.Factory(list)
+    recomputed: list[Request] = attrs.Factory(list)  # suspended ones given back to recompute
 
 
 class EngineLoop:
@@ -212,6 +213,15 @@ class EngineLoop:
                     req.cache.close()
                 self.finished.append(req)
                 report.finished.append(req)
+        if not (report.stepped or report.resumed or report.finished) and self.suspended:
+            # Stalled: the suspended requests' pages could not move out of the GPU (colder
+            # levels full of held pages). Give the youngest one's pages back: recompute it.
+            victim = max(self.suspended, key=lambda r: r.arrival)
+            self.suspended.remove(victim)
+            victim.cache.close()
+            victim.cache = None
+            self.waiting.appendleft(victim)
+            report.recomputed.append(victim)
         return report
 
     def _preempt(self, exclude: Request) -> Request | None:
@@ -255,7 +265,8 @@ class EngineLoop:
             report = self.step()
             if on_step is not None:
                 on_step(report)
-            if not report.stepped and not report.resumed and not report.finished:
+            if not (report.stepped or report.resumed or report.finished
+                    or report.recomputed):
                 if self.running or self.suspended or self.waiting:
                     stuck = [r.id for r in (*self.running, *self.suspended, *self.waiting)]
                     raise RuntimeError(f"engine loop made no progress; stuck: {stuck[:10]}")
