@@ -365,11 +365,20 @@ class KVCacheManager:
             return False
         if store.last_level:
             return True
-        for nxt, pages in self._by_next(victims).items():
+        for pages in self._by_next(victims).values():
             held = sum(1 for p in pages if p.holds)
-            if held and not self._room(nxt, held):
+            if held and self._held_target(pages[0], held) is None:
                 return False
         return True
+
+    def _held_target(self, page: Page, n: int) -> PoolGroupStore | None:
+        """The warmest colder store (for ``page``'s group) that can take ``n`` held pages
+        at once: held pages skip a level too small for them rather than block."""
+        for level in range(page.level + 1, len(self.stores)):
+            target = self._cold_store[level][page.group]
+            if self._room(target, n):
+                return target
+        return None
 
     def _capacity(self, store: PoolGroupStore, limit: int) -> int:
         """The most free slots (up to ``limit``) ``store`` can offer (binary search on the
@@ -418,15 +427,18 @@ class KVCacheManager:
         for nxt, pages in self._by_next(victims).items():
             held = [p for p in pages if p.holds]
             droppable = [p for p in pages if not p.holds]  # least recently used first
-            keep = self._capacity(nxt, len(pages)) - len(held)
-            cut = len(droppable) - max(0, keep)
-            movers = held + droppable[cut:]
+            if held:
+                target = self._held_target(held[0], len(held))
+                if target is not None:
+                    self._make_room(target, len(held))
+                    self._move([p for p in held if p.store is store], target)
+            keep = self._capacity(nxt, len(droppable))
+            cut = len(droppable) - keep
             overflow.extend(droppable[:cut])
-            self._make_room(nxt, len(movers))
+            self._make_room(nxt, keep)
             # Making room below may have dropped an ancestor, freeing chosen pages with it.
-            movers = [p for p in movers if p.store is store and p.slot >= 0]
-            failed = self._move(movers, nxt)
-            overflow.extend(p for p in failed if not p.holds)
+            movers = [p for p in droppable[cut:] if p.store is store and p.slot >= 0]
+            overflow.extend(self._move(movers, nxt))
         # Droppable pages the next level could not take go further down where there is
         # room, and are dropped only when no colder level can take them.
         for level in range(store.level + 2, len(self.stores)):

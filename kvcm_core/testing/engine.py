@@ -213,7 +213,7 @@ class EngineLoop:
                     req.cache.close()
                 self.finished.append(req)
                 report.finished.append(req)
-        if not (report.stepped or report.resumed or report.finished) and self.suspended:
+        if not (report.stepped or report.finished) and self.suspended:
             # Stalled: the suspended requests' pages could not move out of the GPU (colder
             # levels full of held pages). Give the youngest one's pages back: recompute it.
             victim = max(self.suspended, key=lambda r: r.arrival)
@@ -265,8 +265,7 @@ class EngineLoop:
             report = self.step()
             if on_step is not None:
                 on_step(report)
-            if not (report.stepped or report.resumed or report.finished
-                    or report.recomputed):
+            if not (report.stepped or report.finished or report.recomputed):
                 if self.running or self.suspended or self.waiting:
                     stuck = [r.id for r in (*self.running, *self.suspended, *self.waiting)]
                     raise RuntimeError(f"engine loop made no progress; stuck: {stuck[:10]}")
