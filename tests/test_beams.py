@@ -4,6 +4,7 @@ Fingerprint-verified every step for every beam."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,8 @@ def _manager(tmp: Path | None = None, *, slots: int = 64, hybrid: bool = False,
         lv.append(LevelConfig(tier="host", quota=8 * slots * per_slot))
     return KVCacheManager(KVCacheManagerConfig(
         tokens_per_block=TPB, layers=layers, levels=lv, max_beam_width=4,
-        max_util_for_resume=1.0, kernel_backend="numpy"))
+        max_util_for_resume=1.0,
+        kernel_backend=os.environ.get("KVCM_TEST_BACKEND", "numpy")))
 
 
 class BeamDriver:
