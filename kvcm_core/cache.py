@@ -187,7 +187,6 @@ class KVCache:
         self._reuse_status: dict[int, ReuseStatus] = {}
         self._optional_decided = False
         self._selected: set[int] = set()
-        self._pending_choice: list[tuple[int, int, Page]] = []
         self._first_resume_done = False
         self._recompute: dict[int, list[int]] = {}
         for g, lc in enumerate(m.life_cycles):
@@ -560,7 +559,6 @@ class KVCache:
                     declined.append((g, b, page))
             declined.extend((grp, -1, p) for grp, _, p in self._pending if grp == g)
         self._selected = chosen
-        self._pending_choice = declined
         return declined
 
     def _apply_declines(self, declined: list[tuple[int, int, Page]]) -> None:
