@@ -146,8 +146,11 @@ class Driver:
         self.toks[id(cache)] = list(toks)
         return cache
 
+    def work(self, *caches: Any) -> list[StepWork]:
+        return [StepWork(c, self.toks[id(c)]) for c in caches]
+
     def check(self, *caches: Any) -> None:
-        self.engine.check([StepWork(c, self.toks[id(c)]) for c in caches])
+        self.engine.check(self.work(*caches))
 
     def step(self, cache: Any, n: int) -> bool:
         toks = self.toks[id(cache)]
@@ -155,7 +158,7 @@ class Driver:
         cap = min(len(toks), hist + n)
         if not cache.resize(cap):
             return False
-        self.engine.step([StepWork(cache, toks)])
+        self.engine.step(self.work(cache))
         cache.commit(toks[hist:cap])
         assert_invariants(self.m)
         return True
@@ -300,3 +303,24 @@ def faulty_tier(m: KVCacheManager, level: int) -> FaultyTier:
     tier = m._tiers[level]
     assert isinstance(tier, FaultyTier)
     return tier
+
+
+def chain(m: KVCacheManager, toks: Sequence[int], scope: ReuseScope | None = None
+          ) -> list[Any]:
+    """The tree nodes of ``toks``'s full blocks, as far as the chain exists."""
+    from kvcm_core.radix import block_keys, scope_root_key
+
+    root = m.tree.roots.get(scope_root_key(scope or ReuseScope()))
+    out: list[Any] = []
+    if root is None:
+        return out
+    node = root
+    tpb = m.tokens_per_block
+    nfull = len(toks) // tpb
+    keys = block_keys(scope_root_key(scope or ReuseScope()), list(toks), tpb, 0, nfull)
+    for k in keys:
+        node = node.children.get(k)
+        if node is None:
+            break
+        out.append(node)
+    return out

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from levels_helpers import Driver as LevelsDriver
 
 from kvcm_core import (
     AttentionLayerConfig,
@@ -23,10 +24,8 @@ from kvcm_core import (
     KVCacheManagerConfig,
     LevelConfig,
     ReusePolicy,
-    ReuseScope,
     SsmLayerConfig,
 )
-from kvcm_core.testing.fingerprint import FingerprintEngine, StepWork
 
 P = ReusePolicy
 TPB = 4
@@ -140,45 +139,15 @@ def groups_with(m: KVCacheManager, policy: ReusePolicy, *, ssm: bool | None = No
 # -- the fingerprint driver ---------------------------------------------------------------
 
 
-class Driver:
-    """resize -> fingerprint check + write -> commit, with invariant checks every step.
-    ``resume`` passes the OPTIONAL choice and lets the engine recompute fresh pages."""
-
-    def __init__(self, m: KVCacheManager) -> None:
-        self.m = m
-        self.engine = FingerprintEngine(m)
-        self.toks: dict[int, list[Any]] = {}
-
-    def create(self, toks: Sequence[Any], match_len: int | None = None,
-               scope: ReuseScope | None = None, **kw: Any) -> Any:
-        if match_len is None:
-            match_len = max(0, len(toks) - 1)
-        cache = self.m.create_kv_cache(scope, list(toks[:match_len]), **kw)
-        self.toks[id(cache)] = list(toks)
-        return cache
-
-    def work(self, *caches: Any) -> list[StepWork]:
-        return [StepWork(c, self.toks[id(c)]) for c in caches]
+class Driver(LevelsDriver):
+    """The levels Driver whose ``resume`` passes the OPTIONAL choice and lets the engine
+    recompute fresh pages."""
 
     def resume(self, cache: Any, optional: Sequence[int] | None = None) -> bool:
         ok = cache.resume(optional_reuse_groups=optional)
         if ok:
             self.engine.recompute(self.work(cache))
         return ok
-
-    def check(self, *caches: Any) -> None:
-        self.engine.check(self.work(*caches))
-
-    def step(self, cache: Any, n: int) -> bool:
-        toks = self.toks[id(cache)]
-        hist = cache.history_length
-        cap = min(len(toks), hist + n)
-        if not cache.resize(cap):
-            return False
-        self.engine.step(self.work(cache))
-        cache.commit(toks[hist:cap])
-        assert_invariants(self.m)
-        return True
 
     def run_to(self, cache: Any, end: int | None = None, chunk: int = 5,
                optional: Sequence[int] | None = None) -> None:
@@ -212,26 +181,6 @@ def tree_nodes(m: KVCacheManager) -> Iterator[Any]:
         for node in root.subtree():
             if node is not root:
                 yield node
-
-
-def chain(m: KVCacheManager, toks: Sequence[int], scope: ReuseScope | None = None
-          ) -> list[Any]:
-    """The tree nodes of ``toks``'s full blocks, as far as the chain exists."""
-    from kvcm_core.radix import block_keys, scope_root_key
-
-    root = m.tree.roots.get(scope_root_key(scope or ReuseScope()))
-    out: list[Any] = []
-    if root is None:
-        return out
-    node = root
-    nfull = len(toks) // TPB
-    keys = block_keys(scope_root_key(scope or ReuseScope()), list(toks), TPB, 0, nfull)
-    for k in keys:
-        node = node.children.get(k)
-        if node is None:
-            break
-        out.append(node)
-    return out
 
 
 def drop(m: KVCacheManager, node: Any, group: int) -> None:

@@ -16,6 +16,7 @@ from levels_helpers import (
     assert_all_free,
     assert_invariants,
     cache_pages,
+    chain,
     close_all,
     faulty_disk,
     faulty_tier,
@@ -76,7 +77,7 @@ def test_failed_disk_write_drops_the_droppable_blocks_and_leaks_nothing(faulty):
     r = [tokens(16, 100 + i) for i in range(3)]
     d.write(r[0], chunk=16, suspend=False).close()        # R0 on the GPU
     d.write(r[1], chunk=16, suspend=False).close()        # R0 -> host
-    assert {p.level for n in _nodes(m, r[0]) for p in n.pages if p} == {1}
+    assert {p.level for n in chain(m, r[0]) for p in n.pages if p} == {1}
     plan.fail_writes = {tier.writes + 1}
     m.get_and_reset_iteration_stats()
     # R1 -> host, R0 -> disk in one batch: that write fails.
@@ -88,7 +89,7 @@ def test_failed_disk_write_drops_the_droppable_blocks_and_leaks_nothing(faulty):
     assert_invariants(m)
     # R0's blocks are gone from the tree; the others are still reusable.
     assert m.probe_reuse(None, r[0]) == 0
-    assert _nodes(m, r[0]) == []
+    assert chain(m, r[0]) == []
     assert m.probe_reuse(None, r[1]) == 16 and m.probe_reuse(None, r[2]) == 16
     # Nothing of R0 stayed on the disk: the poisoned slots were given back.
     disk = m.get_storage_statistics(2)
@@ -117,7 +118,7 @@ def test_failed_write_of_part_of_a_chain_keeps_only_the_prefix_that_arrived(faul
     assert_invariants(m)
     assert m.probe_reuse(None, r[0]) < 16
     left = m.probe_reuse(None, r[0][:15])
-    assert len(_nodes(m, r[0])) >= left // 4
+    assert len(chain(m, r[0])) >= left // 4
     q = d.create(r[0])
     assert q.history_length == left
     d.run_to(q)
@@ -377,18 +378,3 @@ def test_fingerprint_engine_catches_a_corrupted_disk_blob(faulty):
     d.resume_and_verify(b, c)
 
 
-def _nodes(m, toks):
-    """Tree nodes along the full blocks of ``toks``."""
-    from kvcm_core.radix import block_keys, scope_root_key
-
-    key = scope_root_key(None)
-    node = m.tree.roots.get(key)
-    out = []
-    for blk in range(len(toks) // m.tokens_per_block):
-        if node is None:
-            break
-        key = block_keys(key, list(toks), m.tokens_per_block, blk, blk + 1)[0]
-        node = node.children.get(key)
-        if node is not None:
-            out.append(node)
-    return out

@@ -19,6 +19,7 @@ from levels_helpers import (
     assert_all_free,
     assert_invariants,
     cache_pages,
+    chain,
     close_all,
     level_counts,
     make_manager,
@@ -249,29 +250,12 @@ def test_cascade_moves_droppable_blocks_down_and_drops_only_at_the_last_level(
             want = 16 if age <= 2 else 0
             assert m.probe_reuse(None, reqs[j]) == want, (i, j)
             if age <= 2:
-                levels = {n.pages[0].level for n in _chain(m, reqs[j])}
+                levels = {n.pages[0].level for n in chain(m, reqs[j])}
                 assert levels == {age}, (i, j, levels)
         # Nothing is dropped before the disk is full.
         assert st.groups[0].dropped_blocks == (4 if i >= 3 else 0), (i, st)
         assert st.groups[0].offload_blocks == 4 * min(i, 2), (i, st)
     assert m.get_storage_statistics(2).evictable == 4
-
-
-def _chain(m, toks):
-    """Tree nodes along ``toks`` (full blocks)."""
-    from kvcm_core.radix import block_keys, scope_root_key
-
-    key = scope_root_key(None)
-    node = m.tree.roots.get(key)
-    out = []
-    for b in range(len(toks) // m.tokens_per_block):
-        if node is None:
-            break
-        key = block_keys(key, list(toks), m.tokens_per_block, b, b + 1)[0]
-        node = node.children.get(key)
-        if node is not None:
-            out.append(node)
-    return out
 
 
 def test_a_batch_larger_than_the_next_level_still_moves_what_fits(tmp_path, cleanup):

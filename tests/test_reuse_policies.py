@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from levels_helpers import snapshot
+from levels_helpers import chain, snapshot
 from policy_helpers import (
     PAGE,
     STACKS,
@@ -23,7 +23,6 @@ from policy_helpers import (
     att,
     buf,
     cache_pages,
-    chain,
     drop,
     every_policy_layers,
     evict_level,

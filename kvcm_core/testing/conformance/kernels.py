@@ -92,6 +92,14 @@ def _read_all(backend: KernelBackend, buf: Buffer) -> np.ndarray:
     return backend.read(buf, 0, buf.nbytes)
 
 
+def _draw_slot_table(data: st.DataObject, shape: tuple[int, ...]) -> np.ndarray:
+    """An int32 table of slot ids of ``shape``, with ``BAD_PAGE_INDEX`` mixed in."""
+    size = int(np.prod(shape))
+    values = data.draw(st.lists(st.one_of(st.just(BAD_PAGE_INDEX), st.integers(0, 50_000)),
+                                min_size=size, max_size=size))
+    return np.array(values, dtype=np.int32).reshape(shape)
+
+
 def _pairs(dst: list[int], src: list[int]) -> np.ndarray:
     return np.array(list(zip(dst, src, strict=True)), dtype=np.int32).reshape(-1, 2)
 
@@ -698,15 +706,7 @@ class KernelBackendConformance(ConformanceBase):
         self, backend: KernelBackend, data: st.DataObject
     ) -> None:
         shape = tuple(data.draw(st.lists(st.integers(0, 4), min_size=1, max_size=3)))
-        size = int(np.prod(shape))
-        values = data.draw(
-            st.lists(
-                st.one_of(st.just(BAD_PAGE_INDEX), st.integers(0, 50_000)),
-                min_size=size,
-                max_size=size,
-            )
-        )
-        slots = np.array(values, dtype=np.int32).reshape(shape)
+        slots = _draw_slot_table(data, shape)
         before = slots.copy()
         scale = data.draw(st.integers(1, 1000))
         offset = data.draw(st.integers(0, 100_000))
@@ -742,15 +742,7 @@ class KernelBackendConformance(ConformanceBase):
         rows = data.draw(st.one_of(st.just(None), st.integers(0, 3)))
         width = data.draw(st.integers(0, 14))
         shape = (width,) if rows is None else (rows, width)
-        size = int(np.prod(shape))
-        values = data.draw(
-            st.lists(
-                st.one_of(st.just(BAD_PAGE_INDEX), st.integers(0, 50_000)),
-                min_size=size,
-                max_size=size,
-            )
-        )
-        slots = np.array(values, dtype=np.int32).reshape(shape)
+        slots = _draw_slot_table(data, shape)
         before = slots.copy()
         expansion = data.draw(st.integers(1, 2))
         unit_scale = data.draw(st.integers(1, 16))
