@@ -3,16 +3,27 @@ step with the fingerprint engine, and report what the cache achieved (quality.md
 
 Phases:
 
-1. The workload (:mod:`kvcm_core.simulate.workload`) is generated from the seed and its
-   working set measured (distinct blocks over the whole trace, in bytes).
+1. The workload (:mod:`kvcm_core.simulate.workload`) is generated from the seed, or read
+   from a Mooncake-format trace file with ``--trace FILE``
+   (:mod:`kvcm_core.simulate.mooncake`), and its working set measured (distinct blocks
+   over the whole trace, in bytes).
 2. Level quotas are set from ``[simulate] level_fractions`` (a fraction of the working set
    per level) where given, else taken from ``[kvcm]`` as written.
 3. The measured run: the trace through :class:`~kvcm_core.testing.engine.EngineLoop` with
    every level of the configuration, the fingerprint check on at every step.
 4. The GPU-only run: the same trace with only level 0 (same quota), also verified; skipped
    when the configuration has a single level (the measured run is then GPU-only).
-5. The infinite-cache bound (:func:`~kvcm_core.simulate.runner.infinite_bound`).
+5. The infinite-cache bound (:func:`~kvcm_core.simulate.runner.infinite_bound`); for a
+   trace file also the trace's own infinite-cache hit rate, computed exactly from its
+   hash ids (:func:`~kvcm_core.simulate.mooncake.infinite_hits`).
 6. The report: a table, ``report.json`` and ``hit_rate.png`` / ``occupancy.png``.
+
+A trace file (``--trace FILE``): request ``i`` arrives at engine step
+``floor(timestamp_ms / --ms-per-step)`` (default 10 ms a step); its prompt follows the
+token rule, its answer is ``output_length`` made-up tokens (at least one) that no later
+prompt contains; every request is its own session in one reuse scope; ``--trace-limit N``
+keeps the first ``N`` requests. ``--verify-every N`` samples the fingerprint check (see
+:mod:`kvcm_core.simulate.runner`); the report names the verification mode.
 
 Exit status: 0 when every step verified; 1 on any verification failure or internal error
 (the message is printed and the JSON written with ``verification.ok = false``); 2 on a bad
@@ -39,6 +50,7 @@ from rich.console import Console
 from kvcm_core.config import KVCacheManagerConfig
 from kvcm_core.errors import ConfigError
 from kvcm_core.manager import KVCacheManager
+from kvcm_core.simulate.mooncake import TraceError, infinite_hits, read_trace, to_requests
 from kvcm_core.simulate.report import build_report, print_report, write_json, write_plots
 from kvcm_core.simulate.runner import (
     RunResult,
@@ -51,6 +63,10 @@ from kvcm_core.simulate.runner import (
 from kvcm_core.simulate.workload import WorkloadConfig, generate_trace, trace_summary
 
 __all__ = ["SimulateConfig", "load_config", "main"]
+
+#: ``--verify-every`` with ``--trace`` unless given: the full check of a 300-request
+#: Mooncake trace (15k-token prompts) takes several minutes a run on two cores.
+TRACE_VERIFY_EVERY = 8
 
 _SIM_KEYS = ("seed", "level_fractions", "workload", *(a.name for a in attrs.fields(
     SchedulerConfig)))
@@ -194,7 +210,49 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--corrupt-at", type=int, metavar="STEP",
                    help="self-test: flip a byte of a committed page after STEP; the run "
                         "must then fail verification (exit 1)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="replay a Mooncake-format trace (JSON lines: timestamp, "
+                        "input_length, output_length, hash_ids) instead of the seeded "
+                        "workload")
+    p.add_argument("--trace-limit", type=int, default=0, metavar="N",
+                   help="with --trace: the first N requests (0: all; default)")
+    p.add_argument("--ms-per-step", type=float, default=10.0, metavar="MS",
+                   help="with --trace: milliseconds of trace time per engine step; a "
+                        "request arrives at step floor(timestamp / MS) (default "
+                        "%(default)s)")
+    p.add_argument("--verify-every", type=int, default=None, metavar="N",
+                   help="1: check every page at every step (full; the default for the "
+                        "seeded workload); N > 1: sampled verification: every page every "
+                        "N-th step, and each request at its first step after it was "
+                        f"admitted or resumed (default with --trace: {TRACE_VERIFY_EVERY})")
     return p
+
+
+def _usage(message: str) -> int:
+    """A bad command line or trace: one line on stderr, exit status 2."""
+    print(f"kvcm simulate: {message}", file=sys.stderr)
+    return 2
+
+
+def _verification_mode(every: int) -> dict[str, Any]:
+    if every <= 1:
+        return {"mode": "full", "verify_every": 1,
+                "description": "every page checked at every step"}
+    return {"mode": "sampled", "verify_every": every,
+            "description": f"sampled: every page of every running request at every "
+                           f"{every}th step, and each request's pages at its first step "
+                           f"after every admission or resume (records written every step)"}
+
+
+def _trace_infinite(records: Any, cfg: KVCacheManagerConfig) -> dict[str, Any]:
+    """The trace's infinite-cache hit rate at the configured block size, file order, each
+    request looking up its prompt less the last token (as the engine loop does)."""
+    rule = "partial" if cfg.enable_partial_reuse else "blocks"
+    hits = infinite_hits(records, cfg.tokens_per_block, rule=rule, lookup_less=1)
+    lookup = sum(max(0, r.input_length - 1) for r in records)
+    return {"hit_rate": int(hits.sum()) / lookup if lookup else 0.0,
+            "hit_tokens": int(hits.sum()), "lookup_tokens": lookup,
+            "tokens_per_block": cfg.tokens_per_block, "rule": rule, "order": "file order"}
 
 
 def _progress(console: Console, enabled: bool) -> Any:
@@ -238,7 +296,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kvcm simulate``; returns the exit status (see the module docstring)."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     console = Console(stderr=False)
+    if not console.is_terminal:
+        console = Console(stderr=False, width=160)  # piped: room for the table
     err = Console(stderr=True)
+    if args.verify_every is None:
+        args.verify_every = TRACE_VERIFY_EVERY if args.trace is not None else 1
+    if args.verify_every < 1:
+        return _usage(f"--verify-every {args.verify_every}: must be >= 1 (1: every step)")
+    if args.trace is None and (args.trace_limit or args.ms_per_step != 10.0):
+        return _usage("--trace-limit and --ms-per-step apply to --trace FILE only")
+    if args.trace is not None:
+        if args.trace_limit < 0:
+            return _usage(f"--trace-limit {args.trace_limit}: must be >= 0 (0: every "
+                          "request)")
+        if not args.ms_per_step > 0:
+            return _usage(f"--ms-per-step {args.ms_per_step}: must be > 0")
+        if args.requests is not None or args.duration is not None:
+            return _usage("--requests and --duration apply to the seeded workload; with "
+                          "--trace use --trace-limit")
+    records = None
     try:
         sim = load_config(args.config)
         wl = sim.workload
@@ -250,11 +326,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             wl = attrs.evolve(wl, duration=args.duration)
         seed = sim.seed if args.seed is None else args.seed
         t0 = time.perf_counter()
-        trace = generate_trace(wl, seed)
+        if args.trace is not None:
+            records = read_trace(args.trace, args.trace_limit)
+            trace = to_requests(records, args.ms_per_step, seed=seed)
+        else:
+            trace = generate_trace(wl, seed)
         base = KVCacheManagerConfig.from_dict(sim.kvcm)
         ws = working_set(trace, base)
         notes: list[str] = []
         cfg = _manager_config(sim, ws, args.gpu_only, notes)
+    except TraceError as exc:
+        return _usage(str(exc))
     except ConfigError as exc:
         err.print(f"[red]kvcm simulate: configuration error:[/] {exc}")
         return 2
@@ -263,6 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = trace_summary(trace)
     summary.update({"working_set_blocks": ws["blocks"], "working_set_bytes": ws["bytes"],
                     "bytes_per_block": ws["bytes_per_block"]})
+    if records is not None:
+        summary["trace_file"] = args.trace
     try:
         version = importlib.metadata.version("kvcm")
     except importlib.metadata.PackageNotFoundError:  # pragma: no cover
@@ -273,7 +357,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "kernel_backend": cfg.kernel_backend, "argv": list(argv or []),
         "workload": attrs.asdict(wl), "scheduler": attrs.asdict(sim.scheduler),
         "level_fractions": sim.level_fractions, "kvcm": cfg.to_dict(), "notes": notes,
+        "verification": _verification_mode(args.verify_every),
     }
+    if records is not None:
+        meta["workload"] = {
+            "trace": args.trace, "trace_limit": args.trace_limit,
+            "ms_per_step": args.ms_per_step,
+            "arrival": "step floor(timestamp_ms / ms_per_step)",
+            "answers": "output_length made-up tokens (at least 1) from [2000000, 2**31), "
+                       "never in a prompt",
+        }
     show = not args.quiet and console.is_terminal
     progress = _progress(console, show)
     hook = corrupt_after(args.corrupt_at) if args.corrupt_at is not None else None
@@ -288,19 +381,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         label = "gpu-only" if len(cfg.levels) == 1 else "all levels"
         cb = _runner(progress, label, len(trace))
         main_res = run_trace(cfg, trace, sim.scheduler, label=label, on_step=hook,
-                             progress=cb)
+                             progress=cb, verify_every=args.verify_every)
         runs.append(main_res)
         if cb is not None:
             cb.final(main_res)  # type: ignore[attr-defined]
         if len(cfg.levels) > 1 and not args.no_compare:
             cb = _runner(progress, "gpu-only", len(trace))
             gpu_cfg = attrs.evolve(cfg, levels=cfg.levels[:1])
-            gpu_res = run_trace(gpu_cfg, trace, sim.scheduler, label="gpu-only", progress=cb)
+            gpu_res = run_trace(gpu_cfg, trace, sim.scheduler, label="gpu-only", progress=cb,
+                                verify_every=args.verify_every)
             if cb is not None:
                 cb.final(gpu_res)  # type: ignore[attr-defined]
         elif len(cfg.levels) == 1:
             notes.append("a single level is configured: the measured run is the GPU-only run")
         bound = infinite_bound(cfg, trace, main_res.creation_order, ws["bytes"])
+        if records is not None:
+            bound["trace"] = _trace_infinite(records, cfg)
         if bound["dropped_blocks"]:
             notes.append(f"the infinite-cache replay evicted {bound['dropped_blocks']} blocks: "
                          "the bound is underestimated")

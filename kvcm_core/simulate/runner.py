@@ -11,6 +11,13 @@ and each cache's ``resume``, ``resize``, ``commit``, ``suspend``, ``close`` and
 ``get_base_page_indices`` (the page tables the engine reads); the fingerprint engine's
 ``check`` and ``write`` are timed apart, less the page-table reads they make.
 
+Verification is full by default (``verify_every=1``): every page every step. For traces
+too large for that, ``verify_every=N`` samples it (:class:`_Sampler`): every page of every
+running request is checked at every ``N``-th step, and each request's pages at its first
+step after it was admitted or resumed (where a wrong reuse or a lost migration shows
+first); the records are still written at every step, so a page corrupted in between is
+caught at the next full check while its request runs.
+
 The infinite-cache bound replays the requests, in the order the measured run created their
 caches, through a second manager whose only level holds the whole working set (nothing is
 ever evicted; the run checks that): each request looks up the same tokens (its prompt less
@@ -35,7 +42,7 @@ import numpy as np
 from kvcm_core.cache import CacheStatus
 from kvcm_core.config import AttentionLayerConfig, KVCacheManagerConfig, LevelConfig
 from kvcm_core.manager import KVCacheManager
-from kvcm_core.simulate.workload import KINDS, TraceRequest
+from kvcm_core.simulate.workload import TraceRequest, kinds_of
 from kvcm_core.testing.engine import EngineLoop, Request, StepReport
 
 __all__ = ["RunResult", "SchedulerConfig", "infinite_bound", "run_trace", "working_set"]
@@ -99,6 +106,8 @@ class RunResult:
     pages_checked: int = 0
     pages_written: int = 0
     steps_checked: int = 0
+    steps_fully_checked: int = 0
+    fresh_checks: int = 0
     invariant_checks: int = 0
     series: dict[str, Any] = attrs.Factory(dict)
 
@@ -129,6 +138,38 @@ def working_set(trace: list[TraceRequest], config: KVCacheManagerConfig) -> dict
     largest = max((-(-len(r.tokens) // tpb) for r in trace), default=0)
     return {"blocks": blocks, "bytes": blocks * bytes_per_block(config),
             "largest_request_blocks": largest, "bytes_per_block": bytes_per_block(config)}
+
+
+class _Sampler:
+    """Sampled verification: which requests the fingerprint check covers this step.
+
+    ``full`` (set by the runner before each step): check every running request. Otherwise
+    only the caches marked fresh (created or resumed since their last check)."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.full = True
+        self.fresh: set[int] = set()
+        self.full_steps = 0
+        self.fresh_checks = 0
+
+    def mark(self, cache: Any) -> None:
+        self.fresh.add(id(cache))
+
+    def wrap(self, check: Callable[[Any], None]) -> Callable[[Any], None]:
+        def sampled(work: Any) -> None:
+            work = list(work)
+            fresh = [w for w in work if id(w.cache) in self.fresh]
+            self.fresh_checks += len(fresh)
+            for w in fresh:
+                self.fresh.discard(id(w.cache))
+            if self.full:
+                self.full_steps += 1
+                check(work)
+            elif fresh:
+                check(fresh)
+
+        return sampled
 
 
 class _Timers:
@@ -162,7 +203,7 @@ class _Timers:
 
 
 def _instrument(manager: KVCacheManager, loop: EngineLoop, timers: _Timers,
-                res: RunResult, kinds: dict[str, str]) -> None:
+                res: RunResult, kinds: dict[str, str], sampler: _Sampler | None = None) -> None:
     """Time manager calls by wrapping them on the instances (EngineLoop is unchanged)."""
     create = manager.create_kv_cache
 
@@ -196,6 +237,17 @@ def _instrument(manager: KVCacheManager, loop: EngineLoop, timers: _Timers,
             kind[1] += hit
         for name in _TIMED_CACHE_CALLS:
             setattr(cache, name, timers.wrap(name, getattr(cache, name), str(id)))
+        if sampler is not None:
+            sampler.mark(cache)
+            resume = cache.resume
+
+            def resume_marked(*args: Any, **kwargs: Any) -> Any:
+                ok = resume(*args, **kwargs)
+                if ok:
+                    sampler.mark(cache)
+                return ok
+
+            cache.resume = resume_marked
         cache.get_base_page_indices = timers.wrap("page_tables", cache.get_base_page_indices,
                                                   str(id))
         return cache
@@ -214,6 +266,8 @@ def _instrument(manager: KVCacheManager, loop: EngineLoop, timers: _Timers,
 
         return run
 
+    if sampler is not None:
+        engine.check = sampler.wrap(engine.check)  # type: ignore[method-assign, assignment]
     for name in ("check", "write", "recompute"):
         if hasattr(engine, name):
             setattr(engine, name, timed(getattr(engine, name)))
@@ -251,6 +305,7 @@ def run_trace(
     *,
     label: str = "run",
     check: bool = True,
+    verify_every: int = 1,
     on_step: StepHook | None = None,
     progress: Progress | None = None,
 ) -> RunResult:
@@ -262,6 +317,9 @@ def run_trace(
         sched: scheduler knobs.
         label: names the run in the report.
         check: run the fingerprint check every step (writes always happen).
+        verify_every: 1: check every page every step; ``N > 1``: sampled verification
+            (every page every ``N``-th step, each request at its first step after it was
+            admitted or resumed; see the module docstring).
         on_step: called after every step with ``(manager, loop, step)`` (fault injection).
         progress: called after every step with the partial result and the step's report.
 
@@ -274,11 +332,12 @@ def run_trace(
     levels = [{"tier": lv.tier, "quota": lv.quota} for lv in config.levels]
     res = RunResult(label=label, levels=levels,
                     reused_blocks_by_level=[0] * len(config.levels))
-    res.by_kind = {k: [0, 0] for k in KINDS}
+    res.by_kind = {k: [0, 0] for k in kinds_of(trace)}
     loop = _SimLoop(manager, chunk_tokens=sched.chunk_tokens, max_batch=sched.max_batch,
                       token_budget=sched.token_budget, check=check)
     timers = _Timers()
-    _instrument(manager, loop, timers, res, {r.id: r.kind for r in trace})
+    sampler = _Sampler(verify_every) if check and verify_every > 1 else None
+    _instrument(manager, loop, timers, res, {r.id: r.kind for r in trace}, sampler)
     children: dict[str, list[int]] = defaultdict(list)
     ready: list[tuple[int, int]] = []  # (step, trace index)
     for i, r in enumerate(trace):
@@ -310,6 +369,8 @@ def run_trace(
                 continue
             timers.step_ns = 0
             look0, hit0 = res.lookup_tokens, res.hit_tokens
+            if sampler is not None:
+                sampler.full = res.steps % sampler.every == 0
             report = loop.step()
             if check and report.stepped:
                 res.steps_checked += 1
@@ -368,6 +429,11 @@ def run_trace(
         res.manager_ns_per_request = dict(timers.per_request)
         res.fingerprint_ns = loop._kvcm_sim_fp_ns[0]  # type: ignore[attr-defined]
         res.pages_checked = loop.engine.checked_pages
+        if sampler is not None:
+            res.steps_fully_checked = sampler.full_steps
+            res.fresh_checks = sampler.fresh_checks
+        elif check:
+            res.steps_fully_checked = res.steps_checked
         res.pages_written = loop.engine.written_pages
         res.series = series
         for req in (*loop.running, *loop.suspended, *loop.waiting):
@@ -396,7 +462,7 @@ def infinite_bound(config: KVCacheManagerConfig, trace: list[TraceRequest],
     by_id = {r.id: r for r in trace}
     seen = set(order)
     ids = [i for i in order if i in by_id] + [r.id for r in trace if r.id not in seen]
-    by_kind = {k: [0, 0] for k in KINDS}
+    by_kind = {k: [0, 0] for k in kinds_of(trace)}
     lookup = hit = 0
     t0 = time.perf_counter()
     try:

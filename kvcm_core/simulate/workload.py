@@ -30,7 +30,8 @@ import numpy as np
 from kvcm_core.errors import ConfigError
 from kvcm_core.types import ReuseScope
 
-__all__ = ["KINDS", "TraceRequest", "WorkloadConfig", "generate_trace", "trace_summary"]
+__all__ = ["KINDS", "TraceRequest", "WorkloadConfig", "generate_trace", "kinds_of",
+           "trace_summary"]
 
 KINDS = ("chat", "system", "agent", "oneoff")
 
@@ -156,7 +157,7 @@ class TraceRequest:
 
     Attributes:
         id: ``"<kind><session>.<turn>"``.
-        kind: one of :data:`KINDS`.
+        kind: one of :data:`KINDS` (``"trace"`` for a request read from a trace file).
         session: the session number (unique across kinds).
         turn: 0 for the first request of a session.
         scope: the tenant's reuse scope.
@@ -248,13 +249,20 @@ def generate_trace(cfg: WorkloadConfig, seed: int) -> list[TraceRequest]:
     return out
 
 
+def kinds_of(trace: list[TraceRequest]) -> tuple[str, ...]:
+    """The kinds a report breaks ``trace`` down by: :data:`KINDS` for the seeded workload,
+    else the kinds present in order of first appearance (``("trace",)`` for a trace file)."""
+    present = tuple(dict.fromkeys(r.kind for r in trace))
+    return KINDS if set(present) <= set(KINDS) else present
+
+
 def trace_summary(trace: list[TraceRequest]) -> dict[str, Any]:
     """Counts of a trace: requests and tokens, overall and by kind."""
     by_kind = Counter(r.kind for r in trace)
     return {
         "requests": len(trace),
         "sessions": len({r.session for r in trace}),
-        "by_kind": {k: by_kind.get(k, 0) for k in KINDS},
+        "by_kind": {k: by_kind.get(k, 0) for k in kinds_of(trace)},
         "prompt_tokens": int(sum(r.prompt_len for r in trace)),
         "output_tokens": int(sum(r.output_len for r in trace)),
         "last_arrival": max((r.arrival for r in trace if r.arrival is not None), default=0),

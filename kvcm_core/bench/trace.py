@@ -1,0 +1,285 @@
+"""Replay of a public serving trace through the manager (``kvcm bench trace FILE``).
+
+Replays a Mooncake-format trace (see :mod:`kvcm_core.simulate.mooncake` for the format and
+the token rule) one request after another, manager only, the way
+``shared/peer_bench/vllm_trace_replay.py`` replays it through vLLM's KV cache manager, so
+that the two can be compared side by side in one sitting:
+
+- prompts only (no decode), in file order, each turned into int32 tokens by the token rule
+  before the timed replay (token synthesis is not timed);
+- per request, timed as a whole with ``time.perf_counter_ns``:
+  ``cache = manager.create_kv_cache(None, prompt)`` (hash the prompt's blocks, walk the
+  prefix tree, claim the matched pages), ``cache.resume()`` (bring them to the GPU level),
+  ``cache.resize(len(prompt))`` (pages for the rest), ``cache.commit(prompt[reused:])``
+  (hash and publish the new full blocks) and ``cache.close()`` (publish the trailing
+  partial block, make the pages evictable);
+- one full-attention layer with one 64-byte buffer per block, the ``numpy`` kernel
+  backend (no device work: host overhead only), a GPU level of ``--gpu-tokens`` tokens and
+  optionally a host and a disk level below it;
+- ``--reps`` repetitions, each with a fresh manager after ``gc.collect()`` (the garbage
+  collector stays on, as in the peer); median and min over repetitions.
+
+Beside the measured hit rate (reused prompt tokens / prompt tokens) it prints what the
+trace allows: the infinite-cache hit rate at the same block size under kvcm's matching
+rules (and with full blocks only, and with vLLM's rules), and the hit rate of an exact LRU
+over 512-token blocks holding the summed capacity of the levels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from kvcm_core.bench import result_header, write_result
+from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
+from kvcm_core.errors import ConfigError
+from kvcm_core.manager import KVCacheManager
+from kvcm_core.simulate.mooncake import (
+    TRACE_BLOCK,
+    TraceError,
+    chain_nodes,
+    infinite_hits,
+    lru_hits,
+    prompt_tokens,
+    read_trace,
+)
+
+PAGE_BYTES = 64
+ns = time.perf_counter_ns
+
+
+class _Usage(Exception):
+    """A bad option or a trace/configuration the replay cannot run: exit status 2."""
+
+
+def make_config(args: argparse.Namespace, disk_path: str | None) -> KVCacheManagerConfig:
+    """One attention layer, one 64-byte buffer; the GPU level and the optional host and
+    disk levels hold ``tokens // block_size`` pages each."""
+    bs = args.block_size
+    levels = [LevelConfig(tier="gpu", quota=args.gpu_tokens // bs * PAGE_BYTES)]
+    if args.host_tokens:
+        levels.append(LevelConfig(tier="host", quota=args.host_tokens // bs * PAGE_BYTES))
+    if args.disk_tokens:
+        levels.append(LevelConfig(tier="disk", quota=args.disk_tokens // bs * PAGE_BYTES,
+                                  options={"path": disk_path}))
+    return KVCacheManagerConfig(
+        tokens_per_block=bs,
+        layers=[AttentionLayerConfig(layer_id=0,
+                                     buffers=[BufferConfig(role="kv", size=PAGE_BYTES)])],
+        levels=levels,
+        kernel_backend="numpy",
+        enable_partial_reuse=not args.no_partial_reuse,
+    )
+
+
+def replay(args: argparse.Namespace, prompts: list[np.ndarray]) -> dict[str, Any]:
+    """One repetition: a fresh manager, every prompt in order, each request timed."""
+    disk = tempfile.mkdtemp(prefix="kvcm-bench-trace-") if args.disk_tokens else None
+    try:
+        manager = KVCacheManager(make_config(args, disk))
+        try:
+            gc.collect()
+            hit = tot = 0
+            t = 0
+            for i, prompt in enumerate(prompts):
+                s = ns()
+                cache = manager.create_kv_cache(None, prompt)
+                ok = cache.resume() and cache.resize(len(prompt))
+                if ok:
+                    reused = cache.history_length
+                    cache.commit(prompt[reused:])
+                cache.close()
+                t += ns() - s
+                if not ok:
+                    raise _Usage(f"request {i} ({len(prompt)} tokens) does not fit the GPU "
+                                 f"level ({args.gpu_tokens} tokens): raise --gpu-tokens")
+                hit += reused
+                tot += len(prompt)
+            stats = manager.get_and_reset_iteration_stats()
+            levels = []
+            for lv in range(len(manager.config.levels)):
+                st = manager.get_storage_statistics(lv)
+                levels.append({k: getattr(st, k, None) for k in
+                               ("total", "free", "evictable", "used_bytes", "total_bytes")})
+            groups = stats.groups
+        finally:
+            manager.shutdown()
+    finally:
+        if disk is not None:
+            shutil.rmtree(disk, ignore_errors=True)
+    blocks = tot / args.block_size
+    return {
+        "hit_rate": hit / tot,
+        "reused_tokens": hit,
+        "prompt_tokens": tot,
+        "us_per_request": t / 1e3 / len(prompts),
+        "us_per_block": t / 1e3 / blocks,
+        "total_s": t / 1e9,
+        "reused_blocks_by_level": list(stats.reused_blocks_by_level),
+        "onboard_blocks": sum(g.onboard_blocks for g in groups),
+        "offload_blocks": sum(g.offload_blocks for g in groups),
+        "dropped_blocks": sum(g.dropped_blocks for g in groups),
+        "levels_at_end": levels,
+    }
+
+
+def bounds(records: list[Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The trace's infinite-cache and LRU-512 hit rates (exact, from the token rule)."""
+    nodes = chain_nodes(records)
+    total = sum(r.input_length for r in records)
+    capacity = args.gpu_tokens + args.host_tokens + args.disk_tokens
+
+    def rate(hits: np.ndarray) -> float:
+        return int(hits.sum()) / total
+
+    bs = args.block_size
+    return {
+        "infinite_hit_rate": rate(infinite_hits(records, bs, rule="partial", nodes=nodes)),
+        "infinite_hit_rate_full_blocks": rate(
+            infinite_hits(records, bs, rule="blocks", nodes=nodes)),
+        "infinite_hit_rate_vllm_rules": rate(
+            infinite_hits(records, bs, rule="vllm", nodes=nodes)),
+        "lru512_capacity_tokens": capacity,
+        "lru512_hit_rate": rate(lru_hits(records, capacity, nodes=nodes)),
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvcm bench trace", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace", metavar="FILE", help="a Mooncake-format trace (JSON lines)")
+    ap.add_argument("--limit", type=int, default=0, metavar="N",
+                    help="replay the first N requests (0: all; default)")
+    ap.add_argument("--block-size", type=int, default=64, help="tokens per block (power of 2)")
+    ap.add_argument("--gpu-tokens", type=int, default=3_000_000,
+                    help="tokens the GPU level holds (default %(default)s)")
+    ap.add_argument("--host-tokens", type=int, default=0,
+                    help="add a host level holding this many tokens (default: none)")
+    ap.add_argument("--disk-tokens", type=int, default=0,
+                    help="add a disk level (in a temporary directory) holding this many "
+                         "tokens (default: none)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions (fresh manager each)")
+    ap.add_argument("--no-partial-reuse", action="store_true",
+                    help="enable_partial_reuse=False: reuse full blocks only, as vLLM does")
+    ap.add_argument("--out", default=None, metavar="FILE.json",
+                    help="write the results as JSON here (default: print only)")
+    return ap
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.limit < 0:
+        raise _Usage(f"--limit {args.limit}: must be >= 0 (0: every request)")
+    bs = args.block_size
+    if bs < 1 or bs & (bs - 1):
+        raise _Usage(f"--block-size {bs}: must be a power of two")
+    if args.reps < 1:
+        raise _Usage(f"--reps {args.reps}: must be >= 1")
+    for name in ("host_tokens", "disk_tokens"):
+        value = getattr(args, name)
+        if value < 0:
+            raise _Usage(f"--{name.replace('_', '-')} {value}: must be >= 0 (0: no level)")
+        if 0 < value < bs:
+            raise _Usage(f"--{name.replace('_', '-')} {value}: must hold at least one block "
+                         f"({bs} tokens)")
+    if args.gpu_tokens < bs:
+        raise _Usage(f"--gpu-tokens {args.gpu_tokens}: must hold at least one block "
+                     f"({bs} tokens)")
+
+
+def _print_table(doc: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    cfg, res = doc["config"], doc["results"]
+    levels = f"gpu {cfg['gpu_tokens']:,}"
+    if cfg["host_tokens"]:
+        levels += f" + host {cfg['host_tokens']:,}"
+    if cfg["disk_tokens"]:
+        levels += f" + disk {cfg['disk_tokens']:,}"
+    table = Table(title=f"kvcm bench trace: {res['trace']}, {res['requests']} requests, "
+                        f"{res['prompt_tokens']:,} prompt tokens, block size "
+                        f"{cfg['block_size']}, levels (tokens) {levels}",
+                  title_justify="left")
+    for column in ("kvcm hit rate", "infinite cache", "infinite, full blocks",
+                   "LRU-512", "us/request median", "us/request min", "us/block median",
+                   "us/block min"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        f"{res['hit_rate']:.4f}", f"{res['infinite_hit_rate']:.4f}",
+        f"{res['infinite_hit_rate_full_blocks']:.4f}",
+        f"{res['lru512_hit_rate']:.4f}",
+        f"{res['us_per_request_median']:.1f}", f"{res['us_per_request_min']:.1f}",
+        f"{res['us_per_block_median']:.3f}", f"{res['us_per_block_min']:.3f}",
+    )
+    console.print(table)
+    console.print(
+        f"infinite cache: what an unbounded cache reuses under kvcm's matching rules "
+        f"(partial reuse {'off' if cfg['no_partial_reuse'] else 'on'}); full blocks: "
+        f"without partial reuse; vLLM's rules "
+        f"(full blocks, the last prompt token computed): "
+        f"{res['infinite_hit_rate_vllm_rules']:.4f}. LRU-512: an exact LRU over "
+        f"{TRACE_BLOCK}-token blocks holding {res['lru512_capacity_tokens']:,} tokens.",
+        highlight=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        _check(args)
+        records = read_trace(args.trace, args.limit)
+        prompts = [prompt_tokens(r) for r in records]  # not timed
+        make_config(args, "unused")  # configuration errors before any work
+        runs = []
+        for rep in range(args.reps):
+            run = replay(args, prompts)
+            print(f"rep {rep}: hit rate {run['hit_rate']:.4f}, "
+                  f"{run['us_per_request']:.1f} us/request, {run['us_per_block']:.3f} "
+                  f"us/block", flush=True)
+            runs.append(run)
+    except (TraceError, ConfigError, _Usage) as exc:
+        print(f"kvcm bench trace: {exc}", file=sys.stderr)
+        return 2
+    results: dict[str, Any] = {
+        "trace": args.trace.replace("\\", "/").rsplit("/", 1)[-1],
+        "requests": len(records),
+        "prompt_tokens": runs[0]["prompt_tokens"],
+        "hit_rate": runs[0]["hit_rate"],
+        "hit_rate_all_reps_equal": len({r["hit_rate"] for r in runs}) == 1,
+        "us_per_request_median": statistics.median(r["us_per_request"] for r in runs),
+        "us_per_request_min": min(r["us_per_request"] for r in runs),
+        "us_per_block_median": statistics.median(r["us_per_block"] for r in runs),
+        "us_per_block_min": min(r["us_per_block"] for r in runs),
+        **bounds(records, args),
+        "runs": runs,
+    }
+    doc = {
+        **result_header("kvcm KVCacheManager replaying a Mooncake-format trace, prompts "
+                        "only, sequential (host time per request and per block, numpy "
+                        "backend), beside the trace's infinite-cache and LRU-512 hit rates"),
+        "config": vars(args),
+        "token_rule": "token i of 512-token block id h: (h * 7919 + i * 131) % 1000003 + 1; "
+                      "prompt cut to input_length",
+        "timer": "time.perf_counter_ns around create_kv_cache, resume, resize, commit, close "
+                 "of each request (token synthesis not timed); gc.collect() before each "
+                 "rep, gc enabled; median and min over reps of the per-rep means",
+        "results": results,
+    }
+    _print_table(doc)
+    if args.out:
+        write_result(doc, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
