@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
+from kvcm_core.pagetable import BAD_PAGE_INDEX
 from kvcm_core.records import KernelBackendCapabilities
 
 if TYPE_CHECKING:
-    from kvcm_core.scratch import ScratchDesc
+    from kvcm_core.pagetable import ScratchDesc
 
 __all__ = [
     "BAD_PAGE_INDEX",
@@ -37,8 +38,6 @@ __all__ = [
     "check_copy_args",
 ]
 
-#: Page index of an absent or stale block, in every page table. Never folded to 0.
-BAD_PAGE_INDEX = -1
 
 
 class MemoryKind:

@@ -8,7 +8,8 @@ Subcommands:
 - ``kvcm conformance [--plugin NAME ...] [-k EXPR] [--json]``: run the conformance suite
   (:mod:`kvcm_core.testing.suite`) in-process and print a table of plugin x result; the
   exit status is non-zero on any failure.
-- ``kvcm bench kernels|manager|mixed|trace ...``: the benchmarks (:mod:`kvcm_core.bench`).
+- ``kvcm bench kernels|manager|mixed|trace|eviction ...``: the benchmarks
+  (:mod:`kvcm_core.bench`).
 - ``kvcm simulate ...``: the main job (:mod:`kvcm_core.simulate`).
 - ``kvcm --version``.
 
@@ -404,11 +405,11 @@ def _parser() -> argparse.ArgumentParser:
 
     # No -h of their own: `kvcm simulate --help` reaches the simulator's parser.
     p = sub.add_parser(
-        "bench", help="kernel, manager, mixed-precision and trace-replay benchmarks (other "
-        "arguments go on)",
+        "bench", help="kernel, manager, mixed-precision, trace-replay and eviction-policy "
+        "benchmarks (other arguments go on)",
         add_help=False,
     )
-    p.add_argument("target", choices=["kernels", "manager", "mixed", "trace"])
+    p.add_argument("target", choices=["kernels", "manager", "mixed", "trace", "eviction"])
     p.set_defaults(func=_cmd_bench, passes_rest=True)
 
     p = sub.add_parser(

@@ -1,11 +1,13 @@
 """Prefix matching: the full-block walk, partial matching, pruning to a fixed point and
 backoff (concepts.md §9).
 
-Pruning checks every candidate endpoint from the longest down: SSM life cycles need a
-snapshot exactly at the endpoint; constraining attention life cycles need a page for
-every block outside their stale range at the endpoint (SINK_REQUIRED_ONLY: its sink
-blocks only). Full-attention REQUIRED life cycles are checked during the walk itself, so
-the walk stops at the first block they cannot serve.
+The walk hashes the prompt block by block and looks each chain key up in the tree's one
+index; then the nodes found are checked at once (arrays) for the pages of the life cycles
+that constrain every block (full-attention REQUIRED), and the match ends at the first
+block one of them cannot serve. Pruning then checks candidate endpoints from the longest
+down: SSM life cycles need a snapshot exactly at the endpoint; windowed constraining life
+cycles need a page for every block outside their stale range at the endpoint
+(SINK_REQUIRED_ONLY: its sink blocks only).
 """
 
 from __future__ import annotations
@@ -17,14 +19,16 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
-from kvcm_core.radix import Node, PrefixTree, block_keys, encode_tokens
+from kvcm_core.radix import NO_NODE, PrefixTree, block_keys, encode_tokens
+from kvcm_core.types import ReusePolicy
 
 if TYPE_CHECKING:
     from kvcm_core.lifecycle import LifeCycle
 
-__all__ = ["Match", "match_prefix"]
+__all__ = ["Match", "match_prefix", "token_array"]
 
-_CHUNK = 32  # blocks encoded at a time during the walk
+_CHUNK = 64  # blocks encoded at a time during the walk
+_EMPTY = np.empty(0, dtype=np.int64)
 
 
 @attrs.define
@@ -33,16 +37,24 @@ class Match:
 
     Attributes:
         length: tokens reused (the endpoint).
-        nodes: the node of every block ``[0, ceil(length / tpb))``; the last may be used
-            partially (then it is copied into a private page at first resume).
-        keys: chain keys of the full blocks walked (reusable for commit).
-        data: the prompt's token bytes (reusable for commit hashing).
+        nodes: the node of every block ``[0, ceil(length / tpb))`` (int64 array); the last
+            may be used partially (then it is copied into a private page at first resume).
+        keys: chain keys of the full blocks matched (reusable for commit).
     """
 
     length: int
-    nodes: list[Node]
+    nodes: np.ndarray
     keys: list[bytes]
-    data: bytes | None
+
+
+def token_array(tokens: Sequence[Any] | np.ndarray) -> np.ndarray | None:
+    """Tokens as an int32 array, or None when they hold multimodal digests."""
+    if isinstance(tokens, np.ndarray) and tokens.dtype == np.int32:
+        return tokens
+    data, mm = encode_tokens(tokens)
+    if mm:
+        return None
+    return np.frombuffer(data, dtype="<i4")
 
 
 def match_prefix(
@@ -59,91 +71,73 @@ def match_prefix(
 ) -> Match:
     """Find the longest reusable prefix of ``tokens`` (see module docstring)."""
     n = len(tokens)
-    root = tree.roots.get(root_key)
     if n == 0:
-        return Match(0, [], [], None)
-    # Encode tokens lazily, a chunk at a time: a short match never pays for a long prompt.
-    # The first chunk is encoded even when nothing is cached, so bad tokens fail early.
+        return Match(0, _EMPTY, [])
+    # Encode a chunk at a time: a short match never pays for a long prompt. The first
+    # chunk is encoded even when nothing is cached, so bad tokens fail early.
     data, mm = encode_tokens(tokens[: _CHUNK * tpb])
+    root = tree.index.get(root_key)
     if root is None:
-        return Match(0, [], [], None)
+        return Match(0, _EMPTY, [])
     nfull = n // tpb
-    chain: list[Node] = []
     keys: list[bytes] = []
-    node = root
     key = root_key
-    # Walk full blocks by key, hashing lazily so a miss costs one hash.
+    get = tree.index.get
     if mm:
         for b in range(nfull):
             k = block_keys(key, tokens, tpb, b, b + 1)[0]
-            child = node.children.get(k)
-            if child is None or not _has_all(child.pages, walk_groups):
+            if get(k) is None:
                 break
             keys.append(k)
-            chain.append(child)
-            node = child
             key = k
     else:
         step = 4 * tpb
         sha = hashlib.sha256
-        single = walk_groups[0] if len(walk_groups) == 1 else None
+        append = keys.append
         b = 0
         while b < nfull:
             if b:
                 data = encode_tokens(tokens[b * tpb : min(nfull, b + _CHUNK) * tpb])[0]
             stop = min(nfull - b, _CHUNK) * step
-            if single is not None:  # the common case, kept free of per-block branching
-                for off in range(0, stop, step):
-                    k = sha(key + data[off : off + step]).digest()
-                    child = node.children.get(k)
-                    if child is None or child.pages[single] is None:
-                        b = nfull
-                        break
-                    keys.append(k)
-                    chain.append(child)
-                    node = child
-                    key = k
-                else:
-                    b += _CHUNK
-                continue
             for off in range(0, stop, step):
                 k = sha(key + data[off : off + step]).digest()
-                child = node.children.get(k)
-                if child is None or not _has_all(child.pages, walk_groups):
+                if get(k) is None:
                     b = nfull
                     break
-                keys.append(k)
-                chain.append(child)
-                node = child
+                append(k)
                 key = k
             else:
                 b += _CHUNK
-    length = len(chain) * tpb
-    nodes = chain
+    index = tree.index
+    nodes = np.fromiter((index[k] for k in keys), dtype=np.int64, count=len(keys))
+    if walk_groups and len(nodes):
+        ok = (tree.pages[nodes][:, walk_groups] >= 0).all(axis=1)
+        if not ok.all():
+            cut = int(ok.argmin())
+            nodes = nodes[:cut]
+            del keys[cut:]
+    length = len(nodes) * tpb
     if partial and length < n:
+        parent = int(nodes[-1]) if len(nodes) else root
         limit = min(tpb, n - length)
-        best, plen = tree.best_partial(node, tokens[length : length + limit], limit)
-        if best is not None and plen > 0 and _has_all(best.pages, walk_groups):
-            nodes = [*chain, best]
+        tail = token_array(tokens[length : length + limit])
+        if tail is None:  # multimodal digests: compared item by item
+            tail = list(tokens[length : length + limit])
+        best, plen = tree.best_partial(parent, tail)
+        if best != NO_NODE and all(tree.pages[best, g] >= 0 for g in walk_groups):
+            nodes = np.append(nodes, best)
             length += plen
-    length = _prune(nodes, length, tpb, life_cycles, prune_groups)
+    length = _prune(tree, nodes, length, tpb, life_cycles, prune_groups)
     if backoff and length:
         length = max(0, length - backoff)
         if not partial:
             length = length // tpb * tpb  # no partial reuse: block-aligned endpoints only
-        length = _prune(nodes, length, tpb, life_cycles, prune_groups)
-    nodes = nodes[: -(-length // tpb)]
-    return Match(length, nodes, keys[: length // tpb], None)
+        length = _prune(tree, nodes, length, tpb, life_cycles, prune_groups)
+    nb = -(-length // tpb)
+    return Match(length, nodes[:nb], keys[: length // tpb])
 
 
-def _has_all(pages: list, groups: Sequence[int]) -> bool:
-    for g in groups:
-        if pages[g] is None:
-            return False
-    return True
-
-
-def _feasible(nodes: Sequence[Node], end: int, tpb: int,
+def _feasible(tree: PrefixTree, nodes: np.ndarray, end: int, tpb: int,
               life_cycles: Sequence[LifeCycle], groups: Sequence[int]) -> bool:
     nb = -(-end // tpb)
     for g in groups:
@@ -151,25 +145,29 @@ def _feasible(nodes: Sequence[Node], end: int, tpb: int,
         if lc.is_ssm:
             if end == 0:
                 continue
-            node = nodes[(end - 1) // tpb]
-            if node.pages[g] is None or node.end(tpb) != end:
+            node = int(nodes[(end - 1) // tpb])
+            if tree.pages[node, g] < 0 or tree.end(node) != end:
                 return False
             continue
         start, stop = lc.stale_range(end, tpb)
-        for b in (*range(0, start), *range(stop, nb)):
-            if lc.constrains_block(b) and nodes[b].pages[g] is None:
-                return False
+        need = np.r_[0:start, stop:nb]
+        if lc.policy is ReusePolicy.SINK_REQUIRED_ONLY:
+            need = need[need < lc.num_sink_blocks]
+        elif lc.policy is not ReusePolicy.REQUIRED:
+            continue
+        if len(need) and (tree.pages[nodes[need], g] < 0).any():
+            return False
     return True
 
 
-def _prune(nodes: Sequence[Node], length: int, tpb: int,
+def _prune(tree: PrefixTree, nodes: np.ndarray, length: int, tpb: int,
            life_cycles: Sequence[LifeCycle], groups: Sequence[int]) -> int:
     """The longest endpoint ``<= length`` every pruning group can serve."""
     if not groups:
         return length
     candidate = length
     while candidate > 0:
-        if _feasible(nodes, candidate, tpb, life_cycles, groups):
+        if _feasible(tree, nodes, candidate, tpb, life_cycles, groups):
             return candidate
         candidate = (candidate - 1) // tpb * tpb  # the previous block boundary
     return 0

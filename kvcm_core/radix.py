@@ -5,23 +5,24 @@ Keys form a chain rooted in the :class:`~kvcm_core.types.ReuseScope`:
 as 4-byte little-endian ints (multimodal items as 32-byte digests). Matching compares
 digests only, so H must be cryptographic; keys are deterministic across processes.
 
-Each node is one block and holds, per life cycle, at most one committed page. Full blocks
-are children of their parent by key; partial blocks (fewer than ``tokens_per_block``
-tokens) are leaves kept in their parent's ``partials`` list.
+Each node is one block and holds, per life cycle, at most one committed page. Nodes are
+integer ids into arrays (parent, links, pages, tokens); full blocks are found by their
+chain key in one dict, partial blocks (fewer than ``tokens_per_block`` tokens) are leaves
+found through their parent's child list.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from kvcm_core.types import ReuseScope
 
-__all__ = ["Node", "PrefixTree", "TokenSeq", "block_keys", "encode_tokens", "scope_root_key"]
+__all__ = ["NO_NODE", "PrefixTree", "TokenSeq", "block_keys", "encode_tokens", "scope_root_key"]
 
 TokenSeq = Sequence[Any] | np.ndarray
 _MM_MARK = b"\xffkvcm-mm\x00"
@@ -40,6 +41,8 @@ def encode_tokens(tokens: TokenSeq) -> tuple[bytes, bool]:
     hashed block by block with :func:`_encode_mm_block`.
     """
     if isinstance(tokens, np.ndarray):
+        if tokens.dtype == np.int32:
+            return tokens.astype("<i4", copy=False).tobytes(), False
         if tokens.size and tokens.dtype.kind in "iu" and (
                 int(tokens.min()) < _I32_MIN or int(tokens.max()) > _I32_MAX):
             raise ValueError("token ids must fit a 32-bit signed int; got values in "
@@ -59,9 +62,6 @@ def encode_tokens(tokens: TokenSeq) -> tuple[bytes, bool]:
 
 
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
-_INDEX_FANOUT = 8  # children scanned directly before a first-token index is kept
-_NO_CHILDREN: dict = {}  # shared, never mutated: a node's children until its first one
-_NO_PARTIALS: list = []  # likewise for partial children
 
 
 def check_tokens(tokens: Sequence[Any]) -> None:
@@ -108,13 +108,11 @@ def block_keys(
         mm = False
     if not mm:
         step = 4 * tpb
-        mv = memoryview(data)
         key = parent
-        for b in range(start_block, end_block):
-            h = _sha256(key)
-            h.update(mv[b * step : (b + 1) * step])
-            key = h.digest()
-            keys.append(key)
+        append = keys.append
+        for off in range(start_block * step, end_block * step, step):
+            key = _sha256(key + data[off : off + step]).digest()
+            append(key)
         return keys
     key = parent
     for b in range(start_block, end_block):
@@ -131,161 +129,406 @@ def token_id32(item: int | bytes) -> int:
     return int(item) & 0xFFFFFFFF
 
 
-class Node:
-    """One block of the tree.
-
-    Attributes:
-        key: chain key (full blocks) or ``None`` (partial blocks, the root).
-        parent: parent node (``None`` for a root).
-        ordinal: block index (root: -1).
-        tokens: the block's tokens (a tuple; empty for a root).
-        pages: per life cycle, the committed page or ``None``.
-        children: full child blocks by key.
-        partials: partial child blocks.
-    """
-
-    __slots__ = ("by_first", "children", "key", "ordinal", "pages", "parent", "partials",
-                 "tokens")
-
-    def __init__(self, key: bytes | None, parent: Node | None, ordinal: int,
-                 tokens: tuple, num_groups: int) -> None:
-        self.key = key
-        self.parent = parent
-        self.ordinal = ordinal
-        self.tokens = tokens
-        self.pages: list[Any] = [None] * num_groups
-        # Shared empty containers until the first child: most nodes are leaves or have one
-        # child, and fewer container objects mean less allocation and garbage collection.
-        self.children: dict[bytes, Node] = _NO_CHILDREN
-        self.partials: list[Node] = _NO_PARTIALS
-        # Children by first token, so partial matching never scans a wide fan-out.
-        self.by_first: dict[Any, list[Node]] | None = None
-
-    @property
-    def is_full(self) -> bool:
-        return self.key is not None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-    def end(self, tpb: int) -> int:
-        """Token count up to the end of this block."""
-        return self.ordinal * tpb + len(self.tokens)
-
-    def has_pages(self) -> bool:
-        return any(p is not None for p in self.pages)
-
-    def iter_children(self) -> Iterator[Node]:
-        yield from self.children.values()
-        yield from self.partials
-
-    def subtree(self) -> Iterator[Node]:
-        """Every node below this one (not itself), depth first."""
-        stack = list(self.iter_children())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.iter_children())
-
-    def __repr__(self) -> str:
-        kind = "full" if self.is_full else "partial"
-        return f"Node({kind} #{self.ordinal}, {len(self.tokens)} tokens)"
-
-
-def common_prefix(a: Sequence[Any], b: TokenSeq) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+NO_NODE = -1
+_INDEX_FANOUT = 8  # children scanned directly before a first-token index is kept
+_FREED = -2  # ordinal of a free node id
 
 
 class PrefixTree:
-    """Roots per scope, node counting, and removal of nodes."""
+    """The tree's nodes in arrays, full blocks indexed by chain key.
 
-    def __init__(self, num_groups: int) -> None:
+    Node ``n`` has ``parent[n]`` (``-1`` for a scope root), ``ordinal[n]`` (block index,
+    ``-1`` for a root), ``ntok[n]`` tokens (``tokens_per_block`` for full blocks, fewer for
+    partial ones) stored in ``tokens[n]``, ``pages[n, g]`` (page id per cache group or
+    ``-1``) and its children in a doubly linked sibling list. Nothing outside this class
+    writes these arrays; callers use its verbs.
+
+    Args:
+        num_groups: cache groups (columns of ``pages``).
+        tpb: tokens per block.
+    """
+
+    def __init__(self, num_groups: int, tpb: int, capacity: int = 1024) -> None:
         self.num_groups = num_groups
-        self.roots: dict[bytes, Node] = {}
-        self.num_nodes = 0
+        self.tpb = tpb
+        self.index: dict[bytes, int] = {}  # chain key (and scope root key) -> node
+        self.num_nodes = 0  # nodes below the roots
+        self._roots: dict[bytes, int] = {}
+        self._keys: list[bytes | None] = []
+        self._unlinked: list[int] = []  # parents that lost a child (collect looks at them)
+        self._partials: dict[int, list[int]] = {}  # parent -> its partial children
+        # Parents with a wide fan-out (scope roots, popular prefixes): first token -> their
+        # children, so partial matching never scans every child.
+        self._by_first: dict[int, dict[int, list[int]]] = {}
+        # Full blocks holding multimodal digests -> their exact items (``tokens`` keeps
+        # only 32-bit ids, so partial matching compares these instead).
+        self._mm_items: dict[int, tuple[Any, ...]] = {}
+        self._alloc_arrays(max(16, capacity))
 
-    def root(self, root_key: bytes, create: bool = True) -> Node | None:
-        node = self.roots.get(root_key)
-        if node is None and create:
-            node = Node(root_key, None, -1, (), self.num_groups)
-            self.roots[root_key] = node
-        return node
+    def _alloc_arrays(self, cap: int) -> None:
+        self.parent = np.full(cap, NO_NODE, dtype=np.int32)
+        self.ordinal = np.full(cap, _FREED, dtype=np.int32)
+        self.ntok = np.zeros(cap, dtype=np.int16)
+        self.mm = np.zeros(cap, dtype=np.bool_)
+        self.first_child = np.full(cap, NO_NODE, dtype=np.int32)
+        self.next_sib = np.full(cap, NO_NODE, dtype=np.int32)
+        self.prev_sib = np.full(cap, NO_NODE, dtype=np.int32)
+        self.nchildren = np.zeros(cap, dtype=np.int32)
+        self.pages = np.full((cap, self.num_groups), -1, dtype=np.int64)
+        self.tokens = np.zeros((cap, self.tpb), dtype=np.int32)
+        self._keys = [None] * cap
+        self._free = np.arange(cap - 1, -1, -1, dtype=np.int64)
+        self._nfree = cap
 
-    @staticmethod
-    def _index(parent: Node, node: Node) -> None:
-        # Most nodes have one child: index a parent only once its fan-out is wide enough
-        # that scanning its children would cost more than keeping the index.
-        by_first = parent.by_first
-        if by_first is None:
-            if len(parent.children) + len(parent.partials) <= _INDEX_FANOUT:
+    @property
+    def capacity(self) -> int:
+        return len(self.parent)
+
+    def _grow(self, need: int) -> None:
+        old = self.capacity
+        new = max(2 * old, old + need)
+        for name in ("parent", "ordinal", "ntok", "mm", "first_child", "next_sib",
+                     "prev_sib", "nchildren", "pages", "tokens"):
+            arr = getattr(self, name)
+            fill = NO_NODE if name in ("parent", "first_child", "next_sib", "prev_sib",
+                                       "pages") else _FREED if name == "ordinal" else 0
+            grown = np.full((new, *arr.shape[1:]), fill, dtype=arr.dtype)
+            grown[:old] = arr
+            setattr(self, name, grown)
+        self._keys.extend([None] * (new - old))
+        free = np.empty(new, dtype=np.int64)
+        added = np.arange(new - 1, old - 1, -1, dtype=np.int64)
+        free[: len(added)] = added
+        free[len(added) : len(added) + self._nfree] = self._free[: self._nfree]
+        self._free = free
+        self._nfree += len(added)
+
+    def _alloc(self, n: int) -> np.ndarray:
+        if n > self._nfree:
+            self._grow(n - self._nfree)
+        top = self._nfree
+        nids = self._free[top - n : top][::-1].copy()
+        self._nfree = top - n
+        return nids
+
+    # -- lookups -----------------------------------------------------------------------------
+
+    def roots(self) -> dict[bytes, int]:
+        """Scope root key -> root node."""
+        return dict(self._roots)
+
+    def root(self, root_key: bytes, create: bool = True) -> int:
+        """The root node of a scope (``NO_NODE`` when absent and not created)."""
+        nid = self._roots.get(root_key)
+        if nid is None:
+            if not create:
+                return NO_NODE
+            nid = int(self._alloc(1)[0])
+            self.parent[nid] = NO_NODE
+            self.ordinal[nid] = -1
+            self.ntok[nid] = 0
+            self._keys[nid] = root_key
+            self._roots[root_key] = nid
+            self.index[root_key] = nid
+        return nid
+
+    def key(self, nid: int) -> bytes | None:
+        """Chain key of a full block or root; ``None`` for a partial block."""
+        return self._keys[nid]
+
+    def is_full(self, nid: int) -> bool:
+        return self.ordinal[nid] >= 0 and int(self.ntok[nid]) == self.tpb
+
+    def end(self, nid: int) -> int:
+        """Token count up to the end of this block."""
+        return int(self.ordinal[nid]) * self.tpb + int(self.ntok[nid])
+
+    def block_tokens(self, nid: int) -> tuple[int, ...]:
+        return tuple(self.tokens[nid, : self.ntok[nid]].tolist())
+
+    def page(self, nid: int, group: int) -> int:
+        return int(self.pages[nid, group])
+
+    def has_pages(self, nid: int) -> bool:
+        return bool((self.pages[nid] >= 0).any())
+
+    def children(self, nid: int) -> list[int]:
+        out = []
+        c = int(self.first_child[nid])
+        nxt = self.next_sib
+        while c != NO_NODE:
+            out.append(c)
+            c = int(nxt[c])
+        return out
+
+    def child(self, parent: int, key: bytes) -> int:
+        nid = self.index.get(key, NO_NODE)
+        if nid != NO_NODE and int(self.parent[nid]) != parent:
+            return NO_NODE
+        return nid
+
+    def partial_children(self, nid: int, first: int | None = None) -> list[int]:
+        """Partial children of ``nid`` (those that may start with ``first`` if given)."""
+        kids = self._partials.get(nid, ())
+        if first is not None and len(kids) > _INDEX_FANOUT:
+            return [c for c in self.children_starting(nid, first) if self._keys[c] is None]
+        return list(kids)
+
+    def subtree(self, nid: int) -> list[int]:
+        """Every node below ``nid`` (not itself), depth first."""
+        out: list[int] = []
+        stack = self.children(nid)
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(self.children(n))
+        return out
+
+    def live(self, nids: np.ndarray) -> np.ndarray:
+        """Which node ids are in use (not freed)."""
+        return self.ordinal[nids] != _FREED
+
+    def attached(self, nid: int) -> bool:
+        """Whether ``nid`` is still a live node of the tree (it may have been removed)."""
+        key = self._keys[nid]
+        if key is not None:
+            return self.index.get(key) == nid
+        p = int(self.parent[nid])
+        return p != NO_NODE and nid in self.children(p)
+
+    # -- adding ------------------------------------------------------------------------------
+
+    def _link(self, parent: int, nid: int) -> None:
+        head = int(self.first_child[parent])
+        self.next_sib[nid] = head
+        self.prev_sib[nid] = NO_NODE
+        if head != NO_NODE:
+            self.prev_sib[head] = nid
+        self.first_child[parent] = nid
+        self.nchildren[parent] += 1
+        if self._keys[nid] is None:
+            self._partials.setdefault(parent, []).append(nid)
+        index = self._by_first.get(parent)
+        if index is not None:
+            index.setdefault(int(self.tokens[nid, 0]), []).append(nid)
+        elif self.nchildren[parent] > _INDEX_FANOUT:
+            index = self._by_first[parent] = {}
+            for c in self.children(parent):
+                index.setdefault(int(self.tokens[c, 0]), []).append(c)
+
+    def children_starting(self, parent: int, first: int) -> list[int]:
+        """Children of ``parent`` whose block may start with token ``first``."""
+        index = self._by_first.get(parent)
+        if index is None:
+            return self.children(parent)
+        return list(index.get(first, ()))
+
+    def add_chain(self, parent: int, keys: Sequence[bytes], tokens: np.ndarray,
+                  first_ordinal: int, mm: bool = False,
+                  items: Sequence[Sequence[Any]] | None = None) -> np.ndarray:
+        """New full blocks forming a chain under ``parent`` (each the child of the one
+        before): ``keys[i]`` and ``tokens[i]`` (``[n, tpb]`` int32; ``items[i]``: the exact
+        tokens and digests of block ``i`` when ``mm``). Returns their ids."""
+        n = len(keys)
+        nids = self._alloc(n)
+        self.parent[nids[0]] = parent
+        if n > 1:
+            self.parent[nids[1:]] = nids[:-1]
+            self.first_child[nids[:-1]] = nids[1:]
+            self.nchildren[nids[:-1]] = 1
+        self.first_child[nids[-1]] = NO_NODE
+        self.nchildren[nids[-1]] = 0
+        self.next_sib[nids] = NO_NODE
+        self.prev_sib[nids] = NO_NODE
+        self.ordinal[nids] = np.arange(first_ordinal, first_ordinal + n, dtype=np.int32)
+        self.ntok[nids] = self.tpb
+        self.mm[nids] = mm
+        self.pages[nids] = -1
+        self.tokens[nids] = tokens
+        keyl = self._keys
+        index = self.index
+        for nid, key in zip(nids.tolist(), keys, strict=True):
+            keyl[nid] = key
+            index[key] = nid
+        if mm and items is not None:
+            for nid, its in zip(nids.tolist(), items, strict=True):
+                self._mm_items[nid] = tuple(its)
+        self._link(parent, int(nids[0]))
+        self.num_nodes += n
+        return nids
+
+    def add_partial(self, parent: int, tokens: Sequence[int]) -> int:
+        nid = int(self._alloc(1)[0])
+        self.parent[nid] = parent
+        self.first_child[nid] = NO_NODE
+        self.nchildren[nid] = 0
+        self.ordinal[nid] = int(self.ordinal[parent]) + 1
+        self.ntok[nid] = len(tokens)
+        self.mm[nid] = False
+        self.pages[nid] = -1
+        self.tokens[nid, : len(tokens)] = tokens
+        self._keys[nid] = None
+        self._link(parent, nid)
+        self.num_nodes += 1
+        return nid
+
+    def set_pages(self, nids: np.ndarray | int, group: int, pids: np.ndarray | int) -> None:
+        self.pages[nids, group] = pids
+
+    # -- removing ----------------------------------------------------------------------------
+
+    def _unlink(self, nid: int) -> None:
+        p = int(self.parent[nid])
+        if p == NO_NODE:
+            return
+        prev = int(self.prev_sib[nid])
+        nxt = int(self.next_sib[nid])
+        if prev != NO_NODE:
+            self.next_sib[prev] = nxt
+        else:
+            self.first_child[p] = nxt
+        if nxt != NO_NODE:
+            self.prev_sib[nxt] = prev
+        self.nchildren[p] -= 1
+        self._unlinked.append(p)
+        if self._keys[nid] is None:
+            self._partials[p].remove(nid)
+            if not self._partials[p]:
+                del self._partials[p]
+        index = self._by_first.get(p)
+        if index is not None:
+            bucket = index[int(self.tokens[nid, 0])]
+            bucket.remove(nid)
+            if not bucket:
+                del index[int(self.tokens[nid, 0])]
+
+    def _forget(self, nids: np.ndarray) -> None:
+        """Free node ids (already unlinked; their keys leave the index)."""
+        keyl = self._keys
+        index = self.index
+        for nid in nids.tolist():
+            key = keyl[nid]
+            if key is not None:
+                if index.get(key) == nid:
+                    del index[key]
+                keyl[nid] = None
+        self._release_ids(nids)
+
+    def _release_ids(self, nids: np.ndarray) -> None:
+        if self._by_first or self._partials or self._mm_items:
+            for nid in nids.tolist():
+                self._by_first.pop(nid, None)
+                self._partials.pop(nid, None)
+                self._mm_items.pop(nid, None)
+        self.ordinal[nids] = _FREED
+        self.parent[nids] = NO_NODE
+        self.first_child[nids] = NO_NODE
+        self.nchildren[nids] = 0
+        self.pages[nids] = -1
+        top = self._nfree
+        self._free[top : top + len(nids)] = nids[::-1]
+        self._nfree = top + len(nids)
+
+    def detach(self, nid: int) -> list[int]:
+        """Remove ``nid`` and its subtree; returns the removed ids (``nid`` first)."""
+        gone = [nid, *self.subtree(nid)]
+        self._unlink(nid)
+        self.num_nodes -= len(gone)
+        self._forget(np.asarray(gone, dtype=np.int64))
+        return gone
+
+    def collect(self, nids: np.ndarray) -> None:
+        """Remove nodes left with no page whose children all go too (a chain's tail goes
+        at once), then their parents likewise; a scope root goes once nothing is cached
+        under it."""
+        self._unlinked.clear()
+        while len(nids):
+            cand = np.unique(nids)
+            cand = cand[(self.pages[cand] < 0).all(axis=1) & (self.ordinal[cand] >= 0)
+                        & (self.parent[cand] != NO_NODE)]
+            if not len(cand):
                 return
-            by_first = parent.by_first = {}
-            for child in parent.iter_children():
-                by_first.setdefault(child.tokens[0], []).append(child)
-            return
-        by_first.setdefault(node.tokens[0], []).append(node)
+            # Fixed point: a candidate goes when every child of it goes.
+            while True:
+                par = self.parent[cand]
+                inside = np.isin(par, cand)
+                kids = np.zeros(len(cand), dtype=np.int64)
+                if inside.any():
+                    pos = np.searchsorted(cand, par[inside])
+                    kids = np.bincount(pos, minlength=len(cand))
+                ok = self.nchildren[cand] == kids
+                if ok.all():
+                    break
+                cand = cand[ok]
+                if not len(cand):
+                    return
+            par = self.parent[cand]
+            tops = cand[~np.isin(par, cand)]
+            for nid in tops.tolist():
+                self._unlink(nid)
+            self.num_nodes -= len(cand)
+            self._forget(cand)
+            up = np.unique(np.asarray(self._unlinked, dtype=np.int64))
+            self._unlinked.clear()
+            bare_roots = up[(self.parent[up] == NO_NODE) & (self.nchildren[up] == 0)]
+            for r in bare_roots.tolist():
+                key = self._keys[r]
+                if key is not None and self._roots.get(key) == r:
+                    del self._roots[key]
+                    del self.index[key]
+                    self._keys[r] = None
+                    self._release_ids(np.array([r], dtype=np.int64))
+            nids = up[(self.parent[up] != NO_NODE) & (self.nchildren[up] == 0)]
 
-    @staticmethod
-    def _unindex(parent: Node, node: Node) -> None:
-        if parent.by_first is not None:
-            bucket = parent.by_first.get(node.tokens[0])
-            if bucket is not None and node in bucket:
-                bucket.remove(node)
-                if not bucket:
-                    del parent.by_first[node.tokens[0]]
+    def clear(self) -> None:
+        self.index.clear()
+        self._roots.clear()
+        self._partials.clear()
+        self._by_first.clear()
+        self._mm_items.clear()
+        self._unlinked.clear()
+        self.num_nodes = 0
+        self._alloc_arrays(16)
 
-    def add_full(self, parent: Node, key: bytes, tokens: tuple) -> Node:
-        node = Node(key, parent, parent.ordinal + 1, tokens, self.num_groups)
-        if parent.children is _NO_CHILDREN:
-            parent.children = {key: node}
-        else:
-            parent.children[key] = node
-        self._index(parent, node)
-        self.num_nodes += 1
-        return node
+    # -- partial matching ----------------------------------------------------------------------
 
-    def add_partial(self, parent: Node, tokens: tuple) -> Node:
-        node = Node(None, parent, parent.ordinal + 1, tokens, self.num_groups)
-        if parent.partials is _NO_PARTIALS:
-            parent.partials = [node]
-        else:
-            parent.partials.append(node)
-        self._index(parent, node)
-        self.num_nodes += 1
-        return node
+    def best_partial(self, parent: int, tokens: np.ndarray | Sequence[Any]) -> tuple[int, int]:
+        """The child of ``parent`` sharing the longest prefix with ``tokens`` (int32, or a
+        sequence holding multimodal digests; at most one block): ``(node, shared tokens)``,
+        ``(NO_NODE, 0)`` when none."""
+        if not len(tokens):
+            return NO_NODE, 0
+        if not isinstance(tokens, np.ndarray):
+            return self._best_partial_items(parent, tuple(tokens))
+        kids = self.children_starting(parent, int(tokens[0]))
+        if not kids:
+            return NO_NODE, 0
+        k = np.asarray(kids, dtype=np.int64)
+        if self.mm[k].any():
+            return self._best_partial_items(parent, tuple(tokens.tolist()))
+        n = len(tokens)
+        rows = self.tokens[k, :n]
+        eq = rows == tokens[None, :]
+        # Shared prefix per child: index of the first mismatch (n if none), capped by ntok.
+        mism = np.where(eq.all(axis=1), n, eq.argmin(axis=1))
+        shared = np.minimum(mism, self.ntok[k])
+        best = int(shared.argmax())
+        if shared[best] <= 0:
+            return NO_NODE, 0
+        return int(k[best]), int(shared[best])
 
-    def detach(self, node: Node) -> None:
-        """Remove a node (and so its subtree) from its parent."""
-        parent = node.parent
-        if parent is None:
-            return
-        if node.key is not None and parent.children.get(node.key) is node:
-            del parent.children[node.key]
-            self.num_nodes -= 1
-        elif node in parent.partials:
-            parent.partials.remove(node)
-            self.num_nodes -= 1
-        self._unindex(parent, node)
-        node.parent = None
-
-    def best_partial(self, parent: Node, tokens: TokenSeq,
-                     limit: int) -> tuple[Node | None, int]:
-        """The child of ``parent`` sharing the longest prefix with ``tokens[:limit]``."""
-        best, best_len = None, 0
-        want = tokens[:limit]
-        if len(want) == 0:
-            return None, 0
-        if parent.by_first is None:
-            candidates: Iterable[Node] = parent.iter_children()
-        else:
-            candidates = parent.by_first.get(want[0], ())
-        for child in candidates:
-            n = common_prefix(child.tokens, want)
+    def _best_partial_items(self, parent: int, items: tuple[Any, ...]) -> tuple[int, int]:
+        """:meth:`best_partial` compared item by item (digests exactly)."""
+        first = token_id32(items[0])
+        first = first - (1 << 32) if first >= 1 << 31 else first
+        best, best_len = NO_NODE, 0
+        for c in self.children_starting(parent, first):
+            ctoks = self._mm_items.get(c, ()) if self.mm[c] else self.block_tokens(c)
+            n = 0
+            for x, y in zip(ctoks, items):  # noqa: B905  (the shorter one bounds it)
+                if x != y:  # a digest never equals an int token
+                    break
+                n += 1
             if n > best_len:
-                best, best_len = child, n
+                best, best_len = c, n
         return best, best_len

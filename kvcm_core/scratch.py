@@ -49,13 +49,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
-from kvcm_core.backend import BAD_PAGE_INDEX
 from kvcm_core.errors import ConfigError
+from kvcm_core.pagetable import BAD_PAGE_INDEX, ScratchDesc
 
 if TYPE_CHECKING:
     from kvcm_core.backend import KernelBackend, Stream
     from kvcm_core.config import KVCacheManagerConfig
-    from kvcm_core.layout import StorageLayout
     from kvcm_core.lifecycle import LifeCycleRegistry
 
 __all__ = [
@@ -71,40 +70,6 @@ __all__ = [
 ]
 
 _I32_MAX = (1 << 31) - 1
-
-
-def _slot_ids(value: Any) -> tuple[int, ...]:
-    return tuple(int(s) for s in value)
-
-
-@attrs.frozen
-class ScratchDesc:
-    """The scratch blocks of one cache group of one cache for the current step.
-
-    Attributes:
-        begin: first scratch block.
-        end: one past the last scratch block (``end > begin``).
-        slot_ids: the cache's scratch slots of the group (slot ids of its pool group), in
-            the order the index arithmetic uses them.
-        scratch_pages_per_block: ``spb``, sub-pages per block in a scratch slot.
-    """
-
-    begin: int
-    end: int
-    slot_ids: tuple[int, ...] = attrs.field(converter=_slot_ids)
-    scratch_pages_per_block: int
-
-    @property
-    def num_blocks(self) -> int:
-        return self.end - self.begin
-
-    @property
-    def slot_id_array(self) -> np.ndarray:
-        """The slot ids as an int32 array (what a kernel reads)."""
-        return np.asarray(self.slot_ids, dtype=np.int32)
-
-    def __contains__(self, block: object) -> bool:
-        return isinstance(block, int | np.integer) and self.begin <= int(block) < self.end
 
 
 def scratch_slots_needed(num_blocks: int, spb: int, scales: Sequence[int]) -> int:
@@ -295,7 +260,7 @@ def _wrap_gaps(scale: int, spb: int) -> list[tuple[int, int]]:
 
 
 def validate_scratch_layout(config: KVCacheManagerConfig, registry: LifeCycleRegistry,
-                            layout: StorageLayout) -> dict[int, tuple[int, ...]]:
+                            layout: Any) -> dict[int, tuple[int, ...]]:
     """Check that the scratch arithmetic aliases nothing within a layer, for every pool of
     every windowed (dense) cache group; returns ``group -> scale of each pool``.
 

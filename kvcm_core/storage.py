@@ -1,25 +1,30 @@
-"""Pages, slots and their states on every level.
+"""Pages, slots and their states, in arrays.
 
-A :class:`Page` is one slot at one level for one (block, life cycle). Its state follows
-from who references it:
+A page is one slot at one level holding one (block, life cycle). Every page of a manager
+is a row of the :class:`PageArena`, named by an integer page id (``pid``) that stays the
+same while the page moves between levels; caches and the prefix tree hold page ids. Its
+state follows from who references it:
 
 - ``LOCKED``: an active request needs it on the GPU (``locks > 0``). Never moves or drops.
 - ``HELD``: only suspended requests (or pending reuse claims) reference it
   (``holds > 0``). May move to a colder level, never dropped.
-- ``DROPPABLE``: committed (in the prefix tree) and unreferenced. May move down, or be
-  dropped at the last level.
+- ``DROPPABLE``: committed (``node >= 0``: in the prefix tree) and unreferenced. May move
+  down, or be dropped at the last level.
 - otherwise the page is freed at once (an uncommitted page nobody references).
 
-Per (level, pool group) the store keeps a free list, a slot -> page table, and two
-eviction-policy instances (droppable pages, held pages), so that the accounting identity
-``free + evictable + unavailable == total`` can be checked by counting pages.
+A :class:`Store` holds the slots of one pool group at one level: a free-slot stack, the
+slot -> page map and two eviction-policy instances (droppable pages, held pages), so
+``free + evictable + unavailable == total`` can be read off counts. Every operation takes
+many pages at once; state transitions are computed on arrays.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kvcm_core.errors import OutOfPagesError
 from kvcm_core.eviction import DEFAULT_PRIORITY, EvictionPolicy
@@ -27,7 +32,10 @@ from kvcm_core.eviction import DEFAULT_PRIORITY, EvictionPolicy
 if TYPE_CHECKING:
     from kvcm_core.tier import Pool
 
-__all__ = ["Page", "PageState", "PoolGroupStore", "StorageStatistics"]
+__all__ = ["NO_PAGE", "PageArena", "PageState", "StorageStatistics", "Store"]
+
+NO_PAGE = -1
+_EMPTY = np.empty(0, dtype=np.int64)
 
 
 class PageState(enum.Enum):
@@ -35,50 +43,6 @@ class PageState(enum.Enum):
     HELD = "held"
     DROPPABLE = "droppable"
     FREE = "free"
-
-
-class Page:
-    """One slot at one level holding one block of one life cycle."""
-
-    __slots__ = (
-        "__weakref__",
-        "group",
-        "holds",
-        "level",
-        "locks",
-        "node",
-        "priority",
-        "ready",
-        "reused",
-        "slot",
-        "store",
-    )
-
-    def __init__(self, store: PoolGroupStore, slot: int, group: int) -> None:
-        self.store = store
-        self.slot = slot
-        self.group = group
-        self.level = store.level
-        self.locks = 0
-        self.holds = 0
-        self.node: Any = None  # the prefix-tree node holding it once committed
-        self.priority = DEFAULT_PRIORITY
-        self.ready: Any = None  # event or I/O handle the data waits on, if any
-        self.reused = False  # claimed by a request other than its writer
-
-    @property
-    def state(self) -> PageState:
-        if self.locks:
-            return PageState.LOCKED
-        if self.holds:
-            return PageState.HELD
-        if self.node is not None:
-            return PageState.DROPPABLE
-        return PageState.FREE
-
-    def __repr__(self) -> str:
-        return (f"Page(g{self.group} L{self.level} slot {self.slot} {self.state.name} "
-                f"locks={self.locks} holds={self.holds})")
 
 
 class StorageStatistics:
@@ -99,34 +63,129 @@ class StorageStatistics:
         return f"StorageStatistics({self.as_dict()})"
 
 
-class PoolGroupStore:
-    """Slots of one pool group at one level: pools, free list, pages, eviction order.
+class PageArena:
+    """Every page of a manager: one row per page id, grown by doubling.
+
+    Attributes (arrays indexed by page id):
+        store: index of the :class:`Store` holding it (``-1``: lost, no data).
+        slot: its slot in that store.
+        group: its cache group (life cycle).
+        locks, holds: reference counts of active and suspended owners.
+        node: prefix-tree node once committed, else ``-1``.
+        priority: eviction priority (0..100).
+        reused: claimed by a request other than its writer.
+    """
+
+    def __init__(self, capacity: int = 1024) -> None:
+        capacity = max(16, capacity)
+        self.store = np.full(capacity, -1, dtype=np.int32)
+        self.slot = np.full(capacity, -1, dtype=np.int32)
+        self.group = np.zeros(capacity, dtype=np.int16)
+        self.locks = np.zeros(capacity, dtype=np.int32)
+        self.holds = np.zeros(capacity, dtype=np.int32)
+        self.node = np.full(capacity, -1, dtype=np.int32)
+        self.priority = np.full(capacity, DEFAULT_PRIORITY, dtype=np.int8)
+        self.reused = np.zeros(capacity, dtype=np.bool_)
+        self.level = np.full(capacity, -1, dtype=np.int8)
+        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
+        self._nfree = capacity
+        self.live = 0
+
+    @property
+    def capacity(self) -> int:
+        return len(self.store)
+
+    def _grow(self, need: int) -> None:
+        old = self.capacity
+        new = max(2 * old, old + need)
+        for name, fill in (("store", -1), ("slot", -1), ("group", 0), ("locks", 0),
+                           ("holds", 0), ("node", -1), ("priority", DEFAULT_PRIORITY),
+                           ("reused", False), ("level", -1)):
+            arr = getattr(self, name)
+            grown = np.full(new, fill, dtype=arr.dtype)
+            grown[:old] = arr
+            setattr(self, name, grown)
+        free = np.empty(new, dtype=np.int64)
+        added = np.arange(new - 1, old - 1, -1, dtype=np.int64)
+        free[: len(added)] = added
+        free[len(added) : len(added) + self._nfree] = self._free[: self._nfree]
+        self._free = free
+        self._nfree += len(added)
+
+    def alloc(self, n: int) -> np.ndarray:
+        """``n`` fresh page ids (rows reset to defaults by :meth:`release`)."""
+        if n > self._nfree:
+            self._grow(n - self._nfree)
+        top = self._nfree
+        pids = self._free[top - n : top][::-1].copy()
+        self._nfree = top - n
+        self.live += n
+        return pids
+
+    def release(self, pids: np.ndarray) -> None:
+        """Forget pages (no owner, not in the tree, slot already given back)."""
+        n = len(pids)
+        if not n:
+            return
+        self.store[pids] = -1
+        self.slot[pids] = -1
+        self.level[pids] = -1
+        self.node[pids] = -1
+        self.locks[pids] = 0
+        self.holds[pids] = 0
+        self.priority[pids] = DEFAULT_PRIORITY
+        self.reused[pids] = False
+        top = self._nfree
+        if top + n > len(self._free):  # pragma: no cover - the stack is sized to capacity
+            self._free = np.resize(self._free, top + n)
+        self._free[top : top + n] = pids[::-1]
+        self._nfree = top + n
+        self.live -= n
+
+    def state(self, pid: int) -> PageState:
+        if self.locks[pid]:
+            return PageState.LOCKED
+        if self.holds[pid]:
+            return PageState.HELD
+        if self.node[pid] >= 0:
+            return PageState.DROPPABLE
+        return PageState.FREE
+
+    def describe(self, pid: int) -> str:
+        return (f"page {pid} (group {self.group[pid]}, level {self.level[pid]}, slot "
+                f"{self.slot[pid]}, {self.state(pid).name}, locks={self.locks[pid]}, "
+                f"holds={self.holds[pid]})")
+
+
+class Store:
+    """Slots of one pool group at one level: pools, free slots, pages, eviction order.
 
     Args:
+        index: the store's index among all stores of the manager.
         level: level index.
-        pool_group: pool group id at that level.
+        pool_group: pool group id at that level (a cold group id below level 0).
         pools: the tier's pools (one per slot size; one pool for cold levels).
         make_policy: builds an eviction-policy instance.
         last_level: pages here cannot move further down (held pages are not evictable).
+        arena: the manager's page arena.
     """
 
-    def __init__(
-        self,
-        level: int,
-        pool_group: int,
-        pools: list[Pool],
-        make_policy: Callable[[], EvictionPolicy],
-        last_level: bool,
-    ) -> None:
+    def __init__(self, index: int, level: int, pool_group: int, pools: list[Pool],
+                 make_policy: Callable[[], EvictionPolicy], last_level: bool,
+                 arena: PageArena) -> None:
+        self.index = index
         self.level = level
         self.pool_group = pool_group
         self.pools = pools
         self.num_slots = pools[0].num_slots
         self.slot_bytes = sum(p.slot_bytes for p in pools)
         self.last_level = last_level
+        self.arena = arena
+        self.below: Store | None = None  # where evicted pages go (set by the levels room)
         # Pop from the end: low slot ids first, which keeps shrinking cheap.
-        self.free: list[int] = list(range(self.num_slots - 1, -1, -1))
-        self.pages: list[Page | None] = [None] * self.num_slots
+        self._free = np.arange(self.num_slots - 1, -1, -1, dtype=np.int64)
+        self._nfree = self.num_slots
+        self._pid = np.full(self.num_slots, NO_PAGE, dtype=np.int64)
         self.droppable = make_policy()
         self.held = make_policy()
 
@@ -134,125 +193,265 @@ class PoolGroupStore:
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return self._nfree
 
     @property
     def num_evictable(self) -> int:
         """Slots that can be freed here: droppable pages, and held ones if they can move."""
         return len(self.droppable) + (0 if self.last_level else len(self.held))
 
-    def live_pages(self) -> Iterator[Page]:
-        return (p for p in self.pages if p is not None)
+    @property
+    def num_locked(self) -> int:
+        return self.num_slots - self._nfree - len(self.droppable) - len(self.held)
+
+    def free_slots(self) -> np.ndarray:
+        return self._free[: self._nfree].copy()
+
+    def page_at(self, slot: int) -> int:
+        return int(self._pid[slot])
+
+    def pages(self) -> np.ndarray:
+        """Page ids of every occupied slot, in slot order."""
+        return self._pid[self._pid >= 0]
+
+    def __repr__(self) -> str:
+        return f"Store(L{self.level} pg{self.pool_group}, {self._nfree}/{self.num_slots} free)"
 
     # -- slots ---------------------------------------------------------------------------
 
-    def take_slots(self, group: int, n: int) -> list[Page]:
-        """``n`` new FREE-state pages from the free list (the caller makes room first)."""
-        if n > len(self.free):
+    def take(self, group: int, n: int, locks: int = 1) -> np.ndarray:
+        """``n`` new pages of ``group`` in free slots, each with ``locks`` locks (the
+        caller made room)."""
+        if n > self._nfree:
             raise OutOfPagesError(
                 f"level {self.level} pool group {self.pool_group}: {n} slots wanted, "
-                f"{len(self.free)} free"
-            )
-        out = []
-        free = self.free
-        pages = self.pages
-        for _ in range(n):
-            slot = free.pop()
-            page = Page(self, slot, group)
-            pages[slot] = page
-            out.append(page)
-        return out
+                f"{self._nfree} free")
+        a = self.arena
+        pids = a.alloc(n)
+        top = self._nfree
+        slots = self._free[top - n : top][::-1]
+        self._nfree = top - n
+        self._pid[slots] = pids
+        a.store[pids] = self.index
+        a.slot[pids] = slots
+        a.level[pids] = self.level
+        a.group[pids] = group
+        a.locks[pids] = locks
+        return pids
 
-    def release_slot(self, page: Page) -> None:
-        """Return a page's slot to the free list (the page must be unreferenced)."""
-        if self.pages[page.slot] is page:
-            self.pages[page.slot] = None
-            self.free.append(page.slot)
-        page.slot = -1
+    def reserve_slots(self, n: int) -> np.ndarray:
+        """Take ``n`` free slots for incoming pages (see :meth:`settle`)."""
+        top = self._nfree
+        slots = self._free[top - n : top][::-1].copy()
+        self._nfree = top - n
+        return slots
+
+    def unreserve_slots(self, slots: np.ndarray) -> None:
+        self._give_back(slots)
+
+    def settle(self, pids: np.ndarray, slots: np.ndarray) -> None:
+        """Pages that arrived in reserved ``slots`` (moved from another store)."""
+        a = self.arena
+        self._pid[slots] = pids
+        a.store[pids] = self.index
+        a.slot[pids] = slots
+        a.level[pids] = self.level
+        self._enter(pids)
+
+    def vacate(self, pids: np.ndarray, queued: bool = True) -> None:
+        """Pages that left this store (moved elsewhere): out of its queues (unless popped
+        already: ``queued`` False), slots free."""
+        if queued:
+            self._leave(pids)
+        slots = self.arena.slot[pids]
+        self._pid[slots] = NO_PAGE
+        self._give_back(slots)
+
+    def requeue(self, pids: np.ndarray) -> None:
+        """Pages popped from a queue that stay here after all."""
+        if len(pids):
+            self._enter(pids)
+
+    def forget(self, pids: np.ndarray) -> None:
+        """Pages whose data is lost: out of the queues, slots free; their ids live on
+        (``store == -1``) until their owners let go."""
+        self._leave(pids)
+        a = self.arena
+        slots = a.slot[pids]
+        self._pid[slots] = NO_PAGE
+        self._give_back(slots)
+        a.store[pids] = -1
+        a.slot[pids] = -1
+        a.level[pids] = -1
+
+    def _give_back(self, slots: np.ndarray) -> None:
+        n = len(slots)
+        top = self._nfree
+        self._free[top : top + n] = slots[::-1]
+        self._nfree = top + n
+
+    def free_pages(self, pids: np.ndarray) -> None:
+        """Unreferenced pages out of the tree and out of the queues: slots and ids freed."""
+        if not len(pids):
+            return
+        a = self.arena
+        slots = a.slot[pids]
+        self._pid[slots] = NO_PAGE
+        self._give_back(slots)
+        a.release(pids)
 
     # -- state transitions ------------------------------------------------------------------
+    # Queue membership follows the counts: held queue iff locks == 0 and holds > 0;
+    # droppable queue iff locks == holds == 0 and node >= 0; otherwise in no queue.
 
-    def _leave_policy(self, page: Page) -> None:
-        if page.locks:
+    def _leave(self, pids: np.ndarray) -> None:
+        a = self.arena
+        free = a.locks[pids] == 0
+        if not free.any():
             return
-        if page.holds:
-            self.held.remove(page)
-        elif page.node is not None:
-            self.droppable.remove(page)
-
-    def _enter_policy(self, page: Page) -> None:
-        if page.locks:
+        p = pids[free]
+        held = a.holds[p] > 0
+        if held.all():
+            self.held.remove_many(p.tolist())
             return
-        if page.holds:
-            self.held.insert(page, page.priority)
-        elif page.node is not None:
-            self.droppable.insert(page, page.priority)
-        else:
-            self.release_slot(page)
+        if held.any():
+            self.held.remove_many(p[held].tolist())
+            p = p[~held]
+        p = p[a.node[p] >= 0]
+        if len(p):
+            self.droppable.remove_many(p.tolist())
 
-    def lock(self, page: Page) -> None:
-        if not page.locks:
-            self._leave_policy(page)
-        page.locks += 1
+    def _enter(self, pids: np.ndarray) -> None:
+        """Pages whose counts just changed: into their queue, or freed."""
+        a = self.arena
+        free = a.locks[pids] == 0
+        if not free.any():
+            return
+        p = pids[free]
+        held = a.holds[p] > 0
+        if held.any():
+            h = p[held]
+            self.held.insert_many(h.tolist(), a.priority[h].tolist())
+            p = p[~held]
+        committed = a.node[p] >= 0
+        d = p[committed]
+        if len(d):
+            self.droppable.insert_many(d.tolist(), a.priority[d].tolist())
+        if not committed.all():
+            self.free_pages(p[~committed])
 
-    def unlock(self, page: Page) -> None:
-        page.locks -= 1
-        if not page.locks:
-            self._enter_policy(page)
+    def change(self, pids: np.ndarray, dlocks: int, dholds: int) -> None:
+        """Add ``dlocks`` / ``dholds`` to every page (ids unique) and requeue them."""
+        if not len(pids):
+            return
+        self._leave(pids)
+        a = self.arena
+        if dlocks:
+            a.locks[pids] += dlocks
+        if dholds:
+            a.holds[pids] += dholds
+        self._enter(pids)
 
-    def hold(self, page: Page) -> None:
-        if not page.locks:
-            self._leave_policy(page)
-        page.holds += 1
-        if not page.locks:
-            self._enter_policy(page)
+    def unlock_all(self, pids: np.ndarray) -> None:
+        """The common close: pages locked once by one owner (ids unique). Committed ones
+        become droppable (in the given order: least recent first), the rest are freed."""
+        a = self.arena
+        locks = a.locks[pids]
+        if (locks == 1).all() and not a.holds[pids].any():
+            a.locks[pids] = 0
+            committed = a.node[pids] >= 0
+            if committed.all():
+                self.droppable.insert_many(pids.tolist(), a.priority[pids].tolist())
+                return
+            d = pids[committed]
+            if len(d):
+                self.droppable.insert_many(d.tolist(), a.priority[d].tolist())
+            self.free_pages(pids[~committed])
+            return
+        self.change(pids, -1, 0)
 
-    def unhold(self, page: Page) -> None:
-        if not page.locks:
-            self._leave_policy(page)
-        page.holds -= 1
-        if not page.locks:
-            self._enter_policy(page)
+    def publish(self, pids: np.ndarray, nodes: np.ndarray) -> None:
+        """Mark referenced pages committed in ``nodes``."""
+        self.arena.node[pids] = nodes
 
-    def lock_to_hold(self, page: Page) -> None:
-        """A suspending owner: one lock becomes one hold."""
-        page.locks -= 1
-        page.holds += 1
-        if not page.locks:
-            self._enter_policy(page)
+    def unpublish(self, pids: np.ndarray) -> np.ndarray:
+        """Detach pages from the tree; unreferenced ones are freed. Returns those freed."""
+        a = self.arena
+        unref = (a.locks[pids] == 0) & (a.holds[pids] == 0) & (a.node[pids] >= 0)
+        gone = pids[unref]
+        if len(gone):
+            self.droppable.remove_many(gone.tolist())
+        a.node[pids] = -1
+        self.free_pages(gone)
+        return gone
 
-    def hold_to_lock(self, page: Page) -> None:
-        """A resuming owner: one hold becomes one lock."""
-        if not page.locks:
-            self._leave_policy(page)
-        page.holds -= 1
-        page.locks += 1
+    def touch(self, pids: np.ndarray) -> None:
+        a = self.arena
+        p = pids[a.locks[pids] == 0]
+        if not len(p):
+            return
+        held = a.holds[p] > 0
+        if held.any():
+            self.held.touch_many(p[held].tolist())
+        d = p[~held & (a.node[p] >= 0)]
+        if len(d):
+            self.droppable.touch_many(d.tolist())
 
-    def publish(self, page: Page, node: Any) -> None:
-        """Mark a referenced page committed (it will be droppable once released)."""
-        page.node = node
+    # -- resizing ------------------------------------------------------------------------------
 
-    def unpublish(self, page: Page) -> None:
-        """Detach a page from the tree; an unreferenced one is freed."""
-        if not page.locks and not page.holds and page.node is not None:
-            self.droppable.remove(page)
-            page.node = None
-            self.release_slot(page)
-        else:
-            page.node = None
+    def grow(self, new: int) -> None:
+        old = self.num_slots
+        for pool in self.pools:
+            pool.resize(new)
+        self._pid = np.concatenate([self._pid, np.full(new - old, NO_PAGE, np.int64)])
+        free = np.empty(new, dtype=np.int64)
+        added = np.arange(new - 1, old - 1, -1, dtype=np.int64)
+        # New high slots go to the bottom of the stack: low ones are still taken first.
+        free[: len(added)] = added
+        free[len(added) : len(added) + self._nfree] = self._free[: self._nfree]
+        self._free = free
+        self._nfree += len(added)
+        self.num_slots = new
 
-    def touch(self, page: Page) -> None:
-        if not page.locks:
-            if page.holds:
-                self.held.touch(page)
-            elif page.node is not None:
-                self.droppable.touch(page)
+    def high_pages(self, new: int) -> np.ndarray:
+        """Pages in slots ``>= new`` (to move before a shrink to ``new`` slots)."""
+        tail = self._pid[new:]
+        return tail[tail >= 0]
+
+    def relocate(self, pid: int, slot: int) -> int:
+        """Point ``pid`` at free ``slot`` (its data was copied there); returns the old
+        slot, now free."""
+        a = self.arena
+        old = int(a.slot[pid])
+        free = self._free[: self._nfree]
+        free = free[free != slot]
+        self._nfree = len(free)
+        self._free[: self._nfree] = free
+        self._pid[slot] = pid
+        self._pid[old] = NO_PAGE
+        a.slot[pid] = slot
+        self._give_back(np.array([old], dtype=np.int64))
+        return old
+
+    def shrink(self, new: int) -> None:
+        """Drop slots ``>= new`` (all free)."""
+        for pool in self.pools:
+            pool.resize(new)
+        free = self._free[: self._nfree]
+        free = free[free < new]
+        self._free = np.empty(new, dtype=np.int64)
+        self._free[: len(free)] = free
+        self._nfree = len(free)
+        self._pid = self._pid[:new].copy()
+        self.num_slots = new
+
+    # -- statistics ------------------------------------------------------------------------------
 
     def statistics(self, into: StorageStatistics) -> None:
         # Read each count once, so a reader on another thread gets a consistent snapshot
         # of this store (free + evictable + unavailable == total) while it changes.
         total = self.num_slots
-        free = len(self.free)
+        free = self._nfree
         evictable = self.num_evictable
         if free + evictable > total:  # torn read across a resize: clamp, keep the identity
             evictable = max(0, total - free)
@@ -263,3 +462,58 @@ class PoolGroupStore:
         into.unavailable += total - free - evictable
         into.total_bytes += total * self.slot_bytes
         into.used_bytes += (total - free) * self.slot_bytes
+
+    def check(self, level: int) -> None:
+        """Internal invariants of this store (tests and debugging)."""
+        a = self.arena
+        free = self._free[: self._nfree]
+        if len(np.unique(free)) != len(free):
+            raise AssertionError(f"L{level} pg{self.pool_group}: duplicate free slots")
+        occupied = np.flatnonzero(self._pid >= 0)
+        if np.intersect1d(occupied, free).size:
+            raise AssertionError(f"L{level} pg{self.pool_group}: slot both free and owned")
+        if len(occupied) + len(free) != self.num_slots:
+            raise AssertionError(f"L{level} pg{self.pool_group}: a slot neither free nor owned")
+        pids = self._pid[occupied]
+        if (a.slot[pids] != occupied).any() or (a.store[pids] != self.index).any() or (
+                a.level[pids] != level).any():
+            raise AssertionError(f"L{level} pg{self.pool_group}: a page filed under a wrong slot")
+        locked = a.locks[pids] > 0
+        held = ~locked & (a.holds[pids] > 0)
+        droppable = ~locked & ~held & (a.node[pids] >= 0)
+        loose = ~locked & ~held & ~droppable
+        if loose.any():
+            raise AssertionError(
+                f"unreferenced uncommitted {a.describe(int(pids[loose][0]))} not freed")
+        for pid in pids[held].tolist():
+            if pid not in self.held:
+                raise AssertionError(f"held {a.describe(pid)} missing from the held queue")
+        for pid in pids[droppable].tolist():
+            if pid not in self.droppable:
+                raise AssertionError(f"{a.describe(pid)} missing from the droppable queue")
+        if int(droppable.sum()) != len(self.droppable) or int(held.sum()) != len(self.held):
+            raise AssertionError("eviction queues hold pages of other states")
+
+
+def as_pids(pages: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Page ids as an int64 array."""
+    if isinstance(pages, np.ndarray):
+        return pages.astype(np.int64, copy=False)
+    if not pages:
+        return _EMPTY
+    return np.fromiter(pages, dtype=np.int64, count=len(pages))
+
+
+def group_by_store(arena: PageArena, pids: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """``(store index, pids)`` batches, in first-seen order within each store."""
+    if not len(pids):
+        return []
+    stores = arena.store[pids]
+    first = stores[0]
+    if (stores == first).all():
+        return [(int(first), pids)]
+    out = []
+    for s in dict.fromkeys(stores.tolist()):
+        out.append((s, pids[stores == s]))
+    return out
+

@@ -230,7 +230,7 @@ def snapshot_state(m: KVCacheManager, *caches: Any) -> Any:
         for c in caches
     ]
     stores = [(s.num_free, len(s.droppable), len(s.held)) for s in m.stores[0]]
-    return st, per_cache, stores, repr(m._stats)
+    return st, per_cache, stores, repr(m.storage_levels.stats)
 
 
 def page_holds(m: KVCacheManager, layer_id: int, role: str, slot: int, toks: Sequence[int],
@@ -262,32 +262,54 @@ def page_holds(m: KVCacheManager, layer_id: int, role: str, slot: int, toks: Seq
 
 
 def tree_node(m: KVCacheManager, toks: Sequence[int], end: int,
-              scope: ReuseScope | None = None) -> Any:
-    """The prefix-tree node of the block ending at token ``end`` of ``toks`` (a full block
-    when ``end`` is a block boundary, else a partial child holding exactly the tokens of
-    that block up to ``end``), or None. Walks the tree by key; for tests only."""
-    from kvcm_core.radix import block_keys, scope_root_key
+              scope: ReuseScope | None = None) -> int | None:
+    """The prefix-tree node id of the block ending at token ``end`` of ``toks`` (a full
+    block when ``end`` is a block boundary, else a partial child holding exactly the tokens
+    of that block up to ``end``), or None. Walks the tree by key; for tests only."""
+    from kvcm_core.radix import NO_NODE, block_keys, scope_root_key
 
     tpb = m.tokens_per_block
     key = scope_root_key(scope)
-    node = m.tree.roots.get(key)
+    node = m.tree.roots().get(key, NO_NODE)
     nfull = end // tpb
     for b in range(nfull):
-        if node is None:
+        if node == NO_NODE:
             return None
         key = block_keys(key, list(toks), tpb, b, b + 1)[0]
-        node = node.children.get(key)
-    if node is None or end % tpb == 0:
-        return node
+        node = m.tree.child(node, key)
+    if node == NO_NODE:
+        return None
+    if end % tpb == 0:
+        return int(node)
     want = tuple(toks[nfull * tpb : end])
-    return next((p for p in node.partials if p.tokens == want), None)
+    return next((int(p) for p in m.tree.partial_children(node)
+                 if m.tree.block_tokens(p) == want), None)
 
 
 def tree_page(m: KVCacheManager, toks: Sequence[int], block: int, group: int,
-              scope: ReuseScope | None = None) -> Any:
-    """The committed page of full block ``block`` of ``toks`` in the tree, or None."""
+              scope: ReuseScope | None = None) -> int | None:
+    """The committed page id of full block ``block`` of ``toks`` in the tree, or None."""
     node = tree_node(m, toks, (block + 1) * m.tokens_per_block, scope)
-    return None if node is None else node.pages[group]
+    if node is None:
+        return None
+    pid = m.tree.page(node, group)
+    return None if pid < 0 else pid
+
+
+def slot_of(m: KVCacheManager, pid: int | None) -> int:
+    """The slot of page ``pid`` in its store (the page must exist)."""
+    assert pid is not None and pid >= 0, pid
+    assert int(m.storage_levels.arena.level[pid]) >= 0, m.storage_levels.arena.describe(pid)
+    return int(m.storage_levels.arena.slot[pid])
+
+
+def drop_page(m: KVCacheManager, pid: int | None) -> None:
+    """Evict one droppable page the way eviction does (tree entry removed, slot freed)."""
+    assert pid is not None and pid >= 0, pid
+    levels = m.storage_levels
+    store = levels.store_of(pid)
+    assert pid in store.droppable, levels.arena.describe(pid)
+    levels.drop(store, np.array([pid], dtype=np.int64), queued=True)
 
 
 # -- fixtures ---------------------------------------------------------------------------
@@ -306,9 +328,9 @@ def managers() -> Iterator[Callable[..., KVCacheManager]]:
 
     yield build
     for m in made:
-        if m._closed:
+        if m.is_shut_down:
             continue
-        for cache in list(m._open.values()):
+        for cache in list(m.open_caches):
             cache.close()
         assert_all_free(m)
         m.shutdown()
@@ -316,6 +338,6 @@ def managers() -> Iterator[Callable[..., KVCacheManager]]:
 
 __all__ = [
     "BAD_PAGE_INDEX", "PAGE", "TPB", "Driver", "assert_all_free", "assert_invariants",
-    "full_layers", "hybrid_layers", "kv", "make_config", "make_manager", "page_holds",
-    "snapshot_state", "table", "tokens", "tree_node", "tree_page", "windowed_layers",
+    "drop_page", "full_layers", "hybrid_layers", "kv", "make_config", "make_manager", "page_holds",
+    "slot_of", "snapshot_state", "table", "tokens", "tree_node", "tree_page", "windowed_layers",
 ]

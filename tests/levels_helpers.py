@@ -82,8 +82,9 @@ def _units(layout: str) -> tuple[int, int]:
         m = KVCacheManager(cfg)
         try:
             gpu = sum(pg.page_bytes * len(pg.life_cycles) for pg in m.layout.pool_groups)
-            cold = sum(key[1] * sum(1 for k in m._cold_key_of if k == key)
-                       for key in m._cold_keys)
+            L = m.storage_levels
+            cold = sum(key[1] * sum(1 for k in L.cold_key_of if k == key)
+                       for key in L.cold_keys)
         finally:
             m.shutdown()
         _UNITS[layout] = (gpu, cold)
@@ -198,16 +199,25 @@ class Driver:
 # -- where pages are ------------------------------------------------------------------------
 
 
-def cache_pages(cache: Any) -> list[Any]:
-    """Every page a cache owns (attention pages, live SSM states, pending reuse claims)."""
-    out = [p for pages in cache._pages for p in pages if p is not None]
-    out.extend(p for p in cache._ssm if p is not None)
-    out.extend(src for _, _, src in cache._pending)
+def cache_pages(cache: Any) -> list[int]:
+    """Every page id a cache owns (attention pages, live SSM states, pending reuse claims),
+    lost pages (level -1, kept by their owner until it lets go) included."""
+    m = cache.manager
+    level = m.storage_levels.arena.level
+    out = [p for g in range(m.num_cache_groups) for p in cache.pages(g) if p >= 0]
+    # page_ids(): the live references (level >= 0) first, then the pending claims.
+    nlive = sum(1 for p in out if level[p] >= 0)
+    out.extend(cache.page_ids()[nlive:])
     return out
 
 
+def page_level(m: KVCacheManager, pid: int) -> int:
+    return int(m.storage_levels.arena.level[pid])
+
+
 def page_levels(cache: Any) -> list[int]:
-    return [p.level for p in cache_pages(cache)]
+    level = cache.manager.storage_levels.arena.level
+    return [int(level[p]) for p in cache_pages(cache)]
 
 
 def level_counts(cache: Any, nlevels: int) -> list[int]:
@@ -234,7 +244,7 @@ def assert_all_free(m: KVCacheManager) -> None:
 
 
 def close_all(m: KVCacheManager) -> None:
-    for cache in list(m._open.values()):
+    for cache in m.open_caches:
         cache.close()
         assert_invariants(m)
 
@@ -244,15 +254,19 @@ def snapshot(m: KVCacheManager, *caches: Any) -> Any:
     store's slot table and queues, and each cache's lengths, status, page tables and page
     places."""
     stats = [m.get_storage_statistics(lv).as_dict() for lv in range(len(m.levels))]
+    a = m.storage_levels.arena
     stores = [
-        (s.level, s.pool_group, s.num_slots, sorted(s.free), len(s.droppable), len(s.held),
-         [None if p is None else (id(p), p.locks, p.holds) for p in s.pages])
+        (s.level, s.pool_group, s.num_slots, sorted(s.free_slots().tolist()),
+         len(s.droppable), len(s.held),
+         [None if p < 0 else (p, int(a.locks[p]), int(a.holds[p]))
+          for p in (s.page_at(slot) for slot in range(s.num_slots))])
         for level in m.stores for s in level
     ]
     per_cache = [
         (c.status, c.capacity, c.history_length, c.num_committed_tokens, c.num_blocks,
          [[int(x) for x in c.get_base_page_indices(g)] for g in range(m.num_cache_groups)],
-         [(id(p), p.level, p.slot, p.locks, p.holds) for p in cache_pages(c)])
+         [(p, int(a.level[p]), int(a.slot[p]), int(a.locks[p]), int(a.holds[p]))
+          for p in cache_pages(c)])
         for c in caches
     ]
     return stats, stores, per_cache
@@ -300,18 +314,18 @@ def faulty_disk(plan: FaultPlan, pm: KvcmPluginManager | None = None
 
 
 def faulty_tier(m: KVCacheManager, level: int) -> FaultyTier:
-    tier = m._tiers[level]
+    tier = m.storage_levels.tiers[level]
     assert isinstance(tier, FaultyTier)
     return tier
 
 
 def chain(m: KVCacheManager, toks: Sequence[int], scope: ReuseScope | None = None
-          ) -> list[Any]:
-    """The tree nodes of ``toks``'s full blocks, as far as the chain exists."""
-    from kvcm_core.radix import block_keys, scope_root_key
+          ) -> list[int]:
+    """The tree node ids of ``toks``'s full blocks, as far as the chain exists."""
+    from kvcm_core.radix import NO_NODE, block_keys, scope_root_key
 
-    root = m.tree.roots.get(scope_root_key(scope or ReuseScope()))
-    out: list[Any] = []
+    root = m.tree.roots().get(scope_root_key(scope or ReuseScope()))
+    out: list[int] = []
     if root is None:
         return out
     node = root
@@ -319,8 +333,13 @@ def chain(m: KVCacheManager, toks: Sequence[int], scope: ReuseScope | None = Non
     nfull = len(toks) // tpb
     keys = block_keys(scope_root_key(scope or ReuseScope()), list(toks), tpb, 0, nfull)
     for k in keys:
-        node = node.children.get(k)
-        if node is None:
+        node = m.tree.child(node, k)
+        if node == NO_NODE:
             break
         out.append(node)
     return out
+
+
+def node_pages(m: KVCacheManager, nid: int) -> list[int]:
+    """The page ids of a tree node, one per cache group (-1: none)."""
+    return [m.tree.page(nid, g) for g in range(m.num_cache_groups)]

@@ -99,9 +99,11 @@ def make_manager(layers: Sequence[Any], stack: Sequence[str] = ("gpu",),
             gpu_slots = [slots[0] * len(pg.life_cycles) for pg in pgs]
         weights = [n * pg.page_bytes for n, pg in zip(gpu_slots, pgs, strict=True)]
         gpu_quota = sum(weights) + min(pg.page_bytes for pg in pgs) // 2
-        cold_unit = sum(key[1] * sum(1 for k in probe._cold_key_of if k == key)
-                        for key in probe._cold_keys)
-        min_cold = min(key[1] for key in probe._cold_keys)
+        cold_key_of = probe.storage_levels.cold_key_of
+        cold_keys = probe.storage_levels.cold_keys
+        cold_unit = sum(key[1] * sum(1 for k in cold_key_of if k == key)
+                        for key in cold_keys)
+        min_cold = min(key[1] for key in cold_keys)
     finally:
         probe.shutdown()
     levels = [LevelConfig(tier=stack[0], quota=gpu_quota)]
@@ -176,18 +178,98 @@ class Driver(LevelsDriver):
 # -- the tree and pages ---------------------------------------------------------------------
 
 
-def tree_nodes(m: KVCacheManager) -> Iterator[Any]:
-    for root in m.tree.roots.values():
-        for node in root.subtree():
-            if node is not root:
-                yield node
+class PageView:
+    """A read-only view of one page id of ``m.storage_levels.arena`` (the arrays are read
+    at each access, like the old live page objects). Equal when the page ids are."""
+
+    __slots__ = ("m", "pid")
+
+    def __init__(self, m: KVCacheManager, pid: int) -> None:
+        self.m = m
+        self.pid = int(pid)
+
+    @property
+    def arena(self) -> Any:
+        return self.m.storage_levels.arena
+
+    @property
+    def level(self) -> int:
+        return int(self.arena.level[self.pid])
+
+    @property
+    def slot(self) -> int:
+        return int(self.arena.slot[self.pid])
+
+    @property
+    def group(self) -> int:
+        return int(self.arena.group[self.pid])
+
+    @property
+    def locks(self) -> int:
+        return int(self.arena.locks[self.pid])
+
+    @property
+    def holds(self) -> int:
+        return int(self.arena.holds[self.pid])
+
+    @property
+    def node(self) -> int:
+        return int(self.arena.node[self.pid])
+
+    @property
+    def store(self) -> Any:
+        """The :class:`~kvcm_core.storage.Store` holding it (None: lost)."""
+        if int(self.arena.store[self.pid]) < 0:
+            return None
+        return self.m.storage_levels.store_of(self.pid)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PageView) and other.pid == self.pid
+
+    def __hash__(self) -> int:
+        return hash(self.pid)
+
+    def __repr__(self) -> str:
+        return self.arena.describe(self.pid)
 
 
-def drop(m: KVCacheManager, node: Any, group: int) -> None:
-    """Evict one droppable page of the tree the way eviction does (``_drop``)."""
-    page = node.pages[group]
+def tree_nodes(m: KVCacheManager) -> Iterator[int]:
+    """Every node id of the tree below the scope roots."""
+    for root in m.tree.roots().values():
+        yield from m.tree.subtree(root)
+
+
+def chain(m: KVCacheManager, toks: Sequence[int], scope: Any = None) -> list[int]:
+    """The tree node ids of ``toks``'s full blocks, as far as the chain exists."""
+    from kvcm_core import ReuseScope
+    from kvcm_core.radix import NO_NODE, block_keys, scope_root_key
+
+    root_key = scope_root_key(scope or ReuseScope())
+    node = m.tree.roots().get(root_key)
+    out: list[int] = []
+    if node is None:
+        return out
+    nfull = len(toks) // m.tokens_per_block
+    for k in block_keys(root_key, list(toks), m.tokens_per_block, 0, nfull):
+        node = m.tree.child(node, k)
+        if node == NO_NODE:
+            break
+        out.append(node)
+    return out
+
+
+def node_page(m: KVCacheManager, node: int, group: int) -> PageView | None:
+    """The page of ``group`` in tree node ``node`` (None: no page)."""
+    pid = m.tree.page(node, group)
+    return None if pid < 0 else PageView(m, pid)
+
+
+def drop(m: KVCacheManager, node: int, group: int) -> None:
+    """Evict one droppable page of the tree the way eviction does."""
+    page = node_page(m, node, group)
     assert page is not None and not page.locks and not page.holds, page
-    m._drop(page, from_policy=False)
+    levels = m.storage_levels
+    levels.drop(levels.store_of(page.pid), np.array([page.pid], dtype=np.int64), queued=True)
     assert_invariants(m)
 
 
@@ -195,18 +277,46 @@ def evict_level(m: KVCacheManager, level: int) -> None:
     """Empty every store of ``level`` the way eviction does: held pages move one level
     down (making room there), droppable ones move down or are dropped."""
     for store in m.stores[level]:
-        m._make_room(store, store.num_slots)
+        m.storage_levels.make_room(store, store.num_slots)
     assert_invariants(m)
 
 
-def cache_pages(cache: Any, group: int | None = None) -> list[Any]:
+def cache_pages(cache: Any, group: int | None = None) -> list[PageView]:
     """Every page a cache owns (attention pages, live SSM states, pending claims)."""
-    out = [p for pages in cache._pages for p in pages if p is not None]
-    out.extend(p for p in cache._ssm if p is not None)
-    out.extend(src for _, _, src in cache._pending)
+    m = cache.manager
+    out = [PageView(m, p) for p in cache.page_ids()]
     if group is not None:
         out = [p for p in out if p.group == group]
     return out
+
+
+def store_pages(m: KVCacheManager, store: Any) -> list[PageView]:
+    """The pages in every occupied slot of ``store``."""
+    return [PageView(m, p) for p in store.pages().tolist()]
+
+
+def snapshot(m: KVCacheManager, *caches: Any) -> Any:
+    """Everything a failed operation must leave as it was: per-level statistics, every
+    store's slot table and queues, and each cache's lengths, status, page tables and page
+    places."""
+    arena = m.storage_levels.arena
+    stats = [m.get_storage_statistics(lv).as_dict() for lv in range(len(m.levels))]
+    stores = []
+    for level in m.stores:
+        for s in level:
+            slots = [s.page_at(i) for i in range(s.num_slots)]
+            stores.append((
+                s.level, s.pool_group, s.num_slots, sorted(s.free_slots().tolist()),
+                len(s.droppable), len(s.held),
+                [None if p < 0 else (p, int(arena.locks[p]), int(arena.holds[p]))
+                 for p in slots]))
+    per_cache = [
+        (c.status, c.capacity, c.history_length, c.num_committed_tokens, c.num_blocks,
+         [[int(x) for x in c.get_base_page_indices(g)] for g in range(m.num_cache_groups)],
+         [(p.pid, p.level, p.slot, p.locks, p.holds) for p in cache_pages(c)])
+        for c in caches
+    ]
+    return stats, stores, per_cache
 
 
 def assert_invariants(m: KVCacheManager) -> None:
@@ -220,7 +330,7 @@ def assert_no_private_in_tree(m: KVCacheManager) -> None:
     private = set(groups_with(m, P.PRIVATE))
     for node in tree_nodes(m):
         for g in private:
-            assert node.pages[g] is None, f"PRIVATE group {g} published at {node}"
+            assert m.tree.page(node, g) < 0, f"PRIVATE group {g} published at node {node}"
 
 
 def assert_all_free(m: KVCacheManager) -> None:

@@ -174,7 +174,10 @@ def test_beams_survive_suspend_and_resume_through_the_host_level_bit_exact(tmp_p
     other = BeamDriver(m, _prompt(6, 6))
     other.prefill(30)
     other.cache.close()
-    levels = {p.level for p in d.cache._all_pages()}
+    arena = m.storage_levels.arena
+    pids = {p for g in range(m.num_cache_groups) for b in range(d.cache.beam_width)
+            for p in d.cache.pages(g, b) if p >= 0}
+    levels = {int(arena.level[p]) for p in pids} - {-1}
     assert 1 in levels, levels
     g = m.get_layer_group_id(0)
     assert (d.cache.get_base_page_indices(g, 1) == BAD_PAGE_INDEX).any()

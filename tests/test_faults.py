@@ -22,6 +22,8 @@ from levels_helpers import (
     faulty_tier,
     level_counts,
     make_manager,
+    node_pages,
+    page_level,
     page_levels,
     quota,
     snapshot,
@@ -49,7 +51,7 @@ def faulty(tmp_path):
 
     yield build
     for m in made:
-        if m._closed:
+        if m.is_shut_down:
             continue
         close_all(m)
         assert_all_free(m)
@@ -77,7 +79,8 @@ def test_failed_disk_write_drops_the_droppable_blocks_and_leaks_nothing(faulty):
     r = [tokens(16, 100 + i) for i in range(3)]
     d.write(r[0], chunk=16, suspend=False).close()        # R0 on the GPU
     d.write(r[1], chunk=16, suspend=False).close()        # R0 -> host
-    assert {p.level for n in chain(m, r[0]) for p in n.pages if p} == {1}
+    assert {page_level(m, p) for n in chain(m, r[0]) for p in node_pages(m, n)
+            if p >= 0} == {1}
     plan.fail_writes = {tier.writes + 1}
     m.get_and_reset_iteration_stats()
     # R1 -> host, R0 -> disk in one batch: that write fails.
@@ -239,8 +242,8 @@ def test_failed_disk_read_during_resume_loses_the_cache_and_leaks_nothing(faulty
     assert_invariants(m)
     # The lost blocks are gone from the tree and their disk slots are free again.
     assert m.probe_reuse(None, a_toks[:25]) == 0
-    assert all(p.level < 0 for p in cache_pages(a))
-    assert not any(p is not None and p.level >= 0 for lv in m.stores[2] for p in lv.pages
+    assert all(page_level(m, p) < 0 for p in cache_pages(a))
+    assert not any(page_level(m, p) >= 0 for lv in m.stores[2] for p in lv.pages()
                    if p in cache_pages(a))
     # The cache refuses to resume again and closes cleanly.
     with pytest.raises(TierIOError):
@@ -328,7 +331,7 @@ def test_failed_disk_read_during_prefetch_keeps_the_pages_on_disk(faulty):
         pass
     assert_invariants(m)
     plan.fail_all_reads = False
-    if all(p.level >= 0 for p in cache_pages(a)):
+    if all(page_level(m, p) >= 0 for p in cache_pages(a)):
         assert page_levels(a) == before_levels
         d.resume_and_verify(a, b, c)
     else:  # the pages were declared lost: the cache refuses to resume
@@ -342,8 +345,8 @@ def test_failed_disk_read_during_prefetch_keeps_the_pages_on_disk(faulty):
 
 def _flip(m, page):
     """Invert one byte of a device-accessible (GPU or host) page through the backend."""
-    pool = page.store.pools[0]
-    start = pool.region.page_start(page.slot)
+    pool = m.storage_levels.store_of(page).pools[0]
+    start = pool.region.page_start(int(m.storage_levels.arena.slot[page]))
     byte = m.backend.read(pool.buffer, start, 1)
     m.backend.write(pool.buffer, start, np.asarray(byte) ^ 0xFF)
 
@@ -370,7 +373,8 @@ def test_fingerprint_engine_catches_a_corrupted_disk_blob(faulty):
     d = Driver(m)
     a, b, c = _push_to_disk(d)
     page = cache_pages(a)[2]
-    tier.corrupt(page.store.pools[0], page.slot)
+    tier.corrupt(m.storage_levels.store_of(page).pools[0],
+                 int(m.storage_levels.arena.slot[page]))
     assert a.resume()
     with pytest.raises(FingerprintMismatch):
         d.check(a)

@@ -23,6 +23,8 @@ from levels_helpers import (
     close_all,
     level_counts,
     make_manager,
+    node_pages,
+    page_level,
     page_levels,
     quota,
     snapshot,
@@ -44,7 +46,7 @@ def cleanup():
     made = []
     yield made.append
     for m in made:
-        if m._closed:
+        if m.is_shut_down:
             continue
         close_all(m)
         assert_all_free(m)
@@ -53,14 +55,20 @@ def cleanup():
 
 def attn_pages(cache):
     """Attention pages of a cache (every group but SSM live states)."""
-    return [p for pages in cache._pages for p in pages if p is not None]
+    m = cache.manager
+    return [p for g in range(m.num_cache_groups) if not m.life_cycles[g].is_ssm
+            for p in cache.pages(g) if p >= 0]
+
+
+def attn_levels(cache):
+    return {page_level(cache.manager, p) for p in attn_pages(cache)}
 
 
 def table_is_bad(cache, m):
     """Every attention page table entry is BAD (SSM live states may stay on the GPU)."""
     return all(
         all(int(x) == BAD_PAGE_INDEX for x in cache.get_base_page_indices(g))
-        for g in m._attn_groups)
+        for g in range(m.num_cache_groups) if not m.life_cycles[g].is_ssm)
 
 
 # -- every pair of levels, bit-exact ---------------------------------------------------------
@@ -75,7 +83,7 @@ def test_gpu_to_host_and_back_is_bit_exact(tmp_path, cleanup, layout):
     assert set(page_levels(a)) == {0}
     # B prefills 8 blocks in one chunk: every attention page of A must leave the GPU.
     b = d.write(tokens(32, 2), chunk=32, suspend=False)
-    assert {p.level for p in attn_pages(a)} == {1}
+    assert attn_levels(a) == {1}
     assert table_is_bad(a, m)
     b.suspend()
     # Shrinking the GPU to one slot per life cycle pushes whatever is left (SSM states).
@@ -100,16 +108,16 @@ def test_host_to_disk_and_back_is_bit_exact(tmp_path, cleanup, layout):
     d = Driver(m)
     a = d.write(tokens(22, 1))
     b = d.write(tokens(32, 2), chunk=32)      # A -> host
-    assert {p.level for p in attn_pages(a)} == {1}
+    assert attn_levels(a) == {1}
     c = d.write(tokens(32, 3), chunk=32, suspend=False)  # B -> host, A -> disk
-    assert {p.level for p in attn_pages(a)} == {2}
-    assert {p.level for p in attn_pages(b)} == {1}
+    assert attn_levels(a) == {2}
+    assert attn_levels(b) == {1}
     assert table_is_bad(a, m) and table_is_bad(b, m)
     c.suspend()
     assert_invariants(m)
     # disk -> host: grow the host, then prefetch.
     assert m.resize(1, quota(layout, 1, 32))
-    on_disk = [p for p in cache_pages(a) if p.level == 2]
+    on_disk = [p for p in cache_pages(a) if page_level(m, p) == 2]
     assert a.prefetch(1) == len(on_disk) > 0
     assert set(page_levels(a)) <= {0, 1} and 1 in page_levels(a)
     assert_invariants(m)
@@ -124,7 +132,7 @@ def test_gpu_to_disk_directly_and_back_is_bit_exact(tmp_path, cleanup):
     a = d.write(tokens(22, 1))
     b = d.write(tokens(32, 2), chunk=32, suspend=False)
     assert set(page_levels(a)) == {2 - 1}  # level 1 is the disk
-    assert m._tiers[1].capabilities.medium.value == "file"
+    assert m.storage_levels.tiers[1].capabilities.medium.value == "file"
     assert table_is_bad(a, m)
     b.suspend()
     assert a.resume()
@@ -185,7 +193,7 @@ def test_page_table_read_before_eviction_shows_bad_after_it(tmp_path, cleanup):
     assert BAD_PAGE_INDEX not in before
     b = d.write(tokens(32, 2), chunk=32, suspend=False)
     assert set(page_levels(a)) == {1}
-    mine = {p.slot for p in cache_pages(b)}
+    mine = {int(m.storage_levels.arena.slot[p]) for p in cache_pages(b)}
     assert not mine & set(int(x) for x in a.get_base_page_indices(0))
 
 
@@ -207,12 +215,14 @@ def test_closed_request_blocks_are_reused_from_a_colder_level(tmp_path, cleanup,
         fillers.append(f)
     q_toks = p_toks + tokens(10, 3)
     node_levels = []
-    node = m.tree.roots.get(next(iter(m.tree.roots)))
-    while node is not None:
-        for pg in node.pages:
-            if pg is not None:
-                node_levels.append(pg.level)
-        node = next(iter(node.iter_children()), None)
+    # P's chain: its 5 full blocks and the partial block below the last one.
+    nodes = chain(m, p_toks)
+    assert len(nodes) == 5
+    nodes += m.tree.partial_children(nodes[-1])
+    for node in nodes:
+        for pg in node_pages(m, node):
+            if pg >= 0:
+                node_levels.append(page_level(m, pg))
     assert node_levels and set(node_levels) == {level}
     probe = m.probe_reuse(None, q_toks[:31])
     assert probe == 22
@@ -250,7 +260,7 @@ def test_cascade_moves_droppable_blocks_down_and_drops_only_at_the_last_level(
             want = 16 if age <= 2 else 0
             assert m.probe_reuse(None, reqs[j]) == want, (i, j)
             if age <= 2:
-                levels = {n.pages[0].level for n in chain(m, reqs[j])}
+                levels = {page_level(m, node_pages(m, n)[0]) for n in chain(m, reqs[j])}
                 assert levels == {age}, (i, j, levels)
         # Nothing is dropped before the disk is full.
         assert st.groups[0].dropped_blocks == (4 if i >= 3 else 0), (i, st)
@@ -284,7 +294,7 @@ def test_held_pages_survive_any_pressure_at_the_last_level(tmp_path, cleanup):
     for i in range(8):                              # lots of closed traffic
         d.write(tokens(28, 200 + i), chunk=28, suspend=False).close()
         assert_invariants(m)
-        assert len(cache_pages(a)) == 4 and all(p.level >= 0 for p in cache_pages(a))
+        assert len(cache_pages(a)) == 4 and all(page_level(m, p) >= 0 for p in cache_pages(a))
     assert 2 in page_levels(a)  # pushed down to the last level, never dropped
     st = m.get_and_reset_iteration_stats()
     assert st.groups[0].dropped_blocks > 0
@@ -309,11 +319,11 @@ def test_resume_that_cannot_make_room_returns_false_and_changes_nothing(tmp_path
     d = Driver(m)
     r1, r2, r3 = _fill_every_level_with_held_pages(m, d)
     before = snapshot(m, r1, r2, r3)
-    stats_before = repr(m._stats)
+    stats_before = repr(m.storage_levels.stats)
     assert r1.resume() is False  # its pages are on disk; the GPU's would have to go there
     assert r2.resume() is False
     assert snapshot(m, r1, r2, r3) == before
-    assert repr(m._stats) == stats_before
+    assert repr(m.storage_levels.stats) == stats_before
     assert_invariants(m)
     # r3 is on the GPU already: it resumes.
     d.resume_and_verify(r3)
@@ -473,7 +483,7 @@ def test_offload_onboard_stats_and_moved_events(tmp_path, cleanup):
     m = make_manager([("gpu", 8), ("host", 8), ("disk", 40)], tmp_path, pm=pm)
     cleanup(m)
     d = Driver(m)
-    cold = m._cold_key_of[0][1]
+    cold = m.storage_levels.cold_key_of[0][1]
     assert cold == m.stores[0][0].slot_bytes  # raw codec: the concatenated slot
     a = d.write(tokens(22, 1))      # 5 committed blocks + 1 uncommitted tail
     m.get_and_reset_iteration_stats()
@@ -582,8 +592,8 @@ def test_random_workloads_over_three_levels(tmp_path_factory, ops, layout):
             assert_invariants(m)
             for lv in range(3):
                 for s in m.stores[lv]:
-                    for p in s.pages:
-                        assert p is None or p.locks == 0 or lv == 0
+                    for p in s.pages():
+                        assert m.storage_levels.arena.locks[p] == 0 or lv == 0
         # Everything left verifies, one at a time.
         for c in open_caches:
             if c.status.name == "ACTIVE":
@@ -601,6 +611,6 @@ def test_random_workloads_over_three_levels(tmp_path_factory, ops, layout):
             PROP_TOTALS[key] = PROP_TOTALS.get(key, 0) + v
         assert_all_free(m)
     finally:
-        if not m._closed:
+        if not m.is_shut_down:
             close_all(m)
             m.shutdown()

@@ -616,7 +616,7 @@ def test_block_events_deliver_stored_and_removed(managers):
     full = [e for e in stored if not e.block_key.startswith("partial")]
     assert [e.token_ids for e in full] == [tuple(t[0:4]), tuple(t[4:8])]
     assert full[1].parent_key == full[0].block_key
-    assert full[0].block_key == tree_node(m, t, 4).key.hex()
+    assert full[0].block_key == m.tree.key(tree_node(m, t, 4)).hex()
     assert rec.events[-1].token_ids == tuple(t[8:10])
     rec.events.clear()
     m.clear_reusable_blocks()

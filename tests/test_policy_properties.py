@@ -26,6 +26,7 @@ from policy_helpers import (
     STACKS,
     TPB,
     P,
+    PageView,
     assert_all_free,
     assert_invariants,
     assert_no_private_in_tree,
@@ -139,8 +140,11 @@ def check_step(m: Any, loop: EngineLoop) -> None:
             for b in needed:
                 assert table[b] != BAD_PAGE_INDEX, (
                     f"{cache!r}: group {g} ({lc.describe()}) block {b} has no page")
-        for page in (p for pages in cache._pages for p in pages if p is not None):
-            assert page.level == 0 and page.locks, page
+        for g, lc in enumerate(m.life_cycles):
+            if lc.is_ssm:
+                continue  # attention pages only (the live SSM state is checked above)
+            for page in (PageView(m, p) for p in cache.pages(g) if p >= 0):
+                assert page.level == 0 and page.locks, page
 
 
 def run_workload(m: Any, work: list[tuple[list[int], int]], seed: int, chunk: int,

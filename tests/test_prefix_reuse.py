@@ -11,9 +11,11 @@ import pytest
 from conftest import (
     Driver,
     assert_invariants,
+    drop_page,
     full_layers,
     hybrid_layers,
     page_holds,
+    slot_of,
     table,
     tokens,
     tree_node,
@@ -60,7 +62,7 @@ def test_reuse_of_a_whole_block_prompt_reuses_every_block(managers):
     c = d.create([*t, 7], match_len=16)
     assert c.history_length == 16
     assert c.resume()
-    assert table(c, 0) == [tree_page(m, t, b, 0).slot for b in range(4)]
+    assert table(c, 0) == [slot_of(m, tree_page(m, t, b, 0)) for b in range(4)]
     d.run_to(c, 17)
 
 
@@ -92,7 +94,7 @@ def test_windowed_match_is_not_cut_by_missing_stale_pages(managers):
     # Drop the committed pages of stale blocks 1..5: no match endpoint past 28 needs them.
     for b in range(1, 6):
         page = tree_page(m, t, b, 0)
-        m._drop(page, from_policy=False)
+        drop_page(m, page)
     assert_invariants(m)
     assert m.probe_reuse(None, t[:39]) == 39  # needs sink 0 and window blocks 8, 9
     # Endpoints 8..27 need one of the dropped blocks in their window; 4 needs only sink 0.
@@ -155,14 +157,14 @@ def test_hybrid_match_is_the_minimum_every_constraining_group_can_serve(managers
     win_g = m.get_layer_group_id(1)
     assert m.probe_reuse(None, t) == 24
     # SSM: drop the snapshot at 24 -> the match falls back to the one at 20.
-    m._drop(tree_node(m, t, 24).pages[ssm_g], from_policy=False)
+    drop_page(m, m.tree.page(tree_node(m, t, 24), ssm_g))
     assert m.probe_reuse(None, t) == 20
     # Window: drop block 4 of the windowed group -> endpoint 20 needs it in its window
     # (blocks 3, 4 and sink 0); 16 needs only blocks 0, 2, 3.
-    m._drop(tree_page(m, t, 4, win_g), from_policy=False)
+    drop_page(m, tree_page(m, t, 4, win_g))
     assert m.probe_reuse(None, t) == 16
     # Full attention: drop block 2 -> everything from block 2 on is gone.
-    m._drop(tree_page(m, t, 2, full_g), from_policy=False)
+    drop_page(m, tree_page(m, t, 2, full_g))
     assert m.probe_reuse(None, t) == 8
     assert_invariants(m)
     c = d.create([*t, 3], match_len=24)
@@ -223,14 +225,14 @@ def test_reused_partial_block_is_copied_into_a_private_page_at_first_resume(mana
     t = tokens(10)
     d.run(t)  # closes at 10: block 2 is published as a partial block of 2 tokens
     partial = tree_node(m, t, 10)
-    assert partial is not None and not partial.is_full
-    src = partial.pages[0].slot
+    assert partial is not None and not m.tree.is_full(partial)
+    src = slot_of(m, m.tree.page(partial, 0))
     m.get_and_reset_iteration_stats()
     b = d.create(t + tokens(5, seed=2), match_len=12)
     assert b.history_length == 10
     assert b.resume()
     tab = table(b, 0)
-    assert tab[:2] == [tree_page(m, t, 0, 0).slot, tree_page(m, t, 1, 0).slot]
+    assert tab[:2] == [slot_of(m, tree_page(m, t, 0, 0)), slot_of(m, tree_page(m, t, 1, 0))]
     assert tab[2] != src
     assert page_holds(m, 0, "k", tab[2], t, 2, 2)  # the copy holds the partial's tokens
     stats = m.get_and_reset_iteration_stats()
@@ -246,7 +248,7 @@ def test_two_requests_writing_after_one_partial_block_do_not_see_each_other(mana
     d = Driver(m)
     t = tokens(10)
     d.run(t)
-    src = tree_node(m, t, 10).pages[0].slot
+    src = slot_of(m, m.tree.page(tree_node(m, t, 10), 0))
     x = t + tokens(8, seed=21)
     y = t + tokens(8, seed=22)
     cx, cy = d.create(x, match_len=12), d.create(y, match_len=12)
@@ -261,7 +263,7 @@ def test_two_requests_writing_after_one_partial_block_do_not_see_each_other(mana
     d.steps([cx, cy], 1)
     d.steps([cx, cy], 3)  # completes block 2: each commits its own full block
     d.check(cx, cy)
-    assert tree_page(m, x, 2, 0) is not tree_page(m, y, 2, 0)
+    assert tree_page(m, x, 2, 0) != tree_page(m, y, 2, 0)
     # A third request still reuses the original 10 tokens correctly.
     z = d.create(t + tokens(4, seed=23), match_len=12)
     assert z.history_length == 10
@@ -295,7 +297,7 @@ def test_partial_match_inside_a_full_tree_block(managers):
     assert c.history_length == 14
     d.run_to(c, 18, chunk=1)
     # The tree's full block 3 still holds t[12:16].
-    assert page_holds(m, 0, "k", tree_page(m, t, 3, 0).slot, t, 3, 4)
+    assert page_holds(m, 0, "k", slot_of(m, tree_page(m, t, 3, 0)), t, 3, 4)
     c.close()
 
 
@@ -337,8 +339,8 @@ def test_a_partial_block_is_never_rebased_onto_a_full_tree_block(managers):
     assert b.history_length == 0
     assert b.resume()
     d.run_to(b, 10, chunk=10)  # blocks 0, 1 rebased; block 2 partial
-    assert table(b, 0)[:2] == [tree_page(m, t, k, 0).slot for k in range(2)]
-    tree2 = tree_page(m, t, 2, 0).slot
+    assert table(b, 0)[:2] == [slot_of(m, tree_page(m, t, k, 0)) for k in range(2)]
+    tree2 = slot_of(m, tree_page(m, t, 2, 0))
     assert table(b, 0)[2] != tree2
     d.step(b, 1)  # b writes position 10 into its own page
     assert page_holds(m, 0, "k", tree2, t, 2, 4)

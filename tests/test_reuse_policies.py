@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from levels_helpers import chain, snapshot
 from policy_helpers import (
     PAGE,
     STACKS,
@@ -23,13 +22,17 @@ from policy_helpers import (
     att,
     buf,
     cache_pages,
+    chain,
     drop,
     every_policy_layers,
     evict_level,
     group_of,
     groups_with,
     make_manager,
+    node_page,
+    snapshot,
     ssm,
+    store_pages,
     tokens,
     tree_nodes,
 )
@@ -189,11 +192,11 @@ def test_sink_required_only_pools_with_required_of_same_shape_optional_private_a
     # cold pages, so REQUIRED and SINK_REQUIRED_ONLY of both GPU shapes share one cold
     # group; OPTIONAL and PRIVATE keep their own.
     for g in (req, sro, req_wide, sro_wide):
-        assert m._cold_key_of[g] == (P.REQUIRED, 2 * PAGE)
-    assert m._cold_key_of[opt] == (P.OPTIONAL, 2 * PAGE)
-    assert m._cold_key_of[priv] == (P.PRIVATE, 2 * PAGE)
+        assert m.storage_levels.cold_key_of[g] == (P.REQUIRED, 2 * PAGE)
+    assert m.storage_levels.cold_key_of[opt] == (P.OPTIONAL, 2 * PAGE)
+    assert m.storage_levels.cold_key_of[priv] == (P.PRIVATE, 2 * PAGE)
     for level in (1, 2):
-        stores = m._cold_store[level]
+        stores = [m.storage_levels.cold_store(level, g) for g in range(m.num_cache_groups)]
         assert stores[req] is stores[sro] is stores[req_wide] is stores[sro_wide]
         assert len({id(stores[req]), id(stores[opt]), id(stores[priv])}) == 3
     m.shutdown()
@@ -209,7 +212,7 @@ def test_pages_of_pooled_sink_required_only_and_required_move_down_and_back_inta
         att(3, buf("k"), buf("v"), policy=P.PRIVATE),
     ], stack, 8, tmp_path)
     req, sro = group_of(m, 0, "k"), group_of(m, 1, "k")
-    assert m._cold_store[1][req] is m._cold_store[1][sro]
+    assert m.storage_levels.cold_store(1, req) is m.storage_levels.cold_store(1, sro)
     d = Driver(m)
     t = tokens(26, 3)
     c = d.write(t, 22, close=False)
@@ -235,7 +238,8 @@ def test_cold_group_merging_two_gpu_pool_groups_onboards_each_page_to_its_own_po
     ], stack, 16, tmp_path)
     full, win = group_of(m, 0, "k"), group_of(m, 1, "k")
     assert m.layout.group_to_pool_group[full] != m.layout.group_to_pool_group[win]
-    assert m._cold_store[1][full] is m._cold_store[1][win]  # both (REQUIRED, 128)
+    # Both (REQUIRED, 128).
+    assert m.storage_levels.cold_store(1, full) is m.storage_levels.cold_store(1, win)
     d = Driver(m)
     t = tokens(26, 3)
     c = d.write(t, 22, close=False)
@@ -243,7 +247,7 @@ def test_cold_group_merging_two_gpu_pool_groups_onboards_each_page_to_its_own_po
     sink_to_bottom(m)
     assert d.resume(c)
     for p in cache_pages(c):
-        assert p.store is m._gpu_store[p.group], p
+        assert p.store is m.storage_levels.gpu_store(p.group), p
     d.check(c)
     c.close()
 
@@ -415,13 +419,21 @@ def test_optional_claims_are_held_from_creation_until_the_decision_under_pressur
     if decision == "chosen":
         d.run_to(b, optional=opt)
         assert all(b.recompute_blocks(g) == [] for g in opt)
-        assert b._pages[full_opt][:6] == claimed[full_opt]  # the claimed pages, not copies
+        # The claimed pages, not copies.
+        assert b.pages(full_opt)[:6] == [p.pid for p in claimed[full_opt]]
     else:  # claims given up where they are (on a cold level too), fresh pages recomputed
-        d.run_to(b, optional=[])
+        # Page ids are recycled once a page is freed: a claimed page is still "the claimed
+        # page" while it is published at its tree node (a claim given up either stays
+        # there or is freed; fresh pages are not published before the next commit).
+        where = {p.pid: p.node for p in claimed[full_opt]}
+        assert all(n >= 0 for n in where.values()), claimed[full_opt]
+        assert d.resume(b, optional=[])
+        live = {pid for pid, n in where.items() if m.tree.page(n, full_opt) == pid}
+        assert not set(b.pages(full_opt)) & live  # fresh pages, not the claimed ones
+        d.run_to(b)
         assert b.recompute_blocks(full_opt) == list(range(6))
         assert b.recompute_blocks(ssm_opt) == [-1]
         assert all(not p.holds for ps in claimed.values() for p in ps)
-        assert not set(map(id, b._pages[full_opt])) & set(map(id, claimed[full_opt]))
     b.close()
     assert_all_free(m)
 
@@ -441,7 +453,7 @@ def test_declining_frees_the_claim_before_allocating_replacements():
     assert d.resume(c, optional=[])
     assert c.recompute_blocks(v) == list(range(6)) and c.recompute_blocks(k) == []
     assert all(p.level < 0 or p.slot < 0 or not p.holds for p in claim)
-    assert all(n.pages[v] is None for n in chain(m, t[:24]))  # dropped to make room
+    assert all(node_page(m, n, v) is None for n in chain(m, t[:24]))  # dropped to make room
     d.check(c)
     c.close()
     assert_all_free(m)
@@ -601,8 +613,9 @@ def test_private_pages_are_never_published(stack, tmp_path):
     # Closed PRIVATE pages are freed at once (nothing keeps them).
     for g in private:
         for level in range(len(m.levels)):
-            store = (m._gpu_store[g] if level == 0 else m._cold_store[level][g])
-            assert not [p for p in store.pages if p is not None and p.group == g]
+            store = (m.storage_levels.gpu_store(g) if level == 0
+                     else m.storage_levels.cold_store(level, g))
+            assert not [p for p in store_pages(m, store) if p.group == g]
     assert_all_free(m)
 
 
@@ -628,7 +641,7 @@ def test_private_state_is_always_fresh_on_reuse():
     tab = table(c, priv_attn)
     assert BAD_PAGE_INDEX not in tab and len(set(tab)) == 6
     assert a_private.isdisjoint(set(tab)) or all(
-        n.pages[priv_attn] is None for n in tree_nodes(m))
+        node_page(m, n, priv_attn) is None for n in tree_nodes(m))
     d.run_to(c)
     c.close()
     assert_all_free(m)
@@ -666,7 +679,8 @@ def test_a_model_with_only_private_state_publishes_and_reuses_nothing():
     d = Driver(m)
     for seed in range(5):
         d.write(tokens(24, seed))
-    assert [n for n in tree_nodes(m) if not n.has_pages() and not list(n.subtree())] == []
+    assert [n for n in tree_nodes(m)
+            if not m.tree.has_pages(n) and not m.tree.subtree(n)] == []
     assert m.probe_reuse(None, tokens(24, 3)) == 0
     m.get_and_reset_iteration_stats()
     c = d.create(tokens(30, 3), 24)
@@ -707,8 +721,8 @@ def test_sink_required_only_missing_window_pages_are_fresh_and_do_not_shorten_th
         c.resume(optional_reuse_groups=[sro])  # not OPTIONAL: nothing to choose
     d.run_to(c, 24, optional=[])
     assert c.recompute_blocks(sro) == [4]
-    assert c._pages[sro][5] is nodes[5].pages[sro]  # present window page reused
-    assert c._pages[sro][0] is nodes[0].pages[sro]  # sink page reused
+    assert c.pages(sro)[5] == m.tree.page(nodes[5], sro) >= 0  # present window page reused
+    assert c.pages(sro)[0] == m.tree.page(nodes[0], sro) >= 0  # sink page reused
     d.run_to(c)
     c.close()
     assert_all_free(m)
@@ -727,7 +741,7 @@ def test_sink_required_only_sink_pages_constrain_the_match_and_their_drop_invali
     drop(m, chain(m, t[:24])[0], sro)
     assert m.probe_reuse(None, t[:24]) == 0
     nodes = chain(m, t[:24])
-    assert len(nodes) == 1 and not list(nodes[0].subtree())  # block 0 keeps its full page
+    assert len(nodes) == 1 and not m.tree.subtree(nodes[0])  # block 0 keeps its full page
     # Every page below it was freed: 5 full-attention and 5 companion pages, plus the sink.
     freed = m.get_storage_statistics(len(m.levels) - 1).free - before
     assert freed == 11
@@ -764,7 +778,7 @@ def test_dropping_a_page_every_longer_match_needs_invalidates_the_subtree_below_
     nodes = chain(m, t[:24])
     assert len(nodes) == block + 1  # its other groups keep the block itself
     for n in nodes:
-        assert not list(n.subtree()) or n.ordinal < block
+        assert not m.tree.subtree(n) or m.tree.ordinal[n] < block
     assert m.probe_reuse(None, t[:24]) == block * TPB
     c = d.create(t, 24)
     d.run_to(c)

@@ -62,7 +62,7 @@ from kvcm_core import (
     hookimpl,
 )
 from kvcm_core.radix import scope_root_key
-from kvcm_core.storage import PoolGroupStore
+from kvcm_core.storage import Store
 from kvcm_core.testing.engine import EngineLoop, Request
 
 P = ReusePolicy
@@ -75,7 +75,7 @@ def cleanup():
     made = []
     yield made.append
     for m in made:
-        if m._closed:
+        if m.is_shut_down:
             continue
         close_all(m)
         assert_all_free(m)
@@ -101,7 +101,7 @@ SafeLoop = EngineLoop
 def suspend_all(loop: EngineLoop) -> None:
     """Suspend every running request (they go to the front of the suspended queue)."""
     for req in list(loop.running):
-        loop._preempt_one(req)
+        loop.preempt(req)
 
 
 # -- 1. statistics from another thread --------------------------------------------------------
@@ -197,17 +197,19 @@ def test_statistics_polled_from_another_thread_never_raise_while_the_workload_ve
 def test_a_statistics_snapshot_read_from_another_thread_satisfies_the_identity(
         tmp_path, cleanup):
     """Deterministic interleaving: the poller thread is paused (by a per-thread trace
-    function) right after PoolGroupStore.statistics read the free list; the scheduler
+    function) right after Store.statistics read the free count; the scheduler
     thread then grows an active cache by 3 blocks; the poller finishes its snapshot."""
     m = make_manager([("gpu", 8), ("host", 8)], tmp_path)
     cleanup(m)
     d = Driver(m)
     cache = d.create(tokens(20, 1))
     assert cache.resume()
-    code = PoolGroupStore.statistics.__code__
-    src, first = inspect.getsourcelines(PoolGroupStore.statistics)
-    free_lines = [first + i for i, line in enumerate(src) if "self.free" in line]
-    after_free = free_lines[0] if free_lines else -1
+    code = Store.statistics.__code__
+    src, first = inspect.getsourcelines(Store.statistics)
+    free_lines = [first + i for i, line in enumerate(src)
+                  if "free = " in line and "self." in line]
+    assert free_lines, "Store.statistics no longer reads the free count"
+    after_free = free_lines[0]
     paused, go = threading.Event(), threading.Event()
     out: dict[str, Any] = {}
 
@@ -315,7 +317,7 @@ def test_two_managers_sharing_one_disk_directory_keep_their_own_files(tmp_path, 
     mb = make_manager([("gpu", 8), ("host", 8), ("disk", 30)], tmp_path)
     cleanup(ma)
     cleanup(mb)
-    assert ma._tiers[2].directory == mb._tiers[2].directory
+    assert ma.storage_levels.tiers[2].directory == mb.storage_levels.tiers[2].directory
     da, db = Driver(ma), Driver(mb)
     # Interleaved, the same tokens in both: each third write pushes the first to disk.
     a_caches, b_caches = [], []
@@ -343,7 +345,7 @@ def test_two_managers_sharing_one_disk_directory_keep_their_own_files(tmp_path, 
 
 
 def _live_nodes(m: KVCacheManager) -> int:
-    return sum(1 for root in m.tree.roots.values() for _ in root.subtree())
+    return sum(len(m.tree.subtree(root)) for root in m.tree.roots().values())
 
 
 def _steady_round(m: KVCacheManager, rng: random.Random, shared: Sequence[int],
@@ -402,12 +404,11 @@ def test_host_memory_does_not_grow_when_every_request_has_its_own_salt(tmp_path,
     for rnd in range(12):
         _steady_round(m, rng, shared, lambda i, rnd=rnd: ReuseScope(salt=f"s{rnd}-{i}"))
     gc.collect()
-    live_scopes = sum(1 for root in m.tree.roots.values() if any(True for _ in
-                                                                root.subtree()))
+    live_scopes = sum(1 for root in m.tree.roots().values() if m.tree.subtree(root))
     total_slots = sum(m.get_storage_statistics(lv).total for lv in range(3))
     assert live_scopes <= total_slots
     # Every scope whose blocks were all evicted is forgotten.
-    assert len(m.tree.roots) == live_scopes, (len(m.tree.roots), live_scopes)
+    assert len(m.tree.roots()) == live_scopes, (len(m.tree.roots()), live_scopes)
 
 
 # -- 4. event sinks ---------------------------------------------------------------------------
@@ -488,8 +489,10 @@ def test_salts_isolate_scopes_under_eviction_pressure_and_across_levels(tmp_path
     fillers = [d.write(tokens(28, 50 + i), chunk=28) for i in range(3)]
     for c in fillers:
         c.close()
-    a_root = m.tree.roots[scope_root_key(a)]
-    a_levels = {p.level for node in a_root.subtree() for p in node.pages if p is not None}
+    a_root = m.tree.roots()[scope_root_key(a)]
+    level = m.storage_levels.arena.level
+    a_levels = {int(level[p]) for node in m.tree.subtree(a_root)
+                for p in m.tree.pages[node].tolist() if p >= 0}
     assert a_levels & {1, 2}, f"A's blocks went below the GPU: {a_levels}"
     # Probes reveal nothing across scopes, wherever A's pages are.
     assert m.probe_reuse(b, prompt) == 0
@@ -502,7 +505,7 @@ def test_salts_isolate_scopes_under_eviction_pressure_and_across_levels(tmp_path
     # Both scopes now hold the same tokens on separate chains with separate pages.
     a2 = d.create(prompt, scope=a)
     assert a2.history_length > 0
-    assert not {id(p) for p in cache_pages(a2)} & {id(p) for p in cache_pages(cb)}
+    assert not set(cache_pages(a2)) & set(cache_pages(cb))
     d.run_to(a2)
     a2.suspend()
     d.resume_and_verify(a2, cb)
@@ -576,7 +579,7 @@ def test_a_cascade_that_drops_an_ancestor_never_moves_its_freed_descendant(tmp_p
 
 
 def close_all_quietly(m: KVCacheManager) -> None:
-    for cache in list(m._open.values()):
+    for cache in m.open_caches:
         with contextlib.suppress(Exception):
             cache.close()
     with contextlib.suppress(Exception):

@@ -57,7 +57,7 @@ def scratch_cfg(spb: int = 2, slots: int = 4) -> SwaScratchConfig:
 
 
 def windowed_group(m: KVCacheManager) -> int:
-    (g,) = m._scratch_groups
+    (g,) = m.scratch_groups
     return g
 
 
@@ -155,7 +155,7 @@ def test_index_arithmetic_matches_scalar_rule_and_never_aliases_within_a_block_o
     layers, spb = LAYOUTS[name]
     m = managers(layers, swa_scratch=scratch_cfg(spb, slots=5))
     g = windowed_group(m)
-    nblocks = m._scratch_max_blocks[g]
+    nblocks = m.scratch_max_blocks[g]
     rng = np.random.default_rng(1)
     nb = nblocks + 9
     begin = 3
@@ -259,7 +259,7 @@ def test_unequal_group_membership_pools_with_different_scales_share_slot_ids_and
     layers, spb = LAYOUTS["unequal_membership"]
     m = managers(layers, swa_scratch=scratch_cfg(spb, slots=4))
     g = windowed_group(m)
-    assert sorted(m._scratch_scales[g]) == [3, 8]  # K/V of 4 layers; x of 3 layers
+    assert sorted(m.scratch_scales[g]) == [3, 8]  # K/V of 4 layers; x of 3 layers
     d = Driver(m)
     cache = d.create(tokens(200, seed=5))
     assert cache.resume()
@@ -281,7 +281,7 @@ def test_spb_not_dividing_scale_blocks_crossing_a_slot_boundary_stay_in_their_sl
     layers, spb = LAYOUTS["spb_not_dividing_scale"]
     m = managers(layers, swa_scratch=scratch_cfg(spb, slots=4))
     g = windowed_group(m)
-    (scale,) = m._scratch_scales[g]
+    (scale,) = m.scratch_scales[g]
     assert scale == 6 and scale % spb
     # block 1 of a range: nominal sub-pages [4, 8) cross the end of the 6-page slot
     assert (1 * spb) % scale + spb > scale
@@ -298,7 +298,7 @@ def test_max_scratch_slots_caps_scratch_blocks_and_the_rest_get_ordinary_pages(
         managers: Any) -> None:
     m = managers(swa_model(), swa_scratch=scratch_cfg(2, slots=1))
     g = windowed_group(m)
-    assert m._scratch_max_blocks[g] == 3  # 6 sub-pages a slot, 2 a block
+    assert m.scratch_max_blocks[g] == 3  # 6 sub-pages a slot, 2 a block
     d = Driver(m)
     cache = d.create(tokens(200, seed=7))
     assert cache.resume()
@@ -387,7 +387,7 @@ def test_scratch_slots_are_locked_in_the_accounting_identity_and_all_free_after_
         managers: Any) -> None:
     m = managers(swa_model(), swa_scratch=scratch_cfg())
     g = windowed_group(m)
-    store = m._gpu_store[g]
+    store = m.storage_levels.gpu_store(g)
     d = Driver(m)
     cache = d.create(tokens(200, seed=11))
     assert cache.resume()
@@ -397,11 +397,12 @@ def test_scratch_slots_are_locked_in_the_accounting_identity_and_all_free_after_
         table = np.asarray(c.get_base_page_indices(g))
         owned = int((table != BAD_PAGE_INDEX).sum())
         # this cache's window pages, kept (stale, retained) pages and its scratch slots
-        mine = sum(p is not None for p in c._pages[g]) + len(c._scratch_slots[g])
+        mine = sum(p >= 0 for p in c.pages(g)) + len(c.scratch_page_ids(g))
         locked = store.num_slots - store.num_free - len(store.droppable) - len(store.held)
         assert locked == mine >= owned + (len(desc.slot_ids) if desc else 0)
         for sid in desc.slot_ids if desc else ():
-            assert store.pages[sid] is not None and store.pages[sid].locks == 1
+            pid = store.page_at(sid)
+            assert pid >= 0 and m.storage_levels.arena.locks[pid] == 1
         assert_invariants(m)
 
     prefill(d, cache, 180, 40, watch)
@@ -413,17 +414,17 @@ def test_scratch_slots_are_locked_in_the_accounting_identity_and_all_free_after_
 def test_suspend_releases_scratch_slots_and_resume_continues_verified(managers: Any) -> None:
     m = managers(swa_model(), swa_scratch=scratch_cfg())
     g = windowed_group(m)
-    store = m._gpu_store[g]
+    store = m.storage_levels.gpu_store(g)
     d = Driver(m)
     toks = tokens(260, seed=12)
     cache = d.create(toks)
     assert cache.resume()
     prefill(d, cache, 120, 40)
-    held = len(cache._scratch_slots[g])
+    held = len(cache.scratch_page_ids(g))
     assert held > 0  # kept across steps for reuse
     free = store.num_free
     cache.suspend()
-    assert store.num_free == free + held and cache._scratch_slots[g] == []
+    assert store.num_free == free + held and cache.scratch_page_ids(g) == []
     assert_invariants(m)
     assert cache.resume()
     d.check(cache)
@@ -432,7 +433,7 @@ def test_suspend_releases_scratch_slots_and_resume_continues_verified(managers: 
     assert cache.resize(240)
     assert cache.scratch(g) is not None
     cache.suspend()
-    assert cache._scratch_slots[g] == []
+    assert cache.scratch_page_ids(g) == []
     assert_invariants(m)
     assert cache.resume()
     assert cache.resize(240)
@@ -450,9 +451,9 @@ def test_scratch_slots_are_released_once_a_step_needs_none(managers: Any) -> Non
     cache = d.create(tokens(200, seed=13))
     assert cache.resume()
     prefill(d, cache, 120, 40)
-    assert cache._scratch_slots[g]
+    assert cache.scratch_page_ids(g)
     d.run_to(cache, 121, chunk=1)  # a decode step: no scratch block
-    assert cache._scratch_slots[g] == []
+    assert cache.scratch_page_ids(g) == []
     assert_invariants(m)
 
 
@@ -473,7 +474,7 @@ def test_resize_that_cannot_get_scratch_slots_returns_false_with_nothing_changed
     before = snapshot_state(m, cache)
     assert not cache.resize(40)
     assert snapshot_state(m, cache) == before
-    assert cache.scratch(g) is None and not cache._scratch_slots.get(g)
+    assert cache.scratch(g) is None and not cache.scratch_page_ids(g)
     assert_invariants(m)
     # A smaller chunk fits; then growing it past what scratch can provide fails cleanly.
     assert cache.resize(24)

@@ -4,6 +4,7 @@
   available kernel backend, as ratios to the physical limits measured in the same run.
 - :mod:`kvcm_core.bench.manager`: the manager's host overhead, beside vLLM's.
 - :mod:`kvcm_core.bench.mixed`: a mixed-precision companion, REQUIRED vs SINK_REQUIRED_ONLY.
+- :mod:`kvcm_core.bench.eviction`: ns per page of the eviction policies' batch methods.
 - :mod:`kvcm_core.bench.trace`: a Mooncake-format serving trace replayed through the
   manager, beside vLLM's replay of the same trace and the trace's own hit-rate bounds.
 

@@ -271,7 +271,7 @@ def _instrument(manager: KVCacheManager, loop: EngineLoop, timers: _Timers,
     for name in ("check", "write", "recompute"):
         if hasattr(engine, name):
             setattr(engine, name, timed(getattr(engine, name)))
-    loop._kvcm_sim_fp_ns = fp  # type: ignore[attr-defined]
+    loop.kvcm_sim_fp_ns = fp  # type: ignore[attr-defined]
 
 
 
@@ -427,7 +427,7 @@ def run_trace(
         res.wall_s = time.perf_counter() - t_start
         res.manager_ns = {k: list(v) for k, v in timers.calls.items()}
         res.manager_ns_per_request = dict(timers.per_request)
-        res.fingerprint_ns = loop._kvcm_sim_fp_ns[0]  # type: ignore[attr-defined]
+        res.fingerprint_ns = loop.kvcm_sim_fp_ns[0]  # type: ignore[attr-defined]
         res.pages_checked = loop.engine.checked_pages
         if sampler is not None:
             res.steps_fully_checked = sampler.full_steps

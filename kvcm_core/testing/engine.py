@@ -237,6 +237,10 @@ class EngineLoop:
         self._preempt_one(req)
         return req
 
+    def preempt(self, req: Request) -> None:
+        """Preempt one running request now, the way the scheduler does (tests)."""
+        self._preempt_one(req)
+
     def _preempt_one(self, req: Request) -> None:
         """Suspend ``req`` (its pages can move to colder levels), or, where suspending frees
         no GPU page (a single level), close it and queue it again to be recomputed: what

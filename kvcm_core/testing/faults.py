@@ -140,13 +140,13 @@ class FaultyStoragePool(StoragePool):
             inner = self.inner.write(arr, poison)
             tier.injected.append(f"write {n} failed (slots {arr.tolist()})")
             error = TierIOError(f"injected fault: write {n} of slots {arr.tolist()} failed")
-            return tier._handle(inner, error, keep=poison)
+            return tier.handle(inner, error, keep=poison)
         if n in plan.corrupt_writes:
             bad = np.array(source, dtype=np.uint8, copy=True)
             bad[:, 0] ^= 0xFF
             tier.injected.append(f"write {n} corrupted (slots {arr.tolist()})")
-            return tier._handle(self.inner.write(arr, bad), None, keep=bad)
-        return tier._handle(self.inner.write(arr, source), None)
+            return tier.handle(self.inner.write(arr, bad), None, keep=bad)
+        return tier.handle(self.inner.write(arr, source), None)
 
     def read(self, slots: np.ndarray, dest: np.ndarray) -> IOHandle:
         """Read through the inner pool, failing as planned (poison in ``dest``)."""
@@ -165,8 +165,8 @@ class FaultyStoragePool(StoragePool):
                 self.inner.read(arr, dest)
             tier.injected.append(f"read {n} failed (slots {arr.tolist()})")
             error = TierIOError(f"injected fault: read {n} of slots {arr.tolist()} failed")
-            return tier._handle(_Done(), error)
-        return tier._handle(self.inner.read(arr, dest), None)
+            return tier.handle(_Done(), error)
+        return tier.handle(self.inner.read(arr, dest), None)
 
     def resize(self, num_slots: int) -> None:
         self.inner.resize(num_slots)
@@ -235,7 +235,7 @@ class FaultyTier(Tier):
             return FaultyDevicePool(self, inner)
         raise TypeError(f"{type(inner).__name__} is neither a StoragePool nor a DevicePool")
 
-    def _handle(
+    def handle(
         self, inner: IOHandle, error: TierIOError | None, keep: np.ndarray | None = None
     ) -> IOHandle:
         gate = self._gate if self.plan.hold else None

@@ -1,12 +1,20 @@
-"""Conformance tests for eviction policies.
+"""Conformance tests for eviction policies (the batch-first contract).
 
-A hypothesis state machine drives random inserts, removes, touches, priority changes and
-pops against a reference model of the ordering contract and checks, after every step, what
-every policy must keep: ``len`` and ``in`` agree with the model, ``victims()`` yields each
-present key exactly once and starts with the key ``pop_victim`` returns, misuse raises
-``ValueError`` and changes nothing. With ``capabilities.priorities`` lower priorities come
-first; with ``capabilities.lru_order`` the whole order must be least recently used first
-inside each priority.
+Every policy must: take batches as lists, tuples, ranges or 1-D integer NumPy arrays and
+give back Python ints; pop at most ``k`` victims (all of them when ``k`` exceeds its
+length, none for ``k == 0``); keep ``len`` and ``in`` right; and refuse misuse (a page
+inserted twice or repeated in a batch, an absent page, a bad priority or ``k``) with a
+``ValueError`` naming the page or value, changing nothing. "Nothing" is checked by draining
+the policy and a twin that never saw the bad call, and comparing the two orders; a policy's
+order must therefore be a function of the calls it received.
+
+A hypothesis state machine drives random batches of inserts, removes, touches, priority
+changes and pops against a reference model, and after every step drains a replayed twin to
+check the whole order. Tests gate on the declared capabilities, never on names: with
+``priorities`` lower priorities are evicted first; with ``lru_order`` the order inside a
+priority is exactly least recently used first (insertion, ``touch_many`` and
+``set_priority_many`` count as uses, in batch order). A policy without ``lru_order`` is not
+checked for any order inside a priority.
 
 Subclass to run it for one policy::
 
@@ -19,9 +27,11 @@ Subclass to run it for one policy::
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Iterator
+import random
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -29,7 +39,6 @@ from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
-    precondition,
     rule,
     run_state_machine_as_test,
 )
@@ -47,138 +56,305 @@ _MACHINE_SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 
-# A small key space, so inserts collide with present keys and removes miss absent ones.
-_keys = st.integers(0, 15)
+#: The largest page id the core may use.
+_TOP_PAGE = 2**31 - 1
+#: A small page space, so inserts collide with present pages and removes miss absent ones;
+#: the largest page id is in it.
+_PAGES = [*range(12), _TOP_PAGE]
+_pages = st.sampled_from(_PAGES)
+_batches = st.lists(_pages, max_size=5)
+#: How a batch of pages is passed.
+_FORMS: dict[str, Callable[[list[int]], Any]] = {
+    "list": list,
+    "tuple": tuple,
+    "int64": lambda p: np.array(p, dtype=np.int64),
+    "int32": lambda p: np.array(p, dtype=np.int32),
+    "uint32": lambda p: np.array(p, dtype=np.uint32),
+}
+_forms = st.sampled_from(sorted(_FORMS))
+
+
+def _drain(policy: EvictionPolicy) -> list[int]:
+    """Pop every page of ``policy``, in eviction order."""
+    n = len(policy)
+    order = policy.pop_victims(n + 1)
+    assert len(order) == n, f"pop_victims({n + 1}) gave {len(order)} pages of {n}"
+    assert len(policy) == 0 and policy.pop_victims(1) == []
+    assert all(type(page) is int for page in order), f"not Python ints: {order!r}"
+    return order
 
 
 class _Reference:
-    """The ordering contract as data: key -> (priority, time of last use)."""
+    """The ordering contract as data: page -> (priority, time of last use)."""
 
     def __init__(self, caps: EvictionPolicyCapabilities) -> None:
         self.caps = caps
-        self.entries: dict[Hashable, tuple[int, int]] = {}
+        self.entries: dict[int, tuple[int, int]] = {}
         self._clock = itertools.count()
 
-    def use(self, key: Hashable, priority: int) -> None:
-        self.entries[key] = (priority, next(self._clock))
+    def use(self, page: int, priority: int) -> None:
+        self.entries[page] = (priority, next(self._clock))
 
-    def rank(self, key: Hashable) -> tuple[int, ...]:
-        """Sort key of the exact order an ``lru_order`` policy must follow."""
-        priority, used = self.entries[key]
-        return (priority, used) if self.caps.priorities else (used,)
+    def lru_order(self) -> list[int]:
+        """The exact order of an ``lru_order`` policy."""
+        if self.caps.priorities:
+            return sorted(self.entries, key=lambda p: self.entries[p])
+        return sorted(self.entries, key=lambda p: self.entries[p][1])
 
-    def lru_order(self) -> list[Hashable]:
-        return sorted(self.entries, key=self.rank)
+    def check_victims(self, victims: list[int], k: int) -> None:
+        """Check ``victims`` popped by ``pop_victims(k)`` and forget them."""
+        assert all(type(v) is int for v in victims), f"not Python ints: {victims!r}"
+        assert len(victims) == min(k, len(self.entries)), (
+            f"pop_victims({k}) gave {len(victims)} pages; {len(self.entries)} were present"
+        )
+        assert len(set(victims)) == len(victims), f"a page popped twice: {victims}"
+        if self.caps.lru_order:
+            assert victims == self.lru_order()[:k], (
+                f"victims {victims}, expected {self.lru_order()[:k]}"
+            )
+        for victim in victims:
+            assert victim in self.entries, f"popped page {victim} was not present"
+            if self.caps.priorities:
+                lowest = min(p for p, _ in self.entries.values())
+                assert self.entries[victim][0] == lowest, (
+                    f"page {victim} (priority {self.entries[victim][0]}) popped while "
+                    f"priority {lowest} was present"
+                )
+            del self.entries[victim]
+
+    def check_order(self, order: list[int]) -> None:
+        """Check a full drain ``order`` against the model (which is left unchanged)."""
+        assert sorted(order) == sorted(self.entries), (
+            f"drained {sorted(order)}, expected {sorted(self.entries)}"
+        )
+        if self.caps.priorities:
+            ranks = [self.entries[page][0] for page in order]
+            assert ranks == sorted(ranks), f"priorities out of order: {ranks}"
+        if self.caps.lru_order:
+            assert order == self.lru_order()
 
 
 def _machine(
     factory: Callable[[Any], EvictionPolicy], caps: EvictionPolicyCapabilities
 ) -> type[RuleBasedStateMachine]:
     """A state machine class driving a fresh policy from ``factory`` against the model."""
-    priorities = st.integers(0, caps.max_priority)
-    bad_priorities = st.sampled_from([-1, caps.max_priority + 1, 2.5, "low", None])
+    top = caps.max_priority
+    # Mostly a few shared priorities, so that buckets hold several pages.
+    priorities = st.one_of(st.sampled_from([0, DEFAULT_PRIORITY, top]), st.integers(0, top))
+    bad_scalars = st.sampled_from([-1, top + 1, 2.5, "low", None, True])
+
+    @st.composite
+    def priority_batches(draw: st.DrawFn, n: int) -> Any:
+        """One int, or one priority per page as a list or an integer array."""
+        kind = draw(st.sampled_from(["int", "list", "array"]))
+        if kind == "int":
+            return draw(priorities)
+        items = draw(st.lists(priorities, min_size=n, max_size=n))
+        return items if kind == "list" else np.array(items, dtype=np.int64)
+
+    @st.composite
+    def bad_priority_batches(draw: st.DrawFn, n: int) -> Any:
+        """Priorities a policy must refuse for a batch of ``n`` pages."""
+        kind = draw(st.sampled_from(["scalar", "item", "array-item", "float-array", "length"]))
+        if kind == "scalar" or (kind in ("item", "array-item") and n == 0):
+            return draw(bad_scalars)
+        if kind == "float-array":
+            return np.full(n, 1.0)
+        if kind == "length":
+            return [DEFAULT_PRIORITY] * (n + 1)
+        items: list[Any] = draw(st.lists(priorities, min_size=n, max_size=n))
+        where = draw(st.integers(0, n - 1))
+        if kind == "item":
+            items[where] = draw(bad_scalars)
+            return items
+        items[where] = draw(st.sampled_from([-1, top + 1]))
+        return np.array(items, dtype=np.int64)
+
+    def per_page(prio: Any, n: int) -> list[int]:
+        return [int(prio)] * n if np.ndim(prio) == 0 else [int(p) for p in prio]
 
     class PolicyMachine(RuleBasedStateMachine):
         @initialize()
         def start(self) -> None:
             self.policy = factory({})
             self.model = _Reference(caps)
+            self.log: list[tuple[str, tuple[Any, ...]]] = []
 
-        def _unchanged_after_value_error(self, call: Callable[[], object]) -> None:
-            before = list(self.policy.victims())
+        # -- helpers ------------------------------------------------------------------------
+
+        def _call(self, method: str, *args: Any) -> Any:
+            result = getattr(self.policy, method)(*args)
+            self.log.append((method, args))
+            return result
+
+        def _replayed(self) -> EvictionPolicy:
+            """A fresh policy given every successful call so far."""
+            twin = factory({})
+            for method, args in self.log:
+                getattr(twin, method)(*args)
+            return twin
+
+        def _refused(self, method: str, *args: Any) -> None:
+            """``method(*args)`` raises ValueError and changes nothing."""
+            before = len(self.policy)
             with pytest.raises(ValueError):
-                call()
-            assert list(self.policy.victims()) == before, "a failed call changed the order"
+                getattr(self.policy, method)(*args)
+            assert len(self.policy) == before, f"a failed {method} changed len"
+            assert _drain(self.policy) == _drain(self._replayed()), (
+                f"a failed {method}{args!r} changed the order"
+            )
+            self.policy = self._replayed()
 
-        @rule(key=_keys, priority=priorities)
-        def insert(self, key: int, priority: int) -> None:
-            if key in self.model.entries:
-                self._unchanged_after_value_error(lambda: self.policy.insert(key, priority))
-            else:
-                self.policy.insert(key, priority)
-                self.model.use(key, priority)
+        # -- rules --------------------------------------------------------------------------
 
-        @rule(key=_keys)
-        def insert_at_default_priority(self, key: int) -> None:
-            if key in self.model.entries:
-                self._unchanged_after_value_error(lambda: self.policy.insert(key))
-            else:
-                self.policy.insert(key)
-                self.model.use(key, DEFAULT_PRIORITY)
-
-        @rule(key=_keys, priority=bad_priorities)
-        def insert_with_bad_priority(self, key: int, priority: Any) -> None:
-            self._unchanged_after_value_error(lambda: self.policy.insert(key, priority))
-
-        @rule(key=_keys)
-        def remove(self, key: int) -> None:
-            if key in self.model.entries:
-                self.policy.remove(key)
-                del self.model.entries[key]
-            else:
-                self._unchanged_after_value_error(lambda: self.policy.remove(key))
-
-        @rule(key=_keys)
-        def touch(self, key: int) -> None:
-            if key in self.model.entries:
-                self.policy.touch(key)
-                self.model.use(key, self.model.entries[key][0])
-            else:
-                self._unchanged_after_value_error(lambda: self.policy.touch(key))
-
-        @rule(key=_keys, priority=priorities)
-        def set_priority(self, key: int, priority: int) -> None:
-            if key in self.model.entries:
-                self.policy.set_priority(key, priority)
-                self.model.use(key, priority)
-            else:
-                self._unchanged_after_value_error(lambda: self.policy.set_priority(key, priority))
-
-        @precondition(lambda self: self.model.entries)
-        @rule(data=st.data())
-        def set_bad_priority(self, data: st.DataObject) -> None:
-            present = data.draw(st.sampled_from(list(self.model.entries)))
-            bad: Any = data.draw(bad_priorities)
-            self._unchanged_after_value_error(lambda: self.policy.set_priority(present, bad))
-
-        @rule()
-        def pop_victim(self) -> None:
-            first = next(iter(self.policy.victims()), None)
-            victim = self.policy.pop_victim()
-            if not self.model.entries:
-                assert victim is None
+        @rule(pages=_batches, form=_forms, data=st.data())
+        def insert_many(self, pages: list[int], form: str, data: st.DataObject) -> None:
+            prio = data.draw(priority_batches(len(pages)))
+            batch = _FORMS[form](pages)
+            if len(set(pages)) < len(pages) or any(p in self.model.entries for p in pages):
+                self._refused("insert_many", batch, prio)
                 return
-            assert victim in self.model.entries, f"pop_victim returned {victim!r}, not present"
-            assert victim == first, "pop_victim disagrees with the head of victims()"
-            if caps.priorities:
-                lowest = min(p for p, _ in self.model.entries.values())
-                assert self.model.entries[victim][0] == lowest, "a lower priority was skipped"
-            if caps.lru_order:
-                assert victim == self.model.lru_order()[0]
-            del self.model.entries[victim]
-            assert victim not in self.policy
+            self._call("insert_many", batch, prio)
+            for page, p in zip(pages, per_page(prio, len(pages)), strict=True):
+                self.model.use(page, p)
+
+        @rule(pages=_batches)
+        def insert_many_at_default_priority(self, pages: list[int]) -> None:
+            if len(set(pages)) < len(pages) or any(p in self.model.entries for p in pages):
+                self._refused("insert_many", pages)
+                return
+            self._call("insert_many", pages)
+            for page in pages:
+                self.model.use(page, DEFAULT_PRIORITY)
+
+        @rule(pages=_batches, data=st.data())
+        def insert_many_with_bad_priorities(self, pages: list[int], data: st.DataObject) -> None:
+            fresh = [p for p in dict.fromkeys(pages) if p not in self.model.entries]
+            self._refused("insert_many", fresh, data.draw(bad_priority_batches(len(fresh))))
+
+        @rule(pages=_batches, form=_forms)
+        def remove_many(self, pages: list[int], form: str) -> None:
+            batch = _FORMS[form](pages)
+            if len(set(pages)) < len(pages) or any(p not in self.model.entries for p in pages):
+                self._refused("remove_many", batch)
+                return
+            self._call("remove_many", batch)
+            for page in pages:
+                del self.model.entries[page]
+
+        @rule(pages=_batches, form=_forms)
+        def touch_many(self, pages: list[int], form: str) -> None:
+            batch = _FORMS[form](pages)
+            if any(p not in self.model.entries for p in pages):
+                self._refused("touch_many", batch)
+                return
+            self._call("touch_many", batch)
+            for page in pages:  # repeats allowed: the last use counts
+                self.model.use(page, self.model.entries[page][0])
+
+        @rule(data=st.data(), form=_forms)
+        def touch_many_present(self, data: st.DataObject, form: str) -> None:
+            present = sorted(self.model.entries)
+            if present:
+                self.touch_many(data.draw(st.lists(st.sampled_from(present), max_size=6)), form)
+
+        @rule(pages=_batches, form=_forms, data=st.data())
+        def set_priority_many(self, pages: list[int], form: str, data: st.DataObject) -> None:
+            prio = data.draw(priority_batches(len(pages)))
+            batch = _FORMS[form](pages)
+            if any(p not in self.model.entries for p in pages):
+                self._refused("set_priority_many", batch, prio)
+                return
+            self._call("set_priority_many", batch, prio)
+            for page, p in zip(pages, per_page(prio, len(pages)), strict=True):
+                self.model.use(page, p)
+
+        @rule(data=st.data())
+        def set_priority_many_with_bad_priorities(self, data: st.DataObject) -> None:
+            present = sorted(self.model.entries)
+            pages = data.draw(st.lists(st.sampled_from(present), max_size=3)) if present else []
+            self._refused("set_priority_many", pages, data.draw(bad_priority_batches(len(pages))))
+
+        @rule(k=st.integers(0, 7))
+        def pop_victims(self, k: int) -> None:
+            victims = self._call("pop_victims", k)
+            self.model.check_victims(victims, k)
+            assert not any(v in self.policy for v in victims)
+
+        @rule(k=st.sampled_from([-1, -5, 1.0, "2", None]))
+        def pop_victims_with_bad_k(self, k: Any) -> None:
+            self._refused("pop_victims", k)
+
+        # -- invariants ---------------------------------------------------------------------
 
         @invariant()
         def agrees_with_the_model(self) -> None:
             if not hasattr(self, "policy"):
                 return
             assert len(self.policy) == len(self.model.entries)
-            for key in range(16):
-                assert (key in self.policy) == (key in self.model.entries)
-            order = list(self.policy.victims())
-            assert len(order) == len(set(order)) == len(self.model.entries)
-            assert set(order) == set(self.model.entries)
-            if caps.priorities:
-                ranks = [self.model.entries[k][0] for k in order]
-                assert ranks == sorted(ranks), f"priorities out of order: {ranks}"
-            if caps.lru_order:
-                assert order == self.model.lru_order()
+            for page in _PAGES:
+                assert (page in self.policy) == (page in self.model.entries), page
+            self.model.check_order(_drain(self._replayed()))
+
+        def teardown(self) -> None:
+            if hasattr(self, "policy"):
+                self.model.check_order(_drain(self.policy))
 
     return PolicyMachine
 
 
+def _populate(policy: EvictionPolicy, top: int) -> None:
+    """A fixed history used by tests that compare a policy with its twin."""
+    policy.insert_many([10, 11, 12, 13], [20, DEFAULT_PRIORITY, DEFAULT_PRIORITY, top])
+    policy.touch_many([11])
+    policy.insert_many(np.array([14, 15]))
+    policy.set_priority_many([13], 0)
+    policy.insert_many(range(16, 20), 0)
+
+
+def _misuse_cases(top: int) -> list[tuple[str, Callable[[EvictionPolicy], Any], str]]:
+    """(id, bad call, text the error must contain) for a policy after ``_populate``."""
+    return [
+        ("insert-present", lambda p: p.insert_many([20, 11, 21]), "11"),
+        ("insert-present-array", lambda p: p.insert_many(np.array([20, 19])), "19"),
+        ("insert-repeated", lambda p: p.insert_many([20, 21, 20]), "20"),
+        ("insert-repeated-array", lambda p: p.insert_many(np.array([30, 30], np.int32)), "30"),
+        ("insert-priority-high", lambda p: p.insert_many([20], top + 1), str(top + 1)),
+        ("insert-priority-negative", lambda p: p.insert_many([20, 21], -1), "-1"),
+        ("insert-priority-float", lambda p: p.insert_many([20], 2.5), "2.5"),
+        ("insert-priority-bool", lambda p: p.insert_many([20], True), "True"),
+        ("insert-priority-str", lambda p: p.insert_many([20], "low"), "low"),
+        ("insert-priority-none", lambda p: p.insert_many([20], None), "None"),
+        ("insert-priority-list-item", lambda p: p.insert_many([20, 21], [1, top + 1]),
+         str(top + 1)),
+        ("insert-priority-list-float", lambda p: p.insert_many([20, 21], [1, 2.5]), "2.5"),
+        ("insert-priority-array-item", lambda p: p.insert_many([20, 21], np.array([5, -3])),
+         "-3"),
+        ("insert-priority-float-array", lambda p: p.insert_many([20, 21], np.array([1.0, 2.0])),
+         "priorit"),
+        ("insert-priority-length", lambda p: p.insert_many([20, 21], [1]), "priorit"),
+        ("insert-empty-bad-priority", lambda p: p.insert_many([], top + 1), str(top + 1)),
+        ("insert-2d-array", lambda p: p.insert_many(np.array([[20, 21]])), "pages"),
+        ("insert-float-array", lambda p: p.insert_many(np.array([20.0])), "pages"),
+        ("remove-absent", lambda p: p.remove_many([10, 77]), "77"),
+        ("remove-absent-array", lambda p: p.remove_many(np.array([15, 78])), "78"),
+        ("remove-repeated", lambda p: p.remove_many([12, 10, 12]), "12"),
+        ("touch-absent", lambda p: p.touch_many([11, 77, 12]), "77"),
+        ("touch-absent-array", lambda p: p.touch_many(np.array([79], np.uint32)), "79"),
+        ("set-priority-absent", lambda p: p.set_priority_many([10, 77], 1), "77"),
+        ("set-priority-high", lambda p: p.set_priority_many([10], top + 1), str(top + 1)),
+        ("set-priority-negative-item", lambda p: p.set_priority_many([10, 11], [1, -3]), "-3"),
+        ("set-priority-length", lambda p: p.set_priority_many([10, 11], [1]), "priorit"),
+        ("pop-negative", lambda p: p.pop_victims(-1), "-1"),
+        ("pop-float", lambda p: p.pop_victims(2.0), "2.0"),
+    ]
+
+
+_MISUSE_IDS = [case[0] for case in _misuse_cases(100)]
+
+
 class EvictionPolicyConformance(ConformanceBase):
-    """Checks an eviction policy's ordering contract against a reference model."""
+    """Checks an eviction policy's batch contract against a reference model."""
 
     kvcm_kind = "eviction_policy"
 
@@ -187,75 +363,242 @@ class EvictionPolicyConformance(ConformanceBase):
         """A fresh, empty policy built with default options."""
         return kvcm_plugin_spec.factory({})
 
-    def test_policy_matches_reference_model_under_random_operations(
+    @pytest.fixture
+    def caps(self, kvcm_plugin_spec: Any) -> EvictionPolicyCapabilities:
+        return kvcm_plugin_spec.capabilities  # type: ignore[no-any-return]
+
+    # -- the model ----------------------------------------------------------------------------
+
+    def test_policy_matches_reference_model_under_random_batches(
         self, kvcm_plugin_spec: Any
     ) -> None:
         machine = _machine(kvcm_plugin_spec.factory, kvcm_plugin_spec.capabilities)
         run_state_machine_as_test(machine, settings=_MACHINE_SETTINGS)
 
-    def test_empty_policy_has_no_victim(self, policy: EvictionPolicy) -> None:
+    # -- shape of the calls -------------------------------------------------------------------
+
+    def test_empty_policy_has_no_victims(self, policy: EvictionPolicy) -> None:
         assert len(policy) == 0
-        assert policy.pop_victim() is None
-        assert list(policy.victims()) == []
+        assert 0 not in policy
+        assert policy.pop_victims(0) == []
+        assert policy.pop_victims(5) == []
 
-    def test_victims_is_a_lazy_iterator_that_removes_nothing(self, policy: EvictionPolicy) -> None:
-        for key in range(5):
-            policy.insert(key)
-        victims = policy.victims()
-        assert isinstance(victims, Iterator)
-        next(victims)
-        assert len(policy) == 5
+    def test_empty_batches_change_nothing(self, policy: EvictionPolicy) -> None:
+        policy.insert_many([])
+        policy.insert_many(np.array([], dtype=np.int64), np.array([], dtype=np.int64))
+        policy.insert_many([7], 3)
+        for call in (policy.remove_many, policy.touch_many):
+            call([])
+            call(np.array([], dtype=np.int32))
+        policy.set_priority_many([], 5)
+        policy.set_priority_many([], [])
+        assert len(policy) == 1 and policy.pop_victims(3) == [7]
 
-    def test_misuse_raises_value_error_naming_the_key_or_value(
-        self, policy: EvictionPolicy, kvcm_plugin_spec: Any
+    def test_pop_victims_of_zero_returns_nothing_and_changes_nothing(
+        self, policy: EvictionPolicy
     ) -> None:
-        policy.insert(4242)
-        with pytest.raises(ValueError, match="4242"):
-            policy.insert(4242)
-        for call in (policy.remove, policy.touch):
-            with pytest.raises(ValueError, match="777"):
-                call(777)
-        with pytest.raises(ValueError, match="777"):
-            policy.set_priority(777, 1)
-        too_high = kvcm_plugin_spec.capabilities.max_priority + 1
-        with pytest.raises(ValueError, match=str(too_high)):
-            policy.insert(1, too_high)
-        with pytest.raises(ValueError, match="-3"):
-            policy.set_priority(4242, -3)
-        assert list(policy.victims()) == [4242]
+        policy.insert_many([1, 2, 3])
+        assert policy.pop_victims(0) == []
+        assert len(policy) == 3 and 1 in policy
+
+    def test_pop_victims_returns_at_most_k_then_the_rest(self, policy: EvictionPolicy) -> None:
+        policy.insert_many(range(10))
+        first = policy.pop_victims(4)
+        assert len(first) == 4 and len(policy) == 6
+        assert not any(page in policy for page in first)
+        rest = policy.pop_victims(100)
+        assert sorted(first + rest) == list(range(10))
+        assert len(policy) == 0 and policy.pop_victims(100) == []
+
+    @pytest.mark.parametrize("form", sorted(_FORMS))
+    def test_every_batch_form_is_accepted_and_python_ints_come_back(
+        self, policy: EvictionPolicy, form: str
+    ) -> None:
+        as_batch = _FORMS[form]
+        policy.insert_many(as_batch([5, 6, 7, 8, _TOP_PAGE]), np.array([1, 2, 3, 4, 5]))
+        policy.touch_many(as_batch([6, 5]))
+        policy.set_priority_many(as_batch([7]), [9])
+        policy.remove_many(as_batch([8]))
+        assert len(policy) == 4
+        assert all(page in policy for page in (5, 6, 7, _TOP_PAGE)) and 8 not in policy
+        victims = policy.pop_victims(np.int64(10))  # type: ignore[arg-type]
+        assert sorted(victims) == [5, 6, 7, _TOP_PAGE]
+        assert all(type(v) is int for v in victims)
 
     def test_priorities_from_zero_to_max_priority_are_accepted(
-        self, policy: EvictionPolicy, kvcm_plugin_spec: Any
+        self, policy: EvictionPolicy, caps: EvictionPolicyCapabilities
+    ) -> None:
+        policy.insert_many([1], caps.max_priority)
+        policy.insert_many([2, 3], [0, caps.max_priority])
+        policy.insert_many(np.array([4]), np.array([0], dtype=np.uint8))
+        policy.set_priority_many([1, 2], np.array([0, caps.max_priority]))
+        assert len(policy) == 4
+
+    # -- misuse -------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("case", _MISUSE_IDS)
+    def test_misuse_raises_value_error_naming_the_value_and_changes_nothing(
+        self, kvcm_plugin_spec: Any, case: str
     ) -> None:
         top = kvcm_plugin_spec.capabilities.max_priority
-        policy.insert("top", top)
-        policy.insert("bottom", 0)
-        assert len(policy) == 2
+        (call, text) = {c[0]: c[1:] for c in _misuse_cases(top)}[case]
+        policy, twin = kvcm_plugin_spec.factory({}), kvcm_plugin_spec.factory({})
+        _populate(policy, top)
+        _populate(twin, top)
+        with pytest.raises(ValueError) as info:
+            call(policy)
+        assert text in str(info.value), f"{info.value} does not name {text!r}"
+        assert len(policy) == len(twin)
+        assert _drain(policy) == _drain(twin), "a failed call changed the order"
+
+    def test_a_page_repeated_in_a_batch_is_refused_and_nothing_is_inserted(
+        self, policy: EvictionPolicy
+    ) -> None:
+        with pytest.raises(ValueError, match="3"):
+            policy.insert_many([1, 2, 3, 4, 3])
+        assert len(policy) == 0 and not any(p in policy for p in range(5))
+        policy.insert_many([1, 2])
+        with pytest.raises(ValueError, match="2"):
+            policy.remove_many([2, 2])
+        assert len(policy) == 2 and 2 in policy
+
+    # -- order --------------------------------------------------------------------------------
 
     def test_lower_priority_is_evicted_first_and_default_is_35(
-        self, policy: EvictionPolicy, kvcm_plugin_spec: Any
+        self, policy: EvictionPolicy, caps: EvictionPolicyCapabilities
     ) -> None:
-        if not kvcm_plugin_spec.capabilities.priorities:
+        if not caps.priorities:
             pytest.skip("policy declares no priorities")
-        policy.insert("high", DEFAULT_PRIORITY + 1)
-        policy.insert("default")
-        policy.insert("low", DEFAULT_PRIORITY - 1)
-        policy.touch("low")  # a use never lifts a key above a higher priority
-        assert list(policy.victims()) == ["low", "default", "high"]
-        policy.set_priority("high", 0)
-        assert [policy.pop_victim() for _ in range(4)] == ["high", "low", "default", None]
+        policy.insert_many([1], DEFAULT_PRIORITY + 1)
+        policy.insert_many([2])
+        policy.insert_many([3], DEFAULT_PRIORITY - 1)
+        policy.touch_many([3])  # a use never lifts a page above a higher priority
+        assert policy.pop_victims(1) == [3]
+        policy.set_priority_many([1], 0)
+        assert policy.pop_victims(5) == [1, 2]
 
-    def test_least_recently_used_is_evicted_first_within_a_priority(
-        self, policy: EvictionPolicy, kvcm_plugin_spec: Any
+    def test_a_mixed_batch_is_evicted_by_priority(
+        self, policy: EvictionPolicy, caps: EvictionPolicyCapabilities
     ) -> None:
-        if not kvcm_plugin_spec.capabilities.lru_order:
+        if not caps.priorities:
+            pytest.skip("policy declares no priorities")
+        priorities = [50, 10, 50, 10, 0, 50, caps.max_priority]
+        policy.insert_many(range(1, 8), priorities)
+        victims = policy.pop_victims(7)
+        assert victims[0] == 5 and set(victims[1:3]) == {2, 4}
+        assert set(victims[3:6]) == {1, 3, 6} and victims[6] == 7
+        if caps.lru_order:
+            assert victims == [5, 2, 4, 1, 3, 6, 7]
+
+    def test_a_batch_enters_in_order_least_recent_first(
+        self, policy: EvictionPolicy, caps: EvictionPolicyCapabilities
+    ) -> None:
+        if not caps.lru_order:
             pytest.skip("policy declares no LRU order")
-        for key in range(1, 6):
-            policy.insert(key, 50)
-        policy.touch(2)
-        policy.touch(1)
-        policy.set_priority(4, 50)  # counts as a use
-        assert list(policy.victims()) == [3, 5, 2, 1, 4]
-        policy.remove(5)
-        policy.insert(5, 50)
-        assert [policy.pop_victim() for _ in range(5)] == [3, 2, 1, 4, 5]
+        policy.insert_many([9, 3, 7], 50)
+        policy.insert_many(np.array([1, 8]), [50, 50])
+        assert policy.pop_victims(2) == [9, 3]
+        assert policy.pop_victims(10) == [7, 1, 8]
+
+    def test_touch_many_makes_pages_most_recent_in_batch_order(
+        self, policy: EvictionPolicy, caps: EvictionPolicyCapabilities
+    ) -> None:
+        if not caps.lru_order:
+            pytest.skip("policy declares no LRU order")
+        policy.insert_many(range(1, 7), [50, 50, 50, 50, 60, 60])
+        policy.touch_many([2, 1, 5])
+        policy.touch_many(np.array([3, 2, 3]))  # a repeat: the last use counts
+        policy.remove_many([4])
+        policy.insert_many([4], 50)
+        assert policy.pop_victims(6) == [1, 2, 3, 4, 6, 5]
+
+    def test_uses_and_removals_after_partial_pops_keep_the_order(
+        self, policy: EvictionPolicy, caps: EvictionPolicyCapabilities
+    ) -> None:
+        # Partial pops leave a policy mid-way through a bucket: later uses and removals
+        # must still find every page, wherever it is kept. (The comments give the lru
+        # order; a policy without lru_order may have popped other pages, which the
+        # later calls then leave out.)
+        model = _Reference(caps)
+        low, high = 5, min(caps.max_priority, 60)
+        pages, prios = list(range(1, 21)), [low] * 10 + [high] * 10
+
+        def do(method: str, *args: Any) -> None:
+            if method != "insert_many":  # without lru_order other pages may be gone
+                args = ([p for p in args[0] if p in model.entries], *args[1:])
+            getattr(policy, method)(*args)
+            if method == "insert_many" or method == "set_priority_many":
+                batch, p = args
+                for page, q in zip(batch, [p] * len(batch) if isinstance(p, int) else p,
+                                   strict=True):
+                    model.use(page, q)
+            elif method == "touch_many":
+                for page in args[0]:
+                    model.use(page, model.entries[page][0])
+            elif method == "remove_many":
+                for page in args[0]:
+                    del model.entries[page]
+
+        do("insert_many", pages, prios)  # low: 1..10, high: 11..20
+        model.check_victims(policy.pop_victims(3), 3)  # 1, 2, 3
+        do("touch_many", [7, 5])  # low: 4 6 8 9 10 7 5
+        do("touch_many", [6])  # low: 4 8 9 10 7 5 6
+        do("remove_many", [9])
+        do("remove_many", [4, 8])  # low: 10 7 5 6
+        model.check_victims(policy.pop_victims(2), 2)  # 10, 7
+        do("touch_many", [15, 5, 12])  # both priorities in one batch
+        do("remove_many", [11, 6, 19])  # both priorities in one batch
+        model.check_victims(policy.pop_victims(4), 4)  # 5, 13, 14, 16
+        do("insert_many", [30, 31], [high, low])
+        do("set_priority_many", [20, 12], low)
+        do("touch_many", [17])
+        model.check_victims(policy.pop_victims(1), 1)  # 31
+        do("touch_many", [18, 20])
+        model.check_victims(policy.pop_victims(100), 100)
+
+    def test_set_priority_many_moves_pages_as_most_recent(
+        self, policy: EvictionPolicy, caps: EvictionPolicyCapabilities
+    ) -> None:
+        if not caps.priorities:
+            pytest.skip("policy declares no priorities")
+        policy.insert_many(range(1, 6), 50)
+        policy.set_priority_many([4, 2], [10, 10])
+        policy.set_priority_many([3], 90)
+        assert set(policy.pop_victims(2)) == {2, 4}
+        if caps.lru_order:
+            policy.set_priority_many([5, 1, 5], 50)  # the same priority counts as a use
+            assert policy.pop_victims(3) == [1, 5, 3]
+        else:
+            assert set(policy.pop_victims(2)) == {1, 5}
+            assert policy.pop_victims(2) == [3]
+
+    def test_large_batches_keep_the_order(
+        self, policy: EvictionPolicy, caps: EvictionPolicyCapabilities
+    ) -> None:
+        rng = random.Random(1234)
+        n = 5000
+        pages = rng.sample(range(1, 1 << 31), n)
+        prios = [rng.choice([0, 10, DEFAULT_PRIORITY, caps.max_priority]) for _ in range(n)]
+        model = _Reference(caps)
+        policy.insert_many(np.array(pages[:2000], dtype=np.int64), np.array(prios[:2000]))
+        policy.insert_many(pages[2000:], prios[2000:])
+        for page, p in zip(pages, prios, strict=True):
+            model.use(page, p)
+        touched = rng.sample(pages, 1500)
+        policy.touch_many(touched)
+        for page in touched:
+            model.use(page, model.entries[page][0])
+        gone = rng.sample(pages, 1000)
+        policy.remove_many(np.array(gone, dtype=np.int64))
+        for page in gone:
+            del model.entries[page]
+        for k in (1, 16, 256, 777, 0, 5000):
+            model.check_victims(policy.pop_victims(k), k)
+        assert len(policy) == len(model.entries) == 0
+
+    def test_contains_and_len_follow_the_batches(self, policy: EvictionPolicy) -> None:
+        policy.insert_many(range(0, 100, 2))
+        policy.remove_many(range(0, 20, 2))
+        assert len(policy) == 40
+        assert all((page in policy) == (page % 2 == 0 and 20 <= page < 100) for page in range(120))
+

@@ -1,19 +1,48 @@
 """The ``lru`` eviction policy: least recently used first, within priority buckets.
 
-Keys live in one of ``MAX_PRIORITY + 1`` buckets (one per priority). A bucket is a dict,
-whose insertion order is its LRU order (oldest first); a touch moves a key to the end. The
-lowest priority is evicted first, and inside a bucket the least recently used key. A
-bitmask of the non-empty buckets finds the lowest one in O(1) (``mask & -mask``), so every
-operation is O(1).
+Pages live in one of ``MAX_PRIORITY + 1`` buckets (one per priority); an index maps each
+page to its priority, and a bitmask of the non-empty buckets finds the lowest one in O(1)
+(``mask & -mask``). The lowest priority is evicted first, and inside a bucket the least
+recently used page.
+
+A bucket is a queue made of two plain dicts (a dict keeps insertion order, and its bulk
+operations run in C):
+
+- ``recent``: the newer pages, oldest first. Inserts and uses append here.
+- ``older``: the older pages, *newest first*, so that the next victim is the last entry and
+  ``dict.popitem()`` takes it in O(1). When ``older`` runs dry, ``recent`` is moved into it
+  reversed (each page moves at most once per use: amortised O(1)).
+
+Every page of ``older`` is older than every page of ``recent``, so the bucket's LRU order is
+``reversed(older)`` then ``recent``. (One ordered dict popped from the front would not do:
+CPython never compacts a dict on deletion, so each later ``iter`` rescans the dead front
+entries, O(n) per pop. An ``OrderedDict`` avoids that but is 1.5 to 2x slower to fill.)
+
+Each batch is a handful of C-level passes (``dict.fromkeys``, ``dict.update``, ``map`` over
+bound methods, ``itertools.islice``), with fast paths for one shared priority and for a
+single page; no Python loop runs per page.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping
+from collections import deque
+from collections.abc import Iterator, Mapping
+from itertools import islice, repeat
 from typing import Any
 
 from kvcm_core import hookimpl
-from kvcm_core.eviction import DEFAULT_PRIORITY, MAX_PRIORITY, EvictionPolicy, check_priority
+from kvcm_core.eviction import (
+    DEFAULT_PRIORITY,
+    MAX_PRIORITY,
+    EvictionPolicy,
+    PageBatch,
+    PriorityBatch,
+    check_count,
+    check_new_pages,
+    check_present_pages,
+    check_priorities,
+    page_list,
+)
 from kvcm_core.records import EvictionPolicyCapabilities, EvictionPolicySpec
 
 __all__ = ["CAPABILITIES", "LruPolicy"]
@@ -21,6 +50,13 @@ __all__ = ["CAPABILITIES", "LruPolicy"]
 CAPABILITIES = EvictionPolicyCapabilities(
     priorities=True, max_priority=MAX_PRIORITY, lru_order=True
 )
+
+_consume = deque(maxlen=0).extend  # runs an iterator to its end, in C
+_fromkeys = dict.fromkeys
+_pop = dict.pop
+_popitem = dict.popitem
+_setitem = dict.__setitem__
+_MISSING: Any = object()
 
 
 class LruPolicy(EvictionPolicy):
@@ -36,107 +72,286 @@ class LruPolicy(EvictionPolicy):
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         if options:
             raise ValueError(f"lru eviction policy takes no options; got {sorted(options)}")
-        self._buckets: list[dict[Hashable, None]] = [{} for _ in range(MAX_PRIORITY + 1)]
-        self._priority_of: dict[Hashable, int] = {}
-        self._nonempty = 0  # bit p set <=> bucket p holds a key
+        n = MAX_PRIORITY + 1
+        self._recent: list[dict[int, Any]] = [{} for _ in range(n)]  # oldest first
+        self._older: list[dict[int, Any]] = [{} for _ in range(n)]  # newest first
+        self._index: dict[int, int] = {}  # page -> priority
+        self._mask = 0  # bit p set <=> bucket p holds a page
 
-    def _add(self, key: Hashable, priority: int) -> None:
-        self._buckets[priority][key] = None
-        self._priority_of[key] = priority
-        self._nonempty |= 1 << priority
+    # -- internals (arguments already validated) --------------------------------------------
 
-    def _drop(self, key: Hashable) -> int:
-        priority = self._priority_of.pop(key)
-        bucket = self._buckets[priority]
-        del bucket[key]
-        if not bucket:
-            self._nonempty &= ~(1 << priority)
-        return priority
+    def _link(self, pages: list[int], prio: int | list[int]) -> None:
+        """Append new, distinct ``pages`` to their buckets and the index."""
+        if type(prio) is int:
+            new = _fromkeys(pages, prio)
+            self._index.update(new)
+            self._recent[prio].update(new)
+            self._mask |= 1 << prio
+        else:
+            self._index.update(zip(pages, prio, strict=True))
+            _consume(map(_setitem, map(self._recent.__getitem__, prio), pages, repeat(None)))
+            mask = self._mask
+            for p in set(prio):
+                mask |= 1 << p
+            self._mask = mask
 
-    def _priority(self, key: Hashable, action: str) -> int:
+    def _unlink(self, pages: list[int] | dict[int, Any], prios: list[int]) -> None:
+        """Take distinct ``pages`` out of their buckets ``prios`` (not out of the index),
+        clearing the bits of buckets left empty."""
+        first = prios[0]
+        if prios.count(first) == len(prios):
+            recent, older = self._recent[first], self._older[first]
+            if not older:
+                if len(recent) == len(pages):
+                    recent.clear()
+                else:
+                    _consume(map(recent.pop, pages))
+            elif list(map(recent.pop, pages, repeat(_MISSING))).count(_MISSING):
+                _consume(map(older.pop, pages, repeat(None)))
+            if not recent and not older:
+                self._mask &= ~(1 << first)
+            return
+        recents, olders = self._recent, self._older
+        distinct = set(prios)
+        _consume(map(_pop, map(recents.__getitem__, prios), pages, repeat(None)))
+        if any(olders[p] for p in distinct):
+            _consume(map(_pop, map(olders.__getitem__, prios), pages, repeat(None)))
+        mask = self._mask
+        for p in distinct:
+            if not recents[p] and not olders[p]:
+                mask &= ~(1 << p)
+        self._mask = mask
+
+    def _pop_index(self, pages: list[int], action: str) -> list[int]:
+        """Take distinct, present ``pages`` out of the index and return their priorities;
+        on an absent or repeated page, restore the index and raise ValueError."""
+        index = self._index
+        prios: list[int] = []
         try:
-            return self._priority_of[key]
-        except KeyError:
-            raise ValueError(f"cannot {action} key {key!r}: not in the policy") from None
+            prios.extend(map(index.pop, pages))
+        except (KeyError, TypeError):
+            index.update(zip(pages, prios, strict=False))  # put back what was taken
+            check_present_pages(pages, index, action, unique=True)
+            raise  # pragma: no cover - check_present_pages raised
+        return prios
 
-    def insert(self, key: Hashable, priority: int = DEFAULT_PRIORITY) -> None:
-        """Add ``key`` as the most recently used key of ``priority``.
+    def _priorities(self, pages: list[int], action: str) -> list[int]:
+        """The priorities of present ``pages`` (ValueError naming the first absent one)."""
+        try:
+            return list(map(self._index.__getitem__, pages))
+        except (KeyError, TypeError):
+            check_present_pages(pages, self._index, action, unique=False)
+            raise  # pragma: no cover - check_present_pages raised
 
-        Raises:
-            ValueError: ``key`` is already present, or ``priority`` is not in 0..100.
-        """
-        check_priority(priority)
-        if key in self._priority_of:
-            raise ValueError(
-                f"cannot insert key {key!r}: already present (priority {self._priority_of[key]})"
-            )
-        self._add(key, priority)
+    # -- the batch contract -----------------------------------------------------------------
 
-    def remove(self, key: Hashable) -> None:
-        """Forget ``key``.
-
-        Raises:
-            ValueError: ``key`` is absent.
-        """
-        self._priority(key, "remove")
-        self._drop(key)
-
-    def touch(self, key: Hashable) -> None:
-        """Make ``key`` the most recently used key of its priority.
+    def insert_many(self, pages: PageBatch, priorities: PriorityBatch = DEFAULT_PRIORITY) -> None:
+        """Add ``pages`` as the most recently used pages of their priorities, in order.
 
         Raises:
-            ValueError: ``key`` is absent.
+            ValueError: a page is present or repeated, or a priority is invalid; nothing
+                is changed.
         """
-        priority = self._priority(key, "touch")
-        bucket = self._buckets[priority]
-        del bucket[key]
-        bucket[key] = None
+        if type(pages) is not list:
+            pages = page_list(pages)
+        if type(priorities) is int and 0 <= priorities <= MAX_PRIORITY:
+            prio: int | list[int] = priorities
+        else:
+            prio = check_priorities(priorities, len(pages))
+        index = self._index
+        if type(prio) is int:
+            if len(pages) == 1:
+                page = pages[0]
+                if page in index:
+                    check_new_pages(pages, index)
+                index[page] = prio
+                self._recent[prio][page] = None
+                self._mask |= 1 << prio
+            elif pages:
+                new = _fromkeys(pages, prio)
+                if len(new) != len(pages) or not index.keys().isdisjoint(new):
+                    check_new_pages(pages, index)
+                index.update(new)
+                self._recent[prio].update(new)
+                self._mask |= 1 << prio
+        else:
+            if len(_fromkeys(pages)) != len(pages) or not index.keys().isdisjoint(pages):
+                check_new_pages(pages, index)
+            self._link(pages, prio)
 
-    def set_priority(self, key: Hashable, priority: int) -> None:
-        """Move ``key`` to ``priority``, as the most recently used key there.
+    def remove_many(self, pages: PageBatch) -> None:
+        """Forget ``pages``.
 
         Raises:
-            ValueError: ``key`` is absent, or ``priority`` is not in 0..100.
+            ValueError: naming the first absent (or repeated) page; nothing is changed.
         """
-        check_priority(priority)
-        self._priority(key, "set the priority of")
-        self._drop(key)
-        self._add(key, priority)
+        if type(pages) is not list:
+            pages = page_list(pages)
+        if len(pages) == 1:
+            page = pages[0]
+            try:
+                p = self._index.pop(page)
+            except (KeyError, TypeError):
+                check_present_pages(pages, self._index, "remove", unique=True)
+                raise  # pragma: no cover
+            recent, older = self._recent[p], self._older[p]
+            if recent.pop(page, _MISSING) is _MISSING:
+                del older[page]
+            if not recent and not older:
+                self._mask &= ~(1 << p)
+        elif pages:
+            self._unlink(pages, self._pop_index(pages, "remove"))
 
-    def pop_victim(self) -> Hashable | None:
-        """Remove and return the least recently used key of the lowest priority, or
-        ``None`` when the policy is empty."""
-        if not self._nonempty:
-            return None
-        lowest = (self._nonempty & -self._nonempty).bit_length() - 1
-        key = next(iter(self._buckets[lowest]))
-        self._drop(key)
-        return key
+    def touch_many(self, pages: PageBatch) -> None:
+        """Make each page the most recently used of its priority, in order (a repeated
+        page: its last use counts).
 
-    def victims(self) -> Iterator[Hashable]:
-        """Keys in eviction order, lazily; the policy must not change while iterating."""
-        mask = self._nonempty
-        while mask:
+        Raises:
+            ValueError: naming the first absent page; nothing is changed.
+        """
+        if type(pages) is not list:
+            pages = page_list(pages)
+        if len(pages) == 1:
+            page = pages[0]
+            try:
+                p = self._index[page]
+            except (KeyError, TypeError):
+                check_present_pages(pages, self._index, "touch", unique=False)
+                raise  # pragma: no cover
+            recent = self._recent[p]
+            if recent.pop(page, _MISSING) is _MISSING:
+                del self._older[p][page]
+            recent[page] = None
+            return
+        if not pages:
+            return
+        uses = _fromkeys(pages)
+        if len(uses) != len(pages):  # repeats: keep each page's last use, in order
+            uses = _fromkeys(reversed(_fromkeys(reversed(pages))))
+        p = self._index.get(pages[0])
+        if p is not None:  # fast paths: every page in one half of the first page's bucket
+            recent = self._recent[p]
+            if uses.keys() <= recent.keys():
+                _consume(map(recent.pop, uses))
+                recent.update(uses)
+                return
+            older = self._older[p]
+            if uses.keys() <= older.keys():
+                _consume(map(older.pop, uses))
+                recent.update(uses)
+                return
+        prios = self._priorities(pages, "touch")  # raises naming the first absent page
+        if len(uses) != len(pages):
+            prios = list(map(self._index.__getitem__, uses))
+        first = prios[0]
+        if prios.count(first) == len(prios):  # one priority: the bucket stays non-empty
+            recent, older = self._recent[first], self._older[first]
+            if not older:
+                _consume(map(recent.pop, uses))
+            elif list(map(recent.pop, uses, repeat(_MISSING))).count(_MISSING):
+                _consume(map(older.pop, uses, repeat(None)))
+            recent.update(uses)
+        else:
+            self._unlink(uses, prios)
+            _consume(map(_setitem, map(self._recent.__getitem__, prios), uses, repeat(None)))
+            mask = self._mask
+            for p in set(prios):
+                mask |= 1 << p
+            self._mask = mask
+
+    def set_priority_many(self, pages: PageBatch, priorities: PriorityBatch) -> None:
+        """Move each page to its priority as the most recently used page there, in order.
+
+        Raises:
+            ValueError: a page is absent or a priority is invalid; nothing is changed.
+        """
+        if type(pages) is not list:
+            pages = page_list(pages)
+        prio = check_priorities(priorities, len(pages))
+        if not pages:
+            return
+        old = self._priorities(pages, "set the priority of")
+        if len(_fromkeys(pages)) == len(pages):
+            self._unlink(pages, old)
+            self._link(pages, prio)  # overwrites the index entries
+            return
+        # A page repeated: one at a time, so that its last occurrence wins.
+        prios = [prio] * len(pages) if type(prio) is int else prio
+        for page, p in zip(pages, prios, strict=True):
+            self._unlink([page], [self._index[page]])
+            self._link([page], p)
+
+    def pop_victims(self, k: int) -> list[int]:
+        """Remove and return up to ``k`` pages: lowest priority first, least recently used
+        first inside a priority.
+
+        Raises:
+            ValueError: ``k`` is negative or not an int.
+        """
+        if type(k) is not int or k < 0:
+            k = check_count(k)
+        mask = self._mask
+        if not k or not mask:
+            return []
+        if k == 1:
+            p = (mask & -mask).bit_length() - 1
+            older = self._older[p]
+            if older:
+                page = older.popitem()[0]
+                if not older and not self._recent[p]:
+                    self._mask = mask & ~(1 << p)
+                del self._index[page]
+                return [page]
+        out: list[int] = []
+        while k and mask:
             low = mask & -mask
-            yield from self._buckets[low.bit_length() - 1]
-            mask ^= low
+            p = low.bit_length() - 1
+            older = self._older[p]
+            if not older:
+                recent = self._recent[p]
+                if len(recent) <= k:  # the whole bucket
+                    out += recent
+                    k -= len(recent)
+                    recent.clear()
+                    mask ^= low
+                    continue
+                older = self._older[p] = _fromkeys(reversed(recent))
+                recent.clear()
+            if len(older) <= k:
+                out += reversed(older)
+                k -= len(older)
+                older.clear()
+                if not self._recent[p]:
+                    mask ^= low
+            else:
+                out += islice(reversed(older), k)
+                _consume(map(_popitem, repeat(older, k)))
+                k = 0
+        self._mask = mask
+        _consume(map(self._index.pop, out))
+        return out
 
-    def priority_of(self, key: Hashable) -> int:
-        """The priority ``key`` is held at.
+    # -- queries ----------------------------------------------------------------------------
+
+    def priority_of(self, page: int) -> int:
+        """The priority ``page`` is held at.
 
         Raises:
-            ValueError: ``key`` is absent.
+            ValueError: ``page`` is absent.
         """
-        return self._priority(key, "look up")
+        try:
+            return self._index[page]
+        except KeyError:
+            raise ValueError(f"cannot look up page {page}: not in the policy") from None
 
     def __len__(self) -> int:
-        return len(self._priority_of)
+        return len(self._index)
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._priority_of
+    def __contains__(self, page: object) -> bool:
+        return page in self._index
 
     def __repr__(self) -> str:
-        return f"LruPolicy({len(self)} keys)"
+        return f"LruPolicy({len(self)} pages)"
 
 
 @hookimpl

@@ -1,0 +1,199 @@
+"""Publishing a :class:`~kvcm_core.cache.KVCache`'s blocks into the prefix tree: full
+blocks at commit (a whole range at once), the trailing partial block and the SSM state at
+close, SSM snapshots at commit (``commit_min_snapshot``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvcm_core.radix import NO_NODE, block_keys
+from kvcm_core.tokens import TokenLog
+
+__all__ = ["PublishMixin"]
+
+
+class PublishMixin:
+    """Commit-time and close-time publishing."""
+
+    _ctx: Any
+    _levels: Any
+    _arena: Any
+    _tree: Any
+    _tpb: int
+    _tokens: TokenLog
+    _keys: list[bytes]
+    _nodes: list[int]
+    _pages: list[list[int]]
+    _ssm: list[int]
+    _published: int
+    _commit_on: bool
+    _root_key: bytes
+    _version: int
+    _history: int
+
+    def _parent_node(self, block: int) -> int:
+        """The node a new block goes under, or ``NO_NODE`` if that chain left the tree."""
+        tree = self._tree
+        if block == 0:
+            return tree.root(self._root_key)
+        nid = self._nodes[block - 1]
+        # Node ids are recycled: the node is ours only while its key still names it.
+        return nid if tree.index.get(self._keys[block - 1]) == nid else NO_NODE
+
+    def _block_key(self, block: int) -> bytes:
+        keys = self._keys
+        if len(keys) <= block:
+            # Hash every missing block up to ``block`` from one encoding of their tokens.
+            b0 = len(keys)
+            tpb = self._tpb
+            prev = keys[b0 - 1] if b0 else self._root_key
+            lo, hi = b0 * tpb, (block + 1) * tpb
+            keys.extend(block_keys(prev, self._tokens.items(lo, hi), tpb, 0, block + 1 - b0,
+                                   self._tokens.data(lo, hi)))
+        return keys[block]
+
+    def _publish_range(self, b0: int, b1: int) -> None:
+        """Publish full blocks ``[b0, b1)`` (the hot path of prefill commits)."""
+        tree = self._tree
+        L = self._levels
+        a = self._arena
+        tpb = self._tpb
+        groups = self._ctx.publish_groups
+        self._block_key(b1 - 1)
+        keys = self._keys
+        parent = self._parent_node(b0)
+        if parent == NO_NODE:
+            self._commit_on = False
+            return
+        # Blocks already in the tree form a prefix of the range (a node exists only under
+        # its parent): publish into them or rebase onto them one by one.
+        get = tree.index.get
+        b = b0
+        while b < b1:
+            nid = get(keys[b])
+            if nid is None:
+                break
+            self._publish_existing(b, nid, groups)
+            self._nodes.append(nid)
+            self._published = b + 1
+            b += 1
+        if b == b1:
+            return
+        parent = self._nodes[b - 1] if b else tree.root(self._root_key)
+        rows, mm = self._tokens.rows(b * tpb, b1 * tpb, tpb)
+        first = tuple(rows[0].tolist())
+        if tree.first_child[parent] != NO_NODE:
+            self._supersede_partials(parent, first)
+        items = None
+        if mm:
+            flat = list(self._tokens.items(b * tpb, b1 * tpb))
+            items = [flat[i : i + tpb] for i in range(0, len(flat), tpb)]
+        nids = tree.add_chain(parent, keys[b:b1], rows, b, mm, items)
+        for g in groups:
+            mine = np.asarray(self._pages[g][b:b1], dtype=np.int64)
+            if len(mine) < len(nids):
+                mine = np.concatenate([mine, np.full(len(nids) - len(mine), -1, np.int64)])
+            ok = mine >= 0
+            if ok.all():
+                ok = a.node[mine] < 0
+            else:
+                ok[ok] = a.node[mine[ok]] < 0
+            if ok.any():
+                L.publish(mine[ok], nids[ok], g)
+        self._nodes.extend(nids.tolist())
+        self._published = b1
+
+    def _publish_existing(self, b: int, nid: int, groups: Any) -> None:
+        tree = self._tree
+        L = self._levels
+        a = self._arena
+        for g in groups:
+            pages_g = self._pages[g]
+            mine = pages_g[b] if b < len(pages_g) else -1
+            if mine < 0:
+                continue
+            theirs = int(tree.pages[nid, g])
+            if theirs == mine:
+                continue
+            if theirs < 0:
+                L.publish(np.asarray([mine]), np.asarray([nid]), g)
+            elif a.level[theirs] == 0 and a.node[mine] < 0:
+                # Rebase onto the identical tree block and free our copy.
+                L.change(np.asarray([theirs]), 1, 0)
+                a.reused[theirs] = True
+                pages_g[b] = theirs
+                L.change(np.asarray([mine]), -1, 0)
+                L.stats.groups[g].rebased_blocks += 1
+                self._version += 1
+
+    def _supersede_partials(self, parent: int, tokens: tuple[int, ...]) -> None:
+        """Remove partial children that ``tokens`` covers (the longer block wins)."""
+        tree = self._tree
+        for p in tree.partial_children(parent, tokens[0]):
+            ptoks = tree.block_tokens(p)
+            if tokens[: len(ptoks)] == ptoks and len(ptoks) < len(tokens):
+                self._levels.unpublish_node(p)
+
+    def _snapshot(self, nid: int) -> None:
+        """Copy the live SSM state into a snapshot page of ``nid`` (best effort)."""
+        ctx = self._ctx
+        L = self._levels
+        for g in ctx.ssm_groups:
+            live = self._ssm[g]
+            if live < 0 or self._tree.pages[nid, g] >= 0 or not ctx.life_cycles[g].publishes:
+                continue
+            if not L.can_take({L.pool_group_of(g): 1}):
+                continue
+            snap = L.take(g, 1)
+            L.copy_blocks(g, snap, np.asarray([live]))
+            L.publish(snap, np.asarray([nid]), g)
+            L.change(snap, -1, 0)
+
+    def _publish_tail(self) -> int:
+        """Publish the trailing partial block; returns the node ending at the cache's
+        known tokens (for the SSM snapshot), or ``NO_NODE``."""
+        tree = self._tree
+        tpb = self._tpb
+        n = len(self._tokens)
+        b = n // tpb
+        if n % tpb == 0:
+            return self._nodes[b - 1] if b and self._published >= b else NO_NODE
+        if self._published < b:
+            return NO_NODE
+        parent = self._parent_node(b)
+        if parent == NO_NODE:
+            return NO_NODE
+        part_t = self._tokens.tail(b * tpb)
+        if not all(isinstance(t, int) for t in part_t):
+            return NO_NODE  # partial blocks with multimodal items are not shared
+        for child in tree.children_starting(parent, part_t[0]):
+            ctoks = tree.block_tokens(child)
+            if ctoks[: len(part_t)] == part_t:
+                return child if len(ctoks) == len(part_t) else NO_NODE
+        self._supersede_partials(parent, part_t)
+        nid = tree.add_partial(parent, part_t)
+        a = self._arena
+        for g in self._ctx.publish_groups:
+            pages_g = self._pages[g]
+            mine = pages_g[b] if b < len(pages_g) else -1
+            if mine >= 0 and a.node[mine] < 0:
+                self._levels.publish(np.asarray([mine]), np.asarray([nid]), g, [part_t])
+        if not tree.has_pages(nid):
+            tree.collect(np.asarray([nid]))
+            return NO_NODE
+        return nid
+
+    def _publish_at_close(self) -> None:
+        """The trailing partial block, and the live SSM state where it ends exactly at the
+        cache's history."""
+        nid = self._publish_tail()
+        if nid == NO_NODE or len(self._tokens) != self._history or \
+                self._tree.end(nid) != self._history:
+            return
+        ctx = self._ctx
+        for g in ctx.ssm_groups:
+            live = self._ssm[g]
+            if live >= 0 and self._tree.pages[nid, g] < 0 and ctx.life_cycles[g].publishes:
+                self._levels.publish(np.asarray([live]), np.asarray([nid]), g)

@@ -1,0 +1,180 @@
+"""Resizing a :class:`~kvcm_core.cache.KVCache` for a step, and releasing the pages of
+windowed groups that became stale as history grew."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvcm_core.cache_reuse import CacheStatus
+from kvcm_core.errors import OutOfPagesError
+
+__all__ = ["ResizeMixin"]
+
+
+def _check_count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        raise ValueError(f"{name}={value!r}: must be an int >= 0")
+    return int(value)
+
+
+def _arr(pages: list[int]) -> np.ndarray:
+    return np.asarray(pages, dtype=np.int64)
+
+
+class ResizeMixin:
+    """``resize`` and the release of stale window pages."""
+
+    _ctx: Any
+    _levels: Any
+    _arena: Any
+    _tpb: int
+    _pages: list[list[int]]
+    _history: int
+    _capacity: int
+    _committed: int
+    _released_to: list[int]
+    _scratch_free_path: bool
+    _scratch_live: bool
+    _tokens: Any
+    _keys: list[bytes]
+    _version: int
+    _status: CacheStatus
+
+    def resize(self, capacity: int, history_length: int | None = None) -> bool:
+        """Set this step's capacity (and optionally move history). Returns False, with
+        everything unchanged, when level 0 cannot provide the pages."""
+        if self._status is not CacheStatus.ACTIVE:
+            self._require(CacheStatus.ACTIVE)
+        tpb = self._tpb
+        if (history_length is None and type(capacity) is int
+                and self._history <= capacity
+                and (capacity + tpb - 1) // tpb == (self._capacity + tpb - 1) // tpb
+                and self._scratch_free_path):
+            # The decode fast path: same blocks, same history, nothing to allocate.
+            self._capacity = capacity
+            return True
+        ctx = self._ctx
+        L = self._levels
+        a = self._arena
+        capacity = _check_count("capacity", capacity)
+        if history_length is None:
+            history = self._history
+        else:
+            history = _check_count("history_length", history_length)
+            lo = max(self._committed, self._capacity - ctx.config.max_rewind_len)
+            if not lo <= history <= self._capacity:
+                raise ValueError(
+                    f"history_length={history}: must be in [{lo}, {self._capacity}] "
+                    f"(>= num_committed_tokens and old capacity - max_rewind_len, "
+                    f"<= old capacity)")
+        if capacity < history:
+            raise ValueError(f"capacity={capacity}: must be >= history_length ({history})")
+        nb_new = -(-capacity // tpb)
+        keep = max(0, history - ctx.config.max_rewind_len)
+        releases: list[tuple[int, int]] = []
+        grow: dict[int, list[int]] = {}
+        needs: dict[int, int] = {}
+        extra: dict[int, int] = {}
+        for g in ctx.attn_groups:
+            pages_g = self._pages[g]
+            old_nb = len(pages_g)
+            kind = ctx.kinds[g]
+            for b in kind.releasable(pages_g, keep, self._released_to[g]):
+                if pages_g[b] >= 0:
+                    releases.append((g, b))
+            for b in range(nb_new, old_nb):
+                if pages_g[b] >= 0 and (g, b) not in releases:
+                    releases.append((g, b))
+            if nb_new > old_nb:
+                grow[g] = list(range(old_nb, nb_new))
+                pg = L.pool_group_of(g)
+                needs[pg] = needs.get(pg, 0) + nb_new - old_nb
+        plan = (self._plan_scratch(capacity, history, nb_new, releases, grow, needs)
+                if ctx.scratch_scales else None)
+        nbeams = self.beam_width - 1
+        if nbeams:  # every beam grows and sheds the same blocks as beam 0
+            for g, blocks in grow.items():
+                needs[L.pool_group_of(g)] += len(blocks) * nbeams
+        prios = self._priorities([b for blocks in grow.values() for b in blocks])
+        if needs:
+            for g, b in releases:
+                pid = self._pages[g][b]
+                if a.locks[pid] == 1 and not a.holds[pid]:
+                    pg = L.store_of(pid).pool_group
+                    extra[pg] = extra.get(pg, 0) + 1
+            for g, (*_, drop, _) in (plan or {}).items():
+                if drop:
+                    pg = L.pool_group_of(g)
+                    extra[pg] = extra.get(pg, 0) + drop
+            if not L.can_take(needs, extra):
+                return False
+            for pg, n in needs.items():
+                # Make the room before releasing anything where that alone suffices: a
+                # failed write while making room then leaves this cache untouched.
+                store = L.stores[0][pg]
+                if n > store.num_free and L.room(store, n):
+                    try:
+                        L.make_room(store, n)
+                    except OutOfPagesError:
+                        return False
+        if releases:
+            for pages, _ in reversed(self._beam_views()):
+                gone = []
+                for g, b in reversed(releases):
+                    pid = pages[g][b]
+                    pages[g][b] = -1
+                    if pid >= 0:
+                        gone.append(pid)
+                L.change(_arr(gone), -1, 0)
+        for g in ctx.windowed_groups:
+            self._released_to[g] = max(self._released_to[g], ctx.kinds[g].stale_range(keep)[1])
+        if plan is not None:
+            self._apply_scratch(plan, history)
+        for pages, _ in self._beam_views():
+            for g in ctx.attn_groups:
+                del pages[g][nb_new:]
+        self._grow_beams(grow, prios)
+        for g, blocks in grow.items():
+            if plan is None:
+                self._pages[g].extend(self._new_pages(g, blocks, prios))
+                continue
+            pages_g = self._pages[g]  # scratch blocks stay -1
+            pages_g.extend([-1] * (nb_new - len(pages_g)))
+            for b, pid in zip(blocks, self._new_pages(g, blocks, prios), strict=True):
+                pages_g[b] = pid
+        if history < len(self._tokens):
+            self._tokens.truncate(history)
+            del self._keys[history // tpb:]
+        self._capacity = capacity
+        self._history = history
+        if releases or grow:
+            self._version += 1
+        return True
+
+    def _release_stale(self) -> None:
+        ctx = self._ctx
+        self._scratch_live = False  # history moved: this step's scratch pages are spent
+        keep = max(0, self._history - ctx.config.max_rewind_len)
+        changed = False
+        for g in ctx.windowed_groups:
+            start, stop = ctx.kinds[g].stale_range(keep)
+            lo = max(start, self._released_to[g])
+            if stop <= lo:
+                continue
+            for pages, _ in self._beam_views():
+                pages_g = pages[g]
+                gone = []
+                for b in range(min(stop, len(pages_g)) - 1, lo - 1, -1):
+                    pid = pages_g[b]
+                    if pid >= 0:
+                        pages_g[b] = -1
+                        gone.append(pid)
+                if gone:
+                    self._levels.change(_arr(gone), -1, 0)
+                    changed = True
+            self._released_to[g] = stop
+        if changed:
+            self._version += 1
+

@@ -1,0 +1,165 @@
+"""What a prefix match offers the non-REQUIRED cache groups of a
+:class:`~kvcm_core.cache.KVCache`, and the client's OPTIONAL choice at the first resume
+(concepts.md §4)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kvcm_core.types import ReusePolicy
+
+__all__ = ["CacheStatus", "ReuseMixin", "ReuseStatus"]
+
+
+class CacheStatus(enum.Enum):
+    ACTIVE = "active"
+    SUSPENDED = "suspended"
+    CLOSED = "closed"
+
+
+@attrs.frozen
+class ReuseStatus:
+    """What the prefix match offers one non-REQUIRED cache group (concepts.md §4).
+
+    Attributes:
+        policy: the group's reuse policy.
+        complete: every page needed at the endpoint is available.
+        endpoint: tokens the claim reuses up to (the match length).
+        coverage: ``[begin, end)`` token ranges the claimed pages provide.
+    """
+
+    policy: ReusePolicy
+    complete: bool
+    endpoint: int
+    coverage: tuple[tuple[int, int], ...]
+
+
+class ReuseMixin:
+    """Reuse status per group, the OPTIONAL decision and recompute lists."""
+
+    _ctx: Any
+    _levels: Any
+    _arena: Any
+    _tpb: int
+    _pages: list[list[int]]
+    _pending: list[tuple[int, int, int]]
+    _reuse_status: dict[int, ReuseStatus]
+    _optional_decided: bool
+    _selected: set[int]
+    _first_resume_done: bool
+    _recompute: dict[int, list[int]]
+
+    def _init_reuse(self, end: int) -> None:
+        self._reuse_status = {}
+        self._optional_decided = False
+        self._selected = set()
+        self._first_resume_done = False
+        self._recompute = {}
+        for g, lc in enumerate(self._ctx.life_cycles):
+            if lc.policy is not ReusePolicy.REQUIRED:
+                self._reuse_status[g] = self._status_of(g, end)
+
+    @property
+    def reuse_status(self) -> dict[int, ReuseStatus]:
+        """Per non-REQUIRED cache group, what the match offers (see :class:`ReuseStatus`)."""
+        return dict(self._reuse_status)
+
+    def _status_of(self, g: int, end: int) -> ReuseStatus:
+        kind = self._ctx.kinds[g]
+        lc = kind.lc
+        tpb = self._tpb
+        if kind.is_ssm:
+            have = any(grp == g for grp, _, _ in self._pending)
+            return ReuseStatus(lc.policy, have or end == 0, end,
+                               ((0, end),) if have and end else ())
+        start, stop = kind.stale_range(end)
+        pending = {b for grp, b, _ in self._pending if grp == g}
+        ranges: list[list[int]] = []
+        complete = True
+        for b in range(-(-end // tpb)):
+            if start <= b < stop:
+                continue
+            if self._pages[g][b] < 0 and b not in pending:
+                complete = False
+                continue
+            lo, hi = b * tpb, min(end, (b + 1) * tpb)
+            if ranges and ranges[-1][1] == lo:
+                ranges[-1][1] = hi
+            else:
+                ranges.append([lo, hi])
+        return ReuseStatus(lc.policy, complete, end, tuple((a, b) for a, b in ranges))
+
+    def recompute_blocks(self, group: int) -> list[int]:
+        """Blocks (``-1``: the SSM state) whose pages were given fresh at the first resume
+        although history covers them: the engine must recompute or reconstruct them
+        (declined OPTIONAL groups, missing SINK_REQUIRED_ONLY window pages, PRIVATE
+        state)."""
+        return list(self._recompute.get(group, ()))
+
+    def _decide_optional(self, selected: Sequence[int] | None) -> list[tuple[int, int, int]]:
+        """Validate the OPTIONAL choice; return the claims to give up ``(group, block,
+        page)`` (block -1: a pending copy or SSM snapshot). Raises ValueError, with nothing
+        changed, for a REQUIRED, unknown or incomplete group."""
+        ngroups = len(self._ctx.life_cycles)
+        optional = {g for g, st in self._reuse_status.items()
+                    if st.policy is ReusePolicy.OPTIONAL}
+        if self._optional_decided:
+            if selected is not None and set(selected) != self._selected:
+                raise ValueError(
+                    f"optional_reuse_groups={list(selected)!r}: the choice was made at the "
+                    f"first resume ({sorted(self._selected)}) and cannot change")
+            return []
+        chosen = set()
+        for g in selected or ():
+            if isinstance(g, bool) or not isinstance(g, int | np.integer) or not (
+                    0 <= g < ngroups):
+                raise ValueError(f"optional_reuse_groups: {g!r} is not a cache group id "
+                                 f"(0..{ngroups - 1})")
+            if g not in optional:
+                raise ValueError(
+                    f"optional_reuse_groups: group {g} has policy "
+                    f"{self._ctx.life_cycles[g].policy.name}; only OPTIONAL groups can be "
+                    f"chosen (OPTIONAL groups: {sorted(optional)})")
+            if not self._reuse_status[g].complete:
+                raise ValueError(
+                    f"optional_reuse_groups: group {g} is incomplete (coverage "
+                    f"{self._reuse_status[g].coverage} of endpoint "
+                    f"{self._reuse_status[g].endpoint}); it cannot be reused")
+            chosen.add(int(g))
+        declined: list[tuple[int, int, int]] = []
+        for g in sorted(optional - chosen):
+            for b, pid in enumerate(self._pages[g]):
+                if pid >= 0:
+                    declined.append((g, b, pid))
+            declined.extend((grp, -1, p) for grp, _, p in self._pending if grp == g)
+        self._selected = chosen
+        return declined
+
+    def _apply_declines(self, declined: list[tuple[int, int, int]]) -> None:
+        """Give up declined claims before allocating their replacements; count the chosen
+        ones in the statistics (declined groups count nothing)."""
+        if self._optional_decided:
+            return
+        gone = {p for _, _, p in declined}
+        for g, b, pid in declined:
+            if b >= 0 and self._pages[g][b] == pid:
+                self._pages[g][b] = -1
+        if declined:
+            self._levels.change(np.asarray([p for _, _, p in declined], dtype=np.int64), 0, -1)
+        self._pending = [(g, b, p) for g, b, p in self._pending if p not in gone]
+        stats = self._levels.stats
+        level = self._arena.level
+        for g in self._selected:
+            claimed = [p for p in self._pages[g] if p >= 0]
+            claimed += [p for grp, _, p in self._pending if grp == g]
+            stats.groups[g].reused_full_blocks += len(claimed)
+            self.stats.reused_blocks += len(claimed)  # type: ignore[attr-defined]
+            self.stats.allocated_blocks += len(claimed)  # type: ignore[attr-defined]
+            for p in claimed:
+                stats.reused_blocks_by_level[int(level[p])] += 1
+        self._optional_decided = True

@@ -1,0 +1,684 @@
+"""The levels room: every store of every level, and everything that moves pages.
+
+:class:`Levels` builds the tiers' pools into :class:`~kvcm_core.storage.Store` objects (one
+per level and pool group; cold levels group life cycles by ``(pool policy, cold page
+size)``), and owns what happens to pages there: taking new ones, reference transitions,
+victim picking and make-room cascades, moves between levels (through the
+:class:`~kvcm_core.migration.Mover`), onboarding, drops and the invalidation of subtrees
+they imply, lost pages, events, statistics and the epoch that page tables read.
+:class:`~kvcm_core.cache.KVCache` uses it through these verbs only.
+
+Eviction is all-or-nothing: :meth:`Levels.room` says from counts alone whether a store can
+free ``n`` slots (droppable victims first, then held ones where a colder level can take
+them, skipping a level too small for them), and :meth:`Levels.make_room` then frees them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvcm_core.backend import CopyTask, KernelBackend, Stream
+from kvcm_core.codec import PageCodec, PageLayout
+from kvcm_core.config import KVCacheManagerConfig
+from kvcm_core.errors import ConfigError, OutOfPagesError, TierIOError
+from kvcm_core.events import BlockEvent, EventKind
+from kvcm_core.eviction import EvictionPolicy
+from kvcm_core.layout import StorageLayout
+from kvcm_core.lifecycle import LifeCycle
+from kvcm_core.migration import Mover
+from kvcm_core.radix import NO_NODE, PrefixTree
+from kvcm_core.stats import IterationStats
+from kvcm_core.storage import PageArena, StorageStatistics, Store, group_by_store
+from kvcm_core.tier import DevicePool, Tier
+from kvcm_core.types import CacheGroupId, pool_reuse_policy
+
+__all__ = ["Levels"]
+
+_EVENT_BATCH = 256
+
+
+class Levels:
+    """Stores, tiers and page movement of one manager (see module docstring).
+
+    Args:
+        config: the manager configuration.
+        layout: the GPU pool groups.
+        life_cycles: the cache groups' life cycles.
+        backend: the kernel backend.
+        tiers: one built tier per level.
+        codec: the cold levels' page codec (None without cold levels).
+        make_policy: builds an eviction-policy instance.
+        tree: the prefix tree (drops remove its nodes).
+        sinks: event sinks.
+    """
+
+    def __init__(self, config: KVCacheManagerConfig, layout: StorageLayout,
+                 life_cycles: Sequence[LifeCycle], backend: KernelBackend,
+                 tiers: list[Tier], codec: PageCodec | None,
+                 make_policy: Callable[[], EvictionPolicy], tree: PrefixTree,
+                 sinks: list[Any]) -> None:
+        self.config = config
+        self.layout = layout
+        self.life_cycles = life_cycles
+        self.backend = backend
+        self.tiers = tiers
+        self.codec = codec
+        self.tree = tree
+        self.sinks = sinks
+        self.mover = Mover(backend, codec)
+        self.arena = PageArena()
+        self.epoch = 0  # bumped whenever a page moves: page tables read it
+        ngroups = len(life_cycles)
+        self.stats = IterationStats.empty(ngroups, len(config.levels))
+        self.event_sink_errors: dict[str, int] = {}
+        self._events: list[BlockEvent] = []
+        self._limbo: set[int] = set()  # victims popped from a queue, not yet moved or dropped
+        self._pg_of = [int(layout.group_to_pool_group[CacheGroupId(g)])
+                       for g in range(ngroups)]
+        self.layouts: list[PageLayout] = [pg.page_layout() for pg in layout.pool_groups]
+        # Dropping a page of these invalidates the subtree below its block: every block of
+        # full-attention constraining groups, the sink blocks of windowed ones.
+        self._inval_all = np.array([not lc.is_ssm and lc.window is None and
+                                    lc.constrains_block(0) for lc in life_cycles] or [False])
+        self._inval_sinks = np.array([
+            lc.num_sink_blocks if not lc.is_ssm and lc.window is not None and
+            lc.constrains_block(0) else 0 for lc in life_cycles] or [0])
+        nlevels = len(config.levels)
+        self.stores: list[list[Store]] = [[]]
+        slots = layout.split_quota(config.levels[0].quota, config.pool_group_ratios)
+        for pg, n in zip(layout.pool_groups, slots, strict=True):
+            pools = [tiers[0].create_pool(size, n, name=f"L0-pg{pg.id}-pool{k}")
+                     for k, size in enumerate(pg.slot_sizes)]
+            self._add_store(0, pg.id, pools, make_policy, nlevels == 1)
+        # Cold grouping: (pool policy, cold page size), independent of the GPU grouping.
+        self.cold_key_of: list[tuple[Any, int]] = []
+        cold_keys: dict[tuple[Any, int], list[int]] = {}
+        if codec is not None:
+            for g in range(ngroups):
+                size = codec.cold_page_size(self.layouts[self._pg_of[g]])
+                key = (pool_reuse_policy(life_cycles[g].policy), size)
+                self.cold_key_of.append(key)
+                cold_keys.setdefault(key, []).append(g)
+        self.cold_keys = list(cold_keys)
+        self._cold_index = [self.cold_keys.index(k) for k in self.cold_key_of]
+        for li in range(1, nlevels):
+            self.stores.append([])
+            for ci, n in enumerate(self.cold_slots(li, config.levels[li].quota)):
+                # Unnamed: kvcm does not persist its tree, so cold files are private to
+                # this manager (two managers never share a file).
+                pool = tiers[li].create_pool(self.cold_keys[ci][1], n)
+                self._add_store(li, ci, [pool], make_policy, li == nlevels - 1)
+        # Each store's pages go to exactly one store below: a GPU pool group's life cycles
+        # share one cold page size, and cold groups keep their index on every cold level.
+        for pg in layout.pool_groups:
+            if nlevels > 1:
+                first = pg.life_cycles[0]
+                self.stores[0][pg.id].below = self.stores[1][self._cold_index[first]]
+        for li in range(1, nlevels - 1):
+            for ci, store in enumerate(self.stores[li]):
+                store.below = self.stores[li + 1][ci]
+        self.all_stores = [s for level in self.stores for s in level]
+
+    def _add_store(self, level: int, pg: int, pools: list[Any],
+                   make_policy: Callable[[], EvictionPolicy], last: bool) -> None:
+        index = sum(len(s) for s in self.stores)
+        self.stores[level].append(Store(index, level, pg, pools, make_policy, last, self.arena))
+
+    def cold_slots(self, level: int, quota: int) -> list[int]:
+        """Slots per cold group for a cold level's quota (shares by page bytes)."""
+        weights = [key[1] * sum(1 for k in self.cold_key_of if k == key)
+                   for key in self.cold_keys]
+        total = sum(weights)
+        slots = [int(quota * w / total) // key[1]
+                 for key, w in zip(self.cold_keys, weights, strict=True)]
+        for ci, n in enumerate(slots):
+            if n < 1:
+                raise ConfigError(
+                    f"levels[{level}].quota", quota,
+                    f"too small: cold group {ci} ({self.cold_keys[ci][1]} bytes per page) "
+                    "gets no slot")
+        return slots
+
+    # -- lookups ----------------------------------------------------------------------------------
+
+    def gpu_store(self, group: int) -> Store:
+        return self.stores[0][self._pg_of[group]]
+
+    def cold_store(self, level: int, group: int) -> Store:
+        return self.stores[level][self._cold_index[group]]
+
+    def store_of(self, pid: int) -> Store:
+        return self.all_stores[int(self.arena.store[pid])]
+
+    def pool_group_of(self, group: int) -> int:
+        return self._pg_of[group]
+
+    def cold_bytes(self, group: int) -> int:
+        if self.codec is None:
+            return self.layouts[self._pg_of[group]].page_bytes
+        return self.cold_key_of[group][1]
+
+    def medium(self, level: int) -> str:
+        return self.tiers[level].capabilities.medium.value
+
+    def statistics(self, level: int) -> StorageStatistics:
+        stats = StorageStatistics(level)
+        for store in self.stores[level]:
+            store.statistics(stats)
+        return stats
+
+    def reset_stats(self) -> IterationStats:
+        out = self.stats
+        self.stats = IterationStats.empty(len(self.life_cycles), len(self.config.levels))
+        return out
+
+    # -- references -------------------------------------------------------------------------------
+
+    def change(self, pids: np.ndarray, dlocks: int, dholds: int) -> None:
+        """Add ``dlocks`` / ``dholds`` to pages (ids unique) and requeue them; pages lost
+        to a storage failure are forgotten once their last owner lets go."""
+        for s, batch in group_by_store(self.arena, pids):
+            if s >= 0:
+                self.all_stores[s].change(batch, dlocks, dholds)
+                continue
+            a = self.arena
+            a.locks[batch] += dlocks
+            a.holds[batch] += dholds
+            a.release(batch[(a.locks[batch] == 0) & (a.holds[batch] == 0)])
+
+    def release_locked(self, pids: np.ndarray) -> None:
+        """Owners let go of pages they locked once (a close): see :meth:`Store.unlock_all`."""
+        for s, batch in group_by_store(self.arena, pids):
+            if s >= 0:
+                self.all_stores[s].unlock_all(batch)
+            else:
+                self.change(batch, -1, 0)
+
+    def touch(self, pids: np.ndarray) -> None:
+        for s, batch in group_by_store(self.arena, pids):
+            if s >= 0:
+                self.all_stores[s].touch(batch)
+
+    # -- taking pages -----------------------------------------------------------------------------
+
+    def can_take(self, needs: Mapping[int, int], extra: Mapping[int, int] | None = None) -> bool:
+        """Whether level 0 can provide ``needs[pool group]`` new slots (``extra``: slots
+        that the caller will release first, becoming free or droppable)."""
+        for pg, n in needs.items():
+            store = self.stores[0][pg]
+            more = (extra or {}).get(pg, 0)
+            if n > store.num_free + len(store.droppable) + more and \
+                    not self.room(store, n - more):
+                return False
+        return True
+
+    def take(self, group: int, n: int, priorities: np.ndarray | None = None) -> np.ndarray:
+        """``n`` new level-0 pages of ``group``, locked once, making room as needed."""
+        store = self.gpu_store(group)
+        if n > store.num_free:
+            self.make_room(store, n)
+        pids = store.take(group, n)
+        if priorities is not None:
+            self.arena.priority[pids] = priorities
+        return pids
+
+    # -- making room ------------------------------------------------------------------------------
+
+    def room(self, store: Store, n: int) -> bool:
+        """Whether :meth:`make_room` ``(store, n)`` would succeed (no side effects)."""
+        k = n - store.num_free
+        if k <= 0:
+            return True
+        nd = len(store.droppable)
+        if k <= nd:
+            return True
+        if store.last_level or k - nd > len(store.held):
+            return False
+        return self.held_target(store, k - nd) is not None
+
+    def held_target(self, store: Store, n: int) -> Store | None:
+        """The warmest colder store that can take ``n`` held pages at once: held pages
+        skip a level too small for them rather than block."""
+        target = store.below
+        while target is not None:
+            if self.room(target, n):
+                return target
+            target = target.below
+        return None
+
+    def capacity(self, store: Store, limit: int) -> int:
+        """The most free slots (up to ``limit``) ``store`` can offer."""
+        lo, hi = min(limit, store.num_free), limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.room(store, mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def make_room(self, store: Store, n: int) -> None:
+        """Free slots until ``store`` has ``n`` free: victims move down as far as a colder
+        level can take them (making room there first); droppable victims no level can
+        take are dropped, the least recently used first.
+
+        Raises:
+            OutOfPagesError: not enough can be freed (nothing was changed), or a write of
+                held pages to a colder level failed (pages that did move stay moved).
+        """
+        k = n - store.num_free
+        if k <= 0:
+            return
+        if not self.room(store, n):
+            raise OutOfPagesError(
+                f"level {store.level} pool group {store.pool_group}: need {k} more slots; "
+                f"{len(store.droppable)} droppable and {len(store.held)} held pages cannot "
+                "free them")
+        nd = min(k, len(store.droppable))
+        nh = k - nd
+        if store.last_level:
+            self.drop(store, np.asarray(store.droppable.pop_victims(nd), dtype=np.int64))
+            return
+        if nh:
+            target = self.held_target(store, nh)
+            assert target is not None
+            self.make_room(target, nh)
+            held = np.asarray(store.held.pop_victims(nh), dtype=np.int64)
+            failed = self._move(store, held, target, queued=False)
+            if len(failed):
+                store.requeue(failed)
+                raise OutOfPagesError(
+                    f"level {store.level} pool group {store.pool_group}: could not free "
+                    f"{k} slots (a write of held pages to the next level failed)")
+        # Droppable victims go down where colder levels have room (the most recently used
+        # first), and are dropped only when no colder level can take them. Popped victims
+        # wait in limbo: a drop below may invalidate (and free) some of them meanwhile.
+        want = min(n - store.num_free, len(store.droppable))
+        victims = store.droppable.pop_victims(want) if want > 0 else []
+        limbo = self._limbo
+        limbo.update(victims)
+        target = store.below
+        while target is not None and victims:
+            keep = self.capacity(target, len(victims))
+            if keep:
+                self.make_room(target, keep)
+                victims = [v for v in victims if v in limbo]
+                keep = min(keep, len(victims), target.num_free)
+                movers = np.asarray(victims[len(victims) - keep :], dtype=np.int64)
+                failed = set(self._move(store, movers, target, queued=False).tolist())
+                limbo.difference_update(set(movers.tolist()) - failed)
+                victims = [v for v in victims[: len(victims) - keep] if v in limbo] + [
+                    v for v in movers.tolist() if v in failed]
+            target = target.below
+        victims = [v for v in victims if v in limbo]
+        limbo.difference_update(victims)
+        self.drop(store, np.asarray(victims, dtype=np.int64))
+        if store.num_free < n:
+            raise OutOfPagesError(
+                f"level {store.level} pool group {store.pool_group}: could not free {k} "
+                "slots (a write of held pages to the next level failed)")
+
+    # -- moving -----------------------------------------------------------------------------------
+
+    def _move(self, src: Store, pids: np.ndarray, dst: Store, queued: bool = True,
+              stream: Stream | None = None) -> np.ndarray:
+        """Move pages of ``src`` into free slots of ``dst``; returns the pages that could
+        not be moved (I/O failure: they stay where they were, out of the queues when
+        ``queued`` is False)."""
+        if not len(pids):
+            return pids
+        slots = dst.reserve_slots(len(pids))
+        a = self.arena
+        group = int(a.group[pids[0]])
+        layout = self.layouts[self._pg_of[group]]
+        try:
+            self.mover.copy(layout, src, a.slot[pids], dst, slots, stream)
+        except TierIOError:
+            dst.unreserve_slots(slots)
+            self.stats.io_failures += 1
+            return pids
+        src.vacate(pids, queued=queued)
+        dst.settle(pids, slots)
+        self.epoch += 1
+        self._count_moves(pids, src.level, dst.level)
+        return pids[:0]
+
+    def _count_moves(self, pids: np.ndarray, from_level: int, to_level: int) -> None:
+        groups = self.arena.group[pids]
+        for g in np.unique(groups).tolist():
+            n = int((groups == g).sum())
+            gstats = self.stats.groups[g]
+            nbytes = n * self.cold_bytes(g)
+            if to_level > from_level:
+                gstats.offload_blocks += n
+                gstats.offload_bytes += nbytes
+            else:
+                gstats.onboard_blocks += n
+                gstats.onboard_bytes += nbytes
+        if self.sinks:
+            nodes = self.arena.node[pids]
+            for pid, nid in zip(pids.tolist(), nodes.tolist(), strict=True):
+                if nid >= 0:
+                    self.event(EventKind.MOVED, nid, int(self.arena.group[pid]), to_level,
+                               from_level=from_level)
+
+    def move(self, pids: np.ndarray, dst: Store, stream: Stream | None = None) -> np.ndarray:
+        """Move unlocked pages (one store) to ``dst``, which has room. Returns failures."""
+        return self._move(self.store_of(int(pids[0])), pids, dst, True, stream)
+
+    def onboard(self, pids: np.ndarray, stream: Stream | None = None) -> None:
+        """Move held pages of colder levels to level 0 (room must exist).
+
+        Raises:
+            TierIOError: a page could not be read; it is forgotten (dropped from the tree,
+                slot freed) and the others that were read stay on level 0.
+        """
+        if not len(pids):
+            return
+        a = self.arena
+        key = a.store[pids].astype(np.int64) * 1024 + np.asarray(
+            [self._pg_of[g] for g in a.group[pids].tolist()], dtype=np.int64)
+        for k in dict.fromkeys(key.tolist()):
+            batch = pids[key == k]
+            src = self.all_stores[k // 1024]
+            failed = self._move(src, batch, self.stores[0][k % 1024], True, stream)
+            if len(failed):
+                for pid in failed.tolist():
+                    self.lose(pid)
+                raise TierIOError(
+                    f"reading {len(failed)} pages from level {src.level} failed; they are "
+                    "dropped from the prefix tree and must be recomputed")
+
+    def fill(self, group: int, dst: np.ndarray, src: np.ndarray,
+             stream: Stream | None = None) -> None:
+        """Copy the data of source pages (any level) into level-0 pages ``dst``, leaving
+        the sources where they are.
+
+        Raises:
+            TierIOError: a source on a storage level could not be read.
+        """
+        if not len(dst):
+            return
+        a = self.arena
+        layout = self.layouts[self._pg_of[group]]
+        gpu = self.gpu_store(group)
+        stores = a.store[src]
+        for s in dict.fromkeys(stores.tolist()):
+            sel = stores == s
+            store = self.all_stores[s]
+            self.mover.copy(layout, store, a.slot[src[sel]], gpu, a.slot[dst[sel]], stream)
+            n = int(sel.sum())
+            if store.level == 0:
+                self.stats.groups[group].intra_device_copies += n
+            else:
+                self.stats.groups[group].onboard_blocks += n
+                self.stats.groups[group].onboard_bytes += n * self.cold_bytes(group)
+
+    def copy_blocks(self, group: int, dst: np.ndarray, src: np.ndarray,
+                    stream: Stream | None = None) -> None:
+        """Copy level-0 pages of ``group`` (``dst[i]`` from ``src[i]``) in every pool."""
+        if not len(dst):
+            return
+        a = self.arena
+        pairs = np.stack([a.slot[dst], a.slot[src]], axis=1).astype(np.int32)
+        tasks = []
+        for pool in self.gpu_store(group).pools:
+            assert isinstance(pool, DevicePool)
+            tasks.append(CopyTask(pool.region, pool.region, pool.slot_bytes, pairs))
+        self.backend.copy_pages_batch(tasks, stream)
+        self.stats.groups[group].intra_device_copies += len(dst)
+
+    def prefetch(self, pids: np.ndarray, level: int) -> int:
+        """Move pages up to ``level`` where room exists without pushing held pages."""
+        a = self.arena
+        moved = 0
+        for s, batch in group_by_store(a, pids):
+            by_dst: dict[int, list[int]] = {}
+            for pid in batch.tolist():
+                g = int(a.group[pid])
+                dst = self.gpu_store(g) if level == 0 else self.cold_store(level, g)
+                by_dst.setdefault(dst.index, []).append(pid)
+            for d, plist in by_dst.items():
+                dst = self.all_stores[d]
+                take = np.asarray(plist[: dst.num_free + len(dst.droppable)], dtype=np.int64)
+                if not len(take):
+                    continue
+                if len(take) > dst.num_free:
+                    victims = np.asarray(dst.droppable.pop_victims(
+                        len(take) - dst.num_free), dtype=np.int64)
+                    self.drop(dst, victims)
+                take = take[: dst.num_free]
+                failed = self._move(self.all_stores[s], take, dst)
+                moved += len(take) - len(failed)
+        return moved
+
+    # -- dropping ---------------------------------------------------------------------------------
+
+    def drop(self, store: Store, pids: np.ndarray, queued: bool = False) -> None:
+        """Remove droppable pages of ``store`` from the tree and free their slots
+        (``queued``: still in the droppable queue). A page every longer match needs
+        takes the subtree below its block with it."""
+        if not len(pids):
+            return
+        if queued:
+            store.droppable.remove_many(pids.tolist())
+        a = self.arena
+        tree = self.tree
+        nodes = a.node[pids].astype(np.int64)
+        groups = a.group[pids].astype(np.int64)
+        tree.pages[nodes, groups] = -1
+        a.node[pids] = NO_NODE
+        self._count_drops(groups, a.reused[pids])
+        if self.sinks:
+            level = store.level
+            for nid, g in zip(nodes.tolist(), groups.tolist(), strict=True):
+                self.event(EventKind.REMOVED, nid, g, level)
+        store.free_pages(pids)
+        inval = self._inval_all[groups] | (tree.ordinal[nodes] < self._inval_sinks[groups])
+        cand = nodes[inval]
+        # Page-less chains go first (a batch of victims is usually a chain's tail), so
+        # only nodes that keep children below them invalidate a subtree.
+        tree.collect(nodes)
+        if len(cand):
+            cand = cand[(tree.nchildren[cand] > 0) & tree.live(cand)]
+            for nid in cand.tolist():
+                self.invalidate_below(nid)
+                tree.collect(np.array([nid], dtype=np.int64))
+
+    def _count_drops(self, groups: np.ndarray, reused: np.ndarray) -> None:
+        for g in np.unique(groups).tolist():
+            sel = groups == g
+            gstats = self.stats.groups[g]
+            gstats.dropped_blocks += int(sel.sum())
+            gstats.dropped_before_reuse += int((sel & ~reused).sum())
+
+    def invalidate_below(self, nid: int) -> None:
+        """Detach every node below ``nid``: droppable pages freed, referenced ones become
+        private to their holders."""
+        tree = self.tree
+        a = self.arena
+        below = tree.subtree(nid)
+        if not below:
+            return
+        nodes = np.asarray(below, dtype=np.int64)
+        pages = tree.pages[nodes]
+        for g in range(pages.shape[1]):
+            col = pages[:, g]
+            have = col >= 0
+            if not have.any():
+                continue
+            pids = col[have]
+            if self.sinks:
+                for n, pid in zip(nodes[have].tolist(), pids.tolist(), strict=True):
+                    self.event(EventKind.REMOVED, n, g, int(a.level[pid]))
+            loose = (a.locks[pids] == 0) & (a.holds[pids] == 0)
+            a.node[pids[~loose]] = NO_NODE
+            gone = pids[loose]
+            if len(gone):
+                self._count_drops(np.full(len(gone), g), a.reused[gone])
+                popped = np.fromiter((p in self._limbo for p in gone.tolist()), np.bool_,
+                                     len(gone))
+                for s, batch in group_by_store(a, gone[popped]):
+                    a.node[batch] = NO_NODE
+                    self._limbo.difference_update(batch.tolist())
+                    self.all_stores[s].free_pages(batch)
+                for s, batch in group_by_store(a, gone[~popped]):
+                    self.all_stores[s].unpublish(batch)
+        for child in tree.children(nid):
+            tree.detach(child)
+
+    def unpublish_node(self, nid: int) -> None:
+        """Take every page out of a node (superseded partial block) and remove it."""
+        tree = self.tree
+        a = self.arena
+        for g in range(tree.num_groups):
+            pid = int(tree.pages[nid, g])
+            if pid < 0:
+                continue
+            tree.pages[nid, g] = -1
+            self.event(EventKind.REMOVED, nid, g, int(a.level[pid]))
+            self.store_of(pid).unpublish(np.array([pid], dtype=np.int64))
+        tree.detach(nid)
+
+    def lose(self, pid: int) -> None:
+        """A page whose data cannot be read: forget it everywhere (its holders keep a
+        dead reference and must recompute)."""
+        a = self.arena
+        tree = self.tree
+        nid = int(a.node[pid])
+        g = int(a.group[pid])
+        store = self.store_of(pid)
+        if nid >= 0:
+            tree.pages[nid, g] = -1
+            a.node[pid] = NO_NODE
+            self.event(EventKind.REMOVED, nid, g, store.level)
+            lc = self.life_cycles[g]
+            if not lc.is_ssm and lc.constrains_block(int(tree.ordinal[nid])) and (
+                    lc.window is None or tree.ordinal[nid] < lc.num_sink_blocks):
+                self.invalidate_below(nid)
+            tree.collect(np.array([nid], dtype=np.int64))
+        store.forget(np.array([pid], dtype=np.int64))
+        self.epoch += 1
+
+    def publish(self, pids: np.ndarray, nodes: np.ndarray, group: int,
+                tokens: Sequence[tuple[int, ...]] | None = None) -> None:
+        """Commit referenced pages of ``group`` into tree ``nodes``."""
+        self.tree.pages[nodes, group] = pids
+        self.arena.node[pids] = nodes
+        if self.sinks:
+            levels = self.arena.level[pids].tolist()
+            for i, (nid, lv) in enumerate(zip(nodes.tolist(), levels, strict=True)):
+                self.event(EventKind.STORED, nid, group, lv,
+                           tokens[i] if tokens is not None else self.tree.block_tokens(nid))
+
+    def clear(self) -> None:
+        """Drop every droppable page (no cache is open)."""
+        for store in self.all_stores:
+            while len(store.droppable):
+                self.drop(store, np.asarray(store.droppable.pop_victims(
+                    len(store.droppable)), dtype=np.int64))
+        self.tree.clear()
+        self.flush_events()
+
+    # -- events -----------------------------------------------------------------------------------
+
+    def event(self, kind: EventKind, nid: int, group: int, level: int,
+              token_ids: tuple[int, ...] = (), from_level: int | None = None) -> None:
+        if not self.sinks:
+            return
+        tree = self.tree
+        key = tree.key(nid)
+        parent = int(tree.parent[nid])
+        pkey = tree.key(parent) if parent >= 0 else None
+        self._events.append(BlockEvent(
+            kind=kind, block_key=key.hex() if key else f"partial:{nid:x}",
+            parent_key=pkey.hex() if pkey else None, group=group, level=level,
+            medium=self.medium(level), token_ids=token_ids, from_level=from_level))
+        if len(self._events) >= _EVENT_BATCH:
+            self.flush_events()
+
+    def flush_events(self) -> None:
+        """Deliver pending events. A sink that raises never disturbs the manager: the
+        batch is counted in ``event_sink_errors`` and a warning names the sink once."""
+        if not self._events:
+            return
+        batch, self._events = self._events, []
+        for sink in self.sinks:
+            try:
+                sink.on_events(batch)
+            except Exception as exc:  # a sink's failure must not break the engine's step
+                name = type(sink).__name__
+                if name not in self.event_sink_errors:
+                    warnings.warn(f"kvcm event sink {name} raised {type(exc).__name__}: "
+                                  f"{exc}; its events are dropped and counted",
+                                  RuntimeWarning, stacklevel=3)
+                self.event_sink_errors[name] = self.event_sink_errors.get(name, 0) + 1
+
+    # -- quotas -----------------------------------------------------------------------------------
+
+    def resize_level(self, level: int, slots: list[int]) -> bool:
+        """Give the stores of ``level`` these slot counts (every cache suspended), moving
+        pages out of released slots. False, with nothing changed, when they cannot fit."""
+        stores = self.stores[level]
+        plans = []
+        for store, new in zip(stores, slots, strict=True):
+            high = len(store.high_pages(new))
+            free_low = int((store.free_slots() < new).sum())
+            short = high - free_low
+            if short > 0 and not self.room(store, store.num_free + short):
+                return False
+            plans.append((store, new, short))
+        for store, new, short in plans:
+            if new >= store.num_slots:
+                store.grow(new)
+                continue
+            if short > 0:
+                try:
+                    self.make_room(store, store.num_free + short)
+                except OutOfPagesError:
+                    return False  # a write failed; pages that moved stay valid
+            high = store.high_pages(new)
+            low = np.sort(store.free_slots()[store.free_slots() < new])[: len(high)]
+            a = self.arena
+            for pid, slot in zip(high.tolist(), low.tolist(), strict=True):
+                layout = self.layouts[self._pg_of[int(a.group[pid])]]
+                self.mover.copy(layout, store, [int(a.slot[pid])], store, [slot])
+                store.relocate(pid, slot)
+            if len(high):
+                self.epoch += 1
+            store.shrink(new)
+        return True
+
+    # -- checks and shutdown ----------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Accounting identity per store, no slot owned twice, queue membership consistent
+        with page states, tree and pages pointing at each other."""
+        a = self.arena
+        tree = self.tree
+        for level, stores in enumerate(self.stores):
+            for store in stores:
+                store.check(level)
+                stats = StorageStatistics(level)
+                store.statistics(stats)
+                if stats.free + stats.evictable + stats.unavailable != stats.total:
+                    raise AssertionError("free + evictable + unavailable != total")
+                pids = store.pages()
+                nodes = a.node[pids]
+                c = nodes >= 0
+                if c.any() and (tree.pages[nodes[c], a.group[pids[c]]] != pids[c]).any():
+                    raise AssertionError(f"L{level}: a committed page not in its node")
+
+    def close(self) -> None:
+        self.flush_events()
+        for store in self.all_stores:
+            for pool in store.pools:
+                pool.close()
+        for tier in self.tiers:
+            tier.close()
+        self.mover.close()
+
