@@ -46,6 +46,7 @@ from typing import Any
 
 import attrs
 from rich.console import Console
+from rich.markup import escape
 
 from kvcm_core.config import KVCacheManagerConfig
 from kvcm_core.errors import ConfigError
@@ -241,7 +242,8 @@ def _verification_mode(every: int) -> dict[str, Any]:
     return {"mode": "sampled", "verify_every": every,
             "description": f"sampled: every page of every running request at every "
                            f"{every}th step, and each request's pages at its first step "
-                           f"after every admission or resume (records written every step)"}
+                           f"after every admission or resume (records written every step; "
+                           f"manager invariants every {every}x invariants_every steps)"}
 
 
 def _trace_infinite(records: Any, cfg: KVCacheManagerConfig) -> dict[str, Any]:
@@ -422,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(plots, str):
             notes.append(plots)
             if not args.quiet:
-                console.print(f"[yellow]note:[/] {plots}")
+                console.print(f"[yellow]note:[/] {escape(plots)}")
         elif not args.quiet:
             console.print(f"plots: {', '.join(str(p) for p in plots)}")
     if not args.quiet:

@@ -16,7 +16,8 @@ too large for that, ``verify_every=N`` samples it (:class:`_Sampler`): every pag
 running request is checked at every ``N``-th step, and each request's pages at its first
 step after it was admitted or resumed (where a wrong reuse or a lost migration shows
 first); the records are still written at every step, so a page corrupted in between is
-caught at the next full check while its request runs.
+caught at the next full check while its request runs. The manager's invariant check then
+runs every ``invariants_every * N`` steps (and at the end).
 
 The infinite-cache bound replays the requests, in the order the measured run created their
 caches, through a second manager whose only level holds the whole working set (nothing is
@@ -319,7 +320,8 @@ def run_trace(
         check: run the fingerprint check every step (writes always happen).
         verify_every: 1: check every page every step; ``N > 1``: sampled verification
             (every page every ``N``-th step, each request at its first step after it was
-            admitted or resumed; see the module docstring).
+            admitted or resumed, the invariant check every ``invariants_every * N``
+            steps; see the module docstring).
         on_step: called after every step with ``(manager, loop, step)`` (fault injection).
         progress: called after every step with the partial result and the step's report.
 
@@ -348,6 +350,8 @@ def run_trace(
     heapq.heapify(ready)
     nlevels = len(config.levels)
     every = max(1, sched.invariants_every) if sched.invariants_every else 0
+    if sampler is not None:
+        every *= verify_every  # sampled verification samples the invariant checks too
     series: dict[str, Any] = {"step": [], "hit_rate": [], "cumulative_hit_rate": [],
                               "running": [], "manager_us": [],
                               "occupancy": [[] for _ in range(nlevels)],
