@@ -87,11 +87,14 @@ def check_priorities(
     C-level passes (item types, ``min``, ``max``), never a Python loop unless to name the
     offending value.
     """
-    if type(priorities) is int:  # the common case first: a plain int
-        if 0 <= priorities <= max_priority:
-            return priorities
-        return check_priority(priorities, max_priority)
-    if isinstance(priorities, np.ndarray):
+    kind = type(priorities)
+    if kind is int:  # the common cases first: a plain int, a list
+        if 0 <= priorities <= max_priority:  # type: ignore[operator]
+            return priorities  # type: ignore[return-value]
+        return check_priority(priorities, max_priority)  # type: ignore[arg-type]
+    if kind is list:
+        items = priorities
+    elif isinstance(priorities, np.ndarray):
         if priorities.ndim == 0:
             return check_priority(priorities.item(), max_priority)
         if priorities.ndim != 1 or priorities.dtype.kind not in "iu":
@@ -106,23 +109,27 @@ def check_priorities(
         if lo < 0 or hi > max_priority:
             bad = priorities[(priorities < 0) | (priorities > max_priority)][0]
             raise ValueError(f"priority={int(bad)}: must be in 0..{max_priority}")
-        return lo if lo == hi else priorities.tolist()
-    if isinstance(priorities, bool | np.integer) or not isinstance(priorities, Sequence):
-        return check_priority(priorities, max_priority)  # type: ignore[arg-type]
-    if isinstance(priorities, str | bytes):
+        return lo if lo == hi else priorities.tolist()  # type: ignore[no-any-return]
+    elif isinstance(priorities, str | bytes):
         raise ValueError(f"priority={priorities!r}: must be an int in 0..{max_priority}")
-    items = priorities if type(priorities) is list else list(priorities)
-    _check_length(len(items), n)
+    elif isinstance(priorities, bool | np.integer) or not isinstance(priorities, Sequence):
+        return check_priority(priorities, max_priority)  # type: ignore[arg-type]
+    else:
+        items = list(priorities)
+    _check_length(len(items), n)  # type: ignore[arg-type]
     if n == 0:
         return DEFAULT_PRIORITY
-    if set(map(type, items)) != {int}:
-        for item in items:
+    if set(map(type, items)) != _INT_ONLY:  # type: ignore[arg-type]
+        for item in items:  # type: ignore[union-attr]
             check_priority(item, max_priority)  # raises on the first bad one
-        items = [int(p) for p in items]  # NumPy integer scalars
-    lo, hi = min(items), max(items)
+        items = [int(p) for p in items]  # type: ignore[union-attr]  # NumPy integer scalars
+    lo, hi = min(items), max(items)  # type: ignore[type-var]
     if lo < 0 or hi > max_priority:
         check_priority(lo if lo < 0 else hi, max_priority)
-    return lo if lo == hi else items
+    return lo if lo == hi else items  # type: ignore[return-value]
+
+
+_INT_ONLY = {int}
 
 
 def _check_length(got: int, n: int) -> None:

@@ -53,9 +53,7 @@ CAPABILITIES = EvictionPolicyCapabilities(
 
 _consume = deque(maxlen=0).extend  # runs an iterator to its end, in C
 _fromkeys = dict.fromkeys
-_pop = dict.pop
 _popitem = dict.popitem
-_setitem = dict.__setitem__
 _MISSING: Any = object()
 
 
@@ -87,13 +85,16 @@ class LruPolicy(EvictionPolicy):
             self._index.update(new)
             self._recent[prio].update(new)
             self._mask |= 1 << prio
-        else:
-            self._index.update(zip(pages, prio, strict=True))
-            _consume(map(_setitem, map(self._recent.__getitem__, prio), pages, repeat(None)))
-            mask = self._mask
-            for p in set(prio):
-                mask |= 1 << p
-            self._mask = mask
+            return
+        # Mixed priorities: a plain loop beats map() over unbound dict methods here.
+        self._index.update(zip(pages, prio, strict=True))
+        recents = self._recent
+        for page, p in zip(pages, prio, strict=True):
+            recents[p][page] = None
+        mask = self._mask
+        for p in set(prio):
+            mask |= 1 << p
+        self._mask = mask
 
     def _unlink(self, pages: list[int] | dict[int, Any], prios: list[int]) -> None:
         """Take distinct ``pages`` out of their buckets ``prios`` (not out of the index),
@@ -112,12 +113,11 @@ class LruPolicy(EvictionPolicy):
                 self._mask &= ~(1 << first)
             return
         recents, olders = self._recent, self._older
-        distinct = set(prios)
-        _consume(map(_pop, map(recents.__getitem__, prios), pages, repeat(None)))
-        if any(olders[p] for p in distinct):
-            _consume(map(_pop, map(olders.__getitem__, prios), pages, repeat(None)))
+        for page, p in zip(pages, prios, strict=True):
+            if recents[p].pop(page, _MISSING) is _MISSING:
+                del olders[p][page]
         mask = self._mask
-        for p in distinct:
+        for p in set(prios):
             if not recents[p] and not olders[p]:
                 mask &= ~(1 << p)
         self._mask = mask
@@ -241,23 +241,23 @@ class LruPolicy(EvictionPolicy):
                 recent.update(uses)
                 return
         prios = self._priorities(pages, "touch")  # raises naming the first absent page
-        if len(uses) != len(pages):
-            prios = list(map(self._index.__getitem__, uses))
         first = prios[0]
-        if prios.count(first) == len(prios):  # one priority: the bucket stays non-empty
+        if prios.count(first) == len(prios):  # one priority, both halves of its bucket
             recent, older = self._recent[first], self._older[first]
             if not older:
                 _consume(map(recent.pop, uses))
             elif list(map(recent.pop, uses, repeat(_MISSING))).count(_MISSING):
                 _consume(map(older.pop, uses, repeat(None)))
             recent.update(uses)
-        else:
-            self._unlink(uses, prios)
-            _consume(map(_setitem, map(self._recent.__getitem__, prios), uses, repeat(None)))
-            mask = self._mask
-            for p in set(prios):
-                mask |= 1 << p
-            self._mask = mask
+            return
+        # Mixed priorities: one page at a time, in order (repeats included); no bucket
+        # empties.
+        recents, olders = self._recent, self._older
+        for page, p in zip(pages, prios, strict=True):
+            recent = recents[p]
+            if recent.pop(page, _MISSING) is _MISSING:
+                del olders[p][page]
+            recent[page] = None
 
     def set_priority_many(self, pages: PageBatch, priorities: PriorityBatch) -> None:
         """Move each page to its priority as the most recently used page there, in order.
