@@ -94,6 +94,11 @@ def check_priorities(
         return check_priority(priorities, max_priority)  # type: ignore[arg-type]
     if kind is list:
         items = priorities
+        if len(items) == 1 == n:
+            p = items[0]
+            if type(p) is int and 0 <= p <= max_priority:
+                return p
+            return check_priority(p, max_priority)
     elif isinstance(priorities, np.ndarray):
         if priorities.ndim == 0:
             return check_priority(priorities.item(), max_priority)

@@ -225,11 +225,14 @@ class LruPolicy(EvictionPolicy):
             return
         if not pages:
             return
-        uses = _fromkeys(pages)
-        if len(uses) != len(pages):  # repeats: keep each page's last use, in order
-            uses = _fromkeys(reversed(_fromkeys(reversed(pages))))
-        p = self._index.get(pages[0])
-        if p is not None:  # fast paths: every page in one half of the first page's bucket
+        index = self._index
+        p = index.get(pages[0])
+        uses: dict[int, Any] | None = None
+        if p is not None and index.get(pages[-1]) == p:
+            # Likely one priority. Fast paths: every page in one half of that bucket.
+            uses = _fromkeys(pages)
+            if len(uses) != len(pages):  # repeats: keep each page's last use, in order
+                uses = _fromkeys(reversed(_fromkeys(reversed(pages))))
             recent = self._recent[p]
             if uses.keys() <= recent.keys():
                 _consume(map(recent.pop, uses))
@@ -243,6 +246,10 @@ class LruPolicy(EvictionPolicy):
         prios = self._priorities(pages, "touch")  # raises naming the first absent page
         first = prios[0]
         if prios.count(first) == len(prios):  # one priority, both halves of its bucket
+            if uses is None:
+                uses = _fromkeys(pages)
+                if len(uses) != len(pages):
+                    uses = _fromkeys(reversed(_fromkeys(reversed(pages))))
             recent, older = self._recent[first], self._older[first]
             if not older:
                 _consume(map(recent.pop, uses))
