@@ -141,9 +141,11 @@ class KVCache(ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, ScratchMixin):
 
     def _count_reuse(self, g: int, claimed: np.ndarray, nfull: int) -> None:
         stats = self._levels.stats
-        levels = self._arena.level[claimed]
-        for lv in np.unique(levels).tolist():
-            stats.reused_blocks_by_level[lv] += int((levels == lv).sum())
+        if len(claimed):
+            by_level = np.bincount(self._arena.level[claimed],
+                                   minlength=len(stats.reused_blocks_by_level))
+            for lv, n in enumerate(by_level.tolist()):
+                stats.reused_blocks_by_level[lv] += n
         stats.groups[g].reused_full_blocks += nfull
         stats.groups[g].reused_partial_blocks += len(claimed) - nfull
 
@@ -295,25 +297,29 @@ class KVCache(ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, ScratchMixin):
                 wanted[g] = [-1]
                 pg = L.pool_group_of(g)
                 needs[pg] = needs.get(pg, 0) + 1
-        mine_all = [p for p in self._all_pages() if p not in declined_ids]
-        cold = list(dict.fromkeys(p for p in mine_all if a.level[p] != 0))
-        for pid in cold:  # a page shared by beams moves once
-            pg = L.pool_group_of(int(a.group[pid]))
-            needs[pg] = needs.get(pg, 0) + 1
+        mine_all = _arr(self._all_pages())
+        if declined_ids:
+            mine_all = mine_all[~np.isin(mine_all, list(declined_ids))]
+        on_gpu = a.level[mine_all] == 0
+        cold_arr = mine_all[~on_gpu]
+        if len(cold_arr):  # a page shared by beams moves once
+            for pid in dict.fromkeys(cold_arr.tolist()):
+                pg = L.pool_group_of(int(a.group[pid]))
+                needs[pg] = needs.get(pg, 0) + 1
         limit = ctx.config.max_util_for_resume
-        mine: dict[int, int] = {}
-        warm = [p for p in mine_all if a.level[p] == 0]
-        for pid in warm:
-            pg = L.store_of(pid).pool_group
-            mine[pg] = mine.get(pg, 0) + 1
+        warm_arr = mine_all[on_gpu]
+        # Level-0 pages of ours per pool group (level-0 store index == pool group id).
+        mine = np.bincount(a.store[warm_arr], minlength=len(L.stores[0])) if len(
+            warm_arr) else np.zeros(len(L.stores[0]), dtype=np.int64)
         for store in L.stores[0]:
-            used = store.num_locked + mine.get(store.pool_group, 0) + needs.get(
+            used = store.num_locked + int(mine[store.pool_group]) + needs.get(
                 store.pool_group, 0)
             if used > limit * store.num_slots:
                 return False
+        warm = warm_arr.tolist()
         prios = self._priorities([b for blocks in wanted.values() for b in blocks])
         # Lock what is on the GPU first, so making room cannot push it down.
-        warm_by_beam = self._split_by_beam(set(warm))
+        warm_by_beam = self._split_by_beam(warm)
         for refs_b in warm_by_beam:
             L.change(_arr(refs_b), 1, -1)
         if not L.can_take(needs, extra):
@@ -332,9 +338,10 @@ class KVCache(ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, ScratchMixin):
         fresh: list[int] = []
         try:
             # Cold pages of ours come back in one batch per source store.
-            cold = list(dict.fromkeys(p for p in self._all_pages() if a.level[p] != 0))
+            allp = _arr(self._all_pages())
+            cold = list(dict.fromkeys(allp[a.level[allp] != 0].tolist()))
             L.onboard(_arr(cold), stream)
-            for refs_b in self._split_by_beam(set(cold)):
+            for refs_b in self._split_by_beam(cold):
                 L.change(_arr(refs_b), 1, -1)
             sources = {(g, b): src for g, b, src in self._pending}
             for g, blocks in wanted.items():
@@ -366,9 +373,12 @@ class KVCache(ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, ScratchMixin):
         self._status = CacheStatus.ACTIVE
         return True
 
-    def _split_by_beam(self, wanted: set[int]) -> list[list[int]]:
-        """The references of ``wanted`` pages, one unique list per beam."""
-        return [[p for p in refs if p in wanted] for refs in self._refs_by_beam()]
+    def _split_by_beam(self, wanted: list[int]) -> list[list[int]]:
+        """The references of ``wanted`` pages (in that order), one unique list per beam."""
+        if self.beam_width == 1:
+            return [wanted]
+        keep = set(wanted)
+        return [[p for p in refs if p in keep] for refs in self._refs_by_beam()]
 
     def _fail_resume(self, fresh: list[int]) -> None:
         """A read failed during resume: undo the locks, free new pages, and mark the cache

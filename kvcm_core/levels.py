@@ -39,6 +39,7 @@ from kvcm_core.types import CacheGroupId, pool_reuse_policy
 __all__ = ["Levels"]
 
 _EVENT_BATCH = 256
+_RESERVE_LIMIT = 1 << 20  # pages / nodes allocated up front at most
 
 
 class Levels:
@@ -122,6 +123,11 @@ class Levels:
             for ci, store in enumerate(self.stores[li]):
                 store.below = self.stores[li + 1][ci]
         self.all_stores = [s for level in self.stores for s in level]
+        # Every slot holds at most one page and every committed page one node: size the
+        # arrays once (up to a bound) rather than grow them under load.
+        total = sum(s.num_slots for s in self.all_stores)
+        self.arena.reserve(min(total + 64, _RESERVE_LIMIT))
+        tree.reserve(min(total + 64, _RESERVE_LIMIT))
 
     def _add_store(self, level: int, pg: int, pools: list[Any],
                    make_policy: Callable[[], EvictionPolicy], last: bool) -> None:
@@ -490,11 +496,17 @@ class Levels:
                 tree.collect(np.array([nid], dtype=np.int64))
 
     def _count_drops(self, groups: np.ndarray, reused: np.ndarray) -> None:
+        g0 = int(groups[0])
+        if len(self.life_cycles) == 1 or (groups == g0).all():
+            gstats = self.stats.groups[g0]
+            gstats.dropped_blocks += len(groups)
+            gstats.dropped_before_reuse += len(groups) - int(np.count_nonzero(reused))
+            return
         for g in np.unique(groups).tolist():
             sel = groups == g
             gstats = self.stats.groups[g]
             gstats.dropped_blocks += int(sel.sum())
-            gstats.dropped_before_reuse += int((sel & ~reused).sum())
+            gstats.dropped_before_reuse += int((sel & (reused == 0)).sum())
 
     def invalidate_below(self, nid: int) -> None:
         """Detach every node below ``nid``: droppable pages freed, referenced ones become

@@ -154,7 +154,6 @@ class PrefixTree:
         self.index: dict[bytes, int] = {}  # chain key (and scope root key) -> node
         self.num_nodes = 0  # nodes below the roots
         self._roots: dict[bytes, int] = {}
-        self._keys: list[bytes | None] = []
         self._unlinked: list[int] = []  # parents that lost a child (collect looks at them)
         self._partials: dict[int, list[int]] = {}  # parent -> its partial children
         # Parents with a wide fan-out (scope roots, popular prefixes): first token -> their
@@ -165,43 +164,57 @@ class PrefixTree:
         self._mm_items: dict[int, tuple[Any, ...]] = {}
         self._alloc_arrays(max(16, capacity))
 
+    # One int32 row per node (parent, ordinal, ntok, mm, first_child, next_sib, prev_sib,
+    # nchildren): a new node's row is written with one assignment.
+    _BLANK = (NO_NODE, _FREED, 0, 0, NO_NODE, NO_NODE, NO_NODE, 0)
+
+    def _bind(self) -> None:
+        rows = self._rows
+        self.parent, self.ordinal, self.ntok, self.mm, self.first_child, self.next_sib, \
+            self.prev_sib, self.nchildren = (rows[:, i] for i in range(8))
+
     def _alloc_arrays(self, cap: int) -> None:
-        self.parent = np.full(cap, NO_NODE, dtype=np.int32)
-        self.ordinal = np.full(cap, _FREED, dtype=np.int32)
-        self.ntok = np.zeros(cap, dtype=np.int16)
-        self.mm = np.zeros(cap, dtype=np.bool_)
-        self.first_child = np.full(cap, NO_NODE, dtype=np.int32)
-        self.next_sib = np.full(cap, NO_NODE, dtype=np.int32)
-        self.prev_sib = np.full(cap, NO_NODE, dtype=np.int32)
-        self.nchildren = np.zeros(cap, dtype=np.int32)
+        self._rows = np.tile(np.asarray(self._BLANK, dtype=np.int32), (cap, 1))
+        self._bind()
         self.pages = np.full((cap, self.num_groups), -1, dtype=np.int64)
         self.tokens = np.zeros((cap, self.tpb), dtype=np.int32)
-        self._keys = [None] * cap
+        self._flag = np.zeros(cap, dtype=np.bool_)  # scratch marks (always all False)
+        self._aux = np.zeros(cap, dtype=np.bool_)  # node has an entry in a side table
+        self._keys = np.full(cap, None, dtype=object)  # chain key per node (None: partial)
         self._free = np.arange(cap - 1, -1, -1, dtype=np.int64)
         self._nfree = cap
 
     @property
     def capacity(self) -> int:
-        return len(self.parent)
+        return len(self._rows)
 
     def _grow(self, need: int) -> None:
         old = self.capacity
         new = max(2 * old, old + need)
-        for name in ("parent", "ordinal", "ntok", "mm", "first_child", "next_sib",
-                     "prev_sib", "nchildren", "pages", "tokens"):
+        rows = np.tile(np.asarray(self._BLANK, dtype=np.int32), (new, 1))
+        rows[:old] = self._rows
+        self._rows = rows
+        self._bind()
+        for name in ("pages", "tokens", "_flag", "_aux"):
             arr = getattr(self, name)
-            fill = NO_NODE if name in ("parent", "first_child", "next_sib", "prev_sib",
-                                       "pages") else _FREED if name == "ordinal" else 0
-            grown = np.full((new, *arr.shape[1:]), fill, dtype=arr.dtype)
+            grown = np.full((new, *arr.shape[1:]), -1 if name == "pages" else 0,
+                            dtype=arr.dtype)
             grown[:old] = arr
             setattr(self, name, grown)
-        self._keys.extend([None] * (new - old))
+        keys = np.full(new, None, dtype=object)
+        keys[:old] = self._keys
+        self._keys = keys
         free = np.empty(new, dtype=np.int64)
         added = np.arange(new - 1, old - 1, -1, dtype=np.int64)
         free[: len(added)] = added
         free[len(added) : len(added) + self._nfree] = self._free[: self._nfree]
         self._free = free
         self._nfree += len(added)
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` nodes without growing (growing copies every array)."""
+        if n > self.capacity:
+            self._grow(n - self.capacity)
 
     def _alloc(self, n: int) -> np.ndarray:
         if n > self._nfree:
@@ -308,11 +321,13 @@ class PrefixTree:
         self.nchildren[parent] += 1
         if self._keys[nid] is None:
             self._partials.setdefault(parent, []).append(nid)
+            self._aux[parent] = True
         index = self._by_first.get(parent)
         if index is not None:
             index.setdefault(int(self.tokens[nid, 0]), []).append(nid)
         elif self.nchildren[parent] > _INDEX_FANOUT:
             index = self._by_first[parent] = {}
+            self._aux[parent] = True
             for c in self.children(parent):
                 index.setdefault(int(self.tokens[c, 0]), []).append(c)
 
@@ -331,40 +346,30 @@ class PrefixTree:
         tokens and digests of block ``i`` when ``mm``). Returns their ids."""
         n = len(keys)
         nids = self._alloc(n)
+        self._rows[nids] = (NO_NODE, 0, self.tpb, int(mm), NO_NODE, NO_NODE, NO_NODE, 0)
         self.parent[nids[0]] = parent
         if n > 1:
             self.parent[nids[1:]] = nids[:-1]
             self.first_child[nids[:-1]] = nids[1:]
             self.nchildren[nids[:-1]] = 1
-        self.first_child[nids[-1]] = NO_NODE
-        self.nchildren[nids[-1]] = 0
-        self.next_sib[nids] = NO_NODE
-        self.prev_sib[nids] = NO_NODE
         self.ordinal[nids] = np.arange(first_ordinal, first_ordinal + n, dtype=np.int32)
-        self.ntok[nids] = self.tpb
-        self.mm[nids] = mm
         self.pages[nids] = -1
         self.tokens[nids] = tokens
-        keyl = self._keys
-        index = self.index
-        for nid, key in zip(nids.tolist(), keys, strict=True):
-            keyl[nid] = key
-            index[key] = nid
+        nl = nids.tolist()
+        self._keys[nids] = keys
+        self.index.update(zip(keys, nl, strict=True))
         if mm and items is not None:
             for nid, its in zip(nids.tolist(), items, strict=True):
                 self._mm_items[nid] = tuple(its)
+                self._aux[nid] = True
         self._link(parent, int(nids[0]))
         self.num_nodes += n
         return nids
 
     def add_partial(self, parent: int, tokens: Sequence[int]) -> int:
         nid = int(self._alloc(1)[0])
-        self.parent[nid] = parent
-        self.first_child[nid] = NO_NODE
-        self.nchildren[nid] = 0
-        self.ordinal[nid] = int(self.ordinal[parent]) + 1
-        self.ntok[nid] = len(tokens)
-        self.mm[nid] = False
+        self._rows[nid] = (parent, int(self.ordinal[parent]) + 1, len(tokens), 0, NO_NODE,
+                           NO_NODE, NO_NODE, 0)
         self.pages[nid] = -1
         self.tokens[nid, : len(tokens)] = tokens
         self._keys[nid] = None
@@ -404,26 +409,22 @@ class PrefixTree:
 
     def _forget(self, nids: np.ndarray) -> None:
         """Free node ids (already unlinked; their keys leave the index)."""
-        keyl = self._keys
-        index = self.index
-        for nid in nids.tolist():
-            key = keyl[nid]
+        pop = self.index.pop
+        for key in self._keys[nids].tolist():
             if key is not None:
-                if index.get(key) == nid:
-                    del index[key]
-                keyl[nid] = None
+                pop(key, None)
+        self._keys[nids] = None
         self._release_ids(nids)
 
     def _release_ids(self, nids: np.ndarray) -> None:
-        if self._by_first or self._partials or self._mm_items:
-            for nid in nids.tolist():
+        flagged = nids[self._aux[nids]]
+        if len(flagged):  # nodes with an entry in a side table (few)
+            self._aux[flagged] = False
+            for nid in flagged.tolist():
                 self._by_first.pop(nid, None)
                 self._partials.pop(nid, None)
                 self._mm_items.pop(nid, None)
-        self.ordinal[nids] = _FREED
-        self.parent[nids] = NO_NODE
-        self.first_child[nids] = NO_NODE
-        self.nchildren[nids] = 0
+        self._rows[nids] = self._BLANK
         self.pages[nids] = -1
         top = self._nfree
         self._free[top : top + len(nids)] = nids[::-1]
@@ -442,43 +443,52 @@ class PrefixTree:
         at once), then their parents likewise; a scope root goes once nothing is cached
         under it."""
         self._unlinked.clear()
+        flag = self._flag
         while len(nids):
-            cand = np.unique(nids)
-            cand = cand[(self.pages[cand] < 0).all(axis=1) & (self.ordinal[cand] >= 0)
-                        & (self.parent[cand] != NO_NODE)]
+            cand = nids[(self.ordinal[nids] >= 0) & (self.pages[nids] < 0).all(axis=1)]
             if not len(cand):
                 return
-            # Fixed point: a candidate goes when every child of it goes.
+            if len(cand) > 1 and self.num_groups > 1:
+                cand = np.unique(cand)  # a node may lose pages of several groups at once
+            # Fixed point: a candidate goes when every child of it goes too.
             while True:
                 par = self.parent[cand]
-                inside = np.isin(par, cand)
-                kids = np.zeros(len(cand), dtype=np.int64)
-                if inside.any():
-                    pos = np.searchsorted(cand, par[inside])
-                    kids = np.bincount(pos, minlength=len(cand))
-                ok = self.nchildren[cand] == kids
+                nch = self.nchildren[cand]
+                if nch.max() <= 1:
+                    flag[par] = True  # candidates with a candidate child
+                    ok = nch == flag[cand]
+                    flag[par] = False
+                else:
+                    order = np.sort(cand)
+                    inside = np.isin(par, order)
+                    kids = np.zeros(len(order), dtype=np.int64)
+                    if inside.any():
+                        kids = np.bincount(np.searchsorted(order, par[inside]),
+                                           minlength=len(order))
+                    ok = nch == kids[np.searchsorted(order, cand)]
                 if ok.all():
                     break
                 cand = cand[ok]
                 if not len(cand):
                     return
-            par = self.parent[cand]
-            tops = cand[~np.isin(par, cand)]
+            flag[cand] = True
+            tops = cand[~flag[par]]
+            flag[cand] = False
             for nid in tops.tolist():
                 self._unlink(nid)
             self.num_nodes -= len(cand)
             self._forget(cand)
-            up = np.unique(np.asarray(self._unlinked, dtype=np.int64))
+            up = np.asarray(self._unlinked, dtype=np.int64)
             self._unlinked.clear()
-            bare_roots = up[(self.parent[up] == NO_NODE) & (self.nchildren[up] == 0)]
-            for r in bare_roots.tolist():
+            bare = up[self.nchildren[up] == 0]
+            for r in bare[self.parent[bare] == NO_NODE].tolist():
                 key = self._keys[r]
                 if key is not None and self._roots.get(key) == r:
                     del self._roots[key]
                     del self.index[key]
                     self._keys[r] = None
                     self._release_ids(np.array([r], dtype=np.int64))
-            nids = up[(self.parent[up] != NO_NODE) & (self.nchildren[up] == 0)]
+            nids = bare[self.parent[bare] != NO_NODE]
 
     def clear(self) -> None:
         self.index.clear()

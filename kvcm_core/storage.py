@@ -76,35 +76,35 @@ class PageArena:
         reused: claimed by a request other than its writer.
     """
 
+    #: Columns of the row array, and a free page's row.
+    FIELDS = ("store", "slot", "group", "locks", "holds", "node", "priority", "reused", "level")
+    _BLANK = (-1, -1, 0, 0, 0, -1, DEFAULT_PRIORITY, 0, -1)
+
     def __init__(self, capacity: int = 1024) -> None:
         capacity = max(16, capacity)
-        self.store = np.full(capacity, -1, dtype=np.int32)
-        self.slot = np.full(capacity, -1, dtype=np.int32)
-        self.group = np.zeros(capacity, dtype=np.int16)
-        self.locks = np.zeros(capacity, dtype=np.int32)
-        self.holds = np.zeros(capacity, dtype=np.int32)
-        self.node = np.full(capacity, -1, dtype=np.int32)
-        self.priority = np.full(capacity, DEFAULT_PRIORITY, dtype=np.int8)
-        self.reused = np.zeros(capacity, dtype=np.bool_)
-        self.level = np.full(capacity, -1, dtype=np.int8)
+        # One int32 row per page: a new page's row is written with one assignment.
+        self._rows = np.tile(np.asarray(self._BLANK, dtype=np.int32), (capacity, 1))
+        self._bind()
         self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
         self._nfree = capacity
         self.live = 0
 
+    def _bind(self) -> None:
+        rows = self._rows
+        self.store, self.slot, self.group, self.locks, self.holds, self.node, \
+            self.priority, self.reused, self.level = (rows[:, i] for i in range(9))
+
     @property
     def capacity(self) -> int:
-        return len(self.store)
+        return len(self._rows)
 
     def _grow(self, need: int) -> None:
         old = self.capacity
         new = max(2 * old, old + need)
-        for name, fill in (("store", -1), ("slot", -1), ("group", 0), ("locks", 0),
-                           ("holds", 0), ("node", -1), ("priority", DEFAULT_PRIORITY),
-                           ("reused", False), ("level", -1)):
-            arr = getattr(self, name)
-            grown = np.full(new, fill, dtype=arr.dtype)
-            grown[:old] = arr
-            setattr(self, name, grown)
+        rows = np.tile(np.asarray(self._BLANK, dtype=np.int32), (new, 1))
+        rows[:old] = self._rows
+        self._rows = rows
+        self._bind()
         free = np.empty(new, dtype=np.int64)
         added = np.arange(new - 1, old - 1, -1, dtype=np.int64)
         free[: len(added)] = added
@@ -112,32 +112,31 @@ class PageArena:
         self._free = free
         self._nfree += len(added)
 
-    def alloc(self, n: int) -> np.ndarray:
-        """``n`` fresh page ids (rows reset to defaults by :meth:`release`)."""
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` pages without growing."""
+        if n > self.capacity:
+            self._grow(n - self.capacity)
+
+    def alloc(self, n: int, row: tuple[int, ...] | None = None) -> np.ndarray:
+        """``n`` fresh page ids, their rows set to ``row`` (default: a blank row)."""
         if n > self._nfree:
             self._grow(n - self._nfree)
         top = self._nfree
         pids = self._free[top - n : top][::-1].copy()
         self._nfree = top - n
         self.live += n
+        self._rows[pids] = self._BLANK if row is None else row
         return pids
 
     def release(self, pids: np.ndarray) -> None:
-        """Forget pages (no owner, not in the tree, slot already given back)."""
+        """Forget pages (no owner, not in the tree, slot already given back). Their rows
+        are rewritten when the ids are handed out again."""
         n = len(pids)
         if not n:
             return
         self.store[pids] = -1
-        self.slot[pids] = -1
         self.level[pids] = -1
-        self.node[pids] = -1
-        self.locks[pids] = 0
-        self.holds[pids] = 0
-        self.priority[pids] = DEFAULT_PRIORITY
-        self.reused[pids] = False
         top = self._nfree
-        if top + n > len(self._free):  # pragma: no cover - the stack is sized to capacity
-            self._free = np.resize(self._free, top + n)
         self._free[top : top + n] = pids[::-1]
         self._nfree = top + n
         self.live -= n
@@ -227,16 +226,13 @@ class Store:
                 f"level {self.level} pool group {self.pool_group}: {n} slots wanted, "
                 f"{self._nfree} free")
         a = self.arena
-        pids = a.alloc(n)
+        pids = a.alloc(n, (self.index, -1, group, locks, 0, -1, DEFAULT_PRIORITY, 0,
+                           self.level))
         top = self._nfree
         slots = self._free[top - n : top][::-1]
         self._nfree = top - n
         self._pid[slots] = pids
-        a.store[pids] = self.index
         a.slot[pids] = slots
-        a.level[pids] = self.level
-        a.group[pids] = group
-        a.locks[pids] = locks
         return pids
 
     def reserve_slots(self, n: int) -> np.ndarray:
@@ -331,12 +327,12 @@ class Store:
         held = a.holds[p] > 0
         if held.any():
             h = p[held]
-            self.held.insert_many(h.tolist(), a.priority[h].tolist())
+            self.held.insert_many(h.tolist(), _priorities(a.priority[h]))
             p = p[~held]
         committed = a.node[p] >= 0
         d = p[committed]
         if len(d):
-            self.droppable.insert_many(d.tolist(), a.priority[d].tolist())
+            self.droppable.insert_many(d.tolist(), _priorities(a.priority[d]))
         if not committed.all():
             self.free_pages(p[~committed])
 
@@ -361,11 +357,11 @@ class Store:
             a.locks[pids] = 0
             committed = a.node[pids] >= 0
             if committed.all():
-                self.droppable.insert_many(pids.tolist(), a.priority[pids].tolist())
+                self.droppable.insert_many(pids.tolist(), _priorities(a.priority[pids]))
                 return
             d = pids[committed]
             if len(d):
-                self.droppable.insert_many(d.tolist(), a.priority[d].tolist())
+                self.droppable.insert_many(d.tolist(), _priorities(a.priority[d]))
             self.free_pages(pids[~committed])
             return
         self.change(pids, -1, 0)
@@ -493,6 +489,12 @@ class Store:
                 raise AssertionError(f"{a.describe(pid)} missing from the droppable queue")
         if int(droppable.sum()) != len(self.droppable) or int(held.sum()) != len(self.held):
             raise AssertionError("eviction queues hold pages of other states")
+
+
+def _priorities(prios: np.ndarray) -> int | list[int]:
+    """One int when every page has the same priority (the policies' fast path)."""
+    p0 = int(prios[0])
+    return p0 if (prios == p0).all() else prios.tolist()
 
 
 def as_pids(pages: Sequence[int] | np.ndarray) -> np.ndarray:
