@@ -421,21 +421,29 @@ class KVCache(ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, ScratchMixin):
         far); history advances to at least their end and full blocks are published."""
         if self._status is not CacheStatus.ACTIVE:
             self._require(CacheStatus.ACTIVE)
+        short = False
         if isinstance(tokens, np.ndarray):
             if tokens.dtype != np.int32:
                 tokens = np.frombuffer(encode_tokens(tokens)[0], dtype="<i4")  # range check
         elif not isinstance(tokens, list | tuple):
             tokens = list(tokens)
         # Refuse bad tokens before anything changes (a cheap check for decode steps).
+        elif len(tokens) == 1 and type(tokens[0]) is int and -_I32 <= tokens[0] < _I32:
+            short = True  # the decode step
         elif len(tokens) > 4 or not all(type(t) is int and -_I32 <= t < _I32 for t in tokens):
             encode_tokens(tokens)
-        known = len(self._tokens)
+        else:
+            short = True
+        known = self._tokens.n
         end = known + len(tokens)
         if end > self._capacity:
             raise ValueError(
                 f"commit of {len(tokens)} tokens after {known} known ends at {end}, past "
                 f"capacity {self._capacity}")
-        self._tokens.extend(tokens)
+        if short:
+            self._tokens.extend_ints(tokens)
+        else:
+            self._tokens.extend(tokens)
         moved = end > self._history
         if moved:
             self._history = end
@@ -464,7 +472,7 @@ class KVCache(ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, ScratchMixin):
             return
         ctx = self._ctx
         L = self._levels
-        if self._commit_on and len(self._tokens) <= self._history:
+        if self._commit_on and self._tokens.n <= self._history:
             self._publish_at_close()
         active = self._status is CacheStatus.ACTIVE
         self._drop_scratch()

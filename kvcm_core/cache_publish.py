@@ -83,9 +83,18 @@ class PublishMixin:
             return
         parent = self._nodes[b - 1] if b else tree.root(self._root_key)
         rows, mm = self._tokens.rows(b * tpb, b1 * tpb, tpb)
-        first = tuple(rows[0].tolist())
-        if tree.first_child[parent] != NO_NODE:
-            self._supersede_partials(parent, first)
+        if tree.has_partial_children(parent):
+            self._supersede_partials(parent, tuple(rows[0].tolist()))
+        if b1 - b == 1 and not mm:  # the decode step: one block, scalar bookkeeping
+            nid = tree.add_one(parent, keys[b], rows[0], b)
+            for g in groups:
+                pages_g = self._pages[g]
+                mine = pages_g[b] if b < len(pages_g) else -1
+                if mine >= 0 and a.node[mine] < 0:
+                    L.publish_one(mine, nid, g)
+            self._nodes.append(nid)
+            self._published = b1
+            return
         items = None
         if mm:
             flat = list(self._tokens.items(b * tpb, b1 * tpb))
@@ -156,7 +165,7 @@ class PublishMixin:
         known tokens (for the SSM snapshot), or ``NO_NODE``."""
         tree = self._tree
         tpb = self._tpb
-        n = len(self._tokens)
+        n = self._tokens.n
         b = n // tpb
         if n % tpb == 0:
             return self._nodes[b - 1] if b and self._published >= b else NO_NODE
@@ -166,7 +175,7 @@ class PublishMixin:
         if parent == NO_NODE:
             return NO_NODE
         part_t = self._tokens.tail(b * tpb)
-        if not all(isinstance(t, int) for t in part_t):
+        if self._tokens.has_digests and not all(isinstance(t, int) for t in part_t):
             return NO_NODE  # partial blocks with multimodal items are not shared
         for child in tree.children_starting(parent, part_t[0]):
             ctoks = tree.block_tokens(child)
@@ -189,7 +198,7 @@ class PublishMixin:
         """The trailing partial block, and the live SSM state where it ends exactly at the
         cache's history."""
         nid = self._publish_tail()
-        if nid == NO_NODE or len(self._tokens) != self._history or \
+        if nid == NO_NODE or self._tokens.n != self._history or \
                 self._tree.end(nid) != self._history:
             return
         ctx = self._ctx

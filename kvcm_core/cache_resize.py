@@ -144,7 +144,7 @@ class ResizeMixin:
             pages_g.extend([-1] * (nb_new - len(pages_g)))
             for b, pid in zip(blocks, self._new_pages(g, blocks, prios), strict=True):
                 pages_g[b] = pid
-        if history < len(self._tokens):
+        if history < self._tokens.n:
             self._tokens.truncate(history)
             del self._keys[history // tpb:]
         self._capacity = capacity

@@ -64,10 +64,9 @@ class LifeCycleKind:
         p = np.asarray(pages[:nb], dtype=np.int64)
         table = np.full(nb, BAD_PAGE_INDEX, dtype=np.int32)
         if len(p):
-            q = p[p >= 0]
-            have = np.flatnonzero(p >= 0)
-            on_gpu = arena.level[q] == 0
-            table[have[on_gpu]] = arena.slot[q[on_gpu]]
+            # p == -1 reads the last row; the mask discards it.
+            ok = (p >= 0) & (arena.level[p] == 0)
+            table[: len(p)] = np.where(ok, arena.slot[p], BAD_PAGE_INDEX)
         start, stop = self.stale_range(history)
         if stop > start:
             table[start:stop] = BAD_PAGE_INDEX

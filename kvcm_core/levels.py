@@ -576,6 +576,14 @@ class Levels:
         store.forget(np.array([pid], dtype=np.int64))
         self.epoch += 1
 
+    def publish_one(self, pid: int, nid: int, group: int) -> None:
+        """Commit one referenced page into tree node ``nid``."""
+        self.tree.pages[nid, group] = pid
+        self.arena.node[pid] = nid
+        if self.sinks:
+            self.event(EventKind.STORED, nid, group, int(self.arena.level[pid]),
+                       self.tree.block_tokens(nid))
+
     def publish(self, pids: np.ndarray, nodes: np.ndarray, group: int,
                 tokens: Sequence[tuple[int, ...]] | None = None) -> None:
         """Commit referenced pages of ``group`` into tree ``nodes``."""

@@ -216,6 +216,12 @@ class PrefixTree:
         if n > self.capacity:
             self._grow(n - self.capacity)
 
+    def _alloc_one(self) -> int:
+        if not self._nfree:
+            self._grow(1)
+        self._nfree -= 1
+        return int(self._free[self._nfree])
+
     def _alloc(self, n: int) -> np.ndarray:
         if n > self._nfree:
             self._grow(n - self._nfree)
@@ -366,8 +372,24 @@ class PrefixTree:
         self.num_nodes += n
         return nids
 
+    def add_one(self, parent: int, key: bytes, tokens: np.ndarray, ordinal: int) -> int:
+        """One new full block under ``parent`` (the decode step's path of
+        :meth:`add_chain`)."""
+        nid = self._alloc_one()
+        self._rows[nid] = (parent, ordinal, self.tpb, 0, NO_NODE, NO_NODE, NO_NODE, 0)
+        self.pages[nid] = -1
+        self.tokens[nid] = tokens
+        self._keys[nid] = key
+        self.index[key] = nid
+        self._link(parent, nid)
+        self.num_nodes += 1
+        return nid
+
+    def has_partial_children(self, nid: int) -> bool:
+        return nid in self._partials
+
     def add_partial(self, parent: int, tokens: Sequence[int]) -> int:
-        nid = int(self._alloc(1)[0])
+        nid = self._alloc_one()
         self._rows[nid] = (parent, int(self.ordinal[parent]) + 1, len(tokens), 0, NO_NODE,
                            NO_NODE, NO_NODE, 0)
         self.pages[nid] = -1

@@ -117,6 +117,15 @@ class PageArena:
         if n > self.capacity:
             self._grow(n - self.capacity)
 
+    def alloc_one(self, row: tuple[int, ...]) -> int:
+        if not self._nfree:
+            self._grow(1)
+        self._nfree -= 1
+        pid = int(self._free[self._nfree])
+        self._rows[pid] = row
+        self.live += 1
+        return pid
+
     def alloc(self, n: int, row: tuple[int, ...] | None = None) -> np.ndarray:
         """``n`` fresh page ids, their rows set to ``row`` (default: a blank row)."""
         if n > self._nfree:
@@ -226,6 +235,14 @@ class Store:
                 f"level {self.level} pool group {self.pool_group}: {n} slots wanted, "
                 f"{self._nfree} free")
         a = self.arena
+        if n == 1:  # the decode step: scalar bookkeeping
+            top = self._nfree - 1
+            slot = int(self._free[top])
+            self._nfree = top
+            pid = a.alloc_one((self.index, slot, group, locks, 0, -1, DEFAULT_PRIORITY, 0,
+                               self.level))
+            self._pid[slot] = pid
+            return np.array([pid], dtype=np.int64)
         pids = a.alloc(n, (self.index, -1, group, locks, 0, -1, DEFAULT_PRIORITY, 0,
                            self.level))
         top = self._nfree

@@ -1,5 +1,6 @@
 """A request's known tokens: an int32 buffer grown by doubling (a list once multimodal
-digests appear), so that hashing a range of blocks encodes nothing again."""
+digests appear), so that hashing a range of blocks encodes nothing again. Decode steps
+append to a short Python list that is moved into the buffer only when a block is read."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ __all__ = ["TokenLog"]
 
 
 class TokenLog:
-    """Tokens ``[0, len)`` of one request.
+    """Tokens ``[0, n)`` of one request (``n`` is public and always current).
 
     Args:
         tokens: the initial tokens (a list or an integer array).
@@ -23,57 +24,89 @@ class TokenLog:
     def __init__(self, tokens: Sequence[Any] | np.ndarray) -> None:
         self._list: list[Any] | None = None
         self._buf = np.empty(max(64, len(tokens)), dtype=np.int32)
-        self._n = 0
+        self._nbuf = 0  # tokens in the buffer
+        self._tail: list[int] = []  # validated int tokens after the buffer
+        self.n = 0
         self.extend(tokens)
 
     def __len__(self) -> int:
-        return self._n if self._list is None else len(self._list)
+        return self.n
+
+    def _flush(self) -> None:
+        tail = self._tail
+        if not tail:
+            return
+        k = len(tail)
+        self._reserve(k)
+        self._buf[self._nbuf : self._nbuf + k] = tail
+        self._nbuf += k
+        tail.clear()
+
+    def _reserve(self, k: int) -> None:
+        if self._nbuf + k > len(self._buf):
+            grown = np.empty(max(2 * len(self._buf), self._nbuf + k), dtype=np.int32)
+            grown[: self._nbuf] = self._buf[: self._nbuf]
+            self._buf = grown
 
     def extend(self, tokens: Sequence[Any] | np.ndarray) -> None:
-        """Append tokens (already validated by the caller or by :func:`encode_tokens`)."""
-        if self._list is not None:
-            self._list.extend(tokens.tolist() if isinstance(tokens, np.ndarray) else tokens)
-            return
+        """Append tokens (validated here, by :func:`encode_tokens`)."""
         n = len(tokens)
         if not n:
             return
+        if self._list is not None:
+            self._list.extend(tokens.tolist() if isinstance(tokens, np.ndarray) else tokens)
+            self.n += n
+            return
+        self._flush()
         if isinstance(tokens, np.ndarray):
             arr = tokens
         else:
             data, mm = encode_tokens(tokens)
             if mm:  # digests: keep a list from now on
-                self._list = [*self._buf[: self._n].tolist(), *tokens]
+                self._list = [*self._buf[: self._nbuf].tolist(), *tokens]
+                self.n += n
                 return
             arr = np.frombuffer(data, dtype="<i4")
-        if self._n + n > len(self._buf):
-            grown = np.empty(max(2 * len(self._buf), self._n + n), dtype=np.int32)
-            grown[: self._n] = self._buf[: self._n]
-            self._buf = grown
-        self._buf[self._n : self._n + n] = arr
-        self._n += n
+        self._reserve(n)
+        self._buf[self._nbuf : self._nbuf + n] = arr
+        self._nbuf += n
+        self.n += n
+
+    def extend_ints(self, tokens: Sequence[int]) -> None:
+        """Append a few int tokens the caller has validated (the decode step)."""
+        if self._list is not None:
+            self._list.extend(tokens)
+        else:
+            self._tail.extend(tokens)
+        self.n += len(tokens)
 
     def truncate(self, n: int) -> None:
         if self._list is not None:
             del self._list[n:]
         else:
-            self._n = min(self._n, n)
+            self._flush()
+            self._nbuf = min(self._nbuf, n)
+        self.n = min(self.n, n)
 
     def items(self, a: int, b: int | None = None) -> Sequence[Any]:
         """Tokens ``[a, b)``: an int32 array, or a list holding digests."""
         if self._list is not None:
             return self._list[a:b]
-        return self._buf[a : self._n if b is None else min(b, self._n)]
+        self._flush()
+        return self._buf[a : self._nbuf if b is None else min(b, self._nbuf)]
 
     def data(self, a: int, b: int) -> bytes | None:
         """Tokens ``[a, b)`` as 4-byte little-endian ints (None once digests appear)."""
         if self._list is not None:
             return None
+        self._flush()
         return self._buf[a:b].tobytes()
 
     def rows(self, a: int, b: int, tpb: int) -> tuple[np.ndarray, bool]:
         """Blocks of tokens ``[a, b)`` as ``[n, tpb]`` int32 (digests by their 32-bit id),
         and whether any digest was among them."""
         if self._list is None:
+            self._flush()
             return self._buf[a:b].reshape(-1, tpb), False
         items = self._list[a:b]
         ids = [token_id32(t) for t in items]
@@ -81,4 +114,10 @@ class TokenLog:
         return np.asarray(ids, dtype=np.uint32).view(np.int32).reshape(-1, tpb), mm
 
     def tail(self, a: int) -> tuple[Any, ...]:
-        return tuple(self.items(a).tolist() if self._list is None else self._list[a:])
+        if self._list is not None:
+            return tuple(self._list[a:])
+        return tuple(self.items(a).tolist())
+
+    @property
+    def has_digests(self) -> bool:
+        return self._list is not None
