@@ -118,8 +118,9 @@ class KVCache(ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, ScratchMixin):
             else:
                 claimed = _arr([p for p in pages_g if p >= 0]) if nfull < len(pages_g) \
                     else _arr(pages_g)
-            L.change(claimed, 0, 1)
-            a.reused[claimed] = True
+            if len(claimed):
+                L.change(claimed, 0, 1)
+                a.reused[claimed] = True
             if kind.lc.policy is not ReusePolicy.OPTIONAL:  # OPTIONAL: counted once chosen
                 self._count_reuse(g, claimed, nfull)
                 reused += len(claimed)

@@ -184,12 +184,14 @@ class PublishMixin:
         self._supersede_partials(parent, part_t)
         nid = tree.add_partial(parent, part_t)
         a = self._arena
+        published = False
         for g in self._ctx.publish_groups:
             pages_g = self._pages[g]
             mine = pages_g[b] if b < len(pages_g) else -1
             if mine >= 0 and a.node[mine] < 0:
-                self._levels.publish(np.asarray([mine]), np.asarray([nid]), g, [part_t])
-        if not tree.has_pages(nid):
+                self._levels.publish_one(mine, nid, g)
+                published = True
+        if not published:
             tree.collect(np.asarray([nid]))
             return NO_NODE
         return nid

@@ -187,6 +187,8 @@ class Levels:
     def change(self, pids: np.ndarray, dlocks: int, dholds: int) -> None:
         """Add ``dlocks`` / ``dholds`` to pages (ids unique) and requeue them; pages lost
         to a storage failure are forgotten once their last owner lets go."""
+        if not len(pids):
+            return
         for s, batch in group_by_store(self.arena, pids):
             if s >= 0:
                 self.all_stores[s].change(batch, dlocks, dholds)

@@ -13,6 +13,7 @@ found through their parent's child list.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from array import array
 from collections.abc import Sequence
@@ -29,8 +30,9 @@ _MM_MARK = b"\xffkvcm-mm\x00"
 _sha256 = hashlib.sha256
 
 
+@functools.lru_cache(maxsize=4096)
 def scope_root_key(scope: ReuseScope | None) -> bytes:
-    """The chain root of a scope (``None`` is the default scope)."""
+    """The chain root of a scope (``None`` is the default scope); cached per scope."""
     return _sha256((scope or ReuseScope()).encode()).digest()
 
 
