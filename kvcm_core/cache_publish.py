@@ -11,7 +11,13 @@ import numpy as np
 from kvcm_core.radix import NO_NODE, block_keys
 from kvcm_core.tokens import TokenLog
 
-__all__ = ["PublishMixin"]
+__all__ = ["PARTIAL_BLOCK_PRIORITY", "PublishMixin"]
+
+#: Eviction priority of a trailing partial block published at close (when the engine gave
+#: no priority callback): the lowest, so it only keeps otherwise free room. Only a prompt
+#: that repeats it or extends it inside the same block can reuse it, and it costs a whole
+#: page; vLLM does not keep it at all.
+PARTIAL_BLOCK_PRIORITY = 0
 
 
 class PublishMixin:
@@ -32,6 +38,7 @@ class PublishMixin:
     _root_key: bytes
     _version: int
     _history: int
+    _priority_cb: Any
 
     def _parent_node(self, block: int) -> int:
         """The node a new block goes under, or ``NO_NODE`` if that chain left the tree."""
@@ -189,6 +196,8 @@ class PublishMixin:
             pages_g = self._pages[g]
             mine = pages_g[b] if b < len(pages_g) else -1
             if mine >= 0 and a.node[mine] < 0:
+                if self._priority_cb is None:
+                    a.priority[mine] = PARTIAL_BLOCK_PRIORITY
                 self._levels.publish_one(mine, nid, g)
                 published = True
         if not published:

@@ -357,8 +357,10 @@ class Levels:
 
     def _count_moves(self, pids: np.ndarray, from_level: int, to_level: int) -> None:
         groups = self.arena.group[pids]
-        for g in np.unique(groups).tolist():
-            n = int((groups == g).sum())
+        g0 = int(groups[0])
+        single = len(self.life_cycles) == 1 or bool((groups == g0).all())
+        for g in [g0] if single else np.unique(groups).tolist():
+            n = len(pids) if single else int((groups == g).sum())
             gstats = self.stats.groups[g]
             nbytes = n * self.cold_bytes(g)
             if to_level > from_level:

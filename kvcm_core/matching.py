@@ -83,17 +83,21 @@ def match_prefix(
     keys: list[bytes] = []
     key = root_key
     get = tree.index.get
+    found: list[int] = []  # node ids of the blocks walked
     if mm:
         for b in range(nfull):
             k = block_keys(key, tokens, tpb, b, b + 1)[0]
-            if get(k) is None:
+            nid = get(k)
+            if nid is None:
                 break
             keys.append(k)
+            found.append(nid)
             key = k
     else:
         step = 4 * tpb
         sha = hashlib.sha256
         append = keys.append
+        add = found.append
         b = 0
         while b < nfull:
             if b:
@@ -101,32 +105,33 @@ def match_prefix(
             stop = min(nfull - b, _CHUNK) * step
             for off in range(0, stop, step):
                 k = sha(key + data[off : off + step]).digest()
-                if get(k) is None:
+                nid = get(k)
+                if nid is None:
                     b = nfull
                     break
                 append(k)
+                add(nid)
                 key = k
             else:
                 b += _CHUNK
-    index = tree.index
-    nodes = np.fromiter((index[k] for k in keys), dtype=np.int64, count=len(keys))
-    if walk_groups and len(nodes):
-        ok = (tree.pages[nodes][:, walk_groups] >= 0).all(axis=1)
+    if walk_groups and found:
+        ok = (tree.pages[found][:, walk_groups] >= 0).all(axis=1)
         if not ok.all():
             cut = int(ok.argmin())
-            nodes = nodes[:cut]
+            del found[cut:]
             del keys[cut:]
-    length = len(nodes) * tpb
+    length = len(found) * tpb
     if partial and length < n:
-        parent = int(nodes[-1]) if len(nodes) else root
+        parent = found[-1] if found else root
         limit = min(tpb, n - length)
         tail = token_array(tokens[length : length + limit])
         if tail is None:  # multimodal digests: compared item by item
             tail = list(tokens[length : length + limit])
         best, plen = tree.best_partial(parent, tail)
         if best != NO_NODE and all(tree.pages[best, g] >= 0 for g in walk_groups):
-            nodes = np.append(nodes, best)
+            found.append(best)
             length += plen
+    nodes = np.asarray(found, dtype=np.int64)
     length = _prune(tree, nodes, length, tpb, life_cycles, prune_groups)
     if backoff and length:
         length = max(0, length - backoff)

@@ -480,10 +480,12 @@ class Store:
         """Internal invariants of this store (tests and debugging)."""
         a = self.arena
         free = self._free[: self._nfree]
-        if len(np.unique(free)) != len(free):
+        seen = np.bincount(free, minlength=self.num_slots) if len(free) else np.zeros(
+            self.num_slots, dtype=np.int64)
+        if len(free) and seen.max() > 1:
             raise AssertionError(f"L{level} pg{self.pool_group}: duplicate free slots")
         occupied = np.flatnonzero(self._pid >= 0)
-        if np.intersect1d(occupied, free).size:
+        if seen[occupied].any():
             raise AssertionError(f"L{level} pg{self.pool_group}: slot both free and owned")
         if len(occupied) + len(free) != self.num_slots:
             raise AssertionError(f"L{level} pg{self.pool_group}: a slot neither free nor owned")

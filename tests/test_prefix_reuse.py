@@ -435,3 +435,44 @@ def test_multimodal_digests_take_part_in_matching(managers):
     c.close()
     assert m.probe_reuse(None, t) == 9
     assert m.probe_reuse(None, [5, 6, img_b, 7, 8, 9, 10, 11, 12]) == 2
+
+
+def _run_once(m, toks):
+    c = m.create_kv_cache(None, toks)
+    assert c.resume()
+    assert c.resize(len(toks))
+    c.commit(toks[c.history_length:])
+    c.close()
+
+
+def test_a_closed_requests_trailing_partial_block_is_evicted_before_any_full_block(managers):
+    # Six slots: B (two full blocks), then A (two full blocks and a partial one) fill five;
+    # C needs two pages, so one page is evicted. Plain LRU would take B's deepest block (B
+    # closed first); the partial block, at the lowest priority, goes instead.
+    m = managers(full_layers(), slots=6)
+    tpb = m.tokens_per_block
+    a = tokens(2 * tpb + 1, seed=1)
+    b = tokens(2 * tpb, seed=2)
+    _run_once(m, b)
+    _run_once(m, a)
+    assert m.probe_reuse(None, a) == 2 * tpb + 1  # the partial block is reusable...
+    _run_once(m, tokens(tpb + 1, seed=3))
+    # ...until room is needed: it is the first victim; A's and B's full blocks stay.
+    assert m.probe_reuse(None, a) == 2 * tpb
+    assert m.probe_reuse(None, b) == 2 * tpb
+
+
+def test_a_priority_callback_overrides_the_partial_blocks_low_priority(managers):
+    m = managers(full_layers(), slots=6)
+    tpb = m.tokens_per_block
+    a = tokens(2 * tpb + 1, seed=1)
+    b = tokens(2 * tpb, seed=2)
+    _run_once(m, b)
+    c = m.create_kv_cache(None, a, priority_callback=lambda block: 35)
+    assert c.resume() and c.resize(len(a))
+    c.commit(a)
+    c.close()
+    _run_once(m, tokens(tpb + 1, seed=3))
+    # The engine's priorities rule: A's partial block kept, B's deepest block evicted.
+    assert m.probe_reuse(None, a) == 2 * tpb + 1
+    assert m.probe_reuse(None, b) == tpb

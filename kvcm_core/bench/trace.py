@@ -14,6 +14,12 @@ compared side by side in one sitting:
   ``cache.resize(len(prompt))`` (pages for the rest), ``cache.commit(prompt[reused:])``
   (hash and publish the new full blocks) and ``cache.close()`` (publish the trailing
   partial block, make the pages evictable);
+- with ``--tail-hint`` (off by default, so that the replay stays like-for-like with the
+  peer's), pages of blocks that reach past the prompt's last full 512-token trace block
+  get eviction priority 0 through a ``priority_callback``: the trace names no token beyond
+  its hash ids, so such a block can only be shared by a later prompt with the same id
+  there (on this trace: almost never), and the LRU-512 reference never holds it. This is
+  the knowledge an engine passes with the public priority callback;
 - one full-attention layer with one 64-byte buffer per block, the ``numpy`` kernel
   backend (no device work: host overhead only), a GPU level of ``--gpu-tokens`` tokens and
   optionally a host and a disk level below it;
@@ -42,6 +48,7 @@ import numpy as np
 from kvcm_core.bench import result_header, write_result
 from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
 from kvcm_core.errors import ConfigError
+from kvcm_core.eviction import DEFAULT_PRIORITY
 from kvcm_core.manager import KVCacheManager
 from kvcm_core.simulate.mooncake import (
     TRACE_BLOCK,
@@ -90,9 +97,14 @@ def replay(args: argparse.Namespace, prompts: list[np.ndarray]) -> dict[str, Any
             gc.collect()
             hit = tot = 0
             t = 0
+            bs = args.block_size
             for i, prompt in enumerate(prompts):
+                hint = None
+                if args.tail_hint:  # blocks from ``cut`` on end past the last full id
+                    cut = len(prompt) // TRACE_BLOCK * TRACE_BLOCK // bs
+                    hint = _tail_hint(cut)
                 s = ns()
-                cache = manager.create_kv_cache(None, prompt)
+                cache = manager.create_kv_cache(None, prompt, priority_callback=hint)
                 ok = cache.resume() and cache.resize(len(prompt))
                 if ok:
                     reused = cache.history_length
@@ -130,6 +142,11 @@ def replay(args: argparse.Namespace, prompts: list[np.ndarray]) -> dict[str, Any
         "dropped_blocks": sum(g.dropped_blocks for g in groups),
         "levels_at_end": levels,
     }
+
+
+def _tail_hint(cut: int) -> Any:
+    """Priority callback: 0 for blocks ``>= cut``, the default below."""
+    return lambda b: 0 if b >= cut else DEFAULT_PRIORITY
 
 
 def bounds(records: list[Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -170,6 +187,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=3, help="repetitions (fresh manager each)")
     ap.add_argument("--no-partial-reuse", action="store_true",
                     help="enable_partial_reuse=False: reuse full blocks only, as vLLM does")
+    ap.add_argument("--tail-hint", action="store_true",
+                    help="priority 0 (through a priority callback) for blocks past a "
+                         "prompt's last full 512-token trace block (off: like-for-like with "
+                         "the peer)")
     ap.add_argument("--out", default=None, metavar="FILE.json",
                     help="write the results as JSON here (default: print only)")
     return ap

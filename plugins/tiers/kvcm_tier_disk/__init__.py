@@ -2,7 +2,9 @@
 
 Each pool is one file in the tier's directory: a 4 KiB header (magic, version, slot size)
 followed by the slots, so slot ``s`` starts at byte ``4096 + s * slot_bytes``. Reads and
-writes run on a thread pool shared by the tier's pools (``io_threads`` threads). A batch is
+writes run on a thread pool shared by the tier's pools (``io_threads`` threads), except a
+batch of at most 256 KiB that is one task, which runs on the caller's thread (handing it
+to a thread and waiting would cost more than the I/O). A batch is
 sorted by slot and cut into runs of consecutive slots; each run is one ``preadv``/``pwritev``
 straight between the file and the caller's rows (no copy), so large transfers run at the
 file system's sequential speed. Any ``OSError``, and any short read or write, makes the
@@ -73,6 +75,7 @@ _DEFAULT_THREADS = 4
 _MAX_CALL_BYTES = 8 << 20
 _MAX_IOV = 1024
 _TASK_BYTES = 8 << 20
+_INLINE_BYTES = 256 << 10  # batches up to this size run on the caller's thread
 
 
 def _availability() -> Availability:
@@ -223,6 +226,8 @@ class DiskPool(StoragePool):
     def _submit(self, fd: int, slots: np.ndarray, rows: np.ndarray, *, write: bool) -> IOHandle:
         if not len(slots):
             return CompletedIO()
+        if len(slots) * self.slot_bytes <= _INLINE_BYTES:
+            return self._inline(fd, slots, rows, write=write)
         tasks = list(self._tasks(slots, rows))
         futures = [
             self._tier._executor.submit(_run_calls, fd, calls, write, self._label())
@@ -233,6 +238,22 @@ class DiskPool(StoragePool):
         for future in futures:
             future.add_done_callback(self._forget)
         return _Batch(futures, rows)
+
+    def _inline(self, fd: int, slots: np.ndarray, rows: np.ndarray, *, write: bool) -> IOHandle:
+        """A small batch on the caller's thread: handing it to a thread and waiting would
+        cost more than the I/O. Rows go through a slot-ordered copy, so every run of
+        consecutive slots is one buffer of one call."""
+        order = np.argsort(slots, kind="stable")
+        ordered = slots[order]
+        staged = np.ascontiguousarray(rows[order]) if write else np.empty_like(rows)
+        try:
+            for task in self._tasks(ordered, staged):
+                _run_calls(fd, task, write, self._label())
+        except TierIOError as exc:
+            return CompletedIO(exc)
+        if not write:
+            rows[order] = staged
+        return CompletedIO()
 
     def _forget(self, future: cf.Future[None]) -> None:
         with self._lock:
