@@ -475,7 +475,7 @@ class Levels:
         if not len(pids):
             return
         if queued:
-            store.droppable.remove_many(pids.tolist())
+            store.droppable.remove_many(pids)
         a = self.arena
         tree = self.tree
         nodes = a.node[pids].astype(np.int64)

@@ -325,14 +325,14 @@ class Store:
         p = pids[free]
         held = a.holds[p] > 0
         if held.all():
-            self.held.remove_many(p.tolist())
+            self.held.remove_many(p)
             return
         if held.any():
-            self.held.remove_many(p[held].tolist())
+            self.held.remove_many(p[held])
             p = p[~held]
         p = p[a.node[p] >= 0]
         if len(p):
-            self.droppable.remove_many(p.tolist())
+            self.droppable.remove_many(p)
 
     def _enter(self, pids: np.ndarray) -> None:
         """Pages whose counts just changed: into their queue, or freed."""
@@ -344,12 +344,12 @@ class Store:
         held = a.holds[p] > 0
         if held.any():
             h = p[held]
-            self.held.insert_many(h.tolist(), _priorities(a.priority[h]))
+            _insert(self.held, h, a.priority[h])
             p = p[~held]
         committed = a.node[p] >= 0
         d = p[committed]
         if len(d):
-            self.droppable.insert_many(d.tolist(), _priorities(a.priority[d]))
+            _insert(self.droppable, d, a.priority[d])
         if not committed.all():
             self.free_pages(p[~committed])
 
@@ -374,11 +374,11 @@ class Store:
             a.locks[pids] = 0
             committed = a.node[pids] >= 0
             if committed.all():
-                self.droppable.insert_many(pids.tolist(), _priorities(a.priority[pids]))
+                _insert(self.droppable, pids, a.priority[pids])
                 return
             d = pids[committed]
             if len(d):
-                self.droppable.insert_many(d.tolist(), _priorities(a.priority[d]))
+                _insert(self.droppable, d, a.priority[d])
             self.free_pages(pids[~committed])
             return
         self.change(pids, -1, 0)
@@ -393,7 +393,7 @@ class Store:
         unref = (a.locks[pids] == 0) & (a.holds[pids] == 0) & (a.node[pids] >= 0)
         gone = pids[unref]
         if len(gone):
-            self.droppable.remove_many(gone.tolist())
+            self.droppable.remove_many(gone)
         a.node[pids] = -1
         self.free_pages(gone)
         return gone
@@ -405,10 +405,10 @@ class Store:
             return
         held = a.holds[p] > 0
         if held.any():
-            self.held.touch_many(p[held].tolist())
+            self.held.touch_many(p[held])
         d = p[~held & (a.node[p] >= 0)]
         if len(d):
-            self.droppable.touch_many(d.tolist())
+            self.droppable.touch_many(d)
 
     # -- resizing ------------------------------------------------------------------------------
 
@@ -510,10 +510,15 @@ class Store:
             raise AssertionError("eviction queues hold pages of other states")
 
 
-def _priorities(prios: np.ndarray) -> int | list[int]:
-    """One int when every page has the same priority (the policies' fast path)."""
-    p0 = int(prios[0])
-    return p0 if (prios == p0).all() else prios.tolist()
+def _insert(policy: EvictionPolicy, pids: np.ndarray, prios: np.ndarray) -> None:
+    """Insert pages in order, one batch per run of equal priority (the policies'
+    one-priority fast path; the order across priorities does not matter)."""
+    if len(pids) == 1 or prios[0] == prios[-1] == prios.min() == prios.max():
+        policy.insert_many(pids, int(prios[0]))
+        return
+    cuts = (np.flatnonzero(prios[1:] != prios[:-1]) + 1).tolist()
+    for a, b in zip([0, *cuts], [*cuts, len(pids)], strict=True):
+        policy.insert_many(pids[a:b], int(prios[a]))
 
 
 def as_pids(pages: Sequence[int] | np.ndarray) -> np.ndarray:

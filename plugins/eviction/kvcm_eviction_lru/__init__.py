@@ -363,10 +363,21 @@ class LruPolicy(EvictionPolicy):
 
 @hookimpl
 def kvcm_eviction_policies() -> Iterator[EvictionPolicySpec]:
-    """Register the ``lru`` policy."""
+    """Register ``lru`` (array segments: cheapest for the batches a manager makes) and
+    ``lru-dict`` (dicts: cheapest for batches of a few pages). Both order alike."""
+    from kvcm_eviction_lru.segments import SegmentLruPolicy
+
     yield EvictionPolicySpec(
         name="lru",
+        factory=SegmentLruPolicy,
+        description="Least recently used first, inside priority buckets 0..100 (lowest "
+        "first); array segments, a few NumPy calls per batch",
+        capabilities=CAPABILITIES,
+    )
+    yield EvictionPolicySpec(
+        name="lru-dict",
         factory=LruPolicy,
-        description="Least recently used first, inside priority buckets 0..100 (lowest first)",
+        description="Least recently used first, inside priority buckets 0..100 (lowest "
+        "first); dicts, fastest for batches of a few pages",
         capabilities=CAPABILITIES,
     )

@@ -1,0 +1,371 @@
+"""An LRU over page ids kept as array segments: every batch costs a few NumPy calls
+whatever its size, and no Python code runs per page.
+
+Each priority has a queue of *segments*, one per batch that entered it (an insert or a
+touch), oldest first; a segment is an int64 array of page ids, oldest first, tagged with a
+serial number. ``stamp[page]`` is the serial of the segment holding the page's live entry
+(``0``: absent). Removing or touching a page only changes its stamp, so the entry it leaves
+behind is dead and skipped when its segment is reached; the queues are rebuilt from their
+live entries once dead ones outnumber live ones (amortised O(1) per page). Victims are the
+live entries of the lowest non-empty priority, front segment first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from kvcm_core.eviction import (
+    DEFAULT_PRIORITY,
+    MAX_PRIORITY,
+    EvictionPolicy,
+    PageBatch,
+    PriorityBatch,
+    check_count,
+    check_priorities,
+)
+
+__all__ = ["SegmentLruPolicy"]
+
+_NPRIO = MAX_PRIORITY + 1
+_INT_ONLY = {int}
+_BIG = 1 << 22  # page ids from here on are mapped to internal ids (arrays stay small)
+_COMPACT_SLACK = 4096  # dead entries tolerated before a rebuild is considered
+
+
+def _as_pages(pages: PageBatch) -> np.ndarray:
+    if isinstance(pages, np.ndarray):
+        if pages.ndim != 1 or pages.dtype.kind not in "iu":
+            raise ValueError(f"pages: must be a 1-D integer array, got shape {pages.shape} "
+                             f"dtype {pages.dtype}")
+        return pages.astype(np.int64, copy=False)
+    if isinstance(pages, str | bytes):
+        raise ValueError(f"pages: must be a sequence of ints or a 1-D integer array, got "
+                         f"{type(pages).__name__}")
+    try:
+        arr = np.asarray(pages, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"pages: must be ints, got {pages!r:.80}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"pages: must be a flat sequence of ints, got shape {arr.shape}")
+    if type(pages) is list and pages and set(map(type, pages)) != _INT_ONLY:
+        for p in pages:
+            if isinstance(p, bool) or not isinstance(p, int | np.integer):
+                raise ValueError(f"page {p!r}: pages must be ints")
+    return arr
+
+
+class SegmentLruPolicy(EvictionPolicy):
+    """Priority buckets 0..100, least recently used first inside a bucket (see module).
+
+    Args:
+        options: must be empty or ``None``.
+    """
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        if options:
+            raise ValueError(f"lru eviction policy takes no options; got {sorted(options)}")
+        self._stamp = np.zeros(1024, dtype=np.int64)
+        self._prio = np.zeros(1024, dtype=np.int8)
+        self._queues: list[deque[tuple[int, np.ndarray]]] = [deque() for _ in range(_NPRIO)]
+        self._live = [0] * _NPRIO
+        self._mask = 0  # bit p set <=> priority p holds a live page
+        self._serial = 0
+        self._entries = 0  # entries in all queues, live or dead
+        self._count = 0
+        self._to_inner: dict[int, int] = {}  # big page id -> internal id (>= _BIG)
+        self._to_outer: dict[int, int] = {}
+
+    # -- helpers
+
+    def _inner(self, arr: np.ndarray, create: bool) -> np.ndarray:
+        """Page ids as internal ids: big ids are mapped (``create``: new ones get one;
+        else an unknown big id maps to -1, which is never present)."""
+        if not len(arr) or int(arr.max()) < _BIG:
+            return arr
+        out = arr.copy()
+        for i in np.flatnonzero(arr >= _BIG).tolist():
+            page = int(arr[i])
+            inner = self._to_inner.get(page)
+            if inner is None:
+                if not create:
+                    out[i] = -1
+                    continue
+                inner = _BIG + len(self._to_inner)
+                self._to_inner[page] = inner
+                self._to_outer[inner] = page
+            out[i] = inner
+        return out
+
+    def _outer(self, arr: np.ndarray) -> list[int]:
+        out = arr.tolist()
+        if self._to_outer and len(arr) and int(arr.max()) >= _BIG:
+            out = [self._to_outer.get(p, p) for p in out]
+        return out
+
+    def _fit(self, arr: np.ndarray) -> bool:
+        """Check page ids and grow the arrays for the internal ids they will use; True
+        when every id is small (its own internal id)."""
+        if not len(arr):
+            return True
+        lo, hi = int(arr.min()), int(arr.max())
+        small = hi < _BIG
+        if lo < 0 or hi >= 1 << 31:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"page {bad}: page ids must be in 0..2**31-1")
+        if hi >= _BIG:
+            hi = _BIG + len(self._to_inner) + int((arr >= _BIG).sum())
+        if hi >= len(self._stamp):
+            n = max(2 * len(self._stamp), hi + 1)
+            self._stamp = np.concatenate([self._stamp, np.zeros(n - len(self._stamp),
+                                                                np.int64)])
+            self._prio = np.concatenate([self._prio, np.zeros(n - len(self._prio), np.int8)])
+        return small
+
+    def _present(self, arr: np.ndarray) -> np.ndarray:
+        inside = (arr >= 0) & (arr < len(self._stamp))
+        out = np.zeros(len(arr), dtype=np.bool_)
+        out[inside] = self._stamp[arr[inside]] > 0
+        return out
+
+    @staticmethod
+    def _first_repeat(arr: np.ndarray) -> int | None:
+        if len(arr) < 2:
+            return None
+        srt = np.sort(arr)
+        dup = srt[1:] == srt[:-1]
+        if not dup.any():
+            return None
+        repeated = set(srt[1:][dup].tolist())
+        seen: set[int] = set()
+        for p in arr.tolist():  # name the first page that repeats an earlier one
+            if p in repeated and p in seen:
+                return p
+            seen.add(p)
+        return None  # pragma: no cover
+
+    def _append(self, arr: np.ndarray, prio: int | list[int]) -> None:
+        """Enter pages (absent, distinct) as most recent, one segment per priority."""
+        if type(prio) is int:
+            groups = [(prio, arr)]
+        else:
+            pr = np.asarray(prio, dtype=np.int64)
+            groups = [(p, arr[pr == p]) for p in dict.fromkeys(pr.tolist())]
+        for p, seg in groups:
+            self._serial += 1
+            self._stamp[seg] = self._serial
+            self._prio[seg] = p
+            self._queues[p].append((self._serial, seg.copy()))
+            self._live[p] += len(seg)
+            self._mask |= 1 << p
+            self._entries += len(seg)
+        self._count += len(arr)
+
+    def _drop(self, arr: np.ndarray) -> None:
+        """Take present, distinct pages out (their entries become dead)."""
+        pr = self._prio[arr]
+        p0 = int(pr[0])
+        if (pr == p0).all():
+            counts = {p0: len(arr)}
+        else:
+            u, c = np.unique(pr, return_counts=True)
+            counts = dict(zip(u.tolist(), c.tolist(), strict=True))
+        for p, c in counts.items():
+            self._live[p] -= c
+            if not self._live[p]:
+                self._mask &= ~(1 << p)
+                self._entries -= sum(len(s) for _, s in self._queues[p])
+                self._queues[p].clear()
+        self._stamp[arr] = 0
+        self._count -= len(arr)
+
+    def _maybe_compact(self) -> None:
+        if self._entries <= 2 * self._count + _COMPACT_SLACK:
+            return
+        stamp = self._stamp
+        total = 0
+        for p, queue in enumerate(self._queues):
+            if not queue:
+                continue
+            live = [s[stamp[s] == serial] for serial, s in queue]
+            queue.clear()
+            merged = np.concatenate(live) if live else np.empty(0, np.int64)
+            if len(merged):
+                self._serial += 1
+                stamp[merged] = self._serial
+                queue.append((self._serial, merged))
+            total += len(merged)
+            if not len(merged):
+                self._mask &= ~(1 << p)
+        self._entries = total
+
+    def _check_absent(self, arr: np.ndarray, inner: np.ndarray) -> None:
+        action = "insert"
+        here = self._present(inner)
+        if here.any():
+            raise ValueError(f"cannot {action} page {int(arr[here][0])}: already present")
+        rep = self._first_repeat(arr)
+        if rep is not None:
+            raise ValueError(f"cannot {action} page {rep}: it appears twice in the batch")
+
+    def _check_present(self, arr: np.ndarray, inner: np.ndarray, action: str,
+                       unique: bool) -> None:
+        here = self._present(inner)
+        if not here.all():
+            raise ValueError(f"cannot {action} page {int(arr[~here][0])}: not in the policy")
+        if unique:
+            rep = self._first_repeat(arr)
+            if rep is not None:
+                raise ValueError(f"cannot {action} page {rep}: it appears twice in the batch")
+
+    # -- the batch contract --------------------------------------------------------------------
+
+    def insert_many(self, pages: PageBatch, priorities: PriorityBatch = DEFAULT_PRIORITY) -> None:
+        """Add ``pages`` as the most recently used pages of their priorities, in order.
+
+        Raises:
+            ValueError: a page is present or repeated, or a priority is invalid; nothing
+                is changed.
+        """
+        arr = _as_pages(pages)
+        prio = check_priorities(priorities, len(arr))
+        if not len(arr):
+            return
+        if self._fit(arr):  # small ids only: the arrays cover them
+            if self._stamp[arr].any():
+                self._check_absent(arr, arr)
+            if len(arr) > 1:
+                srt = np.sort(arr)
+                if (srt[1:] == srt[:-1]).any():
+                    self._check_absent(arr, arr)
+            self._append(arr, prio)
+            return
+        self._check_absent(arr, self._inner(arr, create=False))
+        self._append(self._inner(arr, create=True), prio)
+
+    def remove_many(self, pages: PageBatch) -> None:
+        """Forget ``pages``.
+
+        Raises:
+            ValueError: naming the first absent (or repeated) page; nothing is changed.
+        """
+        arr = _as_pages(pages)
+        if not len(arr):
+            return
+        inner = self._inner(arr, create=False)
+        self._check_present(arr, inner, "remove", unique=True)
+        self._drop(inner)
+        self._maybe_compact()
+
+    def touch_many(self, pages: PageBatch) -> None:
+        """Make ``pages`` the most recently used of their priorities, in order (a page
+        named twice counts its last use).
+
+        Raises:
+            ValueError: naming the first absent page; nothing is changed.
+        """
+        arr = _as_pages(pages)
+        if not len(arr):
+            return
+        inner = self._inner(arr, create=False)
+        self._check_present(arr, inner, "touch", unique=False)
+        arr = inner
+        if self._first_repeat(arr) is not None:  # keep each page's last use only
+            rev = arr[::-1]
+            _, first = np.unique(rev, return_index=True)
+            arr = rev[np.sort(first)][::-1]
+        pr = self._prio[arr].astype(np.int64)
+        self._drop(arr)
+        p0 = int(pr[0])
+        self._append(arr, p0 if (pr == p0).all() else pr.tolist())
+        self._maybe_compact()
+
+    def set_priority_many(self, pages: PageBatch, priorities: PriorityBatch) -> None:
+        """Move ``pages`` to ``priorities``, as the most recently used there, in order.
+
+        Raises:
+            ValueError: a page is absent or a priority is invalid; nothing is changed.
+        """
+        arr = _as_pages(pages)
+        prio = check_priorities(priorities, len(arr))
+        if not len(arr):
+            return
+        inner = self._inner(arr, create=False)
+        self._check_present(arr, inner, "set the priority of", unique=False)
+        prios = [prio] * len(arr) if type(prio) is int else list(prio)
+        for page, p in zip(inner.tolist(), prios, strict=True):  # in order; repeats allowed
+            one = np.array([page], dtype=np.int64)
+            self._drop(one)
+            self._append(one, p)
+        self._maybe_compact()
+
+    def pop_victims(self, k: int) -> list[int]:
+        """Remove and return up to ``k`` pages: lowest priority first, least recently used
+        first inside a priority.
+
+        Raises:
+            ValueError: ``k`` is negative or not an int.
+        """
+        if type(k) is not int or k < 0:
+            k = check_count(k)
+        out: list[np.ndarray] = []
+        stamp = self._stamp
+        need = k
+        while need and self._mask:
+            mask = self._mask
+            p = (mask & -mask).bit_length() - 1
+            queue = self._queues[p]
+            while need and queue:
+                serial, seg = queue[0]
+                live = seg[stamp[seg] == serial]
+                self._entries -= len(seg)
+                if len(live) <= need:
+                    queue.popleft()
+                    take = live
+                else:
+                    take = live[:need]
+                    rest = live[need:]
+                    queue[0] = (serial, rest)
+                    self._entries += len(rest)
+                if len(take):
+                    stamp[take] = 0
+                    out.append(take)
+                    need -= len(take)
+                    self._live[p] -= len(take)
+                    self._count -= len(take)
+            if not self._live[p]:
+                self._mask &= ~(1 << p)
+                self._entries -= sum(len(s) for _, s in queue)
+                queue.clear()
+        if not out:
+            return []
+        return self._outer(out[0] if len(out) == 1 else np.concatenate(out))
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def priority_of(self, page: int) -> int:
+        """The priority ``page`` is held at.
+
+        Raises:
+            ValueError: ``page`` is absent.
+        """
+        if page not in self:
+            raise ValueError(f"cannot look up page {page}: not in the policy")
+        return int(self._prio[self._to_inner.get(int(page), int(page))])
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __contains__(self, page: object) -> bool:
+        if isinstance(page, bool) or not isinstance(page, int | np.integer):
+            return False
+        page = int(page)
+        if page >= _BIG:
+            page = self._to_inner.get(page, -1)
+        return 0 <= page < len(self._stamp) and bool(self._stamp[page] > 0)
+
+    def __repr__(self) -> str:
+        return f"SegmentLruPolicy({len(self)} pages)"
