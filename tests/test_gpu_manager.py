@@ -85,13 +85,15 @@ def _live_pages(m: KVCacheManager) -> dict[tuple[int, int, int], bytes]:
     out = {}
     for level, stores in enumerate(m.stores):
         for si, store in enumerate(stores):
-            for page in store.live_pages():
+            arena = m.storage_levels.arena
+            for pid in store.pages().tolist():
+                slot = int(arena.slot[pid])
                 for k, pool in enumerate(store.pools):
                     if not isinstance(pool, DevicePool):
                         continue
-                    data = m.backend.read(pool.buffer, page.slot * pool.slot_bytes,
+                    data = m.backend.read(pool.buffer, slot * pool.slot_bytes,
                                           pool.slot_bytes)
-                    out[(level, si, page.slot, k)] = data.tobytes()
+                    out[(level, si, slot, k)] = data.tobytes()
     return out
 
 
