@@ -260,6 +260,8 @@ class KVCache(ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, ScratchMixin):
             self._require(CacheStatus.SUSPENDED)
         if self._status is CacheStatus.ACTIVE:
             return True
+        if optional_reuse_groups is None and self._resume_fast():
+            return True
         ctx = self._ctx
         L = self._levels
         a = self._arena
@@ -369,6 +371,44 @@ class KVCache(ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, ScratchMixin):
         if self._pending:
             L.change(_arr([src for _, _, src in self._pending]), 0, -1)
             self._pending.clear()
+        self._first_resume_done = True
+        self._version += 1
+        self._status = CacheStatus.ACTIVE
+        return True
+
+    def _resume_fast(self) -> bool:
+        """The common resume: one beam, full-attention pages only (no SSM, no window),
+        all of them on the GPU, nothing missing, no copy pending and no reuse choice to
+        make. Locks the pages and returns True; False leaves everything to the general
+        path (nothing changed)."""
+        ctx = self._ctx
+        if self._beams or self._pending or self._lost or ctx.ssm_groups or \
+                ctx.windowed_groups or (self._reuse_status and not self._optional_decided):
+            return False
+        nb = self.num_blocks
+        refs: list[int] = []
+        for g in ctx.attn_groups:
+            pages_g = self._pages[g]
+            if len(pages_g) != nb or -1 in pages_g:
+                return False
+            refs += pages_g
+        a = self._arena
+        L = self._levels
+        pids = _arr(refs)
+        if len(pids):
+            if (a.level[pids] != 0).any():
+                return False
+            limit = ctx.config.max_util_for_resume
+            mine = np.bincount(a.store[pids], minlength=len(L.stores[0]))
+            for store in L.stores[0]:
+                if store.num_locked + int(mine[store.pool_group]) > limit * store.num_slots:
+                    return False
+            L.change(pids, 1, -1)
+        else:
+            for store in L.stores[0]:
+                if store.num_locked > ctx.config.max_util_for_resume * store.num_slots:
+                    return False
+        self._optional_decided = True
         self._first_resume_done = True
         self._version += 1
         self._status = CacheStatus.ACTIVE
@@ -491,7 +531,10 @@ class KVCache(ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, ScratchMixin):
         pids = _arr(order)
         pids = pids[pids >= 0]
         if len(pids):
-            if active:
+            if active and len(groups) == 1 and not ctx.ssm_groups:
+                # Locked pages are on the GPU: one store, no grouping to do.
+                L.gpu_store(groups[0]).unlock_all(pids)
+            elif active:
                 L.release_locked(pids)
             else:
                 L.change(pids, 0, -1)

@@ -511,14 +511,13 @@ class Store:
 
 
 def _insert(policy: EvictionPolicy, pids: np.ndarray, prios: np.ndarray) -> None:
-    """Insert pages in order, one batch per run of equal priority (the policies'
-    one-priority fast path; the order across priorities does not matter)."""
-    if len(pids) == 1 or prios[0] == prios[-1] == prios.min() == prios.max():
-        policy.insert_many(pids, int(prios[0]))
-        return
-    cuts = (np.flatnonzero(prios[1:] != prios[:-1]) + 1).tolist()
-    for a, b in zip([0, *cuts], [*cuts, len(pids)], strict=True):
-        policy.insert_many(pids[a:b], int(prios[a]))
+    """Insert pages in order: one int priority when they share one (the policies' fast
+    path), else the priorities of each page."""
+    p0 = int(prios[0])
+    if len(pids) == 1 or (prios == p0).all():
+        policy.insert_many(pids, p0)
+    else:
+        policy.insert_many(pids, prios.astype(np.int64))
 
 
 def as_pids(pages: Sequence[int] | np.ndarray) -> np.ndarray:
