@@ -55,6 +55,8 @@ class ResizeMixin:
             # The decode fast path: same blocks, same history, nothing to allocate.
             self._capacity = capacity
             return True
+        if history_length is None and type(capacity) is int and self._grow_fast(capacity):
+            return True
         ctx = self._ctx
         L = self._levels
         a = self._arena
@@ -151,6 +153,37 @@ class ResizeMixin:
         self._history = history
         if releases or grow:
             self._version += 1
+        return True
+
+    def _grow_fast(self, capacity: int) -> bool:
+        """Growth of a one-group full-attention cache with one beam and no scratch (the
+        prefill step): take the new pages at once. False: the general path decides."""
+        ctx = self._ctx
+        groups = ctx.attn_groups
+        if len(groups) != 1 or ctx.ssm_groups or ctx.windowed_groups or \
+                not self._scratch_free_path or self.beam_width != 1 or \
+                capacity < self._history:  # type: ignore[attr-defined]
+            return False
+        g = groups[0]
+        pages_g = self._pages[g]
+        old_nb = len(pages_g)
+        nb_new = -(-capacity // self._tpb)
+        if nb_new <= old_nb:
+            return False
+        L = self._levels
+        store = L.gpu_store(g)
+        n = nb_new - old_nb
+        prios = self._priorities(range(old_nb, nb_new))  # type: ignore[attr-defined]
+        if n > store.num_free:
+            if not L.room(store, n):
+                return False
+            try:
+                L.make_room(store, n)
+            except OutOfPagesError:
+                return False
+        pages_g.extend(self._new_pages(g, range(old_nb, nb_new), prios))  # type: ignore[attr-defined]
+        self._capacity = capacity
+        self._version += 1
         return True
 
     def _release_stale(self) -> None:

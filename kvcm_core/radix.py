@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from array import array
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -132,6 +133,7 @@ def token_id32(item: int | bytes) -> int:
 
 
 NO_NODE = -1
+_consume = deque(maxlen=0).extend  # runs an iterator to its end, in C
 _INDEX_FANOUT = 8  # children scanned directly before a first-token index is kept
 _FREED = -2  # ordinal of a free node id
 
@@ -433,10 +435,14 @@ class PrefixTree:
 
     def _forget(self, nids: np.ndarray) -> None:
         """Free node ids (already unlinked; their keys leave the index)."""
-        pop = self.index.pop
-        for key in self._keys[nids].tolist():
-            if key is not None:
-                pop(key, None)
+        keys = self._keys[nids]
+        full = keys[keys != None]  # noqa: E711 - elementwise on an object array
+        gone = full.tolist()
+        try:
+            _consume(map(self.index.pop, gone))
+        except KeyError:  # pragma: no cover - every live full node is indexed
+            for key in gone:
+                self.index.pop(key, None)
         self._keys[nids] = None
         self._release_ids(nids)
 
