@@ -78,7 +78,7 @@ class KVCache(ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, ScratchMixin):
         end = match.length
         self._status = CacheStatus.SUSPENDED
         self._capacity = self._history = self._committed = end
-        self._tokens = TokenLog(input_tokens[:end])
+        self._tokens = TokenLog(input_tokens[:end], len(input_tokens))
         self._keys: list[bytes] = list(match.keys)
         self._nodes: list[int] = match.nodes[: end // tpb].tolist()
         self._published = end // tpb

@@ -173,6 +173,7 @@ class PrefixTree:
     _BLANK = (NO_NODE, _FREED, 0, 0, NO_NODE, NO_NODE, NO_NODE, 0)
 
     def _bind(self) -> None:
+        self._blank_row = np.asarray(self._BLANK, dtype=np.int32)
         rows = self._rows
         self.parent, self.ordinal, self.ntok, self.mm, self.first_child, self.next_sib, \
             self.prev_sib, self.nchildren = (rows[:, i] for i in range(8))
@@ -454,7 +455,7 @@ class PrefixTree:
                 self._by_first.pop(nid, None)
                 self._partials.pop(nid, None)
                 self._mm_items.pop(nid, None)
-        self._rows[nids] = self._BLANK
+        self._rows[nids] = self._blank_row
         self.pages[nids] = -1
         top = self._nfree
         self._free[top : top + len(nids)] = nids[::-1]

@@ -134,7 +134,7 @@ class PageArena:
         pids = self._free[top - n : top][::-1].copy()
         self._nfree = top - n
         self.live += n
-        self._rows[pids] = self._BLANK if row is None else row
+        self._rows[pids] = self._BLANK if row is None else np.asarray(row, dtype=np.int32)
         return pids
 
     def release(self, pids: np.ndarray) -> None:

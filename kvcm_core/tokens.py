@@ -19,11 +19,12 @@ class TokenLog:
 
     Args:
         tokens: the initial tokens (a list or an integer array).
+        capacity: tokens to make room for up front (e.g. the whole prompt).
     """
 
-    def __init__(self, tokens: Sequence[Any] | np.ndarray) -> None:
+    def __init__(self, tokens: Sequence[Any] | np.ndarray, capacity: int = 0) -> None:
         self._list: list[Any] | None = None
-        self._buf = np.empty(max(64, len(tokens)), dtype=np.int32)
+        self._buf = np.empty(max(64, len(tokens), capacity), dtype=np.int32)
         self._nbuf = 0  # tokens in the buffer
         self._tail: list[int] = []  # validated int tokens after the buffer
         self.n = 0

@@ -147,13 +147,17 @@ class SegmentLruPolicy(EvictionPolicy):
             seen.add(p)
         return None  # pragma: no cover
 
-    def _append(self, arr: np.ndarray, prio: int | list[int]) -> None:
+    def _append(self, arr: np.ndarray, prio: int | list[int] | np.ndarray) -> None:
         """Enter pages (absent, distinct) as most recent, one segment per priority."""
         if type(prio) is int:
             groups = [(prio, arr)]
         else:
+            # One segment per run of equal priority, in order (recency within a priority
+            # is kept: its runs enter one after the other).
             pr = np.asarray(prio, dtype=np.int64)
-            groups = [(p, arr[pr == p]) for p in dict.fromkeys(pr.tolist())]
+            cuts = (np.flatnonzero(pr[1:] != pr[:-1]) + 1).tolist()
+            groups = [(int(pr[a]), arr[a:b])
+                      for a, b in zip([0, *cuts], [*cuts, len(arr)], strict=True)]
         for p, seg in groups:
             self._serial += 1
             self._stamp[seg] = self._serial
@@ -231,7 +235,14 @@ class SegmentLruPolicy(EvictionPolicy):
                 is changed.
         """
         arr = _as_pages(pages)
-        prio = check_priorities(priorities, len(arr))
+        if isinstance(priorities, np.ndarray) and priorities.ndim == 1 and \
+                priorities.dtype.kind in "iu" and len(priorities) == len(arr) and len(arr):
+            # Checked here, kept an array (check_priorities would make a list).
+            if int(priorities.min()) < 0 or int(priorities.max()) > MAX_PRIORITY:
+                check_priorities(priorities, len(arr))  # raises, naming the value
+            prio: int | np.ndarray | list[int] = priorities
+        else:
+            prio = check_priorities(priorities, len(arr))
         if not len(arr):
             return
         if self._fit(arr):  # small ids only: the arrays cover them
