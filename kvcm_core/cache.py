@@ -78,7 +78,12 @@ class KVCache(ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, ScratchMixin):
         end = match.length
         self._status = CacheStatus.SUSPENDED
         self._capacity = self._history = self._committed = end
-        self._tokens = TokenLog(input_tokens[:end], len(input_tokens))
+        if match.data is not None and len(match.data) >= 4 * end:
+            # The walk encoded them already.
+            self._tokens = TokenLog(np.frombuffer(match.data, dtype="<i4", count=end),
+                                    len(input_tokens))
+        else:
+            self._tokens = TokenLog(input_tokens[:end], len(input_tokens))
         self._keys: list[bytes] = list(match.keys)
         self._nodes: list[int] = match.nodes[: end // tpb].tolist()
         self._published = end // tpb

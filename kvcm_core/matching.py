@@ -40,11 +40,15 @@ class Match:
         nodes: the node of every block ``[0, ceil(length / tpb))`` (int64 array); the last
             may be used partially (then it is copied into a private page at first resume).
         keys: chain keys of the full blocks matched (reusable for commit).
+        data: the prompt's tokens encoded during the walk (4-byte little-endian ints, at
+            least the matched full blocks' worth), or None; the cache keeps them rather
+            than encoding the prompt again.
     """
 
     length: int
     nodes: np.ndarray
     keys: list[bytes]
+    data: bytes | None = None
 
 
 def token_array(tokens: Sequence[Any] | np.ndarray) -> np.ndarray | None:
@@ -98,10 +102,12 @@ def match_prefix(
         sha = hashlib.sha256
         append = keys.append
         add = found.append
+        chunks = [data]
         b = 0
         while b < nfull:
             if b:
                 data = encode_tokens(tokens[b * tpb : min(nfull, b + _CHUNK) * tpb])[0]
+                chunks.append(data)
             stop = min(nfull - b, _CHUNK) * step
             for off in range(0, stop, step):
                 k = sha(key + data[off : off + step]).digest()
@@ -139,7 +145,8 @@ def match_prefix(
             length = length // tpb * tpb  # no partial reuse: block-aligned endpoints only
         length = _prune(tree, nodes, length, tpb, life_cycles, prune_groups)
     nb = -(-length // tpb)
-    return Match(length, nodes[:nb], keys[: length // tpb])
+    encoded = None if mm else (chunks[0] if len(chunks) == 1 else b"".join(chunks))
+    return Match(length, nodes[:nb], keys[: length // tpb], encoded)
 
 
 def _feasible(tree: PrefixTree, nodes: np.ndarray, end: int, tpb: int,
