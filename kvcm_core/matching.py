@@ -121,7 +121,10 @@ def match_prefix(
             else:
                 b += _CHUNK
     if walk_groups and found:
-        ok = (tree.pages[found][:, walk_groups] >= 0).all(axis=1)
+        if len(walk_groups) == 1:
+            ok = tree.pages[found, walk_groups[0]] >= 0
+        else:
+            ok = (tree.pages[found][:, walk_groups] >= 0).all(axis=1)
         if not ok.all():
             cut = int(ok.argmin())
             del found[cut:]

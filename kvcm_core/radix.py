@@ -544,6 +544,12 @@ class PrefixTree:
         kids = self.children_starting(parent, int(tokens[0]))
         if not kids:
             return NO_NODE, 0
+        if len(kids) == 1 and isinstance(tokens, np.ndarray) and not self.mm[kids[0]]:
+            c = kids[0]  # the common case: one candidate, compared on its own
+            m = min(len(tokens), int(self.ntok[c]))
+            eq = self.tokens[c, :m] == tokens[:m]
+            shared = m if eq.all() else int(eq.argmin())
+            return (c, shared) if shared > 0 else (NO_NODE, 0)
         k = np.asarray(kids, dtype=np.int64)
         if self.mm[k].any():
             return self._best_partial_items(parent, tuple(tokens.tolist()))
