@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcm_core.idstack import IdStack
 from kvcm_core.types import ReuseScope
 
 __all__ = ["NO_NODE", "PrefixTree", "TokenSeq", "block_keys", "encode_tokens", "scope_root_key"]
@@ -186,8 +187,7 @@ class PrefixTree:
         self._flag = np.zeros(cap, dtype=np.bool_)  # scratch marks (always all False)
         self._aux = np.zeros(cap, dtype=np.bool_)  # node has an entry in a side table
         self._keys = np.full(cap, None, dtype=object)  # chain key per node (None: partial)
-        self._free = np.arange(cap - 1, -1, -1, dtype=np.int64)
-        self._nfree = cap
+        self._free = IdStack(cap)
 
     @property
     def capacity(self) -> int:
@@ -209,12 +209,7 @@ class PrefixTree:
         keys = np.full(new, None, dtype=object)
         keys[:old] = self._keys
         self._keys = keys
-        free = np.empty(new, dtype=np.int64)
-        added = np.arange(new - 1, old - 1, -1, dtype=np.int64)
-        free[: len(added)] = added
-        free[len(added) : len(added) + self._nfree] = self._free[: self._nfree]
-        self._free = free
-        self._nfree += len(added)
+        self._free.grow(old, new)
 
     def reserve(self, n: int) -> None:
         """Room for ``n`` nodes without growing (growing copies every array)."""
@@ -222,18 +217,14 @@ class PrefixTree:
             self._grow(n - self.capacity)
 
     def _alloc_one(self) -> int:
-        if not self._nfree:
+        if not self._free.count:
             self._grow(1)
-        self._nfree -= 1
-        return int(self._free[self._nfree])
+        return self._free.pop_one()
 
     def _alloc(self, n: int) -> np.ndarray:
-        if n > self._nfree:
-            self._grow(n - self._nfree)
-        top = self._nfree
-        nids = self._free[top - n : top][::-1].copy()
-        self._nfree = top - n
-        return nids
+        if n > self._free.count:
+            self._grow(n - self._free.count)
+        return self._free.pop(n)
 
     # -- lookups -----------------------------------------------------------------------------
 
@@ -457,9 +448,7 @@ class PrefixTree:
                 self._mm_items.pop(nid, None)
         self._rows[nids] = self._blank_row
         self.pages[nids] = -1
-        top = self._nfree
-        self._free[top : top + len(nids)] = nids[::-1]
-        self._nfree = top + len(nids)
+        self._free.push(nids)
 
     def detach(self, nid: int) -> list[int]:
         """Remove ``nid`` and its subtree; returns the removed ids (``nid`` first)."""

@@ -28,6 +28,7 @@ import numpy as np
 
 from kvcm_core.errors import OutOfPagesError
 from kvcm_core.eviction import DEFAULT_PRIORITY, EvictionPolicy
+from kvcm_core.idstack import IdStack
 
 if TYPE_CHECKING:
     from kvcm_core.tier import Pool
@@ -85,8 +86,7 @@ class PageArena:
         # One int32 row per page: a new page's row is written with one assignment.
         self._rows = np.tile(np.asarray(self._BLANK, dtype=np.int32), (capacity, 1))
         self._bind()
-        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
-        self._nfree = capacity
+        self._free = IdStack(capacity)
         self.live = 0
 
     def _bind(self) -> None:
@@ -105,12 +105,7 @@ class PageArena:
         rows[:old] = self._rows
         self._rows = rows
         self._bind()
-        free = np.empty(new, dtype=np.int64)
-        added = np.arange(new - 1, old - 1, -1, dtype=np.int64)
-        free[: len(added)] = added
-        free[len(added) : len(added) + self._nfree] = self._free[: self._nfree]
-        self._free = free
-        self._nfree += len(added)
+        self._free.grow(old, new)
 
     def reserve(self, n: int) -> None:
         """Room for ``n`` pages without growing."""
@@ -118,21 +113,18 @@ class PageArena:
             self._grow(n - self.capacity)
 
     def alloc_one(self, row: tuple[int, ...]) -> int:
-        if not self._nfree:
+        if not self._free.count:
             self._grow(1)
-        self._nfree -= 1
-        pid = int(self._free[self._nfree])
+        pid = self._free.pop_one()
         self._rows[pid] = row
         self.live += 1
         return pid
 
     def alloc(self, n: int, row: tuple[int, ...] | None = None) -> np.ndarray:
         """``n`` fresh page ids, their rows set to ``row`` (default: a blank row)."""
-        if n > self._nfree:
-            self._grow(n - self._nfree)
-        top = self._nfree
-        pids = self._free[top - n : top][::-1].copy()
-        self._nfree = top - n
+        if n > self._free.count:
+            self._grow(n - self._free.count)
+        pids = self._free.pop(n)
         self.live += n
         self._rows[pids] = self._BLANK if row is None else np.asarray(row, dtype=np.int32)
         return pids
@@ -145,9 +137,7 @@ class PageArena:
             return
         self.store[pids] = -1
         self.level[pids] = -1
-        top = self._nfree
-        self._free[top : top + n] = pids[::-1]
-        self._nfree = top + n
+        self._free.push(pids)
         self.live -= n
 
     def state(self, pid: int) -> PageState:
@@ -191,8 +181,7 @@ class Store:
         self.arena = arena
         self.below: Store | None = None  # where evicted pages go (set by the levels room)
         # Pop from the end: low slot ids first, which keeps shrinking cheap.
-        self._free = np.arange(self.num_slots - 1, -1, -1, dtype=np.int64)
-        self._nfree = self.num_slots
+        self._free = IdStack(self.num_slots)
         self._pid = np.full(self.num_slots, NO_PAGE, dtype=np.int64)
         self.droppable = make_policy()
         self.held = make_policy()
@@ -201,7 +190,7 @@ class Store:
 
     @property
     def num_free(self) -> int:
-        return self._nfree
+        return self._free.count
 
     @property
     def num_evictable(self) -> int:
@@ -210,10 +199,10 @@ class Store:
 
     @property
     def num_locked(self) -> int:
-        return self.num_slots - self._nfree - len(self.droppable) - len(self.held)
+        return self.num_slots - self._free.count - len(self.droppable) - len(self.held)
 
     def free_slots(self) -> np.ndarray:
-        return self._free[: self._nfree].copy()
+        return self._free.values()
 
     def page_at(self, slot: int) -> int:
         return int(self._pid[slot])
@@ -223,41 +212,34 @@ class Store:
         return self._pid[self._pid >= 0]
 
     def __repr__(self) -> str:
-        return f"Store(L{self.level} pg{self.pool_group}, {self._nfree}/{self.num_slots} free)"
+        return f"Store(L{self.level} pg{self.pool_group}, {self._free.count}/{self.num_slots} free)"
 
     # -- slots ---------------------------------------------------------------------------
 
     def take(self, group: int, n: int, locks: int = 1) -> np.ndarray:
         """``n`` new pages of ``group`` in free slots, each with ``locks`` locks (the
         caller made room)."""
-        if n > self._nfree:
+        if n > self._free.count:
             raise OutOfPagesError(
                 f"level {self.level} pool group {self.pool_group}: {n} slots wanted, "
-                f"{self._nfree} free")
+                f"{self._free.count} free")
         a = self.arena
         if n == 1:  # the decode step: scalar bookkeeping
-            top = self._nfree - 1
-            slot = int(self._free[top])
-            self._nfree = top
+            slot = self._free.pop_one()
             pid = a.alloc_one((self.index, slot, group, locks, 0, -1, DEFAULT_PRIORITY, 0,
                                self.level))
             self._pid[slot] = pid
             return np.array([pid], dtype=np.int64)
         pids = a.alloc(n, (self.index, -1, group, locks, 0, -1, DEFAULT_PRIORITY, 0,
                            self.level))
-        top = self._nfree
-        slots = self._free[top - n : top][::-1]
-        self._nfree = top - n
+        slots = self._free.pop(n)
         self._pid[slots] = pids
         a.slot[pids] = slots
         return pids
 
     def reserve_slots(self, n: int) -> np.ndarray:
         """Take ``n`` free slots for incoming pages (see :meth:`settle`)."""
-        top = self._nfree
-        slots = self._free[top - n : top][::-1].copy()
-        self._nfree = top - n
-        return slots
+        return self._free.pop(n)
 
     def unreserve_slots(self, slots: np.ndarray) -> None:
         self._give_back(slots)
@@ -298,10 +280,7 @@ class Store:
         a.level[pids] = -1
 
     def _give_back(self, slots: np.ndarray) -> None:
-        n = len(slots)
-        top = self._nfree
-        self._free[top : top + n] = slots[::-1]
-        self._nfree = top + n
+        self._free.push(slots)
 
     def free_pages(self, pids: np.ndarray) -> None:
         """Unreferenced pages out of the tree and out of the queues: slots and ids freed."""
@@ -417,13 +396,7 @@ class Store:
         for pool in self.pools:
             pool.resize(new)
         self._pid = np.concatenate([self._pid, np.full(new - old, NO_PAGE, np.int64)])
-        free = np.empty(new, dtype=np.int64)
-        added = np.arange(new - 1, old - 1, -1, dtype=np.int64)
-        # New high slots go to the bottom of the stack: low ones are still taken first.
-        free[: len(added)] = added
-        free[len(added) : len(added) + self._nfree] = self._free[: self._nfree]
-        self._free = free
-        self._nfree += len(added)
+        self._free.grow(old, new)
         self.num_slots = new
 
     def high_pages(self, new: int) -> np.ndarray:
@@ -436,10 +409,7 @@ class Store:
         slot, now free."""
         a = self.arena
         old = int(a.slot[pid])
-        free = self._free[: self._nfree]
-        free = free[free != slot]
-        self._nfree = len(free)
-        self._free[: self._nfree] = free
+        self._free.discard(slot)
         self._pid[slot] = pid
         self._pid[old] = NO_PAGE
         a.slot[pid] = slot
@@ -450,11 +420,7 @@ class Store:
         """Drop slots ``>= new`` (all free)."""
         for pool in self.pools:
             pool.resize(new)
-        free = self._free[: self._nfree]
-        free = free[free < new]
-        self._free = np.empty(new, dtype=np.int64)
-        self._free[: len(free)] = free
-        self._nfree = len(free)
+        self._free.keep_below(new)
         self._pid = self._pid[:new].copy()
         self.num_slots = new
 
@@ -464,7 +430,7 @@ class Store:
         # Read each count once, so a reader on another thread gets a consistent snapshot
         # of this store (free + evictable + unavailable == total) while it changes.
         total = self.num_slots
-        free = self._nfree
+        free = self._free.count
         evictable = self.num_evictable
         if free + evictable > total:  # torn read across a resize: clamp, keep the identity
             evictable = max(0, total - free)
@@ -479,7 +445,7 @@ class Store:
     def check(self, level: int) -> None:
         """Internal invariants of this store (tests and debugging)."""
         a = self.arena
-        free = self._free[: self._nfree]
+        free = self._free.values()
         seen = np.bincount(free, minlength=self.num_slots) if len(free) else np.zeros(
             self.num_slots, dtype=np.int64)
         if len(free) and seen.max() > 1:
