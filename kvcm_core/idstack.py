@@ -1,4 +1,5 @@
-"""A stack of free integer ids (page ids, node ids, slots), lowest handed out first.
+"""Integer-id bookkeeping shared by the page arena, the tree and the stores: a stack of free
+ids (lowest handed out first) and growable rows.
 
 Kept as an int64 array and a count, so that taking or giving back many ids is one slice.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["IdStack"]
+__all__ = ["IdStack", "blank_rows", "grown_rows"]
 
 
 class IdStack:
@@ -72,3 +73,16 @@ class IdStack:
         self._ids = np.empty(max(new, 1), dtype=np.int64)
         self._ids[: len(free)] = free
         self.count = len(free)
+
+
+def blank_rows(blank: tuple[int, ...], n: int) -> np.ndarray:
+    """``n`` int32 rows, each ``blank``."""
+    return np.tile(np.asarray(blank, dtype=np.int32), (n, 1))
+
+
+def grown_rows(rows: np.ndarray, blank: tuple[int, ...], need: int) -> np.ndarray:
+    """``rows`` with room for ``need`` more (at least doubled), new rows ``blank``."""
+    old = len(rows)
+    out = blank_rows(blank, max(2 * old, old + need))
+    out[:old] = rows
+    return out

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcm_core.idstack import IdStack
+from kvcm_core.idstack import IdStack, blank_rows, grown_rows
 from kvcm_core.types import ReuseScope
 
 __all__ = ["NO_NODE", "PrefixTree", "TokenSeq", "block_keys", "encode_tokens", "scope_root_key"]
@@ -180,7 +180,7 @@ class PrefixTree:
             self.prev_sib, self.nchildren = (rows[:, i] for i in range(8))
 
     def _alloc_arrays(self, cap: int) -> None:
-        self._rows = np.tile(np.asarray(self._BLANK, dtype=np.int32), (cap, 1))
+        self._rows = blank_rows(self._BLANK, cap)
         self._bind()
         self.pages = np.full((cap, self.num_groups), -1, dtype=np.int64)
         self.tokens = np.zeros((cap, self.tpb), dtype=np.int32)
@@ -195,10 +195,8 @@ class PrefixTree:
 
     def _grow(self, need: int) -> None:
         old = self.capacity
-        new = max(2 * old, old + need)
-        rows = np.tile(np.asarray(self._BLANK, dtype=np.int32), (new, 1))
-        rows[:old] = self._rows
-        self._rows = rows
+        self._rows = grown_rows(self._rows, self._BLANK, need)
+        new = self.capacity
         self._bind()
         for name in ("pages", "tokens", "_flag", "_aux"):
             arr = getattr(self, name)

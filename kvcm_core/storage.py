@@ -28,7 +28,7 @@ import numpy as np
 
 from kvcm_core.errors import OutOfPagesError
 from kvcm_core.eviction import DEFAULT_PRIORITY, EvictionPolicy
-from kvcm_core.idstack import IdStack
+from kvcm_core.idstack import IdStack, blank_rows, grown_rows
 
 if TYPE_CHECKING:
     from kvcm_core.tier import Pool
@@ -84,7 +84,7 @@ class PageArena:
     def __init__(self, capacity: int = 1024) -> None:
         capacity = max(16, capacity)
         # One int32 row per page: a new page's row is written with one assignment.
-        self._rows = np.tile(np.asarray(self._BLANK, dtype=np.int32), (capacity, 1))
+        self._rows = blank_rows(self._BLANK, capacity)
         self._bind()
         self._free = IdStack(capacity)
         self.live = 0
@@ -100,10 +100,8 @@ class PageArena:
 
     def _grow(self, need: int) -> None:
         old = self.capacity
-        new = max(2 * old, old + need)
-        rows = np.tile(np.asarray(self._BLANK, dtype=np.int32), (new, 1))
-        rows[:old] = self._rows
-        self._rows = rows
+        self._rows = grown_rows(self._rows, self._BLANK, need)
+        new = self.capacity
         self._bind()
         self._free.grow(old, new)
 
