@@ -179,9 +179,19 @@ class KVCache(ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, ScratchMixin):
 
     @property
     def page_table_version(self) -> int:
-        """Changes whenever any of this cache's page tables changes (a Batch uses it to
-        find dirty rows)."""
+        """Changes whenever any page table of this cache changes while it is active (a
+        Batch finds dirty rows with it): pages taken, released or replaced, beams, scratch
+        ranges, and stale ranges or SSM state blocks moved by history."""
         return self._version
+
+    def _note_history(self, old: int, new: int) -> None:
+        """History moved: tables of windowed and SSM groups follow it."""
+        for g in self._ctx.history_tables:
+            kind = self._ctx.kinds[g]
+            if kind.table_key(old) != kind.table_key(new) or (
+                    kind.is_ssm and old // self._tpb != new // self._tpb):
+                self._version += 1
+                return
 
     @property
     def batch_row(self) -> int | None:
@@ -492,6 +502,8 @@ class KVCache(ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, ScratchMixin):
             self._tokens.extend(tokens)
         moved = end > self._history
         if moved:
+            if self._ctx.history_tables:
+                self._note_history(self._history, end)
             self._history = end
         tpb = self._tpb
         if self._commit_on:

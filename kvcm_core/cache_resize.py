@@ -150,6 +150,8 @@ class ResizeMixin:
             self._tokens.truncate(history)
             del self._keys[history // tpb:]
         self._capacity = capacity
+        if history != self._history and ctx.history_tables:
+            self._note_history(self._history, history)  # type: ignore[attr-defined]
         self._history = history
         if releases or grow:
             self._version += 1

@@ -27,6 +27,7 @@ class CacheContext:
         tree: the prefix tree.
         life_cycles, kinds: per cache group, its life cycle and its kind's behaviour.
         attn_groups, ssm_groups, windowed_groups, publish_groups: cache groups by role.
+        history_tables: groups whose page table moves with history (windowed, SSM).
         publishes_anything: some life cycle publishes (else no tree is used at all).
         scratch_scales: SWA scratch groups -> scale of each pool of their pool group.
         scratch_max_blocks: SWA scratch groups -> most scratch blocks their slots hold.
@@ -43,6 +44,7 @@ class CacheContext:
     ssm_groups: Sequence[int]
     windowed_groups: Sequence[int]
     publish_groups: Sequence[int]
+    history_tables: Sequence[int]
     publishes_anything: bool
     scratch_scales: dict[int, tuple[int, ...]]
     scratch_max_blocks: dict[int, int]

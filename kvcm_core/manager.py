@@ -93,6 +93,7 @@ class KVCacheManager:
             attn_groups=attn, ssm_groups=[g for g, lc in enumerate(lcs) if lc.is_ssm],
             windowed_groups=[g for g, lc in enumerate(lcs) if lc.is_windowed],
             publish_groups=[g for g in attn if lcs[g].publishes],
+            history_tables=[g for g, lc in enumerate(lcs) if lc.is_windowed or lc.is_ssm],
             # A model whose every life cycle is PRIVATE publishes nothing: no tree at all.
             publishes_anything=any(lc.publishes for lc in lcs),
             scratch_scales=scratch_scales, scratch_max_blocks=scratch_max,
