@@ -1,0 +1,226 @@
+"""Resuming a :class:`~kvcm_core.cache.KVCache`: the common case (every page already on
+the GPU) in one lock call, and the general path (cold pages brought back in one batch per
+source store, the OPTIONAL choice, fresh pages and pending copies)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvcm_core.backend import Stream
+from kvcm_core.cache_reuse import CacheStatus
+from kvcm_core.errors import OutOfPagesError, TierIOError
+
+__all__ = ["ResumeMixin"]
+
+
+def _arr(pages: Sequence[int]) -> np.ndarray:
+    return np.asarray(pages, dtype=np.int64)
+
+
+class ResumeMixin:
+    """``resume`` and its helpers."""
+
+    _ctx: Any
+    _levels: Any
+    _arena: Any
+    _tpb: int
+    _pages: list[list[int]]
+    _ssm: list[int]
+    _pending: list[tuple[int, int, int]]
+    _beams: list[Any]
+    _lost: bool
+    _history: int
+    _version: int
+    _status: CacheStatus
+    _reuse_status: dict[int, Any]
+    _optional_decided: bool
+    _first_resume_done: bool
+    _recompute: dict[int, list[int]]
+
+    def resume(self, stream: Stream | None = None,
+               optional_reuse_groups: Sequence[int] | None = None) -> bool:
+        """Bring the cache to the GPU and lock its pages; False (nothing changed) when the
+        GPU level is too full (``max_util_for_resume``) or cannot provide the pages."""
+        if self._status is CacheStatus.CLOSED:
+            self._require(CacheStatus.SUSPENDED)
+        if self._status is CacheStatus.ACTIVE:
+            return True
+        if optional_reuse_groups is None and self._resume_fast():
+            return True
+        ctx = self._ctx
+        L = self._levels
+        a = self._arena
+        refs = [p for pages in self._beam_views() for lst in (*pages[0], pages[1])
+                for p in lst if p >= 0]
+        refs += [src for _, _, src in self._pending]
+        if not self._lost and refs and (a.level[_arr(refs)] < 0).any():
+            self._lost = True
+        if self._lost:
+            raise TierIOError(
+                f"cache {self.id!r} lost pages to a storage failure; close it and recompute "
+                "(create_kv_cache again: what is still cached will be reused)")
+        tpb = self._tpb
+        nb = self.num_blocks
+        declined = self._decide_optional(optional_reuse_groups)
+        declined_groups = {g for g, _, _ in declined}
+        declined_ids = {p for _, _, p in declined}
+        wanted: dict[int, list[int]] = {}
+        needs: dict[int, int] = {}
+        extra: dict[int, int] = {}
+        for _g, _, pid in declined:
+            if a.level[pid] == 0 and a.holds[pid] == 1 and not a.locks[pid]:
+                pg = L.store_of(pid).pool_group
+                extra[pg] = extra.get(pg, 0) + 1
+        for g in ctx.attn_groups:
+            start, stop = ctx.kinds[g].stale_range(self._history)
+            drop = g in declined_groups
+            blocks = [b for b, p in enumerate(self._pages[g]) if (p < 0 or drop)
+                      and not start <= b < stop and b < nb]
+            if blocks:
+                wanted[g] = blocks
+                pg = L.pool_group_of(g)
+                needs[pg] = needs.get(pg, 0) + len(blocks)
+        for g in ctx.ssm_groups:
+            if self._ssm[g] < 0 or g in declined_groups:
+                wanted[g] = [-1]
+                pg = L.pool_group_of(g)
+                needs[pg] = needs.get(pg, 0) + 1
+        mine_all = _arr(self._all_pages())
+        if declined_ids:
+            mine_all = mine_all[~np.isin(mine_all, list(declined_ids))]
+        on_gpu = a.level[mine_all] == 0
+        cold_arr = mine_all[~on_gpu]
+        if len(cold_arr):  # a page shared by beams moves once
+            for pid in dict.fromkeys(cold_arr.tolist()):
+                pg = L.pool_group_of(int(a.group[pid]))
+                needs[pg] = needs.get(pg, 0) + 1
+        limit = ctx.config.max_util_for_resume
+        warm_arr = mine_all[on_gpu]
+        # Level-0 pages of ours per pool group (level-0 store index == pool group id).
+        mine = np.bincount(a.store[warm_arr], minlength=len(L.stores[0])) if len(
+            warm_arr) else np.zeros(len(L.stores[0]), dtype=np.int64)
+        for store in L.stores[0]:
+            used = store.num_locked + int(mine[store.pool_group]) + needs.get(
+                store.pool_group, 0)
+            if used > limit * store.num_slots:
+                return False
+        warm = warm_arr.tolist()
+        prios = self._priorities([b for blocks in wanted.values() for b in blocks])
+        # Lock what is on the GPU first, so making room cannot push it down.
+        warm_by_beam = self._split_by_beam(warm)
+        for refs_b in warm_by_beam:
+            L.change(_arr(refs_b), 1, -1)
+        if not L.can_take(needs, extra):
+            for refs_b in reversed(warm_by_beam):
+                L.change(_arr(refs_b), -1, 1)
+            return False
+        self._apply_declines(declined)
+        try:
+            for pg, n in needs.items():
+                L.make_room(L.stores[0][pg], n)
+        except OutOfPagesError:
+            # A write to a colder level failed while making room: give up for now.
+            for refs_b in reversed(warm_by_beam):
+                L.change(_arr(refs_b), -1, 1)
+            return False
+        fresh: list[int] = []
+        try:
+            # Cold pages of ours come back in one batch per source store.
+            allp = _arr(self._all_pages())
+            cold = list(dict.fromkeys(allp[a.level[allp] != 0].tolist()))
+            L.onboard(_arr(cold), stream)
+            for refs_b in self._split_by_beam(cold):
+                L.change(_arr(refs_b), 1, -1)
+            sources = {(g, b): src for g, b, src in self._pending}
+            for g, blocks in wanted.items():
+                pages = self._new_pages(g, blocks, prios)
+                fresh.extend(pages)
+                dst, src = [], []
+                for b, pid in zip(blocks, pages, strict=True):
+                    s = sources.get((g, b))
+                    if s is not None:
+                        dst.append(pid)
+                        src.append(s)
+                    elif not self._first_resume_done and (
+                            (b < 0 and self._history > 0) or 0 <= b * tpb < self._history):
+                        self._recompute.setdefault(g, []).append(b)
+                L.fill(g, _arr(dst), _arr(src), stream)
+                for b, pid in zip(blocks, pages, strict=True):
+                    if ctx.kinds[g].is_ssm:
+                        self._ssm[g] = pid
+                    else:
+                        self._pages[g][b] = pid
+        except TierIOError:
+            self._fail_resume(fresh)
+            raise
+        if self._pending:
+            L.change(_arr([src for _, _, src in self._pending]), 0, -1)
+            self._pending.clear()
+        self._first_resume_done = True
+        self._version += 1
+        self._status = CacheStatus.ACTIVE
+        return True
+
+    def _resume_fast(self) -> bool:
+        """The common resume: one beam, full-attention pages only (no SSM, no window),
+        all of them on the GPU, nothing missing, no copy pending and no reuse choice to
+        make. Locks the pages and returns True; False leaves everything to the general
+        path (nothing changed)."""
+        ctx = self._ctx
+        if self._beams or self._pending or self._lost or ctx.ssm_groups or \
+                ctx.windowed_groups or (self._reuse_status and not self._optional_decided):
+            return False
+        nb = self.num_blocks
+        refs: list[int] = []
+        for g in ctx.attn_groups:
+            pages_g = self._pages[g]
+            if len(pages_g) != nb or -1 in pages_g:
+                return False
+            refs += pages_g
+        a = self._arena
+        L = self._levels
+        pids = _arr(refs)
+        if len(pids):
+            if (a.level[pids] != 0).any():
+                return False
+            limit = ctx.config.max_util_for_resume
+            mine = np.bincount(a.store[pids], minlength=len(L.stores[0]))
+            for store in L.stores[0]:
+                if store.num_locked + int(mine[store.pool_group]) > limit * store.num_slots:
+                    return False
+            L.change(pids, 1, -1)
+        else:
+            for store in L.stores[0]:
+                if store.num_locked > ctx.config.max_util_for_resume * store.num_slots:
+                    return False
+        self._optional_decided = True
+        self._first_resume_done = True
+        self._version += 1
+        self._status = CacheStatus.ACTIVE
+        return True
+
+    def _split_by_beam(self, wanted: list[int]) -> list[list[int]]:
+        """The references of ``wanted`` pages (in that order), one unique list per beam."""
+        if self.beam_width == 1:
+            return [wanted]
+        keep = set(wanted)
+        return [[p for p in refs if p in keep] for refs in self._refs_by_beam()]
+
+    def _fail_resume(self, fresh: list[int]) -> None:
+        """A read failed during resume: undo the locks, free new pages, and mark the cache
+        lost (its data is incomplete: the engine must close it and recompute)."""
+        gone = set(fresh)
+        for g in range(len(self._pages)):
+            self._pages[g] = [-1 if p in gone else p for p in self._pages[g]]
+        self._ssm = [-1 if p in gone else p for p in self._ssm]
+        L = self._levels
+        a = self._arena
+        L.change(_arr(fresh), -1, 0)
+        for refs in self._refs_by_beam():
+            locked = [p for p in refs if a.locks[p] > 0]
+            L.change(_arr(locked), -1, 1)
+        self._lost = True
+
