@@ -27,11 +27,12 @@ from typing import Any
 
 import numpy as np
 
+from kvcm_core.cache_base import CacheStatus
 from kvcm_core.cache_beams import BeamsMixin
 from kvcm_core.cache_publish import PublishMixin
 from kvcm_core.cache_resize import ResizeMixin
 from kvcm_core.cache_resume import ResumeMixin
-from kvcm_core.cache_reuse import CacheStatus, ReuseMixin, ReuseStatus
+from kvcm_core.cache_reuse import ReuseMixin, ReuseStatus
 from kvcm_core.cache_scratch import ScratchMixin
 from kvcm_core.context import CacheContext
 from kvcm_core.errors import InvalidStateError
@@ -313,7 +314,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
                 f"commit of {len(tokens)} tokens after {known} known ends at {end}, past "
                 f"capacity {self._capacity}")
         if short:
-            self._tokens.extend_ints(tokens)
+            self._tokens.extend_ints(tokens)  # type: ignore[arg-type]  # checked ints
         else:
             self._tokens.extend(tokens)
         moved = end > self._history

@@ -7,7 +7,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvcm_core.cache_reuse import CacheStatus
+from kvcm_core.cache_base import CacheBase, CacheStatus
 from kvcm_core.errors import InvalidStateError
 
 __all__ = ["BeamsMixin"]
@@ -22,20 +22,8 @@ class _Beam:
     ssm: list[int]  # per cache group: the beam's live SSM state (or -1)
 
 
-class BeamsMixin:
+class BeamsMixin(CacheBase):
     """Beams 1.. of a cache (beam 0 is the cache's own pages)."""
-
-    _beams: list[_Beam]
-    _pages: list[list[int]]
-    _ssm: list[int]
-    _ctx: Any
-    _levels: Any
-    _arena: Any
-    _tpb: int
-    _history: int
-    _capacity: int
-    _version: int
-    _status: CacheStatus
 
     def _init_beams(self) -> None:
         self._beams = []
@@ -61,7 +49,7 @@ class BeamsMixin:
         return [(self._pages, self._ssm), *((bm.pages, bm.ssm) for bm in self._beams)]
 
     def _beam_refs(self) -> list[int]:
-        out = []
+        out: list[int] = []
         for bm in self._beams:
             out.extend(p for pages_g in bm.pages for p in pages_g if p >= 0)
             out.extend(p for p in bm.ssm if p >= 0)

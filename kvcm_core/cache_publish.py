@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from kvcm_core.cache_base import CacheBase
 from kvcm_core.radix import NO_NODE, block_keys
-from kvcm_core.tokens import TokenLog
 
 __all__ = ["PARTIAL_BLOCK_PRIORITY", "PublishMixin"]
 
@@ -20,25 +20,8 @@ __all__ = ["PARTIAL_BLOCK_PRIORITY", "PublishMixin"]
 PARTIAL_BLOCK_PRIORITY = 0
 
 
-class PublishMixin:
+class PublishMixin(CacheBase):
     """Commit-time and close-time publishing."""
-
-    _ctx: Any
-    _levels: Any
-    _arena: Any
-    _tree: Any
-    _tpb: int
-    _tokens: TokenLog
-    _keys: list[bytes]
-    _nodes: list[int]
-    _pages: list[list[int]]
-    _ssm: list[int]
-    _published: int
-    _commit_on: bool
-    _root_key: bytes
-    _version: int
-    _history: int
-    _priority_cb: Any
 
     def _parent_node(self, block: int) -> int:
         """The node a new block goes under, or ``NO_NODE`` if that chain left the tree."""
@@ -108,16 +91,16 @@ class PublishMixin:
             items = [flat[i : i + tpb] for i in range(0, len(flat), tpb)]
         nids = tree.add_chain(parent, keys[b:b1], rows, b, mm, items)
         for g in groups:
-            mine = np.asarray(self._pages[g][b:b1], dtype=np.int64)
-            if len(mine) < len(nids):
-                mine = np.concatenate([mine, np.full(len(nids) - len(mine), -1, np.int64)])
-            ok = mine >= 0
+            ours = np.asarray(self._pages[g][b:b1], dtype=np.int64)
+            if len(ours) < len(nids):
+                ours = np.concatenate([ours, np.full(len(nids) - len(ours), -1, np.int64)])
+            ok = ours >= 0
             if ok.all():
-                ok = a.node[mine] < 0
+                ok = a.node[ours] < 0
             else:
-                ok[ok] = a.node[mine[ok]] < 0
+                ok[ok] = a.node[ours[ok]] < 0
             if ok.any():
-                L.publish(mine[ok], nids[ok], g)
+                L.publish(ours[ok], nids[ok], g)
         self._nodes.extend(nids.tolist())
         self._published = b1
 

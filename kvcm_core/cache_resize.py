@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcm_core.cache_reuse import CacheStatus
+from kvcm_core.cache_base import CacheBase, CacheStatus
 from kvcm_core.errors import OutOfPagesError
 
 __all__ = ["ResizeMixin"]
@@ -23,24 +23,8 @@ def _arr(pages: list[int]) -> np.ndarray:
     return np.asarray(pages, dtype=np.int64)
 
 
-class ResizeMixin:
+class ResizeMixin(CacheBase):
     """``resize`` and the release of stale window pages."""
-
-    _ctx: Any
-    _levels: Any
-    _arena: Any
-    _tpb: int
-    _pages: list[list[int]]
-    _history: int
-    _capacity: int
-    _committed: int
-    _released_to: list[int]
-    _scratch_free_path: bool
-    _scratch_live: bool
-    _tokens: Any
-    _keys: list[bytes]
-    _version: int
-    _status: CacheStatus
 
     def resize(self, capacity: int, history_length: int | None = None) -> bool:
         """Set this step's capacity (and optionally move history). Returns False, with

@@ -5,12 +5,11 @@ source store, the OPTIONAL choice, fresh pages and pending copies)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from kvcm_core.backend import Stream
-from kvcm_core.cache_reuse import CacheStatus
+from kvcm_core.cache_base import CacheBase, CacheStatus
 from kvcm_core.errors import OutOfPagesError, TierIOError
 
 __all__ = ["ResumeMixin"]
@@ -20,25 +19,8 @@ def _arr(pages: Sequence[int]) -> np.ndarray:
     return np.asarray(pages, dtype=np.int64)
 
 
-class ResumeMixin:
+class ResumeMixin(CacheBase):
     """``resume`` and its helpers."""
-
-    _ctx: Any
-    _levels: Any
-    _arena: Any
-    _tpb: int
-    _pages: list[list[int]]
-    _ssm: list[int]
-    _pending: list[tuple[int, int, int]]
-    _beams: list[Any]
-    _lost: bool
-    _history: int
-    _version: int
-    _status: CacheStatus
-    _reuse_status: dict[int, Any]
-    _optional_decided: bool
-    _first_resume_done: bool
-    _recompute: dict[int, list[int]]
 
     def resume(self, stream: Stream | None = None,
                optional_reuse_groups: Sequence[int] | None = None) -> bool:

@@ -4,22 +4,16 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 
+from kvcm_core.cache_base import CacheBase, CacheStatus
 from kvcm_core.types import ReusePolicy
 
 __all__ = ["CacheStatus", "ReuseMixin", "ReuseStatus"]
-
-
-class CacheStatus(enum.Enum):
-    ACTIVE = "active"
-    SUSPENDED = "suspended"
-    CLOSED = "closed"
 
 
 @attrs.frozen
@@ -39,7 +33,7 @@ class ReuseStatus:
     coverage: tuple[tuple[int, int], ...]
 
 
-class ReuseMixin:
+class ReuseMixin(CacheBase):
     """Reuse status per group, the OPTIONAL decision and recompute lists."""
 
     _ctx: Any

@@ -7,23 +7,14 @@ from typing import Any
 
 import numpy as np
 
-from kvcm_core.cache_reuse import CacheStatus
+from kvcm_core.cache_base import CacheBase, CacheStatus
 from kvcm_core.scratch import ScratchDesc, scratch_slots_needed
 
 __all__ = ["ScratchMixin"]
 
 
-class ScratchMixin:
+class ScratchMixin(CacheBase):
     """Per scratch group: this cache's scratch slots and this step's scratch range."""
-
-    _ctx: Any
-    _levels: Any
-    _arena: Any
-    _tpb: int
-    _pages: list[list[int]]
-    _status: CacheStatus
-    _version: int
-    _recompute: dict[int, list[int]]
 
     def _init_scratch(self, ctx: Any) -> None:
         # Per group, this cache's scratch slots (page ids) and the scratch blocks

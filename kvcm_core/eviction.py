@@ -92,6 +92,7 @@ def check_priorities(
         if 0 <= priorities <= max_priority:  # type: ignore[operator]
             return priorities  # type: ignore[return-value]
         return check_priority(priorities, max_priority)  # type: ignore[arg-type]
+    items: Any
     if kind is list:
         items = priorities
         if len(items) == 1 == n:
@@ -128,7 +129,7 @@ def check_priorities(
         for item in items:  # type: ignore[union-attr]
             check_priority(item, max_priority)  # raises on the first bad one
         items = [int(p) for p in items]  # type: ignore[union-attr]  # NumPy integer scalars
-    lo, hi = min(items), max(items)  # type: ignore[type-var]
+    lo, hi = min(items), max(items)
     if lo < 0 or hi > max_priority:
         check_priority(lo if lo < 0 else hi, max_priority)
     return lo if lo == hi else items  # type: ignore[return-value]
@@ -321,7 +322,7 @@ class PerPagePolicy(EvictionPolicy):
             for page in pages:
                 insert(page, prio)
         else:
-            for page, p in zip(pages, prio, strict=True):
+            for page, p in zip(pages, prio, strict=True):  # type: ignore[arg-type]
                 insert(page, p)
 
     def remove_many(self, pages: PageBatch) -> None:
@@ -340,7 +341,7 @@ class PerPagePolicy(EvictionPolicy):
         pages = page_list(pages)
         prio = check_priorities(priorities, len(pages), self.max_priority)
         check_present_pages(pages, self, "set the priority of", unique=False)
-        prios = [prio] * len(pages) if type(prio) is int else prio
+        prios: list[int] = [prio] * len(pages) if isinstance(prio, int) else prio
         for page, p in zip(pages, prios, strict=True):
             self.set_priority(page, p)
 

@@ -296,9 +296,9 @@ class Levels:
             assert target is not None
             self.make_room(target, nh)
             held = np.asarray(store.held.pop_victims(nh), dtype=np.int64)
-            failed = self._move(store, held, target, queued=False)
-            if len(failed):
-                store.requeue(failed)
+            unmoved = self._move(store, held, target, queued=False)
+            if len(unmoved):
+                store.requeue(unmoved)
                 raise OutOfPagesError(
                     f"level {store.level} pool group {store.pool_group}: could not free "
                     f"{k} slots (a write of held pages to the next level failed)")
@@ -650,9 +650,9 @@ class Levels:
         stores = self.stores[level]
         plans = []
         for store, new in zip(stores, slots, strict=True):
-            high = len(store.high_pages(new))
+            nhigh = len(store.high_pages(new))
             free_low = int((store.free_slots() < new).sum())
-            short = high - free_low
+            short = nhigh - free_low
             if short > 0 and not self.room(store, store.num_free + short):
                 return False
             plans.append((store, new, short))

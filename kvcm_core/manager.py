@@ -261,7 +261,8 @@ class KVCacheManager:
     def _forget_cache(self, cache: KVCache) -> None:
         self._open.pop(builtins_id(cache), None)
 
-    def probe_reuse(self, scope: ReuseScope | None, tokens: Sequence[int | bytes]) -> int:
+    def probe_reuse(self, scope: ReuseScope | None,
+                    tokens: Sequence[int | bytes] | np.ndarray) -> int:
         """Tokens ``create_kv_cache`` would reuse now, without taking anything."""
         self._check_open()
         return self._match(self._check_scope(scope), tokens).length

@@ -121,6 +121,7 @@ def match_prefix(
             else:
                 b += _CHUNK
     if walk_groups and found:
+        ok: Any
         if len(walk_groups) == 1:
             ok = tree.pages[found, walk_groups[0]] >= 0
         else:
@@ -133,7 +134,7 @@ def match_prefix(
     if partial and length < n:
         parent = found[-1] if found else root
         limit = min(tpb, n - length)
-        tail = token_array(tokens[length : length + limit])
+        tail: Any = token_array(tokens[length : length + limit])
         if tail is None:  # multimodal digests: compared item by item
             tail = list(tokens[length : length + limit])
         best, plen = tree.best_partial(parent, tail)

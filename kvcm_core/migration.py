@@ -22,7 +22,7 @@ from kvcm_core.codec import PageCodec, PageLayout
 from kvcm_core.tier import DevicePool, StoragePool
 
 if TYPE_CHECKING:
-    from kvcm_core.storage import PoolGroupStore
+    from kvcm_core.storage import Store as PoolGroupStore
 
 __all__ = ["Mover"]
 
@@ -66,9 +66,9 @@ class Mover:
         self,
         layout: PageLayout,
         src: PoolGroupStore,
-        src_slots: Sequence[int],
+        src_slots: Sequence[int] | np.ndarray,
         dst: PoolGroupStore,
-        dst_slots: Sequence[int],
+        dst_slots: Sequence[int] | np.ndarray,
         stream: Stream | None = None,
     ) -> None:
         """Copy blocks ``src_slots[i]`` of ``src`` into ``dst_slots[i]`` of ``dst``.

@@ -17,7 +17,7 @@ import functools
 import hashlib
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -105,7 +105,7 @@ def block_keys(
     data: bytes | None = None,
 ) -> list[bytes]:
     """Chain keys of full blocks ``[start_block, end_block)`` given the key before them."""
-    keys = []
+    keys: list[bytes] = []
     if data is None:
         data, mm = encode_tokens(tokens)
     else:
@@ -134,7 +134,7 @@ def token_id32(item: int | bytes) -> int:
 
 
 NO_NODE = -1
-_consume = deque(maxlen=0).extend  # runs an iterator to its end, in C
+_consume: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend  # an iterator, run in C
 _INDEX_FANOUT = 8  # children scanned directly before a first-token index is kept
 _FREED = -2  # ordinal of a free node id
 

@@ -89,7 +89,7 @@ class TokenLog:
             self._nbuf = min(self._nbuf, n)
         self.n = min(self.n, n)
 
-    def items(self, a: int, b: int | None = None) -> Sequence[Any]:
+    def items(self, a: int, b: int | None = None) -> Any:
         """Tokens ``[a, b)``: an int32 array, or a list holding digests."""
         if self._list is not None:
             return self._list[a:b]

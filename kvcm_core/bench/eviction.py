@@ -19,6 +19,7 @@ of the time.
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import time
 from collections.abc import Callable, Hashable, Iterator
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     makers: dict[str, Callable[[], Any]] = {"per-page lru (before)": _PerPageLru}
     for record in get_plugin_manager().registered("eviction_policy"):
         spec = record.spec
-        makers[spec.name] = lambda spec=spec: spec.factory({})
+        makers[spec.name] = functools.partial(spec.factory, {})
 
     print(f"ns per page, best of {args.repeat}; {args.base} pages held; "
           f"{'mixed' if args.mixed else 'one'} priority per batch; Python "

@@ -248,9 +248,9 @@ def _instrument(manager: KVCacheManager, loop: EngineLoop, timers: _Timers,
                     sampler.mark(cache)
                 return ok
 
-            cache.resume = resume_marked
-        cache.get_base_page_indices = timers.wrap("page_tables", cache.get_base_page_indices,
-                                                  str(id))
+            cache.resume = resume_marked  # type: ignore[method-assign]
+        cache.get_base_page_indices = timers.wrap(  # type: ignore[method-assign]
+            "page_tables", cache.get_base_page_indices, str(id))
         return cache
 
     manager.create_kv_cache = create_kv_cache  # type: ignore[method-assign]

@@ -1,0 +1,91 @@
+"""What the parts of a :class:`~kvcm_core.cache.KVCache` share: the state every mixin
+reads and the methods they call on each other (declared for the type checker; the
+implementations live in the mixin that owns each)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from kvcm_core.context import CacheContext
+    from kvcm_core.levels import Levels
+    from kvcm_core.radix import PrefixTree
+    from kvcm_core.storage import PageArena
+    from kvcm_core.tokens import TokenLog
+
+__all__ = ["CacheBase", "CacheStatus"]
+
+
+class CacheStatus(enum.Enum):
+    ACTIVE = "active"
+    SUSPENDED = "suspended"
+    CLOSED = "closed"
+
+
+class CacheBase:
+    """The shared state of a cache (set by ``KVCache.__init__``)."""
+
+    id: Any
+    _ctx: CacheContext
+    _levels: Levels
+    _arena: PageArena
+    _tree: PrefixTree
+    _tpb: int
+    _status: CacheStatus
+    _capacity: int
+    _history: int
+    _committed: int
+    _version: int
+    _tokens: TokenLog
+    _keys: list[bytes]
+    _nodes: list[int]
+    _published: int
+    _commit_on: bool
+    _root_key: bytes
+    _priority_cb: Any
+    _pages: list[list[int]]
+    _ssm: list[int]
+    _pending: list[tuple[int, int, int]]
+    _released_to: list[int]
+    _lost: bool
+    _beams: list[Any]
+    _reuse_status: dict[int, Any]
+    _optional_decided: bool
+    _selected: set[int]
+    _first_resume_done: bool
+    _recompute: dict[int, list[int]]
+    _scratch_free_path: bool
+    _scratch_live: bool
+
+    if TYPE_CHECKING:  # implemented by KVCache and its mixins
+        stats: Any
+
+        @property
+        def num_blocks(self) -> int: ...
+
+        @property
+        def beam_width(self) -> int: ...
+
+        def _require(self, *allowed: CacheStatus) -> None: ...
+        def _priorities(self, blocks: Sequence[int]) -> dict[int, int]: ...
+        def _new_pages(self, group: int, blocks: Sequence[int],
+                       prios: dict[int, int] | None = None) -> list[int]: ...
+        def _all_pages(self) -> list[int]: ...
+        def _refs_by_beam(self) -> list[list[int]]: ...
+        def _beam_views(self) -> list[tuple[list[list[int]], list[int]]]: ...
+        def _grow_beams(self, grow: dict[int, list[int]], prios: dict[int, int]) -> None: ...
+        def _decide_optional(
+            self, selected: Sequence[int] | None) -> list[tuple[int, int, int]]: ...
+        def _apply_declines(self, declined: list[tuple[int, int, int]]) -> None: ...
+        def _plan_scratch(self, capacity: int, history: int, nb_new: int,
+                          releases: list[tuple[int, int]], grow: dict[int, list[int]],
+                          needs: dict[int, int],
+                          ) -> dict[int, tuple[int, int, int, int, list[int]]]: ...
+        def _apply_scratch(self, plan: dict[int, tuple[int, int, int, int, list[int]]],
+                           history: int) -> None: ...
+        def _note_history(self, old: int, new: int) -> None: ...
+        def _table(self, group: int, pages: list[int], live: int, nb: int) -> np.ndarray: ...
