@@ -265,7 +265,7 @@ class KVCacheManager:
                     tokens: Sequence[int | bytes] | np.ndarray) -> int:
         """Tokens ``create_kv_cache`` would reuse now, without taking anything."""
         self._check_open()
-        return self._match(self._check_scope(scope), tokens).length
+        return self._match(self._check_scope(scope), tokens, probe=True).length
 
     def _check_scope(self, scope: ReuseScope | None) -> ReuseScope:
         if scope is None:
@@ -274,12 +274,13 @@ class KVCacheManager:
             raise TypeError(f"scope={scope!r}: must be a ReuseScope or None")
         return scope
 
-    def _match(self, scope: ReuseScope, tokens: Sequence[Any] | np.ndarray) -> Match:
+    def _match(self, scope: ReuseScope, tokens: Sequence[Any] | np.ndarray,
+               probe: bool = False) -> Match:
         return match_prefix(
             self.tree, scope_root_key(scope), tokens, self.tokens_per_block,
             self.life_cycles, walk_groups=self._walk_groups,
             prune_groups=self._prune_groups, partial=self.config.enable_partial_reuse,
-            backoff=self.config.reuse_match_backoff)
+            backoff=self.config.reuse_match_backoff, probe=probe)
 
     def _check_open(self) -> None:
         if self._closed:

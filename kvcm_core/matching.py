@@ -72,8 +72,10 @@ def match_prefix(
     prune_groups: Sequence[int],
     partial: bool,
     backoff: int,
+    probe: bool = False,
 ) -> Match:
-    """Find the longest reusable prefix of ``tokens`` (see module docstring)."""
+    """Find the longest reusable prefix of ``tokens`` (see module docstring). A ``probe``
+    needs the length only: the keys, nodes and encoded tokens are not kept."""
     n = len(tokens)
     if n == 0:
         return Match(0, _EMPTY, [])
@@ -115,7 +117,8 @@ def match_prefix(
                 if nid is None:
                     b = nfull
                     break
-                append(k)
+                if not probe:
+                    append(k)
                 add(nid)
                 key = k
             else:
@@ -129,7 +132,8 @@ def match_prefix(
         if not ok.all():
             cut = int(ok.argmin())
             del found[cut:]
-            del keys[cut:]
+            if not probe:
+                del keys[cut:]
     length = len(found) * tpb
     if partial and length < n:
         parent = found[-1] if found else root
@@ -141,6 +145,8 @@ def match_prefix(
         if best != NO_NODE and all(tree.pages[best, g] >= 0 for g in walk_groups):
             found.append(best)
             length += plen
+    if probe and not prune_groups and not backoff:
+        return Match(length, _EMPTY, [])
     nodes = np.asarray(found, dtype=np.int64)
     length = _prune(tree, nodes, length, tpb, life_cycles, prune_groups)
     if backoff and length:
