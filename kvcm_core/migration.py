@@ -22,7 +22,7 @@ from kvcm_core.codec import PageCodec, PageLayout
 from kvcm_core.tier import DevicePool, StoragePool
 
 if TYPE_CHECKING:
-    from kvcm_core.storage import Store as PoolGroupStore
+    from kvcm_core.storage import Store
 
 __all__ = ["Mover"]
 
@@ -55,7 +55,7 @@ class Mover:
         return self._staging
 
     @staticmethod
-    def _gpu_regions(store: PoolGroupStore) -> list[PageRegion]:
+    def _gpu_regions(store: Store) -> list[PageRegion]:
         out = []
         for pool in store.pools:
             assert isinstance(pool, DevicePool)
@@ -65,9 +65,9 @@ class Mover:
     def copy(
         self,
         layout: PageLayout,
-        src: PoolGroupStore,
+        src: Store,
         src_slots: Sequence[int] | np.ndarray,
-        dst: PoolGroupStore,
+        dst: Store,
         dst_slots: Sequence[int] | np.ndarray,
         stream: Stream | None = None,
     ) -> None:
@@ -93,8 +93,8 @@ class Mover:
 
     # -- GPU <-> anything ------------------------------------------------------------------
 
-    def _copy_gpu(self, layout: PageLayout, src: PoolGroupStore, s: np.ndarray,
-                  dst: PoolGroupStore, d: np.ndarray, stream: Stream | None) -> None:
+    def _copy_gpu(self, layout: PageLayout, src: Store, s: np.ndarray,
+                  dst: Store, d: np.ndarray, stream: Stream | None) -> None:
         be = self.backend
         if src.level == 0 and dst.level == 0:
             pairs = np.stack([d, s], axis=1)
@@ -137,7 +137,7 @@ class Mover:
 
     # -- cold <-> cold ---------------------------------------------------------------------
 
-    def _copy_cold(self, src: PoolGroupStore, s: np.ndarray, dst: PoolGroupStore,
+    def _copy_cold(self, src: Store, s: np.ndarray, dst: Store,
                    d: np.ndarray, stream: Stream | None) -> None:
         be = self.backend
         sp, dp = src.pools[0], dst.pools[0]
