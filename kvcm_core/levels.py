@@ -206,11 +206,6 @@ class Levels:
             else:
                 self.change(batch, -1, 0)
 
-    def touch(self, pids: np.ndarray) -> None:
-        for s, batch in group_by_store(self.arena, pids):
-            if s >= 0:
-                self.all_stores[s].touch(batch)
-
     # -- taking pages -----------------------------------------------------------------------------
 
     def can_take(self, needs: Mapping[int, int], extra: Mapping[int, int] | None = None) -> bool:

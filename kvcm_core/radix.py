@@ -301,14 +301,6 @@ class PrefixTree:
         """Which node ids are in use (not freed)."""
         return self.ordinal[nids] != _FREED
 
-    def attached(self, nid: int) -> bool:
-        """Whether ``nid`` is still a live node of the tree (it may have been removed)."""
-        key = self._keys[nid]
-        if key is not None:
-            return self.index.get(key) == nid
-        p = int(self.parent[nid])
-        return p != NO_NODE and nid in self.children(p)
-
     # -- adding ------------------------------------------------------------------------------
 
     def _link(self, parent: int, nid: int) -> None:
@@ -392,9 +384,6 @@ class PrefixTree:
         self._link(parent, nid)
         self.num_nodes += 1
         return nid
-
-    def set_pages(self, nids: np.ndarray | int, group: int, pids: np.ndarray | int) -> None:
-        self.pages[nids, group] = pids
 
     # -- removing ----------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ many pages at once; state transitions are computed on arrays.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 __all__ = ["NO_PAGE", "PageArena", "PageState", "StorageStatistics", "Store"]
 
 NO_PAGE = -1
-_EMPTY = np.empty(0, dtype=np.int64)
 
 
 class PageState(enum.Enum):
@@ -360,10 +359,6 @@ class Store:
             return
         self.change(pids, -1, 0)
 
-    def publish(self, pids: np.ndarray, nodes: np.ndarray) -> None:
-        """Mark referenced pages committed in ``nodes``."""
-        self.arena.node[pids] = nodes
-
     def unpublish(self, pids: np.ndarray) -> np.ndarray:
         """Detach pages from the tree; unreferenced ones are freed. Returns those freed."""
         a = self.arena
@@ -374,18 +369,6 @@ class Store:
         a.node[pids] = -1
         self.free_pages(gone)
         return gone
-
-    def touch(self, pids: np.ndarray) -> None:
-        a = self.arena
-        p = pids[a.locks[pids] == 0]
-        if not len(p):
-            return
-        held = a.holds[p] > 0
-        if held.any():
-            self.held.touch_many(p[held])
-        d = p[~held & (a.node[p] >= 0)]
-        if len(d):
-            self.droppable.touch_many(d)
 
     # -- resizing ------------------------------------------------------------------------------
 
@@ -482,15 +465,6 @@ def _insert(policy: EvictionPolicy, pids: np.ndarray, prios: np.ndarray) -> None
         policy.insert_many(pids, p0)
     else:
         policy.insert_many(pids, prios.astype(np.int64))
-
-
-def as_pids(pages: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Page ids as an int64 array."""
-    if isinstance(pages, np.ndarray):
-        return pages.astype(np.int64, copy=False)
-    if not pages:
-        return _EMPTY
-    return np.fromiter(pages, dtype=np.int64, count=len(pages))
 
 
 def group_by_store(arena: PageArena, pids: np.ndarray) -> list[tuple[int, np.ndarray]]:
