@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import abc
 import operator
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -166,6 +166,12 @@ def page_list(pages: PageBatch) -> list[int]:
         raise ValueError(f"pages: must be a sequence of ints or a 1-D integer array, got "
                          f"{type(pages).__name__}")
     return list(pages)
+
+
+def check_no_options(name: str, options: Mapping[str, Any] | None) -> None:
+    """Raise ValueError when a policy that takes no options was given some."""
+    if options:
+        raise ValueError(f"{name} eviction policy takes no options; got {sorted(options)}")
 
 
 def check_count(k: Any) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from kvcm_core import hookimpl
-from kvcm_core.eviction import MAX_PRIORITY, PerPagePolicy
+from kvcm_core.eviction import MAX_PRIORITY, PerPagePolicy, check_no_options
 from kvcm_core.records import EvictionPolicyCapabilities, EvictionPolicySpec
 
 __all__ = ["CAPABILITIES", "FifoPolicy"]
@@ -35,8 +35,7 @@ class FifoPolicy(PerPagePolicy):
     """
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
-        if options:
-            raise ValueError(f"fifo eviction policy takes no options; got {sorted(options)}")
+        check_no_options("fifo", options)
         # OrderedDict: popitem(last=False) is O(1), where a plain dict's first key gets
         # slower with every key deleted before it.
         self._buckets: list[OrderedDict[int, None]] = [

@@ -39,6 +39,7 @@ from kvcm_core.eviction import (
     PriorityBatch,
     check_count,
     check_new_pages,
+    check_no_options,
     check_present_pages,
     check_priorities,
     page_list,
@@ -68,8 +69,7 @@ class LruPolicy(EvictionPolicy):
     """
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
-        if options:
-            raise ValueError(f"lru eviction policy takes no options; got {sorted(options)}")
+        check_no_options("lru-dict", options)
         n = MAX_PRIORITY + 1
         self._recent: list[dict[int, Any]] = [{} for _ in range(n)]  # oldest first
         self._older: list[dict[int, Any]] = [{} for _ in range(n)]  # newest first

@@ -25,6 +25,7 @@ from kvcm_core.eviction import (
     PageBatch,
     PriorityBatch,
     check_count,
+    check_no_options,
     check_priorities,
 )
 
@@ -66,8 +67,7 @@ class SegmentLruPolicy(EvictionPolicy):
     """
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
-        if options:
-            raise ValueError(f"lru eviction policy takes no options; got {sorted(options)}")
+        check_no_options("lru", options)
         self._stamp = np.zeros(1024, dtype=np.int64)
         self._prio = np.zeros(1024, dtype=np.int8)
         self._queues: list[deque[tuple[int, np.ndarray]]] = [deque() for _ in range(_NPRIO)]
