@@ -162,8 +162,13 @@ class Event(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not time device work")
 
 
-def check_copy_args(dst: PageRegion, src: PageRegion, page_bytes: int, pairs: np.ndarray) -> None:
+def check_copy_args(dst: PageRegion, src: PageRegion, page_bytes: int,
+                    pairs: np.ndarray) -> tuple[int, int]:
     """Validate ``copy_pages`` arguments; every backend calls this before launching.
+
+    Returns:
+        ``(dst_count, src_count)``: one past the highest destination and source page index
+        (``(0, 0)`` for no pairs), which is how much of each region the copy touches.
 
     Raises:
         ValueError: wrong pair array, non-positive page size, negative offsets or strides,
@@ -175,23 +180,25 @@ def check_copy_args(dst: PageRegion, src: PageRegion, page_bytes: int, pairs: np
         raise ValueError(f"pairs.shape={pairs.shape}: must be [n, 2] (destination, source)")
     if pairs.dtype != np.int32:
         raise ValueError(f"pairs.dtype={pairs.dtype}: must be int32")
-    for label, region, column in (("dst", dst, 0), ("src", src, 1)):
+    for label, region in (("dst", dst), ("src", src)):
         if region.offset < 0 or region.stride < 0:
             raise ValueError(
                 f"{label} offset={region.offset} stride={region.stride}: must be >= 0"
             )
-        if len(pairs) == 0:
-            continue
-        idx = pairs[:, column]
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < 0:
-            raise ValueError(f"{label} page index {lo}: must be >= 0")
-        end = region.offset + hi * region.stride + page_bytes
+    if len(pairs) == 0:
+        return 0, 0
+    lo = pairs.min(axis=0).tolist()
+    hi = pairs.max(axis=0).tolist()
+    for label, region, column in (("dst", dst, 0), ("src", src, 1)):
+        if lo[column] < 0:
+            raise ValueError(f"{label} page index {lo[column]}: must be >= 0")
+        end = region.offset + hi[column] * region.stride + page_bytes
         if end > region.buffer.nbytes:
             raise ValueError(
-                f"{label} page index {hi} ends at byte {end}, past the buffer's "
+                f"{label} page index {hi[column]} ends at byte {end}, past the buffer's "
                 f"{region.buffer.nbytes} bytes"
             )
+    return hi[0] + 1, hi[1] + 1
 
 
 class KernelBackend(abc.ABC):

@@ -77,7 +77,6 @@ class Levels:
         self.stats = IterationStats.empty(ngroups, len(config.levels))
         self.event_sink_errors: dict[str, int] = {}
         self._events: list[BlockEvent] = []
-        self._limbo: set[int] = set()  # victims popped from a queue, not yet moved or dropped
         self._pg_of = [int(layout.group_to_pool_group[CacheGroupId(g)])
                        for g in range(ngroups)]
         self.layouts: list[PageLayout] = [pg.page_layout() for pg in layout.pool_groups]
@@ -255,7 +254,9 @@ class Levels:
 
     def capacity(self, store: Store, limit: int) -> int:
         """The most free slots (up to ``limit``) ``store`` can offer."""
-        lo, hi = min(limit, store.num_free), limit
+        if self.room(store, limit):
+            return limit
+        lo, hi = min(limit, store.num_free), limit - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self.room(store, mid):
@@ -298,28 +299,27 @@ class Levels:
                     f"level {store.level} pool group {store.pool_group}: could not free "
                     f"{k} slots (a write of held pages to the next level failed)")
         # Droppable victims go down where colder levels have room (the most recently used
-        # first), and are dropped only when no colder level can take them. Popped victims
-        # wait in limbo: a drop below may invalidate (and free) some of them meanwhile.
+        # first), and are dropped only when no colder level can take them. Making room
+        # below may invalidate (and free) popped victims: those no longer filed here are
+        # skipped (no page ids are handed out meanwhile, so a freed id stays freed).
         want = min(n - store.num_free, len(store.droppable))
-        victims = store.droppable.pop_victims(want) if want > 0 else []
-        limbo = self._limbo
-        limbo.update(victims)
+        victims = np.asarray(store.droppable.pop_victims(want) if want > 0 else (),
+                             dtype=np.int64)
+        here = store.index
+        a = self.arena
         target = store.below
-        while target is not None and victims:
+        while target is not None and len(victims):
             keep = self.capacity(target, len(victims))
             if keep:
                 self.make_room(target, keep)
-                victims = [v for v in victims if v in limbo]
+                victims = victims[a.store[victims] == here]
                 keep = min(keep, len(victims), target.num_free)
-                movers = np.asarray(victims[len(victims) - keep :], dtype=np.int64)
-                failed = set(self._move(store, movers, target, queued=False).tolist())
-                limbo.difference_update(set(movers.tolist()) - failed)
-                victims = [v for v in victims[: len(victims) - keep] if v in limbo] + [
-                    v for v in movers.tolist() if v in failed]
+                cut = len(victims) - keep
+                failed = self._move(store, victims[cut:], target, queued=False)
+                victims = np.concatenate([victims[:cut], failed]) if len(failed) else \
+                    victims[:cut]
             target = target.below
-        victims = [v for v in victims if v in limbo]
-        limbo.difference_update(victims)
-        self.drop(store, np.asarray(victims, dtype=np.int64))
+        self.drop(store, victims)
         if store.num_free < n:
             raise OutOfPagesError(
                 f"level {store.level} pool group {store.pool_group}: could not free {k} "
@@ -531,14 +531,14 @@ class Levels:
             gone = pids[loose]
             if len(gone):
                 self._count_drops(np.full(len(gone), g), a.reused[gone])
-                popped = np.fromiter((p in self._limbo for p in gone.tolist()), np.bool_,
-                                     len(gone))
-                for s, batch in group_by_store(a, gone[popped]):
-                    a.node[batch] = NO_NODE
-                    self._limbo.difference_update(batch.tolist())
-                    self.all_stores[s].free_pages(batch)
-                for s, batch in group_by_store(a, gone[~popped]):
-                    self.all_stores[s].unpublish(batch)
+                for s, batch in group_by_store(a, gone):
+                    store = self.all_stores[s]
+                    # Victims popped by a make-room cascade above are in no queue.
+                    popped = np.fromiter((p not in store.droppable for p in batch.tolist()),
+                                         np.bool_, len(batch))
+                    a.node[batch[popped]] = NO_NODE
+                    store.free_pages(batch[popped])
+                    store.unpublish(batch[~popped])
         for child in tree.children(nid):
             tree.detach(child)
 

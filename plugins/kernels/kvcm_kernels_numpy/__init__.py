@@ -8,13 +8,14 @@ tested on machines without one.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from kvcm_core import hookimpl
 from kvcm_core.backend import (
     Buffer,
+    CopyTask,
     Event,
     FingerprintPages,
     KernelBackend,
@@ -93,14 +94,26 @@ class NumpyEvent(Event):
 
 
 def _page_view(region: PageRegion, page_bytes: int, count: int) -> np.ndarray:
-    """``[count, page_bytes]`` strided view of a region's first ``count`` pages."""
+    """``[count, page_bytes]`` view of a region's first ``count`` pages (the caller
+    checked that they lie inside the buffer)."""
     base = region.buffer.host_view()
     if count == 0:
         return np.empty((0, page_bytes), dtype=np.uint8)
-    start = base[region.offset :]
-    return np.lib.stride_tricks.as_strided(
-        start, shape=(count, page_bytes), strides=(region.stride, 1), writeable=True
-    )
+    off, stride = region.offset, region.stride
+    if stride == page_bytes:  # packed pages: a plain reshape
+        return base[off : off + count * page_bytes].reshape(count, page_bytes)
+    return np.ndarray((count, page_bytes), dtype=np.uint8, buffer=base, offset=off,
+                      strides=(stride, 1))
+
+
+def _copy(task: CopyTask, counts: tuple[int, int]) -> None:
+    """One checked copy: ``counts`` from :func:`check_copy_args`."""
+    pairs = task.pairs
+    if len(pairs) == 0:
+        return
+    src_view = _page_view(task.src, task.page_bytes, counts[1])
+    dst_view = _page_view(task.dst, task.page_bytes, counts[0])
+    dst_view[pairs[:, 0]] = src_view[pairs[:, 1]]  # gather first, then scatter
 
 
 def _slot_maps(page_bytes: int, slots: int) -> tuple[np.ndarray, np.ndarray]:
@@ -214,14 +227,12 @@ class NumpyBackend(KernelBackend):
         pairs: np.ndarray,
         stream: Stream | None = None,
     ) -> None:
-        check_copy_args(dst, src, page_bytes, pairs)
-        if len(pairs) == 0:
-            return
-        d_idx = pairs[:, 0].astype(np.intp)
-        s_idx = pairs[:, 1].astype(np.intp)
-        src_view = _page_view(src, page_bytes, int(s_idx.max()) + 1)
-        dst_view = _page_view(dst, page_bytes, int(d_idx.max()) + 1)
-        dst_view[d_idx] = src_view[s_idx]  # gather first, then scatter
+        _copy(CopyTask(dst, src, page_bytes, pairs), check_copy_args(dst, src, page_bytes, pairs))
+
+    def copy_pages_batch(self, tasks: Sequence[CopyTask], stream: Stream | None = None) -> None:
+        counts = [check_copy_args(t.dst, t.src, t.page_bytes, t.pairs) for t in tasks]
+        for task, n in zip(tasks, counts, strict=True):  # all checked before any runs
+            _copy(task, n)
 
     def convert_page_indices(
         self,

@@ -188,9 +188,11 @@ class DiskPool(StoragePool):
         rows = self._rows(source, len(arr), "source")
         if not _rows_contiguous(rows):
             rows = np.ascontiguousarray(rows)
-        if len(np.unique(arr)) != len(arr):
+        order = np.argsort(arr, kind="stable")
+        ordered = arr[order]
+        if len(arr) > 1 and (ordered[1:] == ordered[:-1]).any():
             raise ValueError(f"slots={arr.tolist()}: a write may name each slot only once")
-        return self._submit(fd, arr, rows, write=True)
+        return self._submit(fd, arr, rows, write=True, order=order)
 
     def read(self, slots: np.ndarray, dest: np.ndarray) -> IOHandle:
         """Load ``slots[i]`` into ``dest[i]`` asynchronously.
@@ -208,7 +210,7 @@ class DiskPool(StoragePool):
                 f"dest strides={rows.strides} writeable={rows.flags.writeable}: must be a "
                 "writable array whose rows are contiguous"
             )
-        return self._submit(fd, arr, rows, write=False)
+        return self._submit(fd, arr, rows, write=False, order=np.argsort(arr, kind="stable"))
 
     def _rows(self, array: np.ndarray, n: int, what: str) -> np.ndarray:
         if not isinstance(array, np.ndarray) or array.dtype != np.uint8:
@@ -223,12 +225,14 @@ class DiskPool(StoragePool):
             )
         return array
 
-    def _submit(self, fd: int, slots: np.ndarray, rows: np.ndarray, *, write: bool) -> IOHandle:
+    def _submit(self, fd: int, slots: np.ndarray, rows: np.ndarray, *, write: bool,
+                order: np.ndarray) -> IOHandle:
+        """``order``: a stable argsort of ``slots``."""
         if not len(slots):
             return CompletedIO()
         if len(slots) * self.slot_bytes <= _INLINE_BYTES:
-            return self._inline(fd, slots, rows, write=write)
-        tasks = list(self._tasks(slots, rows))
+            return self._inline(fd, slots, rows, write=write, order=order)
+        tasks = list(self._tasks(slots, rows, order))
         futures = [
             self._tier._executor.submit(_run_calls, fd, calls, write, self._label())
             for calls in tasks
@@ -239,15 +243,15 @@ class DiskPool(StoragePool):
             future.add_done_callback(self._forget)
         return _Batch(futures, rows)
 
-    def _inline(self, fd: int, slots: np.ndarray, rows: np.ndarray, *, write: bool) -> IOHandle:
+    def _inline(self, fd: int, slots: np.ndarray, rows: np.ndarray, *, write: bool,
+                order: np.ndarray) -> IOHandle:
         """A small batch on the caller's thread: handing it to a thread and waiting would
         cost more than the I/O. Rows go through a slot-ordered copy, so every run of
         consecutive slots is one buffer of one call."""
-        order = np.argsort(slots, kind="stable")
         ordered = slots[order]
-        staged = np.ascontiguousarray(rows[order]) if write else np.empty_like(rows)
+        staged = rows[order] if write else np.empty_like(rows)
         try:
-            for task in self._tasks(ordered, staged):
+            for task in self._tasks(ordered, staged, None):
                 _run_calls(fd, task, write, self._label())
         except TierIOError as exc:
             return CompletedIO(exc)
@@ -259,7 +263,8 @@ class DiskPool(StoragePool):
         with self._lock:
             self._pending.discard(future)
 
-    def _tasks(self, slots: np.ndarray, rows: np.ndarray) -> Iterator[list[_Call]]:
+    def _tasks(self, slots: np.ndarray, rows: np.ndarray,
+               order: np.ndarray | None) -> Iterator[list[_Call]]:
         """Cut a batch into tasks for the I/O threads; each task is a list of calls.
 
         A call is one ``preadv``/``pwritev`` over a run of consecutive slots: its buffers are
@@ -269,11 +274,16 @@ class DiskPool(StoragePool):
         if not len(slots):
             return
         sb = self.slot_bytes
-        order = np.argsort(slots, kind="stable")
-        sorted_slots = slots[order]
-        file_next = sorted_slots[1:] == sorted_slots[:-1] + 1
         packed = rows.flags.c_contiguous
-        mem_next = file_next & (order[1:] == order[:-1] + 1) & packed
+        if order is None:  # slots are sorted and rows follow them
+            sorted_slots = slots
+            file_next = sorted_slots[1:] == sorted_slots[:-1] + 1
+            mem_next = file_next if packed else np.zeros(len(file_next), dtype=bool)
+            order = np.arange(len(slots))
+        else:
+            sorted_slots = slots[order]
+            file_next = sorted_slots[1:] == sorted_slots[:-1] + 1
+            mem_next = file_next & (order[1:] == order[:-1] + 1) & packed
         # pieces: runs contiguous both in the file and in memory -> one buffer each
         starts = np.concatenate(([0], np.nonzero(~mem_next)[0] + 1)).tolist()
         ends = [*starts[1:], len(slots)]
