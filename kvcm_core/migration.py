@@ -147,6 +147,19 @@ class Mover:
         if isinstance(sp, DevicePool) and isinstance(dp, DevicePool):
             be.copy_pages(dp.region, sp.region, cold, np.stack([d, s], axis=1), stream)
             return
+        if isinstance(sp, DevicePool) and sp.region.buffer.host_ptr is not None:
+            # Host-visible pages (pinned host) to storage: one gather, in storage order.
+            assert isinstance(dp, StoragePool)
+            order = np.argsort(d, kind="stable")
+            rows = _host_pages(sp.region, cold, int(s.max()) + 1)[s[order]]
+            dp.write(d[order], rows).wait()
+            return
+        if isinstance(dp, DevicePool) and dp.region.buffer.host_ptr is not None:
+            assert isinstance(sp, StoragePool)
+            rows = np.empty((len(s), cold), dtype=np.uint8)
+            sp.read(s, rows).wait()
+            _host_pages(dp.region, cold, int(d.max()) + 1)[d] = rows
+            return
         for lo, hi in self._chunks(len(s), cold):
             k = hi - lo
             staging = self._stage(k * cold)
@@ -172,3 +185,14 @@ class Mover:
     def _chunks(n: int, page: int) -> list[tuple[int, int]]:
         per = max(1, _STAGING_LIMIT // max(page, 1))
         return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
+
+
+def _host_pages(region: PageRegion, page_bytes: int, count: int) -> np.ndarray:
+    """``[count, page_bytes]`` host view of a host-visible region's first pages."""
+    end = region.offset + (count - 1) * region.stride + page_bytes
+    if end > region.buffer.nbytes:
+        raise ValueError(f"page {count - 1} ends at byte {end}, past the buffer's "
+                         f"{region.buffer.nbytes} bytes")
+    base = region.buffer.host_view()
+    return np.ndarray((count, page_bytes), dtype=np.uint8, buffer=base, offset=region.offset,
+                      strides=(region.stride, 1))

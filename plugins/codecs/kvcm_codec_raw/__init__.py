@@ -24,14 +24,19 @@ __all__ = ["CAPABILITIES", "RawCodec"]
 CAPABILITIES = CodecCapabilities(kind=CodecKind.PAGE, lossless=True)
 
 
+_I32_MAX = int(np.iinfo(np.int32).max)
+
+
 def _slot_array(label: str, slots: np.ndarray) -> np.ndarray:
     arr = np.asarray(slots)
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise ValueError(
             f"{label}: must be a 1-D integer array; got dtype {arr.dtype}, shape {arr.shape}"
         )
-    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
-        raise ValueError(f"{label}: slot ids must be in 0..2**31-1; got {arr.min()}..{arr.max()}")
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi > _I32_MAX:
+            raise ValueError(f"{label}: slot ids must be in 0..2**31-1; got {lo}..{hi}")
     return arr.astype(np.int32, copy=False)
 
 

@@ -155,7 +155,7 @@ class SegmentLruPolicy(EvictionPolicy):
             # One segment per run of equal priority, in order (recency within a priority
             # is kept: its runs enter one after the other).
             pr = np.asarray(prio, dtype=np.int64)
-            cuts = (np.flatnonzero(pr[1:] != pr[:-1]) + 1).tolist()
+            cuts = (np.nonzero(pr[1:] != pr[:-1])[0] + 1).tolist()
             groups = [(int(pr[a]), arr[a:b])
                       for a, b in zip([0, *cuts], [*cuts, len(arr)], strict=True)]
         for p, seg in groups:
