@@ -36,6 +36,7 @@ __all__ = [
     "PageRegion",
     "Stream",
     "check_copy_args",
+    "copy_pairs",
 ]
 
 
@@ -160,6 +161,14 @@ class Event(abc.ABC):
             NotImplementedError: the backend has no device clock (numpy).
         """
         raise NotImplementedError(f"{type(self).__name__} does not time device work")
+
+
+def copy_pairs(dst: np.ndarray, src: np.ndarray) -> np.ndarray:
+    """The ``int32 [n, 2]`` pair array of a copy: ``(dst[i], src[i])`` per row."""
+    out = np.empty((len(dst), 2), dtype=np.int32)
+    out[:, 0] = dst
+    out[:, 1] = src
+    return out
 
 
 def check_copy_args(dst: PageRegion, src: PageRegion, page_bytes: int,

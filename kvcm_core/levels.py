@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcm_core.backend import CopyTask, KernelBackend, Stream
+from kvcm_core.backend import CopyTask, KernelBackend, Stream, copy_pairs
 from kvcm_core.codec import PageCodec, PageLayout
 from kvcm_core.config import KVCacheManagerConfig
 from kvcm_core.errors import ConfigError, OutOfPagesError, TierIOError
@@ -315,7 +315,8 @@ class Levels:
                 victims = victims[a.store[victims] == here]
                 keep = min(keep, len(victims), target.num_free)
                 cut = len(victims) - keep
-                failed = self._move(store, victims[cut:], target, queued=False)
+                failed = self._move(store, victims[cut:], target, queued=False,
+                                    droppable=True)
                 victims = np.concatenate([victims[:cut], failed]) if len(failed) else \
                     victims[:cut]
             target = target.below
@@ -328,10 +329,11 @@ class Levels:
     # -- moving -----------------------------------------------------------------------------------
 
     def _move(self, src: Store, pids: np.ndarray, dst: Store, queued: bool = True,
-              stream: Stream | None = None) -> np.ndarray:
+              stream: Stream | None = None, droppable: bool = False) -> np.ndarray:
         """Move pages of ``src`` into free slots of ``dst``; returns the pages that could
         not be moved (I/O failure: they stay where they were, out of the queues when
-        ``queued`` is False)."""
+        ``queued`` is False). ``droppable``: the pages are known droppable (victims
+        popped from that queue), so they enter ``dst``'s droppable queue directly."""
         if not len(pids):
             return pids
         slots = dst.reserve_slots(len(pids))
@@ -345,7 +347,7 @@ class Levels:
             self.stats.io_failures += 1
             return pids
         src.vacate(pids, queued=queued)
-        dst.settle(pids, slots)
+        dst.settle(pids, slots, droppable)
         self.epoch += 1
         self._count_moves(pids, src.level, dst.level)
         return pids[:0]
@@ -429,7 +431,7 @@ class Levels:
         if not len(dst):
             return
         a = self.arena
-        pairs = np.stack([a.slot[dst], a.slot[src]], axis=1).astype(np.int32)
+        pairs = copy_pairs(a.slot[dst], a.slot[src])
         tasks = []
         for pool in self.gpu_store(group).pools:
             assert isinstance(pool, DevicePool)

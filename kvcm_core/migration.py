@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvcm_core.backend import Buffer, CopyTask, KernelBackend, PageRegion, Stream
+from kvcm_core.backend import Buffer, CopyTask, KernelBackend, PageRegion, Stream, copy_pairs
 from kvcm_core.codec import PageCodec, PageLayout
 from kvcm_core.tier import DevicePool, StoragePool
 
@@ -97,7 +97,7 @@ class Mover:
                   dst: Store, d: np.ndarray, stream: Stream | None) -> None:
         be = self.backend
         if src.level == 0 and dst.level == 0:
-            pairs = np.stack([d, s], axis=1)
+            pairs = copy_pairs(d, s)
             be.copy_pages_batch(
                 [CopyTask(r, r, pool.slot_bytes, pairs)
                  for r, pool in zip(self._gpu_regions(src), src.pools, strict=True)], stream)
@@ -145,7 +145,7 @@ class Mover:
         if dp.slot_bytes != cold:
             raise ValueError(f"cold page sizes differ ({cold} vs {dp.slot_bytes})")
         if isinstance(sp, DevicePool) and isinstance(dp, DevicePool):
-            be.copy_pages(dp.region, sp.region, cold, np.stack([d, s], axis=1), stream)
+            be.copy_pages(dp.region, sp.region, cold, copy_pairs(d, s), stream)
             return
         if isinstance(sp, DevicePool) and sp.region.buffer.host_ptr is not None:
             # Host-visible pages (pinned host) to storage: one gather, in storage order.
@@ -166,7 +166,7 @@ class Mover:
             view = staging.host_view()[: k * cold].reshape(k, cold)
             if isinstance(sp, DevicePool):
                 be.copy_pages(PageRegion(staging, 0, cold), sp.region, cold,
-                              np.stack([np.arange(k, dtype=np.int32), s[lo:hi]], axis=1),
+                              copy_pairs(np.arange(k), s[lo:hi]),
                               stream)
                 (stream or be.default_stream).synchronize()
             else:
@@ -174,7 +174,7 @@ class Mover:
                 sp.read(s[lo:hi], view).wait()
             if isinstance(dp, DevicePool):
                 be.copy_pages(dp.region, PageRegion(staging, 0, cold), cold,
-                              np.stack([d[lo:hi], np.arange(k, dtype=np.int32)], axis=1),
+                              copy_pairs(d[lo:hi], np.arange(k)),
                               stream)
                 (stream or be.default_stream).synchronize()
             else:

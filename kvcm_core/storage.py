@@ -241,14 +241,18 @@ class Store:
     def unreserve_slots(self, slots: np.ndarray) -> None:
         self._give_back(slots)
 
-    def settle(self, pids: np.ndarray, slots: np.ndarray) -> None:
-        """Pages that arrived in reserved ``slots`` (moved from another store)."""
+    def settle(self, pids: np.ndarray, slots: np.ndarray, droppable: bool = False) -> None:
+        """Pages that arrived in reserved ``slots`` (moved from another store);
+        ``droppable``: the caller knows they are all droppable."""
         a = self.arena
         self._pid[slots] = pids
         a.store[pids] = self.index
         a.slot[pids] = slots
         a.level[pids] = self.level
-        self._enter(pids)
+        if droppable:
+            _insert(self.droppable, pids, a.priority[pids])
+        else:
+            self._enter(pids)
 
     def vacate(self, pids: np.ndarray, queued: bool = True) -> None:
         """Pages that left this store (moved elsewhere): out of its queues (unless popped

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvcm_core import hookimpl
-from kvcm_core.backend import CopyTask, KernelBackend, PageRegion, Stream
+from kvcm_core.backend import CopyTask, KernelBackend, PageRegion, Stream, copy_pairs
 from kvcm_core.codec import PageCodec, PageLayout
 from kvcm_core.records import CodecCapabilities, CodecKind, CodecSpec
 
@@ -92,9 +92,9 @@ class RawCodec(PageCodec):
             # Cold pages would overlap each other: copies would clobber one another.
             raise ValueError(f"cold region stride {cold.stride} < cold page size {size}")
         pairs = (
-            np.stack([cold_slots, pool_slots], axis=1)
+            copy_pairs(cold_slots, pool_slots)
             if encode
-            else np.stack([pool_slots, cold_slots], axis=1)
+            else copy_pairs(pool_slots, cold_slots)
         )
         tasks = []
         start = 0
