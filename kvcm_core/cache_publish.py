@@ -95,11 +95,11 @@ class PublishMixin(CacheBase):
             if len(ours) < len(nids):
                 ours = np.concatenate([ours, np.full(len(nids) - len(ours), -1, np.int64)])
             ok = ours >= 0
-            if ok.all():
+            if np.count_nonzero(ok) == len(ok):
                 ok = a.node[ours] < 0
             else:
                 ok[ok] = a.node[ours[ok]] < 0
-            if ok.any():
+            if np.count_nonzero(ok):
                 L.publish(ours[ok], nids[ok], g)
         self._nodes.extend(nids.tolist())
         self._published = b1

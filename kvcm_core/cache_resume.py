@@ -166,7 +166,7 @@ class ResumeMixin(CacheBase):
         L = self._levels
         pids = _arr(refs)
         if len(pids):
-            if (a.level[pids] != 0).any():
+            if np.count_nonzero(a.level[pids] != 0):
                 return False
             limit = ctx.config.max_util_for_resume
             mine = np.bincount(a.store[pids], minlength=len(L.stores[0]))

@@ -355,7 +355,7 @@ class Levels:
     def _count_moves(self, pids: np.ndarray, from_level: int, to_level: int) -> None:
         groups = self.arena.group[pids]
         g0 = int(groups[0])
-        single = len(self.life_cycles) == 1 or bool((groups == g0).all())
+        single = len(self.life_cycles) == 1 or not np.count_nonzero(groups != g0)
         for g in [g0] if single else np.unique(groups).tolist():
             n = len(pids) if single else int((groups == g).sum())
             gstats = self.stats.groups[g]
@@ -498,7 +498,7 @@ class Levels:
 
     def _count_drops(self, groups: np.ndarray, reused: np.ndarray) -> None:
         g0 = int(groups[0])
-        if len(self.life_cycles) == 1 or (groups == g0).all():
+        if len(self.life_cycles) == 1 or not np.count_nonzero(groups != g0):
             gstats = self.stats.groups[g0]
             gstats.dropped_blocks += len(groups)
             gstats.dropped_before_reuse += len(groups) - int(np.count_nonzero(reused))

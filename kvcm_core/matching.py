@@ -129,7 +129,7 @@ def match_prefix(
             ok = tree.pages[found, walk_groups[0]] >= 0
         else:
             ok = (tree.pages[found][:, walk_groups] >= 0).all(axis=1)
-        if not ok.all():
+        if np.count_nonzero(ok) != len(ok):
             cut = int(ok.argmin())
             del found[cut:]
             if not probe:

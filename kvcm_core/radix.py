@@ -469,11 +469,11 @@ class PrefixTree:
                     order = np.sort(cand)
                     inside = np.isin(par, order)
                     kids = np.zeros(len(order), dtype=np.int64)
-                    if inside.any():
+                    if np.count_nonzero(inside):
                         kids = np.bincount(np.searchsorted(order, par[inside]),
                                            minlength=len(order))
                     ok = nch == kids[np.searchsorted(order, cand)]
-                if ok.all():
+                if np.count_nonzero(ok) == len(ok):
                     break
                 cand = cand[ok]
                 if not len(cand):
@@ -524,7 +524,7 @@ class PrefixTree:
             c = kids[0]  # the common case: one candidate, compared on its own
             m = min(len(tokens), int(self.ntok[c]))
             eq = self.tokens[c, :m] == tokens[:m]
-            shared = m if eq.all() else int(eq.argmin())
+            shared = m if np.count_nonzero(eq) == len(eq) else int(eq.argmin())
             return (c, shared) if shared > 0 else (NO_NODE, 0)
         k = np.asarray(kids, dtype=np.int64)
         if self.mm[k].any():

@@ -300,14 +300,14 @@ class Store:
     def _leave(self, pids: np.ndarray) -> None:
         a = self.arena
         free = a.locks[pids] == 0
-        if not free.any():
+        if not np.count_nonzero(free):
             return
         p = pids[free]
         held = a.holds[p] > 0
-        if held.all():
+        if np.count_nonzero(held) == len(held):
             self.held.remove_many(p)
             return
-        if held.any():
+        if np.count_nonzero(held):
             self.held.remove_many(p[held])
             p = p[~held]
         p = p[a.node[p] >= 0]
@@ -318,11 +318,11 @@ class Store:
         """Pages whose counts just changed: into their queue, or freed."""
         a = self.arena
         free = a.locks[pids] == 0
-        if not free.any():
+        if not np.count_nonzero(free):
             return
         p = pids[free]
         held = a.holds[p] > 0
-        if held.any():
+        if np.count_nonzero(held):
             h = p[held]
             _insert(self.held, h, a.priority[h])
             p = p[~held]
@@ -330,7 +330,7 @@ class Store:
         d = p[committed]
         if len(d):
             _insert(self.droppable, d, a.priority[d])
-        if not committed.all():
+        if np.count_nonzero(committed) != len(committed):
             self.free_pages(p[~committed])
 
     def change(self, pids: np.ndarray, dlocks: int, dholds: int) -> None:
@@ -350,10 +350,10 @@ class Store:
         become droppable (in the given order: least recent first), the rest are freed."""
         a = self.arena
         locks = a.locks[pids]
-        if (locks == 1).all() and not a.holds[pids].any():
+        if not np.count_nonzero(locks != 1) and not np.count_nonzero(a.holds[pids]):
             a.locks[pids] = 0
             committed = a.node[pids] >= 0
-            if committed.all():
+            if np.count_nonzero(committed) == len(committed):
                 _insert(self.droppable, pids, a.priority[pids])
                 return
             d = pids[committed]
@@ -465,7 +465,7 @@ def _insert(policy: EvictionPolicy, pids: np.ndarray, prios: np.ndarray) -> None
     """Insert pages in order: one int priority when they share one (the policies' fast
     path), else the priorities of each page."""
     p0 = int(prios[0])
-    if len(pids) == 1 or (prios == p0).all():
+    if len(pids) == 1 or not np.count_nonzero(prios != p0):
         policy.insert_many(pids, p0)
     else:
         policy.insert_many(pids, prios.astype(np.int64))
@@ -477,7 +477,7 @@ def group_by_store(arena: PageArena, pids: np.ndarray) -> list[tuple[int, np.nda
         return []
     stores = arena.store[pids]
     first = stores[0]
-    if (stores == first).all():
+    if not np.count_nonzero(stores != first):
         return [(int(first), pids)]
     out = []
     for s in dict.fromkeys(stores.tolist()):

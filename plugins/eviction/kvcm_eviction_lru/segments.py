@@ -111,7 +111,7 @@ class SegmentLruPolicy(EvictionPolicy):
         when every id is small (its own internal id)."""
         if not len(arr):
             return True
-        lo, hi = int(arr.min()), int(arr.max())
+        lo, hi = int(np.minimum.reduce(arr)), int(np.maximum.reduce(arr))
         small = hi < _BIG
         if lo < 0 or hi >= 1 << 31:
             bad = lo if lo < 0 else hi
@@ -119,7 +119,7 @@ class SegmentLruPolicy(EvictionPolicy):
         if hi >= _BIG:
             hi = _BIG + len(self._to_inner) + int((arr >= _BIG).sum())
         if hi >= len(self._stamp):
-            n = max(2 * len(self._stamp), hi + 1)
+            n = max(4 * len(self._stamp), hi + 1)
             self._stamp = np.concatenate([self._stamp, np.zeros(n - len(self._stamp),
                                                                 np.int64)])
             self._prio = np.concatenate([self._prio, np.zeros(n - len(self._prio), np.int8)])
@@ -137,7 +137,7 @@ class SegmentLruPolicy(EvictionPolicy):
             return None
         srt = np.sort(arr)
         dup = srt[1:] == srt[:-1]
-        if not dup.any():
+        if not np.count_nonzero(dup):
             return None
         repeated = set(srt[1:][dup].tolist())
         seen: set[int] = set()
@@ -172,7 +172,7 @@ class SegmentLruPolicy(EvictionPolicy):
         """Take present, distinct pages out (their entries become dead)."""
         pr = self._prio[arr]
         p0 = int(pr[0])
-        if (pr == p0).all():
+        if not np.count_nonzero(pr != p0):
             counts = {p0: len(arr)}
         else:
             u, c = np.unique(pr, return_counts=True)
@@ -246,11 +246,11 @@ class SegmentLruPolicy(EvictionPolicy):
         if not len(arr):
             return
         if self._fit(arr):  # small ids only: the arrays cover them
-            if self._stamp[arr].any():
+            if np.count_nonzero(self._stamp[arr]):
                 self._check_absent(arr, arr)
             if len(arr) > 1:
                 srt = np.sort(arr)
-                if (srt[1:] == srt[:-1]).any():
+                if np.count_nonzero(srt[1:] == srt[:-1]):
                     self._check_absent(arr, arr)
             self._append(arr, prio)
             return
@@ -291,7 +291,7 @@ class SegmentLruPolicy(EvictionPolicy):
         pr = self._prio[arr].astype(np.int64)
         self._drop(arr)
         p0 = int(pr[0])
-        self._append(arr, p0 if (pr == p0).all() else pr.tolist())
+        self._append(arr, p0 if not np.count_nonzero(pr != p0) else pr.tolist())
         self._maybe_compact()
 
     def set_priority_many(self, pages: PageBatch, priorities: PriorityBatch) -> None:
