@@ -41,6 +41,10 @@ from kvcm_core.units import parse_size
 __all__ = ["KVCacheManager"]
 
 
+_DEFAULT_SCOPE = ReuseScope()  # frozen: one instance serves every scope=None call
+_DEFAULT_ROOT = scope_root_key(_DEFAULT_SCOPE)
+
+
 class KVCacheManager:
     """Manages the paged KV cache of every running request.
 
@@ -269,7 +273,7 @@ class KVCacheManager:
 
     def _check_scope(self, scope: ReuseScope | None) -> ReuseScope:
         if scope is None:
-            return ReuseScope()
+            return _DEFAULT_SCOPE
         if not isinstance(scope, ReuseScope):
             raise TypeError(f"scope={scope!r}: must be a ReuseScope or None")
         return scope
@@ -277,7 +281,8 @@ class KVCacheManager:
     def _match(self, scope: ReuseScope, tokens: Sequence[Any] | np.ndarray,
                probe: bool = False) -> Match:
         return match_prefix(
-            self.tree, scope_root_key(scope), tokens, self.tokens_per_block,
+            self.tree, _DEFAULT_ROOT if scope is _DEFAULT_SCOPE else scope_root_key(scope),
+            tokens, self.tokens_per_block,
             self.life_cycles, walk_groups=self._walk_groups,
             prune_groups=self._prune_groups, partial=self.config.enable_partial_reuse,
             backoff=self.config.reuse_match_backoff, probe=probe)

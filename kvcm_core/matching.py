@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["Match", "match_prefix", "token_array"]
 
 _CHUNK = 64  # blocks encoded at a time during the walk
+_ARRAY_CHUNK = 1024  # the same for int32 arrays (encoding is one copy)
 _EMPTY = np.empty(0, dtype=np.int64)
 
 
@@ -79,9 +80,11 @@ def match_prefix(
     n = len(tokens)
     if n == 0:
         return Match(0, _EMPTY, [])
-    # Encode a chunk at a time: a short match never pays for a long prompt. The first
-    # chunk is encoded even when nothing is cached, so bad tokens fail early.
-    data, mm = encode_tokens(tokens[: _CHUNK * tpb])
+    # Encode a chunk at a time: a short match never pays for a long prompt (an int32
+    # array is one copy, so its chunks are larger). The first chunk is encoded even when
+    # nothing is cached, so bad tokens fail early.
+    chunk = _ARRAY_CHUNK if isinstance(tokens, np.ndarray) else _CHUNK
+    data, mm = encode_tokens(tokens[: chunk * tpb])
     root = tree.index.get(root_key)
     if root is None:
         return Match(0, _EMPTY, [])
@@ -108,21 +111,32 @@ def match_prefix(
         b = 0
         while b < nfull:
             if b:
-                data = encode_tokens(tokens[b * tpb : min(nfull, b + _CHUNK) * tpb])[0]
+                data = encode_tokens(tokens[b * tpb : min(nfull, b + chunk) * tpb])[0]
                 chunks.append(data)
-            stop = min(nfull - b, _CHUNK) * step
+            stop = min(nfull - b, chunk) * step
+            if probe:  # the length only: no keys kept
+                for off in range(0, stop, step):
+                    key = sha(key + data[off : off + step]).digest()
+                    nid = get(key)
+                    if nid is None:
+                        break
+                    add(nid)
+                else:
+                    b += chunk
+                    continue
+                break
             for off in range(0, stop, step):
                 k = sha(key + data[off : off + step]).digest()
                 nid = get(k)
                 if nid is None:
-                    b = nfull
                     break
-                if not probe:
-                    append(k)
+                append(k)
                 add(nid)
                 key = k
             else:
-                b += _CHUNK
+                b += chunk
+                continue
+            break
     if walk_groups and found:
         ok: Any
         if len(walk_groups) == 1:

@@ -35,6 +35,7 @@ _NPRIO = MAX_PRIORITY + 1
 _INT_ONLY = {int}
 _BIG = 1 << 22  # page ids from here on are mapped to internal ids (arrays stay small)
 _COMPACT_SLACK = 4096  # dead entries tolerated before a rebuild is considered
+_SMALL = 16  # batches up to this size are checked in plain Python
 
 
 def _as_pages(pages: PageBatch) -> np.ndarray:
@@ -175,8 +176,9 @@ class SegmentLruPolicy(EvictionPolicy):
         if not np.count_nonzero(pr != p0):
             counts = {p0: len(arr)}
         else:
-            u, c = np.unique(pr, return_counts=True)
-            counts = dict(zip(u.tolist(), c.tolist(), strict=True))
+            c = np.bincount(pr.astype(np.intp), minlength=_NPRIO)
+            u = np.nonzero(c)[0]
+            counts = dict(zip(u.tolist(), c[u].tolist(), strict=True))
         for p, c in counts.items():
             self._live[p] -= c
             if not self._live[p]:
@@ -235,6 +237,9 @@ class SegmentLruPolicy(EvictionPolicy):
                 is changed.
         """
         arr = _as_pages(pages)
+        n = len(arr)
+        if 0 < n <= _SMALL and self._insert_small(arr, priorities):
+            return
         if isinstance(priorities, np.ndarray) and priorities.ndim == 1 and \
                 priorities.dtype.kind in "iu" and len(priorities) == len(arr) and len(arr):
             # Checked here, kept an array (check_priorities would make a list).
@@ -257,6 +262,39 @@ class SegmentLruPolicy(EvictionPolicy):
         self._check_absent(arr, self._inner(arr, create=False))
         self._append(self._inner(arr, create=True), prio)
 
+    def _insert_small(self, arr: np.ndarray, priorities: PriorityBatch) -> bool:
+        """:meth:`insert_many` of a few small page ids with plain Python checks (NumPy's
+        per-call costs dominate there). False: not that case, nothing done."""
+        pl = arr.tolist()
+        n = len(pl)
+        if type(priorities) is int:
+            prl = [priorities] * n
+        elif isinstance(priorities, np.ndarray) and priorities.ndim == 1 and \
+                priorities.dtype.kind in "iu" and len(priorities) == n:
+            prl = priorities.tolist()
+        else:
+            return False
+        if min(prl) < 0 or max(prl) > MAX_PRIORITY or min(pl) < 0 or \
+                max(pl) >= min(len(self._stamp), _BIG):
+            return False  # the general path raises, grows the arrays or maps big ids
+        if len(set(pl)) != n or np.count_nonzero(self._stamp[arr]):
+            return False  # the general path names the page
+        start = 0
+        for i in range(1, n + 1):
+            if i == n or prl[i] != prl[start]:
+                p = prl[start]
+                seg = arr[start:i].copy()
+                self._serial += 1
+                self._stamp[seg] = self._serial
+                self._prio[seg] = p
+                self._queues[p].append((self._serial, seg))
+                self._live[p] += i - start
+                self._mask |= 1 << p
+                start = i
+        self._entries += n
+        self._count += n
+        return True
+
     def remove_many(self, pages: PageBatch) -> None:
         """Forget ``pages``.
 
@@ -264,8 +302,16 @@ class SegmentLruPolicy(EvictionPolicy):
             ValueError: naming the first absent (or repeated) page; nothing is changed.
         """
         arr = _as_pages(pages)
-        if not len(arr):
+        n = len(arr)
+        if not n:
             return
+        if n <= _SMALL:  # plain Python checks; anything unusual takes the general path
+            pl = arr.tolist()
+            if min(pl) >= 0 and max(pl) < min(len(self._stamp), _BIG) and \
+                    len(set(pl)) == n and np.count_nonzero(self._stamp[arr]) == n:
+                self._drop(arr)
+                self._maybe_compact()
+                return
         inner = self._inner(arr, create=False)
         self._check_present(arr, inner, "remove", unique=True)
         self._drop(inner)
