@@ -263,10 +263,11 @@ class EvictionPolicy(abc.ABC):
         """
 
     @abc.abstractmethod
-    def pop_victims(self, k: int) -> list[int]:
+    def pop_victims(self, k: int) -> list[int] | np.ndarray:
         """Remove and return up to ``k`` pages in eviction order (lowest priority first,
-        then the policy's order inside a priority). Fewer when the policy holds fewer;
-        ``[]`` for ``k == 0`` or an empty policy.
+        then the policy's order inside a priority), as a list of ints or a 1-D integer
+        NumPy array (cheaper for array-backed policies). Fewer when the policy holds
+        fewer; empty for ``k == 0`` or an empty policy.
 
         Raises:
             ValueError: ``k`` is negative or not an int.

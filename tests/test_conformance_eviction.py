@@ -21,7 +21,7 @@ from kvcm_core.eviction import (
     page_list,
 )
 from kvcm_core.plugins import get_plugin_manager
-from kvcm_core.testing.conformance.eviction import EvictionPolicyConformance
+from kvcm_core.testing.conformance.eviction import EvictionPolicyConformance, popped
 
 
 class TestEvictionPolicies(EvictionPolicyConformance):
@@ -59,11 +59,11 @@ def test_lru_emptied_lowest_bucket_moves_eviction_to_the_next_one() -> None:
     policy = LruPolicy()
     policy.insert_many([1, 2, 3], [0, MAX_PRIORITY, 50])
     policy.remove_many([1])
-    assert policy.pop_victims(1) == [3]
+    assert popped(policy, 1) == [3]
     policy.set_priority_many([2], 0)
     policy.insert_many([4], 0)
-    assert policy.pop_victims(3) == [2, 4]
-    assert len(policy) == 0 and policy.pop_victims(3) == []
+    assert popped(policy, 3) == [2, 4]
+    assert len(policy) == 0 and popped(policy, 3) == []
 
 
 def test_lru_pops_walk_buckets_lowest_first_each_in_insertion_order() -> None:
@@ -73,7 +73,7 @@ def test_lru_pops_walk_buckets_lowest_first_each_in_insertion_order() -> None:
     expected = sorted(pages, key=lambda p: (p % (MAX_PRIORITY + 1), p))
     got: list[int] = []
     for k in (1, 5, 37, 200, 1000):
-        got += policy.pop_victims(k)
+        got += popped(policy, k)
     assert got == expected
 
 
@@ -82,7 +82,7 @@ def test_lru_set_priority_with_a_repeated_page_applies_in_order() -> None:
     policy.insert_many([1, 2, 3], 50)
     policy.set_priority_many([1, 2, 1], [10, 10, 60])  # 1 ends at 60, after 3
     assert policy.priority_of(1) == 60
-    assert policy.pop_victims(3) == [2, 3, 1]
+    assert popped(policy, 3) == [2, 3, 1]
 
 
 def test_lru_draining_a_large_bucket_in_small_batches_stays_linear() -> None:
@@ -92,7 +92,7 @@ def test_lru_draining_a_large_bucket_in_small_batches_stays_linear() -> None:
     policy.insert_many(range(200_000))
     out: list[int] = []
     while len(policy):
-        out += policy.pop_victims(4)
+        out += popped(policy, 4)
     assert out == list(range(200_000))
 
 
@@ -103,10 +103,10 @@ def test_fifo_touch_does_not_reorder_and_set_priority_reenters_at_the_end() -> N
     policy = FifoPolicy()
     policy.insert_many([1, 2, 3, 4], 50)
     policy.touch_many([1, 2])
-    assert policy.pop_victims(1) == [1]
+    assert popped(policy, 1) == [1]
     policy.set_priority_many([2], 50)
     policy.insert_many([5], 10)
-    assert policy.pop_victims(10) == [5, 3, 4, 2]
+    assert popped(policy, 10) == [5, 3, 4, 2]
 
 
 # -- the adapter --------------------------------------------------------------------------
@@ -157,7 +157,7 @@ def test_per_page_policy_calls_hooks_in_batch_order_with_python_ints() -> None:
         ("set_priority", 5, 9), ("remove", 4),
     ]
     assert all(type(arg) is int for call in policy.calls for arg in call[1:])
-    victims = policy.pop_victims(5)
+    victims = popped(policy, 5)
     assert victims == [6, 5] and all(type(v) is int for v in victims)
 
 

@@ -47,7 +47,7 @@ from kvcm_core.eviction import DEFAULT_PRIORITY, EvictionPolicy
 from kvcm_core.records import EvictionPolicyCapabilities
 from kvcm_core.testing.conformance import ConformanceBase
 
-__all__ = ["EvictionPolicyConformance"]
+__all__ = ["EvictionPolicyConformance", "as_victim_list", "popped"]
 
 _MACHINE_SETTINGS = settings(
     max_examples=60,
@@ -74,12 +74,29 @@ _FORMS: dict[str, Callable[[list[int]], Any]] = {
 _forms = st.sampled_from(sorted(_FORMS))
 
 
+def as_victim_list(victims: Any) -> list[int]:
+    """What ``pop_victims`` returned, checked (a list of ints or a 1-D integer array) and
+    made a list of Python ints."""
+    if isinstance(victims, np.ndarray):
+        assert victims.ndim == 1 and victims.dtype.kind in "iu", (
+            f"pop_victims gave an array of shape {victims.shape} dtype {victims.dtype}")
+        return victims.tolist()
+    assert isinstance(victims, list), f"pop_victims gave a {type(victims).__name__}"
+    assert all(type(v) is int for v in victims), f"not Python ints: {victims!r}"
+    return victims
+
+
+def popped(policy: EvictionPolicy, k: int) -> list[int]:
+    """``policy.pop_victims(k)`` as a checked list of ints."""
+    return as_victim_list(policy.pop_victims(k))
+
+
 def _drain(policy: EvictionPolicy) -> list[int]:
     """Pop every page of ``policy``, in eviction order."""
     n = len(policy)
-    order = policy.pop_victims(n + 1)
+    order = popped(policy, n + 1)
     assert len(order) == n, f"pop_victims({n + 1}) gave {len(order)} pages of {n}"
-    assert len(policy) == 0 and policy.pop_victims(1) == []
+    assert len(policy) == 0 and popped(policy, 1) == []
     assert all(type(page) is int for page in order), f"not Python ints: {order!r}"
     return order
 
@@ -279,7 +296,7 @@ def _machine(
 
         @rule(k=st.integers(0, 7))
         def pop_victims(self, k: int) -> None:
-            victims = self._call("pop_victims", k)
+            victims = as_victim_list(self._call("pop_victims", k))
             self.model.check_victims(victims, k)
             assert not any(v in self.policy for v in victims)
 
@@ -382,8 +399,8 @@ class EvictionPolicyConformance(ConformanceBase):
     def test_empty_policy_has_no_victims(self, policy: EvictionPolicy) -> None:
         assert len(policy) == 0
         assert 0 not in policy
-        assert policy.pop_victims(0) == []
-        assert policy.pop_victims(5) == []
+        assert popped(policy, 0) == []
+        assert popped(policy, 5) == []
 
     def test_empty_batches_change_nothing(self, policy: EvictionPolicy) -> None:
         policy.insert_many([])
@@ -394,23 +411,23 @@ class EvictionPolicyConformance(ConformanceBase):
             call(np.array([], dtype=np.int32))
         policy.set_priority_many([], 5)
         policy.set_priority_many([], [])
-        assert len(policy) == 1 and policy.pop_victims(3) == [7]
+        assert len(policy) == 1 and popped(policy, 3) == [7]
 
     def test_pop_victims_of_zero_returns_nothing_and_changes_nothing(
         self, policy: EvictionPolicy
     ) -> None:
         policy.insert_many([1, 2, 3])
-        assert policy.pop_victims(0) == []
+        assert popped(policy, 0) == []
         assert len(policy) == 3 and 1 in policy
 
     def test_pop_victims_returns_at_most_k_then_the_rest(self, policy: EvictionPolicy) -> None:
         policy.insert_many(range(10))
-        first = policy.pop_victims(4)
+        first = popped(policy, 4)
         assert len(first) == 4 and len(policy) == 6
         assert not any(page in policy for page in first)
-        rest = policy.pop_victims(100)
+        rest = popped(policy, 100)
         assert sorted(first + rest) == list(range(10))
-        assert len(policy) == 0 and policy.pop_victims(100) == []
+        assert len(policy) == 0 and popped(policy, 100) == []
 
     @pytest.mark.parametrize("form", sorted(_FORMS))
     def test_every_batch_form_is_accepted_and_python_ints_come_back(
@@ -423,7 +440,7 @@ class EvictionPolicyConformance(ConformanceBase):
         policy.remove_many(as_batch([8]))
         assert len(policy) == 4
         assert all(page in policy for page in (5, 6, 7, _TOP_PAGE)) and 8 not in policy
-        victims = policy.pop_victims(np.int64(10))  # type: ignore[arg-type]
+        victims = as_victim_list(policy.pop_victims(np.int64(10)))  # type: ignore[arg-type]
         assert sorted(victims) == [5, 6, 7, _TOP_PAGE]
         assert all(type(v) is int for v in victims)
 
@@ -475,9 +492,9 @@ class EvictionPolicyConformance(ConformanceBase):
         policy.insert_many([2])
         policy.insert_many([3], DEFAULT_PRIORITY - 1)
         policy.touch_many([3])  # a use never lifts a page above a higher priority
-        assert policy.pop_victims(1) == [3]
+        assert popped(policy, 1) == [3]
         policy.set_priority_many([1], 0)
-        assert policy.pop_victims(5) == [1, 2]
+        assert popped(policy, 5) == [1, 2]
 
     def test_a_mixed_batch_is_evicted_by_priority(
         self, policy: EvictionPolicy, caps: EvictionPolicyCapabilities
@@ -486,7 +503,7 @@ class EvictionPolicyConformance(ConformanceBase):
             pytest.skip("policy declares no priorities")
         priorities = [50, 10, 50, 10, 0, 50, caps.max_priority]
         policy.insert_many(range(1, 8), priorities)
-        victims = policy.pop_victims(7)
+        victims = popped(policy, 7)
         assert victims[0] == 5 and set(victims[1:3]) == {2, 4}
         assert set(victims[3:6]) == {1, 3, 6} and victims[6] == 7
         if caps.lru_order:
@@ -499,8 +516,8 @@ class EvictionPolicyConformance(ConformanceBase):
             pytest.skip("policy declares no LRU order")
         policy.insert_many([9, 3, 7], 50)
         policy.insert_many(np.array([1, 8]), [50, 50])
-        assert policy.pop_victims(2) == [9, 3]
-        assert policy.pop_victims(10) == [7, 1, 8]
+        assert popped(policy, 2) == [9, 3]
+        assert popped(policy, 10) == [7, 1, 8]
 
     def test_touch_many_makes_pages_most_recent_in_batch_order(
         self, policy: EvictionPolicy, caps: EvictionPolicyCapabilities
@@ -512,7 +529,7 @@ class EvictionPolicyConformance(ConformanceBase):
         policy.touch_many(np.array([3, 2, 3]))  # a repeat: the last use counts
         policy.remove_many([4])
         policy.insert_many([4], 50)
-        assert policy.pop_victims(6) == [1, 2, 3, 4, 6, 5]
+        assert popped(policy, 6) == [1, 2, 3, 4, 6, 5]
 
     def test_uses_and_removals_after_partial_pops_keep_the_order(
         self, policy: EvictionPolicy, caps: EvictionPolicyCapabilities
@@ -542,22 +559,22 @@ class EvictionPolicyConformance(ConformanceBase):
                     del model.entries[page]
 
         do("insert_many", pages, prios)  # low: 1..10, high: 11..20
-        model.check_victims(policy.pop_victims(3), 3)  # 1, 2, 3
+        model.check_victims(popped(policy, 3), 3)  # 1, 2, 3
         do("touch_many", [7, 5])  # low: 4 6 8 9 10 7 5
         do("touch_many", [6])  # low: 4 8 9 10 7 5 6
         do("touch_many", [5, 10])  # one page used since the pops, one not: 4 8 9 7 6 5 10
         do("remove_many", [9])
         do("remove_many", [4, 8])  # low: 7 6 5 10
-        model.check_victims(policy.pop_victims(2), 2)  # 7, 6
+        model.check_victims(popped(policy, 2), 2)  # 7, 6
         do("touch_many", [15, 5, 12])  # both priorities in one batch
         do("remove_many", [11, 10, 19])  # both priorities in one batch
-        model.check_victims(policy.pop_victims(4), 4)  # 5, 13, 14, 16
+        model.check_victims(popped(policy, 4), 4)  # 5, 13, 14, 16
         do("insert_many", [30, 31], [high, low])
         do("set_priority_many", [20, 12], low)
         do("touch_many", [17])
-        model.check_victims(policy.pop_victims(1), 1)  # 31
+        model.check_victims(popped(policy, 1), 1)  # 31
         do("touch_many", [18, 20])
-        model.check_victims(policy.pop_victims(100), 100)
+        model.check_victims(popped(policy, 100), 100)
 
     def test_set_priority_many_moves_pages_as_most_recent(
         self, policy: EvictionPolicy, caps: EvictionPolicyCapabilities
@@ -567,13 +584,13 @@ class EvictionPolicyConformance(ConformanceBase):
         policy.insert_many(range(1, 6), 50)
         policy.set_priority_many([4, 2], [10, 10])
         policy.set_priority_many([3], 90)
-        assert set(policy.pop_victims(2)) == {2, 4}
+        assert set(popped(policy, 2)) == {2, 4}
         if caps.lru_order:
             policy.set_priority_many([5, 1, 5], 50)  # the same priority counts as a use
-            assert policy.pop_victims(3) == [1, 5, 3]
+            assert popped(policy, 3) == [1, 5, 3]
         else:
-            assert set(policy.pop_victims(2)) == {1, 5}
-            assert policy.pop_victims(2) == [3]
+            assert set(popped(policy, 2)) == {1, 5}
+            assert popped(policy, 2) == [3]
 
     def test_large_batches_keep_the_order(
         self, policy: EvictionPolicy, caps: EvictionPolicyCapabilities
@@ -596,7 +613,7 @@ class EvictionPolicyConformance(ConformanceBase):
         for page in gone:
             del model.entries[page]
         for k in (1, 16, 256, 777, 0, 5000):
-            model.check_victims(policy.pop_victims(k), k)
+            model.check_victims(popped(policy, k), k)
         assert len(policy) == len(model.entries) == 0
 
     def test_contains_and_len_follow_the_batches(self, policy: EvictionPolicy) -> None:

@@ -33,6 +33,8 @@ def _slot_array(label: str, slots: np.ndarray) -> np.ndarray:
         raise ValueError(
             f"{label}: must be a 1-D integer array; got dtype {arr.dtype}, shape {arr.shape}"
         )
+    if arr.dtype == np.int32:  # fits by type; negative ids fail the copy's own check
+        return arr
     if arr.size:
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi > _I32_MAX:

@@ -359,9 +359,9 @@ class SegmentLruPolicy(EvictionPolicy):
             self._append(one, p)
         self._maybe_compact()
 
-    def pop_victims(self, k: int) -> list[int]:
-        """Remove and return up to ``k`` pages: lowest priority first, least recently used
-        first inside a priority.
+    def pop_victims(self, k: int) -> np.ndarray:
+        """Remove and return up to ``k`` pages (an int64 array): lowest priority first,
+        least recently used first inside a priority.
 
         Raises:
             ValueError: ``k`` is negative or not an int.
@@ -398,8 +398,11 @@ class SegmentLruPolicy(EvictionPolicy):
                 self._entries -= sum(len(s) for _, s in queue)
                 queue.clear()
         if not out:
-            return []
-        return self._outer(out[0] if len(out) == 1 else np.concatenate(out))
+            return np.empty(0, dtype=np.int64)
+        got = out[0] if len(out) == 1 else np.concatenate(out)
+        if self._to_outer and int(got.max()) >= _BIG:
+            return np.asarray(self._outer(got), dtype=np.int64)
+        return got
 
     # -- queries -------------------------------------------------------------------------------
 

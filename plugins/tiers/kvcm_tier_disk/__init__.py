@@ -188,10 +188,11 @@ class DiskPool(StoragePool):
         rows = self._rows(source, len(arr), "source")
         if not _rows_contiguous(rows):
             rows = np.ascontiguousarray(rows)
-        order = np.argsort(arr, kind="stable")
-        ordered = arr[order]
-        if len(arr) > 1 and (ordered[1:] == ordered[:-1]).any():
-            raise ValueError(f"slots={arr.tolist()}: a write may name each slot only once")
+        order = _order(arr)
+        if order is not None:
+            ordered = arr[order]
+            if np.count_nonzero(ordered[1:] == ordered[:-1]):
+                raise ValueError(f"slots={arr.tolist()}: a write may name each slot only once")
         return self._submit(fd, arr, rows, write=True, order=order)
 
     def read(self, slots: np.ndarray, dest: np.ndarray) -> IOHandle:
@@ -210,7 +211,7 @@ class DiskPool(StoragePool):
                 f"dest strides={rows.strides} writeable={rows.flags.writeable}: must be a "
                 "writable array whose rows are contiguous"
             )
-        return self._submit(fd, arr, rows, write=False, order=np.argsort(arr, kind="stable"))
+        return self._submit(fd, arr, rows, write=False, order=_order(arr))
 
     def _rows(self, array: np.ndarray, n: int, what: str) -> np.ndarray:
         if not isinstance(array, np.ndarray) or array.dtype != np.uint8:
@@ -226,8 +227,8 @@ class DiskPool(StoragePool):
         return array
 
     def _submit(self, fd: int, slots: np.ndarray, rows: np.ndarray, *, write: bool,
-                order: np.ndarray) -> IOHandle:
-        """``order``: a stable argsort of ``slots``."""
+                order: np.ndarray | None) -> IOHandle:
+        """``order``: a stable argsort of ``slots``, or None when they are increasing."""
         if not len(slots):
             return CompletedIO()
         if len(slots) * self.slot_bytes <= _INLINE_BYTES:
@@ -244,10 +245,19 @@ class DiskPool(StoragePool):
         return _Batch(futures, rows)
 
     def _inline(self, fd: int, slots: np.ndarray, rows: np.ndarray, *, write: bool,
-                order: np.ndarray) -> IOHandle:
+                order: np.ndarray | None) -> IOHandle:
         """A small batch on the caller's thread: handing it to a thread and waiting would
-        cost more than the I/O. Rows go through a slot-ordered copy, so every run of
-        consecutive slots is one buffer of one call."""
+        cost more than the I/O. Rows go through a slot-ordered copy (unless the slots are
+        in order already), so every run of consecutive slots is one buffer of one call."""
+        if order is None and rows.flags.c_contiguous:
+            try:
+                for task in self._tasks(slots, rows, None):
+                    _run_calls(fd, task, write, self._label())
+            except TierIOError as exc:
+                return CompletedIO(exc)
+            return CompletedIO()
+        if order is None:
+            order = np.arange(len(slots))
         ordered = slots[order]
         staged = rows[order] if write else np.empty_like(rows)
         try:
@@ -369,6 +379,13 @@ class DiskPool(StoragePool):
 def _rows_contiguous(rows: np.ndarray) -> bool:
     """Each row is one contiguous run of bytes (empty and single-byte rows always are)."""
     return rows.size == 0 or rows.shape[1] <= 1 or rows.strides[1] == 1
+
+
+def _order(slots: np.ndarray) -> np.ndarray | None:
+    """A stable argsort of ``slots``; None when they are strictly increasing already."""
+    if len(slots) < 2 or not np.count_nonzero(slots[1:] <= slots[:-1]):
+        return None
+    return np.argsort(slots, kind="stable")
 
 
 def _run_calls(fd: int, calls: list[_Call], write: bool, label: str) -> None:
