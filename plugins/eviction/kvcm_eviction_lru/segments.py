@@ -38,6 +38,14 @@ _COMPACT_SLACK = 4096  # dead entries tolerated before a rebuild is considered
 _SMALL = 16  # batches up to this size are checked in plain Python
 
 
+def _runs(pr: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(priority, start, stop)`` for each run of equal values of ``pr`` (not empty)."""
+    cuts = (np.nonzero(pr[1:] != pr[:-1])[0] + 1).tolist()
+    starts = [0, *cuts]
+    values = pr[starts].tolist()
+    return list(zip(values, starts, [*cuts, len(pr)], strict=True))
+
+
 def _as_pages(pages: PageBatch) -> np.ndarray:
     if isinstance(pages, np.ndarray):
         if pages.ndim != 1 or pages.dtype.kind not in "iu":
@@ -148,25 +156,28 @@ class SegmentLruPolicy(EvictionPolicy):
             seen.add(p)
         return None  # pragma: no cover
 
-    def _append(self, arr: np.ndarray, prio: int | list[int] | np.ndarray) -> None:
-        """Enter pages (absent, distinct) as most recent, one segment per priority."""
+    def _append(self, arr: np.ndarray,
+                prio: int | list[int] | np.ndarray | list[tuple[int, int, int]]) -> None:
+        """Enter pages (absent, distinct) as most recent, one segment per priority run:
+        ``prio`` is one int, a priority per page, or the runs ``(priority, start, stop)``
+        of :func:`_runs`."""
         if type(prio) is int:
-            groups = [(prio, arr)]
+            runs = [(prio, 0, len(arr))]
+        elif type(prio) is list and prio and type(prio[0]) is tuple:
+            runs = prio  # type: ignore[assignment]
         else:
-            # One segment per run of equal priority, in order (recency within a priority
-            # is kept: its runs enter one after the other).
-            pr = np.asarray(prio, dtype=np.int64)
-            cuts = (np.nonzero(pr[1:] != pr[:-1])[0] + 1).tolist()
-            groups = [(int(pr[a]), arr[a:b])
-                      for a, b in zip([0, *cuts], [*cuts, len(arr)], strict=True)]
-        for p, seg in groups:
+            runs = _runs(np.asarray(prio, dtype=np.int64))
+        # One segment per run of equal priority, in order (recency within a priority is
+        # kept: its runs enter one after the other).
+        for p, a, b in runs:
+            seg = arr[a:b].copy() if a or b != len(arr) else arr.copy()
             self._serial += 1
             self._stamp[seg] = self._serial
             self._prio[seg] = p
-            self._queues[p].append((self._serial, seg.copy()))
-            self._live[p] += len(seg)
+            self._queues[p].append((self._serial, seg))
+            self._live[p] += b - a
             self._mask |= 1 << p
-            self._entries += len(seg)
+            self._entries += b - a
         self._count += len(arr)
 
     def _drop(self, arr: np.ndarray) -> None:
@@ -242,10 +253,12 @@ class SegmentLruPolicy(EvictionPolicy):
             return
         if isinstance(priorities, np.ndarray) and priorities.ndim == 1 and \
                 priorities.dtype.kind in "iu" and len(priorities) == len(arr) and len(arr):
-            # Checked here, kept an array (check_priorities would make a list).
-            if int(priorities.min()) < 0 or int(priorities.max()) > MAX_PRIORITY:
+            # Checked by its runs' values (one per run), kept as runs.
+            runs = _runs(priorities.astype(np.int64, copy=False))
+            values = [r[0] for r in runs]
+            if min(values) < 0 or max(values) > MAX_PRIORITY:
                 check_priorities(priorities, len(arr))  # raises, naming the value
-            prio: int | np.ndarray | list[int] = priorities
+            prio: int | np.ndarray | list[int] | list[tuple[int, int, int]] = runs
         else:
             prio = check_priorities(priorities, len(arr))
         if not len(arr):
