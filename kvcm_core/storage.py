@@ -180,8 +180,28 @@ class Store:
         # Pop from the end: low slot ids first, which keeps shrinking cheap.
         self._free = IdStack(self.num_slots)
         self._pid = np.full(self.num_slots, NO_PAGE, dtype=np.int64)
-        self.droppable = make_policy()
+        self._droppable = make_policy()
         self.held = make_policy()
+        # Pages released by closes, not yet in the droppable policy: they enter it in one
+        # batch, in release order, when anything next reads or changes the queue.
+        self._released: list[tuple[np.ndarray, np.ndarray]] = []
+
+    @property
+    def droppable(self) -> EvictionPolicy:
+        """The queue of unreferenced committed pages (least recently released first)."""
+        if self._released:
+            self._flush_released()
+        return self._droppable
+
+    def _flush_released(self) -> None:
+        batches = self._released
+        self._released = []
+        if len(batches) == 1:
+            pids, prios = batches[0]
+        else:
+            pids = np.concatenate([b[0] for b in batches])
+            prios = np.concatenate([b[1] for b in batches])
+        _insert(self._droppable, pids, prios)
 
     # -- counting ------------------------------------------------------------------------
 
@@ -354,7 +374,7 @@ class Store:
             a.locks[pids] = 0
             committed = a.node[pids] >= 0
             if np.count_nonzero(committed) == len(committed):
-                _insert(self.droppable, pids, a.priority[pids])
+                self._released.append((pids, a.priority[pids]))  # see droppable
                 return
             d = pids[committed]
             if len(d):
