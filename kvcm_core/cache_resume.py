@@ -76,9 +76,10 @@ class ResumeMixin(CacheBase):
         on_gpu = a.level[mine_all] == 0
         cold_arr = mine_all[~on_gpu]
         if len(cold_arr):  # a page shared by beams moves once
-            for pid in dict.fromkeys(cold_arr.tolist()):
-                pg = L.pool_group_of(int(a.group[pid]))
-                needs[pg] = needs.get(pg, 0) + 1
+            cold_u = _arr(list(dict.fromkeys(cold_arr.tolist())))
+            per_pg = np.bincount(L.pool_groups_of(a.group[cold_u]))
+            for pg in np.nonzero(per_pg)[0].tolist():
+                needs[pg] = needs.get(pg, 0) + int(per_pg[pg])
         limit = ctx.config.max_util_for_resume
         warm_arr = mine_all[on_gpu]
         # Level-0 pages of ours per pool group (level-0 store index == pool group id).

@@ -79,6 +79,7 @@ class Levels:
         self._events: list[BlockEvent] = []
         self._pg_of = [int(layout.group_to_pool_group[CacheGroupId(g)])
                        for g in range(ngroups)]
+        self._pg_array = np.asarray(self._pg_of, dtype=np.int64)
         self.layouts: list[PageLayout] = [pg.page_layout() for pg in layout.pool_groups]
         # Dropping a page of these invalidates the subtree below its block: every block of
         # full-attention constraining groups, the sink blocks of windowed ones.
@@ -161,6 +162,10 @@ class Levels:
 
     def pool_group_of(self, group: int) -> int:
         return self._pg_of[group]
+
+    def pool_groups_of(self, groups: np.ndarray) -> np.ndarray:
+        """:meth:`pool_group_of` for an array of cache groups."""
+        return self._pg_array[groups]
 
     def cold_bytes(self, group: int) -> int:
         if self.codec is None:
@@ -353,9 +358,12 @@ class Levels:
         return pids[:0]
 
     def _count_moves(self, pids: np.ndarray, from_level: int, to_level: int) -> None:
-        groups = self.arena.group[pids]
-        g0 = int(groups[0])
-        single = len(self.life_cycles) == 1 or not np.count_nonzero(groups != g0)
+        if len(self.life_cycles) == 1:
+            groups, g0, single = pids, 0, True  # one cache group: nothing to split
+        else:
+            groups = self.arena.group[pids]
+            g0 = int(groups[0])
+            single = not np.count_nonzero(groups != g0)
         for g in [g0] if single else np.unique(groups).tolist():
             n = len(pids) if single else int((groups == g).sum())
             gstats = self.stats.groups[g]
