@@ -392,7 +392,11 @@ def _run_calls(fd: int, calls: list[_Call], write: bool, label: str) -> None:
     op = "pwritev" if write else "preadv"
     for offset, buffers, nbytes in calls:
         try:
-            done = os.pwritev(fd, buffers, offset) if write else os.preadv(fd, buffers, offset)
+            if write:  # one buffer: pwrite (half the cost of pwritev from Python)
+                done = os.pwrite(fd, buffers[0], offset) if len(buffers) == 1 else \
+                    os.pwritev(fd, buffers, offset)
+            else:
+                done = os.preadv(fd, buffers, offset)
         except OSError as exc:
             raise TierIOError(
                 f"{label}: {op} of {nbytes} bytes at offset {offset} failed: {exc}"
