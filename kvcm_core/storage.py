@@ -366,11 +366,18 @@ class Store:
         self._enter(pids)
 
     def unlock_all(self, pids: np.ndarray) -> None:
-        """The common close: pages locked once by one owner (ids unique). Committed ones
-        become droppable (in the given order: least recent first), the rest are freed."""
+        """A close: one owner lets go of its locked pages (ids unique). Pages other owners
+        still lock lose one lock; of the rest, committed ones become droppable (in the
+        given order: least recent first) and the others are freed."""
         a = self.arena
         locks = a.locks[pids]
-        if not np.count_nonzero(locks != 1) and not np.count_nonzero(a.holds[pids]):
+        if not np.count_nonzero(locks < 1) and not np.count_nonzero(a.holds[pids]):
+            shared = locks > 1
+            if np.count_nonzero(shared):  # other owners keep these locked: one lock less
+                a.locks[pids[shared]] -= 1
+                pids = pids[~shared]
+                if not len(pids):
+                    return
             a.locks[pids] = 0
             committed = a.node[pids] >= 0
             if np.count_nonzero(committed) == len(committed):
@@ -378,7 +385,7 @@ class Store:
                 return
             d = pids[committed]
             if len(d):
-                _insert(self.droppable, d, a.priority[d])
+                self._released.append((d, a.priority[d]))
             self.free_pages(pids[~committed])
             return
         self.change(pids, -1, 0)
