@@ -361,9 +361,11 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             depth = max((len(self._pages[g]) for g in groups), default=0)
             order = [self._pages[g][b] for b in range(depth - 1, -1, -1) for g in groups
                      if b < len(self._pages[g])]
-        order.extend(self._ssm[g] for g in ctx.ssm_groups)
+        if ctx.ssm_groups:
+            order.extend(self._ssm[g] for g in ctx.ssm_groups)
         pids = _arr(order)
-        pids = pids[pids >= 0]
+        if -1 in order:
+            pids = pids[pids >= 0]
         if len(pids):
             if active and len(groups) == 1 and not ctx.ssm_groups:
                 # Locked pages are on the GPU: one store, no grouping to do.

@@ -192,10 +192,10 @@ class PublishMixin(CacheBase):
         """The trailing partial block, and the live SSM state where it ends exactly at the
         cache's history."""
         nid = self._publish_tail()
-        if nid == NO_NODE or self._tokens.n != self._history or \
+        ctx = self._ctx
+        if not ctx.ssm_groups or nid == NO_NODE or self._tokens.n != self._history or \
                 self._tree.end(nid) != self._history:
             return
-        ctx = self._ctx
         for g in ctx.ssm_groups:
             live = self._ssm[g]
             if live >= 0 and self._tree.pages[nid, g] < 0 and ctx.life_cycles[g].publishes:

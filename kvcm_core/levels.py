@@ -218,7 +218,7 @@ class Levels:
         for pg, n in needs.items():
             store = self.stores[0][pg]
             more = (extra or {}).get(pg, 0)
-            if n > store.num_free + len(store.droppable) + more and \
+            if n > store.num_free + store.num_droppable + more and \
                     not self.room(store, n - more):
                 return False
         return True
@@ -240,7 +240,7 @@ class Levels:
         k = n - store.num_free
         if k <= 0:
             return True
-        nd = len(store.droppable)
+        nd = store.num_droppable
         if k <= nd:
             return True
         if store.last_level or k - nd > len(store.held):

@@ -184,7 +184,8 @@ class Store:
         self.held = make_policy()
         # Pages released by closes, not yet in the droppable policy: they enter it in one
         # batch, in release order, when anything next reads or changes the queue.
-        self._released: list[tuple[np.ndarray, np.ndarray]] = []
+        self._released: list[np.ndarray] = []
+        self._released_n = 0  # pages in _released
 
     @property
     def droppable(self) -> EvictionPolicy:
@@ -196,12 +197,9 @@ class Store:
     def _flush_released(self) -> None:
         batches = self._released
         self._released = []
-        if len(batches) == 1:
-            pids, prios = batches[0]
-        else:
-            pids = np.concatenate([b[0] for b in batches])
-            prios = np.concatenate([b[1] for b in batches])
-        _insert(self._droppable, pids, prios)
+        self._released_n = 0
+        pids = batches[0] if len(batches) == 1 else np.concatenate(batches)
+        _insert(self._droppable, pids, self.arena.priority[pids])
 
     # -- counting ------------------------------------------------------------------------
 
@@ -212,11 +210,17 @@ class Store:
     @property
     def num_evictable(self) -> int:
         """Slots that can be freed here: droppable pages, and held ones if they can move."""
-        return len(self.droppable) + (0 if self.last_level else len(self.held))
+        return self.num_droppable + (0 if self.last_level else len(self.held))
+
+    @property
+    def num_droppable(self) -> int:
+        """Droppable pages, the queued releases included (reads only: a statistics poll
+        from another thread must not change the queue)."""
+        return len(self._droppable) + self._released_n
 
     @property
     def num_locked(self) -> int:
-        return self.num_slots - self._free.count - len(self.droppable) - len(self.held)
+        return self.num_slots - self._free.count - self.num_droppable - len(self.held)
 
     def free_slots(self) -> np.ndarray:
         return self._free.values()
@@ -371,9 +375,9 @@ class Store:
         given order: least recent first) and the others are freed."""
         a = self.arena
         locks = a.locks[pids]
-        if not np.count_nonzero(locks < 1) and not np.count_nonzero(a.holds[pids]):
-            shared = locks > 1
-            if np.count_nonzero(shared):  # other owners keep these locked: one lock less
+        if int(np.minimum.reduce(locks)) >= 1 and not np.count_nonzero(a.holds[pids]):
+            if int(np.maximum.reduce(locks)) > 1:  # others keep these locked: one lock less
+                shared = locks > 1
                 a.locks[pids[shared]] -= 1
                 pids = pids[~shared]
                 if not len(pids):
@@ -381,11 +385,13 @@ class Store:
             a.locks[pids] = 0
             committed = a.node[pids] >= 0
             if np.count_nonzero(committed) == len(committed):
-                self._released.append((pids, a.priority[pids]))  # see droppable
+                self._released.append(pids)  # see droppable
+                self._released_n += len(pids)
                 return
             d = pids[committed]
             if len(d):
-                self._released.append((d, a.priority[d]))
+                self._released.append(d)
+                self._released_n += len(d)
             self.free_pages(pids[~committed])
             return
         self.change(pids, -1, 0)
