@@ -476,3 +476,26 @@ def test_a_priority_callback_overrides_the_partial_blocks_low_priority(managers)
     # The engine's priorities rule: A's partial block kept, B's deepest block evicted.
     assert m.probe_reuse(None, a) == 2 * tpb + 1
     assert m.probe_reuse(None, b) == tpb
+
+
+def test_closes_in_a_row_keep_their_release_order_for_eviction(managers):
+    # Closes queue their pages; the policy must still see them in close order. A, B and C
+    # (two full blocks each) close one after the other with nothing in between; then D
+    # needs two pages: A's blocks, released first, are the ones evicted.
+    m = managers(full_layers(), slots=8)
+    tpb = m.tokens_per_block
+    prompts = [tokens(2 * tpb, seed=s) for s in (11, 12, 13)]
+    caches = []
+    for p in prompts:
+        c = m.create_kv_cache(None, p)
+        assert c.resume() and c.resize(len(p))
+        c.commit(p)
+        caches.append(c)
+    for c in caches:
+        c.close()
+    stats = m.get_storage_statistics(0)
+    assert (stats.free, stats.evictable) == (2, 6)  # queued releases count as evictable
+    _run_once(m, tokens(3 * tpb, seed=14))  # three pages: two free, one victim
+    assert m.probe_reuse(None, prompts[0]) == tpb  # A's deepest block went first
+    assert m.probe_reuse(None, prompts[1]) == 2 * tpb
+    assert m.probe_reuse(None, prompts[2]) == 2 * tpb
