@@ -12,7 +12,9 @@ be compared side by side, in one sitting, on the same machine:
   + ``resume`` + ``resize``, microseconds per request and per matched block; the commit of
   the prompt (hashing and publishing the new blocks) is timed apart;
 - lookup scaling: ``probe_reuse`` of a prompt matching ``--lookup-match`` blocks with 10k,
-  100k and 1M other blocks cached, microseconds per matched block.
+  100k and 1M other blocks cached, microseconds per matched block (tokens as a list and
+  as an int32 array), beside the floor measured in the same run: the key chain alone
+  (SHA-256 of each block and one dict lookup, on the same index).
 
 The numpy backend is used (no device work is timed): this measures host overhead only.
 Results are written as JSON with the machine, versions and date.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import random
@@ -35,6 +38,7 @@ import numpy as np
 from kvcm_core.bench import result_header, write_result
 from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
 from kvcm_core.manager import KVCacheManager
+from kvcm_core.radix import scope_root_key
 
 VOCAB = 128_000
 ns = time.perf_counter_ns
@@ -212,7 +216,18 @@ def run_lookup_scaling(args: argparse.Namespace, tpb: int, seed: int) -> dict[st
             for _ in range(20):
                 got_arr = m.probe_reuse(None, probe_arr)
             reps_arr.append((ns() - t0) / 20)
+        # The floor of any lookup by this chain rule in CPython: SHA-256 of each block's
+        # key and tokens plus one dict lookup per block, on the same index, nothing else.
+        data = probe_arr.tobytes()
+        reps_bare = []
+        for _ in range(args.lookup_reps):
+            t0 = ns()
+            for _ in range(20):
+                found = _bare_chain_walk(m.tree.index, data, 4 * tpb)
+            reps_bare.append((ns() - t0) / 20)
         gc.unfreeze()
+        if found != match_blocks:
+            raise RuntimeError(f"bare chain walk matched {found} blocks, expected {match_blocks}")
         if got != match_blocks * tpb or got_arr != got:
             raise RuntimeError(f"probe matched {got}/{got_arr}, expected {match_blocks * tpb}")
         out[str(cached)] = {
@@ -221,7 +236,12 @@ def run_lookup_scaling(args: argparse.Namespace, tpb: int, seed: int) -> dict[st
             "us_per_matched_block_median": statistics.median(reps) / match_blocks / 1e3,
             "int32_array_us_per_matched_block_median":
                 statistics.median(reps_arr) / match_blocks / 1e3,
+            "bare_chain_us_per_matched_block_median":
+                statistics.median(reps_bare) / match_blocks / 1e3,
         }
+        out[str(cached)]["int32_array_ratio_to_bare_chain"] = (
+            out[str(cached)]["int32_array_us_per_matched_block_median"]
+            / out[str(cached)]["bare_chain_us_per_matched_block_median"])
         m.shutdown()
         del m
         gc.collect()
@@ -231,6 +251,21 @@ def run_lookup_scaling(args: argparse.Namespace, tpb: int, seed: int) -> dict[st
             out[sizes[-1]]["us_per_matched_block_median"]
             / out[sizes[0]]["us_per_matched_block_median"])
     return out
+
+
+def _bare_chain_walk(index: dict[bytes, int], data: bytes, step: int) -> int:
+    """Blocks of ``data`` (4-byte tokens, ``step`` bytes per block) found by walking the
+    default scope's key chain through ``index``: the lookup with nothing but hashing."""
+    key = scope_root_key(None)
+    sha = hashlib.sha256
+    get = index.get
+    n = 0
+    for off in range(0, len(data) - step + 1, step):
+        key = sha(key + data[off : off + step]).digest()
+        if get(key) is None:
+            break
+        n += 1
+    return n
 
 
 def _agg(runs: list[dict[str, float]], fn: Any) -> dict[str, float]:
