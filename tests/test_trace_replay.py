@@ -18,6 +18,7 @@ from kvcm_core.simulate.mooncake import (
     TraceRecord,
     chain_nodes,
     infinite_hits,
+    lru_block_hits,
     lru_hits,
     prompt_tokens,
     read_trace,
@@ -342,3 +343,15 @@ def test_bench_trace_tail_hint_evicts_blocks_past_the_last_full_id_first(
                     "--tail-hint")["results"]
     assert plain["runs"][0]["reused_tokens"] == 1024 - 64
     assert hinted["runs"][0]["reused_tokens"] == 1024
+
+
+def test_lru_over_kvcm_blocks_evicts_a_chain_from_its_tail() -> None:
+    # Block size 256 (two per trace block); one request of two full trace blocks fills a
+    # cache of three blocks: its deepest block, released first, is the one not kept.
+    recs = [_rec([1, 2], 1024), _rec([1, 2], 1024)]
+    assert lru_block_hits(recs, 768, 256).tolist() == [0, 768]
+    # Unbounded it is the infinite cache with full blocks only.
+    np.testing.assert_array_equal(lru_block_hits(HAND, 10**9, 64),
+                                  infinite_hits(HAND, 64, rule="blocks"))
+    with pytest.raises(ValueError, match="must divide 512"):
+        lru_block_hits(HAND, 1024, 48)

@@ -48,6 +48,7 @@ __all__ = [
     "TraceRecord",
     "chain_nodes",
     "infinite_hits",
+    "lru_block_hits",
     "lru_hits",
     "prompt_tokens",
     "read_trace",
@@ -254,6 +255,43 @@ def lru_hits(records: Sequence[TraceRecord], capacity_tokens: int, *,
                 lru.move_to_end(node)
             else:
                 lru[node] = None
+                if len(lru) > cap:
+                    lru.popitem(last=False)
+    return hits
+
+
+def lru_block_hits(records: Sequence[TraceRecord], capacity_tokens: int, block_size: int, *,
+                   nodes: list[list[int]] | None = None) -> np.ndarray:
+    """Prompt tokens each request reuses from an exact LRU cache of ``block_size``-token
+    blocks holding ``capacity_tokens // block_size`` blocks, released the way kvcm releases
+    them (sequential replay in file order): a request reuses the leading run of its full
+    blocks found in the cache; when it ends, every full block of it becomes the most
+    recently used, the deepest first released (so a chain is evicted from its tail).
+    Trailing partial blocks are neither reused nor kept. ``block_size`` must divide 512.
+    """
+    if block_size <= 0 or TRACE_BLOCK % block_size:
+        raise ValueError(f"block_size={block_size}: must divide {TRACE_BLOCK}")
+    if nodes is None:
+        nodes = chain_nodes(records)
+    per = TRACE_BLOCK // block_size
+    cap = max(0, capacity_tokens) // block_size
+    lru: OrderedDict[tuple[int, int], None] = OrderedDict()
+    hits = np.zeros(len(records), dtype=np.int64)
+    for i, (rec, chain) in enumerate(zip(records, nodes, strict=True)):
+        blocks = [(chain[b // per], b % per) for b in range(rec.input_length // block_size)]
+        run = 0
+        for blk in blocks:
+            if blk not in lru:
+                break
+            run += 1
+        hits[i] = run * block_size
+        if not cap:
+            continue
+        for blk in reversed(blocks):  # deepest first: it becomes the least recent of them
+            if blk in lru:
+                lru.move_to_end(blk)
+            else:
+                lru[blk] = None
                 if len(lru) > cap:
                     lru.popitem(last=False)
     return hits
