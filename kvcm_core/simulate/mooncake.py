@@ -235,29 +235,8 @@ def lru_hits(records: Sequence[TraceRecord], capacity_tokens: int, *,
     inserted, evicting the least recently used). A trailing partial block is neither
     reused nor kept.
     """
-    if nodes is None:
-        nodes = chain_nodes(records)
-    cap = max(0, capacity_tokens) // TRACE_BLOCK
-    lru: OrderedDict[int, None] = OrderedDict()
-    hits = np.zeros(len(records), dtype=np.int64)
-    for i, (rec, chain) in enumerate(zip(records, nodes, strict=True)):
-        full = chain[: rec.input_length // TRACE_BLOCK]
-        run = 0
-        for node in full:
-            if node not in lru:
-                break
-            run += 1
-        hits[i] = run * TRACE_BLOCK
-        if not cap:
-            continue
-        for node in full:
-            if node in lru:
-                lru.move_to_end(node)
-            else:
-                lru[node] = None
-                if len(lru) > cap:
-                    lru.popitem(last=False)
-    return hits
+    return _lru_replay(records, capacity_tokens, TRACE_BLOCK, deepest_first=False,
+                       nodes=nodes)
 
 
 def lru_block_hits(records: Sequence[TraceRecord], capacity_tokens: int, block_size: int, *,
@@ -271,6 +250,12 @@ def lru_block_hits(records: Sequence[TraceRecord], capacity_tokens: int, block_s
     """
     if block_size <= 0 or TRACE_BLOCK % block_size:
         raise ValueError(f"block_size={block_size}: must divide {TRACE_BLOCK}")
+    return _lru_replay(records, capacity_tokens, block_size, deepest_first=True, nodes=nodes)
+
+
+def _lru_replay(records: Sequence[TraceRecord], capacity_tokens: int, block_size: int, *,
+                deepest_first: bool, nodes: list[list[int]] | None) -> np.ndarray:
+    """The LRU replays above: a block is (trace-block node, index inside it)."""
     if nodes is None:
         nodes = chain_nodes(records)
     per = TRACE_BLOCK // block_size
@@ -287,7 +272,7 @@ def lru_block_hits(records: Sequence[TraceRecord], capacity_tokens: int, block_s
         hits[i] = run * block_size
         if not cap:
             continue
-        for blk in reversed(blocks):  # deepest first: it becomes the least recent of them
+        for blk in reversed(blocks) if deepest_first else blocks:
             if blk in lru:
                 lru.move_to_end(blk)
             else:
