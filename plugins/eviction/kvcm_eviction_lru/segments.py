@@ -170,7 +170,7 @@ class SegmentLruPolicy(EvictionPolicy):
         # One segment per run of equal priority, in order (recency within a priority is
         # kept: its runs enter one after the other).
         for p, a, b in runs:
-            seg = arr[a:b].copy() if a or b != len(arr) else arr.copy()
+            seg = arr[a:b].copy()
             self._serial += 1
             self._stamp[seg] = self._serial
             self._prio[seg] = p
@@ -292,20 +292,13 @@ class SegmentLruPolicy(EvictionPolicy):
             return False  # the general path raises, grows the arrays or maps big ids
         if len(set(pl)) != n or np.count_nonzero(self._stamp[arr]):
             return False  # the general path names the page
+        runs = []  # (priority, start, stop), as _runs makes them
         start = 0
         for i in range(1, n + 1):
             if i == n or prl[i] != prl[start]:
-                p = prl[start]
-                seg = arr[start:i].copy()
-                self._serial += 1
-                self._stamp[seg] = self._serial
-                self._prio[seg] = p
-                self._queues[p].append((self._serial, seg))
-                self._live[p] += i - start
-                self._mask |= 1 << p
+                runs.append((prl[start], start, i))
                 start = i
-        self._entries += n
-        self._count += n
+        self._append(arr, runs)
         return True
 
     def remove_many(self, pages: PageBatch) -> None:
