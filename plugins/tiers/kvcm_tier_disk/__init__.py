@@ -250,9 +250,16 @@ class DiskPool(StoragePool):
         cost more than the I/O. Rows go through a slot-ordered copy (unless the slots are
         in order already), so every run of consecutive slots is one buffer of one call."""
         if order is None and rows.flags.c_contiguous:
+            # Slots in order, rows packed: one call per run of consecutive slots, straight
+            # from the caller's rows (a batch this small never needs splitting).
+            cuts = (np.nonzero(slots[1:] != slots[:-1] + 1)[0] + 1).tolist()
+            starts = [0, *cuts]
+            sb, base = self.slot_bytes, self.data_offset
+            calls = [(base + first * sb, [rows[a:b].data], (b - a) * sb)
+                     for a, b, first in zip(starts, [*cuts, len(slots)],
+                                            slots[starts].tolist(), strict=True)]
             try:
-                for task in self._tasks(slots, rows, None):
-                    _run_calls(fd, task, write, self._label())
+                _run_calls(fd, calls, write, self._label())
             except TierIOError as exc:
                 return CompletedIO(exc)
             return CompletedIO()
