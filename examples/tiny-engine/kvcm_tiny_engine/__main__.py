@@ -6,7 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvcm_tiny_engine.demo import TOLERANCE, compare_with_reference, run_demo
+from kvcm_tiny_engine.demo import (
+    TOLERANCE,
+    compare_with_reference,
+    requirements_unmet,
+    run_demo,
+)
 from kvcm_tiny_engine.model import TinyModel
 from kvcm_tiny_engine.ops import TorchOps
 
@@ -26,8 +31,10 @@ def main(argv: list[str] | None = None) -> int:
           f"worst logit error {cmp.worst_error:.2e} of scale (tolerance {TOLERANCE:.0e}); "
           f"{cmp.decided} decided tokens, {len(cmp.token_mismatches)} differ; "
           f"{cmp.close_calls} near-ties")
-    ok = cmp.worst_error <= TOLERANCE and not cmp.token_mismatches
-    return 0 if ok else 1
+    unmet = requirements_unmet(run, cmp)
+    for line in unmet:
+        print(f"FAILED: {line}")
+    return 1 if unmet else 0
 
 
 if __name__ == "__main__":

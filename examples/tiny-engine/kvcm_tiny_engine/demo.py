@@ -20,7 +20,8 @@ from kvcm_tiny_engine.model import ModelConfig, TinyModel
 from kvcm_tiny_engine.ops import Ops
 from kvcm_tiny_engine.workload import chat_mix
 
-__all__ = ["Comparison", "compare_with_reference", "demo_levels", "run_demo"]
+__all__ = ["Comparison", "DemoRun", "compare_with_reference", "demo_levels",
+           "requirements_unmet", "run_demo"]
 
 #: Logits must agree within this fraction of their scale (the largest reference logit).
 TOLERANCE = 1e-4
@@ -107,3 +108,24 @@ def compare_with_reference(reference: TinyModel, requests: list[Request],
             else:
                 out.close_calls += 1
     return out
+
+
+def requirements_unmet(run: DemoRun, cmp: Comparison, tolerance: float = TOLERANCE) -> list[str]:
+    """What the run fails of its requirements (empty: all met): logits within
+    ``tolerance`` of their scale, the same token wherever the top-2 margin exceeds it,
+    prompt tokens reused, a request preempted, pages brought back from the disk level."""
+    st = run.stats
+    unmet = []
+    if cmp.worst_error > tolerance:
+        unmet.append(f"logits differ by {cmp.worst_error:.2e} of their scale "
+                     f"(> {tolerance:.0e})")
+    if cmp.token_mismatches:
+        unmet.append(f"tokens differ at (request, step) {cmp.token_mismatches[:5]}")
+    if st.reused_prompt_tokens == 0:
+        unmet.append("no prompt token was reused")
+    if st.preemptions == 0:
+        unmet.append("no request was preempted")
+    disk = len(run.engine.manager.levels) - 1
+    if st.onboarded_by_level.get(disk, 0) == 0:
+        unmet.append(f"no page came back from the disk level (level {disk})")
+    return unmet

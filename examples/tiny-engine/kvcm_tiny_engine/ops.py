@@ -144,6 +144,9 @@ class TorchOps(Ops):
 
         self.torch = torch
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # DLPack tensors carry an index ("cuda:0"): compare like with like.
+            self.device = torch.device("cuda", torch.cuda.current_device())
 
     def asarray(self, a: np.ndarray) -> Any:
         return self.torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(self.device)
