@@ -19,7 +19,8 @@ from kvcm_tiny_engine.ops import NumpyOps, Ops, TorchOps
 from kvcm_tiny_engine.workload import chat_mix
 
 __all__ = [
-    "Comparison", "EngineError", "EngineStats", "LevelMoves", "ModelConfig", "NumpyOps", "Ops", "PagedKV",
-    "Request", "TinyEngine", "TinyModel", "TorchOps", "chat_mix", "compare_with_reference",
-    "demo_levels", "kvcm_config", "kvcm_layers", "make_manager", "run_demo",
+    "Comparison", "EngineError", "EngineStats", "LevelMoves", "ModelConfig", "NumpyOps",
+    "Ops", "PagedKV", "Request", "TinyEngine", "TinyModel", "TorchOps", "chat_mix",
+    "compare_with_reference", "demo_levels", "kvcm_config", "kvcm_layers", "make_manager",
+    "run_demo",
 ]

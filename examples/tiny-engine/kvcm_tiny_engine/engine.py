@@ -304,7 +304,7 @@ class TinyEngine:
                                   f"waiting: {stuck[:8]}")
             return 0
         logits = self._forward(plan)
-        for (req, a, b), row in zip(plan, logits, strict=True):
+        for (req, _, b), row in zip(plan, logits, strict=True):
             cache = req.cache
             cache.commit(req.tokens[cache.history_length:b])
             if row is not None:

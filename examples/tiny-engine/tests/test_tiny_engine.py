@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from kvcm_core import ConfigError, LevelConfig
 from kvcm_tiny_engine import (
     EngineError,
     ModelConfig,
@@ -23,6 +21,8 @@ from kvcm_tiny_engine import (
     run_demo,
 )
 from kvcm_tiny_engine.demo import TOLERANCE, DemoRun
+
+from kvcm_core import ConfigError, LevelConfig
 
 
 @pytest.fixture(scope="module")

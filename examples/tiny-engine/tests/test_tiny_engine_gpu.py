@@ -12,8 +12,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-from kvcm_core import get_plugin_manager
 from kvcm_tiny_engine import (
     ModelConfig,
     PagedKV,
@@ -26,6 +24,8 @@ from kvcm_tiny_engine import (
     run_demo,
 )
 from kvcm_tiny_engine.demo import requirements_unmet
+
+from kvcm_core import get_plugin_manager
 
 GPU_BACKENDS = ("cupy", "cuda")
 
