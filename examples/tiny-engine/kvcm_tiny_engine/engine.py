@@ -199,11 +199,13 @@ class TinyEngine:
                 cache.close()  # give its claims back while it waits; matched again later
                 return
             for group in range(self.manager.num_cache_groups):
-                if cache.recompute_blocks(group):
-                    raise EngineError(  # only REQUIRED reuse policies are configured
-                        f"request {req.id}: kvcm asks to recompute blocks "
-                        f"{cache.recompute_blocks(group)} of group {group}; this engine "
-                        "uses REQUIRED reuse only and does not recompute")
+                blocks = cache.recompute_blocks(group)
+                if blocks:  # only with reuse policies other than REQUIRED
+                    cache.close()
+                    raise EngineError(
+                        f"request {req.id}: kvcm asks to recompute blocks {blocks} of "
+                        f"group {group}; this engine uses REQUIRED reuse only and does "
+                        "not recompute")
             req.cache = cache
             req.reused_tokens = cache.history_length
             self.stats.prompt_tokens += len(req.prompt)
@@ -272,9 +274,10 @@ class TinyEngine:
         bounds = np.cumsum([0] + [b - a for _, a, b in plan]).tolist()
         # kvcm's copies (pages brought back, partial blocks copied) must be done first.
         self.manager.backend.synchronize()
+        step_positions = np.concatenate(positions)
         x = model.embed(tokens)
         for layer, g in enumerate(kv.group):
-            q, k, v = model.qkv(layer, x, np.concatenate(positions))
+            q, k, v = model.qkv(layer, x, step_positions)
             kv.write(layer, *writes[g], k, v)
             outs = []
             for i, pos in enumerate(positions):
