@@ -19,10 +19,11 @@ PY="${PYTHON:-python3}"
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   "$PY" -c 'import sys; print(sys.version)'
-  "$PY" -m pip list 2>/dev/null | grep -iE '^(cupy|cuda-|numpy|pluggy|attrs|pytest|hypothesis|matplotlib|rich)'
+  "$PY" -m pip list 2>/dev/null | grep -iE '^(cupy|cuda-|numpy|pluggy|attrs|pytest|hypothesis|matplotlib|rich|torch)'
 } >"$OUT/env.txt" 2>&1
 
 "$PY" -m pip install -q --no-deps --no-build-isolation -e . -e examples/kvcm-tier-example \
+  -e examples/tiny-engine \
   >>"$OUT/env.txt" 2>&1 || { echo "editable install failed"; cat "$OUT/env.txt"; exit 1; }
 "$PY" - <<'PY' 2>&1 | tee -a "$OUT/env.txt"
 from kvcm_core.plugins import get_plugin_manager
