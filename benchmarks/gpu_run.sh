@@ -38,7 +38,7 @@ run() {  # run LOG TIMEOUT CMD...: tee into $OUT/LOG, keep the tail on stdout
   local log=$1 limit=$2; shift 2
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$log" | tail -6 || status=1
 }
-MANAGER_TESTS="tests/test_prefix_reuse.py tests/test_manager_lifecycle.py tests/test_levels.py tests/test_reuse_policies.py tests/test_faults.py tests/test_manager_errors.py tests/test_manager_properties.py tests/test_swa_scratch.py tests/test_beams.py tests/test_engine_loop.py"
+MANAGER_TESTS="tests/test_batch.py tests/test_page_table_version.py tests/test_prefix_reuse.py tests/test_manager_lifecycle.py tests/test_levels.py tests/test_reuse_policies.py tests/test_faults.py tests/test_manager_errors.py tests/test_manager_properties.py tests/test_swa_scratch.py tests/test_beams.py tests/test_engine_loop.py"
 case "$MODE" in
   tests)
     run tests_gpu.log 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider --tb=short
