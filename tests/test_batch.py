@@ -350,8 +350,7 @@ def test_random_membership_resizes_commits_moves_keep_every_row_equal_to_its_mem
                 c = seated[i % len(seated)]
                 p = prompts[caches.index(c) % len(prompts)] if c in caches else None
                 if p is not None and c.history_length < c.capacity <= len(p):
-                    c.commit(p[c.num_committed_tokens: c.capacity])
-                    c.resize(c.capacity, history_length=c.capacity)
+                    c.commit(p[c.history_length: c.capacity])  # history moves with it
             elif op == "batch_resize":
                 caps = [-1 if c is None else min(c.capacity + n, 12 * TPB)
                         for c in b.members]
