@@ -35,7 +35,12 @@ import attrs
 import numpy as np
 
 from kvcm_core.backend import BAD_PAGE_INDEX, Buffer, CopyTask, PageRegion
-from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError, InvalidStateError
+from kvcm_core.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    InvalidStateError,
+    OutOfPagesError,
+)
 from kvcm_core.manager import KVCacheManager
 from kvcm_core.pagetable import ScratchDesc
 from kvcm_core.scratch import convert_with_scratch
@@ -145,8 +150,19 @@ class Batch:
                         for _ in range(self.num_groups)]
         self._index: dict[tuple[int, str, IndexMode], _IndexTable] = {}
         self._rows: list[Any] = [None] * self.max_rows
-        self._seen = np.full(self.max_rows, -1, dtype=np.int64)  # version last staged
+        self._seen = [-1] * self.max_rows  # member's page-table version last staged
         self._forced: set[int] = set()  # rows to stage whatever their version says
+        self._patched: set[int] = set()  # rows staged in place, not uploaded yet
+        tpb = manager.tokens_per_block
+        self._tpb = tpb
+        self._max_tokens = self.max_blocks_per_row * tpb
+        levels = manager.storage_levels
+        lcs = manager.life_cycles
+        # One full-attention cache group: Batch.resize takes the pages of every growing
+        # row in one allocation and stages them in place.
+        self._one_group = (len(lcs) == 1 and not lcs[0].is_ssm and not lcs[0].is_windowed
+                           and manager.config.swa_scratch is None)
+        self._levels = levels
         self._scratch: list[dict[int, ScratchDesc]] = [{} for _ in range(self.max_rows)]
         self._ready: Event | None = None
         self._read_fence: Event | None = None
@@ -229,11 +245,16 @@ class Batch:
 
     def dirty_rows(self) -> np.ndarray:
         """Rows whose device row differs from what their member's tables say now."""
-        dirty = set(self._forced)
-        for r, cache in enumerate(self._rows):
-            if cache is not None and cache.page_table_version != self._seen[r]:
-                dirty.add(r)
-        return np.asarray(sorted(dirty), dtype=np.int32)
+        return np.asarray(sorted(self._restage() | self._patched), dtype=np.int32)
+
+    def _restage(self) -> set[int]:
+        """Rows to rebuild from their members: forced ones and those whose version
+        moved since they were staged."""
+        out = set(self._forced)
+        for r, (cache, seen) in enumerate(zip(self._rows, self._seen, strict=True)):
+            if cache is not None and cache.page_table_version != seen:
+                out.add(r)
+        return out
 
     def publish(self, stream: Stream | None = None) -> int:
         """Upload the dirty rows of every table (base page tables, block counts and the
@@ -248,10 +269,11 @@ class Batch:
         if self.backend.is_capturing(stream):
             raise InvalidStateError("publish during CUDA graph capture: publish before "
                                     "capturing (the tables' addresses never change)")
-        rows = self.dirty_rows()
+        restage = self._restage()
+        rows = np.asarray(sorted(restage | self._patched), dtype=np.int32)
         if len(rows):
             self._wait_readers()
-            for r in rows.tolist():
+            for r in sorted(restage):
                 self._stage(r)
             for ix in self._index.values():
                 self._convert(ix, rows)
@@ -260,6 +282,7 @@ class Batch:
             tasks += [ix.table.task(pairs) for ix in self._index.values()]
             self.backend.copy_pages_batch(tasks, stream)
             self._forced.clear()
+            self._patched.clear()
         event = self.backend.create_event()
         event.record(stream)
         self._ready = event
@@ -317,19 +340,71 @@ class Batch:
                     f"capacities: {new} new tokens in one step exceed max_total_input_tokens"
                     f"={self.max_total_input_tokens}")
         out = [True] * self.max_rows
-        shrinking = [r for r in live if caps[r] < self._rows[r].capacity]
-        if shrinking:
-            self._wait_readers()
+        rows = self._rows
+        if self._read_fence is not None and any(caps[r] < rows[r].capacity for r in live):
+            self._wait_readers()  # pages a reader may hold can be released below
+        if hist is None or not any(hist[r] != -1 for r in live):
+            live = self._grow_together(live, caps, out)
         for r in live:
-            cache = self._rows[r]
             h = None if hist is None or hist[r] == -1 else hist[r]
-            nb = -(-caps[r] // self.manager.tokens_per_block)
-            if nb > self.max_blocks_per_row:
-                out[r] = False
-                continue
-            out[r] = cache.resize(caps[r], h)
+            out[r] = caps[r] <= self._max_tokens and rows[r].resize(caps[r], h)
         self.publish(stream)
         return out
+
+    def _grow_together(self, live: list[int], caps: list[int], out: list[bool]) -> list[int]:
+        """The batched path of :meth:`resize` (histories unchanged): rows whose blocks stay
+        are done by their caches at once; rows of plain growth of a one-group cache get
+        their pages from one allocation, staged in place. Returns the rows left for
+        ``cache.resize``."""
+        rest: list[int] = []
+        grow: list[tuple[int, int]] = []  # (row, pages needed)
+        rows = self._rows
+        limit = self._max_tokens
+        for r in live:
+            cap = caps[r]
+            n = rows[r].batch_growth(cap) if cap <= limit else -1
+            if n > 0 and self._one_group:
+                grow.append((r, n))
+            elif n:
+                rest.append(r)
+        if not grow:
+            return rest
+        store = self._levels.gpu_store(0)
+        total = sum(n for _, n in grow)
+        if not self._levels.room(store, total):
+            return sorted(rest + [r for r, _ in grow])  # each row then fails on its own
+        try:
+            pids = self._levels.take(0, total)
+        except OutOfPagesError:  # a write to a colder level failed: row by row instead
+            return sorted(rest + [r for r, _ in grow])
+        slots = self._levels.arena.slot[pids]
+        pl = pids.tolist()
+        seen, forced, tpb = self._seen, self._forced, self._tpb
+        at = 0
+        keep = np.ones(total, dtype=np.bool_)  # pages staged in place
+        where_r, where_b = [], []  # their rows and blocks
+        count_r, count_v = [], []  # rows staged in place and their new block counts
+        for r, n in grow:
+            cache = rows[r]
+            clean = cache.page_table_version == seen[r] and r not in forced
+            cache.batch_grow(caps[r], pl[at: at + n])
+            if clean:  # the row is otherwise current: stage its new blocks in place
+                nb = (caps[r] + tpb - 1) // tpb
+                where_r.extend([r] * n)
+                where_b.extend(range(nb - n, nb))
+                count_r.append(r)
+                count_v.append(nb)
+                seen[r] = cache.page_table_version
+                self._patched.add(r)
+            else:
+                keep[at: at + n] = False
+            at += n
+        if where_r:
+            r_arr = np.asarray(where_r, dtype=np.int64)
+            b_arr = np.asarray(where_b, dtype=np.int64)
+            self._tables[0].staging[r_arr, 0, b_arr] = slots[keep]
+            self._counts[0].staging[count_r, 0] = count_v
+        return rest
 
     # -- tables ------------------------------------------------------------------------------
 

@@ -10,6 +10,8 @@ import numpy as np
 from kvcm_core.cache_base import CacheBase, CacheStatus
 from kvcm_core.errors import OutOfPagesError
 
+_ACTIVE = CacheStatus.ACTIVE
+
 __all__ = ["ResizeMixin"]
 
 
@@ -174,6 +176,40 @@ class ResizeMixin(CacheBase):
         self._capacity = capacity
         self._version += 1
         return True
+
+    # -- Batch.resize's batched growth (one allocation for many caches) -------------------------
+
+    def batch_growth(self, capacity: int) -> int:
+        """For :meth:`Batch.resize <kvcm_core.batch.Batch.resize>`: ``0`` when the resize
+        was done here (the same blocks: only the capacity moves); the number of new pages
+        it needs when it is plain growth of a one-group full-attention cache with one beam,
+        no scratch and no priority callback (nothing is changed: the batch takes the pages
+        of many caches at once and hands them over with :meth:`batch_grow`); ``-1`` when it
+        must go through :meth:`resize`."""
+        tpb = self._tpb
+        nb_new = (capacity + tpb - 1) // tpb
+        if self._status is not _ACTIVE or capacity < self._history or \
+                not self._scratch_free_path:
+            return -1
+        if nb_new == (self._capacity + tpb - 1) // tpb:
+            self._capacity = capacity
+            return 0
+        ctx = self._ctx
+        if len(ctx.attn_groups) != 1 or ctx.ssm_groups or ctx.windowed_groups or \
+                self._priority_cb is not None or self.beam_width != 1:  # type: ignore[attr-defined]
+            return -1
+        n = nb_new - len(self._pages[ctx.attn_groups[0]])
+        return n if n > 0 else -1
+
+    def batch_grow(self, capacity: int, pids: list[int]) -> None:
+        """Take ``pids`` (new level-0 pages of the cache's one group, locked once, as many
+        as :meth:`batch_growth` asked for) as the blocks after the current ones, and move
+        the capacity."""
+        self._pages[self._ctx.attn_groups[0]].extend(pids)
+        self.stats.allocated_blocks += len(pids)  # type: ignore[attr-defined]
+        self.stats.newly_allocated_blocks += len(pids)  # type: ignore[attr-defined]
+        self._capacity = capacity
+        self._version += 1
 
     def _release_stale(self) -> None:
         ctx = self._ctx

@@ -397,3 +397,29 @@ def test_engine_loop_reads_every_page_through_the_batch_and_fingerprints_hold(
     if reuses:  # (an SSM layer reuses only where a snapshot sits exactly at the match end)
         assert sum(r.reused for r in reqs) > 0, "the shared prefix was reused"
     loop.close()
+
+
+def test_batch_resize_grows_rows_together_and_stages_them_in_place_like_a_restage() -> None:
+    """Decode through Batch.resize: rows that cross a block boundary get their pages from
+    one allocation and are staged in place; a row changed behind the batch's back and a
+    row with a priority callback take the per-row path. Every step the device rows equal
+    what each member's own tables say."""
+    m = make_manager(full_layers(), slots=200)
+    b = Batch(m, max_rows=6, max_blocks_per_row=40)
+    b.register_index_table(1, "k")
+    caches = [_active(m, tokens(4 + i, seed=i)) for i in range(5)]
+    cb = m.create_kv_cache(None, tokens(6, seed=9), priority_callback=lambda blk: 10)
+    assert cb.resume() and cb.resize(6)
+    caches.append(cb)
+    for c in caches:
+        b.add_kv_cache(c)
+    b.publish()
+    for step in range(3 * TPB + 1):
+        if step == 5:
+            caches[2].resize(caches[2].capacity + TPB)  # behind the batch's back
+        caps = [c.capacity + 1 for c in caches]
+        assert b.resize(caps) == [True] * 6
+        assert [c.capacity for c in caches] == caps
+        assert not len(b.dirty_rows()), "resize published every change"
+        assert_batch_matches_members(b, m)
+    m.check_invariants()
