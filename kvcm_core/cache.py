@@ -199,6 +199,19 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         return None
 
     @property
+    def last_refusal(self) -> str | None:
+        """Why the last ``resize``, ``resume`` or ``set_beam_width`` returned False (which
+        level and pool group ran short, and what holds its slots); None after a success."""
+        return self._last_refusal
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """``with manager.create_kv_cache(...) as cache:`` closes the cache on exit."""
+        self.close()
+
+    @property
     def manager(self) -> Any:
         return self._ctx.owner
 
