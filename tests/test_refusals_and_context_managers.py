@@ -5,12 +5,12 @@ closes on exit, an exception inside the block included)."""
 
 from __future__ import annotations
 
-import pytest
-
 import levels_helpers as lh
+import pytest
 from conftest import Driver, full_layers, tokens
-from kvcm_core import CacheStatus, InvalidStateError, KVCacheManager
 from test_levels import _fill_every_level_with_held_pages
+
+from kvcm_core import CacheStatus, InvalidStateError, KVCacheManager
 
 
 def test_refused_resize_says_which_level_and_pool_group_ran_short(managers):
@@ -63,7 +63,7 @@ def test_resume_over_max_util_for_resume_names_the_limit(managers):
 def test_resume_that_cannot_make_room_says_the_held_pages_have_nowhere_to_go(tmp_path):
     m = lh.make_manager([("gpu", 8), ("host", 8), ("disk", 8)], tmp_path)
     d = lh.Driver(m)
-    r1, r2, r3 = _fill_every_level_with_held_pages(m, d)
+    r1, _r2, r3 = _fill_every_level_with_held_pages(m, d)
     assert r1.resume() is False
     assert r1.last_refusal is not None
     assert r1.last_refusal.startswith("resume: level 0 pool group 0 cannot provide 8 more")
