@@ -1,4 +1,4 @@
-"""KVCache: one request's pages, page tables and lengths (concepts.md §2, §11).
+"""KVCache: one request's pages, page tables and lengths.
 
 The three lengths always satisfy ``num_committed_tokens <= history_length <= capacity``.
 Semantics kvcm fixes where the spec is silent (documented in docs/semantics.md):

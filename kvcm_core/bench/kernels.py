@@ -47,7 +47,7 @@ KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 
-#: (direction, smallest page size, ratio to the limit): quality.md §2.
+#: (direction, smallest page size, ratio to the limit): the project's performance targets.
 TARGETS: list[tuple[str, int, float]] = [
     ("h2d", 4 * KiB, 0.85),
     ("h2d", 16 * KiB, 0.90),
@@ -448,7 +448,7 @@ def _bench_backend(
 
 
 def _target_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each target of quality.md against each page size at the largest batch measured."""
+    """Each performance target against each page size at the largest batch measured."""
     out: list[dict[str, Any]] = []
     if not result["capabilities"]["has_device"]:
         return out  # the targets are for device backends

@@ -1,5 +1,5 @@
 """``kvcm simulate``: replay a seeded serving workload through the manager, verifying every
-step with the fingerprint engine, and report what the cache achieved (quality.md §4).
+step with the fingerprint engine, and report what the cache achieved.
 
 Phases:
 
