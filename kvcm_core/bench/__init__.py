@@ -36,15 +36,17 @@ __all__ = ["DEFAULT_OUT", "HelpFormatter", "add_output_options", "check_out", "p
 DEFAULT_OUT = "benchmarks/results"
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """The module docstring as written, and every option's default in its help (flags and
     empty defaults aside: their help says what leaving them out means)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
         default = action.default
-        if default is None or default is False or default == "" or default == []:
-            return action.help
-        return super()._get_help_string(action)
+        if (default is None or default is False or default == "" or default == []
+                or default is argparse.SUPPRESS or "%(default)" in text):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def add_output_options(parser: argparse.ArgumentParser, quick: str) -> None:
