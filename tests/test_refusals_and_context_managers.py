@@ -1,7 +1,9 @@
 """A ``False`` from ``resize`` / ``resume`` / ``set_beam_width`` / ``manager.resize`` leaves
-its reason in ``last_refusal`` (None after a success); ``KVCacheManager`` and ``KVCache``
-are context managers (the manager closes every open cache and shuts down on exit, a cache
-closes on exit, an exception inside the block included)."""
+its reason in ``last_refusal`` (None after a success; the plain resize shortage and the
+``max_util_for_resume`` refusal are checked in test_manager_lifecycle.py);
+``KVCacheManager`` and ``KVCache`` are context managers (the manager closes every open
+cache and shuts down on exit, a cache closes on exit, an exception inside the block
+included)."""
 
 from __future__ import annotations
 
@@ -11,24 +13,6 @@ from conftest import Driver, full_layers, tokens
 from test_levels import _fill_every_level_with_held_pages
 
 from kvcm_core import CacheStatus, InvalidStateError, KVCacheManager
-
-
-def test_refused_resize_says_which_level_and_pool_group_ran_short(managers):
-    m = managers(full_layers(), slots=10)
-    d = Driver(m)
-    a = d.create(tokens(32, seed=1))
-    d.run_to(a, 32, chunk=8)  # 8 of 10 slots locked
-    b = d.create(tokens(16, seed=2))
-    d.run_to(b, 4)  # 9 of 10
-    assert b.last_refusal is None
-    assert not b.resize(12)  # 2 more blocks, 1 free, nothing evictable
-    reason = b.last_refusal
-    assert reason is not None and reason.startswith("resize: level 0 pool group 0")
-    assert "cannot provide 2 more pages" in reason
-    assert "1 free" in reason and "9 locked by active caches" in reason
-    a.close()
-    assert b.resize(12)
-    assert b.last_refusal is None  # a success clears it
 
 
 def test_refused_resize_on_the_one_group_fast_path_also_gives_a_reason(managers):
@@ -42,36 +26,24 @@ def test_refused_resize_on_the_one_group_fast_path_also_gives_a_reason(managers)
     big.close()
 
 
-def test_resume_over_max_util_for_resume_names_the_limit(managers):
-    m = managers(full_layers(), slots=10, max_util_for_resume=0.5)
-    d = Driver(m)
-    a = d.create(tokens(16, seed=1))
-    d.run_to(a, 16)  # 4 of 10 locked
-    t = tokens(10, seed=2)
-    d.run(t)
-    b = d.create([*t, 1, 2], match_len=10)  # 3 reused pages: 4 + 3 > 5
-    assert not b.resume()
-    assert b.last_refusal == (
-        "resume: level 0 pool group 0 would have 7 of 10 slots locked, over "
-        "max_util_for_resume=0.5 (5 slots)")
-    a.close()
-    assert b.resume()
-    assert b.last_refusal is None
-    b.close()
-
-
-def test_resume_that_cannot_make_room_says_the_held_pages_have_nowhere_to_go(tmp_path):
+@pytest.fixture
+def held_levels(tmp_path):
+    """A manager whose three levels (8 slots each) are full of suspended caches' pages."""
     m = lh.make_manager([("gpu", 8), ("host", 8), ("disk", 8)], tmp_path)
-    d = lh.Driver(m)
-    r1, _r2, r3 = _fill_every_level_with_held_pages(m, d)
+    held = _fill_every_level_with_held_pages(m, lh.Driver(m))
+    yield m, held
+    lh.close_all(m)
+    m.shutdown()
+
+
+def test_resume_that_cannot_make_room_says_the_held_pages_have_nowhere_to_go(held_levels):
+    _, (r1, _r2, r3) = held_levels
     assert r1.resume() is False
     assert r1.last_refusal is not None
     assert r1.last_refusal.startswith("resume: level 0 pool group 0 cannot provide 8 more")
     assert "8 held by suspended caches" in r1.last_refusal
     assert "no colder level can take the held pages" in r1.last_refusal
     assert r3.resume() and r3.last_refusal is None
-    lh.close_all(m)
-    m.shutdown()
 
 
 def test_refused_beam_fork_gives_a_reason(managers):
@@ -86,19 +58,14 @@ def test_refused_beam_fork_gives_a_reason(managers):
     c.close()
 
 
-def test_refused_manager_resize_leaves_its_reason_on_the_manager(tmp_path):
-    m = lh.make_manager([("gpu", 8), ("host", 8), ("disk", 8)], tmp_path)
-    d = lh.Driver(m)
-    held = _fill_every_level_with_held_pages(m, d)
+def test_refused_manager_resize_leaves_its_reason_on_the_manager(held_levels):
+    m, _ = held_levels
     assert m.last_refusal is None
     assert m.resize(2, lh.quota("full", 2, 4)) is False
     assert m.last_refusal is not None and "resize(level=2" in m.last_refusal
     assert "cannot be placed" in m.last_refusal
     assert m.resize(2, lh.quota("full", 2, 8))
     assert m.last_refusal is None
-    for r in held:
-        r.close()
-    m.shutdown()
 
 
 # -- context managers ------------------------------------------------------------------------
