@@ -19,10 +19,11 @@ PY="${PYTHON:-python3}"
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   "$PY" -c 'import sys; print(sys.version)'
-  "$PY" -m pip list 2>/dev/null | grep -iE '^(cupy|cuda-|numpy|pluggy|attrs|pytest|hypothesis|matplotlib|rich)'
+  "$PY" -m pip list 2>/dev/null | grep -iE '^(cupy|cuda-|numpy|pluggy|attrs|pytest|hypothesis|matplotlib|rich|torch)'
 } >"$OUT/env.txt" 2>&1
 
 "$PY" -m pip install -q --no-deps --no-build-isolation -e . -e examples/kvcm-tier-example \
+  -e examples/tiny-engine \
   >>"$OUT/env.txt" 2>&1 || { echo "editable install failed"; cat "$OUT/env.txt"; exit 1; }
 "$PY" - <<'PY' 2>&1 | tee -a "$OUT/env.txt"
 from kvcm_core.plugins import get_plugin_manager
@@ -37,7 +38,7 @@ run() {  # run LOG TIMEOUT CMD...: tee into $OUT/LOG, keep the tail on stdout
   local log=$1 limit=$2; shift 2
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$log" | tail -6 || status=1
 }
-MANAGER_TESTS="tests/test_prefix_reuse.py tests/test_manager_lifecycle.py tests/test_levels.py tests/test_reuse_policies.py tests/test_faults.py tests/test_manager_errors.py tests/test_manager_properties.py tests/test_swa_scratch.py tests/test_beams.py tests/test_engine_loop.py"
+MANAGER_TESTS="tests/test_batch.py tests/test_page_table_version.py tests/test_prefix_reuse.py tests/test_manager_lifecycle.py tests/test_levels.py tests/test_reuse_policies.py tests/test_faults.py tests/test_manager_errors.py tests/test_manager_properties.py tests/test_swa_scratch.py tests/test_beams.py tests/test_engine_loop.py"
 case "$MODE" in
   tests)
     run tests_gpu.log 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider --tb=short

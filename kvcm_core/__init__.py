@@ -28,8 +28,10 @@ from kvcm_core.config import (
     SwaScratchConfig,
 )
 from kvcm_core.errors import (
+    ArgumentTypeError,
     ConfigError,
     CorruptPageError,
+    InvalidArgumentError,
     InvalidStateError,
     KvcmError,
     OutOfPagesError,
@@ -78,6 +80,7 @@ __all__ = [
     "CodecCapabilities",
     "CodecKind",
     "CodecSpec",
+    "ArgumentTypeError",
     "ConfigError",
     "CopyTask",
     "CorruptPageError",
@@ -90,6 +93,7 @@ __all__ = [
     "EvictionPolicySpec",
     "FingerprintPages",
     "IOHandle",
+    "InvalidArgumentError",
     "InvalidStateError",
     "KVCacheManagerConfig",
     "KernelBackend",
@@ -125,5 +129,6 @@ __all__ = [
 
 from kvcm_core.cache import CacheStatus, KVCache
 from kvcm_core.manager import KVCacheManager
+from kvcm_core.batch import Batch, IndexMode  # noqa: E402 - after the manager it wraps
 
-__all__ += ["CacheStatus", "KVCache", "KVCacheManager"]
+__all__ += ["Batch", "CacheStatus", "IndexMode", "KVCache", "KVCacheManager"]

@@ -249,6 +249,11 @@ class KernelBackend(abc.ABC):
         """Wait for all work on the device."""
         self.default_stream.synchronize()
 
+    def is_capturing(self, stream: Stream | None = None) -> bool:
+        """Whether ``stream`` is capturing a CUDA graph (work queued on it is recorded,
+        not run). Backends without graphs never capture."""
+        return False
+
     @abc.abstractmethod
     def read(self, buffer: Buffer, offset: int, nbytes: int) -> np.ndarray:
         """Copy ``nbytes`` at ``offset`` of ``buffer`` to a new host ``uint8`` array.

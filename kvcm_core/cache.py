@@ -90,6 +90,9 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         self._published = end // tpb
         self._commit_on = ctx.publishes_anything
         self._version = 0
+        #: ``(batch, row)`` while seated in a :class:`~kvcm_core.batch.Batch` (set by the
+        #: batch only), else ``None``.
+        self.batch_seat: tuple[Any, int] | None = None
         ngroups = len(ctx.life_cycles)
         self._table_keys: list[Any] = [None] * ngroups
         self._tables: list[np.ndarray | None] = [None] * ngroups
@@ -196,7 +199,14 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
 
     @property
     def batch_row(self) -> int | None:
-        return None
+        """The row of this cache in its :class:`~kvcm_core.batch.Batch`, or ``None``."""
+        return None if self.batch_seat is None else self.batch_seat[1]
+
+    def _require_unseated(self, action: str) -> None:
+        if self.batch_seat is not None:
+            raise InvalidStateError(
+                f"cache {self.id!r} is seated in row {self.batch_seat[1]} of a Batch: "
+                f"remove_kv_cache before {action}")
 
     @property
     def last_refusal(self) -> str | None:
@@ -208,7 +218,10 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        """``with manager.create_kv_cache(...) as cache:`` closes the cache on exit."""
+        """``with manager.create_kv_cache(...) as cache:`` closes the cache on exit, after
+        removing it from the :class:`~kvcm_core.batch.Batch` it is seated in."""
+        if self.batch_seat is not None:
+            self.batch_seat[0].remove_kv_cache(self)
         self.close()
 
     @property
@@ -284,6 +297,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
     def suspend(self) -> None:
         """Turn locks into holds (pages may then move to colder levels)."""
         self._require(CacheStatus.ACTIVE, CacheStatus.SUSPENDED)
+        self._require_unseated("suspend()")
         if self._status is CacheStatus.SUSPENDED:
             return
         self._drop_scratch()
@@ -358,6 +372,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         """Release every page; committed ones stay reusable until evicted. Idempotent."""
         if self._status is CacheStatus.CLOSED:
             return
+        self._require_unseated("close()")
         ctx = self._ctx
         L = self._levels
         if self._commit_on and self._tokens.n <= self._history:

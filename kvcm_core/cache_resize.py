@@ -136,11 +136,14 @@ class ResizeMixin(CacheBase):
         if history < self._tokens.n:
             self._tokens.truncate(history)
             del self._keys[history // tpb:]
+        # Tables are ``num_blocks`` long: a change of block count changes every table
+        # (an SSM group's too, which takes no page per block).
+        resized = -(-capacity // tpb) != -(-self._capacity // tpb)
         self._capacity = capacity
         if history != self._history and ctx.history_tables:
             self._note_history(self._history, history)  # type: ignore[attr-defined]
         self._history = history
-        if releases or grow:
+        if releases or grow or resized:
             self._version += 1
         return True
 

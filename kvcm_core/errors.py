@@ -8,8 +8,10 @@ the offending value, and what is allowed, so that no ``AssertionError``, ``Index
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentTypeError",
     "ConfigError",
     "CorruptPageError",
+    "InvalidArgumentError",
     "InvalidStateError",
     "KvcmError",
     "OutOfPagesError",
@@ -56,3 +58,12 @@ class CorruptPageError(KvcmError):
 
 class TierIOError(KvcmError, OSError):
     """A storage tier's read or write failed."""
+
+
+class InvalidArgumentError(KvcmError, ValueError):
+    """An argument of an API call has a value the call does not allow (the message names
+    the argument, the value and the rule)."""
+
+
+class ArgumentTypeError(KvcmError, TypeError):
+    """An argument of an API call has a type the call does not take."""

@@ -337,11 +337,11 @@ class KVCacheManager:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        """``with KVCacheManager(config) as manager:`` closes every cache still open, then
-        shuts down."""
+        """``with KVCacheManager(config) as manager:`` closes every cache still open
+        (removing it from its :class:`~kvcm_core.batch.Batch` first), then shuts down."""
         if not self._closed:
             for cache in list(self._open.values()):
-                cache.close()
+                cache.__exit__(None, None, None)
         self.shutdown()
 
     def shutdown(self) -> None:

@@ -18,6 +18,7 @@ import hashlib
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -388,11 +389,9 @@ class PrefixTree:
     # -- removing ----------------------------------------------------------------------------
 
     def _unlink(self, nid: int) -> None:
-        p = int(self.parent[nid])
+        p, _, _, _, _, nxt, prev, _ = self._rows[nid].tolist()
         if p == NO_NODE:
             return
-        prev = int(self.prev_sib[nid])
-        nxt = int(self.next_sib[nid])
         if prev != NO_NODE:
             self.next_sib[prev] = nxt
         else:
@@ -414,14 +413,8 @@ class PrefixTree:
 
     def _forget(self, nids: np.ndarray) -> None:
         """Free node ids (already unlinked; their keys leave the index)."""
-        keys = self._keys[nids]
-        full = keys[keys != None]  # noqa: E711 - elementwise on an object array
-        gone = full.tolist()
-        try:
-            _consume(map(self.index.pop, gone))
-        except KeyError:  # pragma: no cover - every live full node is indexed
-            for key in gone:
-                self.index.pop(key, None)
+        keys = self._keys[nids].tolist()  # None for partial blocks, never an index key
+        _consume(map(self.index.pop, keys, repeat(None, len(keys))))
         self._keys[nids] = None
         self._release_ids(nids)
 
@@ -451,8 +444,10 @@ class PrefixTree:
         under it."""
         self._unlinked.clear()
         flag = self._flag
+        one = self.num_groups == 1
         while len(nids):
-            cand = nids[(self.ordinal[nids] >= 0) & (self.pages[nids] < 0).all(axis=1)]
+            bare = self.pages[nids, 0] < 0 if one else (self.pages[nids] < 0).all(axis=1)
+            cand = nids[(self.ordinal[nids] >= 0) & bare]
             if not len(cand):
                 return
             if len(cand) > 1 and self.num_groups > 1:

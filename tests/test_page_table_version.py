@@ -77,3 +77,21 @@ def test_a_decode_step_inside_a_block_keeps_the_version(managers):
         assert c.page_table_version == version
     assert c.resize(c.capacity + tpb)  # a new block: the table grows
     assert c.page_table_version != version
+
+
+def test_a_new_block_count_moves_the_version_even_when_no_page_is_taken(managers):
+    """An SSM group's table is ``num_blocks`` long although it holds one state page: a
+    resize that adds a block changes it (found by a Batch test: a model whose attention
+    buffers are all empty takes no page per block)."""
+    from kvcm_core import AttentionLayerConfig, BufferConfig, SsmLayerConfig
+
+    layers = [AttentionLayerConfig(layer_id=0, buffers=[BufferConfig(role="b0", size=0)]),
+              SsmLayerConfig(layer_id=1, buffers=[BufferConfig(role="s", size=16)])]
+    m = managers(layers, slots=9)
+    tpb = m.tokens_per_block
+    c = m.create_kv_cache(None, tokens(2))
+    assert c.resume() and c.resize(2)
+    before, version = _tables(c, m), c.page_table_version
+    assert c.resize(tpb + 1)
+    assert not _same(before, _tables(c, m))
+    assert c.page_table_version != version

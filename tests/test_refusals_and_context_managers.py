@@ -114,3 +114,29 @@ def test_manager_with_block_shuts_down_when_the_block_raises(managers):
         raise ValueError("scheduler bug")
     assert c.status is CacheStatus.CLOSED
     assert m.is_shut_down
+
+
+def test_cache_with_block_removes_a_seated_cache_from_its_batch_before_closing(managers):
+    from kvcm_core import Batch
+
+    m = managers(full_layers(), slots=10)
+    batch = Batch(m, max_rows=2, max_blocks_per_row=4)
+    with m.create_kv_cache(None, tokens(8, seed=9)) as c:
+        assert c.resume() and c.resize(8)
+        row = batch.add_kv_cache(c)
+        assert c.batch_row == row
+    assert c.batch_row is None and c.status is CacheStatus.CLOSED
+    assert batch.row_of(c) is None and batch.members[row] is None
+
+
+def test_manager_with_block_unseats_and_closes_batched_caches(managers):
+    from kvcm_core import Batch
+
+    cfg = managers(full_layers(), slots=10).config
+    with KVCacheManager(cfg) as m:
+        batch = Batch(m, max_rows=2, max_blocks_per_row=4)
+        c = m.create_kv_cache(None, tokens(8, seed=10))
+        assert c.resume() and c.resize(8)
+        batch.add_kv_cache(c)
+    assert c.batch_row is None and c.status is CacheStatus.CLOSED
+    assert m.is_shut_down

@@ -453,7 +453,9 @@ def run_trace(
         res.series = series
         for req in (*loop.running, *loop.suspended, *loop.waiting):
             if req.cache is not None:
+                loop.unseat(req)
                 req.cache.close()
+        loop.close()
         manager.shutdown()
     return res
 

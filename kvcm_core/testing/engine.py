@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 
+from kvcm_core.batch import Batch
 from kvcm_core.cache import CacheStatus
 from kvcm_core.testing.fingerprint import FingerprintEngine, StepWork
 from kvcm_core.types import ReuseScope
@@ -74,17 +75,26 @@ class EngineLoop:
         close_finished: close requests when they finish (else the caller does).
         preempt_mode: ``"suspend"``, ``"recompute"`` (close and queue again) or ``"auto"``
             (recompute when there is a single level, where suspending frees no GPU page).
+        use_batch: seat running requests in a :class:`~kvcm_core.batch.Batch` of
+            ``max_batch`` rows and read every page table through its published device
+            tables (on by default); rows are as wide as the GPU level has slots.
     """
 
     def __init__(self, manager: Any, *, chunk_tokens: int = 64, max_batch: int = 64,
                  token_budget: int | None = None, check: bool = True,
-                 close_finished: bool = True, preempt_mode: str = "auto") -> None:
+                 close_finished: bool = True, preempt_mode: str = "auto",
+                 use_batch: bool = True) -> None:
         if preempt_mode not in ("auto", "suspend", "recompute"):
             raise ValueError(f"preempt_mode={preempt_mode!r}: must be auto, suspend or "
                              "recompute")
         self.preempt_mode = preempt_mode
         self.manager = manager
-        self.engine = FingerprintEngine(manager)
+        self.batch: Batch | None = None
+        if use_batch:
+            widest = max(s.num_slots for s in manager.stores[0])
+            self.batch = Batch(manager, max_batch, max(1, widest),
+                               max_beam_width=manager.config.max_beam_width)
+        self.engine = FingerprintEngine(manager, self.batch)
         self.chunk_tokens = chunk_tokens
         self.max_batch = max_batch
         self.token_budget = token_budget
@@ -142,7 +152,7 @@ class EngineLoop:
             if not req.cache.resume():
                 break
             self.suspended.popleft()
-            self.running.append(req)
+            self._run(req)
             report.resumed.append(req)
         while self.waiting and not self.suspended and len(self.running) < self.max_batch:
             req = self.waiting[0]
@@ -151,7 +161,7 @@ class EngineLoop:
                     break  # nothing else would free space: stay queued
                 break
             self.waiting.popleft()
-            self.running.append(req)
+            self._run(req)
         budget = self.token_budget
         work: list[StepWork] = []
         stepped: list[tuple[Request, int]] = []
@@ -196,6 +206,8 @@ class EngineLoop:
             # Could not grow even after preempting everyone else: preempt this one too.
             self._preempt_one(req)
             report.preempted.append(req)
+        if work and self.batch is not None:
+            self.batch.publish()
         if work:
             if self.check:
                 self.engine.check(work)
@@ -209,6 +221,7 @@ class EngineLoop:
         for req, _ in stepped:
             if req.done:
                 self.running.remove(req)
+                self.unseat(req)
                 if self.close_finished:
                     req.cache.close()
                 self.finished.append(req)
@@ -246,6 +259,7 @@ class EngineLoop:
         no GPU page (a single level), close it and queue it again to be recomputed: what
         it committed stays reusable, the rest is computed again."""
         self.running.remove(req)
+        self.unseat(req)
         req.preemptions += 1
         mode = self.preempt_mode
         if mode == "auto":
@@ -257,6 +271,21 @@ class EngineLoop:
             req.cache.close()
             req.cache = None
             self.waiting.appendleft(req)
+
+    def _run(self, req: Request) -> None:
+        self.running.append(req)
+        if self.batch is not None:
+            self.batch.add_kv_cache(req.cache)
+
+    def unseat(self, req: Request) -> None:
+        """Take a request's cache out of the batch (before suspending or closing it)."""
+        if self.batch is not None and self.batch.row_of(req.cache) is not None:
+            self.batch.remove_kv_cache(req.cache)
+
+    def close(self) -> None:
+        """Free the batch (the loop's requests must be finished or unseated)."""
+        if self.batch is not None:
+            self.batch.close()
 
     def run(self, requests: Iterable[Request] = (), max_steps: int = 1_000_000,
             on_step: Callable[[StepReport], None] | None = None) -> list[Request]:

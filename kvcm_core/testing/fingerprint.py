@@ -85,8 +85,11 @@ class FingerprintEngine:
         manager: the manager whose pages are checked.
     """
 
-    def __init__(self, manager: Any) -> None:
+    def __init__(self, manager: Any, batch: Any = None) -> None:
         self.manager = manager
+        #: When set, the page tables of caches seated in this Batch are read from its
+        #: published device tables instead of from the caches.
+        self.batch = batch
         self.backend = manager.backend
         self.tpb = manager.tokens_per_block
         tpb = self.tpb
@@ -158,7 +161,7 @@ class FingerprintEngine:
             for buf in self.buffers:
                 table = tables.get(buf.group)
                 if table is None:
-                    table = np.asarray(cache.get_base_page_indices(buf.group, w.beam))
+                    table = self._table(cache, buf.group, w.beam)
                     tables[buf.group] = table
                     self._check_table(cache, buf, table, nb)
                 base, stride = bases[(buf.layer_id, buf.role)]
@@ -227,6 +230,25 @@ class FingerprintEngine:
             begin=np.concatenate(begin), end=np.concatenate(end),
             positions=np.concatenate(pos), tags=np.concatenate(tags).astype(np.uint32),
         )
+
+    def _table(self, cache: Any, group: int, beam: int) -> np.ndarray:
+        """A cache's base page table, through the batch when it is seated there."""
+        row = None if self.batch is None else self.batch.row_of(cache)
+        if row is None:
+            return np.asarray(cache.get_base_page_indices(group, beam))
+        nb = int(self.batch.read_num_blocks(group)[row])
+        return self.batch.read_page_table(group)[row, beam, :nb]
+
+    def _index(self, cache: Any, buf: _Buffer, beam: int, nb: int) -> np.ndarray:
+        """A buffer's page indices for a cache: the batch's registered index table when
+        the cache is seated and the table registered, else converted here."""
+        key = (buf.layer_id, buf.role)
+        row = None if self.batch is None else self.batch.row_of(cache)
+        if row is not None and self.batch.has_index_table(*key):
+            exp = self._conv[key].expansion
+            return self.batch.read_index_table(*key)[row, beam, : nb * exp]
+        table = self._table(cache, buf.group, beam)
+        return self._conv[key].convert(table, self._scratch_desc(cache, buf.group))
 
     def _check_table(self, cache: Any, buf: _Buffer, table: np.ndarray, nb: int) -> None:
         """Stale and unused entries are BAD; needed entries are valid slot ids."""
@@ -339,8 +361,7 @@ class FingerprintEngine:
                 if buf.layer_id != layer_id or buf.is_ssm:
                     continue
                 key = (buf.layer_id, buf.role)
-                table = np.asarray(cache.get_base_page_indices(buf.group, w.beam))
-                index = self._conv[key].convert(table, self._scratch_desc(cache, buf.group))
+                index = self._index(cache, buf, w.beam, nb)
                 s0, s1 = _stale(buf, hist, tpb)
                 blocks = np.arange(hist // tpb if writing else 0, nb)
                 blocks = blocks[(blocks < s0) | (blocks >= s1)]

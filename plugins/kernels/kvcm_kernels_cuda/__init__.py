@@ -305,6 +305,10 @@ class CudaDriverBackend(CudaKernelBackend):
     def _stream_wait_event(self, native: Any, event_native: Any) -> None:
         _ok(self._drv.cuStreamWaitEvent(native, event_native, 0), "cuStreamWaitEvent")
 
+    def _stream_is_capturing(self, native: Any) -> bool:
+        status = _ok(self._drv.cuStreamIsCapturing(native), "cuStreamIsCapturing")
+        return status != self._drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
     def _stream_destroy(self, native: Any) -> None:
         self._drv.cuStreamDestroy(native)
 

@@ -535,6 +535,12 @@ class CudaKernelBackend(KernelBackend):
     def synchronize(self) -> None:
         self._device_synchronize()
 
+    def is_capturing(self, stream: Stream | None = None) -> bool:
+        return self._stream_is_capturing(self._stream(stream).native)
+
+    def _stream_is_capturing(self, native: Any) -> bool:
+        raise NotImplementedError
+
     def _stream(self, stream: Stream | None) -> CudaStream:
         if stream is None:
             return self._default

@@ -140,6 +140,9 @@ class CupyBackend(CudaKernelBackend):
     def _stream_synchronize(self, native: Any) -> None:
         native.synchronize()
 
+    def _stream_is_capturing(self, native: Any) -> bool:
+        return bool(native.is_capturing())
+
     def _stream_wait_event(self, native: Any, event_native: Any) -> None:
         native.wait_event(event_native)
 

@@ -1,0 +1,161 @@
+"""The tiny engine on NumPy (CPU): greedy generation through kvcm's pages gives the logits
+and tokens of the same model recomputing every sequence without a cache, while the run
+reuses prefixes, preempts, and brings pages back from the disk level."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kvcm_tiny_engine import (
+    EngineError,
+    ModelConfig,
+    NumpyOps,
+    PagedKV,
+    Request,
+    TinyEngine,
+    TinyModel,
+    compare_with_reference,
+    demo_levels,
+    kvcm_config,
+    make_manager,
+    run_demo,
+)
+from kvcm_tiny_engine.demo import TOLERANCE, DemoRun
+
+from kvcm_core import ConfigError, LevelConfig
+
+
+@pytest.fixture(scope="module")
+def demo() -> DemoRun:
+    return run_demo()
+
+
+def test_every_generated_token_matches_recomputation_without_a_cache(demo: DemoRun) -> None:
+    cmp = compare_with_reference(TinyModel(demo.model.config), demo.requests)
+    assert cmp.steps == sum(r.max_new_tokens for r in demo.requests)
+    assert cmp.worst_error <= TOLERANCE, cmp
+    assert cmp.token_mismatches == [], cmp
+    assert cmp.decided >= 0.9 * cmp.steps  # the token check is not vacuous
+    print(f"\n{cmp.steps} tokens: worst logit error {cmp.worst_error:.2e} of scale, "
+          f"{cmp.decided} decided, {cmp.close_calls} near-ties")
+
+
+def test_the_run_reuses_prefixes_preempts_and_brings_pages_back_from_disk(
+        demo: DemoRun) -> None:
+    st = demo.stats
+    print(f"\n{st.summary()}")
+    assert st.reused_prompt_tokens > 0
+    assert st.preemptions > 0 and st.resumes == st.preemptions
+    assert st.onboarded_by_level.get(2, 0) > 0  # level 2 is the disk
+    assert all(r.finished and len(r.output) == r.max_new_tokens for r in demo.requests)
+    # Only what was not reused was computed: the prompts' rest plus one token per output
+    # token but the last.
+    assert st.computed_tokens == st.prompt_tokens - st.reused_prompt_tokens + sum(
+        r.max_new_tokens - 1 for r in demo.requests)
+    second_turns = [r for r in demo.requests if r.id.endswith("turn2")]
+    first = {r.id: r for r in demo.requests}
+    for r in second_turns:  # a second turn reuses at least its whole first prompt
+        assert r.reused_tokens >= len(first[r.id.replace("turn2", "turn1")].prompt)
+
+
+def test_sequences_outgrow_the_window_so_window_layers_matter(demo: DemoRun) -> None:
+    config = demo.model.config
+    longest = max(demo.requests, key=lambda r: len(r.tokens))
+    assert len(longest.tokens) > config.window + 2 * 8  # window plus two blocks
+    model = TinyModel(config)
+    full = TinyModel(ModelConfig(window_layers=()))
+    tokens = np.asarray(longest.tokens)
+    assert not np.allclose(model.reference_logits(tokens), full.reference_logits(tokens),
+                           rtol=0, atol=1e-3)
+
+
+def test_page_views_are_kvcm_pages_without_a_copy() -> None:
+    config = ModelConfig()
+    manager, _ = make_manager(kvcm_config(config, levels=demo_levels()))
+    try:
+        kv = PagedKV(manager, config, NumpyOps())
+        region = manager.get_page_region(2, "value")
+        rng = np.random.default_rng(0)
+        page = rng.standard_normal(kv.pages[2][1].shape[1:]).astype(np.float32)
+        kv.pages[2][1][5] = page  # slot 5 of layer 2's values
+        raw = manager.backend.read(region.buffer, region.page_start(5), page.nbytes)
+        assert np.array_equal(raw.view(np.float32).reshape(page.shape), page)
+    finally:
+        manager.shutdown()
+
+
+def test_a_corrupted_page_changes_what_the_engine_computes() -> None:
+    """The engine reads K/V from kvcm's pages: spoil one committed page between steps and
+    the next logits leave the reference."""
+    config = ModelConfig()
+    model = TinyModel(config)
+    manager, moves = make_manager(kvcm_config(config, levels=demo_levels()))
+    engine = TinyEngine(model, manager, moves)
+    req = Request("r", "The quick brown fox jumps over the lazy dog. " * 2, max_new_tokens=3)
+    engine.submit(req)
+    while not req.output:
+        engine.step()
+    slot = int(req.cache.get_base_page_indices(manager.get_layer_group_id(0))[0])
+    engine.kv.pages[0][0][slot] += 1.0  # layer 0 (full attention), keys of block 0
+    engine.run()
+    manager.shutdown()
+    want = model.reference_logits(np.asarray(req.prompt + req.output[:1]))
+    assert np.abs(req.logits[1] - want).max() > 100 * TOLERANCE * np.abs(want).max()
+
+
+@pytest.mark.parametrize(("field", "kwargs"), [
+    ("ModelConfig.num_kv_heads", {"num_heads": 4, "num_kv_heads": 3}),
+    ("ModelConfig.head_dim", {"head_dim": 15}),
+    ("ModelConfig.window_layers", {"window_layers": (1, 7)}),
+    ("ModelConfig.sink_tokens", {"window": 8, "sink_tokens": 8}),
+    ("ModelConfig.num_layers", {"num_layers": 0}),
+    ("ModelConfig.hidden", {"hidden": 64.0}),
+])
+def test_a_bad_model_config_names_field_value_and_rule(field: str, kwargs: dict) -> None:
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(**kwargs)
+    assert err.value.field == field
+    assert repr(err.value.value) in str(err.value) and err.value.rule
+
+
+@pytest.mark.parametrize("field", ["chunk_tokens", "max_batch", "token_budget"])
+def test_a_bad_engine_setting_names_field_value_and_rule(field: str) -> None:
+    config = ModelConfig()
+    manager, _ = make_manager(kvcm_config(config, levels=demo_levels()))
+    try:
+        with pytest.raises(ConfigError, match=rf"TinyEngine\.{field}=0: must be an int >= 1"):
+            TinyEngine(TinyModel(config), manager, **{field: 0})
+    finally:
+        manager.shutdown()
+
+
+def test_a_manager_built_for_another_model_is_refused_naming_the_buffer() -> None:
+    manager, _ = make_manager(kvcm_config(ModelConfig(head_dim=8), levels=demo_levels()))
+    try:
+        with pytest.raises(ConfigError, match=r"layers\[0\]\.buffers\[key\]\.size=512: "
+                                              r"must be 1024 bytes"):
+            PagedKV(manager, ModelConfig(head_dim=16), NumpyOps())
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.parametrize(("prompt", "match"), [
+    ([1, 2, 300], r"Request\.prompt: token ids must be ints in 0\.\.255.*\[300\]"),
+    ("", r"Request\.prompt: must hold at least one token"),
+])
+def test_a_bad_prompt_is_refused_naming_the_rule(prompt: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Request("bad", prompt)
+
+
+def test_a_request_larger_than_the_gpu_level_stops_the_engine_naming_it() -> None:
+    config = ModelConfig()
+    levels = [LevelConfig(tier="gpu", quota="64KiB"), LevelConfig(tier="host", quota="1MiB")]
+    manager, moves = make_manager(kvcm_config(config, levels=levels))
+    engine = TinyEngine(TinyModel(config), manager, moves)
+    try:
+        with pytest.raises(EngineError, match="request huge needs"):
+            engine.run([Request("huge", "x" * 400, max_new_tokens=2)])
+    finally:
+        engine.close()
+        manager.shutdown()

@@ -1,0 +1,581 @@
+"""``Batch``: the device-side page tables of the running requests.
+
+A batch owns, per cache group, a device page table ``[max_rows, max_beam_width,
+max_blocks_per_row]`` of int32 slot ids (``BAD_PAGE_INDEX`` padding) and a device array of
+per-row block counts, plus the converted page-index tables the engine registers. Every
+table is allocated once: its address never changes for the batch's life, so CUDA graphs
+can capture kernels that read it.
+
+Rows are stable seats of ACTIVE caches. A member's page table changes only through calls
+the engine makes (resize, commit with rebasing, scratch and stale-range changes, beam
+width); each such change moves the cache's ``page_table_version``, and ``publish`` uploads
+exactly the rows whose version moved (plus rows seated, moved or emptied since the last
+publish) in one batched copy from pinned host staging.
+
+Design choices (see docs/batch.md):
+
+- The host staging mirrors the device tables row for row; ``publish`` rebuilds a dirty
+  row from the member's own tables, so the device never holds a row the host cannot
+  explain.
+- Registered index tables are converted from the staged rows of the dirty rows only, then
+  uploaded with the base rows in the same batched copy (``BAD_PAGE_INDEX`` stays as it
+  is). A backend with a device conversion kernel can override the conversion step.
+- ``record_read(stream)`` records a reader fence; removing a member (or shrinking one
+  through ``Batch.resize``) waits for the last fence before pages can be released, so a
+  kernel still reading the old table never sees a page reused under it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+
+from kvcm_core.backend import BAD_PAGE_INDEX, Buffer, CopyTask, PageRegion
+from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError, InvalidStateError
+from kvcm_core.manager import KVCacheManager
+from kvcm_core.pagetable import ScratchDesc
+from kvcm_core.scratch import convert_with_scratch
+from kvcm_core.cache_base import CacheStatus
+
+if TYPE_CHECKING:
+    from kvcm_core.backend import Event, KernelBackend, Stream
+
+__all__ = ["Batch", "IndexMode"]
+
+
+class IndexMode(enum.Enum):
+    """Index space of a converted table.
+
+    SHARED: one index space per pool (``slot * scale + offset``: a buffer's pages counted
+    from the pool's base in units of the buffer's page size). PER_LAYER: the layer's own
+    pages (``slot``; the kernel adds ``get_mem_pool_base_address`` of the buffer and
+    strides by ``get_page_stride``).
+    """
+
+    SHARED = "shared"
+    PER_LAYER = "per_layer"
+
+
+def _count(name: str, value: Any, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ArgumentTypeError(f"{name}={value!r}: must be an int")
+    if value < low:
+        raise InvalidArgumentError(f"{name}={value!r}: must be >= {low}")
+    return int(value)
+
+
+@attrs.define
+class _Table:
+    """One int32 device table with its pinned host staging (same shape, row-major)."""
+
+    device: Buffer
+    host: Buffer
+    staging: np.ndarray  # int32 view of ``host``, shape [rows, ...]
+    row_bytes: int
+
+    @classmethod
+    def make(cls, backend: KernelBackend, shape: tuple[int, ...], fill: int) -> _Table:
+        nbytes = int(np.prod(shape)) * 4
+        host = backend.alloc_host(nbytes)
+        staging = host.host_view()[:nbytes].view(np.int32).reshape(shape)
+        staging[...] = fill
+        device = backend.alloc_device(nbytes)
+        backend.write(device, 0, staging.reshape(-1).view(np.uint8))
+        return cls(device, host, staging, nbytes // shape[0])
+
+    def task(self, pairs: np.ndarray) -> CopyTask:
+        return CopyTask(PageRegion(self.device, 0, self.row_bytes),
+                        PageRegion(self.host, 0, self.row_bytes), self.row_bytes, pairs)
+
+    def free(self) -> None:
+        self.device.free()
+        self.host.free()
+
+
+@attrs.define
+class _IndexTable:
+    layer_id: int
+    role: str
+    group: int
+    scale: int
+    offset: int
+    expansion: int
+    spb: int  # scratch sub-pages per block (0: no scratch)
+    table: _Table
+
+
+class Batch:
+    """Device page tables for up to ``max_rows`` running requests (see module docstring).
+
+    Args:
+        manager: the :class:`~kvcm_core.manager.KVCacheManager` whose caches are seated.
+        max_rows: seats.
+        max_blocks_per_row: blocks a row's table holds (a member may not grow past it).
+        max_beam_width: beams per row.
+        max_total_input_tokens: the most new tokens (``capacity - history``) one
+            :meth:`resize` may give all rows together (``None``: no bound).
+
+    Raises:
+        ArgumentTypeError, InvalidArgumentError: a bad argument.
+    """
+
+    def __init__(self, manager: Any, max_rows: int, max_blocks_per_row: int,
+                 max_beam_width: int = 1, max_total_input_tokens: int | None = None) -> None:
+        if not isinstance(manager, KVCacheManager):
+            raise ArgumentTypeError(f"manager={type(manager).__name__}: must be a "
+                                    "KVCacheManager")
+        if manager.is_shut_down:
+            raise InvalidStateError("the manager is shut down")
+        self.max_rows = _count("max_rows", max_rows)
+        self.max_blocks_per_row = _count("max_blocks_per_row", max_blocks_per_row)
+        self.max_beam_width = _count("max_beam_width", max_beam_width)
+        self.max_total_input_tokens = None if max_total_input_tokens is None else _count(
+            "max_total_input_tokens", max_total_input_tokens)
+        self.manager = manager
+        self.backend: KernelBackend = manager.backend
+        self.num_groups = manager.num_cache_groups
+        shape = (self.max_rows, self.max_beam_width, self.max_blocks_per_row)
+        self._tables = [_Table.make(self.backend, shape, BAD_PAGE_INDEX)
+                        for _ in range(self.num_groups)]
+        self._counts = [_Table.make(self.backend, (self.max_rows, 1), 0)
+                        for _ in range(self.num_groups)]
+        self._index: dict[tuple[int, str, IndexMode], _IndexTable] = {}
+        self._rows: list[Any] = [None] * self.max_rows
+        self._seen = np.full(self.max_rows, -1, dtype=np.int64)  # version last staged
+        self._forced: set[int] = set()  # rows to stage whatever their version says
+        self._scratch: list[dict[int, ScratchDesc]] = [{} for _ in range(self.max_rows)]
+        self._ready: Event | None = None
+        self._read_fence: Event | None = None
+        self._closed = False
+
+    # -- membership --------------------------------------------------------------------------
+
+    def add_kv_cache(self, cache: Any, row: int | None = None) -> int:
+        """Seat an ACTIVE cache of this batch's manager in ``row`` (the first empty row when
+        ``None``); returns the row. The row is uploaded by the next :meth:`publish`.
+
+        Raises:
+            InvalidArgumentError: another manager's cache, a cache seated already (here or
+                in another batch), a row out of range or taken, no empty row, or a cache
+                whose table is wider than the batch.
+            InvalidStateError: the cache is not ACTIVE, or the batch is closed.
+        """
+        self._check_open()
+        self._check_cache(cache)
+        if cache.batch_seat is not None:
+            where = "this batch" if cache.batch_seat[0] is self else "another batch"
+            raise InvalidArgumentError(
+                f"cache {cache.id!r} is already seated in row {cache.batch_seat[1]} of {where}")
+        if cache.status is not CacheStatus.ACTIVE:
+            raise InvalidStateError(f"cache {cache.id!r} is {cache.status.name}; only an "
+                                    "ACTIVE (resumed) cache can be seated")
+        if row is None:
+            row = self._first_empty()
+        else:
+            row = self._row_arg(row)
+            if self._rows[row] is not None:
+                raise InvalidArgumentError(f"row={row}: taken by cache "
+                                           f"{self._rows[row].id!r}")
+        self._check_fits(cache, cache.num_blocks, cache.beam_width)
+        self._rows[row] = cache
+        cache.batch_seat = (self, row)
+        self._forced.add(row)
+        return row
+
+    def remove_kv_cache(self, cache: Any) -> int:
+        """Empty the row of ``cache`` (its table row becomes ``BAD_PAGE_INDEX`` at the next
+        publish); waits for the last :meth:`record_read` fence first, so the cache's pages
+        can be released right after. Returns the row it had.
+
+        Raises:
+            InvalidArgumentError: the cache is not seated in this batch.
+        """
+        row = self._member_row(cache)
+        self._wait_readers()
+        self._rows[row] = None
+        self._scratch[row] = {}
+        cache.batch_seat = None
+        self._forced.add(row)
+        return row
+
+    def move(self, cache: Any, row: int) -> None:
+        """Move a member to the empty ``row`` (its old row empties)."""
+        old = self._member_row(cache)
+        row = self._row_arg(row)
+        if row == old:
+            return
+        if self._rows[row] is not None:
+            raise InvalidArgumentError(f"row={row}: taken by cache {self._rows[row].id!r}")
+        self._rows[row], self._rows[old] = cache, None
+        self._scratch[row], self._scratch[old] = self._scratch[old], {}
+        cache.batch_seat = (self, row)
+        self._forced.update((row, old))
+
+    def row_of(self, cache: Any) -> int | None:
+        """The row of ``cache`` in this batch, or ``None``."""
+        seat = getattr(cache, "batch_seat", None)
+        return seat[1] if seat is not None and seat[0] is self else None
+
+    @property
+    def members(self) -> list[Any]:
+        """The caches seated, by row (``None`` for an empty row)."""
+        return list(self._rows)
+
+    # -- publishing --------------------------------------------------------------------------
+
+    def dirty_rows(self) -> np.ndarray:
+        """Rows whose device row differs from what their member's tables say now."""
+        dirty = set(self._forced)
+        for r, cache in enumerate(self._rows):
+            if cache is not None and cache.page_table_version != self._seen[r]:
+                dirty.add(r)
+        return np.asarray(sorted(dirty), dtype=np.int32)
+
+    def publish(self, stream: Stream | None = None) -> int:
+        """Upload the dirty rows of every table (base page tables, block counts and the
+        registered index tables) in one batched copy on ``stream``, then record the ready
+        event. Returns the rows uploaded.
+
+        Raises:
+            InvalidStateError: ``stream`` is capturing a CUDA graph (the upload would be
+                captured, not run), or the batch is closed.
+        """
+        self._check_open()
+        if self.backend.is_capturing(stream):
+            raise InvalidStateError("publish during CUDA graph capture: publish before "
+                                    "capturing (the tables' addresses never change)")
+        rows = self.dirty_rows()
+        if len(rows):
+            self._wait_readers()
+            for r in rows.tolist():
+                self._stage(r)
+            for ix in self._index.values():
+                self._convert(ix, rows)
+            pairs = np.repeat(rows[:, None], 2, axis=1)
+            tasks = [t.task(pairs) for t in (*self._tables, *self._counts)]
+            tasks += [ix.table.task(pairs) for ix in self._index.values()]
+            self.backend.copy_pages_batch(tasks, stream)
+            self._forced.clear()
+        event = self.backend.create_event()
+        event.record(stream)
+        self._ready = event
+        return len(rows)
+
+    def wait_ready(self, stream: Stream | None = None) -> None:
+        """Make ``stream`` wait for the last publish.
+
+        Raises:
+            InvalidStateError: a member's table changed since the last publish (publish
+                first), or nothing was published yet.
+        """
+        self._check_open()
+        if len(self.dirty_rows()):
+            raise InvalidStateError("rows changed since the last publish: publish first")
+        if self._ready is None:
+            raise InvalidStateError("nothing was published yet: publish first")
+        (stream or self.backend.default_stream).wait_event(self._ready)
+
+    def record_read(self, stream: Stream | None = None) -> None:
+        """Fence the readers queued on ``stream`` so far: the next upload and any release
+        of a member's pages through this batch wait for them."""
+        self._check_open()
+        event = self.backend.create_event()
+        event.record(stream)
+        self._read_fence = event
+
+    def resize(self, capacities: Sequence[int] | np.ndarray,
+               history_lengths: Sequence[int] | np.ndarray | None = None,
+               stream: Stream | None = None) -> list[bool]:
+        """Resize members by row, then publish once.
+
+        ``capacities`` and ``history_lengths`` have ``max_rows`` entries indexed by row;
+        entries of empty rows are ignored, ``-1`` leaves a row unchanged, and
+        ``history_lengths=None`` leaves every history unchanged. Each row succeeds or rolls
+        back on its own (``cache.resize``); the result is one bool per row (``True`` for
+        rows left unchanged).
+
+        Raises:
+            InvalidArgumentError: a wrong length, or more new tokens than
+                ``max_total_input_tokens``.
+        """
+        self._check_open()
+        caps = self._per_row("capacities", capacities)
+        hist = None if history_lengths is None else self._per_row("history_lengths",
+                                                                   history_lengths)
+        live = [r for r, c in enumerate(self._rows) if c is not None and caps[r] != -1]
+        if self.max_total_input_tokens is not None:
+            new = 0
+            for r in live:
+                h = self._rows[r].history_length if hist is None or hist[r] == -1 else hist[r]
+                new += max(0, caps[r] - h)
+            if new > self.max_total_input_tokens:
+                raise InvalidArgumentError(
+                    f"capacities: {new} new tokens in one step exceed max_total_input_tokens"
+                    f"={self.max_total_input_tokens}")
+        out = [True] * self.max_rows
+        shrinking = [r for r in live if caps[r] < self._rows[r].capacity]
+        if shrinking:
+            self._wait_readers()
+        for r in live:
+            cache = self._rows[r]
+            h = None if hist is None or hist[r] == -1 else hist[r]
+            nb = -(-caps[r] // self.manager.tokens_per_block)
+            if nb > self.max_blocks_per_row:
+                out[r] = False
+                continue
+            out[r] = cache.resize(caps[r], h)
+        self.publish(stream)
+        return out
+
+    # -- tables ------------------------------------------------------------------------------
+
+    def page_table(self, group: int) -> Any:
+        """The device page table ``[max_rows, max_beam_width, max_blocks_per_row]`` (int32
+        slot ids) of a cache group, as the last publish left it (zero-copy)."""
+        return self._view(self._tables[self._group_arg(group)])
+
+    def num_blocks(self, group: int) -> Any:
+        """The device block counts ``[max_rows]`` (int32) of a cache group."""
+        t = self._counts[self._group_arg(group)]
+        view = self._view(t)
+        return view.reshape(self.max_rows) if hasattr(view, "reshape") else view
+
+    def read_page_table(self, group: int) -> np.ndarray:
+        """A host copy of :meth:`page_table` (synchronous, after queued work: for tests
+        and tools, not a data path)."""
+        return self._read(self._tables[self._group_arg(group)])
+
+    def read_num_blocks(self, group: int) -> np.ndarray:
+        """A host copy of :meth:`num_blocks` (synchronous; for tests and tools)."""
+        return self._read(self._counts[self._group_arg(group)]).reshape(self.max_rows)
+
+    def read_index_table(self, layer_id: int, role: str,
+                         mode: IndexMode = IndexMode.SHARED) -> np.ndarray:
+        """A host copy of :meth:`index_table` (synchronous; for tests and tools)."""
+        self.index_table(layer_id, role, mode)  # raises when not registered
+        return self._read(self._index[self._index_key(layer_id, role, mode)].table)
+
+    def register_index_table(self, layer_id: int, role: str,
+                             mode: IndexMode = IndexMode.SHARED) -> Any:
+        """Keep a converted page-index table of one buffer: every publish converts the dirty
+        rows (``[max_rows, max_beam_width, max_blocks_per_row * expansion]`` int32,
+        ``BAD_PAGE_INDEX`` kept). Registering the same table again returns it.
+
+        Raises:
+            InvalidArgumentError: an unknown buffer or mode, or PER_LAYER for a buffer of
+                an SWA scratch group (its scratch sub-pages have no per-layer index).
+        """
+        self._check_open()
+        key = self._index_key(layer_id, role, mode)
+        if key in self._index:
+            return self._view(self._index[key].table)
+        try:
+            group = self.manager.get_buffer_group_id(layer_id, role)
+            conv = self.manager.get_page_index_converter(layer_id, role)
+        except (KeyError, ValueError) as exc:
+            raise InvalidArgumentError(f"layer_id={layer_id!r}, role={role!r}: no such "
+                                       f"buffer ({exc})") from None
+        scale, offset, expansion = conv.scale, conv.offset, conv.expansion
+        if key[2] is IndexMode.PER_LAYER:
+            if conv.scratch_pages_per_block:
+                raise InvalidArgumentError(
+                    f"mode=PER_LAYER for layer {layer_id} role {role!r}: its group uses SWA "
+                    "scratch, whose sub-pages only the SHARED index space can name")
+            scale, offset, expansion = 1, 0, 1
+        shape = (self.max_rows, self.max_beam_width, self.max_blocks_per_row * expansion)
+        ix = _IndexTable(layer_id, role, group, scale, offset, expansion,
+                         conv.scratch_pages_per_block,
+                         _Table.make(self.backend, shape, BAD_PAGE_INDEX))
+        rows = np.arange(self.max_rows, dtype=np.int32)
+        self._convert(ix, rows)
+        self.backend.write(ix.table.device, 0, ix.table.staging.reshape(-1).view(np.uint8))
+        self._index[key] = ix
+        return self._view(ix.table)
+
+    def has_index_table(self, layer_id: int, role: str,
+                        mode: IndexMode = IndexMode.SHARED) -> bool:
+        """Whether that index table is registered."""
+        return self._index_key(layer_id, role, mode) in self._index
+
+    def index_table(self, layer_id: int, role: str, mode: IndexMode = IndexMode.SHARED) -> Any:
+        """The registered converted table of one buffer (zero-copy, stable address).
+
+        Raises:
+            InvalidArgumentError: the table was not registered.
+        """
+        key = self._index_key(layer_id, role, mode)
+        ix = self._index.get(key)
+        if ix is None:
+            raise InvalidArgumentError(
+                f"no index table for layer_id={layer_id!r}, role={role!r}, mode="
+                f"{key[2].name}: call register_index_table first")
+        return self._view(ix.table)
+
+    def close(self) -> None:
+        """Empty every row and free the tables (idempotent)."""
+        if self._closed:
+            return
+        for cache in self._rows:
+            if cache is not None:
+                self.remove_kv_cache(cache)
+        self.backend.synchronize()
+        for t in (*self._tables, *self._counts, *(ix.table for ix in self._index.values())):
+            t.free()
+        self._closed = True
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        seated = sum(c is not None for c in self._rows)
+        return (f"Batch({seated}/{self.max_rows} rows, {self.max_blocks_per_row} blocks, "
+                f"{self.max_beam_width} beams, {len(self._index)} index tables)")
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _stage(self, r: int) -> None:
+        """Rebuild row ``r`` of every host staging table from its member (or empty it)."""
+        cache = self._rows[r]
+        if cache is None:
+            for t, c in zip(self._tables, self._counts, strict=True):
+                t.staging[r] = BAD_PAGE_INDEX
+                c.staging[r] = 0
+            self._seen[r] = -1
+            return
+        width = cache.beam_width
+        self._check_fits(cache, cache.num_blocks, width)
+        scratch = {}
+        for g in range(self.num_groups):
+            rows = self._tables[g].staging[r]
+            rows[...] = BAD_PAGE_INDEX
+            nb = 0
+            for beam in range(width):
+                table = cache.get_base_page_indices(g, beam)
+                nb = len(table)
+                rows[beam, :nb] = table
+            self._counts[g].staging[r, 0] = nb
+            desc = cache.scratch(g) if g in self.manager.scratch_groups else None
+            if desc is not None:
+                scratch[g] = desc
+        self._scratch[r] = scratch
+        self._seen[r] = cache.page_table_version
+
+    def _convert(self, ix: _IndexTable, rows: np.ndarray) -> None:
+        """Convert ``rows`` of the staged base table into ``ix``'s staging."""
+        base = self._tables[ix.group].staging
+        out = ix.table.staging
+        plain = [r for r in rows.tolist() if ix.group not in self._scratch[r]]
+        if plain:
+            sel = np.asarray(plain, dtype=np.int64)
+            out[sel] = convert_with_scratch(base[sel], ix.scale, ix.offset, ix.expansion,
+                                            ix.spb, None)
+        for r in rows.tolist():
+            desc = self._scratch[r].get(ix.group)
+            if desc is not None:
+                out[r] = convert_with_scratch(base[r], ix.scale, ix.offset, ix.expansion,
+                                              ix.spb, desc)
+
+    def _view(self, t: _Table) -> Any:
+        arr = self.backend.as_array(t.device)
+        shape = t.staging.shape
+        if hasattr(arr, "view") and hasattr(arr, "reshape"):
+            return arr[: t.row_bytes * shape[0]].view(np.int32).reshape(shape)
+        return arr
+
+    def _read(self, t: _Table) -> np.ndarray:
+        self._check_open()
+        raw = self.backend.read(t.device, 0, t.row_bytes * t.staging.shape[0])
+        return raw.view(np.int32).reshape(t.staging.shape)
+
+    def _wait_readers(self) -> None:
+        if self._read_fence is not None:
+            self._read_fence.synchronize()
+            self._read_fence = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidStateError("the batch is closed")
+        if self.manager.is_shut_down:
+            raise InvalidStateError("the batch's manager is shut down")
+
+    def _check_cache(self, cache: Any) -> None:
+        if not hasattr(cache, "batch_seat") or not hasattr(cache, "page_table_version"):
+            raise ArgumentTypeError(f"cache={type(cache).__name__}: must be a KVCache")
+        if cache.manager is not self.manager:
+            raise InvalidArgumentError(f"cache {cache.id!r} belongs to another manager")
+
+    def _check_fits(self, cache: Any, nb: int, width: int) -> None:
+        if nb > self.max_blocks_per_row:
+            raise InvalidArgumentError(
+                f"cache {cache.id!r} has {nb} blocks; the batch's rows hold "
+                f"max_blocks_per_row={self.max_blocks_per_row}")
+        if width > self.max_beam_width:
+            raise InvalidArgumentError(
+                f"cache {cache.id!r} has beam width {width}; the batch holds "
+                f"max_beam_width={self.max_beam_width}")
+
+    def _member_row(self, cache: Any) -> int:
+        self._check_open()
+        row = self.row_of(cache)
+        if row is None:
+            raise InvalidArgumentError(
+                f"cache {getattr(cache, 'id', cache)!r} is not seated in this batch")
+        return row
+
+    def _first_empty(self) -> int:
+        for r, cache in enumerate(self._rows):
+            if cache is None:
+                return r
+        raise InvalidArgumentError(f"the batch is full (max_rows={self.max_rows})")
+
+    def _row_arg(self, row: Any) -> int:
+        if isinstance(row, bool) or not isinstance(row, int | np.integer):
+            raise ArgumentTypeError(f"row={row!r}: must be an int")
+        if not 0 <= row < self.max_rows:
+            raise InvalidArgumentError(f"row={row}: must be in 0..{self.max_rows - 1}")
+        return int(row)
+
+    def _group_arg(self, group: Any) -> int:
+        if isinstance(group, bool) or not isinstance(group, int | np.integer):
+            raise ArgumentTypeError(f"group={group!r}: must be an int")
+        if not 0 <= group < self.num_groups:
+            raise InvalidArgumentError(f"group={group}: must be a cache group id in "
+                                       f"0..{self.num_groups - 1}")
+        return int(group)
+
+    def _index_key(self, layer_id: Any, role: Any, mode: Any) -> tuple[int, str, IndexMode]:
+        if not isinstance(mode, IndexMode):
+            try:
+                mode = IndexMode(mode)
+            except ValueError:
+                raise InvalidArgumentError(
+                    f"mode={mode!r}: must be an IndexMode (SHARED or PER_LAYER)") from None
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int | np.integer):
+            raise ArgumentTypeError(f"layer_id={layer_id!r}: must be an int")
+        if not isinstance(role, str):
+            raise ArgumentTypeError(f"role={role!r}: must be a str")
+        return int(layer_id), role, mode
+
+    def _per_row(self, name: str, values: Any) -> list[int]:
+        try:
+            arr = np.asarray(values)
+        except (TypeError, ValueError):
+            raise ArgumentTypeError(f"{name}: must be a sequence of ints") from None
+        if arr.dtype.kind not in "iu" and not (arr.size == 0 and arr.dtype.kind == "f"):
+            raise ArgumentTypeError(f"{name}: must hold ints, got dtype {arr.dtype}")
+        if arr.shape != (self.max_rows,):
+            raise InvalidArgumentError(f"{name}: must have max_rows={self.max_rows} entries "
+                                       f"indexed by row, got shape {arr.shape}")
+        out = arr.astype(np.int64).tolist()
+        bad = [v for v in out if v < -1]
+        if bad:
+            raise InvalidArgumentError(f"{name}: entry {bad[0]} must be >= 0 (or -1: "
+                                       "unchanged)")
+        return out
