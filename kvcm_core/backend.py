@@ -362,7 +362,7 @@ class KernelBackend(abc.ABC):
             OverflowError: a result outside ``[BAD_PAGE_INDEX, INT32_MAX]``.
         """
 
-    # -- the fingerprint engine's kernels (quality.md §1) --------------------------------
+    # -- the fingerprint engine's kernels ---------------------------------------------
 
     @abc.abstractmethod
     def fingerprint_write(self, pages: FingerprintPages, stream: Stream | None = None) -> None:

@@ -1,4 +1,4 @@
-"""KVCache: one request's pages, page tables and lengths (concepts.md §2, §11).
+"""KVCache: one request's pages, page tables and lengths.
 
 The three lengths always satisfy ``num_committed_tokens <= history_length <= capacity``.
 Semantics kvcm fixes where the spec is silent (documented in docs/semantics.md):
@@ -207,6 +207,22 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             raise InvalidStateError(
                 f"cache {self.id!r} is seated in row {self.batch_seat[1]} of a Batch: "
                 f"remove_kv_cache before {action}")
+
+    @property
+    def last_refusal(self) -> str | None:
+        """Why the last ``resize``, ``resume`` or ``set_beam_width`` returned False (which
+        level and pool group ran short, and what holds its slots); None after a success."""
+        return self._last_refusal
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """``with manager.create_kv_cache(...) as cache:`` closes the cache on exit, after
+        removing it from the :class:`~kvcm_core.batch.Batch` it is seated in."""
+        if self.batch_seat is not None:
+            self.batch_seat[0].remove_kv_cache(self)
+        self.close()
 
     @property
     def manager(self) -> Any:

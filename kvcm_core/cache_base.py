@@ -60,6 +60,14 @@ class CacheBase:
     _recompute: dict[int, list[int]]
     _scratch_free_path: bool
     _scratch_live: bool
+    #: Why the last ``resize``/``resume`` returned False (None after a success); set on
+    #: the instance only by a call (the class default serves until then).
+    _last_refusal: str | None = None
+
+    def _refuse(self, reason: str) -> bool:
+        """Record why a call is refused (``last_refusal``) and return False."""
+        self._last_refusal = reason
+        return False
 
     if TYPE_CHECKING:  # implemented by KVCache and its mixins
         stats: Any

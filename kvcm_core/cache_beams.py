@@ -9,6 +9,7 @@ import numpy as np
 
 from kvcm_core.cache_base import CacheBase, CacheStatus
 from kvcm_core.errors import InvalidStateError
+from kvcm_core.refusals import level_shortage
 
 __all__ = ["BeamsMixin"]
 
@@ -71,9 +72,11 @@ class BeamsMixin(CacheBase):
         and of the SSM state, and fresh pages for the blocks after it. Dropping beams
         releases their pages. Only beam 0 publishes to the prefix tree (``commit`` takes
         beam 0's tokens). Returns False, with nothing changed, when level 0 cannot provide
-        the pages. SWA scratch pages are not used with beams.
+        the pages (the reason is then in ``last_refusal``). SWA scratch pages are not used
+        with beams.
         """
         self._require(CacheStatus.ACTIVE)  # type: ignore[attr-defined]
+        self._last_refusal = None
         ctx = self._ctx
         L = self._levels
         most = ctx.config.max_beam_width
@@ -110,7 +113,7 @@ class BeamsMixin(CacheBase):
                 needs[pg] = needs.get(pg, 0) + new
         prios = self._priorities([b for own in plan.values() for b in own])  # type: ignore[attr-defined]
         if not L.can_take(needs):
-            return False
+            return self._refuse(level_shortage("set_beam_width", L, needs))
         ngroups = len(ctx.life_cycles)
         for _ in range(new):
             beam = _Beam(hist, [], [-1] * ngroups)

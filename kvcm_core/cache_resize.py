@@ -9,6 +9,7 @@ import numpy as np
 
 from kvcm_core.cache_base import CacheBase, CacheStatus
 from kvcm_core.errors import OutOfPagesError
+from kvcm_core.refusals import level_shortage, room_failed
 
 _ACTIVE = CacheStatus.ACTIVE
 
@@ -30,7 +31,9 @@ class ResizeMixin(CacheBase):
 
     def resize(self, capacity: int, history_length: int | None = None) -> bool:
         """Set this step's capacity (and optionally move history). Returns False, with
-        everything unchanged, when level 0 cannot provide the pages."""
+        everything unchanged, when level 0 cannot provide the pages (the reason is then in
+        ``last_refusal``)."""
+        self._last_refusal = None
         if self._status is not CacheStatus.ACTIVE:
             self._require(CacheStatus.ACTIVE)
         tpb = self._tpb
@@ -97,7 +100,7 @@ class ResizeMixin(CacheBase):
                     pg = L.pool_group_of(g)
                     extra[pg] = extra.get(pg, 0) + drop
             if not L.can_take(needs, extra):
-                return False
+                return self._refuse(level_shortage("resize", L, needs, extra))
             for pg, n in needs.items():
                 # Make the room before releasing anything where that alone suffices: a
                 # failed write while making room then leaves this cache untouched.
@@ -105,8 +108,8 @@ class ResizeMixin(CacheBase):
                 if n > store.num_free and L.room(store, n):
                     try:
                         L.make_room(store, n)
-                    except OutOfPagesError:
-                        return False
+                    except OutOfPagesError as exc:
+                        return self._refuse(room_failed("resize", exc))
         if releases:
             for pages, _ in reversed(self._beam_views()):
                 gone = []
@@ -167,11 +170,11 @@ class ResizeMixin(CacheBase):
         prios = self._priorities(range(old_nb, nb_new))  # type: ignore[attr-defined]
         if n > store.num_free:
             if not L.room(store, n):
-                return False
+                return self._refuse(level_shortage("resize", L, {store.pool_group: n}))
             try:
                 L.make_room(store, n)
-            except OutOfPagesError:
-                return False
+            except OutOfPagesError as exc:
+                return self._refuse(room_failed("resize", exc))
         pages_g.extend(self._new_pages(g, range(old_nb, nb_new), prios))  # type: ignore[attr-defined]
         self._capacity = capacity
         self._version += 1

@@ -11,6 +11,7 @@ import numpy as np
 from kvcm_core.backend import Stream
 from kvcm_core.cache_base import CacheBase, CacheStatus
 from kvcm_core.errors import OutOfPagesError, TierIOError
+from kvcm_core.refusals import level_shortage, over_resume_limit, room_failed
 
 __all__ = ["ResumeMixin"]
 
@@ -25,7 +26,9 @@ class ResumeMixin(CacheBase):
     def resume(self, stream: Stream | None = None,
                optional_reuse_groups: Sequence[int] | None = None) -> bool:
         """Bring the cache to the GPU and lock its pages; False (nothing changed) when the
-        GPU level is too full (``max_util_for_resume``) or cannot provide the pages."""
+        GPU level is too full (``max_util_for_resume``) or cannot provide the pages (the
+        reason is then in ``last_refusal``)."""
+        self._last_refusal = None
         if self._status is CacheStatus.CLOSED:
             self._require(CacheStatus.SUSPENDED)
         if self._status is CacheStatus.ACTIVE:
@@ -89,7 +92,7 @@ class ResumeMixin(CacheBase):
             used = store.num_locked + int(mine[store.pool_group]) + needs.get(
                 store.pool_group, 0)
             if used > limit * store.num_slots:
-                return False
+                return self._refuse(over_resume_limit(store, used, limit))
         warm = warm_arr.tolist()
         prios = self._priorities([b for blocks in wanted.values() for b in blocks])
         # Lock what is on the GPU first, so making room cannot push it down.
@@ -97,18 +100,19 @@ class ResumeMixin(CacheBase):
         for refs_b in warm_by_beam:
             L.change(_arr(refs_b), 1, -1)
         if not L.can_take(needs, extra):
+            reason = level_shortage("resume", L, needs, extra)
             for refs_b in reversed(warm_by_beam):
                 L.change(_arr(refs_b), -1, 1)
-            return False
+            return self._refuse(reason)
         self._apply_declines(declined)
         try:
             for pg, n in needs.items():
                 L.make_room(L.stores[0][pg], n)
-        except OutOfPagesError:
+        except OutOfPagesError as exc:
             # A write to a colder level failed while making room: give up for now.
             for refs_b in reversed(warm_by_beam):
                 L.change(_arr(refs_b), -1, 1)
-            return False
+            return self._refuse(room_failed("resume", exc))
         fresh: list[int] = []
         try:
             # Cold pages of ours come back in one batch per source store.

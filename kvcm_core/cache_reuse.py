@@ -1,6 +1,6 @@
 """What a prefix match offers the non-REQUIRED cache groups of a
 :class:`~kvcm_core.cache.KVCache`, and the client's OPTIONAL choice at the first resume
-(concepts.md §4)."""
+(docs/semantics.md)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ __all__ = ["CacheStatus", "ReuseMixin", "ReuseStatus"]
 
 @attrs.frozen
 class ReuseStatus:
-    """What the prefix match offers one non-REQUIRED cache group (concepts.md §4).
+    """What the prefix match offers one non-REQUIRED cache group.
 
     Attributes:
         policy: the group's reuse policy.

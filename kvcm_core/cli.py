@@ -27,6 +27,7 @@ import importlib.metadata
 import io
 import json
 import os
+import signal
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -35,9 +36,12 @@ from typing import Any
 import attrs
 from rich.console import Console
 from rich.markup import escape
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
-from kvcm_core.errors import PluginError
+from kvcm_core.console import make_console, silence_stdout
+from kvcm_core.errors import ConfigError, KvcmError, PluginError
 from kvcm_core.plugins import (
     AUTOLOAD_ENV,
     DISABLE_ENV,
@@ -62,11 +66,7 @@ def _version() -> str:
 
 
 def _console(stderr: bool = False) -> Console:
-    # Wide enough for the tables when output is piped (rich defaults to 80 columns then).
-    console = Console(stderr=stderr)
-    if not console.is_terminal:
-        console = Console(stderr=stderr, width=160)
-    return console
+    return make_console(stderr=stderr)
 
 
 def _error(message: str) -> None:
@@ -128,6 +128,57 @@ def _plugin_rows(pm: KvcmPluginManager) -> list[dict[str, Any]]:
     return rows
 
 
+#: Narrower terminals get the plugins as a list: a seven-column table there would cut words.
+PLUGINS_TABLE_MIN_WIDTH = 120
+
+
+def _caps_text(row: dict[str, Any]) -> str:
+    caps = _capability_summary(row["capabilities"])
+    if row["known_gaps"]:
+        caps += f"{', ' if caps else ''}known_gaps={len(row['known_gaps'])}"
+    return caps
+
+
+def _available_text(row: dict[str, Any]) -> str:
+    # Plugin text is escaped: "install kvcm[cupy]" is not rich markup.
+    return "[green]yes[/]" if row["available"] else f"[red]no[/]: {escape(row['reason'])}"
+
+
+def _print_plugins_table(console: Console, rows: list[dict[str, Any]]) -> None:
+    """One row a plugin; cells wrap (long words fold) but are never cut short."""
+    table = Table(title=f"kvcm {_version()} plugins", title_justify="left")
+    for column in ("kind", "name", "distribution", "version", "available", "capabilities",
+                   "description"):
+        table.add_column(column, overflow="fold",
+                         no_wrap=column in ("kind", "name", "version"))
+    for row in rows:
+        table.add_row(
+            row["kind"].replace("_", " "),
+            escape(row["name"]),
+            escape(row["distribution"]),
+            escape(row["version"]),
+            _available_text(row),
+            escape(_caps_text(row)),
+            escape(row["description"]),
+        )
+    console.print(table)
+
+
+def _print_plugins_list(console: Console, rows: list[dict[str, Any]]) -> None:
+    """A few lines a plugin, wrapped at the terminal's width, nothing cut."""
+    console.print(f"[bold]kvcm {_version()} plugins[/]", highlight=False)
+    for row in rows:
+        console.print(
+            f"[bold]{row['kind'].replace('_', ' ')} {escape(row['name'])}[/] "
+            f"({escape(row['distribution'])} {escape(row['version'])}): "
+            f"available {_available_text(row)}", overflow="fold", highlight=False)
+        caps = _caps_text(row)
+        details = [f"capabilities: {caps}"] if caps else []
+        details += [row["description"]] if row["description"] else []
+        for text in details:
+            console.print(Padding(Text(text, overflow="fold"), (0, 0, 0, 4)))
+
+
 def _cmd_plugins(args: argparse.Namespace) -> int:
     try:
         pm = get_plugin_manager()
@@ -158,27 +209,10 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
         )
         return 0
     console = _console()
-    table = Table(title=f"kvcm {_version()} plugins", title_justify="left")
-    for column in ("kind", "name", "distribution", "version", "available", "capabilities"):
-        table.add_column(column, no_wrap=column in ("kind", "name", "version"))
-    table.add_column("description", overflow="fold")
-    for row in rows:
-        # Plugin text is escaped: "install kvcm[cupy]" is not rich markup.
-        reason = escape(row["reason"])
-        available = "[green]yes[/]" if row["available"] else f"[red]no[/]: {reason}"
-        caps = _capability_summary(row["capabilities"])
-        if row["known_gaps"]:
-            caps += f"{', ' if caps else ''}known_gaps={len(row['known_gaps'])}"
-        table.add_row(
-            row["kind"].replace("_", " "),
-            escape(row["name"]),
-            escape(row["distribution"]),
-            escape(row["version"]),
-            available,
-            escape(caps),
-            escape(row["description"]),
-        )
-    console.print(table)
+    if console.width >= PLUGINS_TABLE_MIN_WIDTH:
+        _print_plugins_table(console, rows)
+    else:
+        _print_plugins_list(console, rows)
     if not rows:
         console.print(
             "No plugins registered."
@@ -361,12 +395,35 @@ def _dispatch(module: str, argv: list[str], what: str) -> int:
     return int(mod.main(argv) or 0)
 
 
+#: ``kvcm bench TARGET``: each target's module in :mod:`kvcm_core.bench`, and what it does.
+BENCH_TARGETS = {
+    "kernels": "page copies, index conversion and launch cost of each kernel backend, "
+               "beside the copy limits measured in the same run (for a GPU)",
+    "manager": "the manager's host time per decode step and per prefix lookup, and how "
+               "lookup scales with the cached blocks",
+    "mixed": "a mixed-precision companion: prefix hit rate of REQUIRED against "
+             "SINK_REQUIRED_ONLY",
+    "trace": "a Mooncake-format trace through the manager: hit rate and host time per "
+             "request, beside the trace's infinite-cache and LRU hit rates",
+    "eviction": "nanoseconds per page of every eviction policy's batch methods",
+}
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.target is None:
+        if {"-h", "--help"} & set(args.rest):
+            args.bench_parser.print_help()
+            return 0
+        args.bench_parser.print_usage(sys.stderr)
+        _error(f"kvcm bench: choose a benchmark: {', '.join(BENCH_TARGETS)} "
+               "(kvcm bench --help)")
+        return 2
     return _dispatch(f"kvcm_core.bench.{args.target}", args.rest, f"`kvcm bench {args.target}`")
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    return _dispatch("kvcm_core.simulate", args.rest, "`kvcm simulate`")
+    rest = ["--debug", *args.rest] if args.debug and "--debug" not in args.rest else args.rest
+    return _dispatch("kvcm_core.simulate", rest, "`kvcm simulate`")
 
 
 # -- entry point ----------------------------------------------------------------------------
@@ -378,6 +435,9 @@ def _parser() -> argparse.ArgumentParser:
         description="kvcm: a paged KV-cache manager for LLM inference engines.",
     )
     parser.add_argument("--version", action="version", version=f"kvcm {_version()}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of a configuration or runtime error "
+                             "(default: a one-line message)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("plugins", help="list every registered plugin and its availability")
@@ -403,14 +463,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("pytest_args", nargs="*", help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_conformance)
 
-    # No -h of their own: `kvcm simulate --help` reaches the simulator's parser.
+    # No -h of their own: `kvcm simulate --help` reaches the simulator's parser, and
+    # `kvcm bench manager --help` the benchmark's; `kvcm bench --help` lists the targets.
+    targets = "\n".join(f"  {name:<9} {what}" for name, what in BENCH_TARGETS.items())
     p = sub.add_parser(
         "bench", help="kernel, manager, mixed-precision, trace-replay and eviction-policy "
         "benchmarks (other arguments go on)",
         add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="kvcm bench TARGET [options]  (kvcm bench TARGET --help for its options)",
+        description="Run one of kvcm's benchmarks. Each writes its results to a new "
+        "timestamped JSON file (never overwriting one) and takes --quick for a short run.",
+        epilog=f"targets:\n{targets}",
     )
-    p.add_argument("target", choices=["kernels", "manager", "mixed", "trace", "eviction"])
-    p.set_defaults(func=_cmd_bench, passes_rest=True)
+    p.add_argument("target", nargs="?", choices=list(BENCH_TARGETS), metavar="TARGET",
+                   help=argparse.SUPPRESS)
+    p.set_defaults(func=_cmd_bench, passes_rest=True, bench_parser=p)
 
     p = sub.add_parser(
         "simulate", help="replay a serving workload through the manager", add_help=False
@@ -433,7 +501,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rest and not getattr(args, "passes_rest", False):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
-    return int(args.func(args))
+    try:
+        code = int(args.func(args))
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader went away (`kvcm plugins --json | head`): stop quietly, as a process
+        # ended by SIGPIPE does.
+        silence_stdout()
+        return 128 + int(getattr(signal, "SIGPIPE", 13))
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+    except KvcmError as exc:
+        if args.debug:
+            raise
+        # A configuration error is found before running (exit 2); anything else kvcm
+        # reports by type happened while running (exit 3).
+        code = 2 if isinstance(exc, ConfigError | PluginError) else 3
+        _error(f"{type(exc).__name__}: {exc} (--debug for the traceback)")
+        return code
 
 
 if __name__ == "__main__":

@@ -183,7 +183,7 @@ def _selection_id(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
 
 @attrs.frozen(kw_only=True)
 class SparseConfig:
-    """Sparse attention of one layer (sparse.md).
+    """Sparse attention of one layer.
 
     Attributes:
         unit_tokens: tokens per unit (power of two dividing ``tokens_per_block``).
@@ -351,7 +351,7 @@ class LevelConfig:
 
 @attrs.frozen(kw_only=True)
 class SwaScratchConfig:
-    """SWA scratch pages for chunked prefill (concepts.md §5).
+    """SWA scratch pages for chunked prefill (docs/semantics.md).
 
     Attributes:
         scratch_pages_per_block: sub-pages per block in a scratch slot (power of two).
@@ -514,7 +514,7 @@ class KVCacheManagerConfig:
                         "the sparse buffers of a layer share one selection, so they must "
                         "share one life cycle (one effective reuse policy)",
                     )
-            # Life cycle identity (concepts.md §3): window, sink blocks, policy.
+            # Life cycle identity: window, sink blocks, policy.
             cycle = (
                 layer.sliding_window_size,
                 -(-layer.num_sink_tokens // tpb),

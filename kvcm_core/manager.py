@@ -91,6 +91,8 @@ class KVCacheManager:
         self._open: dict[int, KVCache] = {}
         self._ids = itertools.count()
         self._closed = False
+        #: Why the last :meth:`resize` returned False; None after a success.
+        self.last_refusal: str | None = None
         self._ctx = CacheContext(
             config=config, levels=self.storage_levels, tree=self.tree, life_cycles=lcs,
             kinds=[make_kind(g, lc, tpb) for g, lc in enumerate(lcs)],
@@ -331,6 +333,17 @@ class KVCacheManager:
                 "them first")
         self.storage_levels.clear()
 
+    def __enter__(self) -> KVCacheManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """``with KVCacheManager(config) as manager:`` closes every cache still open
+        (removing it from its :class:`~kvcm_core.batch.Batch` first), then shuts down."""
+        if not self._closed:
+            for cache in list(self._open.values()):
+                cache.__exit__(None, None, None)
+        self.shutdown()
+
     def shutdown(self) -> None:
         """Release every pool. Refused while caches are open; idempotent."""
         if self._closed:
@@ -344,7 +357,8 @@ class KVCacheManager:
     def resize(self, level: int, quota: int | str) -> bool:
         """Grow or shrink a level's quota while every cache is suspended, moving pages out
         of the released space (into free slots of the level, else down a level). Returns
-        False, with nothing changed, when the pages cannot be placed.
+        False, with nothing changed, when the pages cannot be placed (the reason is then in
+        ``last_refusal``; None after a success).
 
         Raises:
             InvalidStateError: a cache is active.
@@ -366,7 +380,12 @@ class KVCacheManager:
                 slots = self.storage_levels.cold_slots(level, quota)
             except ConfigError:
                 raise ConfigError("quota", quota, f"too small for level {level}") from None
-        return self.storage_levels.resize_level(level, slots)
+        ok = self.storage_levels.resize_level(level, slots)
+        self.last_refusal = None if ok else (
+            f"resize(level={level}, quota={quota}): the pages in the slots given up cannot "
+            f"be placed (too few free slots left on level {level}, and the colder levels "
+            "cannot take the rest)")
+        return ok
 
     def check_invariants(self) -> None:
         """Check internal invariants (tests and debugging): accounting identity per pool

@@ -1,5 +1,5 @@
 """Prefix matching: the full-block walk, partial matching, pruning to a fixed point and
-backoff (concepts.md §9).
+backoff (docs/semantics.md).
 
 The walk hashes the prompt block by block and looks each chain key up in the tree's one
 index; then the nodes found are checked at once (arrays) for the pages of the life cycles

@@ -1,4 +1,4 @@
-"""SWA scratch pages for chunked prefill (concepts.md §5, docs/semantics.md).
+"""SWA scratch pages for chunked prefill (docs/semantics.md).
 
 A model runs layer by layer. During a prefill chunk ``[H, C)`` a windowed block that will
 be stale once history reaches ``C`` (stale at ``max(0, C - max_rewind_len)``, so a rewind

@@ -1,4 +1,4 @@
-"""Per-request and per-iteration counters (concepts.md §12)."""
+"""Per-request and per-iteration counters."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ BlockOrdinal = NewType("BlockOrdinal", int)
 
 
 class ReusePolicy(enum.Enum):
-    """How a buffer's pages take part in prefix reuse (concepts.md §4)."""
+    """How a buffer's pages take part in prefix reuse (docs/semantics.md)."""
 
     REQUIRED = "required"
     OPTIONAL = "optional"

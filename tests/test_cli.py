@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -249,3 +250,105 @@ def test_missing_dependency_inside_a_subcommand_is_not_hidden(
     monkeypatch.setattr(cli.importlib, "import_module", import_module)
     with pytest.raises(ModuleNotFoundError, match="cupy"):
         cli.main(["bench", "kernels"])
+
+
+# -- output for people and for pipes ----------------------------------------------------------
+
+LONG_REASON = (
+    "cuda-python (cuda.bindings) is not importable (ModuleNotFoundError: No module named "
+    "'cuda'); install kvcm[cuda] on a machine with a CUDA GPU and a driver of 12.8 or newer"
+)
+
+
+def _unavailable_plugin_manager() -> KvcmPluginManager:
+    class Cuda:
+        @hookimpl
+        def kvcm_kernel_backends(self) -> Any:
+            yield KernelBackendSpec(
+                name="cuda", factory=dict,
+                capabilities=KernelBackendCapabilities(has_device=True), priority=100,
+                availability=lambda: Availability(False, LONG_REASON),
+                description="CUDA through cuda-python",
+            )
+
+    pm = KvcmPluginManager(autoload=False)
+    pm.register(Cuda(), name="cuda", distribution="kvcm-cuda", version="2.0")
+    return pm
+
+
+def _plain(text: str) -> str:
+    """Text without ANSI escapes, every run of white space one blank."""
+    return " ".join(re.sub(r"\x1b\[[0-9;]*m", "", text).split())
+
+
+def test_plugins_on_an_80_column_terminal_gives_the_whole_availability_reason(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cli, "get_plugin_manager", _unavailable_plugin_manager)
+    monkeypatch.setenv("FORCE_COLOR", "1")  # a terminal ...
+    monkeypatch.setenv("COLUMNS", "80")  # ... of 80 columns
+    assert cli.main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(re.sub(r"\x1b\[[0-9;]*m", "", line)) for line in out.splitlines()) <= 80
+    assert f"available no: {LONG_REASON}" in _plain(out)
+    assert "…" not in out
+
+
+def test_plugins_piped_prints_each_plugin_on_one_table_row_without_cutting(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cli, "get_plugin_manager", _unavailable_plugin_manager)
+    assert cli.main(["plugins"]) == 0
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if "kvcm-cuda" in line]
+    assert f"no: {LONG_REASON}" in row  # no wrapping, no "…"
+    assert "CUDA through cuda-python" in row
+
+
+def test_plugins_json_into_a_pipe_closed_early_ends_without_a_traceback() -> None:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("KVCM_")}
+    proc = subprocess.Popen([sys.executable, "-m", "kvcm_core.cli", "plugins", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader goes away before kvcm writes (like `| head` does)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 128 + 13  # what a shell reports for SIGPIPE
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_bench_help_lists_every_benchmark_and_exits_zero(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    for target in ("kernels", "manager", "mixed", "trace", "eviction"):
+        assert re.search(rf"^  {target} +\S", out, re.M), target
+    assert "--quick" in out and "never overwriting" in out
+
+
+def test_bench_without_a_benchmark_is_a_usage_error_naming_the_choices(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["bench"]) == 2
+    assert "choose a benchmark: kernels, manager, mixed, trace, eviction" in \
+        capsys.readouterr().err
+
+
+def test_a_kvcm_error_from_a_command_is_one_line_with_exit_2_or_3(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcm_core import ConfigError, TierIOError
+
+    for exc, code in ((ConfigError("quota", "1x", "is not a size"), 2),
+                      (TierIOError("disk full"), 3)):
+        fake = types.ModuleType("kvcm_core.bench.manager")
+
+        def fail(argv: list[str], exc: Exception = exc) -> int:
+            raise exc
+
+        fake.main = fail  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "kvcm_core.bench.manager", fake)
+        assert cli.main(["bench", "manager"]) == code
+        err = capsys.readouterr().err
+        assert type(exc).__name__ in err and "Traceback" not in err
+        with pytest.raises(type(exc)):
+            cli.main(["--debug", "bench", "manager"])  # --debug: the traceback

@@ -177,7 +177,8 @@ def test_speculative_room_then_history_moved_forward_by_resize(managers):
 # -- memory pressure ---------------------------------------------------------------------
 
 
-def test_failed_resize_changes_nothing_then_succeeds_after_another_cache_closes(managers):
+def test_failed_resize_changes_nothing_says_why_then_succeeds_after_another_cache_closes(
+        managers):
     m = managers(full_layers(), slots=10)
     d = Driver(m)
     a = d.create(tokens(32, seed=1))
@@ -186,7 +187,12 @@ def test_failed_resize_changes_nothing_then_succeeds_after_another_cache_closes(
     d.run_to(b, 4)  # 9 of 10
     m.get_and_reset_iteration_stats()
     before = snapshot_state(m, a, b)
+    assert b.last_refusal is None
     assert not b.resize(12)  # needs 2 more blocks, 1 free, nothing evictable
+    assert b.last_refusal == (  # last_refusal: which level and pool group ran short, and why
+        "resize: level 0 pool group 0 cannot provide 2 more pages (1 free, 0 evictable, 0 "
+        "held by suspended caches, 9 locked by active caches, of 10; nothing can be moved "
+        "out)")
     assert snapshot_state(m, a, b) == before
     assert not b.resize(13, history_length=4)
     assert snapshot_state(m, a, b) == before
@@ -196,6 +202,7 @@ def test_failed_resize_changes_nothing_then_succeeds_after_another_cache_closes(
     a.close()
     assert_invariants(m)
     assert d.step(b, 8)  # evicts a's committed blocks as needed
+    assert b.last_refusal is None  # a success clears it
     d.run_to(b, 16)
     b.close()
 
@@ -242,7 +249,7 @@ def test_suspended_request_pages_are_held_and_cannot_be_evicted(managers):
     b.close()
 
 
-def test_resume_refused_over_max_util_changes_nothing(managers):
+def test_resume_refused_over_max_util_changes_nothing_and_names_the_limit(managers):
     m = managers(full_layers(), slots=10, max_util_for_resume=0.5)
     d = Driver(m)
     a = d.create(tokens(16, seed=1))
@@ -252,10 +259,14 @@ def test_resume_refused_over_max_util_changes_nothing(managers):
     b = d.create([*t, 1, 2], match_len=10)  # holds 3 reused pages: 4 + 3 > 5
     before = snapshot_state(m, a, b)
     assert not b.resume()
+    assert b.last_refusal == (
+        "resume: level 0 pool group 0 would have 7 of 10 slots locked, over "
+        "max_util_for_resume=0.5 (5 slots)")
     assert snapshot_state(m, a, b) == before
     assert b.status is CacheStatus.SUSPENDED
     a.close()
     assert b.resume()
+    assert b.last_refusal is None
     d.run_to(b, 12)
     b.close()
 

@@ -29,3 +29,59 @@ def test_readme_integration_example_runs_and_gives_page_indices() -> None:
 def test_readme_gives_both_set_up_commands(needle: str) -> None:
     (setup,) = [b for b in _blocks("bash") if "pip install" in b]
     assert needle in setup
+
+
+def _example() -> str:
+    return next(b for b in _blocks("python") if "KVCacheManager(" in b)
+
+
+def test_readme_example_commits_what_follows_a_reused_prefix() -> None:
+    """Rule: commit() takes the tokens after those the cache knows; the example must work
+    when the prompt's prefix is already cached (committing the whole prompt is refused)."""
+    from kvcm_core import KVCacheManager, ReuseScope
+
+    class Warm(KVCacheManager):  # the same prompt already went through this manager
+        def __init__(self, config: object) -> None:
+            super().__init__(config)  # type: ignore[arg-type]
+            with self.create_kv_cache(ReuseScope(), []) as c:
+                assert c.resume() and c.resize(100)
+                c.commit(list(range(100)))
+
+    code = _example().replace("KVCacheManager(config)", "Warm(config)")
+    assert code != _example()
+    namespace: dict[str, object] = {"Warm": Warm}
+    exec(compile(code, str(README), "exec"), namespace)
+    cache = namespace["cache"]
+    assert cache.num_committed_tokens == 100  # type: ignore[attr-defined]
+    assert "cache.commit(prompt[cache.history_length:])" in _example()
+
+
+def test_readme_example_writes_kv_into_pages_and_says_what_size_means() -> None:
+    example = _example()
+    assert "manager.backend.write(region.buffer" in example  # how KV gets into a page
+    assert "get_mem_pool_base_address" in example and "get_page_stride" in example
+    assert "size: bytes of ONE PAGE of the buffer" in example
+
+
+def test_readme_says_png_plots_need_the_plot_extra() -> None:
+    text = README.read_text()
+    (setup,) = [b for b in _blocks("bash") if "pip install" in b]
+    assert "pip install -e '.[plot]'" in setup  # said where the quick start promises plots
+    assert "PNG plots" in text and "the `plot` extra" in text
+
+
+def test_readme_quick_start_is_two_commands() -> None:
+    (setup,) = [b for b in _blocks("bash") if "pip install" in b]
+    commands = [line for line in setup.splitlines() if line and not line.startswith("#")]
+    assert len(commands) == 2, commands
+    assert "kvcm simulate" in commands[0] and "python -m pytest" in commands[1]
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/semantics.md", "docs/plugins.md",
+                                 "docs/internals.md", "benchmarks/README.md"])
+def test_readme_and_docs_stand_on_the_repository_alone(doc: str) -> None:
+    """Rule: no pointer to files outside the repository (the specification's pages)."""
+    text = (README.parent / doc).read_text()
+    found = re.findall(r"(?:\.\./|/work/)shared|\bshared/\w|\b(?:concepts|api|quality|"
+                       r"architecture|scenarios)\.md", text)
+    assert not found, found

@@ -217,8 +217,10 @@ def test_bench_trace_levels_below_a_tiny_gpu_keep_everything(trace_file: Path,
     assert res["runs"][0]["reused_blocks_by_level"][2] > 0  # some came back from disk
 
 
-def test_bench_trace_prints_a_table(trace_file: Path, capsys: pytest.CaptureFixture) -> None:
-    assert kvcm(["bench", "trace", str(trace_file), "--reps", "1", "--limit", "10"]) == 0
+def test_bench_trace_prints_a_table(trace_file: Path, capsys: pytest.CaptureFixture,
+                                    tmp_path: Path) -> None:
+    assert kvcm(["bench", "trace", str(trace_file), "--reps", "1", "--limit", "10",
+                 "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "kvcm hit rate" in out and "infinite cache" in out and "LRU-512" in out
     assert "10 requests" in out

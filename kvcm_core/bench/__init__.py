@@ -8,19 +8,102 @@
 - :mod:`kvcm_core.bench.trace`: a Mooncake-format serving trace replayed through the
   manager, beside vLLM's replay of the same trace and the trace's own hit-rate bounds.
 
-Each module has ``main(argv) -> int`` and writes JSON (machine, versions, date) that is
-committed under ``benchmarks/results/``.
+Each module has ``main(argv) -> int`` and ``_parser()``, takes ``--quick`` for a short run
+(smaller sizes, fewer repetitions; options given explicitly still win), and writes its
+JSON (machine, versions, date) to a new file: ``--out DIR`` (default
+``benchmarks/results``) gets ``NAME-YYYYmmdd-HHMMSS[-TAG].json`` (UTC), ``--out FILE.json``
+that very file. A result file is never overwritten: an existing ``--out FILE.json`` is
+refused before the benchmark runs, and two runs in the same second get ``-2``, ``-3`` ...
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
-__all__ = ["result_header", "write_result"]
+from kvcm_core.errors import ConfigError
+
+__all__ = ["DEFAULT_OUT", "HelpFormatter", "add_output_options", "check_out", "parse_with_quick",
+           "result_header", "result_path", "write_result"]
+
+#: Where results go unless ``--out`` says otherwise (relative to the working directory).
+DEFAULT_OUT = "benchmarks/results"
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and every option's default in its help (flags and
+    empty defaults aside: their help says what leaving them out means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is False or default == "" or default == []
+                or default is argparse.SUPPRESS or "%(default)" in text):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def add_output_options(parser: argparse.ArgumentParser, quick: str) -> None:
+    """``--out``, ``--tag`` and ``--quick`` (``quick``: what the short run changes)."""
+    parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR|FILE.json",
+                        help="where the JSON result goes: a folder gets a new file "
+                             "NAME-YYYYmmdd-HHMMSS[-TAG].json (UTC time), a path ending in "
+                             ".json is that file; an existing file is never overwritten")
+    parser.add_argument("--tag", default="", help="text added to the result's file name")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a short run to try the benchmark: {quick}; options given "
+                             "explicitly still apply")
+
+
+def parse_with_quick(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
+                     quick: Mapping[str, Any]) -> argparse.Namespace:
+    """Parse ``argv``; with ``--quick`` the ``quick`` defaults replace the usual ones
+    (what the command line sets explicitly still wins). Checks ``--out`` (see
+    :func:`check_out`)."""
+    args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(**quick)
+        args = parser.parse_args(argv)
+    check_out(args.out)
+    return args
+
+
+def check_out(out: str) -> None:
+    """Refuse, before any work, an ``--out FILE.json`` that exists.
+
+    Raises:
+        ConfigError: the file exists (a result is never overwritten).
+    """
+    if out.endswith(".json") and os.path.exists(out):
+        raise ConfigError("--out", out, "exists: a benchmark never overwrites a result; "
+                                        "name a new file, or a folder for a timestamped one")
+
+
+def result_path(out: str, name: str, tag: str = "", suffixes: Sequence[str] = (".json",)
+                ) -> Path:
+    """The path of a new result file (see the module docstring): for a folder, ``name``,
+    the UTC date and time and ``tag``, with ``-2``, ``-3`` ... until no file with any of
+    ``suffixes`` exists.
+
+    Raises:
+        ConfigError: ``out`` is an existing ``.json`` file.
+    """
+    check_out(out)
+    if out.endswith(".json"):
+        return Path(out)
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    stem = f"{name}-{stamp}" + (f"-{tag}" if tag else "")
+    folder = Path(out)
+    candidate, n = stem, 2
+    while any((folder / f"{candidate}{s}").exists() for s in suffixes):
+        candidate, n = f"{stem}-{n}", n + 1
+    return folder / f"{candidate}{suffixes[0]}"
 
 
 def result_header(what: str) -> dict[str, Any]:
@@ -37,9 +120,12 @@ def result_header(what: str) -> dict[str, Any]:
     }
 
 
-def write_result(doc: dict[str, Any], path: str) -> None:
-    """Write a result document as JSON (making its folder) and say where."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump(doc, fh, indent=1)
+def write_result(doc: dict[str, Any], out: str, name: str, tag: str = "") -> Path:
+    """Write a result document as JSON to a new file (:func:`result_path`; its folder is
+    made), never over an existing one, and say where."""
+    path = result_path(out, name, tag)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "x") as fh:  # "x": fails rather than overwrite
+        json.dump(doc, fh, indent=1, default=float)
     print(f"wrote {path}")
+    return path

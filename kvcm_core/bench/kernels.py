@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from kvcm_core.backend import BAD_PAGE_INDEX, Buffer, KernelBackend, MemoryKind, PageRegion
+from kvcm_core.bench import DEFAULT_OUT, HelpFormatter, check_out, result_path
 from kvcm_core.plugins import get_plugin_manager
 from kvcm_core.units import parse_size
 
@@ -46,7 +47,7 @@ KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 
-#: (direction, smallest page size, ratio to the limit): quality.md §2.
+#: (direction, smallest page size, ratio to the limit): the project's performance targets.
 TARGETS: list[tuple[str, int, float]] = [
     ("h2d", 4 * KiB, 0.85),
     ("h2d", 16 * KiB, 0.90),
@@ -66,45 +67,51 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvcm bench kernels",
         description="Page copies, index conversion and launch cost of each kernel backend, "
-        "as ratios to the physical limits measured in the same run.",
+        "as ratios to the physical limits measured in the same run. Writes "
+        "kernels-DEVICE-YYYYmmdd-HHMMSS[-TAG].json and .png (UTC time) to a new name in "
+        "--out, never over an existing file.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--backend",
         action="append",
         default=[],
         metavar="NAME",
-        help="only this backend (repeatable; default: every available one with a "
+        help="only this backend (repeatable; none given: every available one with a "
         "device, else numpy)",
     )
     p.add_argument(
         "--page-sizes",
         default="4KiB,16KiB,64KiB,256KiB,1MiB",
-        help="comma-separated page sizes (default: %(default)s)",
+        help="comma-separated page sizes",
     )
     p.add_argument(
         "--batches",
         default="1,16,256,4096,16384",
-        help="comma-separated batch sizes in pages (default: %(default)s)",
+        help="comma-separated batch sizes in pages",
     )
-    p.add_argument("--directions", default="h2d,d2h,d2d", help="default: %(default)s")
+    p.add_argument("--directions", default="h2d,d2h,d2d",
+                   help="comma-separated copy directions (host to device, device to host, "
+                        "device to device)")
     p.add_argument(
         "--pool", default="2GiB", help="bytes of each host and device pool pages are drawn from"
     )
     p.add_argument(
         "--max-bytes", default="1GiB", help="largest copy of one call; bigger batches are skipped"
     )
-    p.add_argument("--reps", type=int, default=7, help="timed repetitions (default: 7)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls first (default: 2)")
+    p.add_argument("--reps", type=int, default=7, help="timed repetitions")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls first")
     p.add_argument(
         "--naive-pages",
         type=int,
         default=2048,
-        help="pages of the one-memcpy-per-page baseline (default: 2048)",
+        help="pages of the one-memcpy-per-page baseline",
     )
     p.add_argument(
         "--quick",
         action="store_true",
-        help="a short run: 4KiB,64KiB,1MiB pages, batches 1,256,4096, 3 reps",
+        help="a short run to try the benchmark: 4KiB,64KiB,1MiB pages, batches 1,256,4096, "
+        "3 reps (instead of the defaults of those options)",
     )
     p.add_argument(
         "--options",
@@ -118,8 +125,11 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated block sizes: also time the gather kernel (copy_path='sm') "
         "with each, side by side, at the largest batch of every page size",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="benchmarks/results", help="output folder")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random page indices")
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR|FILE.json",
+                   help="where the results go: a folder gets new timestamped files, a path "
+                        "ending in .json is that file (the PNG beside it); an existing file "
+                        "is never overwritten")
     p.add_argument("--tag", default="", help="text added to the output file names")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     return p
@@ -438,7 +448,7 @@ def _bench_backend(
 
 
 def _target_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each target of quality.md against each page size at the largest batch measured."""
+    """Each performance target against each page size at the largest batch measured."""
     out: list[dict[str, Any]] = []
     if not result["capabilities"]["has_device"]:
         return out  # the targets are for device backends
@@ -653,6 +663,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] | None = None) -> d
             "warmup": args.warmup,
             "seed": args.seed,
             "options": args.options,
+            "quick": args.quick,
         },
         "skipped": skipped,
         "backends": [],
@@ -669,6 +680,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] | None = None) -> d
 
 def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = _parser().parse_args(list(argv))
+    check_out(args.out)
     if args.quick:
         args.page_sizes, args.batches, args.reps = "4KiB,64KiB,1MiB", "1,256,4096", 3
     args.page_sizes = [parse_size(x) for x in args.page_sizes.split(",") if x]
@@ -694,17 +706,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     report = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     device = report["meta"].get("device", "host").replace(" ", "-")
-    stem = f"kernels-{device}-{stamp}" + (f"-{args.tag}" if args.tag else "")
-    json_path = out / f"{stem}.json"
-    json_path.write_text(json.dumps(report, indent=1, default=float))
+    json_path = result_path(args.out, f"kernels-{device}", args.tag, (".json", ".png"))
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(json_path, "x") as fh:  # "x": fails rather than overwrite
+        fh.write(json.dumps(report, indent=1, default=float))
     _print_summary(report)
     print(f"\nwrote {json_path}")
     if not args.no_plot:
-        png = out / f"{stem}.png"
+        png = json_path.with_suffix(".png")
         if _plot(report, png):
             print(f"wrote {png}")
         else:

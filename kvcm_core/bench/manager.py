@@ -1,7 +1,8 @@
 """Host-overhead benchmark of the manager (``kvcm bench manager``).
 
-Replays the workload shapes of ``shared/peer_bench/vllm_host_overhead.py`` so the two can
-be compared side by side, in one sitting, on the same machine:
+Replays the workload shapes of the vLLM peer benchmark (``vllm_host_overhead.py``, which
+drives vLLM's KV cache manager the same way) so the two can be compared side by side, in
+one sitting, on the same machine:
 
 - decode: ``--decode-batch`` running requests with ``--decode-context``-token contexts,
   one token per request-step: ``resize(capacity + 1)`` then ``commit([token])`` (the
@@ -17,7 +18,8 @@ be compared side by side, in one sitting, on the same machine:
   (SHA-256 of each block and one dict lookup, on the same index).
 
 The numpy backend is used (no device work is timed): this measures host overhead only.
-Results are written as JSON with the machine, versions and date.
+Results are written as JSON with the machine, versions and date, to a new file
+``host_overhead-YYYYmmdd-HHMMSS.json`` in ``--out`` (never over an existing one).
 """
 
 from __future__ import annotations
@@ -35,7 +37,13 @@ from typing import Any
 
 import numpy as np
 
-from kvcm_core.bench import result_header, write_result
+from kvcm_core.bench import (
+    HelpFormatter,
+    add_output_options,
+    parse_with_quick,
+    result_header,
+    write_result,
+)
 from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
 from kvcm_core.manager import KVCacheManager
 from kvcm_core.radix import scope_root_key
@@ -272,27 +280,48 @@ def _agg(runs: list[dict[str, float]], fn: Any) -> dict[str, float]:
     return {k: fn([r[k] for r in runs]) for k in runs[0]}
 
 
-def main(argv: list[str] | None = None) -> int:
+#: What ``--quick`` changes: a run of a few seconds.
+QUICK = {"block_sizes": [16], "num_blocks": 16384, "decode_batch": 32, "decode_context": 512,
+         "decode_steps": 16, "prefill_requests": 64, "prefill_len": 1024, "prefix_len": 512,
+         "lookup_sizes": [1_000, 10_000], "lookup_reps": 2, "reps": 1, "warmup": 0}
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvcm bench manager", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32])
-    ap.add_argument("--num-blocks", type=int, default=131072)
-    ap.add_argument("--decode-batch", type=int, default=256)
-    ap.add_argument("--decode-context", type=int, default=2048)
-    ap.add_argument("--decode-steps", type=int, default=128)
-    ap.add_argument("--prefill-requests", type=int, default=512)
-    ap.add_argument("--prefill-len", type=int, default=4096)
-    ap.add_argument("--prefix-len", type=int, default=2048)
-    ap.add_argument("--lookup-sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
-    ap.add_argument("--lookup-match", type=int, default=64)
-    ap.add_argument("--lookup-reps", type=int, default=7)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32],
+                    help="tokens per block; each size is measured in turn")
+    ap.add_argument("--num-blocks", type=int, default=131072,
+                    help="GPU slots of the decode and prefill managers")
+    ap.add_argument("--decode-batch", type=int, default=256,
+                    help="requests running in each decode step")
+    ap.add_argument("--decode-context", type=int, default=2048,
+                    help="tokens of each decoding request's context")
+    ap.add_argument("--decode-steps", type=int, default=128, help="decode steps timed")
+    ap.add_argument("--prefill-requests", type=int, default=512,
+                    help="requests of the prefill (prefix reuse) part")
+    ap.add_argument("--prefill-len", type=int, default=4096,
+                    help="prompt tokens of each prefill request")
+    ap.add_argument("--prefix-len", type=int, default=2048,
+                    help="tokens every prefill prompt shares")
+    ap.add_argument("--lookup-sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000],
+                    help="other blocks cached while timing probe_reuse (one run per size)")
+    ap.add_argument("--lookup-match", type=int, default=64,
+                    help="blocks the probed prompt matches")
+    ap.add_argument("--lookup-reps", type=int, default=7, help="repetitions of each lookup")
+    ap.add_argument("--reps", type=int, default=5, help="timed repetitions of decode+prefill")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the token generator")
     ap.add_argument("--cpu", type=int, default=-1,
-                    help="pin to this CPU (default: the last one; -2: no pinning)")
-    ap.add_argument("--out", default="benchmarks/results/host_overhead.json")
-    args = ap.parse_args(argv)
+                    help="pin to this CPU (-1: the last one; -2: no pinning)")
+    add_output_options(ap, "block size 16, 16384 slots, 32 x 512-token decode for 16 "
+                           "steps, 64 prefill requests, lookups over 1k and 10k blocks, "
+                           "one repetition and no warmup")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_with_quick(_parser(), argv, QUICK)
     pinned = None
     if args.cpu != -2 and hasattr(os, "sched_setaffinity"):
         cpus = sorted(os.sched_getaffinity(0))
@@ -323,14 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     print("lookup scaling:", json.dumps(results["lookup_scaling"], indent=1), flush=True)
     doc = {
         **result_header("kvcm KVCacheManager host (CPU) overhead, numpy backend, workload "
-                        "shapes of shared/peer_bench/vllm_host_overhead.py"),
+                        "shapes of the vLLM peer benchmark vllm_host_overhead.py"),
         "pinned_cpu": pinned,
         "config": vars(args),
         "timer": "time.perf_counter_ns; median and min over reps of per-rep means; gc frozen "
                  "after setup",
         "results": results,
     }
-    write_result(doc, args.out)
+    write_result(doc, args.out, "host_overhead", args.tag)
     return 0
 
 

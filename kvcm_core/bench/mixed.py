@@ -24,7 +24,13 @@ import sys
 import time
 from typing import Any
 
-from kvcm_core.bench import result_header, write_result
+from kvcm_core.bench import (
+    HelpFormatter,
+    add_output_options,
+    parse_with_quick,
+    result_header,
+    write_result,
+)
 from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
 from kvcm_core.manager import KVCacheManager
 from kvcm_core.testing.engine import EngineLoop, Request
@@ -100,27 +106,40 @@ def run(policy: ReusePolicy, args: argparse.Namespace, label: str = "") -> dict[
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+#: What ``--quick`` changes: a run of a few seconds.
+QUICK = {"sessions": 4, "turns": 3, "gpu_blocks": 512}
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvcm bench mixed", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--page-bytes", type=int, default=256)
-    ap.add_argument("--tokens-per-block", type=int, default=16)
-    ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--prefix-len", type=int, default=256)
-    ap.add_argument("--question-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--sessions", type=int, default=16)
-    ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--chunk", type=int, default=256)
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--layers", type=int, default=2, help="model layers")
+    ap.add_argument("--page-bytes", type=int, default=256,
+                    help="bytes per page of each layer's low-precision buffer (the "
+                         "companion's pages are twice that)")
+    ap.add_argument("--tokens-per-block", type=int, default=16, help="tokens per block")
+    ap.add_argument("--window", type=int, default=64,
+                    help="sink tokens and window tokens of the high-precision companion")
+    ap.add_argument("--prefix-len", type=int, default=256,
+                    help="tokens of the prompt every session shares")
+    ap.add_argument("--question-len", type=int, default=128,
+                    help="most tokens of each new message (16 up to this)")
+    ap.add_argument("--output-len", type=int, default=32, help="tokens of each answer")
+    ap.add_argument("--sessions", type=int, default=16, help="chat sessions")
+    ap.add_argument("--turns", type=int, default=6, help="turns per session")
+    ap.add_argument("--batch", type=int, default=4, help="sessions running at once")
+    ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens)")
     ap.add_argument("--gpu-blocks", type=int, default=2048,
                     help="GPU slots of the low-precision pool")
     ap.add_argument("--companion-margin", type=float, default=1.3,
                     help="companion slots = running batch's need x this")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="benchmarks/results/mixed_precision.json")
-    args = ap.parse_args(argv)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the token generator")
+    add_output_options(ap, "4 sessions of 3 turns over 512 GPU slots")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_with_quick(_parser(), argv, QUICK)
     results = [run(p, args) for p in (ReusePolicy.REQUIRED, ReusePolicy.SINK_REQUIRED_ONLY)]
     unbounded = argparse.Namespace(**{**vars(args), "gpu_blocks": args.gpu_blocks * 64,
                                       "companion_margin": args.companion_margin * 64})
@@ -135,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": vars(args),
         "results": results,
     }
-    write_result(doc, args.out)
+    write_result(doc, args.out, "mixed_precision", args.tag)
     return 0
 
 

@@ -29,7 +29,9 @@ compared side by side in one sitting:
 Beside the measured hit rate (reused prompt tokens / prompt tokens) it prints what the
 trace allows: the infinite-cache hit rate at the same block size under kvcm's matching
 rules (and with full blocks only, and with vLLM's rules), and the hit rate of an exact LRU
-over 512-token blocks holding the summed capacity of the levels.
+over 512-token blocks holding the summed capacity of the levels. The results are written
+as JSON to a new file ``trace-YYYYmmdd-HHMMSS.json`` in ``--out`` (never over an existing
+one).
 """
 
 from __future__ import annotations
@@ -45,7 +47,13 @@ from typing import Any
 
 import numpy as np
 
-from kvcm_core.bench import result_header, write_result
+from kvcm_core.bench import (
+    HelpFormatter,
+    add_output_options,
+    parse_with_quick,
+    result_header,
+    write_result,
+)
 from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
 from kvcm_core.errors import ConfigError
 from kvcm_core.eviction import DEFAULT_PRIORITY
@@ -175,18 +183,18 @@ def bounds(records: list[Any], args: argparse.Namespace) -> dict[str, Any]:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvcm bench trace", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("trace", metavar="FILE", help="a Mooncake-format trace (JSON lines)")
     ap.add_argument("--limit", type=int, default=0, metavar="N",
-                    help="replay the first N requests (0: all; default)")
+                    help="replay the first N requests (0: all)")
     ap.add_argument("--block-size", type=int, default=64, help="tokens per block (power of 2)")
     ap.add_argument("--gpu-tokens", type=int, default=3_000_000,
-                    help="tokens the GPU level holds (default %(default)s)")
+                    help="tokens the GPU level holds")
     ap.add_argument("--host-tokens", type=int, default=0,
-                    help="add a host level holding this many tokens (default: none)")
+                    help="add a host level holding this many tokens (0: none)")
     ap.add_argument("--disk-tokens", type=int, default=0,
                     help="add a disk level (in a temporary directory) holding this many "
-                         "tokens (default: none)")
+                         "tokens (0: none)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (fresh manager each)")
     ap.add_argument("--no-partial-reuse", action="store_true",
                     help="enable_partial_reuse=False: reuse full blocks only, as vLLM does")
@@ -194,9 +202,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="priority 0 (through a priority callback) for blocks past a "
                          "prompt's last full 512-token trace block (off: like-for-like with "
                          "the peer)")
-    ap.add_argument("--out", default=None, metavar="FILE.json",
-                    help="write the results as JSON here (default: print only)")
+    add_output_options(ap, "the first 100 requests, one repetition")
     return ap
+
+
+#: What ``--quick`` changes.
+QUICK = {"limit": 100, "reps": 1}
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -220,12 +231,11 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _print_table(doc: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=160)
+    from kvcm_core.console import make_console
+
+    console = make_console()
     cfg, res = doc["config"], doc["results"]
     levels = f"gpu {cfg['gpu_tokens']:,}"
     if cfg["host_tokens"]:
@@ -263,8 +273,9 @@ def _print_table(doc: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
     try:
+        args = parse_with_quick(parser, argv, QUICK)
         _check(args)
         records = read_trace(args.trace, args.limit)
         prompts = [prompt_tokens(r) for r in records]  # not timed
@@ -305,8 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
     }
     _print_table(doc)
-    if args.out:
-        write_result(doc, args.out)
+    write_result(doc, args.out, "trace", args.tag)
     return 0
 
 

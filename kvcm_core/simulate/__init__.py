@@ -1,5 +1,5 @@
 """``kvcm simulate``: replay a seeded serving workload through the manager, verifying every
-step with the fingerprint engine, and report what the cache achieved (quality.md §4).
+step with the fingerprint engine, and report what the cache achieved.
 
 Phases:
 
@@ -25,9 +25,17 @@ prompt contains; every request is its own session in one reuse scope; ``--trace-
 keeps the first ``N`` requests. ``--verify-every N`` samples the fingerprint check (see
 :mod:`kvcm_core.simulate.runner`); the report names the verification mode.
 
-Exit status: 0 when every step verified; 1 on any verification failure or internal error
-(the message is printed and the JSON written with ``verification.ok = false``); 2 on a bad
-command line or configuration.
+Before running, :mod:`kvcm_core.simulate.preflight` checks every plugin name and that
+level 0 holds the largest request on its own, and warns (on stderr) when it raised level
+0's quota for that or when a level's quota dwarfs the working set.
+
+Exit status: 0 when every step verified; 1 when verification failed (a fingerprint
+mismatch or a broken manager invariant); 2 on a bad command line or configuration, found
+before running (bad flag, bad TOML, unknown or unavailable plugin, level 0 too small for
+the largest request); 3 when the run failed for another reason (the scheduler stalled, a
+storage tier failed, an internal error), with the likely cause. Every failure is one line
+on stderr (``--debug`` adds the traceback) and, once the run started, ``report.json`` with
+``verification.ok = false`` and the traceback.
 """
 
 from __future__ import annotations
@@ -49,13 +57,27 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvcm_core.config import KVCacheManagerConfig
-from kvcm_core.errors import ConfigError
+from kvcm_core.console import make_console
+from kvcm_core.errors import (
+    ConfigError,
+    CorruptPageError,
+    OutOfPagesError,
+    PluginError,
+    TierIOError,
+)
 from kvcm_core.manager import KVCacheManager
 from kvcm_core.simulate.mooncake import TraceError, infinite_hits, read_trace, to_requests
+from kvcm_core.simulate.preflight import (
+    check_capacity,
+    check_plugins,
+    human_bytes,
+    level_warnings,
+)
 from kvcm_core.simulate.report import build_report, print_report, write_json, write_plots
 from kvcm_core.simulate.runner import (
     RunResult,
     SchedulerConfig,
+    SchedulerStalled,
     StepHook,
     infinite_bound,
     run_trace,
@@ -134,7 +156,7 @@ def load_config(path: str | Path | None = None) -> SimulateConfig:
 
 
 def _manager_config(sim: SimulateConfig, ws: dict[str, int], gpu_only: bool,
-                    notes: list[str]) -> KVCacheManagerConfig:
+                    warnings: list[str]) -> KVCacheManagerConfig:
     raw = dict(sim.kvcm)
     levels = [dict(lv) for lv in raw["levels"]]
     if sim.level_fractions is not None:
@@ -146,8 +168,11 @@ def _manager_config(sim: SimulateConfig, ws: dict[str, int], gpu_only: bool,
         for i, (lv, frac) in enumerate(zip(levels, sim.level_fractions, strict=True)):
             quota = max(1, int(frac * ws["bytes"]))
             if i == 0 and quota < floor:
-                notes.append(f"level 0 quota raised from {quota} to {floor} bytes so the "
-                             "largest request fits")
+                warnings.append(
+                    f"level 0 quota raised from {human_bytes(quota)} (level_fractions[0] = "
+                    f"{frac} of the working set) to {human_bytes(floor)} so that the "
+                    f"largest request ({ws['largest_request_blocks']} blocks) fits: the run "
+                    "has more GPU memory than the fraction says")
                 quota = floor
             lv["quota"] = quota
     if gpu_only:
@@ -221,6 +246,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --trace: milliseconds of trace time per engine step; a "
                         "request arrives at step floor(timestamp / MS) (default "
                         "%(default)s)")
+    p.add_argument("--debug", action="store_true",
+                   help="print the traceback of a failure (default: a one-line message; "
+                        "report.json has the traceback either way)")
     p.add_argument("--verify-every", type=int, default=None, metavar="N",
                    help="1: check every page at every step (full; the default for the "
                         "seeded workload); N > 1: sampled verification: every page every "
@@ -294,13 +322,43 @@ def _runner(progress: Any, label: str, total: int) -> Callable[[RunResult, Any],
     return update
 
 
+def _classify(exc: BaseException) -> tuple[int, str]:
+    """The exit status and one-line message of a failure during the run."""
+    from kvcm_core.testing.fingerprint import FingerprintMismatch
+
+    what = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, FingerprintMismatch):
+        return 1, f"verification failed: {what}"
+    if isinstance(exc, AssertionError):
+        return 1, f"verification failed: a manager invariant broke: {what}"
+    if isinstance(exc, SchedulerStalled):
+        return 3, f"the scheduler stalled: {exc}"
+    if isinstance(exc, TierIOError | CorruptPageError):
+        return 3, (f"storage failed: {what}; likely cause: a colder level's tier could not "
+                   "write or read pages back (disk full or not writable, or a faulty tier "
+                   "plugin)")
+    if isinstance(exc, OutOfPagesError):
+        return 3, (f"out of pages: {what}; likely cause: the levels are too small for the "
+                   "requests the scheduler runs together")
+    if isinstance(exc, ConfigError | PluginError):
+        return 2, f"configuration error: {what}"
+    return 3, (f"internal error: {what}; likely cause: a bug in kvcm or in a plugin "
+               "(report it with the traceback: --debug, or report.json)")
+
+
+def _fail(err: Console, message: str, code: int, tb: str | None, debug: bool) -> int:
+    """One line on stderr (and the traceback with ``--debug``); returns ``code``."""
+    if debug and tb:
+        err.print(tb, markup=False, highlight=False)
+    err.print(f"[red]kvcm simulate: {escape(message)}[/]", highlight=False)
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kvcm simulate``; returns the exit status (see the module docstring)."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    console = Console(stderr=False)
-    if not console.is_terminal:
-        console = Console(stderr=False, width=160)  # piped: room for the table
-    err = Console(stderr=True)
+    console = make_console()  # piped: wide enough that the table never wraps
+    err = make_console(stderr=True)
     if args.verify_every is None:
         args.verify_every = TRACE_VERIFY_EVERY if args.trace is not None else 1
     if args.verify_every < 1:
@@ -317,6 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _usage("--requests and --duration apply to the seeded workload; with "
                           "--trace use --trace-limit")
     records = None
+    warnings: list[str] = []
     try:
         sim = load_config(args.config)
         wl = sim.workload
@@ -334,16 +393,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             trace = generate_trace(wl, seed)
         base = KVCacheManagerConfig.from_dict(sim.kvcm)
+        check_plugins(base)
         ws = working_set(trace, base)
-        notes: list[str] = []
-        cfg = _manager_config(sim, ws, args.gpu_only, notes)
+        cfg = _manager_config(sim, ws, args.gpu_only, warnings)
+        check_capacity(cfg, trace, sim.scheduler)
+        warnings += level_warnings(cfg, ws["bytes"])
     except TraceError as exc:
         return _usage(str(exc))
-    except ConfigError as exc:
-        err.print(f"[red]kvcm simulate: configuration error:[/] {exc}")
-        return 2
+    except (ConfigError, PluginError) as exc:
+        return _fail(err, f"configuration error: {exc}", 2, traceback.format_exc(),
+                     args.debug)
+    except (TierIOError, OutOfPagesError) as exc:  # setting up a level's storage failed
+        return _fail(err, f"storage failed while setting up the levels: "
+                          f"{type(exc).__name__}: {exc}", 3, traceback.format_exc(),
+                     args.debug)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return _usage(f"--out {args.out}: cannot create the folder ({exc.strerror})")
+    for warning in warnings:
+        err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+    notes: list[str] = []
     summary = trace_summary(trace)
     summary.update({"working_set_blocks": ws["blocks"], "working_set_bytes": ws["bytes"],
                     "bytes_per_block": ws["bytes_per_block"]})
@@ -359,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "kernel_backend": cfg.kernel_backend, "argv": list(argv or []),
         "workload": attrs.asdict(wl), "scheduler": attrs.asdict(sim.scheduler),
         "level_fractions": sim.level_fractions, "kvcm": cfg.to_dict(), "notes": notes,
-        "verification": _verification_mode(args.verify_every),
+        "warnings": warnings, "verification": _verification_mode(args.verify_every),
     }
     if records is not None:
         meta["workload"] = {
@@ -376,6 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gpu_res: RunResult | None = None
     bound: dict[str, Any] | None = None
     error: str | None = None
+    code = 0
     runs: list[RunResult] = []
     try:
         if progress is not None:
@@ -402,14 +474,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if bound["dropped_blocks"]:
             notes.append(f"the infinite-cache replay evicted {bound['dropped_blocks']} blocks: "
                          "the bound is underestimated")
-    except Exception as exc:  # every failure must end in exit status 1
-        from kvcm_core.testing.fingerprint import FingerprintMismatch
-
-        kind = "verification failed" if isinstance(exc, FingerprintMismatch | AssertionError) \
-            else "internal error"
-        error = f"{kind}: {type(exc).__name__}: {exc}"
-        if not isinstance(exc, FingerprintMismatch):
-            meta["traceback"] = traceback.format_exc()
+    except Exception as exc:  # every failure ends in a one-line message and a report
+        code, error = _classify(exc)
+        meta["traceback"] = traceback.format_exc()
+        meta["exit_status"] = code
     finally:
         if progress is not None:
             progress.stop()
@@ -430,8 +498,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.quiet:
         console.print(f"report: {out / 'report.json'}  ({meta['wall_s']:.1f} s)")
     if error is not None:
-        err.print(f"[red]kvcm simulate: {error}[/]")
-        if "traceback" in meta:
-            err.print(meta["traceback"], markup=False, highlight=False)
-        return 1
+        return _fail(err, f"{error} (report: {out / 'report.json'})", code,
+                     meta.get("traceback"), args.debug)
     return 0

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvcm_core.simulate.runner import RunResult, kind_rates, percentiles
@@ -124,6 +125,16 @@ def _bytes(n: int) -> str:
     return str(n)  # pragma: no cover
 
 
+#: Printed under the table: what its less obvious rows mean.
+TABLE_LEGEND = (
+    "legend: hit rate = prompt tokens reused / prompt tokens looked up; / bound = that "
+    "over the infinite-cache hit rate; from level N = the part reused from pages found on "
+    "level N; evicted (never reused) = blocks evicted from every level "
+    "(of which never reused); manager µs per step = the manager's time in one engine "
+    "step, all running requests together; per request = over a request's whole life; "
+    "mean / p99 = the average and the 99th percentile over the steps (requests) of the run")
+
+
 def print_report(report: dict[str, Any], console: Console) -> None:
     """The report as a table: one column for the run, one for the GPU-only comparison."""
     run, gpu, bound = report["run"], report["gpu_only"], report["infinite_bound"]
@@ -132,13 +143,15 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     title = (f"kvcm simulate: {wl['requests']} requests{source} "
              f"({', '.join(f'{n} {k}' for k, n in wl['by_kind'].items())}); "
              f"working set {_bytes(wl['working_set_bytes'])}")
-    table = Table(title=title, show_lines=False)
+    # The title is a line of its own: as a table title it would wrap to the table's width.
+    console.print(escape(title), highlight=False)
+    table = Table(show_lines=False)
     table.add_column("", no_wrap=True)
     cols = [r for r in (run, gpu) if r is not None]
     for r in cols:
-        table.add_column(r["label"], justify="right")
+        table.add_column(r["label"], justify="right", no_wrap=True)
     if bound is not None:
-        table.add_column("infinite cache", justify="right")
+        table.add_column("infinite cache", justify="right", no_wrap=True)
 
     def row(name: str, values: list[str], bound_value: str = "") -> None:
         table.add_row(name, *values, *([bound_value] if bound is not None else []))
@@ -171,11 +184,11 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         for r in cols])
     row("preemptions", [str(r["preemptions"]) for r in cols])
     row("steps", [str(r["steps"]) for r in cols])
-    row("manager µs/step mean,p99", [
-        f"{r['timing']['manager_us_per_step']['mean']:.0f},"
+    row("manager µs per step (mean / p99)", [
+        f"{r['timing']['manager_us_per_step']['mean']:.0f} / "
         f"{r['timing']['manager_us_per_step']['p99']:.0f}" for r in cols])
-    row("manager µs/req mean,p99", [
-        f"{r['timing']['manager_us_per_request']['mean']:.0f},"
+    row("manager µs per request (mean / p99)", [
+        f"{r['timing']['manager_us_per_request']['mean']:.0f} / "
         f"{r['timing']['manager_us_per_request']['p99']:.0f}" for r in cols])
     row("manager / fingerprint s", [
         f"{r['timing']['manager_s']:.2f} / {r['timing']['fingerprint_s']:.2f}" for r in cols])
@@ -183,8 +196,9 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     row("wall time", [f"{r['wall_s']:.1f} s" for r in cols],
         f"{bound['wall_s']:.1f} s" if bound else "")
     console.print(table)
+    console.print(TABLE_LEGEND, highlight=False)
     for note in report["meta"].get("notes", []):
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     ver = {**report.get("verification_mode", {}), **report["verification"]}
     if ver["ok"] and ver.get("mode", "full") == "full":
         steps = sum(r["verification"]["steps_checked"] for r in cols)
@@ -193,10 +207,81 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     elif ver["ok"]:
         steps = sum(r["verification"]["steps_fully_checked"] for r in cols)
         fresh = sum(r["verification"]["fresh_request_checks"] for r in cols)
-        console.print(f"[green]verified ({ver['description']}):[/] {steps} steps fully "
+        console.print(f"[green]verified ({escape(ver['description'])}):[/] {steps} steps fully "
                       f"checked, {fresh} request checks after admission or resume")
     else:
-        console.print(f"[red]VERIFICATION FAILED:[/] {ver['error']}")
+        console.print(f"[red]VERIFICATION FAILED:[/] {escape(str(ver['error']))}")
+
+
+#: One colour and marker per level (colour-blind safe Okabe-Ito colours), so that lines
+#: stay apart in colour, in shape and in print.
+LEVEL_STYLES = (("#0072B2", "o"), ("#D55E00", "s"), ("#009E73", "^"), ("#CC79A7", "D"),
+                ("#E69F00", "v"), ("#56B4E9", "P"))
+#: One line style per run: the measured run solid, the GPU-only comparison dashed.
+RUN_STYLES = ("-", "--", "-.", ":")
+
+
+def hit_rate_figure(report: dict[str, Any]) -> Any:
+    """The hit rate over time: per run, thin per interval and thick cumulative; the
+    legend beside the plot, never over the data."""
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in (report["run"], report["gpu_only"]) if r is not None]
+    bound = report["infinite_bound"]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for i, r in enumerate(runs):
+        s = r["series"]
+        color, marker = LEVEL_STYLES[i % len(LEVEL_STYLES)]
+        pts = [(x, y) for x, y in zip(s["step"], s["hit_rate"], strict=True) if y is not None]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, alpha=0.35, lw=1,
+                ls=RUN_STYLES[i % len(RUN_STYLES)], label=f"{r['label']} (per interval)")
+        ax.plot(s["step"], s["cumulative_hit_rate"], color=color, lw=2,
+                ls=RUN_STYLES[i % len(RUN_STYLES)], marker=marker,
+                markevery=max(1, len(s["step"]) // 12), markersize=5,
+                label=f"{r['label']} (cumulative {r['hit_rate']['overall']:.3f})")
+    if bound is not None:
+        ax.axhline(bound["hit_rate"], color="k", ls=(0, (1, 1)), lw=1.5,
+                   label=f"infinite-cache bound {bound['hit_rate']:.3f}")
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("prefix hit rate (reused / looked-up tokens)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Prefix hit rate over time")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def occupancy_figure(report: dict[str, Any]) -> Any:
+    """Level occupancy over time, one panel per run: per level one colour and marker,
+    solid for the used slots and dotted for the evictable part; one legend beside the
+    panels, never over the data."""
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in (report["run"], report["gpu_only"]) if r is not None]
+    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 2.6 + 2.2 * len(runs)), sharex=True,
+                             squeeze=False)
+    for ax, r in zip(axes[:, 0], runs, strict=True):
+        s = r["series"]
+        every = max(1, len(s["step"]) // 12)
+        for lv, occ in enumerate(s["occupancy"]):
+            color, marker = LEVEL_STYLES[lv % len(LEVEL_STYLES)]
+            tier = r["levels"][lv]["tier"]
+            ax.plot(s["step"], occ, color=color, lw=1.8, marker=marker, markevery=every,
+                    markersize=5, label=f"L{lv} {tier}: used")
+            ax.plot(s["step"], s["evictable"][lv], color=color, lw=1.2, ls=":",
+                    marker=marker, markevery=every, markersize=5, fillstyle="none",
+                    label=f"L{lv} {tier}: evictable")
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("fraction of slots")
+        ax.set_title(f"{r['label']}", fontsize=10, loc="left")
+    axes[-1, 0].set_xlabel("engine step")
+    # Every level appears in the first run (the GPU-only one has level 0 only).
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.suptitle("Level occupancy over time (solid: used slots; dotted, hollow markers: "
+                 "the evictable part)", fontsize=10)
+    fig.tight_layout()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    return fig
 
 
 def write_plots(report: dict[str, Any], out: Path) -> list[Path] | str:
@@ -208,46 +293,11 @@ def write_plots(report: dict[str, Any], out: Path) -> list[Path] | str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install 'kvcm[plot]'): plots skipped"
-    runs = [r for r in (report["run"], report["gpu_only"]) if r is not None]
-    bound = report["infinite_bound"]
     paths = []
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for r in runs:
-        s = r["series"]
-        pts = [(x, y) for x, y in zip(s["step"], s["hit_rate"], strict=True) if y is not None]
-        line = ax.plot([p[0] for p in pts], [p[1] for p in pts], alpha=0.35, lw=1)[0]
-        ax.plot(s["step"], s["cumulative_hit_rate"], color=line.get_color(), lw=2,
-                label=f"{r['label']} (cumulative {r['hit_rate']['overall']:.3f})")
-    if bound is not None:
-        ax.axhline(bound["hit_rate"], color="k", ls="--",
-                   label=f"infinite-cache bound {bound['hit_rate']:.3f}")
-    ax.set_xlabel("engine step")
-    ax.set_ylabel("prefix hit rate (reused / looked-up tokens)")
-    ax.set_ylim(0, 1.02)
-    ax.set_title("Prefix hit rate over time (thin: per interval)")
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "hit_rate.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for r in runs:
-        s = r["series"]
-        for lv, occ in enumerate(s["occupancy"]):
-            tier = r["levels"][lv]["tier"]
-            line = ax.plot(s["step"], occ, lw=1.5,
-                           label=f"{r['label']}: L{lv} {tier} used")[0]
-            ax.plot(s["step"], s["evictable"][lv], lw=1, ls=":", color=line.get_color(),
-                    label=f"{r['label']}: L{lv} {tier} evictable")
-    ax.set_xlabel("engine step")
-    ax.set_ylabel("fraction of the level's slots")
-    ax.set_ylim(0, 1.02)
-    ax.set_title("Level occupancy over time (dotted: evictable part)")
-    ax.legend(loc="lower right", fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "occupancy.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    for name, make in (("hit_rate.png", hit_rate_figure), ("occupancy.png", occupancy_figure)):
+        fig = make(report)
+        paths.append(out / name)
+        # "tight": the legends beside the axes are part of the picture.
+        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+        plt.close(fig)
     return paths

@@ -46,7 +46,17 @@ from kvcm_core.manager import KVCacheManager
 from kvcm_core.simulate.workload import TraceRequest, kinds_of
 from kvcm_core.testing.engine import EngineLoop, Request, StepReport
 
-__all__ = ["RunResult", "SchedulerConfig", "infinite_bound", "run_trace", "working_set"]
+__all__ = ["STALL_STEPS", "RunResult", "SchedulerConfig", "SchedulerStalled", "infinite_bound",
+           "run_trace", "working_set"]
+
+#: A run in which no request was given a token or finished for this many steps in a row
+#: has stalled (requests resumed and preempted again, over and over).
+STALL_STEPS = 1000
+
+
+class SchedulerStalled(RuntimeError):
+    """The scheduler made no progress: no request advanced for too long. The message
+    says at which step, which requests were stuck, and the likely cause."""
 
 _ns = time.perf_counter_ns
 _TIMED_CACHE_CALLS = ("resume", "resize", "commit", "suspend", "close")
@@ -328,7 +338,7 @@ def run_trace(
     Raises:
         FingerprintMismatch: a page did not hold what a request's history says.
         AssertionError: a manager invariant broke.
-        RuntimeError: the scheduler made no progress.
+        SchedulerStalled: the scheduler made no progress.
     """
     manager = KVCacheManager(config)
     levels = [{"tier": lv.tier, "quota": lv.quota} for lv in config.levels]
@@ -359,6 +369,7 @@ def run_trace(
     window = [0, 0, 0]  # lookup tokens, hit tokens, manager ns since the last sample
     sample_every = max(1, int(trace_span_estimate(trace, sched) / max(1, sched.samples)))
     step = 0
+    idle = 0  # steps in a row in which no request advanced
     t_start = time.perf_counter()
     try:
         while True:
@@ -400,10 +411,10 @@ def run_trace(
             window[0] += res.lookup_tokens - look0
             window[1] += res.hit_tokens - hit0
             window[2] += timers.step_ns
-            if not (report.stepped or report.resumed or report.finished):
-                stuck = [r.id for r in (*loop.running, *loop.suspended, *loop.waiting)]
-                raise RuntimeError(f"step {step}: the scheduler made no progress; stuck: "
-                                   f"{stuck[:10]}")
+            idle = 0 if (report.stepped or report.finished) else idle + 1
+            if idle >= STALL_STEPS or not (report.stepped or report.resumed
+                                           or report.finished):
+                raise _stalled(config, sched, loop, step, idle)
             if on_step is not None:
                 on_step(manager, loop, step)
             if every and (res.steps + 1) % every == 0:
@@ -447,6 +458,23 @@ def run_trace(
         loop.close()
         manager.shutdown()
     return res
+
+
+def _stalled(config: KVCacheManagerConfig, sched: SchedulerConfig, loop: EngineLoop,
+             step: int, idle: int) -> SchedulerStalled:
+    stuck = [r.id for r in (*loop.running, *loop.suspended, *loop.waiting)]
+    level0 = config.levels[0]
+    if len(config.levels) > 1:
+        cause = ("level 0 cannot hold the pages of the requests that run together, and the "
+                 "colder levels cannot take the pages of the suspended ones")
+    else:
+        cause = "level 0 cannot hold the pages of the requests that run together"
+    return SchedulerStalled(
+        f"step {step}: no request advanced for {max(1, idle)} steps (stuck: "
+        f"{', '.join(stuck[:10])}{' ...' if len(stuck) > 10 else ''}); likely cause: "
+        f"{cause} (level 0: {level0.tier}, {level0.quota} bytes; max_batch="
+        f"{sched.max_batch}, token_budget={sched.token_budget}): raise the quotas or lower "
+        "max_batch")
 
 
 def trace_span_estimate(trace: list[TraceRequest], sched: SchedulerConfig) -> int:

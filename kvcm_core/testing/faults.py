@@ -1,4 +1,4 @@
-"""A fault-injecting tier for reliability tests (quality.md §3, "Faults").
+"""A fault-injecting tier for reliability tests.
 
 :class:`FaultyTier` wraps any tier and, following a mutable :class:`FaultPlan`, makes
 storage reads and writes fail through their handles, stores corrupted bytes, or holds

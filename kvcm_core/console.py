@@ -1,0 +1,43 @@
+"""Terminal output shared by the ``kvcm`` commands: consoles that never wrap or cut a
+table when the output is piped, and a clean end when the reader of a pipe goes away.
+
+On a terminal a console takes the terminal's width. Piped into a file or another program
+(``kvcm simulate > out.txt``, ``kvcm plugins | grep cuda``) there is no width to respect:
+rich would otherwise assume 80 columns and wrap or cut table cells, so the console gets
+room enough for every table row to stay on one line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from rich.console import Console
+
+__all__ = ["PIPE_WIDTH", "make_console", "silence_stdout"]
+
+#: Columns a console gets when its output is not a terminal: wider than any table kvcm
+#: prints, so no row wraps (lines are not padded to it).
+PIPE_WIDTH = 1000
+
+
+def make_console(stderr: bool = False, **kwargs: Any) -> Console:
+    """A rich console for stdout (or stderr): the terminal's width on a terminal, else
+    :data:`PIPE_WIDTH` columns."""
+    console = Console(stderr=stderr, **kwargs)
+    if console.is_terminal:
+        return console
+    return Console(stderr=stderr, width=PIPE_WIDTH, **kwargs)
+
+
+def silence_stdout() -> None:
+    """After a ``BrokenPipeError`` (the reader of our stdout went away, as ``| head``
+    does): point stdout at the null device so that the interpreter's final flush does not
+    raise again and print a traceback."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real file descriptor (e.g. captured output)
+        pass

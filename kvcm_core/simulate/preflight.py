@@ -1,0 +1,126 @@
+"""What ``kvcm simulate`` checks before it runs anything, and the warnings it gives.
+
+A configuration error must be found before the run, not as a failure in the middle of it
+(exit status 2, one line): every plugin name the configuration uses must be registered and
+available here (:func:`check_plugins`), and level 0 must hold the largest request of the
+workload on its own (:func:`check_capacity`: that request alone goes through a manager of
+level 0 only, prefilled in the scheduler's chunks and decoded token by token, the way the
+run will drive it, so the manager's own page accounting decides).
+
+Warnings (:func:`level_warnings`) point at configurations that run but do not do what the
+user probably meant: a level whose quota is far larger than everything the workload could
+ever store costs time and memory for nothing (kvcm sets up the whole quota).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from kvcm_core.config import KVCacheManagerConfig
+from kvcm_core.errors import ConfigError, PluginError
+from kvcm_core.manager import KVCacheManager
+from kvcm_core.plugins import KvcmPluginManager, get_plugin_manager
+from kvcm_core.simulate.runner import SchedulerConfig
+from kvcm_core.simulate.workload import TraceRequest
+
+__all__ = ["DWARF_FACTOR", "DWARF_MIN_BYTES", "check_capacity", "check_plugins",
+           "human_bytes", "level_warnings"]
+
+#: A level is said to dwarf the workload when its quota exceeds this many times the
+#: working set ...
+DWARF_FACTOR = 8
+#: ... and the working set by at least this many bytes (small levels cost nothing).
+DWARF_MIN_BYTES = 64 << 20
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def check_plugins(cfg: KVCacheManagerConfig, pm: KvcmPluginManager | None = None) -> None:
+    """Every plugin the configuration names is registered and available.
+
+    Raises:
+        ConfigError: naming the field (``kvcm.levels[1].tier``), the name, and the
+            plugins that are available (or why the named one is not).
+    """
+    pm = pm or get_plugin_manager()
+
+    def check(field: str, name: str, lookup: Any) -> None:
+        try:
+            spec = lookup(name)
+        except PluginError as exc:
+            raise ConfigError(field, name, str(exc)) from None
+        ok, reason = pm.availability_of(spec)
+        if not ok:
+            raise ConfigError(field, name, f"is not available here: {reason}")
+
+    try:
+        pm.select_kernel_backend(cfg.kernel_backend)
+    except PluginError as exc:
+        raise ConfigError("kvcm.kernel_backend", cfg.kernel_backend, str(exc)) from None
+    check("kvcm.eviction_policy", cfg.eviction_policy, pm.eviction_policy)
+    for i, level in enumerate(cfg.levels):
+        check(f"kvcm.levels[{i}].tier", level.tier, pm.tier)
+        if level.codec is not None:
+            check(f"kvcm.levels[{i}].codec", level.codec, pm.codec)
+
+
+def check_capacity(cfg: KVCacheManagerConfig, trace: Sequence[TraceRequest],
+                   sched: SchedulerConfig) -> None:
+    """Level 0 alone holds the largest request of ``trace`` (see the module docstring).
+
+    Raises:
+        ConfigError: ``kvcm.levels[0].quota`` is too small, with the manager's reason.
+    """
+    if not trace:
+        return
+    req = max(trace, key=lambda r: len(r.tokens))
+    tokens = req.tokens
+    chunk = max(1, min(sched.chunk_tokens, sched.token_budget))
+    gpu_only = attrs.evolve(cfg, levels=cfg.levels[:1])
+    quota = cfg.levels[0].quota
+    rule = (f"too small for the largest request of the workload ({req.id}: {len(tokens)} "
+            "tokens) on its own")
+    try:
+        manager = KVCacheManager(gpu_only)
+    except ConfigError as exc:
+        raise ConfigError("kvcm.levels[0].quota", quota, f"{rule}: {exc.rule}") from None
+    with manager, manager.create_kv_cache(req.scope, ()) as cache:
+        if not cache.resume():
+            raise ConfigError("kvcm.levels[0].quota", quota,
+                              f"{rule}: {cache.last_refusal}")
+        pos = 0
+        while pos < len(tokens):
+            step = min(chunk, req.prompt_len - pos) if pos < req.prompt_len else 1
+            if not cache.resize(pos + step):
+                raise ConfigError(
+                    "kvcm.levels[0].quota", quota,
+                    f"{rule}: at token {pos + step}, {cache.last_refusal}")
+            cache.commit(tokens[pos:pos + step])
+            pos += step
+
+
+def level_warnings(cfg: KVCacheManagerConfig, ws_bytes: int) -> list[str]:
+    """A warning for each level whose quota dwarfs the working set ``ws_bytes`` (the
+    bytes of every distinct block of the workload: all an unbounded cache would hold)."""
+    out = []
+    for i, level in enumerate(cfg.levels):
+        quota = int(level.quota)
+        if quota > DWARF_FACTOR * ws_bytes and quota - ws_bytes >= DWARF_MIN_BYTES:
+            ratio = quota / ws_bytes if ws_bytes else float("inf")
+            out.append(
+                f"level {i} ({level.tier}) quota {human_bytes(quota)} is {ratio:.0f}x the "
+                f"workload's working set ({human_bytes(ws_bytes)}): the workload can never "
+                "use the rest, but kvcm still sets up the whole quota, which makes the run "
+                "slower and larger; a quota near the working set (or [simulate] "
+                "level_fractions) gives the same result")
+    return out

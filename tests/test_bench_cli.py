@@ -1,0 +1,104 @@
+"""``kvcm bench``: every benchmark writes a new timestamped result file and never
+overwrites one, takes ``--quick``, and documents every option with its default."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from kvcm_core import cli
+from kvcm_core.bench import result_path
+
+BENCHES = ["kernels", "manager", "mixed", "trace", "eviction"]
+#: The file name each benchmark writes into an --out folder.
+STEMS = {"kernels": "kernels-host", "manager": "host_overhead", "mixed": "mixed_precision",
+         "trace": "trace", "eviction": "eviction"}
+TRACE = "\n".join(json.dumps(r) for r in [
+    {"timestamp": 0, "input_length": 700, "output_length": 4, "hash_ids": [1, 2]},
+    {"timestamp": 5, "input_length": 1100, "output_length": 4, "hash_ids": [1, 2, 3]},
+    {"timestamp": 9, "input_length": 300, "output_length": 2, "hash_ids": [7]},
+]) + "\n"
+
+
+def _quick_args(name: str, tmp_path: Path) -> list[str]:
+    if name == "kernels":  # small pools: the numpy backend copies in host memory
+        return ["--pool", "64MiB", "--max-bytes", "16MiB", "--no-plot"]
+    if name == "trace":
+        trace = tmp_path / "mini.jsonl"
+        trace.write_text(TRACE)
+        return [str(trace)]
+    return []
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_quick_runs_write_a_new_timestamped_file_each_time(name: str, tmp_path: Path,
+                                                           capsys) -> None:
+    out = tmp_path / "results"
+    args = ["bench", name, *_quick_args(name, tmp_path), "--quick", "--out", str(out)]
+    assert cli.main(args) == 0
+    assert cli.main(args) == 0  # the same second, maybe: a second file all the same
+    files = sorted(out.glob("*.json"))
+    assert len(files) == 2, files
+    for path in files:
+        assert re.fullmatch(rf"{STEMS[name]}-\d{{8}}-\d{{6}}(-\d+)?\.json", path.name), path
+        doc = json.loads(path.read_text())
+        config = doc.get("config") or doc.get("meta", {}).get("config", {})
+        assert "date" in doc or "meta" in doc
+        if config:
+            assert config["quick"] is True
+    assert capsys.readouterr().out.count("wrote ") >= 2
+
+
+@pytest.mark.parametrize("name", ["manager", "mixed", "trace", "eviction", "kernels"])
+def test_an_existing_result_file_is_refused_before_running(name: str, tmp_path: Path,
+                                                           capsys) -> None:
+    old = tmp_path / "result.json"
+    old.write_text('{"kept": true}')
+    code = cli.main(["bench", name, *_quick_args(name, tmp_path), "--quick", "--out",
+                     str(old)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "exists: a benchmark never overwrites a result" in err
+    assert "Traceback" not in err
+    assert old.read_text() == '{"kept": true}'
+
+
+def test_result_path_never_names_an_existing_file(tmp_path: Path) -> None:
+    first = result_path(str(tmp_path), "host_overhead", "s2")
+    assert first.name.startswith("host_overhead-") and first.name.endswith("-s2.json")
+    first.write_text("{}")
+    second = result_path(str(tmp_path), "host_overhead", "s2")
+    assert second != first and not second.exists()
+    new_file = result_path(str(tmp_path / "named.json"), "ignored")
+    assert new_file == tmp_path / "named.json"
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_every_option_has_help_giving_its_default(name: str) -> None:
+    parser = importlib.import_module(f"kvcm_core.bench.{name}")._parser()
+    text = " ".join(parser.format_help().split())
+    options = [a for a in parser._actions
+               if a.option_strings and not isinstance(a, argparse._HelpAction)]
+    assert {"--quick", "--out", "--tag"} <= {s for a in options for s in a.option_strings}
+    for action in options:
+        assert action.help and action.help.strip(), action.option_strings
+        default = action.default
+        if default is None or default is False or default == "" or default == []:
+            continue  # a flag, or nothing by default: the help says what leaving it out does
+        shown = " ".join(f"(default: {default})".split())
+        assert shown in text, (action.option_strings, shown)
+    quick = next(a for a in options if "--quick" in a.option_strings)
+    assert "a short run" in quick.help
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_bench_help_of_each_benchmark_exits_zero(name: str, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", name, "--help"])
+    assert info.value.code == 0
+    assert f"kvcm bench {name}" in capsys.readouterr().out

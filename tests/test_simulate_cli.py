@@ -1,0 +1,286 @@
+"""``kvcm simulate`` as a user meets it: exit status 2 and one line for every configuration
+error found before running (unknown or unavailable plugins, level 0 too small for the
+largest request), 3 with the likely cause for a failure during the run (a stall, a storage
+failure, an internal error), no traceback without ``--debug``; warnings for a raised level
+0 quota and for a level that dwarfs the working set; hints keep their square brackets; a
+table that does not wrap when piped, with a legend; plots whose legends cover no data and
+whose lines can be told apart."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvcm_core.simulate.runner as runner
+from kvcm_core import (
+    Availability,
+    KernelBackendCapabilities,
+    KernelBackendSpec,
+    TierIOError,
+    hookimpl,
+)
+from kvcm_core.plugins import get_plugin_manager
+from kvcm_core.simulate import main
+from kvcm_core.simulate.preflight import level_warnings
+from kvcm_core.testing.engine import StepReport
+from kvcm_core.testing.faults import FaultPlan, faulty_tier_spec
+
+DEFAULT = (Path(runner.__file__).parent / "default.toml").read_text()
+QUICK = ["--requests", "8", "--seed", "3", "--quiet", "--no-plots", "--no-compare"]
+
+
+def _config(tmp_path: Path, **replace: str) -> str:
+    """The default simulation file with text replaced (``old=new`` pairs)."""
+    text = DEFAULT
+    for old, new in replace.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / "sim.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def _kvcm_simulate(*args: str) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("KVCM_")}
+    return subprocess.run([sys.executable, "-m", "kvcm_core.cli", "simulate", *args],
+                          env=environ, capture_output=True, text=True, timeout=600)
+
+
+def _one_line(err: str) -> str:
+    """The one line of the error on stderr (warnings given before running aside)."""
+    lines = [line for line in err.splitlines()
+             if line.strip() and not line.startswith("warning: ")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.fixture
+def register() -> Iterator[Any]:
+    """Registers plugin objects in the process-wide plugin manager for one test."""
+    pm = get_plugin_manager()
+    names: list[str] = []
+
+    def add(plugin: object, name: str) -> None:
+        pm.register(plugin, name=name)
+        names.append(name)
+
+    yield add
+    for name in names:
+        pm.unregister(name)
+
+
+# -- configuration errors: exit 2, one line, before running ---------------------------------
+
+
+def test_unknown_tier_exits_2_with_one_line_naming_the_field_and_the_choices(tmp_path):
+    cfg = _config(tmp_path, **{'tier = "host"': 'tier = "hots"'})
+    result = _kvcm_simulate("--config", cfg, *QUICK, "--out", str(tmp_path / "out"))
+    assert result.returncode == 2, result.stderr
+    line = _one_line(result.stderr)
+    assert "configuration error: kvcm.levels[1].tier='hots': unknown tier 'hots'" in line
+    assert "available: " in line and "host" in line
+    assert not (tmp_path / "out").exists()  # refused before running
+
+
+def test_unknown_kernel_backend_exits_2_with_one_line(tmp_path, capsys):
+    cfg = _config(tmp_path, **{'kernel_backend = "auto"': 'kernel_backend = "cudaa"'})
+    assert main(["--config", cfg, *QUICK, "--out", str(tmp_path)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "kvcm.kernel_backend='cudaa': unknown kernel backend 'cudaa'" in line
+    assert "numpy" in line
+
+
+def test_unavailable_backend_hint_keeps_its_square_brackets(tmp_path, capsys, register):
+    class Fake:
+        @hookimpl
+        def kvcm_kernel_backends(self) -> Any:
+            yield KernelBackendSpec(
+                name="fakegpu", factory=dict,
+                capabilities=KernelBackendCapabilities(has_device=True), priority=-1,
+                availability=lambda: Availability(False, "no device; pip install "
+                                                         "'kvcm[fakegpu]'"))
+
+    register(Fake(), "fakegpu")
+    cfg = _config(tmp_path, **{'kernel_backend = "auto"': 'kernel_backend = "fakegpu"'})
+    assert main(["--config", cfg, *QUICK, "--out", str(tmp_path)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "is unavailable: no device; pip install 'kvcm[fakegpu]'" in line
+
+
+def test_level_0_too_small_for_the_largest_request_exits_2_before_running(tmp_path, capsys):
+    cfg = _config(tmp_path, **{"level_fractions = [0.10, 0.5, 4.0]\n": "",
+                               'quota = "4MiB"': 'quota = "16KiB"'})
+    assert main(["--config", cfg, *QUICK, "--out", str(tmp_path / "out")]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "kvcm.levels[0].quota=16384: too small for the largest request" in line
+    assert "cannot provide" in line  # the manager's own reason
+    assert not (tmp_path / "out").exists()
+
+
+def test_level_0_that_holds_the_largest_request_passes_the_check(tmp_path):
+    # Exactly what the check refuses above, with room for one request: the run goes on.
+    cfg = _config(tmp_path, **{"level_fractions = [0.10, 0.5, 4.0]\n": "",
+                               'quota = "4MiB"': 'quota = "64KiB"'})
+    assert main(["--config", cfg, *QUICK, "--out", str(tmp_path)]) == 0
+
+
+# -- warnings -----------------------------------------------------------------------------------
+
+
+def test_raising_level_0_quota_over_its_fraction_is_a_warning(tmp_path, capsys):
+    cfg = _config(tmp_path, **{"[0.10, 0.5, 4.0]": "[0.001, 0.5, 4.0]"})
+    assert main(["--config", cfg, *QUICK, "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: level 0 quota raised from" in err
+    assert "level_fractions[0] = 0.001 of the working set" in err
+
+
+def test_a_level_that_dwarfs_the_working_set_is_a_warning(tmp_path, capsys):
+    cfg = _config(tmp_path, **{"level_fractions = [0.10, 0.5, 4.0]\n": "",
+                               'quota = "16MiB"': 'quota = "256MiB"'})
+    assert main(["--config", cfg, *QUICK, "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: level 1 (host) quota 256.0 MiB is " in err
+    assert "x the workload's working set" in err
+    assert "level 0" not in err  # 4 MiB is small: no warning for it
+
+
+def test_dwarf_rule_needs_both_the_ratio_and_the_excess_bytes() -> None:
+    from kvcm_core import KVCacheManagerConfig
+
+    def warn(quota: int, ws: int) -> list[str]:
+        cfg = KVCacheManagerConfig.from_dict({
+            "tokens_per_block": 16, "layers": [{"layer_id": 0, "buffers": [
+                {"role": "kv", "size": 256}]}],
+            "levels": [{"tier": "gpu", "quota": quota}]})
+        return level_warnings(cfg, ws)
+
+    mib = 1 << 20
+    assert warn(100 * mib, 1 * mib)  # 100x and 99 MiB more
+    assert not warn(8 * mib, 1 * mib // 100)  # 800x but only 8 MiB: small levels cost nothing
+    assert not warn(600 * mib, 100 * mib)  # 500 MiB more but only 6x
+
+
+# -- runtime failures: exit 3 with the likely cause ---------------------------------------------
+
+
+def test_a_stalled_scheduler_exits_3_with_the_likely_cause(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(runner._SimLoop, "step", lambda self: StepReport())
+    assert main([*QUICK, "--out", str(tmp_path)]) == 3
+    line = _one_line(capsys.readouterr().err)
+    assert "the scheduler stalled: step " in line and "no request advanced" in line
+    assert "likely cause: level 0 cannot hold the pages" in line
+    assert (tmp_path / "report.json").exists()
+
+
+def test_a_storage_failure_during_the_run_exits_3_naming_it(tmp_path, capsys, register):
+    spec = faulty_tier_spec(get_plugin_manager().tier("disk"),
+                            FaultPlan(fail_all_reads=True), name="faulty-disk")
+
+    class Faults:
+        @hookimpl
+        def kvcm_tiers(self) -> Any:
+            yield spec
+
+    register(Faults(), "faults")
+    cfg = _config(tmp_path, **{'tier = "disk"': 'tier = "faulty-disk"'})
+    code = main(["--config", cfg, "--requests", "40", "--seed", "3", "--quiet",
+                 "--no-plots", "--no-compare", "--out", str(tmp_path)])
+    assert code == 3
+    line = _one_line(capsys.readouterr().err)
+    assert "storage failed: TierIOError: injected fault: read" in line
+    assert "likely cause: a colder level's tier could not" in line
+
+
+def test_an_internal_error_exits_3_and_shows_its_traceback_only_with_debug(
+        tmp_path, capsys, monkeypatch):
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise KeyError("slot 7")
+
+    monkeypatch.setattr("kvcm_core.simulate.run_trace", broken)
+    assert main([*QUICK, "--out", str(tmp_path)]) == 3
+    line = _one_line(capsys.readouterr().err)
+    assert "internal error: KeyError: 'slot 7'; likely cause: a bug" in line
+    assert main([*QUICK, "--debug", "--out", str(tmp_path)]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "KeyError: 'slot 7'" in err
+
+
+def test_a_storage_failure_is_not_reported_as_a_verification_failure(tmp_path, capsys,
+                                                                     monkeypatch):
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise TierIOError("pwrite: No space left on device")
+
+    monkeypatch.setattr("kvcm_core.simulate.run_trace", failing)
+    assert main([*QUICK, "--out", str(tmp_path)]) == 3
+    line = _one_line(capsys.readouterr().err)
+    assert "verification failed" not in line
+    assert "storage failed: TierIOError: pwrite: No space left on device" in line
+
+
+# -- the report as printed and drawn ------------------------------------------------------------
+
+
+def test_piped_table_does_not_wrap_and_explains_mean_and_p99(tmp_path):
+    result = _kvcm_simulate("--requests", "8", "--seed", "3", "--no-plots",
+                            "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    rows = [line for line in lines if line[:1] in "┏┃┡│└"]
+    assert len({len(r) for r in rows}) == 1, "\n".join(rows)  # one line per row
+    title = next(line for line in lines if line.startswith("kvcm simulate: "))
+    assert title.rstrip().endswith("B")  # "working set 70.5 KiB" on the title's line
+    step_row = next(r for r in rows if "manager µs per step (mean / p99)" in r)
+    assert " / " in step_row.split("│")[2]  # "361 / 1782", not "361,1782"
+    legend = next(line for line in lines if line.startswith("legend: "))
+    assert "mean / p99 = the average and the 99th percentile" in legend
+
+
+def test_missing_matplotlib_note_keeps_the_extra_in_brackets(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    assert main(["--requests", "6", "--seed", "3", "--no-compare", "--out",
+                 str(tmp_path)]) == 0
+    assert "pip install 'kvcm[plot]'" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib not installed")
+@pytest.mark.parametrize("figure", ["hit_rate_figure", "occupancy_figure"])
+def test_plot_legends_cover_no_data_and_every_line_looks_different(tmp_path, figure):
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvcm_core.simulate import report as rep
+
+    assert main(["--requests", "12", "--seed", "3", "--quiet", "--no-plots", "--out",
+                 str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "report.json").read_text())
+    fig = getattr(rep, figure)(data)
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]
+        assert legends
+        for legend in legends:
+            box = legend.get_window_extent(renderer)
+            for ax in fig.axes:
+                assert not box.overlaps(ax.get_window_extent(renderer)), figure
+        for ax in fig.axes:
+            looks = [(line.get_color(), line.get_linestyle(), line.get_marker(),
+                      line.get_fillstyle(), line.get_alpha())
+                     for line in ax.get_lines() if not line.get_label().startswith("_")]
+            assert len(looks) == len(set(looks)), looks
+    finally:
+        plt.close(fig)
