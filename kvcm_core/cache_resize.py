@@ -196,6 +196,7 @@ class ResizeMixin(CacheBase):
             return -1
         if nb_new == (self._capacity + tpb - 1) // tpb:
             self._capacity = capacity
+            self._last_refusal = None
             return 0
         ctx = self._ctx
         if len(ctx.attn_groups) != 1 or ctx.ssm_groups or ctx.windowed_groups or \
@@ -212,6 +213,7 @@ class ResizeMixin(CacheBase):
         self.stats.allocated_blocks += len(pids)  # type: ignore[attr-defined]
         self.stats.newly_allocated_blocks += len(pids)  # type: ignore[attr-defined]
         self._capacity = capacity
+        self._last_refusal = None
         self._version += 1
 
     def _release_stale(self) -> None:

@@ -423,3 +423,13 @@ def test_batch_resize_grows_rows_together_and_stages_them_in_place_like_a_restag
         assert not len(b.dirty_rows()), "resize published every change"
         assert_batch_matches_members(b, m)
     m.check_invariants()
+
+
+def test_batch_resize_clears_last_refusal_of_rows_it_grows() -> None:
+    m = make_manager(full_layers(), slots=6)
+    b = Batch(m, max_rows=1, max_blocks_per_row=8)
+    c = _active(m, tokens(4))
+    b.add_kv_cache(c)
+    assert not c.resize(7 * TPB) and c.last_refusal is not None
+    assert b.resize([TPB + 1]) == [True]
+    assert c.last_refusal is None, "a success through the batch clears the reason"
