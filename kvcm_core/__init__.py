@@ -16,6 +16,7 @@ from kvcm_core.backend import (
     KernelBackend,
     PageRegion,
     Stream,
+    TableConversion,
 )
 from kvcm_core.codec import BlobCodec, BufferPlace, PageCodec, PageLayout
 from kvcm_core.config import (
@@ -117,6 +118,7 @@ __all__ = [
     "StoragePool",
     "Stream",
     "SwaScratchConfig",
+    "TableConversion",
     "Tier",
     "TierCapabilities",
     "TierIOError",

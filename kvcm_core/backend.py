@@ -29,6 +29,7 @@ __all__ = [
     "BAD_PAGE_INDEX",
     "Buffer",
     "CopyTask",
+    "TableConversion",
     "Event",
     "FingerprintPages",
     "KernelBackend",
@@ -94,6 +95,27 @@ class CopyTask:
     src: PageRegion
     page_bytes: int
     pairs: np.ndarray  # int32 [n, 2]: (destination index, source index)
+
+
+@attrs.frozen
+class TableConversion:
+    """One table of :meth:`KernelBackend.convert_page_tables`: rows of int32 slot ids
+    converted into a buffer's page indices, both tables in place in device buffers.
+
+    Row ``r`` of ``src`` is ``row_elems`` int32 at byte ``4 * r * row_elems``; row ``r`` of
+    ``dst`` is ``row_elems * expansion`` int32 at byte ``4 * r * row_elems * expansion``.
+    Element ``i`` of a row is block ``i % blocks`` (a row holds ``row_elems // blocks``
+    beams). ``scratch`` maps a row to its SWA scratch descriptor (rows absent: none).
+    """
+
+    src: Buffer
+    dst: Buffer
+    row_elems: int
+    blocks: int
+    scale: int
+    offset: int
+    expansion: int = 1
+    scratch: Any = None  # Mapping[int, ScratchDesc] | None
 
 
 @attrs.frozen
@@ -361,6 +383,19 @@ class KernelBackend(abc.ABC):
                 (:func:`kvcm_core.scratch.scratch_kernel_args`).
             OverflowError: a result outside ``[BAD_PAGE_INDEX, INT32_MAX]``.
         """
+
+    def convert_page_tables(self, tables: Sequence[TableConversion], rows: np.ndarray,
+                            stream: Stream | None = None) -> None:
+        """Convert ``rows`` (int32 row numbers) of every table in ``tables``, device to
+        device, as one unit of work (one launch on CUDA backends): each converted row is
+        what :meth:`convert_page_indices` gives for that row with the row's scratch
+        descriptor. Other rows of ``dst`` are left as they are. The caller keeps results
+        in range (no overflow is reported) and rows within both buffers.
+
+        Raises:
+            NotImplementedError: the backend has no such kernel (a ``Batch`` needs it).
+        """
+        raise NotImplementedError(f"kernel backend {self.name!r} has no convert_page_tables")
 
     # -- the fingerprint engine's kernels ---------------------------------------------
 

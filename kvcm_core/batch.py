@@ -28,13 +28,14 @@ Design choices (see docs/batch.md):
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 
-from kvcm_core.backend import BAD_PAGE_INDEX, Buffer, CopyTask, PageRegion
+from kvcm_core.backend import BAD_PAGE_INDEX, Buffer, CopyTask, PageRegion, TableConversion
 from kvcm_core.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
@@ -43,7 +44,6 @@ from kvcm_core.errors import (
 )
 from kvcm_core.manager import KVCacheManager
 from kvcm_core.pagetable import ScratchDesc
-from kvcm_core.scratch import convert_with_scratch
 from kvcm_core.cache_base import CacheStatus
 
 if TYPE_CHECKING:
@@ -75,30 +75,39 @@ def _count(name: str, value: Any, low: int = 1) -> int:
 
 @attrs.define
 class _Table:
-    """One int32 device table with its pinned host staging (same shape, row-major)."""
+    """One int32 device table (row-major ``shape``), with pinned host staging of the same
+    shape when the host writes its rows (base tables and block counts); index tables are
+    written on the device only."""
 
     device: Buffer
-    host: Buffer
-    staging: np.ndarray  # int32 view of ``host``, shape [rows, ...]
+    shape: tuple[int, ...]
     row_bytes: int
+    host: Buffer | None = None
+    staging: Any = None  # int32 view of ``host``
 
     @classmethod
-    def make(cls, backend: KernelBackend, shape: tuple[int, ...], fill: int) -> _Table:
+    def make(cls, backend: KernelBackend, shape: tuple[int, ...], fill: int,
+             staged: bool = True) -> _Table:
         nbytes = int(np.prod(shape)) * 4
-        host = backend.alloc_host(nbytes)
-        staging = host.host_view()[:nbytes].view(np.int32).reshape(shape)
-        staging[...] = fill
         device = backend.alloc_device(nbytes)
-        backend.write(device, 0, staging.reshape(-1).view(np.uint8))
-        return cls(device, host, staging, nbytes // shape[0])
+        init = np.full(shape, fill, dtype=np.int32)
+        backend.write(device, 0, init.reshape(-1).view(np.uint8))
+        table = cls(device, shape, nbytes // shape[0])
+        if staged:
+            table.host = backend.alloc_host(nbytes)
+            table.staging = table.host.host_view()[:nbytes].view(np.int32).reshape(shape)
+            table.staging[...] = init
+        return table
 
     def task(self, pairs: np.ndarray) -> CopyTask:
+        assert self.host is not None
         return CopyTask(PageRegion(self.device, 0, self.row_bytes),
                         PageRegion(self.host, 0, self.row_bytes), self.row_bytes, pairs)
 
     def free(self) -> None:
         self.device.free()
-        self.host.free()
+        if self.host is not None:
+            self.host.free()
 
 
 @attrs.define
@@ -275,12 +284,10 @@ class Batch:
             self._wait_readers()
             for r in sorted(restage):
                 self._stage(r)
-            for ix in self._index.values():
-                self._convert(ix, rows)
             pairs = np.repeat(rows[:, None], 2, axis=1)
-            tasks = [t.task(pairs) for t in (*self._tables, *self._counts)]
-            tasks += [ix.table.task(pairs) for ix in self._index.values()]
-            self.backend.copy_pages_batch(tasks, stream)
+            self.backend.copy_pages_batch(
+                [t.task(pairs) for t in (*self._tables, *self._counts)], stream)
+            self._convert(rows, stream)
             self._forced.clear()
             self._patched.clear()
         event = self.backend.create_event()
@@ -464,10 +471,10 @@ class Batch:
         shape = (self.max_rows, self.max_beam_width, self.max_blocks_per_row * expansion)
         ix = _IndexTable(layer_id, role, group, scale, offset, expansion,
                          conv.scratch_pages_per_block,
-                         _Table.make(self.backend, shape, BAD_PAGE_INDEX))
-        rows = np.arange(self.max_rows, dtype=np.int32)
-        self._convert(ix, rows)
-        self.backend.write(ix.table.device, 0, ix.table.staging.reshape(-1).view(np.uint8))
+                         _Table.make(self.backend, shape, BAD_PAGE_INDEX, staged=False))
+        # The table converts what the device base table holds now; rows changed since the
+        # last publish follow at the next one.
+        self._convert(np.arange(self.max_rows, dtype=np.int32), None, [ix])
         self._index[key] = ix
         return self._view(ix.table)
 
@@ -542,37 +549,45 @@ class Batch:
         self._scratch[r] = scratch
         self._seen[r] = cache.page_table_version
 
-    def _convert(self, ix: _IndexTable, rows: np.ndarray) -> None:
-        """Convert ``rows`` of the staged base table into ``ix``'s staging."""
-        base = self._tables[ix.group].staging
-        out = ix.table.staging
-        plain = [r for r in rows.tolist() if ix.group not in self._scratch[r]]
-        if plain:
-            sel = np.asarray(plain, dtype=np.int64)
-            out[sel] = convert_with_scratch(base[sel], ix.scale, ix.offset, ix.expansion,
-                                            ix.spb, None)
-        for r in rows.tolist():
-            desc = self._scratch[r].get(ix.group)
-            if desc is not None:
-                out[r] = convert_with_scratch(base[r], ix.scale, ix.offset, ix.expansion,
-                                              ix.spb, desc)
+    def _convert(self, rows: np.ndarray, stream: Stream | None,
+                 tables: list[_IndexTable] | None = None) -> None:
+        """Convert ``rows`` of the device base tables into the index tables, on the
+        device, in one ``convert_page_tables`` call."""
+        tables = list(self._index.values()) if tables is None else tables
+        if not tables or not len(rows):
+            return
+        beams, blocks = self.max_beam_width, self.max_blocks_per_row
+        jobs = []
+        for ix in tables:
+            scratch = {r: self._scratch[r][ix.group] for r in rows.tolist()
+                       if ix.group in self._scratch[r]}
+            jobs.append(TableConversion(self._tables[ix.group].device, ix.table.device,
+                                        beams * blocks, blocks, ix.scale, ix.offset,
+                                        ix.expansion, scratch or None))
+        self.backend.convert_page_tables(jobs, rows, stream)
 
     def _view(self, t: _Table) -> Any:
         arr = self.backend.as_array(t.device)
-        shape = t.staging.shape
-        if hasattr(arr, "view") and hasattr(arr, "reshape"):
-            return arr[: t.row_bytes * shape[0]].view(np.int32).reshape(shape)
-        return arr
+        if hasattr(arr, "view") and hasattr(arr, "reshape"):  # NumPy, CuPy
+            return arr[: t.row_bytes * t.shape[0]].view(np.int32).reshape(t.shape)
+        return arr.typed(t.shape, "<i4")  # a backend's own zero-copy view
 
     def _read(self, t: _Table) -> np.ndarray:
         self._check_open()
-        raw = self.backend.read(t.device, 0, t.row_bytes * t.staging.shape[0])
-        return raw.view(np.int32).reshape(t.staging.shape)
+        raw = self.backend.read(t.device, 0, t.row_bytes * t.shape[0])
+        return raw.view(np.int32).reshape(t.shape)
 
     def _wait_readers(self) -> None:
-        if self._read_fence is not None:
-            self._read_fence.synchronize()
-            self._read_fence = None
+        """Wait for the last reader fence, polling with the GIL released between polls
+        (other Python threads, such as the one that lets the readers finish, run)."""
+        fence = self._read_fence
+        if fence is None:
+            return
+        pause = 1e-6
+        while not fence.query():
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+        self._read_fence = None
 
     def _check_open(self) -> None:
         if self._closed:

@@ -8,7 +8,7 @@ Subcommands:
 - ``kvcm conformance [--plugin NAME ...] [-k EXPR] [--json]``: run the conformance suite
   (:mod:`kvcm_core.testing.suite`) in-process and print a table of plugin x result; the
   exit status is non-zero on any failure.
-- ``kvcm bench kernels|manager|mixed|trace|eviction ...``: the benchmarks
+- ``kvcm bench kernels|manager|mixed|trace|eviction|batch ...``: the benchmarks
   (:mod:`kvcm_core.bench`).
 - ``kvcm simulate ...``: the main job (:mod:`kvcm_core.simulate`).
 - ``kvcm --version``.
@@ -406,6 +406,8 @@ BENCH_TARGETS = {
     "trace": "a Mooncake-format trace through the manager: hit rate and host time per "
              "request, beside the trace's infinite-cache and LRU hit rates",
     "eviction": "nanoseconds per page of every eviction policy's batch methods",
+    "batch": "Batch.resize + publish per decode step (host), and publish with index-table "
+             "conversion on each GPU backend against a model measured in the same run",
 }
 
 

@@ -14,10 +14,10 @@ import pytest
 from kvcm_core import cli
 from kvcm_core.bench import result_path
 
-BENCHES = ["kernels", "manager", "mixed", "trace", "eviction"]
+BENCHES = ["kernels", "manager", "mixed", "trace", "eviction", "batch"]
 #: The file name each benchmark writes into an --out folder.
 STEMS = {"kernels": "kernels-host", "manager": "host_overhead", "mixed": "mixed_precision",
-         "trace": "trace", "eviction": "eviction"}
+         "trace": "trace", "eviction": "eviction", "batch": "batch"}
 TRACE = "\n".join(json.dumps(r) for r in [
     {"timestamp": 0, "input_length": 700, "output_length": 4, "hash_ids": [1, 2]},
     {"timestamp": 5, "input_length": 1100, "output_length": 4, "hash_ids": [1, 2, 3]},
@@ -54,7 +54,8 @@ def test_quick_runs_write_a_new_timestamped_file_each_time(name: str, tmp_path: 
     assert capsys.readouterr().out.count("wrote ") >= 2
 
 
-@pytest.mark.parametrize("name", ["manager", "mixed", "trace", "eviction", "kernels"])
+@pytest.mark.parametrize("name", ["manager", "mixed", "trace", "eviction", "kernels",
+                                  "batch"])
 def test_an_existing_result_file_is_refused_before_running(name: str, tmp_path: Path,
                                                            capsys) -> None:
     old = tmp_path / "result.json"

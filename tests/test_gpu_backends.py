@@ -152,6 +152,24 @@ def test_dlpack_export_shares_memory_and_releases_unconsumed_capsules() -> None:
         view.__dlpack__(copy=True)
 
 
+def test_a_typed_memory_view_exports_its_shape_and_element_type_without_copying() -> None:
+    from kvcm_kernels_cuda_common import dlpack
+
+    owner = np.arange(24, dtype=np.int32)
+    flat = dlpack.MemoryView(owner.ctypes.data, owner.nbytes, dlpack.DLDEVICE_CPU, owner=owner)
+    table = flat.typed((2, 3, 4), "<i4")
+    shared = np.from_dlpack(table)
+    assert shared.shape == (2, 3, 4) and shared.dtype == np.int32
+    assert shared.ctypes.data == owner.ctypes.data
+    assert shared[1, 2, 3] == 23
+    assert table.__array_interface__["shape"] == (2, 3, 4)
+    assert table.__array_interface__["typestr"] == "<i4"
+    with pytest.raises(ValueError, match="needs 100 bytes"):
+        flat.typed((25,), "<i4")
+    with pytest.raises(ValueError, match="typestr"):
+        flat.typed((2,), "<f4")
+
+
 # -- on a GPU ------------------------------------------------------------------------------------
 
 

@@ -7,6 +7,8 @@
 - :mod:`kvcm_core.bench.eviction`: ns per page of the eviction policies' batch methods.
 - :mod:`kvcm_core.bench.trace`: a Mooncake-format serving trace replayed through the
   manager, beside vLLM's replay of the same trace and the trace's own hit-rate bounds.
+- :mod:`kvcm_core.bench.batch`: a Batch's per-step resize + publish on the host, and its
+  publish with index-table conversion on each GPU backend against a measured model.
 
 Each module has ``main(argv) -> int`` and ``_parser()``, takes ``--quick`` for a short run
 (smaller sizes, fewer repetitions; options given explicitly still win), and writes its

@@ -34,8 +34,9 @@ from kvcm_core.backend import (
     KernelBackend,
     MemoryKind,
     PageRegion,
+    TableConversion,
 )
-from kvcm_core.scratch import ScratchDesc
+from kvcm_core.scratch import ScratchDesc, convert_page_indices_reference
 from kvcm_core.testing.conformance import ConformanceBase
 
 __all__ = ["KernelBackendConformance"]
@@ -831,6 +832,77 @@ class KernelBackendConformance(ConformanceBase):
             backend.convert_page_indices(
                 slots, 4, 0, 1, scratch=(0, 2, (0, 1), 1)  # type: ignore[arg-type]
             )
+
+    # -- convert_page_tables (a Batch's index tables, device to device) -----------------
+
+    @_FAST_SETTINGS
+    @given(data=st.data())
+    def test_convert_page_tables_converts_the_chosen_rows_of_every_table_like_the_reference(
+        self, backend: KernelBackend, data: st.DataObject
+    ) -> None:
+        rows = data.draw(st.integers(1, 6))
+        beams = data.draw(st.integers(1, 2))
+        blocks = data.draw(st.integers(1, 9))
+        chosen = sorted(data.draw(st.sets(st.integers(0, rows - 1), min_size=1)))
+        jobs, expected, buffers = [], [], []
+        for _ in range(data.draw(st.integers(1, 3))):
+            expansion = data.draw(st.integers(1, 3))
+            unit_scale = data.draw(st.integers(1, 16))
+            scale = unit_scale * expansion
+            offset = data.draw(st.integers(0, 300)) * expansion
+            base = _draw_slot_table(data, (rows, beams, blocks))
+            scratch = {}
+            for r in range(rows):
+                if data.draw(st.booleans()):
+                    spb = data.draw(st.integers(1, unit_scale))
+                    begin = data.draw(st.integers(0, blocks - 1))
+                    end = data.draw(st.integers(begin + 1, blocks + 2))
+                    stop = min(end, blocks)
+                    needed = (stop - 1 - begin) * spb // unit_scale + 1
+                    ids = tuple(data.draw(st.lists(st.integers(0, 50_000), min_size=needed,
+                                                   max_size=needed + 1)))
+                    scratch[r] = ScratchDesc(begin, end, ids, spb)
+            src = backend.alloc_device(base.nbytes)
+            backend.write(src, 0, base.reshape(-1).view(np.uint8))
+            sentinel = np.full((rows, beams, blocks * expansion), 77, dtype=np.int32)
+            dst = backend.alloc_device(sentinel.nbytes)
+            backend.write(dst, 0, sentinel.reshape(-1).view(np.uint8))
+            buffers += [src, dst]
+            jobs.append(TableConversion(src, dst, beams * blocks, blocks, scale, offset,
+                                        expansion, scratch or None))
+            want = sentinel.copy()
+            for r in chosen:
+                want[r] = convert_page_indices_reference(base[r], scale, offset, expansion,
+                                                         scratch.get(r))
+            expected.append(want)
+        try:
+            backend.convert_page_tables(jobs, np.asarray(chosen, dtype=np.int32))
+            backend.synchronize()
+            for job, want in zip(jobs, expected, strict=True):
+                got = backend.read(job.dst, 0, want.nbytes).view(np.int32).reshape(want.shape)
+                assert np.array_equal(got, want), (chosen, job.scratch)
+        finally:
+            for buf in buffers:
+                buf.free()
+
+    def test_convert_page_tables_keeps_bad_page_index_and_leaves_other_rows_alone(
+        self, backend: KernelBackend
+    ) -> None:
+        base = np.array([[[BAD_PAGE_INDEX, 0, 5]], [[1, BAD_PAGE_INDEX, 2]]], dtype=np.int32)
+        src = backend.alloc_device(base.nbytes)
+        dst = backend.alloc_device(base.nbytes * 2)
+        try:
+            backend.write(src, 0, base.reshape(-1).view(np.uint8))
+            backend.write(dst, 0, np.full(12, 9, dtype=np.int32).view(np.uint8))
+            job = TableConversion(src, dst, 3, 3, 1, 1, 2)  # slot 0 -> 1, 2 (never 0)
+            backend.convert_page_tables([job], np.array([0], dtype=np.int32))
+            backend.synchronize()
+            got = backend.read(dst, 0, 48).view(np.int32).reshape(2, 6)
+            assert got[0].tolist() == [BAD_PAGE_INDEX, BAD_PAGE_INDEX, 1, 2, 6, 7]
+            assert got[1].tolist() == [9] * 6, "a row not chosen is left as it was"
+        finally:
+            src.free()
+            dst.free()
 
     # -- fingerprint engine --------------------------------------------------------------
 

@@ -25,10 +25,12 @@ from kvcm_core.backend import (
     MemoryKind,
     PageRegion,
     Stream,
+    TableConversion,
     check_copy_args,
 )
 from kvcm_core.scratch import ScratchDesc, scratch_kernel_args
 from kvcm_kernels_cuda_common.source import (
+    CONV_JOB_WORDS,
     COPY_CHUNK_BYTES_PER_THREAD,
     COPY_DESC_WORDS,
     FP_DESC_WORDS,
@@ -778,6 +780,66 @@ class CudaKernelBackend(KernelBackend):
         if overflow:
             raise OverflowError("converted page index does not fit int32")
         return out.reshape(*lead, width * expansion)
+
+    # -- convert_page_tables ---------------------------------------------------------------
+
+    def convert_page_tables(self, tables: Sequence[TableConversion], rows: np.ndarray,
+                            stream: Stream | None = None) -> None:
+        sel = np.asarray(rows, dtype=np.int64)
+        if not len(sel) or not tables:
+            return
+        k = len(sel)
+        jobs = np.zeros((k * len(tables), CONV_JOB_WORDS), dtype=np.int64)
+        ids: list[np.ndarray] = []
+        id_jobs: list[int] = []  # jobs whose ``ids`` word is an offset into ``ids`` (ints)
+        nids = 0
+        for t_i, t in enumerate(tables):
+            block = jobs[t_i * k : (t_i + 1) * k]
+            row_in = 4 * t.row_elems
+            block[:, 0] = t.src.ptr + sel * row_in
+            block[:, 1] = t.dst.ptr + sel * (row_in * t.expansion)
+            block[:, 2] = t.row_elems
+            block[:, 3] = t.blocks
+            block[:, 4] = t.scale
+            block[:, 5] = t.offset
+            block[:, 6] = t.expansion
+            block[:, 10] = 1  # unit_scale of rows without scratch (never read)
+            if t.scratch:
+                where = {int(r): i for i, r in enumerate(sel.tolist())}
+                for r, desc in t.scratch.items():
+                    i = where.get(int(r))
+                    if i is None:
+                        continue
+                    sa = scratch_kernel_args(desc, t.blocks, t.scale, t.offset, t.expansion)
+                    if sa.stop <= sa.begin:
+                        continue
+                    block[i, 7:12] = (sa.begin, sa.stop, sa.spb, sa.unit_scale,
+                                      sa.unit_offset)
+                    block[i, 12] = nids
+                    id_jobs.append(t_i * k + i)
+                    ids.append(sa.slot_ids)
+                    nids += len(sa.slot_ids)
+        st = self._stream(stream)
+        module = self._kernels()
+        table = jobs.nbytes
+        ids_at = _align(table)
+        flag_at = ids_at + _align(4 * nids)
+        in_bytes = flag_at + _ALIGN
+        with self._lock:
+            slot = self._ring.acquire(in_bytes, 0)
+            dev = slot.dev_ptr
+            if id_jobs:
+                jobs[id_jobs, 12] = dev + ids_at + 4 * jobs[id_jobs, 12]
+                slot.view[ids_at : ids_at + 4 * nids].view(np.int32)[:] = np.concatenate(ids)
+            slot.view[:table].view(np.int64)[:] = jobs.reshape(-1)
+            slot.view[flag_at : flag_at + 4].view(np.int32)[0] = 0
+            self._memcpy_async(dev, slot.host_ptr, in_bytes, st.native)
+            n_max = max(t.row_elems for t in tables)
+            threads = self._threads
+            grid = (max(1, min(-(-n_max // threads), 4096)), min(len(jobs), _MAX_GRID_Y), 1)
+            self._launch(module.function("kvcm_convert_page_tables"), grid, (threads, 1, 1),
+                         _u64([dev, len(jobs), dev + flag_at]), st.native, 0)
+            self._ring.release(slot, st.native)
 
     # -- fingerprint engine ----------------------------------------------------------------
 

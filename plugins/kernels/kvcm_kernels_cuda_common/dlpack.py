@@ -52,6 +52,9 @@ _DLManagedTensor._fields_ = [
 ]
 
 _CAPSULE_NAME = b"dltensor"
+
+#: Element types a view can carry: typestr -> (DLPack type code, bits).
+_TYPES = {"|u1": (1, 8), "<i4": (0, 32), "<i8": (0, 64)}
 # Our own function objects, so that argtypes set here never clash with other ctypes users.
 _api = ctypes.PyDLL(None, handle=ctypes.pythonapi._handle)
 _CapsuleDestructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -108,7 +111,21 @@ class MemoryView:
         owner: Any = None,
         stream: int | None = None,
         synchronize: Callable[[], None] | None = None,
+        shape: tuple[int, ...] | None = None,
+        typestr: str = "|u1",
     ) -> None:
+        if typestr not in _TYPES:
+            raise ValueError(f"typestr={typestr!r}: must be one of {sorted(_TYPES)}")
+        size = _TYPES[typestr][1] // 8
+        shape = (nbytes // size,) if shape is None else tuple(int(d) for d in shape)
+        count = 1
+        for d in shape:
+            count *= d
+        if count * size > nbytes:
+            raise ValueError(f"shape {shape} of {typestr} needs {count * size} bytes; the "
+                             f"memory has {nbytes}")
+        self.shape = shape
+        self.typestr = typestr
         self.address = address
         self.nbytes = nbytes
         self.device_type = device_type
@@ -117,13 +134,20 @@ class MemoryView:
         self._stream = stream
         self._synchronize = synchronize
 
+    def typed(self, shape: tuple[int, ...], typestr: str) -> MemoryView:
+        """The same memory as an array of ``shape`` and ``typestr`` (``"<i4"``: int32,
+        ``"<i8"``: int64, ``"|u1"``: bytes), row-major, without copying."""
+        return MemoryView(self.address, self.nbytes, self.device_type, self.device_id,
+                          owner=self.owner, stream=self._stream,
+                          synchronize=self._synchronize, shape=shape, typestr=typestr)
+
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         if self.device_type == DLDEVICE_CPU:
             raise AttributeError("host memory has no CUDA array interface")
         return {
-            "shape": (self.nbytes,),
-            "typestr": "|u1",
+            "shape": self.shape,
+            "typestr": self.typestr,
             "data": (self.address, False),
             "strides": None,
             "version": 3,
@@ -135,8 +159,8 @@ class MemoryView:
         if self.device_type == DLDEVICE_CUDA:
             raise AttributeError("device memory has no host array interface")
         return {
-            "shape": (self.nbytes,),
-            "typestr": "|u1",
+            "shape": self.shape,
+            "typestr": self.typestr,
             "data": (self.address, False),
             "strides": None,
             "version": 3,
@@ -165,11 +189,12 @@ class MemoryView:
         if stream != -1 and self._synchronize is not None:
             self._synchronize()
         managed = _DLManagedTensor()
-        shape = (ctypes.c_int64 * 1)(self.nbytes)
+        shape = (ctypes.c_int64 * len(self.shape))(*self.shape)
         managed.dl_tensor.data = self.address or None
         managed.dl_tensor.device = _DLDevice(self.device_type, self.device_id)
-        managed.dl_tensor.ndim = 1
-        managed.dl_tensor.dtype = _DLDataType(1, 8, 1)  # kDLUInt, 8 bits, 1 lane
+        managed.dl_tensor.ndim = len(self.shape)
+        code, bits = _TYPES[self.typestr]
+        managed.dl_tensor.dtype = _DLDataType(code, bits, 1)
         managed.dl_tensor.shape = shape
         managed.dl_tensor.strides = None
         managed.dl_tensor.byte_offset = 0

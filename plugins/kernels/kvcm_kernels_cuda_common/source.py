@@ -9,6 +9,7 @@ same stream: no host synchronisation per call.
 from __future__ import annotations
 
 __all__ = [
+    "CONV_JOB_WORDS",
     "COPY_CHUNK_BYTES_PER_THREAD",
     "COPY_DESC_WORDS",
     "FP_DESC_WORDS",
@@ -18,6 +19,8 @@ __all__ = [
 
 #: int64 words of one copy descriptor (``CopyDesc`` below).
 COPY_DESC_WORDS = 8
+#: int64 words of one conversion job (``ConvJob`` below).
+CONV_JOB_WORDS = 16
 #: int64 words of one fingerprint descriptor (``FpDesc`` below).
 FP_DESC_WORDS = 8
 #: Bytes of a page that one block copies per work item, per thread of the block (16-byte
@@ -27,6 +30,7 @@ COPY_CHUNK_BYTES_PER_THREAD = 64
 KERNEL_NAMES = (
     "kvcm_copy_pages",
     "kvcm_convert_page_indices",
+    "kvcm_convert_page_tables",
     "kvcm_fingerprint_write",
     "kvcm_fingerprint_check",
 )
@@ -115,17 +119,15 @@ kvcm_copy_pages(u64 descs, u64 ndescs, u64 pairs, u64 npairs, u64 chunk_bytes) {
 // unit_scale (p = b - scratch_begin), out = page * expansion + e. The host checked the
 // arguments (0 <= unit_offset < unit_scale <= INT32_MAX, ids in [0, INT32_MAX] and enough
 // of them), so nothing here wraps.
-extern "C" __global__ void
-kvcm_convert_page_indices(u64 in_ptr, u64 out_ptr, u64 n, i64 scale, i64 offset,
-                          i64 expansion, u64 flag_ptr, i64 width, i64 scratch_begin,
-                          i64 scratch_stop, i64 spb, i64 unit_scale, i64 unit_offset,
-                          u64 ids_ptr) {
-    const int* in = (const int*)in_ptr;
-    const int* ids = (const int*)ids_ptr;
-    int* out = (int*)out_ptr;
+// One span of a row conversion (threads first, first + step, ...), shared by both kernels:
+// returns 1 when a result fell outside [-1, INT32_MAX].
+__device__ __forceinline__ int convert_span(const int* in, int* out, i64 n, i64 scale,
+                                            i64 offset, i64 expansion, i64 width,
+                                            i64 scratch_begin, i64 scratch_stop, i64 spb,
+                                            i64 unit_scale, i64 unit_offset, const int* ids,
+                                            i64 first, i64 step) {
     int bad = 0;
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (i64)n;
-         i += (i64)gridDim.x * blockDim.x) {
+    for (i64 i = first; i < n; i += step) {
         const int v = in[i];
         int* o = out + i * expansion;
         if (scratch_stop > scratch_begin) {
@@ -153,6 +155,44 @@ kvcm_convert_page_indices(u64 in_ptr, u64 out_ptr, u64 n, i64 scale, i64 offset,
             if (w > 2147483647LL || w < -1LL) bad = 1;
             o[e] = (int)w;
         }
+    }
+    return bad;
+}
+
+extern "C" __global__ void
+kvcm_convert_page_indices(u64 in_ptr, u64 out_ptr, u64 n, i64 scale, i64 offset,
+                          i64 expansion, u64 flag_ptr, i64 width, i64 scratch_begin,
+                          i64 scratch_stop, i64 spb, i64 unit_scale, i64 unit_offset,
+                          u64 ids_ptr) {
+    const int bad = convert_span((const int*)in_ptr, (int*)out_ptr, (i64)n, scale, offset,
+                                 expansion, width, scratch_begin, scratch_stop, spb,
+                                 unit_scale, unit_offset, (const int*)ids_ptr,
+                                 blockIdx.x * (i64)blockDim.x + threadIdx.x,
+                                 (i64)gridDim.x * blockDim.x);
+    if (bad) *(volatile int*)flag_ptr = 1;
+}
+
+// ---- convert_page_tables ---------------------------------------------------------------
+
+// One row of one table: n slot ids at in (blocks of width per beam) to n * expansion page
+// indices at out, with the row's scratch arguments (scratch_stop <= scratch_begin: none).
+struct ConvJob {
+    i64 in, out, n, width, scale, offset, expansion, scratch_begin, scratch_stop, spb,
+        unit_scale, unit_offset, ids, pad0, pad1, pad2;
+};
+
+// Every job of every table in one launch: blockIdx.y walks the jobs, x the row.
+extern "C" __global__ void
+kvcm_convert_page_tables(u64 jobs_ptr, u64 njobs, u64 flag_ptr) {
+    const ConvJob* jobs = (const ConvJob*)jobs_ptr;
+    int bad = 0;
+    for (i64 j = blockIdx.y; j < (i64)njobs; j += gridDim.y) {
+        const ConvJob jb = jobs[j];
+        bad |= convert_span((const int*)jb.in, (int*)jb.out, jb.n, jb.scale, jb.offset,
+                            jb.expansion, jb.width, jb.scratch_begin, jb.scratch_stop,
+                            jb.spb, jb.unit_scale, jb.unit_offset, (const int*)jb.ids,
+                            blockIdx.x * (i64)blockDim.x + threadIdx.x,
+                            (i64)gridDim.x * blockDim.x);
     }
     if (bad) *(volatile int*)flag_ptr = 1;
 }

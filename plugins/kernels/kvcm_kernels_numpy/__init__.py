@@ -22,6 +22,7 @@ from kvcm_core.backend import (
     MemoryKind,
     PageRegion,
     Stream,
+    TableConversion,
     check_copy_args,
 )
 from kvcm_core.records import KernelBackendCapabilities, KernelBackendSpec
@@ -245,6 +246,28 @@ class NumpyBackend(KernelBackend):
         scratch: ScratchDesc | None = None,
     ) -> np.ndarray:
         return convert_page_indices_reference(slots, scale, offset, expansion, scratch)
+
+    def convert_page_tables(self, tables: Sequence[TableConversion], rows: np.ndarray,
+                            stream: Stream | None = None) -> None:
+        sel = np.asarray(rows, dtype=np.int64)
+        if not len(sel):
+            return
+        chosen = set(sel.tolist())
+        for t in tables:
+            n_rows = t.src.nbytes // (4 * t.row_elems)
+            src = t.src.host_view()[: 4 * n_rows * t.row_elems].view(np.int32)
+            src = src.reshape(n_rows, -1, t.blocks)
+            dst = t.dst.host_view()[: 4 * n_rows * t.row_elems * t.expansion].view(np.int32)
+            dst = dst.reshape(n_rows, -1, t.blocks * t.expansion)
+            scratch = {r: d for r, d in (t.scratch or {}).items() if r in chosen}
+            plain = sel if not scratch else np.asarray(
+                [r for r in sel.tolist() if r not in scratch], dtype=np.int64)
+            if len(plain):
+                dst[plain] = convert_page_indices_reference(src[plain], t.scale, t.offset,
+                                                            t.expansion)
+            for r, desc in scratch.items():
+                dst[r] = convert_page_indices_reference(src[r], t.scale, t.offset,
+                                                        t.expansion, desc)
 
     def _locate(self, pages: FingerprintPages) -> tuple[np.ndarray, np.ndarray]:
         """For every page: index of the live buffer holding it, and its offset there."""
