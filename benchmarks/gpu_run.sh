@@ -7,6 +7,7 @@
 #                                       # on each GPU backend (KVCM_TEST_BACKEND)
 #   bash benchmarks/gpu_run.sh bench    # kernel benchmark, simulate on the GPU
 #   bash benchmarks/gpu_run.sh quick    # GPU tests and a quick benchmark
+#   bash benchmarks/gpu_run.sh batch    # the Batch benchmark's device part
 # Results under $OUT (default ./out).
 set -uo pipefail
 MODE="${1:-tests}"
@@ -53,6 +54,12 @@ case "$MODE" in
   bench)
     run bench.log 330 "$PY" -m kvcm_core.bench.kernels --out "$OUT" --sweep-threads 128,512
     run simulate.log 120 "$PY" -m kvcm_core.cli simulate --quiet --out "$OUT/simulate"
+    run batch.log 200 "$PY" -m kvcm_core.bench.batch --quick --device-rows 256 \
+      --device-blocks 2048 --out "$OUT"
+    ;;
+  batch)  # the Batch benchmark's device part (its host part is measured beside vLLM)
+    run batch.log 200 "$PY" -m kvcm_core.bench.batch --quick --device-rows 256 \
+      --device-blocks 2048 --out "$OUT"
     ;;
   quick)
     run tests_gpu.log 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider --tb=short
