@@ -161,7 +161,8 @@ def run_device(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     """The device part on one CUDA backend."""
     tpb, rows, blocks = 16, args.device_rows, args.device_blocks
     layers = max(1, -(-args.tables // 2))
-    m = _manager(backend, tpb, rows * (blocks + 1) + 64, layers)
+    # Headroom: resume refuses above max_util_for_resume (0.97 by default) of level 0.
+    m = _manager(backend, tpb, int(rows * (blocks + 1) / 0.9) + 64, layers)
     be = m.backend
     limits = _limits(be, args.device_reps)
     b = Batch(m, rows, blocks)
@@ -170,7 +171,8 @@ def run_device(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     caches = []
     for i in range(rows):
         c = m.create_kv_cache(None, (), id=i)
-        assert c.resume() and c.resize((blocks - args.device_reps - 2) * tpb)
+        if not (c.resume() and c.resize((blocks - args.device_reps - 2) * tpb)):
+            raise RuntimeError(f"row {i}: {c.last_refusal}")
         caches.append(c)
         b.add_kv_cache(c)
     b.publish()
