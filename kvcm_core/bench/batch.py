@@ -11,11 +11,13 @@ Two parts, written to one JSON result:
   peer benchmark run in the same sitting.
 - **device** (each available CUDA backend): ``--device-rows`` rows of
   ``--device-blocks`` blocks with ``--tables`` registered index tables; ``publish`` after
-  every row gained a block (all rows dirty) and after one row did, timed on the device
-  with events, against a model measured in the same run: launches x the device time of
-  an empty kernel launch + uploaded bytes / pinned host-to-device bandwidth + conversion
-  bytes read and written / device-to-device bandwidth (read + written). The host time of
-  each call is reported beside it.
+  every row gained a block (all rows dirty) and after one row did, each through one
+  ``Batch.resize``: the device time of the work it queues (the stream held by a gate
+  kernel while the host queues it, so host time is not in it) against a model measured
+  in the same run: launches x the device time of an empty kernel launch + uploaded bytes
+  / pinned host-to-device bandwidth + conversion bytes read and written /
+  device-to-device bandwidth (read + written). The host time of each call is reported
+  beside it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from kvcm_core.plugins import get_plugin_manager
 
 ns = time.perf_counter_ns
 _EMPTY = 'extern "C" __global__ void kvcm_bench_batch_empty(unsigned long long x) {}\n'
+_GATE = ('extern "C" __global__ void kvcm_bench_batch_gate(unsigned long long flag) '
+         '{ while (*(volatile int*)flag == 0) { } }\n')
 
 #: What ``--quick`` changes: a run of a few seconds.
 QUICK = {"block_sizes": [16], "rows": 32, "context": 256, "steps": 32, "reps": 1,
@@ -171,7 +175,7 @@ def run_device(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     caches = []
     for i in range(rows):
         c = m.create_kv_cache(None, (), id=i)
-        if not (c.resume() and c.resize((blocks - args.device_reps - 2) * tpb)):
+        if not (c.resume() and c.resize((blocks - 2 * args.device_reps - 2) * tpb)):
             raise RuntimeError(f"row {i}: {c.last_refusal}")
         caches.append(c)
         b.add_kv_cache(c)
@@ -186,30 +190,49 @@ def run_device(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         return (launches * limits["launch_device_us"] * 1e-6 + up / (limits["h2d_gbps"] * 1e9)
                 + conv / (limits["d2d_read_write_gbps"] * 1e9))
 
-    # All rows dirty: every row gains a block (the decode step at a block boundary), then
-    # one publish. Only the publish is timed.
-    dev, host = [], []
-    for _ in range(args.device_reps):
-        for c in caches:
-            assert c.resize(c.capacity + tpb)
-        d, h = _device_seconds(be, b.publish, 1)
-        dev += d
-        host += h
-    results["all_rows_dirty"] = {
-        "rows_uploaded": rows, "device_us_median": statistics.median(dev) * 1e6,
-        "host_us_median": statistics.median(host) * 1e6, "model_us": model(2, rows) * 1e6,
-        "ratio_device_to_model": statistics.median(dev) / model(2, rows),
-        "table_bytes": per_table}
-    dev, host = [], []
-    for r in range(args.device_reps):
-        assert caches[r].resize(caches[r].capacity + tpb)
-        d, h = _device_seconds(be, b.publish, 1)
-        dev += d
-        host += h
-    results["one_row_dirty"] = {
-        "rows_uploaded": 1, "device_us_median": statistics.median(dev) * 1e6,
-        "host_us_median": statistics.median(host) * 1e6, "model_us": model(2, 1) * 1e6,
-        "ratio_device_to_model": statistics.median(dev) / model(2, 1)}
+    # Each case is one Batch.resize (the engine's per-step call) in which every row, or
+    # one row, gains a block; its publish uploads and converts those rows. The device time
+    # is that of the work the call queues, measured with the stream held by a gate kernel
+    # while the host queues it (so host time is not in it); the host time is the call's.
+    gate = be.compile(_GATE)
+    flag = be.alloc_host(64)
+    flag_view = flag.host_view()[:4].view(np.int32)
+
+    def gated(call: Any) -> tuple[float, float]:
+        flag_view[0] = 0
+        gate.launch("kvcm_bench_batch_gate", (1, 1, 1), (1, 1, 1), [np.uint64(flag.ptr)])
+        start, end = be.create_event(), be.create_event()
+        start.record()
+        try:
+            t0 = time.perf_counter()
+            call()
+            host = time.perf_counter() - t0
+            end.record()
+        finally:
+            flag_view[0] = 1
+        end.synchronize()
+        return end.elapsed_ms(start) / 1e3, host
+
+    def case(name: str, grow_rows: list[int]) -> None:
+        dev, host = [], []
+        for _ in range(args.device_reps):
+            caps = np.full(rows, -1, dtype=np.int64)
+            caps[grow_rows] = [caches[r].capacity + tpb for r in grow_rows]
+            d, h = gated(lambda caps=caps: b.resize(caps))
+            dev.append(d)
+            host.append(h)
+        n = len(grow_rows)
+        results[name] = {
+            "rows_uploaded": n, "device_us_median": statistics.median(dev) * 1e6,
+            "device_us_min": min(dev) * 1e6, "host_us_median": statistics.median(host) * 1e6,
+            "model_us": model(2, n) * 1e6,
+            "ratio_device_to_model": statistics.median(dev) / model(2, n)}
+
+    try:
+        case("all_rows_dirty", list(range(rows)))
+        case("one_row_dirty", [rows // 2])
+    finally:
+        flag.free()
     b.close()
     for c in caches:
         c.close()
