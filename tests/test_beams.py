@@ -14,6 +14,7 @@ import pytest
 from kvcm_core import (
     BAD_PAGE_INDEX,
     AttentionLayerConfig,
+    Batch,
     BufferConfig,
     InvalidStateError,
     KVCacheManager,
@@ -50,12 +51,16 @@ class BeamDriver:
     """Runs one cache: prefill of a prompt, a fork, then decode steps where each beam
     writes its own tokens; beam 0's tokens are committed."""
 
-    def __init__(self, m: KVCacheManager, prompt: list[int], seed: int = 0) -> None:
+    def __init__(self, m: KVCacheManager, prompt: list[int], seed: int = 0,
+                 batch: Batch | None = None) -> None:
         self.m = m
-        self.engine = FingerprintEngine(m)
+        self.batch = batch  # when set, every page table is read from its device tables
+        self.engine = FingerprintEngine(m, batch)
         self.rng = np.random.default_rng(seed)
         self.cache = m.create_kv_cache(None, prompt[:-1])
         assert self.cache.resume()
+        if batch is not None:
+            batch.add_kv_cache(self.cache)
         self.beams = [list(prompt)]
 
     def step(self, n: int = 1) -> None:
@@ -66,6 +71,8 @@ class BeamDriver:
                 beam.append(int(self.rng.integers(0, 1000)))
         assert c.resize(cap)
         work = [StepWork(c, beam, k) for k, beam in enumerate(self.beams)]
+        if self.batch is not None:
+            self.batch.publish()
         self.engine.step(work)
         c.commit(self.beams[0][c.history_length:cap])
         self.m.check_invariants()
@@ -85,6 +92,8 @@ class BeamDriver:
 
     def check_all(self) -> None:
         c = self.cache
+        if self.batch is not None:
+            self.batch.publish()
         self.engine.check([StepWork(c, beam, k) for k, beam in enumerate(self.beams)])
 
 
@@ -94,9 +103,13 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("fork_at", [8, 10])  # on a block boundary, and mid-block
 @pytest.mark.parametrize("hybrid", [False, True])
-def test_beams_share_written_full_blocks_copy_the_tail_and_write_their_own(fork_at, hybrid):
+@pytest.mark.parametrize("through_batch", [False, True])
+def test_beams_share_written_full_blocks_copy_the_tail_and_write_their_own(
+        fork_at, hybrid, through_batch):
     m = _manager(hybrid=hybrid)
-    d = BeamDriver(m, _prompt(6, 1))
+    batch = Batch(m, max_rows=2, max_blocks_per_row=16, max_beam_width=4) \
+        if through_batch else None
+    d = BeamDriver(m, _prompt(6, 1), batch=batch)
     d.prefill(fork_at)
     assert d.fork(3)
     c = d.cache
@@ -113,6 +126,11 @@ def test_beams_share_written_full_blocks_copy_the_tail_and_write_their_own(fork_
     t0, t1, t2 = (c.get_base_page_indices(g, k) for k in range(3))
     tail = c.history_length // TPB
     assert len({int(t0[tail]), int(t1[tail]), int(t2[tail])}) == 3
+    if batch is not None:
+        table = batch.read_page_table(g)[batch.row_of(c)]
+        for k, own in enumerate((t0, t1, t2)):
+            assert (table[k, : len(own)] == own).all(), "each beam has its row of the table"
+        batch.close()
     c.close()
     m.clear_reusable_blocks()
     st = m.get_storage_statistics(0)
