@@ -113,10 +113,13 @@ def test_chunked_prefill_with_scratch_uses_fewer_gpu_slots_at_peak_and_verifies_
     assert checked > 0
 
 
+@pytest.mark.parametrize("index_tables", [False, True])
 def test_engine_loop_with_scratch_runs_concurrent_requests_verified_with_invariants_each_step(
-        managers: Any) -> None:
+        managers: Any, index_tables: bool) -> None:
+    """Pages are read through a Batch; with ``index_tables`` the scratch layers' pages are
+    addressed through the batch's converted tables (scratch blocks included)."""
     m = managers(swa_model(), swa_scratch=scratch_cfg())
-    loop = EngineLoop(m, chunk_tokens=32, max_batch=4)
+    loop = EngineLoop(m, chunk_tokens=32, max_batch=4, index_tables=index_tables)
     reqs = [Request(i, tokens(150 + 13 * i, seed=10 + i), prompt_len=130 + 13 * i)
             for i in range(4)]
     loop.run(reqs, on_step=lambda _r: assert_invariants(m))

@@ -17,6 +17,7 @@ import attrs
 
 from kvcm_core.batch import Batch
 from kvcm_core.cache import CacheStatus
+from kvcm_core.config import AttentionLayerConfig
 from kvcm_core.testing.fingerprint import FingerprintEngine, StepWork
 from kvcm_core.types import ReuseScope
 
@@ -78,12 +79,15 @@ class EngineLoop:
         use_batch: seat running requests in a :class:`~kvcm_core.batch.Batch` of
             ``max_batch`` rows and read every page table through its published device
             tables (on by default); rows are as wide as the GPU level has slots.
+        index_tables: also register every attention buffer's index table in the batch;
+            the fingerprint engine then addresses the pages of layer-by-layer (SWA
+            scratch) steps through the batch's converted tables.
     """
 
     def __init__(self, manager: Any, *, chunk_tokens: int = 64, max_batch: int = 64,
                  token_budget: int | None = None, check: bool = True,
                  close_finished: bool = True, preempt_mode: str = "auto",
-                 use_batch: bool = True) -> None:
+                 use_batch: bool = True, index_tables: bool = False) -> None:
         if preempt_mode not in ("auto", "suspend", "recompute"):
             raise ValueError(f"preempt_mode={preempt_mode!r}: must be auto, suspend or "
                              "recompute")
@@ -94,6 +98,12 @@ class EngineLoop:
             widest = max(s.num_slots for s in manager.stores[0])
             self.batch = Batch(manager, max_batch, max(1, widest),
                                max_beam_width=manager.config.max_beam_width)
+            if index_tables:
+                for layer in manager.config.layers:
+                    if isinstance(layer, AttentionLayerConfig):
+                        for buf in layer.buffers:
+                            if buf.size:
+                                self.batch.register_index_table(layer.layer_id, buf.role)
         self.engine = FingerprintEngine(manager, self.batch)
         self.chunk_tokens = chunk_tokens
         self.max_batch = max_batch
