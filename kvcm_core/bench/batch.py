@@ -73,9 +73,10 @@ def run_host(args: argparse.Namespace, tpb: int, seed: int) -> dict[str, float]:
     b = Batch(m, rows, -(-(ctx + steps) // tpb) + 1)
     caches = []
     for i in range(rows):
-        c = m.create_kv_cache(None, [rng.randrange(128_000) for _ in range(ctx - 1)], id=i)
+        prompt = [rng.randrange(128_000) for _ in range(ctx)]
+        c = m.create_kv_cache(None, prompt[:-1], id=i)
         assert c.resume() and c.resize(ctx)
-        c.commit([rng.randrange(128_000) for _ in range(ctx)])
+        c.commit(prompt[c.history_length:])  # a partial match may have reused a few
         caches.append(c)
         b.add_kv_cache(c)
     b.publish()
