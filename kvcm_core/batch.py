@@ -159,8 +159,9 @@ class Batch:
                         for _ in range(self.num_groups)]
         self._index: dict[tuple[int, str, IndexMode], _IndexTable] = {}
         self._rows: list[Any] = [None] * self.max_rows
-        self._seen = [-1] * self.max_rows  # member's page-table version last staged
-        self._forced: set[int] = set()  # rows to stage whatever their version says
+        # Rows to rebuild from their members at the next publish: those whose member
+        # reported a change (``mark_dirty``) and those seated, moved or emptied.
+        self._dirty: set[int] = set()
         self._patched: set[int] = set()  # rows staged in place, not uploaded yet
         tpb = manager.tokens_per_block
         self._tpb = tpb
@@ -208,7 +209,7 @@ class Batch:
         self._check_fits(cache, cache.num_blocks, cache.beam_width)
         self._rows[row] = cache
         cache.batch_seat = (self, row)
-        self._forced.add(row)
+        self._dirty.add(row)
         return row
 
     def remove_kv_cache(self, cache: Any) -> int:
@@ -224,7 +225,7 @@ class Batch:
         self._rows[row] = None
         self._scratch[row] = {}
         cache.batch_seat = None
-        self._forced.add(row)
+        self._dirty.add(row)
         return row
 
     def move(self, cache: Any, row: int) -> None:
@@ -238,7 +239,7 @@ class Batch:
         self._rows[row], self._rows[old] = cache, None
         self._scratch[row], self._scratch[old] = self._scratch[old], {}
         cache.batch_seat = (self, row)
-        self._forced.update((row, old))
+        self._dirty.update((row, old))
 
     def row_of(self, cache: Any) -> int | None:
         """The row of ``cache`` in this batch, or ``None``."""
@@ -254,16 +255,12 @@ class Batch:
 
     def dirty_rows(self) -> np.ndarray:
         """Rows whose device row differs from what their member's tables say now."""
-        return np.asarray(sorted(self._restage() | self._patched), dtype=np.int32)
+        return np.asarray(sorted(self._dirty | self._patched), dtype=np.int32)
 
-    def _restage(self) -> set[int]:
-        """Rows to rebuild from their members: forced ones and those whose version
-        moved since they were staged."""
-        out = set(self._forced)
-        for r, (cache, seen) in enumerate(zip(self._rows, self._seen, strict=True)):
-            if cache is not None and cache.page_table_version != seen:
-                out.add(r)
-        return out
+    def mark_dirty(self, row: int) -> None:
+        """Rebuild and upload ``row`` at the next publish. A seated cache calls it
+        whenever one of its page tables changes (each new ``page_table_version``)."""
+        self._dirty.add(row)
 
     def publish(self, stream: Stream | None = None) -> int:
         """Upload the dirty rows of every table (base page tables, block counts and the
@@ -278,7 +275,7 @@ class Batch:
         if self.backend.is_capturing(stream):
             raise InvalidStateError("publish during CUDA graph capture: publish before "
                                     "capturing (the tables' addresses never change)")
-        restage = self._restage()
+        restage = self._dirty
         rows = np.asarray(sorted(restage | self._patched), dtype=np.int32)
         if len(rows):
             self._wait_readers()
@@ -288,7 +285,7 @@ class Batch:
             self.backend.copy_pages_batch(
                 [t.task(pairs) for t in (*self._tables, *self._counts)], stream)
             self._convert(rows, stream)
-            self._forced.clear()
+            self._dirty = set()
             self._patched.clear()
         event = self.backend.create_event()
         event.record(stream)
@@ -336,44 +333,56 @@ class Batch:
         caps = self._per_row("capacities", capacities)
         hist = None if history_lengths is None else self._per_row("history_lengths",
                                                                    history_lengths)
-        live = [r for r, c in enumerate(self._rows) if c is not None and caps[r] != -1]
-        if self.max_total_input_tokens is not None:
-            new = 0
-            for r in live:
-                h = self._rows[r].history_length if hist is None or hist[r] == -1 else hist[r]
-                new += max(0, caps[r] - h)
-            if new > self.max_total_input_tokens:
-                raise InvalidArgumentError(
-                    f"capacities: {new} new tokens in one step exceed max_total_input_tokens"
-                    f"={self.max_total_input_tokens}")
-        out = [True] * self.max_rows
         rows = self._rows
-        if self._read_fence is not None and any(caps[r] < rows[r].capacity for r in live):
-            self._wait_readers()  # pages a reader may hold can be released below
-        if hist is None or not any(hist[r] != -1 for r in live):
-            live = self._grow_together(live, caps, out)
-        for r in live:
+        if hist is not None and max(hist) == -1:
+            hist = None
+        if self.max_total_input_tokens is not None or self._read_fence is not None:
+            live = [r for r, c in enumerate(rows) if c is not None and caps[r] != -1]
+            self._check_new_tokens(live, caps, hist)
+            if self._read_fence is not None and any(caps[r] < rows[r].capacity for r in live):
+                self._wait_readers()  # pages a reader may hold can be released below
+        out = [True] * self.max_rows
+        if hist is None:
+            rest = self._grow_together(caps)
+        else:
+            rest = [r for r, c in enumerate(rows) if c is not None and caps[r] != -1]
+        for r in rest:
             h = None if hist is None or hist[r] == -1 else hist[r]
             out[r] = caps[r] <= self._max_tokens and rows[r].resize(caps[r], h)
         self.publish(stream)
         return out
 
-    def _grow_together(self, live: list[int], caps: list[int], out: list[bool]) -> list[int]:
+    def _check_new_tokens(self, live: list[int], caps: list[int],
+                          hist: list[int] | None) -> None:
+        if self.max_total_input_tokens is None:
+            return
+        new = 0
+        for r in live:
+            h = self._rows[r].history_length if hist is None or hist[r] == -1 else hist[r]
+            new += max(0, caps[r] - h)
+        if new > self.max_total_input_tokens:
+            raise InvalidArgumentError(
+                f"capacities: {new} new tokens in one step exceed max_total_input_tokens"
+                f"={self.max_total_input_tokens}")
+
+    def _grow_together(self, caps: list[int]) -> list[int]:
         """The batched path of :meth:`resize` (histories unchanged): rows whose blocks stay
         are done by their caches at once; rows of plain growth of a one-group cache get
         their pages from one allocation, staged in place. Returns the rows left for
         ``cache.resize``."""
         rest: list[int] = []
         grow: list[tuple[int, int]] = []  # (row, pages needed)
-        rows = self._rows
         limit = self._max_tokens
-        for r in live:
-            cap = caps[r]
-            n = rows[r].batch_growth(cap) if cap <= limit else -1
-            if n > 0 and self._one_group:
-                grow.append((r, n))
-            elif n:
-                rest.append(r)
+        one_group = self._one_group
+        for r, (cache, cap) in enumerate(zip(self._rows, caps, strict=True)):
+            if cache is None or cap == -1:
+                continue
+            n = cache.batch_growth(cap) if cap <= limit else -1
+            if n:
+                if n > 0 and one_group:
+                    grow.append((r, n))
+                else:
+                    rest.append(r)
         if not grow:
             return rest
         store = self._levels.gpu_store(0)
@@ -386,22 +395,21 @@ class Batch:
             return sorted(rest + [r for r, _ in grow])
         slots = self._levels.arena.slot[pids]
         pl = pids.tolist()
-        seen, forced, tpb = self._seen, self._forced, self._tpb
+        dirty, rows, tpb = self._dirty, self._rows, self._tpb
         at = 0
         keep = np.ones(total, dtype=np.bool_)  # pages staged in place
         where_r, where_b = [], []  # their rows and blocks
         count_r, count_v = [], []  # rows staged in place and their new block counts
         for r, n in grow:
-            cache = rows[r]
-            clean = cache.page_table_version == seen[r] and r not in forced
-            cache.batch_grow(caps[r], pl[at: at + n])
+            clean = r not in dirty
+            rows[r].batch_grow(caps[r], pl[at: at + n])  # marks the row dirty
             if clean:  # the row is otherwise current: stage its new blocks in place
                 nb = (caps[r] + tpb - 1) // tpb
                 where_r.extend([r] * n)
                 where_b.extend(range(nb - n, nb))
                 count_r.append(r)
                 count_v.append(nb)
-                seen[r] = cache.page_table_version
+                dirty.discard(r)
                 self._patched.add(r)
             else:
                 keep[at: at + n] = False
@@ -529,7 +537,6 @@ class Batch:
             for t, c in zip(self._tables, self._counts, strict=True):
                 t.staging[r] = BAD_PAGE_INDEX
                 c.staging[r] = 0
-            self._seen[r] = -1
             return
         width = cache.beam_width
         self._check_fits(cache, cache.num_blocks, width)
@@ -547,7 +554,6 @@ class Batch:
             if desc is not None:
                 scratch[g] = desc
         self._scratch[r] = scratch
-        self._seen[r] = cache.page_table_version
 
     def _convert(self, rows: np.ndarray, stream: Stream | None,
                  tables: list[_IndexTable] | None = None) -> None:

@@ -90,9 +90,6 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         self._published = end // tpb
         self._commit_on = ctx.publishes_anything
         self._version = 0
-        #: ``(batch, row)`` while seated in a :class:`~kvcm_core.batch.Batch` (set by the
-        #: batch only), else ``None``.
-        self.batch_seat: tuple[Any, int] | None = None
         ngroups = len(ctx.life_cycles)
         self._table_keys: list[Any] = [None] * ngroups
         self._tables: list[np.ndarray | None] = [None] * ngroups
@@ -194,7 +191,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             kind = self._ctx.kinds[g]
             if kind.table_key(old) != kind.table_key(new) or (
                     kind.is_ssm and old // self._tpb != new // self._tpb):
-                self._version += 1
+                self._changed()
                 return
 
     @property
@@ -304,7 +301,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         for refs in reversed(self._refs_by_beam()):
             self._levels.change(_arr(refs[::-1]), -1, 1)
         self._status = CacheStatus.SUSPENDED
-        self._version += 1
+        self._changed()
 
     def prefetch(self, level: int = 0) -> int:
         """Hint for a suspended cache: bring its pages up to ``level`` (0: the GPU) where
@@ -409,7 +406,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             L.change(_arr([src for _, _, src in self._pending]), 0, -1)
             self._pending.clear()
         self._status = CacheStatus.CLOSED
-        self._version += 1
+        self._changed()
         ctx.on_close(self)
 
     # -- page tables ---------------------------------------------------------------------------

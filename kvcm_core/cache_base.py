@@ -64,6 +64,18 @@ class CacheBase:
     #: the instance only by a call (the class default serves until then).
     _last_refusal: str | None = None
 
+    #: ``(batch, row)`` while seated in a :class:`~kvcm_core.batch.Batch` (set by the batch
+    #: only), else ``None``.
+    batch_seat: tuple[Any, int] | None = None
+
+    def _changed(self) -> None:
+        """A page table of this cache changed: a new ``page_table_version``, and the
+        cache's batch row (when seated) is marked dirty."""
+        self._version += 1
+        seat = self.batch_seat
+        if seat is not None:
+            seat[0].mark_dirty(seat[1])
+
     def _refuse(self, reason: str) -> bool:
         """Record why a call is refused (``last_refusal``) and return False."""
         self._last_refusal = reason

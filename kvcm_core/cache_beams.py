@@ -89,7 +89,7 @@ class BeamsMixin(CacheBase):
             for bm in reversed(self._beams[width - 1:]):
                 self._release_beam(bm)
             del self._beams[width - 1:]
-            self._version += 1
+            self._changed()
             return True
         if width == self.beam_width:
             return True
@@ -137,7 +137,7 @@ class BeamsMixin(CacheBase):
                     L.copy_blocks(g, np.asarray([pid]), np.asarray([live]))
                     beam.ssm[g] = pid
             self._beams.append(beam)
-        self._version += 1
+        self._changed()
         return True
 
     def _grow_beams(self, grow: dict[int, list[int]], prios: dict[int, int]) -> None:

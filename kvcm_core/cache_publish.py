@@ -125,7 +125,7 @@ class PublishMixin(CacheBase):
                 pages_g[b] = theirs
                 L.change(np.asarray([mine]), -1, 0)
                 L.stats.groups[g].rebased_blocks += 1
-                self._version += 1
+                self._changed()
 
     def _supersede_partials(self, parent: int, tokens: tuple[int, ...]) -> None:
         """Remove partial children that ``tokens`` covers (the longer block wins)."""

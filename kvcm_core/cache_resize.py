@@ -146,7 +146,7 @@ class ResizeMixin(CacheBase):
             self._note_history(self._history, history)  # type: ignore[attr-defined]
         self._history = history
         if releases or grow or resized:
-            self._version += 1
+            self._changed()
         return True
 
     def _grow_fast(self, capacity: int) -> bool:
@@ -177,7 +177,7 @@ class ResizeMixin(CacheBase):
                 return self._refuse(room_failed("resize", exc))
         pages_g.extend(self._new_pages(g, range(old_nb, nb_new), prios))  # type: ignore[attr-defined]
         self._capacity = capacity
-        self._version += 1
+        self._changed()
         return True
 
     # -- Batch.resize's batched growth (one allocation for many caches) -------------------------
@@ -214,7 +214,7 @@ class ResizeMixin(CacheBase):
         self.stats.newly_allocated_blocks += len(pids)  # type: ignore[attr-defined]
         self._capacity = capacity
         self._last_refusal = None
-        self._version += 1
+        self._changed()
 
     def _release_stale(self) -> None:
         ctx = self._ctx
@@ -239,5 +239,5 @@ class ResizeMixin(CacheBase):
                     changed = True
             self._released_to[g] = stop
         if changed:
-            self._version += 1
+            self._changed()
 

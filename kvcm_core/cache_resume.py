@@ -147,7 +147,7 @@ class ResumeMixin(CacheBase):
             L.change(_arr([src for _, _, src in self._pending]), 0, -1)
             self._pending.clear()
         self._first_resume_done = True
-        self._version += 1
+        self._changed()
         self._status = CacheStatus.ACTIVE
         return True
 
@@ -185,7 +185,7 @@ class ResumeMixin(CacheBase):
                     return False
         self._optional_decided = True
         self._first_resume_done = True
-        self._version += 1
+        self._changed()
         self._status = CacheStatus.ACTIVE
         return True
 

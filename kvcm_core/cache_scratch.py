@@ -131,7 +131,7 @@ class ScratchMixin(CacheBase):
                     self._recompute.setdefault(g, []).append(b)
         self._scratch_live = True
         if changed:
-            self._version += 1
+            self._changed()
 
     def _drop_scratch(self) -> None:
         """Release every scratch slot (suspend, close)."""
@@ -141,7 +141,7 @@ class ScratchMixin(CacheBase):
             slots.clear()
         if self._scratch_range:
             self._scratch_range.clear()
-            self._version += 1
+            self._changed()
         self._scratch_live = False
 
     # -- page tables ---------------------------------------------------------------------------
