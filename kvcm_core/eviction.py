@@ -235,6 +235,15 @@ class EvictionPolicy(abc.ABC):
                 nothing is changed.
         """
 
+    def insert_many_checked_by_caller(self, pages: np.ndarray,
+                                      priorities: int | np.ndarray) -> None:
+        """:meth:`insert_many` for a batch the core built: an int64 array of distinct page
+        ids in ``0..2**31-1`` none of which is present, and one int priority or an int64
+        array of them, all in ``0..max_priority``. A policy may skip its argument checks
+        here (the core never breaks these promises); the default runs
+        :meth:`insert_many`. The result must be the same as :meth:`insert_many`'s."""
+        self.insert_many(pages, priorities)
+
     @abc.abstractmethod
     def remove_many(self, pages: PageBatch) -> None:
         """Forget ``pages``.

@@ -499,9 +499,9 @@ def _insert(policy: EvictionPolicy, pids: np.ndarray, prios: np.ndarray) -> None
     path), else the priorities of each page."""
     p0 = int(prios[0])
     if len(pids) == 1 or not np.count_nonzero(prios != p0):
-        policy.insert_many(pids, p0)
+        policy.insert_many_checked_by_caller(pids, p0)
     else:
-        policy.insert_many(pids, prios.astype(np.int64))
+        policy.insert_many_checked_by_caller(pids, prios.astype(np.int64))
 
 
 def group_by_store(arena: PageArena, pids: np.ndarray) -> list[tuple[int, np.ndarray]]:

@@ -394,6 +394,46 @@ class EvictionPolicyConformance(ConformanceBase):
         machine = _machine(kvcm_plugin_spec.factory, kvcm_plugin_spec.capabilities)
         run_state_machine_as_test(machine, settings=_MACHINE_SETTINGS)
 
+    def test_insert_checked_by_caller_orders_exactly_like_insert_many(
+        self, kvcm_plugin_spec: Any
+    ) -> None:
+        """The core's unchecked entry point gives the same order as ``insert_many`` for
+        the valid batches the core builds (ids absent and distinct, priorities in range),
+        interleaved with removals and partial pops."""
+        rng = random.Random(7)
+        max_p = kvcm_plugin_spec.capabilities.max_priority
+        for trial in range(30):
+            a, b = kvcm_plugin_spec.factory({}), kvcm_plugin_spec.factory({})
+            free = list(range(1000 if trial % 3 else 1 << 22, (1000 if trial % 3 else
+                                                               1 << 22) + 400))
+            rng.shuffle(free)
+            live: list[int] = []
+            for _ in range(12):
+                n = rng.choice([1, 3, 16, 17, 40])
+                pages = np.asarray([free.pop() for _ in range(min(n, len(free)))],
+                                   dtype=np.int64)
+                if not len(pages):
+                    break
+                prios: int | np.ndarray = rng.randrange(max_p + 1)
+                if rng.random() < 0.5:
+                    prios = np.asarray([rng.choice([0, 35, max_p]) for _ in pages],
+                                       dtype=np.int64)
+                a.insert_many(pages, prios)
+                b.insert_many_checked_by_caller(pages, prios)
+                live += pages.tolist()
+                if live and rng.random() < 0.3:
+                    gone = rng.sample(live, min(len(live), 5))
+                    a.remove_many(gone)
+                    b.remove_many(gone)
+                    live = [p for p in live if p not in gone]
+                    free += gone
+                k = rng.randrange(0, 8)
+                got_a, got_b = popped(a, k), popped(b, k)
+                assert got_a == got_b
+                live = [p for p in live if p not in got_a]
+                free += got_a
+            assert popped(a, len(a)) == popped(b, len(b))
+
     # -- shape of the calls -------------------------------------------------------------------
 
     def test_empty_policy_has_no_victims(self, policy: EvictionPolicy) -> None:

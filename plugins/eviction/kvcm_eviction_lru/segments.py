@@ -275,6 +275,24 @@ class SegmentLruPolicy(EvictionPolicy):
         self._check_absent(arr, self._inner(arr, create=False))
         self._append(self._inner(arr, create=True), prio)
 
+    def insert_many_checked_by_caller(self, pages: np.ndarray,
+                                      priorities: int | np.ndarray) -> None:
+        """:meth:`insert_many` without its checks (the caller promises distinct absent
+        ids below 2**31 and valid priorities): only the arrays grow."""
+        n = len(pages)
+        if not n:
+            return
+        hi = int(pages.max()) if n > 1 else int(pages[0])
+        if hi >= _BIG:  # big ids are mapped: the general path
+            self.insert_many(pages, priorities)
+            return
+        if hi >= len(self._stamp):
+            self._fit(pages)
+        if type(priorities) is int:
+            self._append(pages, priorities)
+        else:
+            self._append(pages, _runs(priorities))
+
     def _insert_small(self, arr: np.ndarray, priorities: PriorityBatch) -> bool:
         """:meth:`insert_many` of a few small page ids with plain Python checks (NumPy's
         per-call costs dominate there). False: not that case, nothing done."""
