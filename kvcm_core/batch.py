@@ -583,6 +583,11 @@ class Batch:
         raw = self.backend.read(t.device, 0, t.row_bytes * t.shape[0])
         return raw.view(np.int32).reshape(t.shape)
 
+    def wait_readers(self) -> None:
+        """Wait until the kernels fenced by the last :meth:`record_read` are done (a
+        seated cache calls it before it releases a page)."""
+        self._wait_readers()
+
     def _wait_readers(self) -> None:
         """Wait for the last reader fence, polling with the GIL released between polls
         (other Python threads, such as the one that lets the readers finish, run)."""

@@ -76,6 +76,15 @@ class CacheBase:
         if seat is not None:
             seat[0].mark_dirty(seat[1])
 
+    def _unlock(self, pids: np.ndarray) -> None:
+        """Drop this cache's lock on ``pids`` (the pages may then be evicted or reused).
+        When seated in a Batch, kernels fenced by ``record_read`` finish first: they may
+        still read these pages through the last published table."""
+        seat = self.batch_seat
+        if seat is not None:
+            seat[0].wait_readers()
+        self._levels.change(pids, -1, 0)
+
     def _refuse(self, reason: str) -> bool:
         """Record why a call is refused (``last_refusal``) and return False."""
         self._last_refusal = reason

@@ -150,7 +150,7 @@ class BeamsMixin(CacheBase):
         refs += [p for p in beam.ssm if p >= 0]
         arr = np.asarray(refs, dtype=np.int64)
         if self._status is CacheStatus.ACTIVE:
-            self._levels.change(arr, -1, 0)
+            self._unlock(arr)
         else:
             self._levels.change(arr, 0, -1)
 

@@ -123,7 +123,7 @@ class PublishMixin(CacheBase):
                 L.change(np.asarray([theirs]), 1, 0)
                 a.reused[theirs] = True
                 pages_g[b] = theirs
-                L.change(np.asarray([mine]), -1, 0)
+                self._unlock(np.asarray([mine]))
                 L.stats.groups[g].rebased_blocks += 1
                 self._changed()
 
@@ -148,7 +148,7 @@ class PublishMixin(CacheBase):
             snap = L.take(g, 1)
             L.copy_blocks(g, snap, np.asarray([live]))
             L.publish(snap, np.asarray([nid]), g)
-            L.change(snap, -1, 0)
+            self._unlock(snap)
 
     def _publish_tail(self) -> int:
         """Publish the trailing partial block; returns the node ending at the cache's

@@ -118,7 +118,7 @@ class ResizeMixin(CacheBase):
                     pages[g][b] = -1
                     if pid >= 0:
                         gone.append(pid)
-                L.change(_arr(gone), -1, 0)
+                self._unlock(_arr(gone))
         for g in ctx.windowed_groups:
             self._released_to[g] = max(self._released_to[g], ctx.kinds[g].stale_range(keep)[1])
         if plan is not None:
@@ -235,7 +235,7 @@ class ResizeMixin(CacheBase):
                         pages_g[b] = -1
                         gone.append(pid)
                 if gone:
-                    self._levels.change(_arr(gone), -1, 0)
+                    self._unlock(_arr(gone))
                     changed = True
             self._released_to[g] = stop
         if changed:

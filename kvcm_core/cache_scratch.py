@@ -117,7 +117,7 @@ class ScratchMixin(CacheBase):
         for g, (begin, end, take, drop, fill) in plan.items():
             slots = self._scratch_slots.setdefault(g, [])
             if drop:
-                L.change(np.asarray(slots[::-1], dtype=np.int64), -1, 0)
+                self._unlock(np.asarray(slots[::-1], dtype=np.int64))
                 slots.clear()
                 changed = True
             if take:
@@ -137,7 +137,7 @@ class ScratchMixin(CacheBase):
         """Release every scratch slot (suspend, close)."""
         for slots in self._scratch_slots.values():
             if slots:
-                self._levels.change(np.asarray(slots[::-1], dtype=np.int64), -1, 0)
+                self._unlock(np.asarray(slots[::-1], dtype=np.int64))
             slots.clear()
         if self._scratch_range:
             self._scratch_range.clear()

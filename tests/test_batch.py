@@ -433,3 +433,30 @@ def test_batch_resize_clears_last_refusal_of_rows_it_grows() -> None:
     assert not c.resize(7 * TPB) and c.last_refusal is not None
     assert b.resize([TPB + 1]) == [True]
     assert c.last_refusal is None, "a success through the batch clears the reason"
+
+
+@pytest.mark.parametrize("release", ["shrink", "windowed_history"])
+def test_a_seated_cache_waits_for_the_batchs_readers_before_it_releases_pages(
+        release: str, monkeypatch: Any) -> None:
+    """Pages a kernel may still read through the published table are released only after
+    the batch's reader fence (the GPU test holds a real fence open)."""
+    layers = full_layers() if release == "shrink" else windowed_layers(window=8, sinks=4)
+    m = make_manager(layers)
+    b = Batch(m, max_rows=1, max_blocks_per_row=32)
+    toks = tokens(60, seed=3)
+    c = _active(m, toks[:40])
+    b.add_kv_cache(c)
+    b.publish()
+    b.record_read()
+    waits = []
+    real = b.wait_readers
+    monkeypatch.setattr(b, "wait_readers", lambda: (waits.append(m.stores[0][0].num_free),
+                                                     real()))
+    free_before = m.stores[0][0].num_free
+    if release == "shrink":
+        assert c.resize(10)
+    else:
+        c.commit(toks[:40])  # history moves past the window: old blocks go stale
+        assert c.resize(44)
+    assert waits and waits[0] == free_before, "waited before any page was released"
+    assert m.stores[0][0].num_free > free_before or release != "shrink"
