@@ -380,17 +380,24 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         # Deepest block first, every group of a block together: the LRU order then evicts
         # a chain from its tail, and no group's pages of a block age apart from the others.
         groups = ctx.attn_groups
-        if len(groups) == 1:
+        if len(groups) == 1 and not ctx.ssm_groups:
+            pages_g = self._pages[groups[0]]
+            pids = np.array(pages_g, dtype=np.int64)[::-1]
+            if -1 in pages_g:
+                pids = pids[pids >= 0]
+            order = None
+        elif len(groups) == 1:
             order = self._pages[groups[0]][::-1]
         else:
             depth = max((len(self._pages[g]) for g in groups), default=0)
             order = [self._pages[g][b] for b in range(depth - 1, -1, -1) for g in groups
                      if b < len(self._pages[g])]
-        if ctx.ssm_groups:
-            order.extend(self._ssm[g] for g in ctx.ssm_groups)
-        pids = _arr(order)
-        if -1 in order:
-            pids = pids[pids >= 0]
+        if order is not None:
+            if ctx.ssm_groups:
+                order.extend(self._ssm[g] for g in ctx.ssm_groups)
+            pids = _arr(order)
+            if -1 in order:
+                pids = pids[pids >= 0]
         if len(pids):
             if active and len(groups) == 1 and not ctx.ssm_groups:
                 # Locked pages are on the GPU: one store, no grouping to do.

@@ -374,15 +374,13 @@ class Store:
         still lock lose one lock; of the rest, committed ones become droppable (in the
         given order: least recent first) and the others are freed."""
         a = self.arena
-        locks = a.locks[pids]
-        if int(np.minimum.reduce(locks)) >= 1 and not np.count_nonzero(a.holds[pids]):
-            if int(np.maximum.reduce(locks)) > 1:  # others keep these locked: one lock less
-                shared = locks > 1
-                a.locks[pids[shared]] -= 1
-                pids = pids[~shared]
+        locks = a.locks[pids] - 1
+        if int(np.minimum.reduce(locks)) >= 0 and not np.count_nonzero(a.holds[pids]):
+            a.locks[pids] = locks
+            if int(np.maximum.reduce(locks)):  # others keep some locked: those stay
+                pids = pids[locks == 0]
                 if not len(pids):
                     return
-            a.locks[pids] = 0
             committed = a.node[pids] >= 0
             if np.count_nonzero(committed) == len(committed):
                 self._released.append(pids)  # see droppable
