@@ -341,6 +341,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             self._tokens.extend_ints(tokens)  # type: ignore[arg-type]  # checked ints
         else:
             self._tokens.extend(tokens)
+        self._unwritten = False  # the step that wrote the recomputed pages is committed
         moved = end > self._history
         if moved:
             if self._ctx.history_tables:
@@ -372,7 +373,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         self._require_unseated("close()")
         ctx = self._ctx
         L = self._levels
-        if self._commit_on and self._tokens.n <= self._history:
+        if self._commit_on and self._tokens.n <= self._history and not self._unwritten:
             self._publish_at_close()
         active = self._status is CacheStatus.ACTIVE
         self._drop_scratch()

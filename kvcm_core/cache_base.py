@@ -58,6 +58,9 @@ class CacheBase:
     _selected: set[int]
     _first_resume_done: bool
     _recompute: dict[int, list[int]]
+    #: Pages were handed out to be recomputed and no commit has followed yet: until one
+    #: does, they may hold nothing, and close publishes none of this cache's pages.
+    _unwritten: bool
     _scratch_free_path: bool
     _scratch_live: bool
     #: Why the last ``resize``/``resume`` returned False (None after a success); set on

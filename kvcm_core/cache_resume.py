@@ -134,6 +134,7 @@ class ResumeMixin(CacheBase):
                     elif not self._first_resume_done and (
                             (b < 0 and self._history > 0) or 0 <= b * tpb < self._history):
                         self._recompute.setdefault(g, []).append(b)
+                        self._unwritten = True
                 L.fill(g, _arr(dst), _arr(src), stream)
                 for b, pid in zip(blocks, pages, strict=True):
                     if ctx.kinds[g].is_ssm:

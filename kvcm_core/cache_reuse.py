@@ -54,6 +54,7 @@ class ReuseMixin(CacheBase):
         self._selected = set()
         self._first_resume_done = False
         self._recompute = {}
+        self._unwritten = False
         for g, lc in enumerate(self._ctx.life_cycles):
             if lc.policy is not ReusePolicy.REQUIRED:
                 self._reuse_status[g] = self._status_of(g, end)

@@ -129,6 +129,7 @@ class ScratchMixin(CacheBase):
             for b in fill:
                 if b * self._tpb < history:  # its tokens were lost with the scratch page
                     self._recompute.setdefault(g, []).append(b)
+                    self._unwritten = True
         self._scratch_live = True
         if changed:
             self._changed()
