@@ -38,7 +38,7 @@ from kvcm_core.context import CacheContext
 from kvcm_core.errors import InvalidStateError
 from kvcm_core.eviction import check_priority
 from kvcm_core.matching import Match
-from kvcm_core.radix import encode_tokens, scope_root_key
+from kvcm_core.radix import check_token_array, encode_tokens, scope_root_key
 from kvcm_core.stats import RequestStats
 from kvcm_core.tokens import TokenLog
 from kvcm_core.types import ReusePolicy, ReuseScope
@@ -46,12 +46,6 @@ from kvcm_core.types import ReusePolicy, ReuseScope
 __all__ = ["CacheStatus", "KVCache", "ReuseStatus"]
 
 _I32 = 1 << 31
-
-
-def _check_count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-        raise ValueError(f"{name}={value!r}: must be an int >= 0")
-    return int(value)
 
 
 def _arr(pages: Sequence[int]) -> np.ndarray:
@@ -320,6 +314,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             self._require(CacheStatus.ACTIVE)
         short = False
         if isinstance(tokens, np.ndarray):
+            check_token_array(tokens)
             if tokens.dtype != np.int32:
                 tokens = np.frombuffer(encode_tokens(tokens)[0], dtype="<i4")  # range check
         elif not isinstance(tokens, list | tuple):

@@ -146,6 +146,10 @@ class PublishMixin(CacheBase):
             if not L.can_take({L.pool_group_of(g): 1}):
                 continue
             snap = L.take(g, 1)
+            if not self._tree.live(np.asarray([nid]))[0]:
+                # Making room evicted the node's last page and the node went with it.
+                self._unlock(snap)
+                return
             L.copy_blocks(g, snap, np.asarray([live]))
             L.publish(snap, np.asarray([nid]), g)
             self._unlock(snap)

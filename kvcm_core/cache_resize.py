@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from kvcm_core.cache_base import CacheBase, CacheStatus
-from kvcm_core.errors import OutOfPagesError
+from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError, OutOfPagesError
 from kvcm_core.refusals import level_shortage, room_failed
 
 _ACTIVE = CacheStatus.ACTIVE
@@ -17,8 +17,10 @@ __all__ = ["ResizeMixin"]
 
 
 def _check_count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-        raise ValueError(f"{name}={value!r}: must be an int >= 0")
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ArgumentTypeError(f"{name}={value!r}: must be an int >= 0")
+    if value < 0:
+        raise InvalidArgumentError(f"{name}={value!r}: must be an int >= 0")
     return int(value)
 
 
@@ -50,18 +52,26 @@ class ResizeMixin(CacheBase):
         L = self._levels
         a = self._arena
         capacity = _check_count("capacity", capacity)
+        nb_new = -(-capacity // self._tpb)
+        for g in ctx.attn_groups:  # O(1): a size no level 0 could ever hold is refused
+            if g not in ctx.windowed_groups and nb_new > L.gpu_store(g).num_slots:
+                return self._refuse(
+                    f"resize({capacity}): level 0 cannot provide "
+                    f"{nb_new - len(self._pages[g])} more pages: cache group {g} needs "
+                    f"{nb_new} blocks and level 0 holds {L.gpu_store(g).num_slots} slots in "
+                    "all")
         if history_length is None:
             history = self._history
         else:
             history = _check_count("history_length", history_length)
             lo = max(self._committed, self._capacity - ctx.config.max_rewind_len)
             if not lo <= history <= self._capacity:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"history_length={history}: must be in [{lo}, {self._capacity}] "
                     f"(>= num_committed_tokens and old capacity - max_rewind_len, "
                     f"<= old capacity)")
         if capacity < history:
-            raise ValueError(f"capacity={capacity}: must be >= history_length ({history})")
+            raise InvalidArgumentError(f"capacity={capacity}: must be >= history_length ({history})")
         nb_new = -(-capacity // tpb)
         keep = max(0, history - ctx.config.max_rewind_len)
         releases: list[tuple[int, int]] = []

@@ -29,7 +29,7 @@ from kvcm_core.levels import Levels
 from kvcm_core.lifecycle import LifeCycleRegistry
 from kvcm_core.matching import Match, match_prefix
 from kvcm_core.plugins import KvcmPluginManager, get_plugin_manager
-from kvcm_core.radix import PrefixTree, scope_root_key
+from kvcm_core.radix import PrefixTree, check_token_array, scope_root_key
 from kvcm_core.records import CodecKind, Medium
 from kvcm_core.scratch import max_scratch_blocks, validate_scratch_layout
 from kvcm_core.stats import IterationStats
@@ -282,6 +282,7 @@ class KVCacheManager:
 
     def _match(self, scope: ReuseScope, tokens: Sequence[Any] | np.ndarray,
                probe: bool = False) -> Match:
+        check_token_array(tokens)
         return match_prefix(
             self.tree, _DEFAULT_ROOT if scope is _DEFAULT_SCOPE else scope_root_key(scope),
             tokens, self.tokens_per_block,

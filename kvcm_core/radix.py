@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError
 from kvcm_core.idstack import IdStack, blank_rows, grown_rows
 from kvcm_core.types import ReuseScope
 
@@ -67,6 +68,18 @@ def encode_tokens(tokens: TokenSeq) -> tuple[bytes, bool]:
 
 
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
+
+
+def check_token_array(tokens: Any, name: str = "tokens") -> None:
+    """A NumPy token argument must be a 1-D integer array: float, bool and object arrays
+    are refused (``ArgumentTypeError``) rather than truncated or guessed at."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.dtype.kind not in "iu":
+            raise ArgumentTypeError(f"{name}: a token array must have an integer dtype, got "
+                                    f"{tokens.dtype}")
+        if tokens.ndim != 1:
+            raise InvalidArgumentError(f"{name}: a token array must be 1-D, got shape "
+                                       f"{tokens.shape}")
 
 
 def check_tokens(tokens: Sequence[Any]) -> None:

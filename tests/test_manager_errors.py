@@ -23,10 +23,12 @@ from conftest import (
 )
 
 from kvcm_core import (
+    ArgumentTypeError,
     AttentionLayerConfig,
     BufferConfig,
     CacheStatus,
     ConfigError,
+    InvalidArgumentError,
     InvalidStateError,
     KVCacheManager,
     ReusePolicy,
@@ -62,10 +64,12 @@ def active(managers):
 # -- resize ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("capacity", [-1, 1.5, True, "12", None, np.float64(3)])
-def test_resize_rejects_a_capacity_that_is_not_a_count(active, capacity):
+@pytest.mark.parametrize(("capacity", "error"), [
+    (-1, InvalidArgumentError), (1.5, ArgumentTypeError), (True, ArgumentTypeError),
+    ("12", ArgumentTypeError), (None, ArgumentTypeError), (np.float64(3), ArgumentTypeError)])
+def test_resize_rejects_a_capacity_that_is_not_a_count(active, capacity, error):
     m, _, c = active
-    _expect(ValueError, lambda: c.resize(capacity), m, c, match="capacity")
+    _expect(error, lambda: c.resize(capacity), m, c, match="capacity")
 
 
 def test_resize_rejects_a_capacity_below_history(active):
@@ -73,11 +77,13 @@ def test_resize_rejects_a_capacity_below_history(active):
     _expect(ValueError, lambda: c.resize(9), m, c, match="capacity")
 
 
-@pytest.mark.parametrize("history", [-1, 7, 9, 13, 2.0, False])
-def test_resize_rejects_history_outside_its_range(active, history):
+@pytest.mark.parametrize(("history", "error"), [
+    (-1, InvalidArgumentError), (7, InvalidArgumentError), (9, InvalidArgumentError),
+    (13, InvalidArgumentError), (2.0, ArgumentTypeError), (False, ArgumentTypeError)])
+def test_resize_rejects_history_outside_its_range(active, history, error):
     # Allowed: [max(committed=8, old capacity 12 - max_rewind_len 2), old capacity 12].
     m, _, c = active
-    _expect(ValueError, lambda: c.resize(14, history_length=history), m, c,
+    _expect(error, lambda: c.resize(14, history_length=history), m, c,
             match="history_length")
 
 

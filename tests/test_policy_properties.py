@@ -211,3 +211,17 @@ def test_engine_loop_waiting_claims_do_not_deadlock_one_level():
     loop.run(reqs[2:])  # every request alone fits the level (7 blocks of 9)
     assert all(r.done for r in reqs)
     assert_all_free(m)
+
+
+def test_a_snapshot_whose_node_went_while_making_room_for_it_is_not_published():
+    # Found by test_random_policies_one_level_keep_every_rule at a few thousand examples
+    # (a REQUIRED SSM state, attention buffers of size 0, snapshots at every commit on a
+    # block boundary): taking the snapshot's page evicted the node's last page, the node
+    # went with it, and the snapshot was published into the freed node (its id was then
+    # handed to a new node while the page still pointed at it).
+    ones = [1] * 28
+    work = [(ones[:19] + [2] + ones[:8], 1), (ones[:2], 1), (ones[:24], 1),
+            (ones[:19] + [2] + ones[:4], 1), (ones[:25], 1)]
+    m = make_manager([ssm(0, buf("b0", 16)), att(1, buf("b0", 0))], STACKS["gpu"], 9,
+                     commit_min_snapshot=True)
+    run_workload(m, work, seed=0, chunk=3, batch=1)
