@@ -10,6 +10,7 @@ other threads.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -76,13 +77,22 @@ class KVCacheManager:
         } if sc is not None else {}
         self.life_cycles = self.registry.life_cycles
         policy_spec = pm.eviction_policy(config.eviction_policy)
-        tiers, codec = self._build_tiers(pm)
         lcs = self.life_cycles
         tpb = self.tokens_per_block
         self.tree = PrefixTree(len(lcs), tpb)
-        self.storage_levels = Levels(config, self.layout, lcs, self.backend, tiers, codec,
-                             lambda: policy_spec.factory({}), self.tree,
-                             pm.event_sinks(config))
+        tiers: list[Tier] = []
+        try:  # a construction that fails releases what it built (files, threads, memory)
+            codec = self._build_tiers(pm, tiers)
+            self.storage_levels = Levels(config, self.layout, lcs, self.backend, tiers,
+                                         codec, lambda: policy_spec.factory({}), self.tree,
+                                         pm.event_sinks(config))
+        except BaseException:
+            for tier in reversed(tiers):
+                with contextlib.suppress(Exception):
+                    tier.close()
+            with contextlib.suppress(Exception):
+                self.backend.close()
+            raise
         self.codec: PageCodec | None = codec
         attn = [g for g, lc in enumerate(lcs) if not lc.is_ssm]
         self._walk_groups = [g for g in attn if lcs[g].window is None and lcs[g].constrains]
@@ -105,7 +115,9 @@ class KVCacheManager:
             scratch_scales=scratch_scales, scratch_max_blocks=scratch_max,
             on_close=self._forget_cache, owner=self)
 
-    def _build_tiers(self, pm: KvcmPluginManager) -> tuple[list[Tier], PageCodec | None]:
+    def _build_tiers(self, pm: KvcmPluginManager, tiers: list[Tier]) -> PageCodec | None:
+        """Build each level's tier into ``tiers`` (so that a failure part way leaves the
+        caller what to close) and return the cold levels' codec."""
         config = self.config
         cold_codecs = {lv.codec or "raw" for lv in config.levels[1:]}
         if len(cold_codecs) > 1:
@@ -113,7 +125,6 @@ class KVCacheManager:
                 "levels[*].codec", sorted(cold_codecs),
                 "every cold level must use the same page codec (cold pages move between "
                 "cold levels as they are)")
-        tiers: list[Tier] = []
         for i, level in enumerate(config.levels):
             spec = pm.tier(level.tier)
             if i == 0 and spec.capabilities.medium is not Medium.DEVICE:
@@ -131,7 +142,7 @@ class KVCacheManager:
                 raise ConfigError("levels[1].codec", codec_spec.name,
                                   "must be a page codec (blob codecs are for storage tiers)")
             codec = codec_spec.factory({})
-        return tiers, codec
+        return codec
 
     # -- public lookups -------------------------------------------------------------------
 

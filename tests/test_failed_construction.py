@@ -1,0 +1,40 @@
+"""A manager whose construction fails releases everything it had built: the tiers of the
+levels before the failing one (their files, descriptors and threads) and the backend."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvcm_core import (
+    AttentionLayerConfig,
+    BufferConfig,
+    ConfigError,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    LevelConfig,
+)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_a_later_levels_config_error_leaves_no_descriptor_or_file_behind(
+        tmp_path: Path) -> None:
+    cfg = KVCacheManagerConfig(
+        tokens_per_block=4,
+        layers=[AttentionLayerConfig(layer_id=0, buffers=[BufferConfig(role="k", size=64)])],
+        levels=[LevelConfig(tier="gpu", quota="1MiB"),
+                LevelConfig(tier="disk", quota="8MiB", options={"path": str(tmp_path)}),
+                LevelConfig(tier="disk", quota="1MiB", options={"bogus": 1})],
+        kernel_backend="numpy")
+    before = _open_fds()
+    for _ in range(3):
+        with pytest.raises(ConfigError, match="bogus"):
+            KVCacheManager(cfg)
+    assert _open_fds() == before, "each failed attempt leaked descriptors"
+    assert list(tmp_path.iterdir()) == []
