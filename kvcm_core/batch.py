@@ -8,21 +8,21 @@ can capture kernels that read it.
 
 Rows are stable seats of ACTIVE caches. A member's page table changes only through calls
 the engine makes (resize, commit with rebasing, scratch and stale-range changes, beam
-width); each such change moves the cache's ``page_table_version``, and ``publish`` uploads
-exactly the rows whose version moved (plus rows seated, moved or emptied since the last
-publish) in one batched copy from pinned host staging.
+width); each such change moves the cache's ``page_table_version`` and marks its row dirty
+(``mark_dirty``), and ``publish`` uploads exactly the dirty rows (with rows seated, moved
+or emptied since the last publish) in one batched copy from pinned host staging.
 
 Design choices (see docs/batch.md):
 
 - The host staging mirrors the device tables row for row; ``publish`` rebuilds a dirty
   row from the member's own tables, so the device never holds a row the host cannot
   explain.
-- Registered index tables are converted from the staged rows of the dirty rows only, then
-  uploaded with the base rows in the same batched copy (``BAD_PAGE_INDEX`` stays as it
-  is). A backend with a device conversion kernel can override the conversion step.
-- ``record_read(stream)`` records a reader fence; removing a member (or shrinking one
-  through ``Batch.resize``) waits for the last fence before pages can be released, so a
-  kernel still reading the old table never sees a page reused under it.
+- Registered index tables are converted on the device from the uploaded base rows, the
+  dirty rows only, in one ``convert_page_tables`` call (``BAD_PAGE_INDEX`` stays as it
+  is).
+- ``record_read(stream)`` records a reader fence; removing a member, and any release of a
+  seated member's pages, waits for the last fence first, so a kernel still reading the
+  old table never sees a page reused under it.
 """
 
 from __future__ import annotations
@@ -118,7 +118,6 @@ class _IndexTable:
     scale: int
     offset: int
     expansion: int
-    spb: int  # scratch sub-pages per block (0: no scratch)
     table: _Table
 
 
@@ -336,11 +335,10 @@ class Batch:
         rows = self._rows
         if hist is not None and max(hist) == -1:
             hist = None
-        if self.max_total_input_tokens is not None or self._read_fence is not None:
+        if self.max_total_input_tokens is not None:
             live = [r for r, c in enumerate(rows) if c is not None and caps[r] != -1]
             self._check_new_tokens(live, caps, hist)
-            if self._read_fence is not None and any(caps[r] < rows[r].capacity for r in live):
-                self._wait_readers()  # pages a reader may hold can be released below
+        # (A member that releases pages waits for the reader fence itself: cache._unlock.)
         out = [True] * self.max_rows
         if hist is None:
             rest = self._grow_together(caps)
@@ -478,7 +476,6 @@ class Batch:
             scale, offset, expansion = 1, 0, 1
         shape = (self.max_rows, self.max_beam_width, self.max_blocks_per_row * expansion)
         ix = _IndexTable(layer_id, role, group, scale, offset, expansion,
-                         conv.scratch_pages_per_block,
                          _Table.make(self.backend, shape, BAD_PAGE_INDEX, staged=False))
         # The table converts what the device base table holds now; rows changed since the
         # last publish follow at the next one.
