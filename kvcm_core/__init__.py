@@ -70,6 +70,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BAD_PAGE_INDEX",
     "DEFAULT_PRIORITY",
+    "ArgumentTypeError",
     "AttentionLayerConfig",
     "Availability",
     "BlobCodec",
@@ -81,7 +82,6 @@ __all__ = [
     "CodecCapabilities",
     "CodecKind",
     "CodecSpec",
-    "ArgumentTypeError",
     "ConfigError",
     "CopyTask",
     "CorruptPageError",
@@ -129,8 +129,8 @@ __all__ = [
     "reset_plugin_manager",
 ]
 
+from kvcm_core.batch import Batch, IndexMode
 from kvcm_core.cache import CacheStatus, KVCache
 from kvcm_core.manager import KVCacheManager
-from kvcm_core.batch import Batch, IndexMode  # noqa: E402 - after the manager it wraps
 
 __all__ += ["Batch", "CacheStatus", "IndexMode", "KVCache", "KVCacheManager"]

@@ -36,6 +36,7 @@ import attrs
 import numpy as np
 
 from kvcm_core.backend import BAD_PAGE_INDEX, Buffer, CopyTask, PageRegion, TableConversion
+from kvcm_core.cache_base import CacheStatus
 from kvcm_core.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
@@ -44,7 +45,6 @@ from kvcm_core.errors import (
 )
 from kvcm_core.manager import KVCacheManager
 from kvcm_core.pagetable import ScratchDesc
-from kvcm_core.cache_base import CacheStatus
 
 if TYPE_CHECKING:
     from kvcm_core.backend import Event, KernelBackend, Stream

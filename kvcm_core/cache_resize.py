@@ -71,8 +71,8 @@ class ResizeMixin(CacheBase):
                     f"(>= num_committed_tokens and old capacity - max_rewind_len, "
                     f"<= old capacity)")
         if capacity < history:
-            raise InvalidArgumentError(f"capacity={capacity}: must be >= history_length ({history})")
-        nb_new = -(-capacity // tpb)
+            raise InvalidArgumentError(
+                f"capacity={capacity}: must be >= history_length ({history})")
         keep = max(0, history - ctx.config.max_rewind_len)
         releases: list[tuple[int, int]] = []
         grow: dict[int, list[int]] = {}

@@ -24,15 +24,26 @@ import argparse
 import json
 import os
 import platform
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from kvcm_core.errors import ConfigError
 
-__all__ = ["DEFAULT_OUT", "HelpFormatter", "add_output_options", "check_out", "parse_with_quick",
-           "result_header", "result_path", "write_result"]
+__all__ = [
+    "DEFAULT_OUT",
+    "HelpFormatter",
+    "add_output_options",
+    "check_out",
+    "parse_with_quick",
+    "result_header",
+    "result_path",
+    "split_steps",
+    "timed_calls",
+    "write_result",
+]
 
 #: Where results go unless ``--out`` says otherwise (relative to the working directory).
 DEFAULT_OUT = "benchmarks/results"
@@ -131,3 +142,44 @@ def write_result(doc: dict[str, Any], out: str, name: str, tag: str = "") -> Pat
         json.dump(doc, fh, indent=1, default=float)
     print(f"wrote {path}")
     return path
+
+
+def timed_calls(backend: Any, call: Callable[[], Any], reps: int,
+                warmup: int) -> tuple[list[float], list[float]]:
+    """Device seconds (events around each call on the backend's default stream, read after
+    one synchronize at the end) and host seconds of each of ``reps`` calls, after
+    ``warmup`` untimed ones. A backend without a device clock reports host seconds."""
+    for _ in range(warmup):
+        call()
+    backend.synchronize()
+    events = [(backend.create_event(), backend.create_event()) for _ in range(reps)]
+    host: list[float] = []
+    for start, end in events:
+        start.record()
+        t0 = time.perf_counter()
+        call()
+        host.append(time.perf_counter() - t0)
+        end.record()
+    backend.synchronize()
+    try:
+        device = [end.elapsed_ms(start) / 1e3 for start, end in events]
+    except NotImplementedError:  # no device clock: the call ran on the host
+        device = list(host)
+    return device, host
+
+
+def split_steps(step_ns: Sequence[int], boundary: Sequence[bool], per: int,
+                name: str) -> dict[str, float]:
+    """Microseconds per item-step of timed steps (``per`` items each): overall, on steps
+    that cross a block boundary, and on the others (keys ``name``, ``name_block_boundary``,
+    ``name_no_new_block``; ``nan`` where a kind has no step)."""
+    def mean(ts: list[int]) -> float:
+        return sum(ts) / (len(ts) * per) / 1e3 if ts else float("nan")
+
+    return {
+        name: mean(list(step_ns)),
+        f"{name}_block_boundary": mean([t for t, b in zip(step_ns, boundary, strict=True)
+                                        if b]),
+        f"{name}_no_new_block": mean([t for t, b in zip(step_ns, boundary, strict=True)
+                                      if not b]),
+    }

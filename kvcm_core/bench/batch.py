@@ -38,6 +38,8 @@ from kvcm_core.bench import (
     add_output_options,
     parse_with_quick,
     result_header,
+    split_steps,
+    timed_calls,
     write_result,
 )
 from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
@@ -100,14 +102,8 @@ def run_host(args: argparse.Namespace, tpb: int, seed: int) -> dict[str, float]:
             commit_ns.append(t2 - t1)
     finally:
         gc.unfreeze()
-    bd = [t for t, x in zip(step_ns, boundary, strict=True) if x]
-    nbd = [t for t, x in zip(step_ns, boundary, strict=True) if not x]
     res = {
-        "resize_publish_us_per_row_step": sum(step_ns) / (steps * rows) / 1e3,
-        "resize_publish_us_per_row_step_block_boundary":
-            sum(bd) / (len(bd) * rows) / 1e3 if bd else float("nan"),
-        "resize_publish_us_per_row_step_no_new_block":
-            sum(nbd) / (len(nbd) * rows) / 1e3 if nbd else float("nan"),
+        **split_steps(step_ns, boundary, rows, "resize_publish_us_per_row_step"),
         "commit_us_per_row_step": sum(commit_ns) / (steps * rows) / 1e3,
     }
     b.close()
@@ -115,22 +111,6 @@ def run_host(args: argparse.Namespace, tpb: int, seed: int) -> dict[str, float]:
         c.close()
     m.shutdown()
     return res
-
-
-def _device_seconds(backend: Any, call: Any, reps: int) -> tuple[list[float], list[float]]:
-    """Device seconds (events around the call on the default stream) and host seconds."""
-    dev, host = [], []
-    for _ in range(reps):
-        start, end = backend.create_event(), backend.create_event()
-        backend.synchronize()
-        start.record()
-        t0 = time.perf_counter()
-        call()
-        host.append(time.perf_counter() - t0)
-        end.record()
-        end.synchronize()
-        dev.append(end.elapsed_ms(start) / 1e3)
-    return dev, host
 
 
 def _limits(backend: Any, reps: int) -> dict[str, float]:
@@ -143,18 +123,18 @@ def _limits(backend: Any, reps: int) -> dict[str, float]:
         for _ in range(count):
             module.launch("kvcm_bench_batch_empty", (1, 1, 1), (32, 1, 1), [np.uint64(0)])
 
-    dev, host = _device_seconds(backend, launches, reps)
+    dev, host = timed_calls(backend, launches, reps, 1)
     out["launch_device_us"] = statistics.median(dev) / count * 1e6
     out["launch_host_us"] = statistics.median(host) / count * 1e6
     n = 64 << 20
     src_h, dst_d = backend.alloc_host(n), backend.alloc_device(n)
     src_d = backend.alloc_device(n)
     try:
-        dev, _ = _device_seconds(backend, lambda: backend.copy_bytes(dst_d, 0, src_h, 0, n),
-                                 reps)
+        dev, _ = timed_calls(backend, lambda: backend.copy_bytes(dst_d, 0, src_h, 0, n),
+                             reps, 1)
         out["h2d_gbps"] = n / statistics.median(dev) / 1e9
-        dev, _ = _device_seconds(backend, lambda: backend.copy_bytes(dst_d, 0, src_d, 0, n),
-                                 reps)
+        dev, _ = timed_calls(backend, lambda: backend.copy_bytes(dst_d, 0, src_d, 0, n),
+                             reps, 1)
         out["d2d_read_write_gbps"] = 2 * n / statistics.median(dev) / 1e9
     finally:
         for buf in (src_h, dst_d, src_d):
@@ -182,7 +162,6 @@ def run_device(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         b.add_kv_cache(c)
     b.publish()
     be.synchronize()
-    per_table = 4 * rows * blocks  # bytes of one table (expansion 1 here)
     results: dict[str, Any] = {"limits": limits}
 
     def model(launches: int, rows_up: int) -> float:

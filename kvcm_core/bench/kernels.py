@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from kvcm_core.backend import BAD_PAGE_INDEX, Buffer, KernelBackend, MemoryKind, PageRegion
-from kvcm_core.bench import DEFAULT_OUT, HelpFormatter, check_out, result_path
+from kvcm_core.bench import DEFAULT_OUT, HelpFormatter, check_out, result_path, timed_calls
 from kvcm_core.plugins import get_plugin_manager
 from kvcm_core.units import parse_size
 
@@ -138,29 +138,6 @@ def _parser() -> argparse.ArgumentParser:
 # -- timing ----------------------------------------------------------------------------------
 
 
-def _timed(
-    backend: KernelBackend, call: Callable[[], Any], reps: int, warmup: int
-) -> tuple[list[float], list[float]]:
-    """Device seconds and host seconds of each of ``reps`` calls (after ``warmup``)."""
-    for _ in range(warmup):
-        call()
-    backend.synchronize()
-    events = [(backend.create_event(), backend.create_event()) for _ in range(reps)]
-    host: list[float] = []
-    for start, end in events:
-        start.record()
-        t0 = time.perf_counter()
-        call()
-        host.append(time.perf_counter() - t0)
-        end.record()
-    backend.synchronize()
-    try:
-        device = [end.elapsed_ms(start) / 1e3 for start, end in events]
-    except NotImplementedError:  # no device clock: the call ran on the host
-        device = list(host)
-    return device, host
-
-
 def _stats(seconds: list[float], nbytes: int) -> dict[str, float]:
     med, best = statistics.median(seconds), min(seconds)
     return {
@@ -239,7 +216,7 @@ def _bench_backend(
         for direction in args.directions:
             src, dst = pools.pair(direction)
             n = args.max_bytes
-            dev, host = _timed(
+            dev, host = timed_calls(
                 main_backend,
                 functools.partial(main_backend.copy_bytes, dst, 0, src, 0, n),
                 args.reps,
@@ -270,7 +247,7 @@ def _bench_backend(
                     for do, so in o:
                         main_backend.copy_bytes(d, do, s, so, p)
 
-                dev, host = _timed(main_backend, loop, max(2, args.reps // 2), 1)
+                dev, host = timed_calls(main_backend, loop, max(2, args.reps // 2), 1)
                 row = {
                     "direction": direction,
                     "page_bytes": page,
@@ -298,7 +275,7 @@ def _bench_backend(
                             axis=1,
                         ).astype(np.int32)
                         d_region, s_region = PageRegion(dst, 0, page), PageRegion(src, 0, page)
-                        dev, host = _timed(
+                        dev, host = timed_calls(
                             backend,
                             functools.partial(backend.copy_pages, d_region, s_region, page, pairs),
                             args.reps,
@@ -344,7 +321,7 @@ def _bench_backend(
                         d_region, s_region = PageRegion(dst, 0, page), PageRegion(src, 0, page)
                         for _round in range(2):
                             for bt, variant in variants.items():
-                                dev, _host = _timed(
+                                dev, _host = timed_calls(
                                     variant,
                                     functools.partial(
                                         variant.copy_pages, d_region, s_region, page, pairs
@@ -382,7 +359,7 @@ def _bench_backend(
                 for _ in range(count):
                     module.launch("kvcm_bench_empty", (1, 1, 1), (32, 1, 1), [np.uint64(0)])
 
-            dev, host = _timed(main_backend, launches, 3, 1)
+            dev, host = timed_calls(main_backend, launches, 3, 1)
             launch["launch_host_us"] = statistics.median(host) / count * 1e6
             launch["launch_device_us"] = statistics.median(dev) / count * 1e6
             t = []
@@ -397,7 +374,7 @@ def _bench_backend(
             src, dst = pools.pair("d2d")
             one = np.array([[0, 1]], dtype=np.int32)
             page = 4 * KiB
-            dev, host = _timed(
+            dev, host = timed_calls(
                 backend,
                 functools.partial(backend.copy_pages, PageRegion(dst, 0, page),
                                   PageRegion(src, 0, page), page, one),
@@ -414,7 +391,7 @@ def _bench_backend(
         slots_arr = rng.integers(0, 1 << 20, shape, dtype=np.int32)
         slots_arr[rng.random(shape) < 0.05] = BAD_PAGE_INDEX
         for expansion in (1, 2):
-            dev, host = _timed(
+            dev, host = timed_calls(
                 main_backend,
                 functools.partial(main_backend.convert_page_indices, slots_arr, 4, 7, expansion),
                 max(3, args.reps),

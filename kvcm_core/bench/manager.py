@@ -42,6 +42,7 @@ from kvcm_core.bench import (
     add_output_options,
     parse_with_quick,
     result_header,
+    split_steps,
     write_result,
 )
 from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
@@ -107,14 +108,8 @@ def run_decode(args: argparse.Namespace, tpb: int, seed: int) -> dict[str, float
         c.close()
         free_ns.append(ns() - t0)
     gc.unfreeze()
-    bd = [t for t, b in zip(step_ns, boundary, strict=True) if b]
-    nbd = [t for t, b in zip(step_ns, boundary, strict=True) if not b]
     res = {
-        "resize_commit_us_per_req_step": sum(step_ns) / (steps * batch) / 1e3,
-        "resize_commit_us_per_req_step_block_boundary":
-            sum(bd) / (len(bd) * batch) / 1e3 if bd else float("nan"),
-        "resize_commit_us_per_req_step_no_new_block":
-            sum(nbd) / (len(nbd) * batch) / 1e3 if nbd else float("nan"),
+        **split_steps(step_ns, boundary, batch, "resize_commit_us_per_req_step"),
         "page_table_us_per_req_step": sum(table_ns) / (steps * batch) / 1e3,
         "close_us_per_request": sum(free_ns) / batch / 1e3,
         "close_us_per_block": sum(free_ns) / sum(blocks) / 1e3,
