@@ -338,12 +338,15 @@ class LevelConfig:
         tier: the tier plugin's name (``"gpu"``, ``"host"``, ``"disk"``...).
         quota: bytes (int) or a size such as ``"8GiB"``.
         codec: page codec of a cold level (``None``: the lossless ``"raw"``).
+        blob_codec: lossless blob codec (e.g. ``"zstd"``) applied to the cold pages of a
+            tier that stores blobs by size; ``None``: none.
         options: passed to the tier's factory (e.g. ``{"path": ...}`` for disk).
     """
 
     tier: str = attrs.field(validator=_plugin_name())
     quota: int = attrs.field(converter=_quota, validator=_size(1))
     codec: str | None = attrs.field(default=None, validator=_plugin_name(optional=True))
+    blob_codec: str | None = attrs.field(default=None, validator=_plugin_name(optional=True))
     options: Mapping[str, Any] = attrs.field(
         factory=dict, converter=_to_options, validator=_options
     )

@@ -124,12 +124,20 @@ class CodecCapabilities:
         lossless: decoding gives back exactly what was encoded.
         error_bound: largest absolute error per element for lossy codecs, else ``None``.
         checksummed: a blob codec that detects corruption (raises ``CorruptPageError``).
+        codec_id: the codec's number in cold frames (u16, unique among installed codecs;
+            ``raw`` is 0; built-in codecs use 0..255, third-party codecs 256 and above).
     """
 
     kind: CodecKind
     lossless: bool = True
     error_bound: float | None = None
     checksummed: bool = False
+    codec_id: int = attrs.field(default=0)
+
+    @codec_id.validator
+    def _check_codec_id(self, attribute: attrs.Attribute[int], value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 16:
+            raise ValueError(f"codec_id={value!r}: must be an int in 0..65535 (a u16)")
 
 
 @attrs.frozen(kw_only=True)
