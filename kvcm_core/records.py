@@ -81,6 +81,8 @@ class TierCapabilities:
         shared: several processes or hosts may see the same data.
         file_mode: permission bits of files it creates (file tiers), else ``None``.
         dir_mode: permission bits of directories it creates (file tiers), else ``None``.
+        keyed: the tier is a :class:`~kvcm_core.tier.KeyedTier`, addressed by block key
+            (``put_many``/``get_many``/``exists_many``/``delete_many``) instead of slots.
     """
 
     device_accessible: bool
@@ -89,6 +91,7 @@ class TierCapabilities:
     shared: bool = False
     file_mode: int | None = None
     dir_mode: int | None = None
+    keyed: bool = False
 
 
 @attrs.frozen(kw_only=True)

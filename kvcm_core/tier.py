@@ -10,16 +10,19 @@ arrays, returning :class:`IOHandle` completion handles.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvcm_core.backend import Buffer, KernelBackend, PageRegion
-from kvcm_core.errors import TierIOError
+from kvcm_core.errors import InvalidStateError, TierIOError
 from kvcm_core.records import TierCapabilities
 
-__all__ = ["CompletedIO", "DevicePool", "IOHandle", "Pool", "StoragePool", "Tier", "check_slots"]
+__all__ = [
+    "CompletedIO", "DevicePool", "IOHandle", "KeyedTier", "Pool", "StoragePool", "Tier",
+    "check_slots",
+]
 
 
 def check_slots(pool: Pool, slots: np.ndarray) -> np.ndarray:
@@ -138,3 +141,49 @@ class Tier(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release tier-wide resources (thread pools, directories of temporary tiers)."""
+
+
+class KeyedTier(Tier):
+    """A store addressed by key instead of slot, shared by any number of managers (a
+    remote store such as Redis). Its capacity is the store's own; what it evicts by itself
+    is ordinary loss (a later ``get_many`` finds nothing).
+
+    Every call takes ``deadline``, an absolute :func:`time.monotonic` time: the call
+    returns by then (give or take a scheduler tick), whatever the store does. Keys are
+    opaque bytes chosen by the core (a tier may prefix them with a namespace of its own);
+    values are bytes that the tier stores and returns unchanged, never interprets.
+
+    Partial success is per key (a batch may store some values and not others). A call that
+    cannot reach the store at all, or that runs past its deadline, raises
+    :class:`~kvcm_core.errors.TierIOError`; the tier stays usable and later calls try
+    again. Bad arguments raise ``ValueError``/``TypeError`` before anything is sent.
+    """
+
+    def create_pool(self, slot_bytes: int, num_slots: int, *, name: str = "") -> Pool:
+        """Keyed tiers have no slot pools.
+
+        Raises:
+            InvalidStateError: always.
+        """
+        raise InvalidStateError(
+            f"{type(self).__name__} is a keyed tier: it stores values by key "
+            "(put_many/get_many), not in slot pools")
+
+    @abc.abstractmethod
+    def put_many(self, keys: Sequence[bytes], values: Sequence[bytes | memoryview], *,
+                 deadline: float) -> np.ndarray:
+        """Store ``values[i]`` under ``keys[i]`` (overwriting). Returns a ``bool [n]`` array:
+        which were stored."""
+
+    @abc.abstractmethod
+    def get_many(self, keys: Sequence[bytes], *, deadline: float) -> list[bytes | None]:
+        """The value stored under each key, or ``None`` where there is none (never stored,
+        deleted, or evicted by the store)."""
+
+    @abc.abstractmethod
+    def exists_many(self, keys: Sequence[bytes], *, deadline: float) -> np.ndarray:
+        """``bool [n]``: which keys hold a value now (it may vanish right after)."""
+
+    @abc.abstractmethod
+    def delete_many(self, keys: Sequence[bytes], *, deadline: float) -> int:
+        """Delete the keys; returns how many held a value."""

@@ -55,7 +55,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if getattr(cls, "plugin_name", None):
         names = [cls.plugin_name]  # type: ignore[union-attr]
     else:
-        names = sorted(plugins_of_kind(kind))
+        names = sorted(n for n, spec in plugins_of_kind(kind).items() if cls.applies_to(spec))
     if wanted:
         names = [n for n in names if n in wanted]
     if not names:

@@ -16,7 +16,7 @@ import pytest
 
 # Assertions in the base classes get pytest's detailed messages when they are imported
 # here first (``kvcm conformance`` runs this module in a fresh pytest session).
-_SUITES = ("tier", "kernels", "codec", "eviction")
+_SUITES = ("tier", "keyed", "kernels", "codec", "eviction")
 pytest.register_assert_rewrite(
     *[
         name
@@ -27,14 +27,21 @@ pytest.register_assert_rewrite(
 
 from kvcm_core.testing.conformance.codec import CodecConformance  # noqa: E402
 from kvcm_core.testing.conformance.eviction import EvictionPolicyConformance  # noqa: E402
+from kvcm_core.testing.conformance.keyed import KeyedTierConformance  # noqa: E402
 from kvcm_core.testing.conformance.kernels import KernelBackendConformance  # noqa: E402
 from kvcm_core.testing.conformance.tier import TierConformance  # noqa: E402
 
-__all__ = ["TestCodecs", "TestEvictionPolicies", "TestKernelBackends", "TestTiers"]
+__all__ = [
+    "TestCodecs", "TestEvictionPolicies", "TestKernelBackends", "TestKeyedTiers", "TestTiers",
+]
 
 
 class TestTiers(TierConformance):
     """Every registered storage tier."""
+
+
+class TestKeyedTiers(KeyedTierConformance):
+    """Every registered keyed tier (a server is started for it where it needs one)."""
 
 
 class TestKernelBackends(KernelBackendConformance):

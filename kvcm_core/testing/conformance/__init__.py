@@ -17,6 +17,7 @@ __all__ = [
     "ConformanceBase",
     "EvictionPolicyConformance",
     "KernelBackendConformance",
+    "KeyedTierConformance",
     "TierConformance",
 ]
 
@@ -26,6 +27,7 @@ _LAZY = {
     "CodecConformance": "codec",
     "EvictionPolicyConformance": "eviction",
     "KernelBackendConformance": "kernels",
+    "KeyedTierConformance": "keyed",
     "TierConformance": "tier",
 }
 
@@ -42,3 +44,8 @@ class ConformanceBase:
 
     kvcm_kind: ClassVar[str] = ""
     plugin_name: ClassVar[str | None] = None
+
+    @classmethod
+    def applies_to(cls, spec: Any) -> bool:
+        """Whether this suite tests the plugin ``spec`` (all of its kind by default)."""
+        return True

@@ -100,6 +100,11 @@ class TierConformance(ConformanceBase):
 
     kvcm_kind: ClassVar[str] = "tier"
 
+    @classmethod
+    def applies_to(cls, spec: Any) -> bool:
+        """Slot tiers only: keyed tiers have :class:`~.keyed.KeyedTierConformance`."""
+        return not spec.capabilities.keyed
+
     spec: TierSpec
     backend: KernelBackend
     tmp_path: Path

@@ -1,0 +1,260 @@
+"""Real Redis servers on loopback for tests, benchmarks and the simulator.
+
+:class:`RedisServer` runs one standalone ``redis-server``; :class:`RedisClusterServers`
+runs a cluster of primaries with one replica each, created with ``redis-cli --cluster
+create``. Both start on free loopback ports in a private temporary directory, with
+persistence off, and stop (and remove their directory) on ``stop()`` or at the end of a
+``with`` block. They need the ``redis-server`` and ``redis-cli`` programs (Debian:
+``apt-get install redis-server redis-tools``); :func:`redis_binaries` says whether they
+are there and, if not, why.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["RedisClusterServers", "RedisServer", "redis_binaries"]
+
+_START_TIMEOUT_S = 10.0
+
+
+def redis_binaries() -> tuple[str, str] | str:
+    """``(redis-server, redis-cli)`` paths, or the reason they cannot be used."""
+    server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if server is None or cli is None:
+        missing = [n for n, p in (("redis-server", server), ("redis-cli", cli)) if p is None]
+        return (f"{' and '.join(missing)} not found on PATH (Debian: apt-get install "
+                "redis-server redis-tools)")
+    return server, cli
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_ports(n: int, *, with_bus: bool) -> list[int]:
+    """``n`` free loopback ports (and their cluster bus ports, ``port + 10000``)."""
+    rng = random.Random()
+    ports: list[int] = []
+    for _ in range(2000):
+        p = rng.randrange(20000, 55000)
+        if p in ports or (with_bus and p + 10000 in ports):
+            continue
+        if _port_free(p) and (not with_bus or _port_free(p + 10000)):
+            ports.append(p)
+            if len(ports) == n:
+                return ports
+    raise RuntimeError(f"could not find {n} free loopback ports")
+
+
+def _cli(cli: str, port: int, *args: str, timeout: float = 5.0) -> str:
+    out = subprocess.run([cli, "-h", "127.0.0.1", "-p", str(port), *args],
+                         capture_output=True, text=True, timeout=timeout, check=False)
+    return out.stdout + out.stderr
+
+
+class _Node:
+    """One redis-server process."""
+
+    def __init__(self, server: str, cli: str, port: int, workdir: Path,
+                 extra: list[str]) -> None:
+        self.port, self.cli = port, cli
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{port}-", dir=workdir))
+        args = [server, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(self.dir),
+                "--save", "", "--appendonly", "no", "--protected-mode", "yes",
+                "--daemonize", "no", "--logfile", str(self.dir / "redis.log"), *extra]
+        self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                log = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"redis-server on port {self.port} exited: {log}")
+            if "PONG" in _cli(self.cli, self.port, "ping", timeout=2.0):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"redis-server on port {self.port} did not answer in time")
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies as in a crash."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.proc = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class _Servers:
+    """Common start/stop of a set of nodes in one temporary directory."""
+
+    def __init__(self) -> None:
+        found = redis_binaries()
+        if isinstance(found, str):
+            raise RuntimeError(found)
+        self._server, self._cli = found
+        self._workdir = Path(tempfile.mkdtemp(prefix="kvcm-redis-"))
+        self.nodes: list[_Node] = []
+
+    def _start(self, ports: list[int], extra: list[str]) -> None:
+        try:
+            for p in ports:
+                self.nodes.append(_Node(self._server, self._cli, p, self._workdir, extra))
+            deadline = time.monotonic() + _START_TIMEOUT_S
+            for node in self.nodes:
+                node.wait_ready(deadline)
+        except BaseException:
+            self.stop()
+            raise
+
+    def cli(self, port: int, *args: str) -> str:
+        """``redis-cli -p PORT ARGS...``'s output."""
+        return _cli(self._cli, port, *args)
+
+    def stop(self) -> None:
+        """Stop every node and remove the directory (idempotent)."""
+        for node in self.nodes:
+            node.stop()
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def __enter__(self) -> _Servers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class RedisServer(_Servers):
+    """One standalone server on a free loopback port.
+
+    Args:
+        maxmemory: ``maxmemory`` in bytes (0: no limit); with it the server evicts least
+            recently used keys (``allkeys-lru``), as a shared KV level should be run.
+    """
+
+    def __init__(self, maxmemory: int = 0) -> None:
+        super().__init__()
+        extra = ["--maxmemory", str(maxmemory)]
+        if maxmemory:
+            extra += ["--maxmemory-policy", "allkeys-lru"]
+        self._start(_free_ports(1, with_bus=False), extra)
+        self.port = self.nodes[0].port
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+        self._extra = extra
+
+    def kill(self) -> None:
+        """Kill the server (SIGKILL)."""
+        self.nodes[0].kill()
+
+    def restart(self) -> None:
+        """Start the server again on the same port, empty (after :meth:`kill`)."""
+        self.nodes[0].kill()
+        self.nodes[0] = _Node(self._server, self._cli, self.port, self._workdir, self._extra)
+        self.nodes[0].wait_ready(time.monotonic() + _START_TIMEOUT_S)
+
+
+class RedisClusterServers(_Servers):
+    """A Redis Cluster of ``primaries`` primaries with one replica each, on loopback.
+
+    Args:
+        primaries: number of primaries (at least 3, as Redis requires).
+        node_timeout_ms: ``cluster-node-timeout``: how soon a dead primary's replica takes
+            over (short, so that failover tests run quickly).
+    """
+
+    def __init__(self, primaries: int = 3, node_timeout_ms: int = 1000) -> None:
+        super().__init__()
+        ports = _free_ports(2 * primaries, with_bus=True)
+        extra = ["--cluster-enabled", "yes", "--cluster-node-timeout", str(node_timeout_ms),
+                 "--cluster-config-file", "nodes.conf",
+                 "--cluster-require-full-coverage", "no", "--repl-diskless-sync-delay", "0"]
+        self._start(ports, extra)
+        try:
+            out = subprocess.run(
+                [self._cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                 "--cluster-replicas", "1", "--cluster-yes"],
+                capture_output=True, text=True, timeout=30, check=False)
+            if out.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-2000:]}"
+                                   f"{out.stderr[-2000:]}")
+            self.wait_ok()
+            self.wait_replicas()
+        except BaseException:
+            self.stop()
+            raise
+        self.url = f"redis://127.0.0.1:{ports[0]}/0"
+
+    def wait_ok(self, timeout: float = 20.0) -> None:
+        """Wait until every live node reports ``cluster_state:ok`` and knows its role."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = [self.cli(n.port, "cluster", "info") for n in self.nodes if n.alive]
+            if all("cluster_state:ok" in s for s in states):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the Redis cluster did not reach cluster_state:ok in time")
+
+    def wait_replicas(self, timeout: float = 20.0) -> None:
+        """Wait until every live replica is in sync with its primary (a replica that never
+        synced cannot take over)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            infos = [self.cli(n.port, "info", "replication") for n in self.nodes if n.alive]
+            if all("role:master" in i or "master_link_status:up" in i for i in infos):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the Redis cluster's replicas did not sync in time")
+
+    def primary_ports(self) -> list[int]:
+        """Ports of the live nodes that are primaries now."""
+        out = []
+        for n in self.nodes:
+            if n.alive and "role:master" in self.cli(n.port, "info", "replication"):
+                out.append(n.port)
+        return out
+
+    def kill_port(self, port: int) -> None:
+        """Kill the node on ``port`` (SIGKILL)."""
+        for n in self.nodes:
+            if n.port == port:
+                n.kill()
+                return
+        raise ValueError(f"no node on port {port}")
+
+    def wait_failover(self, primaries: int, timeout: float = 20.0) -> None:
+        """After a primary was killed: wait until ``primaries`` live primaries serve every
+        slot again (a replica took over)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.primary_ports()) >= primaries:
+                self.wait_ok(max(0.1, deadline - time.monotonic()))
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the Redis cluster did not fail over in time")

@@ -1,0 +1,277 @@
+"""The ``redis`` tier: a keyed level on a Redis server or Redis Cluster, shared by any number
+of managers in any number of processes and machines.
+
+It stores values (the core's checksummed cold frames) under keys (the core's block keys)
+with the ``redis`` client package: every batch is one pipeline (``SET``, ``GET`` or ``MGET``,
+``EXISTS``, ``UNLINK``) on the tier's own connection, cut into pipelines of at most
+``pipeline_bytes`` of values, so a batch costs one round trip per pipeline whatever its
+length. A Redis Cluster (``cluster = true``, reached through any node's URL) spreads the keys
+over its primaries; the client follows ``MOVED`` redirections and re-reads the topology
+after a failover.
+
+Deadlines: each call runs on the tier's I/O thread and the caller waits at most until the
+call's deadline. A call that runs past it, or that cannot reach the store, raises
+:class:`~kvcm_core.errors.TierIOError`; a timed-out call's connection is closed (which
+unblocks the I/O thread) and the next call opens a new one. Nothing read back is
+interpreted here (no pickle): values are returned as bytes, and the core verifies them.
+
+Capacity is the store's: run Redis with ``maxmemory`` and an LRU policy (``allkeys-lru``);
+what Redis evicts is simply not found later.
+
+Options:
+    url: ``redis://[user:password@]host:port/db`` or ``rediss://...`` (TLS). Required.
+    cluster: the URL names a node of a Redis Cluster (bool, default false).
+    namespace: prefix of every key (``"<namespace>:" + key``; default ``"kvcm"``), to keep
+        several deployments apart on one store. The core's keys already separate models
+        (layout fingerprint) and tenants (reuse scope).
+    connect_timeout_s: seconds to open a connection (default 1.0).
+    pipeline_bytes: value bytes per pipeline (default 8 MiB).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from kvcm_core import hookimpl
+from kvcm_core.errors import ConfigError, InvalidStateError, TierIOError
+from kvcm_core.records import Availability, Medium, TierCapabilities, TierSpec
+from kvcm_core.tier import KeyedTier
+
+__all__ = ["CAPABILITIES", "RedisTier"]
+
+CAPABILITIES = TierCapabilities(device_accessible=False, medium=Medium.REMOTE,
+                                persistent=True, shared=True, keyed=True)
+
+_OPTIONS = ("url", "cluster", "namespace", "connect_timeout_s", "pipeline_bytes")
+_T = TypeVar("_T")
+
+
+def _availability() -> Availability:
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        return Availability(False, "the 'redis' package is not installed "
+                                   "(pip install 'kvcm[redis]')")
+    return Availability(True)
+
+
+def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    for key in options:
+        if key not in _OPTIONS:
+            raise ConfigError(f"redis.options.{key}", options[key],
+                              f"unknown option; known: {', '.join(_OPTIONS)}")
+    url = options.get("url")
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://")):
+        raise ConfigError("redis.options.url", url,
+                          "required: a redis://host:port/db or rediss://... URL")
+    cluster = options.get("cluster", False)
+    if not isinstance(cluster, bool):
+        raise ConfigError("redis.options.cluster", cluster, "must be true or false")
+    namespace = options.get("namespace", "kvcm")
+    if not isinstance(namespace, str) or not namespace or any(c.isspace() for c in namespace):
+        raise ConfigError("redis.options.namespace", namespace,
+                          "must be a non-empty string without spaces")
+    timeout = options.get("connect_timeout_s", 1.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise ConfigError("redis.options.connect_timeout_s", timeout, "must be a number > 0")
+    chunk = options.get("pipeline_bytes", 8 << 20)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ConfigError("redis.options.pipeline_bytes", chunk, "must be an int >= 1")
+    return {"url": url, "cluster": cluster, "namespace": namespace.encode() + b":",
+            "connect_timeout_s": float(timeout), "pipeline_bytes": chunk}
+
+
+def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    out = list(keys)
+    for i, k in enumerate(out):
+        if not isinstance(k, bytes) or not k:
+            raise TypeError(f"keys[{i}]={k!r}: keys must be non-empty bytes")
+    return out
+
+
+class RedisTier(KeyedTier):
+    """A keyed tier on Redis (see module docstring).
+
+    Args:
+        backend: unused (values travel through host memory).
+        options: see the module docstring.
+
+    Raises:
+        ConfigError: a bad or unknown option, or the ``redis`` package is missing.
+    """
+
+    capabilities = CAPABILITIES
+
+    def __init__(self, backend: Any = None, options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(backend, options or {})
+        self._opts = _check_options(self.options)
+        try:
+            import redis
+        except ImportError as exc:
+            raise ConfigError("levels[].tier", "redis", "needs the 'redis' package "
+                              "(pip install 'kvcm[redis]')") from exc
+        self._redis = redis
+        self._client: Any = None
+        self._nodes: list[tuple[str, int]] = []  # cluster nodes seen (to reconnect through)
+        self._lock = threading.Lock()  # guards _client between the caller and the I/O thread
+        self._io = cf.ThreadPoolExecutor(1, thread_name_prefix="kvcm-redis")
+        self._closed = False
+        self.timeouts = 0  # calls that ran past their deadline
+        self.errors = 0  # calls that could not reach the store
+
+    # -- connection -------------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                from redis.backoff import NoBackoff
+                from redis.retry import Retry
+
+                o, r = self._opts, self._redis
+                # No retries inside the client: the caller's deadline decides, and the core
+                # treats what cannot be read in time as lost.
+                kw: dict[str, Any] = {"socket_connect_timeout": o["connect_timeout_s"],
+                                      "retry": Retry(NoBackoff(), 0)}
+                if not o["cluster"]:
+                    self._client = r.Redis.from_url(o["url"], **kw)
+                elif not self._nodes:
+                    self._client = r.cluster.RedisCluster.from_url(o["url"], **kw)
+                else:  # after a failure: every node seen so far, not only the URL's
+                    kw.update(r.connection.parse_url(o["url"]))
+                    for k in ("host", "port", "db"):
+                        kw.pop(k, None)
+                    self._client = r.cluster.RedisCluster(
+                        startup_nodes=[r.cluster.ClusterNode(h, p) for h, p in self._nodes],
+                        **kw)
+                if o["cluster"]:
+                    seen = {(n.host, n.port) for n in self._client.get_nodes()}
+                    self._nodes = sorted(seen | set(self._nodes))
+            return self._client
+
+    def _drop_client(self) -> None:
+        """Close every connection (unblocks an I/O thread stuck on a dead server)."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - closing a broken client must not raise
+                pass
+
+    def _call(self, what: str, fn: Callable[[Any], _T], deadline: float) -> _T:
+        if self._closed:
+            raise InvalidStateError("the redis tier is closed")
+
+        def run() -> _T:
+            return fn(self._connect())
+
+        future = self._io.submit(run)
+        try:
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except cf.TimeoutError:
+            self.timeouts += 1
+            future.cancel()
+            self._drop_client()
+            raise TierIOError(f"redis: {what} ran past its deadline") from None
+        except (self._redis.RedisError, self._redis.exceptions.RedisClusterException,
+                OSError) as exc:
+            self.errors += 1
+            self._drop_client()
+            raise TierIOError(f"redis: {what} failed: {exc}") from exc
+
+    def _chunks(self, values: Sequence[bytes | memoryview] | None, n: int) -> Iterator[range]:
+        """Index ranges of at most ``pipeline_bytes`` of values (at least one key each)."""
+        limit = self._opts["pipeline_bytes"]
+        start = 0
+        while start < n:
+            end, size = start, 0
+            while end < n and (end == start or size < limit):
+                size += len(values[end]) if values is not None else 64
+                end += 1
+            yield range(start, end)
+            start = end
+
+    def _pipelined(self, client: Any, keys: list[bytes], op: Callable[[Any, int], None],
+                   values: Sequence[bytes | memoryview] | None = None) -> list[Any]:
+        out: list[Any] = []
+        for rng in self._chunks(values, len(keys)):
+            pipe = client.pipeline(transaction=False)
+            for i in rng:
+                op(pipe, i)
+            out.extend(pipe.execute(raise_on_error=False))
+        return out
+
+    # -- the keyed-tier contract ------------------------------------------------------------
+
+    def _full(self, keys: Sequence[bytes]) -> list[bytes]:
+        ns = self._opts["namespace"]
+        return [ns + k for k in _check_keys(keys)]
+
+    def put_many(self, keys: Sequence[bytes], values: Sequence[bytes | memoryview], *,
+                 deadline: float) -> np.ndarray:
+        full = self._full(keys)
+        if len(values) != len(full):
+            raise ValueError(f"{len(full)} keys but {len(values)} values: one value per key")
+        if not full:
+            return np.zeros(0, dtype=bool)
+        res = self._call(f"put of {len(full)} values",
+                         lambda c: self._pipelined(c, full, lambda p, i: p.set(full[i], values[i]),
+                                                   values), deadline)
+        return np.fromiter((r is True for r in res), dtype=bool, count=len(full))
+
+    def get_many(self, keys: Sequence[bytes], *, deadline: float) -> list[bytes | None]:
+        full = self._full(keys)
+        if not full:
+            return []
+
+        def get(c: Any) -> list[Any]:
+            if not self._opts["cluster"]:
+                return list(c.mget(full))  # one command, one round trip
+            return self._pipelined(c, full, lambda p, i: p.get(full[i]))
+
+        res = self._call(f"get of {len(full)} keys", get, deadline)
+        return [r if isinstance(r, bytes) else None for r in res]
+
+    def exists_many(self, keys: Sequence[bytes], *, deadline: float) -> np.ndarray:
+        full = self._full(keys)
+        if not full:
+            return np.zeros(0, dtype=bool)
+        res = self._call(f"exists of {len(full)} keys",
+                         lambda c: self._pipelined(c, full, lambda p, i: p.exists(full[i])),
+                         deadline)
+        return np.fromiter((r == 1 for r in res), dtype=bool, count=len(full))
+
+    def delete_many(self, keys: Sequence[bytes], *, deadline: float) -> int:
+        full = self._full(keys)
+        if not full:
+            return 0
+        res = self._call(f"delete of {len(full)} keys",
+                         lambda c: self._pipelined(c, full, lambda p, i: p.unlink(full[i])),
+                         deadline)
+        return sum(r for r in res if isinstance(r, int))
+
+    def close(self) -> None:
+        """Close the connection and stop the I/O thread (idempotent; a call stuck on a
+        dead server is abandoned)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._drop_client()
+        self._io.shutdown(wait=False, cancel_futures=True)
+
+
+@hookimpl
+def kvcm_tiers() -> Iterator[TierSpec]:
+    yield TierSpec(
+        name="redis",
+        factory=RedisTier,
+        description="A Redis server or Redis Cluster shared by managers (keyed, pipelined)",
+        capabilities=CAPABILITIES,
+        availability=_availability,
+    )

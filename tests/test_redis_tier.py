@@ -1,0 +1,179 @@
+"""The redis tier against real servers on loopback: options, namespaces, pipelining, and the
+faults a shared store brings (a killed or frozen server, ``maxmemory`` evictions, a cluster
+primary failing over). Every call returns by its deadline; nothing wrong is ever returned."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import numpy as np
+import pytest
+from redis_fixtures import fresh_server, need_binaries
+
+from kvcm_core.errors import ConfigError, TierIOError
+from kvcm_core.testing.conformance.keyed import DEADLINE_SLACK_S
+
+pytest.importorskip("redis", reason="the redis client package is not installed")
+from kvcm_tier_redis import RedisTier  # noqa: E402
+
+
+def _keys(n: int) -> list[bytes]:
+    run = uuid.uuid4().bytes
+    return [run + i.to_bytes(4, "little") for i in range(n)]
+
+
+def _soon(seconds: float = 5.0) -> float:
+    return time.monotonic() + seconds
+
+
+def _timed(call, budget: float):  # noqa: ANN001, ANN202 - test helper
+    """Run ``call(deadline)`` with ``budget`` seconds; assert it returned in time."""
+    start = time.monotonic()
+    try:
+        return call(start + budget)
+    finally:
+        assert time.monotonic() - start < budget + DEADLINE_SLACK_S
+
+
+@pytest.mark.parametrize(("options", "field"), [
+    ({}, "redis.options.url"),
+    ({"url": "http://127.0.0.1:1"}, "redis.options.url"),
+    ({"url": "redis://127.0.0.1:1", "cluster": "yes"}, "redis.options.cluster"),
+    ({"url": "redis://127.0.0.1:1", "namespace": "a b"}, "redis.options.namespace"),
+    ({"url": "redis://127.0.0.1:1", "connect_timeout_s": 0}, "redis.options.connect_timeout_s"),
+    ({"url": "redis://127.0.0.1:1", "pipeline_bytes": 0}, "redis.options.pipeline_bytes"),
+    ({"url": "redis://127.0.0.1:1", "colour": "red"}, "redis.options.colour"),
+])
+def test_bad_options_raise_config_error_naming_the_option(options: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        RedisTier(None, options)
+    assert info.value.field == field
+
+
+def test_namespaces_keep_two_deployments_apart() -> None:
+    with fresh_server() as server:
+        a = RedisTier(None, {"url": server.url, "namespace": "model-a"})
+        b = RedisTier(None, {"url": server.url, "namespace": "model-b"})
+        try:
+            keys = _keys(2)
+            a.put_many(keys, [b"a0", b"a1"], deadline=_soon())
+            assert b.get_many(keys, deadline=_soon()) == [None, None]
+            assert b.delete_many(keys, deadline=_soon()) == 0
+            assert a.get_many(keys, deadline=_soon()) == [b"a0", b"a1"]
+        finally:
+            a.close()
+            b.close()
+
+
+def test_batches_larger_than_one_pipeline_keep_every_value_in_order() -> None:
+    with fresh_server() as server:
+        tier = RedisTier(None, {"url": server.url, "pipeline_bytes": 1000})
+        try:
+            rng = np.random.default_rng(5)
+            values = [rng.integers(0, 256, int(n), dtype=np.uint8).tobytes()
+                      for n in rng.integers(1, 700, 50)]
+            keys = _keys(len(values))
+            assert tier.put_many(keys, values, deadline=_soon()).all()
+            assert tier.get_many(keys, deadline=_soon()) == values
+            assert tier.exists_many(keys, deadline=_soon()).all()
+            assert tier.delete_many(keys, deadline=_soon()) == len(keys)
+        finally:
+            tier.close()
+
+
+def test_a_killed_server_fails_calls_within_the_deadline_and_a_restart_recovers() -> None:
+    with fresh_server() as server:
+        tier = RedisTier(None, {"url": server.url})
+        try:
+            keys = _keys(3)
+            tier.put_many(keys, [b"x", b"y", b"z"], deadline=_soon())
+            server.kill()
+            for call in (lambda d: tier.get_many(keys, deadline=d),
+                         lambda d: tier.put_many(keys, [b"1", b"2", b"3"], deadline=d),
+                         lambda d: tier.exists_many(keys, deadline=d)):
+                with pytest.raises(TierIOError):
+                    _timed(call, 0.5)
+            assert tier.errors + tier.timeouts >= 3
+            server.restart()  # empty: what was stored is gone, which is ordinary loss
+            assert _timed(lambda d: tier.get_many(keys, deadline=d), 2.0) == [None] * 3
+            tier.put_many(keys[:1], [b"again"], deadline=_soon())
+            assert tier.get_many(keys[:1], deadline=_soon()) == [b"again"]
+        finally:
+            tier.close()
+
+
+def test_a_frozen_server_times_out_at_the_deadline_and_the_tier_carries_on() -> None:
+    with fresh_server() as server:
+        tier = RedisTier(None, {"url": server.url})
+        try:
+            keys = _keys(2)
+            tier.put_many(keys, [b"a", b"b"], deadline=_soon())
+            pid = server.nodes[0].proc.pid  # type: ignore[union-attr]
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(TierIOError, match="deadline"):
+                    _timed(lambda d: tier.get_many(keys, deadline=d), 0.4)
+                assert tier.timeouts == 1
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert _timed(lambda d: tier.get_many(keys, deadline=d), 3.0) == [b"a", b"b"]
+        finally:
+            tier.close()
+
+
+def test_maxmemory_evictions_are_ordinary_loss_never_wrong_values() -> None:
+    with fresh_server(maxmemory=4 << 20) as server:
+        tier = RedisTier(None, {"url": server.url})
+        try:
+            keys = _keys(64)
+            values = [bytes([i]) * (256 << 10) for i in range(64)]  # 16 MiB into 4 MiB
+            for lo in range(0, 64, 8):
+                tier.put_many(keys[lo:lo + 8], values[lo:lo + 8], deadline=_soon())
+            got = tier.get_many(keys, deadline=_soon())
+            assert any(v is None for v in got), "the server should have evicted keys"
+            assert any(v is not None for v in got)
+            for v, want in zip(got, values, strict=True):
+                assert v is None or v == want
+        finally:
+            tier.close()
+
+
+def test_a_cluster_primary_failing_over_costs_calls_not_correctness() -> None:
+    need_binaries()
+    from kvcm_core.testing.redis_server import RedisClusterServers
+
+    with RedisClusterServers() as cluster:
+        tier = RedisTier(None, {"url": cluster.url, "cluster": True})
+        try:
+            keys = _keys(200)
+            values = [k * 3 for k in keys]
+            assert tier.put_many(keys, values, deadline=_soon()).all()
+            time.sleep(0.2)  # let the replicas receive the writes (replication is async)
+            cluster.kill_port(cluster.primary_ports()[0])
+            outcomes = []
+            for _ in range(10):  # calls during the failover: each in time, never wrong
+                try:
+                    got = _timed(lambda d: tier.get_many(keys, deadline=d), 0.5)
+                except TierIOError:
+                    outcomes.append("error")
+                    continue
+                outcomes.append("ok")
+                assert all(v is None or v == w for v, w in zip(got, values, strict=True))
+            cluster.wait_failover(3)
+            deadline = time.monotonic() + 10
+            while True:  # the client finds the new primary again
+                try:
+                    got = tier.get_many(keys, deadline=_soon(1.0))
+                    break
+                except TierIOError:
+                    assert time.monotonic() < deadline, "the tier never recovered"
+            assert all(v is None or v == w for v, w in zip(got, values, strict=True))
+            assert sum(v is not None for v in got) >= len(keys) * 0.9
+            fresh = _keys(20)
+            assert tier.put_many(fresh, fresh, deadline=_soon()).all()
+            assert tier.get_many(fresh, deadline=_soon()) == fresh
+        finally:
+            tier.close()
