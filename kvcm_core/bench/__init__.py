@@ -9,6 +9,8 @@
   manager, beside vLLM's replay of the same trace and the trace's own hit-rate bounds.
 - :mod:`kvcm_core.bench.batch`: a Batch's per-step resize + publish on the host, and its
   publish with index-table conversion on each GPU backend against a measured model.
+- :mod:`kvcm_core.bench.redis`: the redis tier's pipelined put and get beside
+  ``redis-benchmark`` on the same server.
 
 Each module has ``main(argv) -> int`` and ``_parser()``, takes ``--quick`` for a short run
 (smaller sizes, fewer repetitions; options given explicitly still win), and writes its
