@@ -56,7 +56,7 @@ from kvcm_core.records import (
     TierCapabilities,
     TierSpec,
 )
-from kvcm_core.tier import DevicePool, IOHandle, Pool, StoragePool, Tier
+from kvcm_core.tier import BlobPool, DevicePool, IOHandle, Pool, StoragePool, Tier
 from kvcm_core.types import (
     CacheGroupId,
     LayerGroupId,
@@ -74,6 +74,7 @@ __all__ = [
     "AttentionLayerConfig",
     "Availability",
     "BlobCodec",
+    "BlobPool",
     "BlockEvent",
     "Buffer",
     "BufferConfig",

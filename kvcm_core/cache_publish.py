@@ -182,7 +182,8 @@ class PublishMixin(CacheBase):
         for g in self._ctx.publish_groups:
             pages_g = self._pages[g]
             mine = pages_g[b] if b < len(pages_g) else -1
-            if mine >= 0 and a.node[mine] < 0:
+            # A page lost to a storage failure (level -1) holds no data: never publish it.
+            if mine >= 0 and a.node[mine] < 0 and a.level[mine] >= 0:
                 if self._priority_cb is None:
                     a.priority[mine] = PARTIAL_BLOCK_PRIORITY
                 self._levels.publish_one(mine, nid, g)
@@ -202,5 +203,6 @@ class PublishMixin(CacheBase):
             return
         for g in ctx.ssm_groups:
             live = self._ssm[g]
-            if live >= 0 and self._tree.pages[nid, g] < 0 and ctx.life_cycles[g].publishes:
+            if live >= 0 and self._arena.level[live] >= 0 and self._tree.pages[nid, g] < 0 \
+                    and ctx.life_cycles[g].publishes:
                 self._levels.publish(np.asarray([live]), np.asarray([nid]), g)

@@ -10,7 +10,7 @@ import numpy as np
 
 from kvcm_core.backend import Stream
 from kvcm_core.cache_base import CacheBase, CacheStatus
-from kvcm_core.errors import OutOfPagesError, TierIOError
+from kvcm_core.errors import CorruptPageError, OutOfPagesError, TierIOError
 from kvcm_core.refusals import level_shortage, over_resume_limit, room_failed
 
 __all__ = ["ResumeMixin"]
@@ -38,12 +38,14 @@ class ResumeMixin(CacheBase):
         ctx = self._ctx
         L = self._levels
         a = self._arena
-        refs = [p for pages in self._beam_views() for lst in (*pages[0], pages[1])
-                for p in lst if p >= 0]
-        refs += [src for _, _, src in self._pending]
+        refs = self._references()
         if not self._lost and refs and (a.level[_arr(refs)] < 0).any():
             self._lost = True
         if self._lost:
+            corrupt = tuple(p for p in refs if p in L.corrupt_ids)
+            if corrupt:
+                raise self._name_corrupt_block(CorruptPageError(
+                    "pages of this cache failed their frame check", pages=corrupt))
             raise TierIOError(
                 f"cache {self.id!r} lost pages to a storage failure; close it and recompute "
                 "(create_kv_cache again: what is still cached will be reused)")
@@ -115,6 +117,7 @@ class ResumeMixin(CacheBase):
             return self._refuse(room_failed("resume", exc))
         fresh: list[int] = []
         try:
+            self._check_not_lost_while_making_room()
             # Cold pages of ours come back in one batch per source store.
             allp = _arr(self._all_pages())
             cold = list(dict.fromkeys(allp[a.level[allp] != 0].tolist()))
@@ -144,6 +147,9 @@ class ResumeMixin(CacheBase):
         except TierIOError:
             self._fail_resume(fresh)
             raise
+        except CorruptPageError as exc:
+            self._fail_resume(fresh)
+            raise self._name_corrupt_block(exc) from exc
         if self._pending:
             L.change(_arr([src for _, _, src in self._pending]), 0, -1)
             self._pending.clear()
@@ -196,6 +202,43 @@ class ResumeMixin(CacheBase):
             return [wanted]
         keep = set(wanted)
         return [[p for p in refs if p in keep] for refs in self._refs_by_beam()]
+
+    def _references(self) -> list[int]:
+        """Every page this cache references, lost ones included, and pending sources."""
+        refs = [p for pages in self._beam_views() for lst in (*pages[0], pages[1])
+                for p in lst if p >= 0]
+        return refs + [src for _, _, src in self._pending]
+
+    def _check_not_lost_while_making_room(self) -> None:
+        """Making room moves held pages between cold levels; one found corrupt on the way
+        is lost there (not an error of that move).
+
+        Raises:
+            CorruptPageError: a page of ours was lost so.
+        """
+        a = self._arena
+        mine = _arr(self._references())
+        lost = mine[a.level[mine] < 0] if len(mine) else mine
+        if len(lost):
+            raise CorruptPageError("pages of this cache failed their frame check while "
+                                   "making room", pages=tuple(lost.tolist()))
+
+    def _name_corrupt_block(self, exc: CorruptPageError) -> CorruptPageError:
+        """The error ``resume`` raises for corrupt pages: it names the first bad block
+        of this request (lowest block ordinal, then cache group; SSM states count as the
+        last block)."""
+        bad = set(exc.pages)
+        found = [(b, g) for g in range(len(self._pages))
+                 for b, p in enumerate(self._pages[g]) if p in bad]
+        found += [(self.num_blocks, g) for g, p in enumerate(self._ssm) if p in bad]
+        block, group = min(found) if found else (None, None)
+        where = f"block {block} (tokens {block * self._tpb}..{(block + 1) * self._tpb - 1}" \
+            f", cache group {group})" if block is not None else "a block"
+        return CorruptPageError(
+            f"cache {self.id!r}: {where} read back corrupt from a cold level; the cache "
+            "stays SUSPENDED: close it and create the request again (what precedes the "
+            "block is reused, the rest is recomputed)", pages=exc.pages, block=block,
+            group=group)
 
     def _fail_resume(self, fresh: list[int]) -> None:
         """A read failed during resume: undo the locks, free new pages, and mark the cache

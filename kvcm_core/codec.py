@@ -10,14 +10,16 @@ tiers; a corrupted blob raises :class:`~kvcm_core.errors.CorruptPageError`.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
 
 from kvcm_core.backend import KernelBackend, PageRegion, Stream
+from kvcm_core.errors import ConfigError, CorruptPageError
 
-__all__ = ["BlobCodec", "BufferPlace", "PageCodec", "PageLayout"]
+__all__ = ["BlobCodec", "BufferPlace", "PageCodec", "PageLayout", "level_option"]
 
 
 @attrs.frozen
@@ -97,3 +99,33 @@ class BlobCodec(abc.ABC):
         Raises:
             CorruptPageError: the blob fails its checksum or length check.
         """
+
+    @staticmethod
+    def checked_size(data: bytes, expected_size: int | None, what: str) -> bytes:
+        """``data``, after checking it has ``expected_size`` bytes (when given).
+
+        Raises:
+            CorruptPageError: it has another size (``what`` names the codec).
+        """
+        if expected_size is not None and len(data) != expected_size:
+            raise CorruptPageError(
+                f"{what} blob decodes to {len(data)} bytes; {expected_size} were stored")
+        return data
+
+
+def level_option(codec: str, options: Mapping[str, Any] | None, lo: int, hi: int,
+                 default: int) -> int:
+    """The ``level`` option of a compressing codec (the only option it takes).
+
+    Raises:
+        ConfigError: an unknown option, or a level that is not an int in ``lo..hi``.
+    """
+    options = dict(options or {})
+    for key in options:
+        if key != "level":
+            raise ConfigError(f"{codec}.options.{key}", options[key], "unknown option; "
+                              "known: level")
+    level = options.get("level", default)
+    if isinstance(level, bool) or not isinstance(level, int) or not lo <= level <= hi:
+        raise ConfigError(f"{codec}.options.level", level, f"must be an int in {lo}..{hi}")
+    return level

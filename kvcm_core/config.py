@@ -389,6 +389,11 @@ def _levels(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
         raise ConfigError(
             "levels[0].codec", value[0].codec, "level 0 holds GPU pages and takes no codec"
         )
+    if value[0].blob_codec is not None:
+        raise ConfigError(
+            "levels[0].blob_codec", value[0].blob_codec,
+            "level 0 holds GPU pages and takes no blob codec"
+        )
 
 
 def _unit_interval(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:

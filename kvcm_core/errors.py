@@ -53,7 +53,21 @@ class InvalidStateError(KvcmError):
 
 
 class CorruptPageError(KvcmError):
-    """A stored page failed its checksum or length check; it is never returned as KV."""
+    """A stored page failed its frame check (checksum, length, key, sequence...); it is
+    never returned as KV.
+
+    Attributes:
+        pages: internal page ids found corrupt (set by the core where known).
+        block: ordinal of the first bad block of the request (``resume`` sets it).
+        group: cache group of that block.
+    """
+
+    def __init__(self, message: str, *, pages: tuple[int, ...] = (), block: int | None = None,
+                 group: int | None = None) -> None:
+        super().__init__(message)
+        self.pages = pages
+        self.block = block
+        self.group = group
 
 
 class TierIOError(KvcmError, OSError):

@@ -24,9 +24,10 @@ import numpy as np
 from kvcm_core.backend import CopyTask, KernelBackend, Stream, copy_pairs
 from kvcm_core.codec import PageCodec, PageLayout
 from kvcm_core.config import KVCacheManagerConfig
-from kvcm_core.errors import ConfigError, OutOfPagesError, TierIOError
+from kvcm_core.errors import ConfigError, CorruptPageError, OutOfPagesError, TierIOError
 from kvcm_core.events import BlockEvent, EventKind
 from kvcm_core.eviction import EvictionPolicy
+from kvcm_core.frame import KEY_BYTES, FrameBook, FrameCheckFailed, LevelFrames, page_key
 from kvcm_core.layout import StorageLayout
 from kvcm_core.lifecycle import LifeCycle
 from kvcm_core.migration import Mover
@@ -55,13 +56,15 @@ class Levels:
         make_policy: builds an eviction-policy instance.
         tree: the prefix tree (drops remove its nodes).
         sinks: event sinks.
+        frames: per level, how its pages are framed (None: not framed; see
+            :mod:`kvcm_core.frame`); empty: no level is.
     """
 
     def __init__(self, config: KVCacheManagerConfig, layout: StorageLayout,
                  life_cycles: Sequence[LifeCycle], backend: KernelBackend,
                  tiers: list[Tier], codec: PageCodec | None,
                  make_policy: Callable[[], EvictionPolicy], tree: PrefixTree,
-                 sinks: list[Any]) -> None:
+                 sinks: list[Any], frames: Sequence[LevelFrames | None] = ()) -> None:
         self.config = config
         self.layout = layout
         self.life_cycles = life_cycles
@@ -70,9 +73,13 @@ class Levels:
         self.codec = codec
         self.tree = tree
         self.sinks = sinks
+        self.frames = list(frames) or [None] * len(config.levels)
         self.mover = Mover(backend, codec)
         self.arena = PageArena()
         self.epoch = 0  # bumped whenever a page moves: page tables read it
+        #: Ids of pages lost to a failed frame check that owners still reference (so a
+        #: ``resume`` can say CorruptPageError rather than a plain I/O loss).
+        self.corrupt_ids: set[int] = set()
         ngroups = len(life_cycles)
         self.stats = IterationStats.empty(ngroups, len(config.levels))
         self.event_sink_errors: dict[str, int] = {}
@@ -111,8 +118,13 @@ class Levels:
             for ci, n in enumerate(self.cold_slots(li, config.levels[li].quota)):
                 # Unnamed: kvcm does not persist its tree, so cold files are private to
                 # this manager (two managers never share a file).
-                pool = tiers[li].create_pool(self.cold_keys[ci][1], n)
+                cold = self.cold_keys[ci][1]
+                pool = tiers[li].create_pool(self.slot_bytes(li, cold), n)
                 self._add_store(li, ci, [pool], make_policy, li == nlevels - 1)
+                framing = self.frames[li]
+                if framing is not None:
+                    self.stores[li][-1].frames = FrameBook(framing.format, n, cold,
+                                                           framing.blob)
         # Each store's pages go to exactly one store below: a GPU pool group's life cycles
         # share one cold page size, and cold groups keep their index on every cold level.
         for pg in layout.pool_groups:
@@ -134,13 +146,21 @@ class Levels:
         index = sum(len(s) for s in self.stores)
         self.stores[level].append(Store(index, level, pg, pools, make_policy, last, self.arena))
 
+    def slot_bytes(self, level: int, page_bytes: int) -> int:
+        """Bytes of a cold level's slot for cold pages of ``page_bytes``: a framed level
+        adds the frame (and room for a blob codec's worst case)."""
+        framing = self.frames[level]
+        return page_bytes if framing is None else framing.slot_bytes(page_bytes)
+
     def cold_slots(self, level: int, quota: int) -> list[int]:
-        """Slots per cold group for a cold level's quota (shares by page bytes)."""
-        weights = [key[1] * sum(1 for k in self.cold_key_of if k == key)
-                   for key in self.cold_keys]
+        """Slots per cold group for a cold level's quota (shares by slot bytes, frames
+        included)."""
+        sizes = [self.slot_bytes(level, key[1]) for key in self.cold_keys]
+        weights = [size * sum(1 for k in self.cold_key_of if k == key)
+                   for key, size in zip(self.cold_keys, sizes, strict=True)]
         total = sum(weights)
-        slots = [int(quota * w / total) // key[1]
-                 for key, w in zip(self.cold_keys, weights, strict=True)]
+        slots = [int(quota * w / total) // size
+                 for size, w in zip(sizes, weights, strict=True)]
         for ci, n in enumerate(slots):
             if n < 1:
                 raise ConfigError(
@@ -200,7 +220,10 @@ class Levels:
             a = self.arena
             a.locks[batch] += dlocks
             a.holds[batch] += dholds
-            a.release(batch[(a.locks[batch] == 0) & (a.holds[batch] == 0)])
+            gone = batch[(a.locks[batch] == 0) & (a.holds[batch] == 0)]
+            a.release(gone)
+            if self.corrupt_ids:
+                self.corrupt_ids.difference_update(gone.tolist())
 
     def release_locked(self, pids: np.ndarray) -> None:
         """Owners let go of pages they locked once (a close): see :meth:`Store.unlock_all`."""
@@ -325,7 +348,8 @@ class Levels:
                 victims = np.concatenate([victims[:cut], failed]) if len(failed) else \
                     victims[:cut]
             target = target.below
-        self.drop(store, victims)
+        # A corrupt page met on the way took the droppable pages below it along.
+        self.drop(store, victims[a.store[victims] == here])
         if store.num_free < n:
             raise OutOfPagesError(
                 f"level {store.level} pool group {store.pool_group}: could not free {k} "
@@ -345,17 +369,59 @@ class Levels:
         a = self.arena
         group = int(a.group[pids[0]])
         layout = self.layouts[self._pg_of[group]]
+        keys = self.frame_keys(pids) if dst.frames is not None else None
         try:
-            self.mover.copy(layout, src, a.slot[pids], dst, slots, stream)
+            self.mover.copy(layout, src, a.slot[pids], dst, slots, stream, keys)
         except TierIOError:
             dst.unreserve_slots(slots)
             self.stats.io_failures += 1
             return pids
+        except FrameCheckFailed as exc:
+            good = np.ones(len(pids), dtype=bool)
+            good[exc.positions] = False
+            self.discard_corrupt(src, pids[~good], queued)
+            # Dropping a corrupt page frees the droppable pages below it: some good ones.
+            keep = good & (a.store[pids] == src.index)
+            dst.unreserve_slots(slots[~keep])
+            pids, slots = pids[keep], slots[keep]
+            if not len(pids):
+                return pids
         src.vacate(pids, queued=queued)
         dst.settle(pids, slots, droppable)
         self.epoch += 1
         self._count_moves(pids, src.level, dst.level)
         return pids[:0]
+
+    def frame_keys(self, pids: np.ndarray) -> np.ndarray:
+        """The 32-byte block keys (``uint8 [n, 32]``) that frames of these pages carry."""
+        a = self.arena
+        tree = self.tree
+        out = np.empty((len(pids), KEY_BYTES), dtype=np.uint8)
+        for i, (pid, nid) in enumerate(zip(pids.tolist(), a.node[pids].tolist(),
+                                           strict=True)):
+            key = page_key(tree.key(nid) if nid >= 0 else None, pid)
+            out[i] = np.frombuffer(key, dtype=np.uint8)
+        return out
+
+    def discard_corrupt(self, store: Store, pids: np.ndarray, queued: bool = True) -> None:
+        """Pages of ``store`` whose frame failed its check: counted, and out of the tree
+        with everything below them. Unreferenced ones are dropped; referenced ones are
+        lost (their owners keep a dead reference, and ``resume`` says which block).
+        ``queued`` False: they were popped from their queue."""
+        if not len(pids):
+            return
+        self.stats.corrupt_pages += len(pids)
+        a = self.arena
+        owned = (a.locks[pids] > 0) | (a.holds[pids] > 0)
+        if not owned.all():
+            self.drop(store, pids[~owned], queued=queued)
+        held = pids[owned]
+        if not queued and len(held):
+            store.requeue(held)  # lose() takes pages out of their queue
+        for pid in held.tolist():
+            if a.store[pid] == store.index:
+                self.lose(pid)
+                self.corrupt_ids.add(pid)
 
     def _count_moves(self, pids: np.ndarray, from_level: int, to_level: int) -> None:
         if len(self.life_cycles) == 1:
@@ -391,6 +457,8 @@ class Levels:
         Raises:
             TierIOError: a page could not be read; it is forgotten (dropped from the tree,
                 slot freed) and the others that were read stay on level 0.
+            CorruptPageError: a page failed its frame check; it is forgotten likewise
+                (``pages`` names the lost pages).
         """
         if not len(pids):
             return
@@ -401,6 +469,12 @@ class Levels:
             batch = pids[key == k]
             src = self.all_stores[k // 1024]
             failed = self._move(src, batch, self.stores[0][k % 1024], True, stream)
+            lost = batch[a.store[batch] < 0]
+            if len(lost):
+                raise CorruptPageError(
+                    f"{len(lost)} pages read from level {src.level} failed their frame "
+                    "check; they are dropped from the prefix tree and must be recomputed",
+                    pages=tuple(lost.tolist()))
             if len(failed):
                 for pid in failed.tolist():
                     self.lose(pid)
@@ -415,6 +489,8 @@ class Levels:
 
         Raises:
             TierIOError: a source on a storage level could not be read.
+            CorruptPageError: a source failed its frame check (it is lost; ``pages``
+                names it).
         """
         if not len(dst):
             return
@@ -425,7 +501,13 @@ class Levels:
         for s in dict.fromkeys(stores.tolist()):
             sel = stores == s
             store = self.all_stores[s]
-            self.mover.copy(layout, store, a.slot[src[sel]], gpu, a.slot[dst[sel]], stream)
+            try:
+                self.mover.copy(layout, store, a.slot[src[sel]], gpu, a.slot[dst[sel]],
+                                stream)
+            except FrameCheckFailed as exc:
+                bad = src[sel][exc.positions]
+                self.discard_corrupt(store, bad)
+                raise CorruptPageError(str(exc), pages=tuple(bad.tolist())) from exc
             n = int(sel.sum())
             if store.level == 0:
                 self.stats.groups[group].intra_device_copies += n
@@ -467,8 +549,8 @@ class Levels:
                         len(take) - dst.num_free), dtype=np.int64)
                     self.drop(dst, victims)
                 take = take[: dst.num_free]
-                failed = self._move(self.all_stores[s], take, dst)
-                moved += len(take) - len(failed)
+                self._move(self.all_stores[s], take, dst)
+                moved += int(np.count_nonzero(a.store[take] == dst.index))
         return moved
 
     # -- dropping ---------------------------------------------------------------------------------
@@ -674,8 +756,14 @@ class Levels:
             low = np.sort(store.free_slots()[store.free_slots() < new])[: len(high)]
             a = self.arena
             for pid, slot in zip(high.tolist(), low.tolist(), strict=True):
+                if a.store[pid] != store.index:
+                    continue  # dropped with a corrupt page above it
                 layout = self.layouts[self._pg_of[int(a.group[pid])]]
-                self.mover.copy(layout, store, [int(a.slot[pid])], store, [slot])
+                try:
+                    self.mover.copy(layout, store, [int(a.slot[pid])], store, [slot])
+                except FrameCheckFailed:
+                    self.discard_corrupt(store, np.array([pid], dtype=np.int64))
+                    continue
                 store.relocate(pid, slot)
             if len(high):
                 self.epoch += 1

@@ -24,6 +24,7 @@ from kvcm_core.codec import PageCodec
 from kvcm_core.config import KVCacheManagerConfig
 from kvcm_core.context import CacheContext
 from kvcm_core.errors import ConfigError, InvalidStateError
+from kvcm_core.frame import level_frames
 from kvcm_core.kinds import make_kind
 from kvcm_core.layout import BufferAttr, PageIndexConverter, StorageLayout
 from kvcm_core.levels import Levels
@@ -85,7 +86,8 @@ class KVCacheManager:
             codec = self._build_tiers(pm, tiers)
             self.storage_levels = Levels(config, self.layout, lcs, self.backend, tiers,
                                          codec, lambda: policy_spec.factory({}), self.tree,
-                                         pm.event_sinks(config))
+                                         pm.event_sinks(config),
+                                         level_frames(config, pm, tiers))
         except BaseException:
             for tier in reversed(tiers):
                 with contextlib.suppress(Exception):

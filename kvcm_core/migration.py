@@ -8,6 +8,11 @@ transfer returns, so a page is never read before its copy finished and a source 
 released only after its data has safely arrived. On an I/O failure the transfer raises
 :class:`~kvcm_core.errors.TierIOError` and the destination holds nothing valid; the source
 is untouched.
+
+Stores of persistent tiers are framed (:mod:`kvcm_core.frame`): their pages are wrapped on
+every write here and checked on every read, so a damaged page never reaches a GPU or
+another level; the transfer finishes the intact pages and then raises
+:class:`~kvcm_core.frame.FrameCheckFailed` naming the damaged ones.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import numpy as np
 
 from kvcm_core.backend import Buffer, CopyTask, KernelBackend, PageRegion, Stream, copy_pairs
 from kvcm_core.codec import PageCodec, PageLayout
-from kvcm_core.tier import DevicePool, StoragePool
+from kvcm_core.errors import CorruptPageError, TierIOError
+from kvcm_core.frame import HEADER, FrameBook, FrameCheckFailed
+from kvcm_core.tier import BlobPool, DevicePool, StoragePool
 
 if TYPE_CHECKING:
     from kvcm_core.storage import Store
@@ -70,31 +77,103 @@ class Mover:
         dst: Store,
         dst_slots: Sequence[int] | np.ndarray,
         stream: Stream | None = None,
+        keys: np.ndarray | None = None,
     ) -> None:
         """Copy blocks ``src_slots[i]`` of ``src`` into ``dst_slots[i]`` of ``dst``.
 
         ``layout`` is the GPU pool group's layout (what the codec needs). Level-0 stores
-        hold GPU pages (one pool per slot size); other stores hold cold pages.
+        hold GPU pages (one pool per slot size); other stores hold cold pages. ``keys``:
+        the 32-byte block keys of the pages (``uint8 [n, 32]``), needed when ``dst`` is
+        framed and ``src`` is not (a framed source gives the keys it recorded).
 
         Raises:
             TierIOError: a storage read or write failed (the destination is not valid).
+            FrameCheckFailed: frames read from ``src`` failed their check (at
+                ``positions``); every other page was copied.
         """
         n = len(src_slots)
         if n == 0:
             return
         s = np.asarray(src_slots, dtype=np.int32)
         d = np.asarray(dst_slots, dtype=np.int32)
+        if keys is None and src.frames is not None:
+            keys = src.frames.keys[s]  # a copy: taken before any write to a frame book
+        ok = np.ones(n, dtype=bool)
         if src.level == 0 or dst.level == 0:
-            self._copy_gpu(layout, src, s, dst, d, stream)
+            self._copy_gpu(layout, src, s, dst, d, stream, keys, ok)
         else:
-            self._copy_cold(src, s, dst, d, stream)
+            self._copy_cold(src, s, dst, d, stream, keys, ok)
         # The source slot may be reused as soon as we return: finish the copy first.
         (stream or self.backend.default_stream).synchronize()
+        if not ok.all():
+            bad = np.flatnonzero(~ok)
+            raise FrameCheckFailed(
+                f"{len(bad)} cold pages read from level {src.level} failed their frame "
+                f"check (slots {s[bad].tolist()[:8]})", bad)
+
+    # -- storage pools: frames applied here ------------------------------------------------
+
+    @staticmethod
+    def _put(store: Store, slots: np.ndarray, rows: np.ndarray, keys: np.ndarray | None
+             ) -> None:
+        """Write cold pages ``rows[i]`` into ``slots[i]`` of a storage store, framed when
+        the store is."""
+        pool = store.pools[0]
+        assert isinstance(pool, StoragePool)
+        book = store.frames
+        if book is not None:
+            if keys is None:
+                raise ValueError(f"level {store.level} is framed: block keys are needed")
+            if isinstance(pool, BlobPool):
+                payloads = [book.blob.encode(row) for row in rows] if book.blob is not None \
+                    else [row.tobytes() for row in rows]
+                blobs = book.wrap_blobs(slots, payloads, keys)
+                big = max(len(b) for b in blobs)
+                if big > pool.slot_bytes:  # a codec past its bound: a failed write
+                    raise TierIOError(f"level {store.level}: a {big}-byte blob exceeds "
+                                      f"the {pool.slot_bytes}-byte slot")
+                pool.write_blobs(slots, blobs).wait()
+                return
+            rows = book.wrap(slots, rows, keys)
+        pool.write(slots, rows).wait()
+
+    @staticmethod
+    def _get(store: Store, slots: np.ndarray, out: np.ndarray, ok: np.ndarray) -> None:
+        """Read cold pages of ``slots`` into ``out`` (unframing them); ``ok[i]`` becomes
+        False for a frame that fails its check (its row in ``out`` is zeroed)."""
+        pool = store.pools[0]
+        assert isinstance(pool, StoragePool)
+        book = store.frames
+        if book is None:
+            pool.read(slots, out).wait()
+            return
+        if isinstance(pool, BlobPool):
+            blobs: list[bytes] = [b""] * len(slots)
+            pool.read_blobs(slots, blobs).wait()
+            for i, (slot, blob) in enumerate(zip(slots.tolist(), blobs, strict=True)):
+                page = _unframe_blob(book, slot, blob, out.shape[1])
+                ok[i] &= page is not None
+                out[i] = 0 if page is None else np.frombuffer(page, dtype=np.uint8)
+            return
+        frames = np.empty((len(slots), pool.slot_bytes), dtype=np.uint8)
+        pool.read(slots, frames).wait()
+        good = book.check(slots, frames)
+        head = HEADER.itemsize
+        out[...] = frames[:, head : head + out.shape[1]]
+        if not good.all():
+            out[~good] = 0  # never hand damaged bytes on, even to a slot given back
+            ok &= good
+
+    @staticmethod
+    def _page_bytes(store: Store) -> int:
+        """Bytes of one cold page of a cold store (its slots hold a frame around it)."""
+        return store.pools[0].slot_bytes if store.frames is None else store.frames.page_bytes
 
     # -- GPU <-> anything ------------------------------------------------------------------
 
-    def _copy_gpu(self, layout: PageLayout, src: Store, s: np.ndarray,
-                  dst: Store, d: np.ndarray, stream: Stream | None) -> None:
+    def _copy_gpu(self, layout: PageLayout, src: Store, s: np.ndarray, dst: Store,
+                  d: np.ndarray, stream: Stream | None, keys: np.ndarray | None,
+                  ok: np.ndarray) -> None:
         be = self.backend
         if src.level == 0 and dst.level == 0:
             pairs = copy_pairs(d, s)
@@ -109,8 +188,7 @@ class Mover:
             if isinstance(pool, DevicePool):
                 codec.encode(be, layout, self._gpu_regions(src), s, pool.region, d, stream)
                 return
-            assert isinstance(pool, StoragePool)
-            cold = pool.slot_bytes
+            cold = self._page_bytes(dst)
             for lo, hi in self._chunks(len(s), cold):
                 staging = self._stage((hi - lo) * cold)
                 codec.encode(be, layout, self._gpu_regions(src), s[lo:hi],
@@ -118,18 +196,17 @@ class Mover:
                              stream)
                 (stream or be.default_stream).synchronize()
                 view = staging.host_view()[: (hi - lo) * cold].reshape(hi - lo, cold)
-                pool.write(d[lo:hi], view).wait()
+                self._put(dst, d[lo:hi], view, None if keys is None else keys[lo:hi])
             return
         pool = src.pools[0]
         if isinstance(pool, DevicePool):
             codec.decode(be, layout, pool.region, s, self._gpu_regions(dst), d, stream)
             return
-        assert isinstance(pool, StoragePool)
-        cold = pool.slot_bytes
+        cold = self._page_bytes(src)
         for lo, hi in self._chunks(len(s), cold):
             staging = self._stage((hi - lo) * cold)
             view = staging.host_view()[: (hi - lo) * cold].reshape(hi - lo, cold)
-            pool.read(s[lo:hi], view).wait()
+            self._get(src, s[lo:hi], view, ok[lo:hi])
             codec.decode(be, layout, PageRegion(staging, 0, cold),
                          np.arange(hi - lo, dtype=np.int32), self._gpu_regions(dst), d[lo:hi],
                          stream)
@@ -137,27 +214,25 @@ class Mover:
 
     # -- cold <-> cold ---------------------------------------------------------------------
 
-    def _copy_cold(self, src: Store, s: np.ndarray, dst: Store,
-                   d: np.ndarray, stream: Stream | None) -> None:
+    def _copy_cold(self, src: Store, s: np.ndarray, dst: Store, d: np.ndarray,
+                   stream: Stream | None, keys: np.ndarray | None, ok: np.ndarray) -> None:
         be = self.backend
         sp, dp = src.pools[0], dst.pools[0]
-        cold = sp.slot_bytes
-        if dp.slot_bytes != cold:
-            raise ValueError(f"cold page sizes differ ({cold} vs {dp.slot_bytes})")
+        cold = self._page_bytes(src)
+        if self._page_bytes(dst) != cold:
+            raise ValueError(f"cold page sizes differ ({cold} vs {self._page_bytes(dst)})")
         if isinstance(sp, DevicePool) and isinstance(dp, DevicePool):
             be.copy_pages(dp.region, sp.region, cold, copy_pairs(d, s), stream)
             return
         if isinstance(sp, DevicePool) and sp.region.buffer.host_ptr is not None:
             # Host-visible pages (pinned host) to storage: one gather, in storage order.
-            assert isinstance(dp, StoragePool)
             order = np.argsort(d, kind="stable")
             rows = _host_pages(sp.region, cold, int(s.max()) + 1)[s[order]]
-            dp.write(d[order], rows).wait()
+            self._put(dst, d[order], rows, None if keys is None else keys[order])
             return
         if isinstance(dp, DevicePool) and dp.region.buffer.host_ptr is not None:
-            assert isinstance(sp, StoragePool)
             rows = np.empty((len(s), cold), dtype=np.uint8)
-            sp.read(s, rows).wait()
+            self._get(src, s, rows, ok)
             _host_pages(dp.region, cold, int(d.max()) + 1)[d] = rows
             return
         for lo, hi in self._chunks(len(s), cold):
@@ -170,16 +245,14 @@ class Mover:
                               stream)
                 (stream or be.default_stream).synchronize()
             else:
-                assert isinstance(sp, StoragePool)
-                sp.read(s[lo:hi], view).wait()
+                self._get(src, s[lo:hi], view, ok[lo:hi])
             if isinstance(dp, DevicePool):
                 be.copy_pages(dp.region, PageRegion(staging, 0, cold), cold,
                               copy_pairs(d[lo:hi], np.arange(k)),
                               stream)
                 (stream or be.default_stream).synchronize()
             else:
-                assert isinstance(dp, StoragePool)
-                dp.write(d[lo:hi], view).wait()
+                self._put(dst, d[lo:hi], view, None if keys is None else keys[lo:hi])
 
     @staticmethod
     def _chunks(n: int, page: int) -> list[tuple[int, int]]:
@@ -196,3 +269,15 @@ def _host_pages(region: PageRegion, page_bytes: int, count: int) -> np.ndarray:
     base = region.buffer.host_view()
     return np.ndarray((count, page_bytes), dtype=np.uint8, buffer=base, offset=region.offset,
                       strides=(region.stride, 1))
+
+
+def _unframe_blob(book: FrameBook, slot: int, blob: bytes, size: int) -> bytes | None:
+    """The cold page in a blob frame read from ``slot`` (decompressed by the level's blob
+    codec), or None when the frame or the compressed payload is damaged."""
+    payload = book.unwrap_blob(slot, blob)
+    if payload is not None and book.blob is not None:
+        try:
+            payload = book.blob.decode(payload, expected_size=size)
+        except CorruptPageError:
+            return None
+    return payload if payload is not None and len(payload) == size else None

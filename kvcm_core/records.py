@@ -83,6 +83,8 @@ class TierCapabilities:
         dir_mode: permission bits of directories it creates (file tiers), else ``None``.
         keyed: the tier is a :class:`~kvcm_core.tier.KeyedTier`, addressed by block key
             (``put_many``/``get_many``/``exists_many``/``delete_many``) instead of slots.
+        blobs: its storage pools store variable-size blobs by size
+            (:class:`~kvcm_core.tier.BlobPool`), so a level on it may take a blob codec.
     """
 
     device_accessible: bool
@@ -92,6 +94,7 @@ class TierCapabilities:
     file_mode: int | None = None
     dir_mode: int | None = None
     keyed: bool = False
+    blobs: bool = False
 
 
 @attrs.frozen(kw_only=True)

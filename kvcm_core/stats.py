@@ -50,6 +50,10 @@ class IterationStats:
         reused_blocks_by_level: blocks reused from each level (index = level).
         lookups: prefix lookups (``create_kv_cache`` calls with tokens).
         lookup_tokens: tokens looked up; ``hit_tokens``: tokens reused.
+        io_failures: storage transfers that failed (their pages stayed or were dropped).
+        corrupt_pages: cold pages whose frame failed its check on a read (dropped from
+            the prefix tree with everything below them, and recomputed by whoever needs
+            them).
     """
 
     groups: list[GroupIterationStats]
@@ -58,6 +62,7 @@ class IterationStats:
     lookup_tokens: int = 0
     hit_tokens: int = 0
     io_failures: int = 0
+    corrupt_pages: int = 0
 
     @classmethod
     def empty(cls, num_groups: int, num_levels: int) -> IterationStats:

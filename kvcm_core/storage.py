@@ -31,6 +31,7 @@ from kvcm_core.eviction import DEFAULT_PRIORITY, EvictionPolicy
 from kvcm_core.idstack import IdStack, blank_rows, grown_rows
 
 if TYPE_CHECKING:
+    from kvcm_core.frame import FrameBook
     from kvcm_core.tier import Pool
 
 __all__ = ["NO_PAGE", "PageArena", "PageState", "StorageStatistics", "Store"]
@@ -177,6 +178,8 @@ class Store:
         self.last_level = last_level
         self.arena = arena
         self.below: Store | None = None  # where evicted pages go (set by the levels room)
+        #: Key and write sequence per slot of a framed (persistent) store, else None.
+        self.frames: FrameBook | None = None
         # Pop from the end: low slot ids first, which keeps shrinking cheap.
         self._free = IdStack(self.num_slots)
         self._pid = np.full(self.num_slots, NO_PAGE, dtype=np.int64)
@@ -411,6 +414,8 @@ class Store:
         old = self.num_slots
         for pool in self.pools:
             pool.resize(new)
+        if self.frames is not None:
+            self.frames.resize(new)
         self._pid = np.concatenate([self._pid, np.full(new - old, NO_PAGE, np.int64)])
         self._free.grow(old, new)
         self.num_slots = new
@@ -436,6 +441,8 @@ class Store:
         """Drop slots ``>= new`` (all free)."""
         for pool in self.pools:
             pool.resize(new)
+        if self.frames is not None:
+            self.frames.resize(new)
         self._free.keep_below(new)
         self._pid = self._pid[:new].copy()
         self.num_slots = new

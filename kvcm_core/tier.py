@@ -20,8 +20,16 @@ from kvcm_core.errors import InvalidStateError, TierIOError
 from kvcm_core.records import TierCapabilities
 
 __all__ = [
-    "CompletedIO", "DevicePool", "IOHandle", "KeyedTier", "Pool", "StoragePool", "Tier",
+    "BlobPool",
+    "CompletedIO",
+    "DevicePool",
+    "IOHandle",
+    "KeyedTier",
+    "Pool",
+    "StoragePool",
+    "Tier",
     "check_slots",
+    "checked_rows",
 ]
 
 
@@ -124,6 +132,73 @@ class StoragePool(Pool):
     @abc.abstractmethod
     def read(self, slots: np.ndarray, dest: np.ndarray) -> IOHandle:
         """Load ``slots[i]`` into ``dest[i]`` (``uint8 [n, slot_bytes]``, host memory)."""
+
+
+class BlobPool(StoragePool):
+    """A storage pool that stores each slot's bytes as a blob of its own size (at most
+    ``slot_bytes``), for tiers that declare ``capabilities.blobs``. Its quota counts the
+    bytes stored, so blobs compressed by a level's blob codec take less of it.
+
+    The fixed-size ``write``/``read`` of :class:`StoragePool` store and load whole rows
+    as blobs; the core uses ``write_blobs``/``read_blobs``.
+    """
+
+    @abc.abstractmethod
+    def write_blobs(self, slots: np.ndarray, blobs: Sequence[bytes]) -> IOHandle:
+        """Store ``blobs[i]`` (``len <= slot_bytes``) as the bytes of ``slots[i]``."""
+
+    @abc.abstractmethod
+    def read_blobs(self, slots: np.ndarray, out: list[bytes]) -> IOHandle:
+        """Load the blob of ``slots[i]`` into ``out[i]``: ``b""`` for a slot never
+        written; a blob whose storage was damaged may come back with another length."""
+
+    @property
+    @abc.abstractmethod
+    def stored_bytes(self) -> int:
+        """Bytes stored, as counted against the pool's ``num_slots * slot_bytes``."""
+
+    def write(self, slots: np.ndarray, source: np.ndarray) -> IOHandle:
+        """Store each row of ``source`` (``uint8 [n, slot_bytes]``) as a blob."""
+        rows = checked_rows(self, source, len(np.asarray(slots).reshape(-1)), "source")
+        return self.write_blobs(slots, [row.tobytes() for row in rows])
+
+    def read(self, slots: np.ndarray, dest: np.ndarray) -> IOHandle:
+        """Load whole-row blobs into ``dest`` (a slot never written reads as zeros).
+
+        A blob of another length fails the returned handle with :class:`TierIOError`.
+        """
+        arr = check_slots(self, slots)
+        rows = checked_rows(self, dest, len(arr), "dest")
+        blobs: list[bytes] = [b""] * len(arr)
+        try:
+            self.read_blobs(arr, blobs).wait()
+        except TierIOError as exc:
+            return CompletedIO(exc)
+        for i, blob in enumerate(blobs):
+            if blob and len(blob) != self.slot_bytes:
+                return CompletedIO(TierIOError(
+                    f"slot {int(arr[i])} holds {len(blob)} bytes, not {self.slot_bytes}"))
+            rows[i] = np.frombuffer(blob, dtype=np.uint8) if blob else 0
+        return CompletedIO()
+
+
+def checked_rows(pool: Pool, array: np.ndarray, n: int, what: str) -> np.ndarray:
+    """``array`` after checking it is ``uint8 [n, pool.slot_bytes]`` (host rows).
+
+    Raises:
+        ValueError: it is not (naming ``what``, its type or shape, and the rule).
+    """
+    if not isinstance(array, np.ndarray) or array.dtype != np.uint8:
+        raise ValueError(
+            f"{what} of type {type(array).__name__} "
+            f"dtype={getattr(array, 'dtype', None)}: must be a uint8 numpy array"
+        )
+    if array.shape != (n, pool.slot_bytes):
+        raise ValueError(
+            f"{what}.shape={array.shape}: must be ({n}, {pool.slot_bytes}) "
+            "(one row of slot_bytes per slot)"
+        )
+    return array
 
 
 class Tier(abc.ABC):

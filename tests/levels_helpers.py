@@ -11,7 +11,7 @@ Every data check goes through :class:`~kvcm_core.testing.fingerprint.Fingerprint
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from kvcm_core import (
     SsmLayerConfig,
     hookimpl,
 )
+from kvcm_core.frame import FrameFormat, LevelFrames
 from kvcm_core.testing.faults import FaultPlan, FaultyTier, faulty_tier_spec
 from kvcm_core.testing.fingerprint import FingerprintEngine, StepWork
 
@@ -68,11 +69,11 @@ LAYOUTS = {"full": full_layers, "hybrid": hybrid_layers}
 
 # -- managers sized in slots --------------------------------------------------------------
 
-_UNITS: dict[str, tuple[int, int]] = {}
+_UNITS: dict[str, tuple[int, list[int]]] = {}
 
 
-def _units(layout: str) -> tuple[int, int]:
-    """(GPU quota bytes per slot per life cycle, cold quota bytes per slot per life cycle)."""
+def _units(layout: str) -> tuple[int, list[int]]:
+    """(GPU quota bytes per slot per life cycle, the cold page size of each life cycle)."""
     if layout not in _UNITS:
         cfg = KVCacheManagerConfig(
             tokens_per_block=TPB, layers=LAYOUTS[layout](), kernel_backend="numpy",
@@ -82,32 +83,53 @@ def _units(layout: str) -> tuple[int, int]:
         m = KVCacheManager(cfg)
         try:
             gpu = sum(pg.page_bytes * len(pg.life_cycles) for pg in m.layout.pool_groups)
-            L = m.storage_levels
-            cold = sum(key[1] * sum(1 for k in L.cold_key_of if k == key)
-                       for key in L.cold_keys)
+            cold = [key[1] for key in m.storage_levels.cold_key_of]
         finally:
             m.shutdown()
         _UNITS[layout] = (gpu, cold)
     return _UNITS[layout]
 
 
-def quota(layout: str, level: int, slots: int) -> int:
-    """Quota bytes giving every life cycle exactly ``slots`` slots at ``level``."""
-    unit = _units(layout)[0 if level == 0 else 1]
+def quota(layout: str, level: int, slots: int, framed: bool | None = None,
+          blob_codec: bool = False) -> int:
+    """Quota bytes giving every life cycle exactly ``slots`` slots at ``level``.
+
+    ``framed``: the level is a disk level, whose slots hold a frame around each cold page
+    (default: level 2, where these tests put the disk when a host level comes first);
+    ``blob_codec``: it has a blob codec (slots keep room for incompressible pages).
+    """
+    if framed is None:
+        framed = level == 2
+    gpu, cold = _units(layout)
+    if level == 0:
+        unit = gpu
+    elif framed:
+        frames = LevelFrames(FrameFormat(0, bytes(16)), blob=object() if blob_codec else None)
+        unit = sum(frames.slot_bytes(size) for size in cold)
+    else:
+        unit = sum(cold)
     return slots * unit + unit // 2
 
 
-def make_levels(layout: str, tiers: Sequence[tuple[str, int]], tmp_path: Path
-                ) -> list[LevelConfig]:
+def make_levels(layout: str, tiers: Sequence[tuple[str, int]], tmp_path: Path,
+                disk: Mapping[str, Any] | None = None) -> list[LevelConfig]:
+    """Levels of ``tiers[i] = (tier, slots per life cycle)``; ``disk``: more options of
+    disk levels and their ``blob_codec`` (e.g. ``{"mode": "blob", "blob_codec": "zstd"}``)."""
     out = []
+    extra = dict(disk or {})
+    blob_codec = extra.pop("blob_codec", None)
     for i, (tier, slots) in enumerate(tiers):
-        options = {"path": str(tmp_path / f"L{i}")} if "disk" in tier else {}
-        out.append(LevelConfig(tier=tier, quota=quota(layout, i, slots), options=options))
+        is_disk = "disk" in tier
+        options = {"path": str(tmp_path / f"L{i}"), **extra} if is_disk else {}
+        size = quota(layout, i, slots, is_disk, is_disk and blob_codec is not None)
+        out.append(LevelConfig(tier=tier, quota=size, options=options,
+                               blob_codec=blob_codec if is_disk else None))
     return out
 
 
 def make_manager(tiers: Sequence[tuple[str, int]], tmp_path: Path, *, layout: str = "full",
-                 pm: KvcmPluginManager | None = None, **kw: Any) -> KVCacheManager:
+                 pm: KvcmPluginManager | None = None, disk: Mapping[str, Any] | None = None,
+                 **kw: Any) -> KVCacheManager:
     """A manager whose level ``i`` is tier ``tiers[i][0]`` with ``tiers[i][1]`` slots per
     life cycle (GPU pool groups shared by several life cycles get that many per member)."""
     if layout == "hybrid":
@@ -115,7 +137,7 @@ def make_manager(tiers: Sequence[tuple[str, int]], tmp_path: Path, *, layout: st
     # Tiny levels: let a request that fills the whole GPU resume (default gate: 0.97).
     kw.setdefault("max_util_for_resume", 1.0)
     cfg = KVCacheManagerConfig(tokens_per_block=TPB, layers=LAYOUTS[layout](),
-                               levels=make_levels(layout, tiers, tmp_path),
+                               levels=make_levels(layout, tiers, tmp_path, disk),
                                kernel_backend=os.environ.get("KVCM_TEST_BACKEND", "numpy"),
                                **kw)
     m = KVCacheManager(cfg, plugin_manager=pm)

@@ -26,6 +26,7 @@ from kvcm_core import (
     ReusePolicy,
     SsmLayerConfig,
 )
+from kvcm_core.frame import FRAME_OVERHEAD
 
 P = ReusePolicy
 TPB = 4
@@ -101,18 +102,20 @@ def make_manager(layers: Sequence[Any], stack: Sequence[str] = ("gpu",),
         gpu_quota = sum(weights) + min(pg.page_bytes for pg in pgs) // 2
         cold_key_of = probe.storage_levels.cold_key_of
         cold_keys = probe.storage_levels.cold_keys
-        cold_unit = sum(key[1] * sum(1 for k in cold_key_of if k == key)
-                        for key in cold_keys)
-        min_cold = min(key[1] for key in cold_keys)
+        counts = [sum(1 for k in cold_key_of if k == key) for key in cold_keys]
+        sizes = [key[1] for key in cold_keys]
     finally:
         probe.shutdown()
     levels = [LevelConfig(tier=stack[0], quota=gpu_quota)]
     for i, tier in enumerate(stack[1:], start=1):
         options = {}
+        extra = 0  # a disk slot holds a cold frame around the page
         if tier == "disk":
             assert tmp_path is not None, "a disk level needs tmp_path"
             options = {"path": str(tmp_path / f"L{i}")}
-        levels.append(LevelConfig(tier=tier, quota=slots[i] * cold_unit + min_cold // 2,
+            extra = FRAME_OVERHEAD
+        unit = sum((size + extra) * n for size, n in zip(sizes, counts, strict=True))
+        levels.append(LevelConfig(tier=tier, quota=slots[i] * unit + (min(sizes) + extra) // 2,
                                   options=options))
     kw.setdefault("max_util_for_resume", 1.0)
     cfg = KVCacheManagerConfig(tokens_per_block=TPB, layers=list(layers), levels=levels,

@@ -11,13 +11,19 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvcm_tier_disk import HEADER_BYTES, DiskTier, file_name
+from kvcm_tier_disk import BLOB_CAPABILITIES, HEADER_BYTES, DiskTier, file_name
 
 from kvcm_core.errors import ConfigError, TierIOError
 from kvcm_core.plugins import get_plugin_manager
 from kvcm_core.records import TierSpec
 from kvcm_core.testing.conformance.tier import TierConformance
-from kvcm_core.testing.faults import POISON, FaultPlan, FaultyTier, faulty_tier_spec
+from kvcm_core.testing.faults import (
+    POISON,
+    FaultPlan,
+    FaultyBlobPool,
+    FaultyTier,
+    faulty_tier_spec,
+)
 from kvcm_core.testing.reference import DICT_TIER_SPEC, DictPool, DictTier
 from kvcm_core.tier import DevicePool, Pool, StoragePool
 
@@ -324,3 +330,52 @@ def test_disk_large_run_is_shared_by_the_io_threads(
     calls = _count_calls(monkeypatch)
     pool.write(np.arange(32), np.zeros((32, 1 << 20), dtype=np.uint8)).wait()
     assert len(calls) == 4  # 32 MiB in 8 MiB calls
+
+
+def _blob_disk_spec() -> TierSpec:
+    def factory(backend: Any, options: Any) -> DiskTier:
+        # Small segments, so that the suite's writes roll over and compact.
+        return DiskTier(backend, {**options, "mode": "blob", "segment_bytes": 4096})
+
+    return TierSpec(name="disk-blob", factory=factory, capabilities=BLOB_CAPABILITIES,
+                    description="disk tier, blob mode")
+
+
+class TestDiskTierInBlobMode(TierConformance):
+    """The disk tier with ``mode="blob"``: append-only segments, stored by size."""
+
+    plugin_name = "disk-blob"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def kvcm_plugin_spec(cls) -> TierSpec:
+        return _blob_disk_spec()
+
+
+class TestFaultyBlobDiskWithoutFaults(TierConformance):
+    """FaultyBlobPool with an empty plan is transparent too."""
+
+    plugin_name = "faulty-disk-blob"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def kvcm_plugin_spec(cls) -> TierSpec:
+        return faulty_tier_spec(_blob_disk_spec(), FaultPlan())
+
+
+def test_faulty_blob_pool_corrupts_the_planned_byte_of_a_blob(tmp_path):
+    plan = FaultPlan(corrupt_writes={2}, corrupt_offset=-1)
+    tier = FaultyTier(DiskTier(None, {"path": str(tmp_path / "d"), "mode": "blob"}), plan)
+    try:
+        pool = tier.create_pool(16, 4)
+        assert isinstance(pool, FaultyBlobPool)
+        pool.write_blobs(np.array([0]), [b"abc"]).wait()
+        pool.write_blobs(np.array([1]), [b"abc"]).wait()
+        plan.corrupt_offset = 0
+        tier.corrupt(pool, 0)
+        out = [b"", b""]
+        pool.read_blobs(np.array([0, 1]), out).wait()
+        assert out == [b"\x9ebc", b"ab\x9c"]
+        assert tier.injected == ["write 2 corrupted (slots [1])", "slot 0 corrupted"]
+    finally:
+        tier.close()

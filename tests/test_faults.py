@@ -9,8 +9,11 @@ happened. Every byte is checked through the fingerprint engine.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+from kvcm_tier_disk import HEADER_BYTES
 from levels_helpers import (
     Driver,
     assert_all_free,
@@ -30,7 +33,7 @@ from levels_helpers import (
     tokens,
 )
 
-from kvcm_core import InvalidStateError, OutOfPagesError, TierIOError
+from kvcm_core import CorruptPageError, InvalidStateError, OutOfPagesError, TierIOError
 from kvcm_core.testing.faults import FaultPlan
 from kvcm_core.testing.fingerprint import FingerprintMismatch
 
@@ -366,19 +369,81 @@ def test_fingerprint_engine_catches_a_corrupted_host_page(faulty):
     d.resume_and_verify(b)   # the control: an untouched page on the same level is fine
 
 
-def test_fingerprint_engine_catches_a_corrupted_disk_blob(faulty):
-    """The raw codec has no checksum, so kvcm cannot detect this (not tested); the oracle
-    must, so that a test driving kvcm over such a store would fail."""
+def test_truncated_disk_file_re_extended_by_later_writes_is_detected_not_served(faulty):
+    """Issue 13, defect 2: a disk-tier file truncated under kvcm, then re-extended by
+    later writes, read back zeros for the lost slots with no error. Every read of a cold
+    slot is now checked against what was written: resume raises CorruptPageError for the
+    first lost block, the loss is counted, and the prompt is recomputed (checked)."""
+    m, _plan, _tier = faulty()
+    d = Driver(m)
+    a, b, c = _push_to_disk(d)
+    disk_pool = m.storage_levels.store_of(cache_pages(a)[0]).pools[0].inner
+    os.truncate(disk_pool.path, HEADER_BYTES)
+    e = d.write(tokens(32, 14), chunk=32)       # pushes B to disk: past the end, so the
+    assert set(page_levels(b)) == {2}           # file grows again with a hole of zeros
+    assert os.path.getsize(disk_pool.path) > HEADER_BYTES
+    m.get_and_reset_iteration_stats()
+    with pytest.raises(CorruptPageError) as err:
+        a.resume()
+    assert err.value.block == 0
+    assert m.get_and_reset_iteration_stats().corrupt_pages >= 1
+    assert a.status.name == "SUSPENDED"
+    a.close()
+    d.resume_and_verify(b, c, e)
+    again = d.create(tokens(30, 11))
+    assert again.history_length == 0            # nothing of A is reused
+    d.run_to(again)
+
+
+def test_corrupted_disk_page_makes_resume_raise_naming_the_block_and_is_recomputed(faulty):
+    """A byte flipped in a disk page: resume raises CorruptPageError naming the block, the
+    cache stays SUSPENDED and can be closed, the statistics count it, other requests carry
+    on, and the same prompt again reuses only the blocks before it (fingerprint-checked)."""
     m, _plan, tier = faulty()
     d = Driver(m)
     a, b, c = _push_to_disk(d)
     page = cache_pages(a)[2]
+    m.get_and_reset_iteration_stats()
     tier.corrupt(m.storage_levels.store_of(page).pools[0],
                  int(m.storage_levels.arena.slot[page]))
-    assert a.resume()
-    with pytest.raises(FingerprintMismatch):
-        d.check(a)
+    with pytest.raises(CorruptPageError) as err:
+        a.resume()
+    assert err.value.block == 2
+    assert "block 2" in str(err.value)
+    assert a.status.name == "SUSPENDED"
+    assert m.get_and_reset_iteration_stats().corrupt_pages == 1
+    a.close()
+    assert_invariants(m)
+    d.resume_and_verify(b, c)
+    again = d.create(tokens(30, 11))
+    assert again.history_length == 2 * 4  # blocks 0 and 1 only
+    d.run_to(again)  # recomputes from block 2 on, every byte checked
+
+
+
+
+@pytest.mark.parametrize("disk", [
+    None, {"mode": "blob"}, {"mode": "blob", "blob_codec": "zstd"}],
+    ids=["slot", "blob", "blob-zstd"])
+@pytest.mark.parametrize("offset", [0, 30, 100, -1], ids=["magic", "key", "payload", "crc"])
+def test_silently_corrupted_disk_writes_are_caught_whatever_byte_they_hit(faulty, disk, offset):
+    """Every disk write stores one inverted byte and reports success: kvcm never serves
+    those pages, counts them, and the request is recomputed (fingerprint-checked)."""
+    if disk and "blob_codec" in disk:
+        pytest.importorskip("zstandard")
+    m, plan, _tier = faulty(disk=disk)
+    plan.corrupt_offset = offset
+    plan.corrupt_writes = set(range(1, 1000))
+    d = Driver(m)
+    a, b, c = _push_to_disk(d)
+    plan.corrupt_writes = set()  # what travels through the disk from now on is intact
+    m.get_and_reset_iteration_stats()
+    with pytest.raises(CorruptPageError) as err:
+        a.resume()
+    assert err.value.block == 0
+    assert m.get_and_reset_iteration_stats().corrupt_pages == len(cache_pages(a))
     a.close()
     d.resume_and_verify(b, c)
-
-
+    again = d.create(tokens(30, 11))
+    assert again.history_length == 0
+    d.run_to(again)

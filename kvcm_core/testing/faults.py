@@ -10,13 +10,16 @@ What a fault does, so that code which ignores an error is caught rather than luc
 - a failed **write** stores poison bytes (``POISON``) in the slots it named, as a torn
   write would, and its handle's ``wait()`` raises :class:`~kvcm_core.errors.TierIOError`;
 - a failed **read** fills the destination rows with poison and its handle raises;
-- a **corrupting write** stores the rows with their first byte inverted and reports
-  success (silent corruption, for checksum paths);
-- :meth:`FaultyTier.corrupt` inverts the first byte of one stored slot now;
+- a **corrupting write** stores the rows with one byte inverted (``corrupt_offset``: the
+  first by default, which is a cold frame's magic; point it at the payload or the checksum
+  to exercise the other checks) and reports success (silent corruption, for frame checks);
+- :meth:`FaultyTier.corrupt` inverts that byte of one stored slot now;
 - **holding** keeps handles pending (``done()`` False, ``wait(timeout)`` raising
   ``TimeoutError``) until :meth:`FaultyTier.release`; ``pending_polls`` makes each handle
   answer ``done() == False`` that many times first.
 
+Blob pools (tiers storing blobs by size, such as the disk tier in blob mode) are wrapped
+as :class:`FaultyBlobPool`, whose ``write_blobs``/``read_blobs`` follow the same plan.
 Device-accessible pools are passed through (kernels reach their memory directly, so there
 is no operation to fail); :meth:`FaultyTier.corrupt` works on them through the backend.
 Neither class is registered as a plugin; :func:`faulty_tier_spec` builds a record for
@@ -26,7 +29,7 @@ tests that need one.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -34,11 +37,12 @@ import numpy as np
 from kvcm_core.backend import Buffer
 from kvcm_core.errors import TierIOError
 from kvcm_core.records import TierSpec
-from kvcm_core.tier import DevicePool, IOHandle, Pool, StoragePool, Tier, check_slots
+from kvcm_core.tier import BlobPool, DevicePool, IOHandle, Pool, StoragePool, Tier, check_slots
 
 __all__ = [
     "POISON",
     "FaultPlan",
+    "FaultyBlobPool",
     "FaultyDevicePool",
     "FaultyStoragePool",
     "FaultyTier",
@@ -71,6 +75,8 @@ class FaultPlan:
         fail_all_writes: every write fails.
         fail_all_reads: every read fails.
         corrupt_writes: ordinals of writes that store corrupted bytes and report success.
+        corrupt_offset: the byte of each row or blob that corruption inverts (negative:
+            from the end; 0, the default, is a cold frame's magic).
         hold: new handles stay pending until :meth:`FaultyTier.release`.
         pending_polls: each new handle answers ``done() == False`` this many times first.
     """
@@ -80,6 +86,7 @@ class FaultPlan:
     fail_all_writes: bool = False
     fail_all_reads: bool = False
     corrupt_writes: set[int] = attrs.field(factory=set, converter=_ordinals)
+    corrupt_offset: int = 0
     hold: bool = False
     pending_polls: int = attrs.field(default=0, validator=attrs.validators.ge(0))
 
@@ -143,7 +150,7 @@ class FaultyStoragePool(StoragePool):
             return tier.handle(inner, error, keep=poison)
         if n in plan.corrupt_writes:
             bad = np.array(source, dtype=np.uint8, copy=True)
-            bad[:, 0] ^= 0xFF
+            bad[:, plan.corrupt_offset % self.slot_bytes] ^= 0xFF
             tier.injected.append(f"write {n} corrupted (slots {arr.tolist()})")
             return tier.handle(self.inner.write(arr, bad), None, keep=bad)
         return tier.handle(self.inner.write(arr, source), None)
@@ -174,6 +181,61 @@ class FaultyStoragePool(StoragePool):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def _inverted(blob: bytes, offset: int) -> bytes:
+    """``blob`` with byte ``offset`` (negative: from the end) inverted."""
+    if not blob:
+        return blob
+    out = bytearray(blob)
+    out[offset % len(out)] ^= 0xFF
+    return bytes(out)
+
+
+class FaultyBlobPool(FaultyStoragePool, BlobPool):
+    """A blob pool whose ``write_blobs``/``read_blobs`` follow the tier's plan too (the
+    fixed-row ``write``/``read`` go through them)."""
+
+    inner: BlobPool
+
+    def write(self, slots: np.ndarray, source: np.ndarray) -> IOHandle:
+        return BlobPool.write(self, slots, source)
+
+    def read(self, slots: np.ndarray, dest: np.ndarray) -> IOHandle:
+        return BlobPool.read(self, slots, dest)
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.inner.stored_bytes
+
+    def write_blobs(self, slots: np.ndarray, blobs: Sequence[bytes]) -> IOHandle:
+        """Write through the inner pool, failing or corrupting as planned."""
+        arr = check_slots(self, slots)
+        tier, plan = self.tier, self.tier.plan
+        tier.writes += 1
+        n = tier.writes
+        if plan.fail_all_writes or n in plan.fail_writes:
+            inner = self.inner.write_blobs(arr, [bytes([POISON]) * len(b) for b in blobs])
+            tier.injected.append(f"write {n} failed (slots {arr.tolist()})")
+            error = TierIOError(f"injected fault: write {n} of slots {arr.tolist()} failed")
+            return tier.handle(inner, error)
+        if n in plan.corrupt_writes:
+            blobs = [_inverted(bytes(b), plan.corrupt_offset) for b in blobs]
+            tier.injected.append(f"write {n} corrupted (slots {arr.tolist()})")
+        return tier.handle(self.inner.write_blobs(arr, blobs), None)
+
+    def read_blobs(self, slots: np.ndarray, out: list[bytes]) -> IOHandle:
+        """Read through the inner pool, failing as planned (poison in ``out``)."""
+        arr = check_slots(self, slots)
+        tier, plan = self.tier, self.tier.plan
+        tier.reads += 1
+        n = tier.reads
+        if plan.fail_all_reads or n in plan.fail_reads:
+            out[:] = [bytes([POISON]) * self.slot_bytes] * len(arr)
+            tier.injected.append(f"read {n} failed (slots {arr.tolist()})")
+            error = TierIOError(f"injected fault: read {n} of slots {arr.tolist()} failed")
+            return tier.handle(_Done(), error)
+        return tier.handle(self.inner.read_blobs(arr, out), None)
 
 
 class FaultyDevicePool(DevicePool):
@@ -229,6 +291,8 @@ class FaultyTier(Tier):
     def create_pool(self, slot_bytes: int, num_slots: int, *, name: str = "") -> Pool:
         """A pool of the inner tier, wrapped."""
         inner = self.inner.create_pool(slot_bytes, num_slots, name=name)
+        if isinstance(inner, BlobPool):
+            return FaultyBlobPool(self, inner)
         if isinstance(inner, StoragePool):
             return FaultyStoragePool(self, inner)
         if isinstance(inner, DevicePool):
@@ -248,7 +312,8 @@ class FaultyTier(Tier):
         gate.set()
 
     def corrupt(self, pool: Pool, slot: int) -> None:
-        """Invert the first byte of ``slot`` of ``pool`` (a pool of this tier) now.
+        """Invert byte ``plan.corrupt_offset`` of ``slot`` of ``pool`` (a pool of this
+        tier) now.
 
         Raises:
             ValueError: ``slot`` out of range, or ``pool`` not made by this tier.
@@ -257,13 +322,19 @@ class FaultyTier(Tier):
             raise ValueError(f"pool {pool!r}: not a pool of this FaultyTier")
         check_slots(pool, np.array([slot]))
         self.injected.append(f"slot {slot} corrupted")
+        offset = self.plan.corrupt_offset
+        if isinstance(pool, FaultyBlobPool):
+            blobs = [b""]
+            pool.inner.read_blobs(np.array([slot]), blobs).wait()
+            pool.inner.write_blobs(np.array([slot]), [_inverted(blobs[0], offset)]).wait()
+            return
         if isinstance(pool, FaultyStoragePool):
             row = np.empty((1, pool.slot_bytes), dtype=np.uint8)
             pool.inner.read(np.array([slot]), row).wait()
-            row[0, 0] ^= 0xFF
+            row[0, offset % pool.slot_bytes] ^= 0xFF
             pool.inner.write(np.array([slot]), row).wait()
             return
-        start = pool.inner.region.page_start(slot)
+        start = pool.inner.region.page_start(slot) + offset % pool.slot_bytes
         byte = self.backend.read(pool.inner.buffer, start, 1)
         self.backend.write(pool.inner.buffer, start, byte ^ 0xFF)
 

@@ -1,4 +1,4 @@
-"""Conformance tests for storage tiers.
+r"""Conformance tests for storage tiers.
 
 Every registered tier runs through :class:`TierConformance` on the ``numpy`` backend. Data
 goes in through the tier's own path and is checked through a *backdoor* so that ``read`` is
@@ -12,7 +12,7 @@ never tested only by trusting ``write``:
   instance that reopens the pool by name.
 
 Tests gate on declared capabilities (``device_accessible``, ``medium``, ``persistent``,
-``file_mode``, ``dir_mode``), never on names. Rules a tier must follow beyond the
+``file_mode``, ``dir_mode``, ``blobs``), never on names. Rules a tier must follow beyond the
 signatures in :mod:`kvcm_core.tier`:
 
 - an unknown option raises :class:`~kvcm_core.errors.ConfigError`;
@@ -24,7 +24,12 @@ signatures in :mod:`kvcm_core.tier`:
   declared ``file_mode``/``dir_mode``, and refuse (with a ``KvcmError``) a symbolic link in
   place of a pool file or of their directory;
 - persistent tiers reopen a named pool: written, closed, reopened with the same name and
-  slot size, it reads back.
+  slot size, it reads back;
+- tiers declaring ``blobs`` make :class:`~kvcm_core.tier.BlobPool`\ s: blobs of 0 to
+  ``slot_bytes`` bytes round-trip (``b""`` for a slot never written), a larger blob or a
+  repeated slot is refused before anything is written, ``stored_bytes`` never passes
+  ``num_slots * slot_bytes`` however often slots are rewritten, ``resize`` keeps the kept
+  slots' blobs, and a persistent blob pool reads back after a reopen.
 
 Subclass to run it for one tier::
 
@@ -58,7 +63,7 @@ from kvcm_core.errors import ConfigError, InvalidStateError, KvcmError, TierIOEr
 from kvcm_core.plugins import get_plugin_manager
 from kvcm_core.records import Medium, TierSpec
 from kvcm_core.testing.conformance import ConformanceBase
-from kvcm_core.tier import DevicePool, IOHandle, Pool, StoragePool, Tier
+from kvcm_core.tier import BlobPool, DevicePool, IOHandle, Pool, StoragePool, Tier
 
 __all__ = ["TierConformance"]
 
@@ -426,6 +431,86 @@ class TierConformance(ConformanceBase):
                 pool.read(np.array([0]), np.zeros((1, 64), dtype=np.uint8))
         tier.close()
         tier.close()
+
+    # -- blob pools (capabilities.blobs) ---------------------------------------------------
+
+    def _blob_pool(self, tier: Tier, slot_bytes: int, num_slots: int, name: str = "") -> BlobPool:
+        if not tier.capabilities.blobs:
+            pytest.skip("tier does not store blobs by size")
+        pool = self.new_pool(tier, slot_bytes, num_slots, name)
+        assert isinstance(pool, BlobPool), "a tier declaring blobs must make BlobPools"
+        return pool
+
+    @staticmethod
+    def read_blobs(pool: BlobPool, slots: Any) -> list[bytes]:
+        out: list[bytes] = [b""] * len(slots)
+        pool.read_blobs(np.asarray(slots, dtype=np.int64), out).wait()
+        return out
+
+    @_SETTINGS
+    @given(data=st.data(), seed=_seeds)
+    def test_blobs_of_every_size_up_to_a_slot_round_trip(
+        self, tier: Tier, data: st.DataObject, seed: int
+    ) -> None:
+        slot_bytes = data.draw(st.integers(1, 5000), label="slot_bytes")
+        pool = self._blob_pool(tier, slot_bytes, 8)
+        try:
+            slots = data.draw(st.lists(st.integers(0, 7), min_size=1, max_size=8, unique=True),
+                              label="slots")
+            sizes = data.draw(st.lists(st.integers(0, slot_bytes), min_size=len(slots),
+                                       max_size=len(slots)), label="sizes")
+            rng = np.random.default_rng(seed)
+            blobs = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+            pool.write_blobs(np.asarray(slots), blobs).wait()
+            assert self.read_blobs(pool, slots) == blobs
+            assert pool.stored_bytes <= pool.num_slots * slot_bytes
+            untouched = [s for s in range(8) if s not in slots]
+            assert self.read_blobs(pool, untouched) == [b""] * len(untouched)
+        finally:
+            pool.close()
+
+    def test_a_blob_larger_than_a_slot_is_refused_and_nothing_is_written(
+        self, tier: Tier
+    ) -> None:
+        pool = self._blob_pool(tier, 64, 4)
+        pool.write_blobs(np.array([0]), [b"kept"]).wait()
+        with pytest.raises(ValueError):
+            pool.write_blobs(np.array([0, 1]), [b"x", bytes(65)])
+        with pytest.raises(ValueError):
+            pool.write_blobs(np.array([2, 2]), [b"x", b"y"])
+        assert self.read_blobs(pool, [0, 1, 2]) == [b"kept", b"", b""]
+
+    def test_rewritten_blobs_never_push_stored_bytes_past_the_quota(self, tier: Tier) -> None:
+        pool = self._blob_pool(tier, 1000, 4)
+        for round_ in range(40):
+            blobs = [bytes([round_, s]) * (50 + 100 * ((round_ + s) % 5)) for s in range(4)]
+            pool.write_blobs(np.arange(4), blobs).wait()
+            assert pool.stored_bytes <= 4 * 1000
+            assert self.read_blobs(pool, range(4)) == blobs
+
+    def test_blob_pool_resize_keeps_the_blobs_of_kept_slots(self, tier: Tier) -> None:
+        pool = self._blob_pool(tier, 300, 6)
+        blobs = [bytes([s + 1]) * (40 * s) for s in range(6)]
+        pool.write_blobs(np.arange(6), blobs).wait()
+        pool.resize(3)
+        assert self.read_blobs(pool, range(3)) == blobs[:3]
+        pool.resize(6)
+        assert self.read_blobs(pool, range(6)) == blobs[:3] + [b""] * 3
+        assert pool.stored_bytes <= 6 * 300
+
+    def test_persistent_blob_pool_reads_back_after_reopen(self, tier: Tier) -> None:
+        if not tier.capabilities.persistent:
+            pytest.skip("tier does not declare persistence")
+        pool = self._blob_pool(tier, 500, 5, name="kept-blobs")
+        blobs = [bytes([s]) * (97 * s) for s in range(5)]
+        pool.write_blobs(np.arange(5), blobs).wait()
+        pool.write_blobs(np.array([1]), [b"rewritten"]).wait()
+        pool.close()
+        tier.close()
+        again = self.open_tier()
+        reopened = self.new_pool(again, 500, 5, name="kept-blobs")
+        assert isinstance(reopened, BlobPool)
+        assert self.read_blobs(reopened, range(5)) == [blobs[0], b"rewritten", *blobs[2:]]
 
     # -- faults ----------------------------------------------------------------------------
 

@@ -15,6 +15,13 @@ Options:
         tightened to 0700). Without it the tier uses a private temporary directory that
         :meth:`DiskTier.close` removes.
     io_threads: threads doing I/O (int >= 1, default 4).
+    mode: ``"slot"`` (default: fixed-size slots in one preallocated file per pool) or
+        ``"blob"``: each slot's bytes stored by size in append-only segment files, so a
+        level on this tier may take a blob codec (``zstd``, ``lz4``); its quota counts
+        stored bytes (see :mod:`kvcm_tier_disk.blob`). The tier then declares
+        ``capabilities.blobs``.
+    segment_bytes: size at which a blob-mode segment file is closed for writing and a
+        new one started (int >= 4096, default 64 MiB).
 
 Persistence: a pool created with the ``name`` of an existing pool file in ``path`` reopens
 it and keeps its data (resized to the requested slot count); a file written with another
@@ -44,15 +51,17 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import attrs
 import numpy as np
 
 from kvcm_core import hookimpl
 from kvcm_core.backend import KernelBackend
 from kvcm_core.errors import ConfigError, InvalidStateError, TierIOError
 from kvcm_core.records import Availability, Medium, TierCapabilities, TierSpec
-from kvcm_core.tier import CompletedIO, IOHandle, StoragePool, Tier, check_slots
+from kvcm_core.tier import CompletedIO, IOHandle, StoragePool, Tier, check_slots, checked_rows
+from kvcm_tier_disk.blob import BlobDiskPool
 
-__all__ = ["CAPABILITIES", "HEADER_BYTES", "DiskPool", "DiskTier"]
+__all__ = ["BLOB_CAPABILITIES", "CAPABILITIES", "HEADER_BYTES", "DiskPool", "DiskTier"]
 
 CAPABILITIES = TierCapabilities(
     device_accessible=False,
@@ -61,6 +70,8 @@ CAPABILITIES = TierCapabilities(
     file_mode=0o600,
     dir_mode=0o700,
 )
+#: What a disk tier in blob mode (``mode="blob"``) declares.
+BLOB_CAPABILITIES = attrs.evolve(CAPABILITIES, blobs=True)
 
 #: Bytes before slot 0 in every pool file (keeps slots page-aligned).
 HEADER_BYTES = 4096
@@ -69,6 +80,7 @@ _VERSION = 1
 _HEADER = struct.Struct("<8sIIQ")  # magic, version, header bytes, slot bytes
 _SUFFIX = ".kvcm"
 _DEFAULT_THREADS = 4
+_DEFAULT_SEGMENT = 64 << 20
 # One preadv/pwritev moves at most this many bytes and buffers (Linux caps one call at
 # about 2 GiB and IOV_MAX = 1024): large runs are cut so that several threads share them.
 # A task handed to one thread holds at most about _TASK_BYTES.
@@ -84,8 +96,8 @@ def _availability() -> Availability:
     return Availability(True)
 
 
-def _parse_options(options: Mapping[str, Any]) -> tuple[str | None, int]:
-    known = ("path", "io_threads")
+def _parse_options(options: Mapping[str, Any]) -> tuple[str | None, int, str, int]:
+    known = ("path", "io_threads", "mode", "segment_bytes")
     for key in options:
         if key not in known:
             raise ConfigError(
@@ -99,7 +111,13 @@ def _parse_options(options: Mapping[str, Any]) -> tuple[str | None, int]:
     threads = options.get("io_threads", _DEFAULT_THREADS)
     if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024:
         raise ConfigError("disk.options.io_threads", threads, "must be an int in 1..1024")
-    return path, threads
+    mode = options.get("mode", "slot")
+    if mode not in ("slot", "blob"):
+        raise ConfigError("disk.options.mode", mode, "must be 'slot' or 'blob'")
+    segment = options.get("segment_bytes", _DEFAULT_SEGMENT)
+    if isinstance(segment, bool) or not isinstance(segment, int) or segment < 4096:
+        raise ConfigError("disk.options.segment_bytes", segment, "must be an int >= 4096")
+    return path, threads, mode, segment
 
 
 def file_name(name: str) -> str:
@@ -185,7 +203,7 @@ class DiskPool(StoragePool):
         """
         fd = self._live_fd()
         arr = check_slots(self, slots)
-        rows = self._rows(source, len(arr), "source")
+        rows = checked_rows(self, source, len(arr), "source")
         if not _rows_contiguous(rows):
             rows = np.ascontiguousarray(rows)
         order = _order(arr)
@@ -205,26 +223,13 @@ class DiskPool(StoragePool):
         """
         fd = self._live_fd()
         arr = check_slots(self, slots)
-        rows = self._rows(dest, len(arr), "dest")
+        rows = checked_rows(self, dest, len(arr), "dest")
         if not _rows_contiguous(rows) or not rows.flags.writeable:
             raise ValueError(
                 f"dest strides={rows.strides} writeable={rows.flags.writeable}: must be a "
                 "writable array whose rows are contiguous"
             )
         return self._submit(fd, arr, rows, write=False, order=_order(arr))
-
-    def _rows(self, array: np.ndarray, n: int, what: str) -> np.ndarray:
-        if not isinstance(array, np.ndarray) or array.dtype != np.uint8:
-            raise ValueError(
-                f"{what} of type {type(array).__name__} "
-                f"dtype={getattr(array, 'dtype', None)}: must be a uint8 numpy array"
-            )
-        if array.shape != (n, self.slot_bytes):
-            raise ValueError(
-                f"{what}.shape={array.shape}: must be ({n}, {self.slot_bytes}) "
-                "(one row of slot_bytes per slot)"
-            )
-        return array
 
     def _submit(self, fd: int, slots: np.ndarray, rows: np.ndarray, *, write: bool,
                 order: np.ndarray | None) -> IOHandle:
@@ -448,16 +453,19 @@ class DiskTier(Tier):
 
     def __init__(self, backend: KernelBackend | None, options: Mapping[str, Any] | None = None):
         super().__init__(backend, options or {})  # type: ignore[arg-type]
-        path, threads = _parse_options(self.options)
+        path, threads, self.mode, self._segment_bytes = _parse_options(self.options)
+        if self.mode == "blob":
+            self.capabilities = BLOB_CAPABILITIES
         self._private = path is None
         self.directory = tempfile.mkdtemp(prefix="kvcm-disk-") if path is None else path
         self._dir_fd: int | None = _open_directory(self.directory)
         self._threads = threads
         self._executor = cf.ThreadPoolExecutor(threads, thread_name_prefix="kvcm-disk")
-        self._pools: dict[str, DiskPool] = {}
+        self._pools: dict[str, DiskPool | BlobDiskPool] = {}
         self._anonymous = itertools.count()
 
-    def create_pool(self, slot_bytes: int, num_slots: int, *, name: str = "") -> DiskPool:
+    def create_pool(self, slot_bytes: int, num_slots: int, *, name: str = ""
+                    ) -> DiskPool | BlobDiskPool:
         """Create (or, for a ``name`` whose file exists, reopen) a pool.
 
         Raises:
@@ -482,6 +490,11 @@ class DiskTier(Tier):
                 raise ValueError(f"name={name!r}: a pool of that name is already open")
         else:
             fname = f".anon-{os.getpid()}-{id(self):x}-{next(self._anonymous)}{_SUFFIX}"
+        if self.mode == "blob":
+            pool: BlobDiskPool = BlobDiskPool(self, name, fname, int(slot_bytes), num_slots,
+                                              self._segment_bytes)
+            self._pools[fname] = pool
+            return pool
         label = f"disk pool {name!r}" if name else "anonymous disk pool"
         fd, created = self._open_file(fname, label)
         try:
@@ -505,9 +518,9 @@ class DiskTier(Tier):
             if created:
                 os.unlink(fname, dir_fd=self._dir_fd)
             raise
-        pool = DiskPool(self, fd, name, fname, int(slot_bytes), num_slots)
-        self._pools[fname] = pool
-        return pool
+        slot_pool = DiskPool(self, fd, name, fname, int(slot_bytes), num_slots)
+        self._pools[fname] = slot_pool
+        return slot_pool
 
     def _open_file(self, fname: str, label: str) -> tuple[int, bool]:
         """Create ``fname`` exclusively, or open the existing regular file safely."""
@@ -541,6 +554,11 @@ class DiskTier(Tier):
         os.set_blocking(fd, True)
         os.fchmod(fd, 0o600)
         return fd, False
+
+    def _live_dir_fd(self) -> int:
+        if self._dir_fd is None:
+            raise InvalidStateError("disk tier was closed")
+        return self._dir_fd
 
     def _check_header(self, fd: int, label: str, slot_bytes: int) -> None:
         raw = os.pread(fd, _HEADER.size, 0)

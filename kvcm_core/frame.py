@@ -1,0 +1,286 @@
+"""The cold frame: how a cold page travels to a persistent or remote tier.
+
+Every cold page written to a tier whose capabilities say ``persistent`` (disk, remote
+stores) is wrapped by the core, never by the tier, in one frame::
+
+    magic b"KVCM" | version u16 | codec id u16 | layout fingerprint 16 B | block key 32 B
+    | write sequence u64 | payload length u32 | payload | CRC-32C u32 (header + payload)
+
+all little-endian. The header and checksum (:data:`FRAME_OVERHEAD` bytes) count against
+the level's quota. A :class:`FrameBook` belongs to one framed store: it remembers, per
+slot, the block key and the write sequence number it wrote, so a read is checked against
+what was written (magic, version, codec, layout, key, sequence, length, checksum). A frame
+that fails any check is never returned as KV: the caller gets the positions of the bad
+frames and the core drops those blocks (``CorruptPageError``).
+
+Pages in device-accessible memory (GPU, pinned host) carry no frame.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import google_crc32c
+import numpy as np
+
+from kvcm_core.errors import ConfigError, CorruptPageError
+from kvcm_core.records import CodecKind, Medium
+
+if TYPE_CHECKING:
+    from kvcm_core.codec import BlobCodec
+    from kvcm_core.config import KVCacheManagerConfig
+    from kvcm_core.plugins import KvcmPluginManager
+    from kvcm_core.tier import Tier
+
+__all__ = [
+    "FRAME_MAGIC",
+    "FRAME_OVERHEAD",
+    "FRAME_VERSION",
+    "HEADER",
+    "FrameBook",
+    "FrameCheckFailed",
+    "FrameFormat",
+    "LevelFrames",
+    "layout_fingerprint",
+    "level_frames",
+    "page_key",
+]
+
+FRAME_MAGIC = b"KVCM"
+FRAME_VERSION = 1
+#: The header as a packed little-endian record (68 bytes).
+HEADER = np.dtype([
+    ("magic", "S4"), ("version", "<u2"), ("codec", "<u2"), ("layout", "u1", (16,)),
+    ("key", "u1", (32,)), ("seq", "<u8"), ("length", "<u4"),
+])
+_CRC_BYTES = 4
+#: Bytes a frame adds to its payload: header and checksum.
+FRAME_OVERHEAD = HEADER.itemsize + _CRC_BYTES
+KEY_BYTES = 32
+
+
+def _crc(data: Any) -> int:
+    # google-crc32c takes read-only bytes; one copy per frame is small next to the I/O.
+    return int(google_crc32c.value(bytes(data)))
+
+
+def layout_fingerprint(description: Any) -> bytes:
+    """16-byte digest of what makes cold pages readable: layers, buffers, sizes, tokens
+    per block, hash algorithm and codec (``description`` is plain JSON-able data)."""
+    text = json.dumps(description, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def page_key(tree_key: bytes | None, pid: int) -> bytes:
+    """The 32-byte block key a frame carries: the prefix-tree key of a full block, or (a
+    partial or uncommitted block has none) a key derived from the page id. Either way the
+    core checks a read against the key it recorded when writing."""
+    if tree_key is not None:
+        return tree_key
+    return hashlib.sha256(b"kvcm-page:" + int(pid).to_bytes(8, "little")).digest()
+
+
+class FrameCheckFailed(CorruptPageError):
+    """Frames of a transfer failed their check; ``positions`` are their indices in the
+    transfer (the other pages of the transfer arrived intact)."""
+
+    def __init__(self, message: str, positions: np.ndarray) -> None:
+        super().__init__(message)
+        self.positions = positions
+
+
+@attrs.frozen
+class FrameFormat:
+    """What every frame of one level says besides its key: codec id and layout."""
+
+    codec_id: int
+    layout: bytes = attrs.field()
+
+    @layout.validator
+    def _check_layout(self, attribute: attrs.Attribute[bytes], value: bytes) -> None:
+        if not isinstance(value, bytes) or len(value) != 16:
+            raise ValueError(f"layout={value!r}: must be a 16-byte fingerprint")
+
+
+@attrs.frozen
+class LevelFrames:
+    """How one level's pages are framed: the frame format and the blob codec (if any)
+    that compresses payloads before framing."""
+
+    format: FrameFormat
+    blob: BlobCodec | None = None
+
+    def slot_bytes(self, page_bytes: int) -> int:
+        """Largest stored size of one cold page of ``page_bytes``: the frame, and with a
+        blob codec room for incompressible data to grow a little (both codecs' bounds
+        stay well within ``size / 128 + 128``)."""
+        slack = 0 if self.blob is None else page_bytes // 128 + 128
+        return page_bytes + FRAME_OVERHEAD + slack
+
+
+def framed(tier: Tier) -> bool:
+    """Whether the core frames the pages of ``tier``: persistent or remote storage
+    reached through I/O (device-accessible memory carries no frame)."""
+    caps = tier.capabilities
+    return not caps.device_accessible and (caps.persistent or caps.medium is Medium.REMOTE)
+
+
+def level_frames(config: KVCacheManagerConfig, pm: KvcmPluginManager,
+                 tiers: Sequence[Tier]) -> list[LevelFrames | None]:
+    """Per level, how its pages are framed (None: not framed), after checking each
+    level's ``blob_codec``.
+
+    The frame's codec id is the blob codec's when a level has one (it produced the stored
+    bytes), else the page codec's; the layout fingerprint covers both.
+
+    Raises:
+        ConfigError: a blob codec on an unframed level or on a tier that does not store
+            blobs by size, or a name that is not a blob codec.
+    """
+    out: list[LevelFrames | None] = [None]
+    layers = config.to_dict()["layers"]
+    for li, level in enumerate(config.levels[1:], start=1):
+        page = pm.codec(level.codec or "raw")
+        blob_spec = None
+        if level.blob_codec is not None:
+            field = f"levels[{li}].blob_codec"
+            blob_spec = pm.codec(level.blob_codec)
+            if blob_spec.capabilities.kind is not CodecKind.BLOB:
+                raise ConfigError(field, level.blob_codec, "must be a blob codec (such as "
+                                  "'zstd' or 'lz4'); page codecs go in 'codec'")
+            if not framed(tiers[li]) or not tiers[li].capabilities.blobs:
+                raise ConfigError(field, level.blob_codec, "needs a tier that stores blobs "
+                                  "by size (e.g. tier 'disk' with options mode='blob')")
+        if not framed(tiers[li]):
+            out.append(None)
+            continue
+        outer = blob_spec if blob_spec is not None else page
+        fingerprint = layout_fingerprint({
+            "layers": layers, "tokens_per_block": config.tokens_per_block,
+            "hash": "sha256", "codec": page.name,
+            "blob_codec": None if blob_spec is None else blob_spec.name})
+        out.append(LevelFrames(FrameFormat(outer.capabilities.codec_id, fingerprint),
+                               None if blob_spec is None else blob_spec.factory({})))
+    return out
+
+
+class FrameBook:
+    """Frames of one store: wraps payloads for writing and checks frames read back against
+    the key and write sequence number recorded per slot.
+
+    Args:
+        fmt: codec id and layout fingerprint of the level.
+        num_slots: slots of the store.
+        page_bytes: size of the cold pages it frames.
+        blob: the level's blob codec (payloads are compressed and stored by size).
+    """
+
+    def __init__(self, fmt: FrameFormat, num_slots: int, page_bytes: int,
+                 blob: BlobCodec | None = None) -> None:
+        self.format = fmt
+        self.page_bytes = page_bytes
+        self.blob = blob
+        self._layout = np.frombuffer(fmt.layout, dtype=np.uint8)
+        self.keys = np.zeros((num_slots, KEY_BYTES), dtype=np.uint8)
+        self.seqs = np.zeros(num_slots, dtype=np.uint64)  # 0: never written
+        self._next_seq = 1
+
+    # -- slots ---------------------------------------------------------------------------
+
+    def resize(self, num_slots: int) -> None:
+        """Keep the records of slots below ``min(old, new)``; new slots are unwritten."""
+        old = len(self.seqs)
+        if num_slots <= old:
+            self.keys = self.keys[:num_slots].copy()
+            self.seqs = self.seqs[:num_slots].copy()
+            return
+        self.keys = np.concatenate([self.keys, np.zeros((num_slots - old, KEY_BYTES),
+                                                        dtype=np.uint8)])
+        self.seqs = np.concatenate([self.seqs, np.zeros(num_slots - old, dtype=np.uint64)])
+
+    # -- writing -------------------------------------------------------------------------
+
+    def _record(self, slots: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        n = len(slots)
+        seqs = np.arange(self._next_seq, self._next_seq + n, dtype=np.uint64)
+        self._next_seq += n
+        self.keys[slots] = keys
+        self.seqs[slots] = seqs
+        return seqs
+
+    def _headers(self, slots: np.ndarray, keys: np.ndarray, lengths: Any) -> np.ndarray:
+        head = np.zeros(len(slots), dtype=HEADER)
+        head["magic"] = FRAME_MAGIC
+        head["version"] = FRAME_VERSION
+        head["codec"] = self.format.codec_id
+        head["layout"] = self._layout
+        head["key"] = keys
+        head["seq"] = self._record(slots, keys)
+        head["length"] = lengths
+        return head
+
+    def wrap(self, slots: np.ndarray, payloads: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """Frames ``uint8 [n, payload + FRAME_OVERHEAD]`` of fixed-size ``payloads[i]``
+        for ``slots[i]`` (block keys ``keys[i]``, 32 bytes each), recorded as written."""
+        n, size = payloads.shape
+        out = np.empty((n, size + FRAME_OVERHEAD), dtype=np.uint8)
+        hb = HEADER.itemsize
+        out[:, :hb] = self._headers(slots, keys, size).view(np.uint8).reshape(n, hb)
+        out[:, hb : hb + size] = payloads
+        crcs = np.fromiter((_crc(row[: hb + size]) for row in out), np.uint32, n)
+        out[:, hb + size :] = crcs.astype("<u4").view(np.uint8).reshape(n, _CRC_BYTES)
+        return out
+
+    def wrap_blobs(self, slots: np.ndarray, payloads: Sequence[bytes],
+                   keys: np.ndarray) -> list[bytes]:
+        """Frames of variable-size ``payloads`` (see :meth:`wrap`), as bytes."""
+        lengths = np.fromiter((len(p) for p in payloads), np.uint32, len(payloads))
+        heads = self._headers(slots, keys, lengths)
+        out = []
+        for head, payload in zip(heads, payloads, strict=True):
+            body = head.tobytes() + bytes(payload)
+            out.append(body + _crc(body).to_bytes(_CRC_BYTES, "little"))
+        return out
+
+    # -- reading -------------------------------------------------------------------------
+
+    def _header_ok(self, slots: np.ndarray, head: np.ndarray, lengths: np.ndarray
+                   ) -> np.ndarray:
+        return ((head["magic"] == FRAME_MAGIC) & (head["version"] == FRAME_VERSION)
+                & (head["codec"] == self.format.codec_id)
+                & (head["layout"] == self._layout).all(axis=1)
+                & (head["key"] == self.keys[slots]).all(axis=1)
+                & (head["seq"] == self.seqs[slots]) & (self.seqs[slots] != 0)
+                & (head["length"] == lengths))
+
+    def check(self, slots: np.ndarray, frames: np.ndarray) -> np.ndarray:
+        """Which fixed-size ``frames[i]`` (read from ``slots[i]``) are intact: a bool
+        mask. The payload of frame ``i`` is ``frames[i, HEADER.itemsize:-4]``."""
+        n, width = frames.shape
+        hb = HEADER.itemsize
+        size = width - FRAME_OVERHEAD
+        head = np.ascontiguousarray(frames[:, :hb]).view(HEADER).reshape(n)
+        ok = self._header_ok(slots, head, np.full(n, size, dtype=np.uint32))
+        stored = np.ascontiguousarray(frames[:, hb + size :]).view("<u4").reshape(n)
+        for i in np.flatnonzero(ok).tolist():
+            ok[i] = _crc(frames[i, : hb + size]) == int(stored[i])
+        return ok
+
+    def unwrap_blob(self, slot: int, blob: bytes | None) -> bytes | None:
+        """The payload of a variable-size frame read from ``slot``; None when the frame
+        is damaged (or missing)."""
+        hb = HEADER.itemsize
+        if blob is None or len(blob) < FRAME_OVERHEAD:
+            return None
+        head = np.frombuffer(blob, dtype=HEADER, count=1)
+        length = len(blob) - FRAME_OVERHEAD
+        slots = np.array([slot], dtype=np.int64)
+        if not self._header_ok(slots, head, np.array([length], dtype=np.uint32))[0]:
+            return None
+        if _crc(blob[:-_CRC_BYTES]) != int.from_bytes(blob[-_CRC_BYTES:], "little"):
+            return None
+        return bytes(blob[hb:-_CRC_BYTES])
