@@ -8,7 +8,7 @@ Subcommands:
 - ``kvcm conformance [--plugin NAME ...] [-k EXPR] [--json]``: run the conformance suite
   (:mod:`kvcm_core.testing.suite`) in-process and print a table of plugin x result; the
   exit status is non-zero on any failure.
-- ``kvcm bench kernels|manager|mixed|trace|eviction|batch|redis ...``: the benchmarks
+- ``kvcm bench kernels|manager|mixed|trace|eviction|batch|redis|codecs ...``: the benchmarks
   (:mod:`kvcm_core.bench`).
 - ``kvcm simulate ...``: the main job (:mod:`kvcm_core.simulate`).
 - ``kvcm --version``.
@@ -409,6 +409,8 @@ BENCH_TARGETS = {
     "batch": "Batch.resize + publish per decode step (host), and publish with index-table "
              "conversion on each GPU backend against a model measured in the same run",
     "redis": "the redis tier's pipelined put and get beside redis-benchmark in the same run",
+    "codecs": "page codecs' encode and decode on a GPU against its copy bandwidth, blob "
+              "codecs on the CPU, and simulated hit rates with raw and lossy cold levels",
 }
 
 

@@ -31,6 +31,9 @@ class BufferPlace:
     pool: int  # index of the pool within the group
     offset: int  # bytes from the start of the slot in that pool
     size: int
+    dtype: str = "bytes"  # element type (BufferConfig.dtype)
+    group_size: int = 128  # values per scale group of lossy codecs
+    exact: bool = True  # never encoded lossily (cold pages keep its bytes)
 
 
 @attrs.frozen
@@ -47,7 +50,13 @@ class PageLayout:
 
 
 class PageCodec(abc.ABC):
-    """Converts the pages of a pool group to and from cold pages."""
+    """Converts the pages of a pool group to and from cold pages.
+
+    ``lossless`` codecs give back every byte; lossy ones declare ``error_bound``: the
+    largest error per value relative to the largest magnitude of its scale group. A codec
+    reads each buffer's ``dtype``, ``group_size`` and ``exact`` from ``layout.buffers`` and
+    keeps ``exact`` and ``"bytes"`` buffers bit for bit.
+    """
 
     lossless: bool = True
     error_bound: float | None = None

@@ -21,6 +21,8 @@ from kvcm_core.types import ReusePolicy
 from kvcm_core.units import parse_size
 
 __all__ = [
+    "DTYPES",
+    "DTYPE_SIZES",
     "AttentionLayerConfig",
     "BufferConfig",
     "KVCacheManagerConfig",
@@ -144,6 +146,23 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+#: Element types a buffer may declare, with their size in bytes.
+DTYPE_SIZES: dict[str, int] = {
+    "bytes": 1, "bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "int8": 1,
+}
+DTYPES = tuple(DTYPE_SIZES)
+
+
+def _dtype(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if value not in DTYPE_SIZES:
+        raise ConfigError(_where(inst, attr), value, f"must be one of {', '.join(DTYPES)}")
+
+
+def _optional_bool(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None:
+        _bool(inst, attr, value)
+
+
 # -- leaf records -----------------------------------------------------------------------
 
 
@@ -156,6 +175,11 @@ class BufferConfig:
         size: bytes one block needs (0: the buffer does not exist).
         reuse_policy: overrides the layer's default; ``None`` inherits it.
         is_sparse: the buffer's history lives in host memory (sparse attention).
+        dtype: element type of the page (:data:`DTYPES`); ``"bytes"``: opaque.
+        group_size: values per scale group of lossy page codecs.
+        exact: never encoded lossily (cold pages hold its bytes unchanged); ``None``:
+            True for SSM state and for ``"bytes"`` buffers, else False
+            (``LayerConfig.effective_exact``).
     """
 
     role: str = attrs.field(validator=_str)
@@ -164,6 +188,16 @@ class BufferConfig:
         default=None, converter=_to_policy, validator=_policy(optional=True)
     )
     is_sparse: bool = attrs.field(default=False, validator=_bool)
+    dtype: str = attrs.field(default="bytes", validator=_dtype)
+    group_size: int = attrs.field(default=128, validator=_int(1))
+    exact: bool | None = attrs.field(default=None, validator=_optional_bool)
+
+    def __attrs_post_init__(self) -> None:
+        item = DTYPE_SIZES[self.dtype]
+        if self.size % item:
+            raise ConfigError(
+                "BufferConfig.size", self.size,
+                f"must be a whole number of {self.dtype} elements ({item} bytes each)")
 
 
 def _pow2(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -281,6 +315,10 @@ class AttentionLayerConfig:
         """The buffer's own policy, or the layer's when it has none."""
         return buffer.reuse_policy or self.reuse_policy
 
+    def effective_exact(self, buffer: BufferConfig) -> bool:
+        """The buffer's ``exact``, or by default: True for ``"bytes"`` buffers."""
+        return buffer.exact if buffer.exact is not None else buffer.dtype == "bytes"
+
 
 @attrs.frozen(kw_only=True)
 class SsmLayerConfig:
@@ -316,6 +354,10 @@ class SsmLayerConfig:
         """The buffer's own policy, or the layer's when it has none."""
         return buffer.reuse_policy or self.reuse_policy
 
+    def effective_exact(self, buffer: BufferConfig) -> bool:
+        """The buffer's ``exact``, or by default True (SSM state is never encoded lossily)."""
+        return buffer.exact if buffer.exact is not None else True
+
 
 LayerConfig = AttentionLayerConfig | SsmLayerConfig
 
@@ -337,7 +379,8 @@ class LevelConfig:
     Attributes:
         tier: the tier plugin's name (``"gpu"``, ``"host"``, ``"disk"``...).
         quota: bytes (int) or a size such as ``"8GiB"``.
-        codec: page codec of a cold level (``None``: the lossless ``"raw"``).
+        codec: page codec of a cold level (``None``: the lossless ``"raw"``); cold levels
+            may use different codecs (moves between them transcode).
         blob_codec: lossless blob codec (e.g. ``"zstd"``) applied to the cold pages of a
             tier that stores blobs by size; ``None``: none.
         options: passed to the tier's factory (e.g. ``{"path": ...}`` for disk).

@@ -9,7 +9,7 @@ block in every pool of the group.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -95,8 +95,10 @@ class PoolGroupLayout:
         return PageLayout(self.slot_sizes, tuple(self.places.values()))
 
 
-def _coalesce(members: Sequence[tuple[int, str, int]]) -> tuple[tuple[int, ...], dict]:
-    """Slot sizes (pools by buffer size, largest first) and each buffer's place."""
+def _coalesce(members: Sequence[tuple[int, str, int]],
+              types: Mapping[BufferKey, tuple[str, int, bool]]) -> tuple[tuple[int, ...], dict]:
+    """Slot sizes (pools by buffer size, largest first) and each buffer's place (with its
+    element type, scale group and exactness, for page codecs)."""
     by_size: dict[int, list[tuple[int, str]]] = {}
     for layer_id, role, size in members:
         by_size.setdefault(size, []).append((layer_id, role))
@@ -106,7 +108,9 @@ def _coalesce(members: Sequence[tuple[int, str, int]]) -> tuple[tuple[int, ...],
         bufs = by_size[size]
         slot_sizes.append(size * len(bufs))
         for k, (layer_id, role) in enumerate(bufs):
-            places[(layer_id, role)] = BufferPlace(layer_id, role, pool, k * size, size)
+            dtype, group_size, exact = types.get((layer_id, role), ("bytes", 128, True))
+            places[(layer_id, role)] = BufferPlace(layer_id, role, pool, k * size, size,
+                                                   dtype, group_size, exact)
     return tuple(slot_sizes), places
 
 
@@ -118,7 +122,7 @@ class StorageLayout:
         layouts: dict[CacheGroupId, tuple[tuple[int, ...], dict]] = {}
         for gid, lc in enumerate(registry.life_cycles):
             group = CacheGroupId(gid)
-            slot_sizes, lc_places = _coalesce(registry.members[group])
+            slot_sizes, lc_places = _coalesce(registry.members[group], registry.buffer_types)
             layouts[group] = (slot_sizes, lc_places)
             key = (pool_reuse_policy(lc.policy), slot_sizes, lc.sparse)
             keyed.setdefault(key, []).append(group)

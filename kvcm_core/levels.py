@@ -1,11 +1,12 @@
 """The levels room: every store of every level, and everything that moves pages.
 
 :class:`Levels` builds the tiers' pools into :class:`~kvcm_core.storage.Store` objects (one
-per level and pool group; cold levels group life cycles by ``(pool policy, cold page
-size)``), and owns what happens to pages there: taking new ones, reference transitions,
-victim picking and make-room cascades, moves between levels (through the
-:class:`~kvcm_core.migration.Mover`), onboarding, drops and the invalidation of subtrees
-they imply, lost pages, events, statistics and the epoch that page tables read.
+per level and pool group; cold levels, each with its own page codec, group life cycles
+by ``(pool policy, cold page size on each cold level)``), and owns what happens to pages
+there: taking new ones, reference transitions, victim picking and make-room cascades,
+moves between levels (through the :class:`~kvcm_core.migration.Mover`), onboarding, drops
+and the invalidation of subtrees they imply, lost pages, events, statistics and the epoch
+that page tables read.
 :class:`~kvcm_core.cache.KVCache` uses it through these verbs only.
 
 Eviction is all-or-nothing: :meth:`Levels.room` says from counts alone whether a store can
@@ -52,7 +53,7 @@ class Levels:
         life_cycles: the cache groups' life cycles.
         backend: the kernel backend.
         tiers: one built tier per level.
-        codec: the cold levels' page codec (None without cold levels).
+        codecs: each level's page codec (None on level 0).
         make_policy: builds an eviction-policy instance.
         tree: the prefix tree (drops remove its nodes).
         sinks: event sinks.
@@ -62,7 +63,7 @@ class Levels:
 
     def __init__(self, config: KVCacheManagerConfig, layout: StorageLayout,
                  life_cycles: Sequence[LifeCycle], backend: KernelBackend,
-                 tiers: list[Tier], codec: PageCodec | None,
+                 tiers: list[Tier], codecs: Sequence[PageCodec | None],
                  make_policy: Callable[[], EvictionPolicy], tree: PrefixTree,
                  sinks: list[Any], frames: Sequence[LevelFrames | None] = ()) -> None:
         self.config = config
@@ -70,11 +71,11 @@ class Levels:
         self.life_cycles = life_cycles
         self.backend = backend
         self.tiers = tiers
-        self.codec = codec
+        self.codecs = list(codecs)
         self.tree = tree
         self.sinks = sinks
         self.frames = list(frames) or [None] * len(config.levels)
-        self.mover = Mover(backend, codec)
+        self.mover = Mover(backend, self.codecs)
         self.arena = PageArena()
         self.epoch = 0  # bumped whenever a page moves: page tables read it
         #: Ids of pages lost to a failed frame check that owners still reference (so a
@@ -102,13 +103,17 @@ class Levels:
             pools = [tiers[0].create_pool(size, n, name=f"L0-pg{pg.id}-pool{k}")
                      for k, size in enumerate(pg.slot_sizes)]
             self._add_store(0, pg.id, pools, make_policy, nlevels == 1)
-        # Cold grouping: (pool policy, cold page size), independent of the GPU grouping.
-        self.cold_key_of: list[tuple[Any, int]] = []
-        cold_keys: dict[tuple[Any, int], list[int]] = {}
-        if codec is not None:
+        # Cold grouping: (pool policy, cold page size), independent of the GPU grouping;
+        # where cold levels' codecs give different sizes, (pool policy, size on level 1,
+        # size on level 2, ...): a cold group is the same set of life cycles on every level.
+        self.cold_key_of: list[tuple[Any, ...]] = []
+        cold_keys: dict[tuple[Any, ...], list[int]] = {}
+        if nlevels > 1:
             for g in range(ngroups):
-                size = codec.cold_page_size(self.layouts[self._pg_of[g]])
-                key = (pool_reuse_policy(life_cycles[g].policy), size)
+                sizes = [c.cold_page_size(self.layouts[self._pg_of[g]])
+                         for c in self.codecs[1:] if c is not None]
+                key = (pool_reuse_policy(life_cycles[g].policy),
+                       *(sizes[:1] if len(set(sizes)) == 1 else sizes))
                 self.cold_key_of.append(key)
                 cold_keys.setdefault(key, []).append(g)
         self.cold_keys = list(cold_keys)
@@ -118,8 +123,7 @@ class Levels:
             for ci, n in enumerate(self.cold_slots(li, config.levels[li].quota)):
                 # Unnamed: kvcm does not persist its tree, so cold files are private to
                 # this manager (two managers never share a file).
-                cold = self.cold_keys[ci][1]
-                pool = tiers[li].create_pool(self.slot_bytes(li, cold), n)
+                pool = tiers[li].create_pool(self.slot_bytes(li, self.cold_size(ci, li)), n)
                 self._add_store(li, ci, [pool], make_policy, li == nlevels - 1)
                 framing = self.frames[li]
                 if framing is not None:
@@ -146,6 +150,11 @@ class Levels:
         index = sum(len(s) for s in self.stores)
         self.stores[level].append(Store(index, level, pg, pools, make_policy, last, self.arena))
 
+    def cold_size(self, ci: int, level: int) -> int:
+        """Bytes of a cold page of cold group ``ci`` on cold level ``level``."""
+        key = self.cold_keys[ci]
+        return int(key[1] if len(key) == 2 else key[level])
+
     def slot_bytes(self, level: int, page_bytes: int) -> int:
         """Bytes of a cold level's slot for cold pages of ``page_bytes``: a framed level
         adds the frame (and room for a blob codec's worst case)."""
@@ -155,7 +164,8 @@ class Levels:
     def cold_slots(self, level: int, quota: int) -> list[int]:
         """Slots per cold group for a cold level's quota (shares by slot bytes, frames
         included)."""
-        sizes = [self.slot_bytes(level, key[1]) for key in self.cold_keys]
+        sizes = [self.slot_bytes(level, self.cold_size(ci, level))
+                 for ci in range(len(self.cold_keys))]
         weights = [size * sum(1 for k in self.cold_key_of if k == key)
                    for key, size in zip(self.cold_keys, sizes, strict=True)]
         total = sum(weights)
@@ -165,7 +175,7 @@ class Levels:
             if n < 1:
                 raise ConfigError(
                     f"levels[{level}].quota", quota,
-                    f"too small: cold group {ci} ({self.cold_keys[ci][1]} bytes per page) "
+                    f"too small: cold group {ci} ({sizes[ci]} bytes per page) "
                     "gets no slot")
         return slots
 
@@ -187,10 +197,12 @@ class Levels:
         """:meth:`pool_group_of` for an array of cache groups."""
         return self._pg_array[groups]
 
-    def cold_bytes(self, group: int) -> int:
-        if self.codec is None:
+    def cold_bytes(self, group: int, level: int = 1) -> int:
+        """Bytes of ``group``'s cold page on cold ``level`` (its GPU page bytes without
+        cold levels)."""
+        if not self.cold_key_of:
             return self.layouts[self._pg_of[group]].page_bytes
-        return self.cold_key_of[group][1]
+        return self.cold_size(self._cold_index[group], level)
 
     def medium(self, level: int) -> str:
         return self.tiers[level].capabilities.medium.value
@@ -433,7 +445,7 @@ class Levels:
         for g in [g0] if single else np.unique(groups).tolist():
             n = len(pids) if single else int((groups == g).sum())
             gstats = self.stats.groups[g]
-            nbytes = n * self.cold_bytes(g)
+            nbytes = n * self.cold_bytes(g, max(from_level, to_level))
             if to_level > from_level:
                 gstats.offload_blocks += n
                 gstats.offload_bytes += nbytes
@@ -513,7 +525,8 @@ class Levels:
                 self.stats.groups[group].intra_device_copies += n
             else:
                 self.stats.groups[group].onboard_blocks += n
-                self.stats.groups[group].onboard_bytes += n * self.cold_bytes(group)
+                self.stats.groups[group].onboard_bytes += n * self.cold_bytes(group,
+                                                                              store.level)
 
     def copy_blocks(self, group: int, dst: np.ndarray, src: np.ndarray,
                     stream: Stream | None = None) -> None:

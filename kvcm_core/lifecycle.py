@@ -111,12 +111,16 @@ class LifeCycleRegistry:
         tpb = config.tokens_per_block
         found: dict[LifeCycle, list[tuple[int, str, int]]] = {}
         self.layer_policies: dict[int, ReusePolicy] = {}
+        #: ``(layer_id, role) -> (dtype, group_size, exact)``: what page codecs see.
+        self.buffer_types: dict[BufferKey, tuple[str, int, bool]] = {}
         for layer in config.layers:
             self.layer_policies[layer.layer_id] = layer.reuse_policy
             for buf in layer.buffers:
                 if buf.size == 0:
                     continue  # a zero-size buffer registers nothing
                 policy = layer.effective_policy(buf)
+                self.buffer_types[(layer.layer_id, buf.role)] = (
+                    buf.dtype, buf.group_size, layer.effective_exact(buf))
                 if isinstance(layer, SsmLayerConfig):
                     lc = LifeCycle(True, None, 0, policy)
                 else:

@@ -32,7 +32,7 @@ from kvcm_core.lifecycle import LifeCycleRegistry
 from kvcm_core.matching import Match, match_prefix
 from kvcm_core.plugins import KvcmPluginManager, get_plugin_manager
 from kvcm_core.radix import PrefixTree, check_token_array, scope_root_key
-from kvcm_core.records import CodecKind, Medium
+from kvcm_core.records import CodecKind, CodecSpec, Medium
 from kvcm_core.scratch import max_scratch_blocks, validate_scratch_layout
 from kvcm_core.stats import IterationStats
 from kvcm_core.storage import StorageStatistics
@@ -83,9 +83,9 @@ class KVCacheManager:
         self.tree = PrefixTree(len(lcs), tpb)
         tiers: list[Tier] = []
         try:  # a construction that fails releases what it built (files, threads, memory)
-            codec = self._build_tiers(pm, tiers)
+            codecs = self._build_tiers(pm, tiers)
             self.storage_levels = Levels(config, self.layout, lcs, self.backend, tiers,
-                                         codec, lambda: policy_spec.factory({}), self.tree,
+                                         codecs, lambda: policy_spec.factory({}), self.tree,
                                          pm.event_sinks(config),
                                          level_frames(config, pm, tiers))
         except BaseException:
@@ -95,7 +95,8 @@ class KVCacheManager:
             with contextlib.suppress(Exception):
                 self.backend.close()
             raise
-        self.codec: PageCodec | None = codec
+        #: Each level's page codec (None on level 0).
+        self.codecs: list[PageCodec | None] = codecs
         attn = [g for g, lc in enumerate(lcs) if not lc.is_ssm]
         self._walk_groups = [g for g in attn if lcs[g].window is None and lcs[g].constrains]
         self._prune_groups = [g for g, lc in enumerate(lcs)
@@ -117,16 +118,16 @@ class KVCacheManager:
             scratch_scales=scratch_scales, scratch_max_blocks=scratch_max,
             on_close=self._forget_cache, owner=self)
 
-    def _build_tiers(self, pm: KvcmPluginManager, tiers: list[Tier]) -> PageCodec | None:
+    def _build_tiers(self, pm: KvcmPluginManager, tiers: list[Tier]) -> list[PageCodec | None]:
         """Build each level's tier into ``tiers`` (so that a failure part way leaves the
-        caller what to close) and return the cold levels' codec."""
+        caller what to close) and return each level's page codec (None on level 0; a cold
+        level without one uses ``raw``). Cold levels may use different codecs: a move
+        between two of them transcodes (:class:`~kvcm_core.migration.Mover`)."""
         config = self.config
-        cold_codecs = {lv.codec or "raw" for lv in config.levels[1:]}
-        if len(cold_codecs) > 1:
-            raise ConfigError(
-                "levels[*].codec", sorted(cold_codecs),
-                "every cold level must use the same page codec (cold pages move between "
-                "cold levels as they are)")
+        codecs: list[PageCodec | None] = []
+        built: dict[str, PageCodec] = {}
+        #: Each level's page codec record (name, ``capabilities.codec_id``); None on level 0.
+        self.codec_specs: list[CodecSpec | None] = [None]
         for i, level in enumerate(config.levels):
             spec = pm.tier(level.tier)
             if i == 0 and spec.capabilities.medium is not Medium.DEVICE:
@@ -134,17 +135,22 @@ class KVCacheManager:
                     "levels[0].tier", level.tier,
                     f"level 0 must be device memory; this tier's medium is "
                     f"{spec.capabilities.medium.value}")
-            if level.codec is not None:
-                pm.codec(level.codec)  # unknown names fail here, listing the known ones
+            codecs.append(None if i == 0 else self._page_codec(pm, i, built))
             tiers.append(spec.factory(self.backend, level.options))
-        codec: PageCodec | None = None
-        if cold_codecs:
-            codec_spec = pm.codec(cold_codecs.pop())
-            if codec_spec.capabilities.kind is not CodecKind.PAGE:
-                raise ConfigError("levels[1].codec", codec_spec.name,
-                                  "must be a page codec (blob codecs are for storage tiers)")
-            codec = codec_spec.factory({})
-        return codec
+        return codecs
+
+    def _page_codec(self, pm: KvcmPluginManager, level: int,
+                    built: dict[str, PageCodec]) -> PageCodec:
+        """Cold level ``level``'s page codec (one instance per name, shared by levels)."""
+        name = self.config.levels[level].codec or "raw"
+        codec_spec = pm.codec(name)  # unknown names fail here, listing the known ones
+        if codec_spec.capabilities.kind is not CodecKind.PAGE:
+            raise ConfigError(f"levels[{level}].codec", codec_spec.name,
+                              "must be a page codec (blob codecs are for storage tiers)")
+        self.codec_specs.append(codec_spec)
+        if name not in built:
+            built[name] = codec_spec.factory({})
+        return built[name]
 
     # -- public lookups -------------------------------------------------------------------
 

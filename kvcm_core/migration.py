@@ -1,5 +1,6 @@
 """Moving block data between stores: GPU pools, device-accessible cold pools (pinned
-host) and storage pools (disk, remote), through the level codec and pinned staging.
+host) and storage pools (disk, remote), through each cold level's page codec and pinned
+staging.
 
 Every transfer is one batch per (source store, destination store): GPU pages are encoded
 into cold pages (or decoded back) by the page codec in one launch; storage pools are
@@ -13,6 +14,13 @@ Stores of persistent tiers are framed (:mod:`kvcm_core.frame`): their pages are 
 every write here and checked on every read, so a damaged page never reaches a GPU or
 another level; the transfer finishes the intact pages and then raises
 :class:`~kvcm_core.frame.FrameCheckFailed` naming the damaged ones.
+
+Cold levels may use different page codecs. A move between two cold levels whose codecs
+differ transcodes through device scratch, in chunks: the source pages are decoded (by the
+source level's codec) into scratch GPU pages of the pool group's layout, which are then
+encoded by the destination level's codec. The data that arrives is what a decode of the
+source would give, re-encoded: lossy to lossless keeps the lossy values exactly, lossless
+to lossy adds one encoding's error, lossy to another lossy codec adds the second one's.
 """
 
 from __future__ import annotations
@@ -41,18 +49,26 @@ class Mover:
 
     Args:
         backend: the kernel backend (copies, codec work, pinned staging).
-        codec: the cold levels' page codec, or None when there is no cold level.
+        codecs: each level's page codec (None on level 0).
     """
 
-    def __init__(self, backend: KernelBackend, codec: PageCodec | None) -> None:
+    def __init__(self, backend: KernelBackend, codecs: Sequence[PageCodec | None]) -> None:
         self.backend = backend
-        self.codec = codec
+        self.codecs = list(codecs)
         self._staging: Buffer | None = None
+        self._scratch: Buffer | None = None  # GPU pages of a transcode
 
     def close(self) -> None:
-        if self._staging is not None:
-            self._staging.free()
-            self._staging = None
+        for buf in (self._staging, self._scratch):
+            if buf is not None:
+                buf.free()
+        self._staging = self._scratch = None
+
+    def codec_of(self, level: int) -> PageCodec:
+        """The page codec of cold ``level``."""
+        codec = self.codecs[level] if level < len(self.codecs) else None
+        assert codec is not None, f"cold level {level} without a codec"
+        return codec
 
     def _stage(self, nbytes: int) -> Buffer:
         if self._staging is None or self._staging.nbytes < nbytes:
@@ -101,6 +117,8 @@ class Mover:
         ok = np.ones(n, dtype=bool)
         if src.level == 0 or dst.level == 0:
             self._copy_gpu(layout, src, s, dst, d, stream, keys, ok)
+        elif self.codec_of(src.level) is not self.codec_of(dst.level):
+            self._transcode(layout, src, s, dst, d, stream, keys, ok)
         else:
             self._copy_cold(src, s, dst, d, stream, keys, ok)
         # The source slot may be reused as soon as we return: finish the copy first.
@@ -181,8 +199,7 @@ class Mover:
                 [CopyTask(r, r, pool.slot_bytes, pairs)
                  for r, pool in zip(self._gpu_regions(src), src.pools, strict=True)], stream)
             return
-        codec = self.codec
-        assert codec is not None, "cold level without a codec"
+        codec = self.codec_of(max(src.level, dst.level))
         if src.level == 0:
             pool = dst.pools[0]
             if isinstance(pool, DevicePool):
@@ -213,6 +230,29 @@ class Mover:
             (stream or be.default_stream).synchronize()
 
     # -- cold <-> cold ---------------------------------------------------------------------
+
+    def _transcode(self, layout: PageLayout, src: Store, s: np.ndarray, dst: Store,
+                   d: np.ndarray, stream: Stream | None, keys: np.ndarray | None,
+                   ok: np.ndarray) -> None:
+        """Decode with the source level's codec into scratch GPU pages, encode those with
+        the destination level's codec (chunks of at most the staging limit)."""
+        page = layout.page_bytes
+        for lo, hi in self._chunks(len(s), page):
+            k = hi - lo
+            scratch = _ScratchStore(self._scratch_buffer(k * page), layout, k)
+            slots = np.arange(k, dtype=np.int32)
+            self._copy_gpu(layout, src, s[lo:hi], scratch, slots, stream,  # type: ignore[arg-type]
+                           None, ok[lo:hi])
+            self._copy_gpu(layout, scratch, slots, dst, d[lo:hi], stream,  # type: ignore[arg-type]
+                           None if keys is None else keys[lo:hi], ok[lo:hi])
+
+    def _scratch_buffer(self, nbytes: int) -> Buffer:
+        if self._scratch is None or self._scratch.nbytes < nbytes:
+            if self._scratch is not None:
+                self.backend.synchronize()
+                self._scratch.free()
+            self._scratch = self.backend.alloc_device(max(nbytes, 1 << 20))
+        return self._scratch
 
     def _copy_cold(self, src: Store, s: np.ndarray, dst: Store, d: np.ndarray,
                    stream: Stream | None, keys: np.ndarray | None, ok: np.ndarray) -> None:
@@ -258,6 +298,44 @@ class Mover:
     def _chunks(n: int, page: int) -> list[tuple[int, int]]:
         per = max(1, _STAGING_LIMIT // max(page, 1))
         return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
+
+
+class _ScratchPool(DevicePool):
+    """One pool of a transcode's scratch GPU pages: ``count`` slots in a shared buffer."""
+
+    def __init__(self, buffer: Buffer, offset: int, slot_bytes: int, count: int) -> None:
+        self._buffer = buffer
+        self._offset = offset
+        self.slot_bytes = slot_bytes
+        self.num_slots = count
+
+    @property
+    def buffer(self) -> Buffer:
+        return self._buffer
+
+    @property
+    def region(self) -> PageRegion:
+        return PageRegion(self._buffer, self._offset, self.slot_bytes)
+
+    def resize(self, num_slots: int) -> None:
+        raise NotImplementedError("scratch pages do not resize")
+
+    def close(self) -> None:
+        pass  # the buffer belongs to the Mover
+
+
+class _ScratchStore:
+    """Level-0 stand-in for :meth:`Mover._copy_gpu`: ``count`` blocks of ``layout`` in
+    ``buffer``, pool after pool."""
+
+    level = 0
+
+    def __init__(self, buffer: Buffer, layout: PageLayout, count: int) -> None:
+        self.pools: list[DevicePool] = []
+        at = 0
+        for size in layout.slot_sizes:
+            self.pools.append(_ScratchPool(buffer, at, size, count))
+            at += size * count
 
 
 def _host_pages(region: PageRegion, page_bytes: int, count: int) -> np.ndarray:

@@ -128,7 +128,8 @@ class CodecCapabilities:
     Attributes:
         kind: page or blob codec.
         lossless: decoding gives back exactly what was encoded.
-        error_bound: largest absolute error per element for lossy codecs, else ``None``.
+        error_bound: lossy page codecs: largest error per value relative to the largest
+            magnitude of its scale group (``BufferPlace.group_size``); else ``None``.
         checksummed: a blob codec that detects corruption (raises ``CorruptPageError``).
         codec_id: the codec's number in cold frames (u16, unique among installed codecs;
             ``raw`` is 0; built-in codecs use 0..255, third-party codecs 256 and above).

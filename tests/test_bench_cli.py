@@ -14,10 +14,10 @@ import pytest
 from kvcm_core import cli
 from kvcm_core.bench import result_path
 
-BENCHES = ["kernels", "manager", "mixed", "trace", "eviction", "batch"]
+BENCHES = ["kernels", "manager", "mixed", "trace", "eviction", "batch", "codecs"]
 #: The file name each benchmark writes into an --out folder.
 STEMS = {"kernels": "kernels-host", "manager": "host_overhead", "mixed": "mixed_precision",
-         "trace": "trace", "eviction": "eviction", "batch": "batch"}
+         "trace": "trace", "eviction": "eviction", "batch": "batch", "codecs": "codecs"}
 TRACE = "\n".join(json.dumps(r) for r in [
     {"timestamp": 0, "input_length": 700, "output_length": 4, "hash_ids": [1, 2]},
     {"timestamp": 5, "input_length": 1100, "output_length": 4, "hash_ids": [1, 2, 3]},

@@ -11,6 +11,8 @@
   publish with index-table conversion on each GPU backend against a measured model.
 - :mod:`kvcm_core.bench.redis`: the redis tier's pipelined put and get beside
   ``redis-benchmark`` on the same server.
+- :mod:`kvcm_core.bench.codecs`: page codecs on a GPU against its copy bandwidth, blob
+  codecs on the CPU, and simulated hit rates per cold codec.
 
 Each module has ``main(argv) -> int`` and ``_parser()``, takes ``--quick`` for a short run
 (smaller sizes, fewer repetitions; options given explicitly still win), and writes its

@@ -7,6 +7,18 @@ page the request's history needs: needed pages must be valid and hold exactly th
 of the tokens they claim; stale pages must be ``BAD_PAGE_INDEX``. An SSM state page holds
 one record ``(crc32 of all tokens so far, history length, layer, buffer)``.
 
+Buffers that a lossy page codec may encode (``bf16``, ``fp16`` or ``fp32``, not ``exact``)
+hold KV-like values instead of records: each element is a value in ``[-1, 1)`` hashed from
+its token slot's record and its index in the page, rounded to the buffer's dtype, and the
+first element of every token slot is an outlier of exactly ``+-8``; token slots past those
+written hold zeros. A scale group that holds the start of a written token slot thus always
+has the largest magnitude 8, so encoding a page again after more tokens were written to it
+gives back the same codes and errors do not add up. Typed pages are written and checked on
+the host, within ``8 * error_bound`` of the lossiest codec of the manager's cold levels
+(exactly without one), while every other buffer (``exact`` ones included) is checked bit
+for bit. Another block's or stale values differ by about 1 in most elements, far beyond
+that tolerance. Managers with SWA scratch write records into every buffer.
+
 The expected layout (which blocks are stale, where the SSM state lives) is computed here
 from the model configuration, independently of the manager's own code. Checks and writes
 of many requests are batched into one call of the backend's fingerprint kernels, so a
@@ -26,6 +38,7 @@ from kvcm_core.backend import BAD_PAGE_INDEX, FingerprintPages
 from kvcm_core.config import AttentionLayerConfig, SsmLayerConfig
 from kvcm_core.errors import KvcmError
 from kvcm_core.radix import token_id32
+from kvcm_core.testing.values import ITEMSIZE, from_bytes, round_to, to_bytes
 
 __all__ = ["FingerprintEngine", "FingerprintMismatch", "StepWork"]
 
@@ -44,6 +57,28 @@ class _Buffer:
     is_ssm: bool
     window: int | None
     sink_blocks: int
+    typed: str | None = None  # dtype of KV-like contents (lossy-encodable buffers)
+
+
+_OUTLIER = 8.0  # magnitude of the outlier elements of typed contents
+
+
+def _typed_values(record: np.ndarray, index: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """KV-like fp32 values of elements ``index`` of token slots with ``record`` (uint32
+    ``[n, 4]``, one row per element): a hash mapped to ``[-1, 1)``; ``+-8`` where
+    ``first`` (the first element of a token slot)."""
+    with np.errstate(over="ignore"):
+        x = (record[:, 0] * np.uint32(0x9E3779B1)) ^ (record[:, 1] * np.uint32(0x85EBCA77))
+        x ^= (record[:, 2] * np.uint32(0xC2B2AE3D)) ^ (record[:, 3] * np.uint32(0x27D4EB2F))
+        x ^= index.astype(np.uint32) * np.uint32(0x165667B1)
+        x ^= x >> np.uint32(16)
+        x *= np.uint32(0x85EBCA6B)
+        x ^= x >> np.uint32(13)
+        x *= np.uint32(0xC2B2AE35)
+        x ^= x >> np.uint32(16)
+    u = (x >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-23) - np.float32(1.0)
+    outlier = np.where(u < 0, np.float32(-_OUTLIER), np.float32(_OUTLIER))
+    return np.where(first, outlier, u).astype(np.float32)
 
 
 def _stale(buf: _Buffer, history: int, tpb: int) -> tuple[int, int]:
@@ -94,20 +129,29 @@ class FingerprintEngine:
         self.tpb = manager.tokens_per_block
         tpb = self.tpb
         buffers = []
+        records_only = manager.config.swa_scratch is not None
         for layer in manager.config.layers:
             for ordinal, buf in enumerate(layer.buffers):
                 if buf.size == 0:
                     continue
                 group = manager.get_buffer_group_id(layer.layer_id, buf.role)
+                typed = None if (records_only or layer.effective_exact(buf)
+                                 or buf.dtype not in ITEMSIZE) else buf.dtype
                 if isinstance(layer, SsmLayerConfig):
                     buffers.append(_Buffer(layer.layer_id, buf.role, ordinal, group, buf.size,
-                                           True, None, 0))
+                                           True, None, 0, typed))
                 else:
                     assert isinstance(layer, AttentionLayerConfig)
                     buffers.append(_Buffer(
                         layer.layer_id, buf.role, ordinal, group, buf.size, False,
-                        layer.sliding_window_size, -(-layer.num_sink_tokens // tpb)))
+                        layer.sliding_window_size, -(-layer.num_sink_tokens // tpb), typed))
         self.buffers: tuple[_Buffer, ...] = tuple(buffers)
+        self._by_tag = {(b.layer_id, b.ordinal): b for b in buffers}
+        self._typed_any = any(b.typed for b in buffers)
+        bounds = [c.error_bound for c in getattr(manager, "codecs", ())
+                  if c is not None and not c.lossless and c.error_bound is not None]
+        #: Largest error allowed per element of a typed buffer (0: exact).
+        self.typed_tolerance = _OUTLIER * max(bounds, default=0.0)
         # SWA scratch: the layers in the order a model runs them, and every attention
         # buffer's converter and pool base (page index i is at pool_base + i * size).
         self._layer_order = sorted({b.layer_id for b in buffers if not b.is_ssm})
@@ -125,10 +169,11 @@ class FingerprintEngine:
 
     def _rows(self, work: Iterable[StepWork], writing: bool, *,
               only_blocks: dict[int, list[int]] | None = None,
-              ssm_only: bool = False) -> FingerprintPages | None:
+              ssm_only: bool = False, typed: bool = False) -> FingerprintPages | None:
         """Pages to check (``writing=False``: ``[0, history)``) or write (``[history,
         capacity)``). ``only_blocks`` restricts attention rows to those blocks of
-        ``[0, history)`` (recompute); ``ssm_only`` keeps SSM rows only."""
+        ``[0, history)`` (recompute); ``ssm_only`` keeps SSM rows only; ``typed`` selects
+        the buffers with KV-like contents, else those with records."""
         tpb = self.tpb
         m = self.manager
         addr: list[np.ndarray] = []
@@ -159,6 +204,8 @@ class FingerprintEngine:
             tables: dict[int, np.ndarray] = {}
             fork = cache.beam_fork(w.beam) if w.beam else 0
             for buf in self.buffers:
+                if bool(buf.typed) != typed:
+                    continue
                 table = tables.get(buf.group)
                 if table is None:
                     table = self._table(cache, buf.group, w.beam)
@@ -422,6 +469,99 @@ class FingerprintEngine:
                     f"{int((~ok).sum())} bad pages of {len(ok)} "
                     f"({', '.join(repr(w.cache.id) for w in work[:8])})")
 
+    # -- writing and checking pages --------------------------------------------------------
+
+    def _put(self, work: list[StepWork], writing: bool, **select: Any) -> None:
+        """Write the rows :meth:`_rows` selects: records by the backend's kernel, KV-like
+        contents of typed buffers on the host."""
+        for typed in (False, True) if self._typed_any else (False,):
+            pages = self._rows(work, writing, typed=typed, **select)
+            if pages is None:
+                continue
+            if typed:
+                self._typed_write(pages)
+            else:
+                self.backend.fingerprint_write(pages)
+            self.written_pages += len(pages)
+
+    def _typed_batches(self, pages: FingerprintPages) -> Any:
+        """Rows of typed pages grouped by buffer: ``(buffer record, its memory, row
+        numbers, byte offsets of the pages in that memory)``."""
+        keys = pages.tags[:, 0].astype(np.int64) << 32 | (pages.tags[:, 1] >> 16)
+        for key in np.unique(keys).tolist():
+            rows = np.flatnonzero(keys == key)
+            buf = self._by_tag[(key >> 32, key & 0xFFFF)]
+            memory = self.manager.get_page_region(buf.layer_id, buf.role).buffer
+            yield buf, memory, rows, pages.addresses[rows].astype(np.int64) - memory.ptr
+
+    @staticmethod
+    def _typed_expected(pages: FingerprintPages, rows: np.ndarray, buf: _Buffer
+                        ) -> tuple[np.ndarray, np.ndarray]:
+        """The token slot of every element of the rows' pages (``[n, E]``) and the
+        elements' values as fp32 in the buffer's dtype (what slots in ``[begin, end)``
+        must hold)."""
+        assert buf.typed is not None
+        item = ITEMSIZE[buf.typed]
+        p, r = buf.size, int(pages.record_slots[rows[0]])
+        index = np.arange(p // item, dtype=np.int64)
+        slots = ((index * item + 1) * r - 1) // p
+        first = np.diff(slots, prepend=-1) != 0
+        slot = np.broadcast_to(slots, (len(rows), len(index)))
+        record = np.empty((len(rows), len(index), 4), dtype=np.uint32)
+        record[..., 0] = np.take_along_axis(pages.token_ids[rows], slot, axis=1)
+        record[..., 1] = (pages.positions[rows, None] + slot).astype(np.uint32)
+        record[..., 2:] = pages.tags[rows, None, :]
+        values = _typed_values(record.reshape(-1, 4), np.tile(index, len(rows)),
+                               np.tile(first, len(rows)))
+        return slot, round_to(values, buf.typed).reshape(slot.shape)
+
+    def _read_pages(self, memory: Any, offsets: np.ndarray, nbytes: int) -> np.ndarray:
+        if memory.host_ptr is not None:
+            return memory.host_view()[offsets[:, None] + np.arange(nbytes)]
+        return np.stack([self.backend.read(memory, int(o), nbytes) for o in offsets.tolist()])
+
+    def _write_pages(self, memory: Any, offsets: np.ndarray, data: np.ndarray) -> None:
+        if memory.host_ptr is not None:
+            memory.host_view()[offsets[:, None] + np.arange(data.shape[1])] = data
+            return
+        for o, row in zip(offsets.tolist(), data, strict=True):
+            self.backend.write(memory, int(o), row)
+
+    def _typed_write(self, pages: FingerprintPages) -> None:
+        self.backend.synchronize()
+        for buf, memory, rows, offsets in self._typed_batches(pages):
+            assert buf.typed is not None
+            item = ITEMSIZE[buf.typed]
+            slot, want = self._typed_expected(pages, rows, buf)
+            n, e = slot.shape
+            elems = self._read_pages(memory, offsets, e * item).reshape(n, e, item)
+            keep = np.where(slot < pages.end[rows, None], want, np.float32(0.0))
+            new = to_bytes(keep.reshape(n, e, 1), buf.typed)
+            write = slot >= pages.begin[rows, None]
+            elems[write] = new[write]
+            self._write_pages(memory, offsets, elems.reshape(n, -1))
+
+    def _typed_check(self, pages: FingerprintPages) -> None:
+        tol = self.typed_tolerance
+        self.backend.synchronize()
+        for buf, memory, rows, offsets in self._typed_batches(pages):
+            assert buf.typed is not None
+            slot, want = self._typed_expected(pages, rows, buf)
+            raw = self._read_pages(memory, offsets, slot.shape[1] * ITEMSIZE[buf.typed])
+            got = from_bytes(raw.reshape(-1), buf.typed).reshape(slot.shape)
+            sel = (slot >= pages.begin[rows, None]) & (slot < pages.end[rows, None])
+            error = np.where(sel, np.abs(got.astype(np.float64) - want), 0.0)
+            self.checked_pages += len(rows)
+            bad = ~np.all(error <= tol, axis=1)  # NaN fails too
+            if bad.any():
+                i = int(rows[np.flatnonzero(bad)[0]])
+                raise FingerprintMismatch(
+                    f"typed page of layer {buf.layer_id}/{buf.role} at address "
+                    f"{int(pages.addresses[i]):#x} (positions {int(pages.positions[i])}+"
+                    f"[{int(pages.begin[i])}, {int(pages.end[i])})): error beyond {tol} "
+                    f"({buf.typed} values of its tokens expected); {int(bad.sum())} bad "
+                    f"pages of {len(rows)}")
+
     # -- the two steps --------------------------------------------------------------------------
 
     def recompute(self, work: Iterable[StepWork]) -> None:
@@ -437,10 +577,7 @@ class FingerprintEngine:
                 self._ssm_pending[id(cache)] = w
             attn = {g: [b for b in bl if b >= 0] for g, bl in blocks.items()}
             if any(attn.values()):
-                pages = self._rows([w], writing=True, only_blocks=attn)
-                if pages is not None:
-                    self.backend.fingerprint_write(pages)
-                    self.written_pages += len(pages)
+                self._put([w], writing=True, only_blocks=attn)
 
     def _reconstruct_ssm(self, work: list[StepWork]) -> None:
         todo = [w for w in work if id(w.cache) in self._ssm_pending]
@@ -453,9 +590,7 @@ class FingerprintEngine:
                 ready.append(w)
                 del self._ssm_pending[id(cache)]
         if ready:
-            pages = self._rows(ready, writing=False, ssm_only=True)
-            if pages is not None:
-                self.backend.fingerprint_write(pages)
+            self._put(ready, writing=False, ssm_only=True)
 
     def check(self, work: Iterable[StepWork]) -> None:
         """Check every page the requests' histories need.
@@ -466,6 +601,10 @@ class FingerprintEngine:
         work = list(work)
         if self._ssm_pending:
             self._reconstruct_ssm(work)
+        if self._typed_any:
+            typed = self._rows(work, writing=False, typed=True)
+            if typed is not None:
+                self._typed_check(typed)
         pages = self._rows(work, writing=False)
         if pages is None:
             return
@@ -493,11 +632,7 @@ class FingerprintEngine:
         if layered:
             self._write_by_layer(layered)
             work = [w for w in work if not any(w is x for x in layered)]
-        pages = self._rows(work, writing=True)
-        if pages is None:
-            return
-        self.backend.fingerprint_write(pages)
-        self.written_pages += len(pages)
+        self._put(work, writing=True)
 
     def step(self, work: Sequence[StepWork]) -> None:
         """Check, then write: what the model would read and write this step."""

@@ -4,9 +4,13 @@ Page codecs run on the selected kernel backend (``KVCM_KERNEL_BACKEND``, else th
 backend of highest priority: ``numpy`` on a machine without a GPU), on random pool layouts
 of one to four pools with odd slot sizes; their data is written and read back through the
 backend's backdoor. Lossless codecs must round-trip bit for bit; lossy ones are checked on
-random floats of :attr:`CodecConformance.lossy_element_dtype` against their declared
-``error_bound`` (never on fingerprints). Blob codecs round-trip random bytes, and
-checksummed ones must reject a flipped byte or a truncated blob with
+random floats of :attr:`CodecConformance.lossy_element_dtype` in typed buffers (the
+layout's ``BufferPlace.dtype``, ``group_size``, ``exact=False``) against their declared
+``error_bound``, and on KV-like bf16 data (normal values with a few outlier channels) against
+``error_bound`` times the largest magnitude of each element's scale group, with ``exact``
+and ``"bytes"`` buffers bit for bit. On a device backend, every page codec must write the
+same cold bytes, and decode the same values, as on the ``numpy`` backend. Blob codecs
+round-trip random bytes, and checksummed ones must reject a flipped byte or a truncated blob with
 :class:`~kvcm_core.errors.CorruptPageError`. Tests gate on ``capabilities.kind``,
 ``lossless`` and ``checksummed``, never on names.
 
@@ -35,6 +39,7 @@ from kvcm_core.errors import CorruptPageError
 from kvcm_core.plugins import get_plugin_manager
 from kvcm_core.records import CodecKind
 from kvcm_core.testing.conformance import ConformanceBase
+from kvcm_core.testing.values import from_bytes, to_bytes
 
 __all__ = ["CodecConformance"]
 
@@ -60,12 +65,19 @@ def _slot_sizes(itemsize: int) -> st.SearchStrategy[int]:
     return st.one_of(st.integers(1, 16), st.integers(17, 3000)).map(lambda n: n * itemsize)
 
 
+#: Buffer dtype names of the element types lossy data is drawn in.
+_BUFFER_DTYPES = {"float16": "fp16", "float32": "fp32"}
+
+
 @st.composite
-def _layouts(draw: st.DrawFn, itemsize: int = 1) -> PageLayout:
-    """1 to 4 pools; each pool's slot holds one buffer of one layer."""
+def _layouts(draw: st.DrawFn, itemsize: int = 1, dtype: str = "bytes") -> PageLayout:
+    """1 to 4 pools; each pool's slot holds one buffer of one layer (of ``dtype``, with a
+    drawn scale group size, not exact, when it is not ``"bytes"``)."""
     sizes = tuple(draw(st.lists(_slot_sizes(itemsize), min_size=1, max_size=4)))
+    group = draw(st.sampled_from([1, 7, 32, 128])) if dtype != "bytes" else 128
     places = tuple(
-        BufferPlace(layer_id=pool, role="kv", pool=pool, offset=0, size=size)
+        BufferPlace(layer_id=pool, role="kv", pool=pool, offset=0, size=size, dtype=dtype,
+                    group_size=group, exact=dtype == "bytes")
         for pool, size in enumerate(sizes)
     )
     return PageLayout(slot_sizes=sizes, buffers=places)
@@ -108,9 +120,10 @@ def _region(draw: st.DrawFn, size: int, slots: int, itemsize: int) -> _Region:
 
 @st.composite
 def _round_trips(
-    draw: st.DrawFn, codec: PageCodec, itemsize: int, cold_kinds: list[str]
+    draw: st.DrawFn, codec: PageCodec, itemsize: int, cold_kinds: list[str],
+    dtype: str = "bytes",
 ) -> _RoundTrip:
-    layout = draw(_layouts(itemsize))
+    layout = draw(_layouts(itemsize, dtype))
     blocks = draw(st.integers(1, 12))
     cold_capacity = draw(st.integers(1, 12))
     count = draw(st.integers(0, min(blocks, cold_capacity)))
@@ -160,6 +173,86 @@ def _outside(image: np.ndarray, region: _Region, slots: list[int], size: int) ->
     return image[keep]
 
 
+# -- KV-like typed pages ---------------------------------------------------------------------
+
+
+@attrs.frozen
+class _KvCase:
+    layout: PageLayout
+    images: list[np.ndarray]  # per pool: uint8 [blocks, slot size]
+
+
+@st.composite
+def _kv_cases(draw: st.DrawFn) -> _KvCase:
+    """1 to 3 pools; each slot holds a lossy bf16 buffer of tokens x channels values
+    (normal, with a few outlier channels 40x larger), an exact bf16 buffer and a few
+    ``"bytes"``."""
+    rng = np.random.default_rng(draw(_seeds))
+    blocks = draw(st.integers(1, 6))
+    group = draw(st.sampled_from([16, 64, 128]))
+    sizes, places, images = [], [], []
+    for pool in range(draw(st.integers(1, 3))):
+        tokens, channels = draw(st.integers(1, 16)), draw(st.sampled_from([32, 64, 128]))
+        lossy, exact = 2 * tokens * channels, 2 * draw(st.integers(1, 64))
+        tail = 2 * draw(st.integers(0, 20))  # slots stay element-aligned
+        places += [
+            BufferPlace(pool, "k", pool, 0, lossy, "bf16", group, False),
+            BufferPlace(pool, "scale", pool, lossy, exact, "bf16", group, True),
+            BufferPlace(pool, "meta", pool, lossy + exact, tail),
+        ]
+        sizes.append(lossy + exact + tail)
+        values = rng.normal(0.0, 1.0, (blocks, tokens, channels)).astype(np.float32)
+        values[..., rng.choice(channels, 3, replace=False)] *= np.float32(40.0)
+        image = rng.integers(0, 256, (blocks, sizes[-1]), dtype=np.uint8)
+        image[:, :lossy] = to_bytes(values, "bf16").reshape(blocks, lossy)
+        image[:, lossy : lossy + exact] = to_bytes(
+            rng.normal(0.0, 1.0, (blocks, exact // 2)), "bf16")
+        images.append(image)
+    places = [p for p in places if p.size > 0]
+    return _KvCase(PageLayout(tuple(sizes), tuple(places)), images)
+
+
+def _encode_decode(backend: KernelBackend, codec: PageCodec, case: _KvCase
+                   ) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Encode every block of ``case`` on ``backend`` and decode into fresh pools: the cold
+    pages ``[blocks, cold size]`` and the decoded pool images."""
+    layout, blocks = case.layout, case.images[0].shape[0]
+    size = codec.cold_page_size(layout)
+    slots = np.arange(blocks, dtype=np.int32)
+    buffers: list[Buffer] = []
+    try:
+        def alloc(nbytes: int, data: np.ndarray | None = None) -> Buffer:
+            buf = backend.alloc_device(nbytes)
+            buffers.append(buf)
+            backend.write(buf, 0, data.reshape(-1) if data is not None else
+                          np.zeros(nbytes, dtype=np.uint8))
+            return buf
+
+        src = [PageRegion(alloc(im.nbytes, im), 0, im.shape[1]) for im in case.images]
+        dst = [PageRegion(alloc(im.nbytes), 0, im.shape[1]) for im in case.images]
+        cold = PageRegion(alloc(blocks * size), 0, size)
+        codec.encode(backend, layout, src, slots, cold, slots)
+        codec.decode(backend, layout, cold, slots, dst, slots)
+        backend.synchronize()
+        pages = backend.read(cold.buffer, 0, blocks * size).reshape(blocks, size)
+        out = [backend.read(r.buffer, 0, im.nbytes).reshape(im.shape)
+               for r, im in zip(dst, case.images, strict=True)]
+        return pages, out
+    finally:
+        for buf in buffers:
+            buf.free()
+
+
+def _group_amax(values: np.ndarray, group: int) -> np.ndarray:
+    """Each element's scale-group largest magnitude (``[blocks, n]``)."""
+    blocks, n = values.shape
+    groups = -(-n // group)
+    padded = np.zeros((blocks, groups * group), dtype=np.float32)
+    padded[:, :n] = np.abs(values)
+    amax = padded.reshape(blocks, groups, group).max(axis=2)
+    return np.repeat(amax, group, axis=1)[:, :n]
+
+
 # -- the suite -----------------------------------------------------------------------------
 
 
@@ -170,6 +263,9 @@ class CodecConformance(ConformanceBase):
     #: Element type of the random data lossy page codecs are checked on (their
     #: ``error_bound`` is per element of this type).
     lossy_element_dtype: ClassVar[str] = "float16"
+    #: Whether lossy page codecs are checked on KV-like bf16 buffers (a codec for other
+    #: element types only may turn it off).
+    kv_like_bf16: ClassVar[bool] = True
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -189,6 +285,12 @@ class CodecConformance(ConformanceBase):
     def _itemsize(self, spec: Any) -> int:
         """Bytes per element of the random data: 1 for lossless codecs."""
         return 1 if spec.capabilities.lossless else np.dtype(self.lossy_element_dtype).itemsize
+
+    def _buffer_dtype(self, spec: Any) -> str:
+        """Buffer dtype of the random layouts: ``"bytes"`` for lossless codecs."""
+        if spec.capabilities.lossless:
+            return "bytes"
+        return _BUFFER_DTYPES.get(self.lossy_element_dtype, "bytes")
 
     @staticmethod
     def _page(spec: Any) -> None:
@@ -246,7 +348,8 @@ class CodecConformance(ConformanceBase):
         cold_kinds = [MemoryKind.DEVICE]
         if backend.capabilities.host_mapped:
             cold_kinds.append(MemoryKind.HOST)
-        case = data.draw(_round_trips(codec, self._itemsize(kvcm_plugin_spec), cold_kinds))
+        case = data.draw(_round_trips(codec, self._itemsize(kvcm_plugin_spec), cold_kinds,
+                                      self._buffer_dtype(kvcm_plugin_spec)))
         layout, cold_size = case.layout, codec.cold_page_size(case.layout)
         rng = np.random.default_rng(case.seed)
         buffers: list[Buffer] = []
@@ -322,6 +425,48 @@ class CodecConformance(ConformanceBase):
         finally:
             for buf in buffers:
                 buf.free()
+
+    @_SETTINGS
+    @given(case=_kv_cases())
+    def test_lossy_codec_stays_within_its_bound_on_kv_like_bf16_data(
+        self, codec: Any, kvcm_plugin_spec: Any, backend: KernelBackend, case: _KvCase
+    ) -> None:
+        """Per element: ``|error| <= error_bound * amax`` of its scale group; exact and
+        ``"bytes"`` buffers come back bit for bit."""
+        self._page(kvcm_plugin_spec)
+        caps = kvcm_plugin_spec.capabilities
+        if caps.lossless or not self.kv_like_bf16:
+            pytest.skip("lossless codec (checked bit for bit elsewhere) or no bf16 check")
+        _, out = _encode_decode(backend, codec, case)
+        for place in case.layout.buffers:
+            lo, hi = place.offset, place.offset + place.size
+            want, got = case.images[place.pool][:, lo:hi], out[place.pool][:, lo:hi]
+            if place.exact:
+                assert np.array_equal(got, want), f"exact buffer {place.role} changed"
+                continue
+            x, y = from_bytes(want, "bf16"), from_bytes(got, "bf16")
+            limit = caps.error_bound * _group_amax(x, place.group_size)
+            assert np.all(np.abs(x - y) <= limit), (
+                f"pool {place.pool}: error {np.abs(x - y).max()} beyond the bound")
+
+    @_SETTINGS
+    @given(case=_kv_cases())
+    def test_page_codec_gives_the_numpy_backends_bytes_on_a_device_backend(
+        self, codec: Any, kvcm_plugin_spec: Any, backend: KernelBackend, case: _KvCase
+    ) -> None:
+        """Cold pages and decoded pages equal the ``numpy`` backend's, bit for bit."""
+        self._page(kvcm_plugin_spec)
+        if not backend.capabilities.has_device:
+            pytest.skip("the selected backend is the numpy reference itself")
+        reference = get_plugin_manager().kernel_backend("numpy").factory({})
+        try:
+            want_pages, want_out = _encode_decode(reference, codec, case)
+        finally:
+            reference.close()
+        pages, out = _encode_decode(backend, codec, case)
+        assert np.array_equal(pages, want_pages), "cold pages differ from the numpy backend's"
+        for got, want in zip(out, want_out, strict=True):
+            assert np.array_equal(got, want), "decoded pages differ from the numpy backend's"
 
     def test_encode_and_decode_of_no_blocks_change_nothing(
         self, codec: Any, kvcm_plugin_spec: Any, backend: KernelBackend

@@ -1,0 +1,323 @@
+"""The quantizing page codecs ``fp8``, ``int8`` and ``int4``: lossy cold pages of fixed size.
+
+Each scale group of ``group_size`` values of a ``bf16``, ``fp16`` or ``fp32`` buffer that is
+not ``exact`` becomes one fp32 scale (``amax / Q``) and one code per value (fp8 e4m3,
+int8, or int4 packed two per byte); exact buffers, ``"bytes"`` buffers and bytes no buffer
+covers are copied unchanged. The cold page layout, the scale rule, the rounding and the
+error bounds are defined in :mod:`kvcm_codec_quant.reference`, the NumPy reference. On a
+backend that compiles CUDA C (``cupy``, ``cuda``) one kernel launch encodes or decodes every
+block of a call, bit for bit equal to the reference; elsewhere (``numpy``) the reference
+itself runs on the host views of the buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvcm_codec_quant.reference import (
+    BOUNDS,
+    LOSSY_DTYPES,
+    MODES,
+    RAW_CHUNK,
+    Plan,
+    Segment,
+    decode_pages,
+    encode_pages,
+    make_plan,
+)
+from kvcm_codec_quant.source import FAST_GROUPS, SEG_DESC_WORDS, SOURCE, WARPS_PER_BLOCK
+from kvcm_core import hookimpl
+from kvcm_core.backend import Buffer, Event, KernelBackend, PageRegion, Stream
+from kvcm_core.codec import PageCodec, PageLayout
+from kvcm_core.records import CodecCapabilities, CodecKind, CodecSpec
+
+__all__ = ["CODEC_IDS", "QuantCodec", "capabilities"]
+
+#: Frame ids of the codecs (``raw`` is 0).
+CODEC_IDS = {"fp8": 1, "int8": 2, "int4": 3}
+_DESCRIPTIONS = {
+    "fp8": "Lossy page codec: fp8 e4m3 codes with an fp32 scale per group (amax / 448)",
+    "int8": "Lossy page codec: int8 codes with an fp32 scale per group (amax / 127)",
+    "int4": "Lossy page codec: int4 codes, two per byte, fp32 scale per group (amax / 7)",
+}
+_MAX_GRID_X = 65535
+_MAX_GRID_Y = 65535
+_I32_MAX = int(np.iinfo(np.int32).max)
+
+
+def capabilities(mode: str) -> CodecCapabilities:
+    """What codec ``mode`` declares: lossy, its error bound and frame id."""
+    return CodecCapabilities(kind=CodecKind.PAGE, lossless=False, error_bound=BOUNDS[mode],
+                             codec_id=CODEC_IDS[mode])
+
+
+def _slots(label: str, slots: np.ndarray) -> np.ndarray:
+    arr = np.asarray(slots)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ValueError(f"{label}: must be a 1-D integer array; got {arr.dtype}, {arr.shape}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _I32_MAX):
+        raise ValueError(f"{label}: slot ids must be in 0..2**31-1; got "
+                         f"{int(arr.min())}..{int(arr.max())}")
+    return arr.astype(np.int32, copy=False)
+
+
+def _check_pages(label: str, region: PageRegion, slots: np.ndarray, size: int) -> None:
+    if region.offset < 0 or region.stride < 0:
+        raise ValueError(f"{label}: offset {region.offset} and stride {region.stride} "
+                         "must be >= 0")
+    if len(slots) > 1 and region.stride < size:
+        raise ValueError(f"{label}: stride {region.stride} < page size {size}: pages overlap")
+    if len(slots):
+        end = region.offset + int(slots.max()) * region.stride + size
+        if end > region.buffer.nbytes:
+            raise ValueError(f"{label}: page {int(slots.max())} ends at byte {end}, past the "
+                             f"buffer's {region.buffer.nbytes} bytes")
+
+
+def _check_elements(plan: Plan, pools: Sequence[PageRegion]) -> None:
+    """Lossy segments must start on an element boundary in every slot."""
+    for seg in plan.segments:
+        if not seg.dtype:
+            continue
+        item = LOSSY_DTYPES[seg.dtype][1]
+        region = pools[seg.pool]
+        if (region.buffer.ptr + region.offset + seg.offset) % item or region.stride % item:
+            raise ValueError(
+                f"pool {seg.pool}: {seg.dtype} buffer at slot offset {seg.offset} is not "
+                f"aligned to its {item}-byte elements (region offset {region.offset}, "
+                f"stride {region.stride})")
+
+
+def _pages(region: PageRegion, size: int, slots: np.ndarray) -> np.ndarray | None:
+    """``[n, size]`` copies of host-visible pages (None for device memory)."""
+    if region.buffer.host_ptr is None:
+        return None
+    base = region.buffer.host_view()
+    count = int(slots.max()) + 1
+    view = np.ndarray((count, size), dtype=np.uint8, buffer=base, offset=region.offset,
+                      strides=(region.stride, 1))
+    return view[slots]
+
+
+def _read(backend: KernelBackend, region: PageRegion, size: int,
+          slots: np.ndarray) -> np.ndarray:
+    got = _pages(region, size, slots)
+    if got is not None:
+        return got
+    return np.stack([backend.read(region.buffer, region.page_start(int(s)), size)
+                     for s in slots.tolist()])
+
+
+def _write(backend: KernelBackend, region: PageRegion, slots: np.ndarray,
+           rows: np.ndarray) -> None:
+    size = rows.shape[1]
+    if region.buffer.host_ptr is not None:
+        base = region.buffer.host_view()
+        view = np.ndarray((int(slots.max()) + 1, size), dtype=np.uint8, buffer=base,
+                          offset=region.offset, strides=(region.stride, 1))
+        view[slots] = rows
+        return
+    for s, row in zip(slots.tolist(), rows, strict=True):
+        backend.write(region.buffer, region.page_start(int(s)), row)
+
+
+#: Whether the kernel's fast path (see :mod:`kvcm_codec_quant.source`) may be used.
+FAST_PATH = True
+
+
+def _fast(seg: Segment, pool_base: int, pool_stride: int, cold_base: int,
+          cold_stride: int) -> bool:
+    """Whether a segment takes the kernel's fast path: 16-bit values in whole groups of
+    128, 8-byte aligned in every slot, cold sections 4-byte aligned in every page."""
+    return (FAST_PATH and seg.dtype in ("bf16", "fp16") and seg.group_size == 128
+            and seg.elements % 128 == 0 and pool_base % 8 == 0 and pool_stride % 8 == 0
+            and cold_base % 4 == 0 and cold_stride % 4 == 0)
+
+
+class _Staging:
+    """Pinned and device memory for a launch's descriptor table, two slots deep: a slot is
+    rewritten only after the launch that read it has finished."""
+
+    def __init__(self, backend: KernelBackend) -> None:
+        self.backend = backend
+        self.module = backend.compile(SOURCE)  # type: ignore[attr-defined]
+        self.cap = 0
+        self.host: Buffer | None = None
+        self.dev: Buffer | None = None
+        self.events: list[Event] = [backend.create_event(), backend.create_event()]
+        self.next = 0
+
+    def upload(self, table: np.ndarray, stream: Stream | None) -> tuple[int, Event]:
+        """Copy ``table`` (bytes) to the device on ``stream``: its device address and the
+        event to record after the launch that reads it."""
+        nbytes = table.nbytes
+        if nbytes * 2 > self.cap:
+            for ev in self.events:
+                ev.synchronize()
+            for buf in (self.host, self.dev):
+                if buf is not None:
+                    buf.free()
+            self.cap = max(2 * nbytes, 64 << 10)
+            self.host = self.backend.alloc_host(self.cap)
+            self.dev = self.backend.alloc_device(self.cap)
+        assert self.host is not None and self.dev is not None
+        k = self.next
+        self.next ^= 1
+        event = self.events[k]
+        event.synchronize()
+        at = k * (self.cap // 2)
+        self.host.host_view()[at : at + nbytes] = table.view(np.uint8).reshape(-1)
+        self.backend.copy_bytes(self.dev, at, self.host, at, nbytes, stream)
+        return self.dev.ptr + at, event
+
+
+class QuantCodec(PageCodec):
+    """A quantizing page codec (see the module docstring).
+
+    Args:
+        mode: ``"fp8"``, ``"int8"`` or ``"int4"``.
+        options: must be empty or ``None``.
+
+    Raises:
+        ValueError: an unknown mode or an option was given.
+    """
+
+    lossless = False
+
+    def __init__(self, mode: str, options: Mapping[str, Any] | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: must be one of {sorted(MODES)}")
+        if options:
+            raise ValueError(f"{mode} codec takes no options; got {sorted(options)}")
+        self.mode = mode
+        self.error_bound = BOUNDS[mode]
+        self._plans: dict[PageLayout, Plan] = {}
+        # Per backend (kept alive with it, so ids are not reused): the compiled kernel and
+        # the descriptor staging, which live as long as this codec (one per manager).
+        self._staging: dict[int, tuple[KernelBackend, _Staging]] = {}
+
+    def plan(self, layout: PageLayout) -> Plan:
+        """The cold page layout of ``layout`` (cached)."""
+        plan = self._plans.get(layout)
+        if plan is None:
+            plan = self._plans[layout] = make_plan(layout, self.mode)
+        return plan
+
+    def cold_page_size(self, layout: PageLayout) -> int:
+        return self.plan(layout).cold_page_size
+
+    def _prepare(self, layout: PageLayout, pools: Sequence[PageRegion], pool_slots: np.ndarray,
+                 cold: PageRegion, cold_slots: np.ndarray) -> tuple[Plan, np.ndarray, np.ndarray]:
+        plan = self.plan(layout)
+        if len(pools) != len(layout.slot_sizes):
+            raise ValueError(
+                f"{len(pools)} pool regions given for a layout of {len(layout.slot_sizes)} pools")
+        ps, cs = _slots("pool slots", pool_slots), _slots("cold slots", cold_slots)
+        if ps.shape != cs.shape:
+            raise ValueError(f"{len(ps)} pool slots but {len(cs)} cold slots: one each per block")
+        for p, (region, size) in enumerate(zip(pools, layout.slot_sizes, strict=True)):
+            _check_pages(f"pool {p}", region, ps, size)
+        _check_pages("cold", cold, cs, plan.cold_page_size)
+        _check_elements(plan, pools)
+        return plan, ps, cs
+
+    def encode(self, backend: KernelBackend, layout: PageLayout, src: Sequence[PageRegion],
+               src_slots: np.ndarray, dst: PageRegion, dst_slots: np.ndarray,
+               stream: Stream | None = None) -> None:
+        """Encode block ``src_slots[i]`` of the pools ``src`` into cold page ``dst_slots[i]``.
+
+        Raises:
+            ValueError: mismatched slot arrays or pool count, overlapping cold pages, a page
+                outside its buffer, or a lossy buffer off its element alignment.
+        """
+        plan, ps, cs = self._prepare(layout, src, src_slots, dst, dst_slots)
+        if not len(ps):
+            return
+        if backend.capabilities.compiles_sources:
+            self._launch(backend, plan, src, ps, dst, cs, stream, encode=True)
+            return
+        rows = [_read(backend, r, s, ps) for r, s in zip(src, layout.slot_sizes, strict=True)]
+        _write(backend, dst, cs, encode_pages(plan, rows))
+
+    def decode(self, backend: KernelBackend, layout: PageLayout, src: PageRegion,
+               src_slots: np.ndarray, dst: Sequence[PageRegion], dst_slots: np.ndarray,
+               stream: Stream | None = None) -> None:
+        """Decode cold page ``src_slots[i]`` into block ``dst_slots[i]`` of the pools ``dst``.
+
+        Raises:
+            ValueError: as for :meth:`encode`.
+        """
+        plan, ps, cs = self._prepare(layout, dst, dst_slots, src, src_slots)
+        if not len(ps):
+            return
+        if backend.capabilities.compiles_sources:
+            self._launch(backend, plan, dst, ps, src, cs, stream, encode=False)
+            return
+        cold = _read(backend, src, plan.cold_page_size, cs)
+        rows = [_read(backend, r, s, ps) for r, s in zip(dst, layout.slot_sizes, strict=True)]
+        decode_pages(plan, cold, rows)
+        for region, r in zip(dst, rows, strict=True):
+            _write(backend, region, ps, r)
+
+    def _table(self, plan: Plan, pools: Sequence[PageRegion], cold: PageRegion) -> np.ndarray:
+        table = np.zeros((len(plan.segments), SEG_DESC_WORDS), dtype=np.int64)
+        ends = [s.cold_offset for s in plan.segments[1:]] + [plan.cold_page_size]
+        for i, (seg, end) in enumerate(zip(plan.segments, ends, strict=True)):
+            region = pools[seg.pool]
+            pool_base = region.buffer.ptr + region.offset + seg.offset
+            cold_base = cold.buffer.ptr + cold.offset + seg.cold_offset
+            fast = _fast(seg, pool_base, region.stride, cold_base, cold.stride)
+            if fast:
+                units = -(-seg.groups // FAST_GROUPS)
+            else:
+                units = seg.groups if seg.dtype else -(-seg.size // RAW_CHUNK)
+            table[i] = (
+                pool_base, region.stride, cold_base, cold.stride,
+                seg.size, seg.elements, seg.group_size, 1 if seg.dtype else 0,
+                LOSSY_DTYPES[seg.dtype][0] if seg.dtype else 0, units,
+                seg.payload_offset() if seg.dtype else 0,
+                seg.group_bytes(self.mode) if seg.dtype else 0, int(fast),
+                4 * seg.groups, seg.used_bytes(self.mode), end - seg.cold_offset,
+            )
+        return table
+
+    def _launch(self, backend: KernelBackend, plan: Plan, pools: Sequence[PageRegion],
+                ps: np.ndarray, cold: PageRegion, cs: np.ndarray, stream: Stream | None,
+                encode: bool) -> None:
+        known = self._staging.get(id(backend))
+        if known is None:
+            known = self._staging[id(backend)] = (backend, _Staging(backend))
+        staging = known[1]
+        table = self._table(plan, pools, cold)
+        pairs = np.empty((len(ps), 2), dtype=np.int32)
+        pairs[:, 0], pairs[:, 1] = ps, cs
+        blob = np.concatenate([table.view(np.uint8).reshape(-1), pairs.view(np.uint8).reshape(-1)])
+        dev, event = staging.upload(blob, stream)
+        units = int(table[:, 9].max())
+        rows = len(ps) * len(plan.segments)
+        grid = (max(1, min(-(-units // WARPS_PER_BLOCK), _MAX_GRID_X)), min(rows, _MAX_GRID_Y), 1)
+        staging.module.launch(
+            "kvcm_quant_encode" if encode else "kvcm_quant_decode", grid,
+            (32 * WARPS_PER_BLOCK, 1, 1),
+            [np.uint64(dev), np.uint64(len(plan.segments)), np.uint64(dev + table.nbytes),
+             np.uint64(len(ps)), np.uint64(MODES[self.mode])],
+            stream=stream)
+        event.record(stream)
+
+
+def _factory(mode: str) -> Any:
+    def build(options: Mapping[str, Any] | None = None) -> QuantCodec:
+        return QuantCodec(mode, options)
+
+    return build
+
+
+@hookimpl
+def kvcm_codecs() -> Iterator[CodecSpec]:
+    """Register the ``fp8``, ``int8`` and ``int4`` page codecs."""
+    for mode in MODES:
+        yield CodecSpec(name=mode, factory=_factory(mode), description=_DESCRIPTIONS[mode],
+                        capabilities=capabilities(mode))

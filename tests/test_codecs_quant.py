@@ -1,0 +1,372 @@
+"""The quantizing page codecs ``fp8``, ``int8`` and ``int4``: the NumPy reference's rules
+(scale, rounding, saturation, cold layout), the codec on the numpy backend, and (``gpu``)
+the CUDA kernel on both GPU backends bit for bit equal to the reference."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvcm_codec_quant.reference import (
+    BOUNDS,
+    MODES,
+    decode_groups,
+    decode_pages,
+    encode_groups,
+    encode_pages,
+    from_f32,
+    make_plan,
+    to_f32,
+)
+
+from kvcm_core.backend import KernelBackend, MemoryKind, PageRegion
+from kvcm_core.codec import BufferPlace, PageLayout
+from kvcm_core.plugins import get_plugin_manager
+
+GPU_BACKENDS = ("cupy", "cuda")
+_ITEM = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def kv_like(rng: np.random.Generator, shape: tuple[int, ...], outliers: int = 3) -> np.ndarray:
+    """Normal values with a few outlier channels (KV-like), as fp32."""
+    x = rng.normal(0.0, 1.0, shape).astype(np.float32)
+    cols = rng.choice(shape[-1], size=min(outliers, shape[-1]), replace=False)
+    x[..., cols] *= np.float32(40.0)
+    return x
+
+
+def typed_layout(rng: np.random.Generator, dtypes: list[str], exact_every: int = 3,
+                 group_size: int = 128) -> PageLayout:
+    """One pool per buffer, some exact, with a gap of raw bytes after odd pools."""
+    places, sizes = [], []
+    for p, dtype in enumerate(dtypes):
+        n = int(rng.integers(1, 700))
+        size = n * _ITEM[dtype]
+        gap = _ITEM[dtype] * int(rng.integers(0, 5)) if p % 2 else 0  # slots stay aligned
+        places.append(BufferPlace(p, "kv", p, 0, size, dtype, group_size,
+                                  exact=(p % exact_every == exact_every - 1)))
+        sizes.append(size + gap)
+    return PageLayout(tuple(sizes), tuple(places))
+
+
+def fill_pool(rng: np.random.Generator, layout: PageLayout, pool: int, blocks: int) -> np.ndarray:
+    """``[blocks, slot]`` bytes: KV-like values for typed buffers, random bytes elsewhere."""
+    out = rng.integers(0, 256, (blocks, layout.slot_sizes[pool]), dtype=np.uint8)
+    for b in layout.buffers:
+        if b.pool == pool and b.dtype in _ITEM:
+            vals = kv_like(rng, (blocks, b.size // _ITEM[b.dtype]))
+            out[:, b.offset : b.offset + b.size] = from_f32(vals, b.dtype).reshape(blocks, -1)
+    return out
+
+
+# -- the reference's rules ---------------------------------------------------------------------
+
+
+def test_fp8_codes_round_trip_every_e4m3_value_and_saturate_at_448() -> None:
+    codes = np.arange(0, 0x7F, dtype=np.uint8)  # every non-negative finite e4m3 code
+    values = decode_groups(np.float32(1.0).reshape(1), codes.reshape(1, -1), "fp8", len(codes))
+    assert values[0, -1] == 448.0 and values[0, 1] == 2.0**-9
+    # Encoding with scale 1 (amax 448): each exact value comes back as its own code.
+    x = np.concatenate([values[0], [448.0]]).astype(np.float32).reshape(1, -1)
+    scale, got = encode_groups(x, "fp8")
+    assert scale[0] == 1.0
+    assert np.array_equal(got[0, :-1], codes)
+
+
+def test_fp8_rounds_halfway_values_to_the_even_code() -> None:
+    # Between 1.0 (code 0x38, even) and 1.125 (0x39): the midpoint goes to 0x38; between
+    # 1.125 and 1.25 (0x3a, even) the midpoint goes to 0x3a. amax 448 keeps scale 1.
+    x = np.array([[448.0, 1.0625, 1.1875, -1.0625]], dtype=np.float32)
+    _, got = encode_groups(x, "fp8")
+    assert got[0, 1:].tolist() == [0x38, 0x3A, 0xB8]
+
+
+def test_int_codes_round_half_to_even_and_saturate() -> None:
+    x = np.array([[127.0, 0.5, 1.5, 2.5, -2.5, -127.0]], dtype=np.float32)
+    _, got = encode_groups(x, "int8")
+    assert got.view(np.int8)[0].tolist() == [127, 0, 2, 2, -2, -127]
+    x4 = np.array([[7.0, 0.5, 1.5, -7.0]], dtype=np.float32)
+    _, packed = encode_groups(x4, "int4")
+    assert packed[0].tolist() == [0x07, 0x92]  # (7, 0) and (2, -7) two per byte
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_an_all_zero_group_has_scale_zero_and_decodes_to_zeros(mode: str) -> None:
+    x = np.zeros((2, 3, 64), dtype=np.float32)
+    scale, codes = encode_groups(x, mode)
+    assert not scale.any() and not codes.any()
+    assert not decode_groups(scale, codes, mode, 64).any()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_scale_is_amax_over_qmax_in_fp32(mode: str) -> None:
+    rng = np.random.default_rng(1)
+    x = kv_like(rng, (5, 128))
+    scale, _ = encode_groups(x.reshape(5, 1, 128), mode)
+    q = {"fp8": 448, "int8": 127, "int4": 7}[mode]
+    want = np.abs(x).max(axis=1).astype(np.float32) / np.float32(q)
+    assert np.array_equal(scale[:, 0], want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), mode=st.sampled_from(list(MODES)),
+       dtype=st.sampled_from(["bf16", "fp16", "fp32"]), group=st.sampled_from([1, 7, 32, 128]))
+def test_round_trip_error_stays_within_the_declared_bound_relative_to_group_amax(
+        seed: int, mode: str, dtype: str, group: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 600))
+    layout = PageLayout((n * _ITEM[dtype],),
+                        (BufferPlace(0, "k", 0, 0, n * _ITEM[dtype], dtype, group, False),))
+    plan = make_plan(layout, mode)
+    raw = fill_pool(rng, layout, 0, 4)
+    out = np.zeros_like(raw)
+    decode_pages(plan, encode_pages(plan, [raw]), [out])
+    x, y = to_f32(raw, dtype), to_f32(out, dtype)
+    groups = -(-n // group)
+    pad = np.zeros((4, groups * group), dtype=np.float32)
+    pad[:, :n] = np.abs(x)
+    amax = np.repeat(pad.reshape(4, groups, group).max(axis=2), group, axis=1)[:, :n]
+    assert np.all(np.abs(x - y) <= BOUNDS[mode] * amax)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_exact_bytes_and_gap_segments_come_back_bit_for_bit(mode: str) -> None:
+    rng = np.random.default_rng(2)
+    layout = typed_layout(rng, ["bf16", "fp16", "bf16", "fp32", "bf16", "bf16"])
+    layout = PageLayout((*layout.slot_sizes, 37),
+                        (*layout.buffers, BufferPlace(9, "raw", len(layout.slot_sizes), 0, 37)))
+    plan = make_plan(layout, mode)
+    pools = [fill_pool(rng, layout, p, 3) for p in range(len(layout.slot_sizes))]
+    outs = [np.zeros_like(p) for p in pools]
+    decode_pages(plan, encode_pages(plan, pools), outs)
+    lossy = {(b.pool, b.offset, b.size) for b in layout.buffers
+             if not b.exact and b.dtype != "bytes"}
+    for p, (got, want) in enumerate(zip(outs, pools, strict=True)):
+        keep = np.ones(got.shape[1], dtype=bool)
+        for pool, off, size in lossy:
+            if pool == p:
+                keep[off : off + size] = False
+        assert np.array_equal(got[:, keep], want[:, keep]), f"pool {p}"
+
+
+def test_cold_page_size_depends_on_the_layout_only_and_shrinks_with_bits() -> None:
+    layout = PageLayout((16384,), (BufferPlace(0, "k", 0, 0, 16384, "bf16", 128, False),))
+    sizes = {m: make_plan(layout, m).cold_page_size for m in MODES}
+    assert sizes == {"fp8": 8192 + 256, "int8": 8192 + 256, "int4": 4096 + 256}
+    raw = PageLayout((16384,), (BufferPlace(0, "k", 0, 0, 16384),))
+    assert make_plan(raw, "fp8").cold_page_size == 16384
+
+
+def test_places_shared_by_life_cycles_with_different_types_are_copied_raw() -> None:
+    a = BufferPlace(0, "k", 0, 0, 256, "bf16", 128, False)
+    b = BufferPlace(1, "k", 0, 0, 256, "fp16", 128, False)
+    plan = make_plan(PageLayout((256,), (a, b)), "fp8")
+    assert [s.dtype for s in plan.segments] == [None]
+
+
+# -- the codec on the numpy backend -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def numpy_backend() -> Iterator[KernelBackend]:
+    backend = get_plugin_manager().kernel_backend("numpy").factory({})
+    yield backend
+    backend.close()
+
+
+def _codec(mode: str) -> Any:
+    return get_plugin_manager().codec(mode).factory({})
+
+
+def run_codec(backend: KernelBackend, mode: str, layout: PageLayout, pools: list[np.ndarray],
+              pool_slots: np.ndarray, cold_slots: np.ndarray, cold_offset: int = 3,
+              cold_kind: str = MemoryKind.DEVICE,
+              stride_pad: int = 5) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Encode ``pools`` (``[blocks, slot]`` each) on ``backend``, read the cold pages,
+    decode them into fresh pools: ``(cold pages in cold_slots order, decoded pools)``."""
+    codec = _codec(mode)
+    size = codec.cold_page_size(layout)
+    blocks = pools[0].shape[0]
+    bufs = []
+    try:
+        src, dst = [], []
+        for data, slot in zip(pools, layout.slot_sizes, strict=True):
+            for target in (src, dst):
+                buf = backend.alloc_device(blocks * slot + 8)
+                bufs.append(buf)
+                backend.write(buf, 0, np.zeros(buf.nbytes, np.uint8))
+                target.append(PageRegion(buf, 0, slot))
+            backend.write(src[-1].buffer, 0, data.reshape(-1))
+        ncold = int(cold_slots.max()) + 1
+        stride = size + stride_pad
+        cold_buf = (backend.alloc_device if cold_kind == MemoryKind.DEVICE
+                    else backend.alloc_host)(cold_offset + ncold * stride)
+        bufs.append(cold_buf)
+        cold = PageRegion(cold_buf, cold_offset, stride)
+        codec.encode(backend, layout, src, pool_slots, cold, cold_slots)
+        backend.synchronize()
+        image = backend.read(cold_buf, 0, cold_buf.nbytes)
+        pages = np.stack([image[cold.page_start(int(c)) : cold.page_start(int(c)) + size]
+                          for c in cold_slots.tolist()])
+        codec.decode(backend, layout, cold, cold_slots, dst, pool_slots)
+        backend.synchronize()
+        out = [backend.read(r.buffer, 0, blocks * s).reshape(blocks, s)
+               for r, s in zip(dst, layout.slot_sizes, strict=True)]
+        return pages, out
+    finally:
+        for buf in bufs:
+            buf.free()
+
+
+def _case(seed: int, blocks: int = 9) -> tuple[PageLayout, list[np.ndarray], np.ndarray,
+                                               np.ndarray]:
+    rng = np.random.default_rng(seed)
+    dtypes = list(rng.choice(["bf16", "fp16", "fp32"], size=int(rng.integers(1, 5))))
+    layout = typed_layout(rng, dtypes, group_size=int(rng.choice([16, 64, 128, 5])))
+    pools = [fill_pool(rng, layout, p, blocks) for p in range(len(layout.slot_sizes))]
+    n = int(rng.integers(1, blocks + 1))
+    pool_slots = rng.permutation(blocks)[:n].astype(np.int32)
+    cold_slots = rng.permutation(blocks + 3)[:n].astype(np.int32)
+    return layout, pools, pool_slots, cold_slots
+
+
+def _reference(mode: str, layout: PageLayout, pools: list[np.ndarray],
+               pool_slots: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    plan = make_plan(layout, mode)
+    pages = encode_pages(plan, [p[pool_slots] for p in pools])
+    outs = [np.zeros_like(p) for p in pools]
+    chosen = [np.zeros((len(pool_slots), p.shape[1]), np.uint8) for p in pools]
+    decode_pages(plan, pages, chosen)
+    for o, c in zip(outs, chosen, strict=True):
+        o[pool_slots] = c
+    return pages, outs
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("seed", range(12))
+def test_codec_on_numpy_backend_writes_the_reference_cold_pages(
+        numpy_backend: KernelBackend, mode: str, seed: int) -> None:
+    layout, pools, ps, cs = _case(seed)
+    pages, outs = run_codec(numpy_backend, mode, layout, pools, ps, cs)
+    want_pages, want_outs = _reference(mode, layout, pools, ps)
+    assert np.array_equal(pages, want_pages)
+    for got, want in zip(outs, want_outs, strict=True):
+        assert np.array_equal(got, want)
+
+
+def test_codec_refuses_a_lossy_buffer_off_its_element_alignment(
+        numpy_backend: KernelBackend) -> None:
+    layout = PageLayout((8,), (BufferPlace(0, "k", 0, 0, 8, "bf16", 4, False),))
+    codec = _codec("fp8")
+    buf = numpy_backend.alloc_device(64)
+    try:
+        with pytest.raises(ValueError, match="aligned"):
+            codec.encode(numpy_backend, layout, [PageRegion(buf, 1, 8)],
+                         np.array([0], np.int32), PageRegion(buf, 32, 16),
+                         np.array([0], np.int32))
+    finally:
+        buf.free()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_codecs_declare_distinct_frame_ids_and_their_bounds(mode: str) -> None:
+    caps = get_plugin_manager().codec(mode).capabilities
+    assert not caps.lossless and caps.error_bound == BOUNDS[mode]
+    assert caps.codec_id == {"fp8": 1, "int8": 2, "int4": 3}[mode]
+
+
+# -- on a GPU: the kernel equals the reference bit for bit ------------------------------------
+
+
+def _make(name: str) -> KernelBackend:
+    spec = get_plugin_manager().kernel_backend(name)
+    avail = spec.availability()
+    if not avail:
+        pytest.skip(f"{name} unavailable: {avail.reason}")
+    return spec.factory({})
+
+
+@pytest.fixture(scope="module", params=GPU_BACKENDS)
+def gpu(request: pytest.FixtureRequest) -> Iterator[KernelBackend]:
+    backend = _make(request.param)
+    yield backend
+    backend.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cold_kind", [MemoryKind.DEVICE, MemoryKind.HOST])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("seed", range(12))
+def test_gpu_kernel_encodes_and_decodes_bit_for_bit_like_the_reference(
+        gpu: KernelBackend, mode: str, seed: int, cold_kind: str) -> None:
+    layout, pools, ps, cs = _case(seed)
+    pages, outs = run_codec(gpu, mode, layout, pools, ps, cs, cold_offset=seed % 5,
+                            cold_kind=cold_kind)
+    want_pages, want_outs = _reference(mode, layout, pools, ps)
+    assert np.array_equal(pages, want_pages), "encode differs from the reference"
+    for p, (got, want) in enumerate(zip(outs, want_outs, strict=True)):
+        assert np.array_equal(got, want), f"decode differs from the reference in pool {p}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_gpu_kernel_matches_the_reference_on_a_bench_sized_batch(
+        gpu: KernelBackend, mode: str, dtype: str) -> None:
+    """4096 blocks of one 16 KiB buffer (the bench's shape), aligned: the vector paths."""
+    rng = np.random.default_rng(7)
+    blocks, size = 4096, 16384
+    layout = PageLayout((size,), (BufferPlace(0, "k", 0, 0, size, dtype, 128, False),))
+    pools = [fill_pool(rng, layout, 0, blocks)]
+    ps = rng.permutation(blocks).astype(np.int32)
+    cs = rng.permutation(blocks).astype(np.int32)
+    pages, outs = run_codec(gpu, mode, layout, pools, ps, cs, cold_offset=0, stride_pad=0)
+    want_pages, want_outs = _reference(mode, layout, pools, ps)
+    assert np.array_equal(pages, want_pages)
+    assert np.array_equal(outs[0], want_outs[0])
+
+
+def _fast_path_case(seed: int) -> tuple[PageLayout, list[np.ndarray], np.ndarray, np.ndarray]:
+    """Aligned 16-bit buffers in whole groups of 128 (the kernel's fast path: 5 and 3
+    groups, so the last unit of 4 groups is partial), beside an fp32 buffer and a 16-bit
+    buffer of part of a group (the general path) and raw bytes, in one layout."""
+    rng = np.random.default_rng(seed)
+    places = [
+        BufferPlace(0, "k", 0, 0, 5 * 256, "bf16", 128, False),
+        BufferPlace(0, "v", 0, 5 * 256, 3 * 256, "fp16", 128, False),
+        BufferPlace(1, "k", 1, 0, 1000 * 4, "fp32", 128, False),
+        BufferPlace(2, "k", 2, 0, 200 * 2, "bf16", 128, False),
+        BufferPlace(3, "scale", 3, 0, 96, "bf16", 128, True),
+    ]
+    layout = PageLayout((8 * 256, 4000, 400 + 8, 96), tuple(places))
+    pools = [fill_pool(rng, layout, p, 7) for p in range(4)]
+    return layout, pools, rng.permutation(7)[:5].astype(np.int32), \
+        rng.permutation(9)[:5].astype(np.int32)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fast_path_layout_round_trips_on_numpy_like_the_reference(
+        numpy_backend: KernelBackend, mode: str) -> None:
+    layout, pools, ps, cs = _fast_path_case(3)
+    pages, outs = run_codec(numpy_backend, mode, layout, pools, ps, cs, cold_offset=0,
+                            stride_pad=0)
+    want_pages, want_outs = _reference(mode, layout, pools, ps)
+    assert np.array_equal(pages, want_pages)
+    assert all(np.array_equal(g, w) for g, w in zip(outs, want_outs, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("seed", range(3))
+def test_gpu_fast_and_general_paths_in_one_launch_match_the_reference(
+        gpu: KernelBackend, mode: str, seed: int) -> None:
+    layout, pools, ps, cs = _fast_path_case(seed)
+    pages, outs = run_codec(gpu, mode, layout, pools, ps, cs, cold_offset=0, stride_pad=0)
+    want_pages, want_outs = _reference(mode, layout, pools, ps)
+    assert np.array_equal(pages, want_pages), "encode differs from the reference"
+    for p, (got, want) in enumerate(zip(outs, want_outs, strict=True)):
+        assert np.array_equal(got, want), f"decode differs from the reference in pool {p}"
