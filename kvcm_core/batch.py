@@ -149,6 +149,7 @@ class Batch:
         self.max_total_input_tokens = None if max_total_input_tokens is None else _count(
             "max_total_input_tokens", max_total_input_tokens)
         self.manager = manager
+        self._thread = manager.thread_guard
         self.backend: KernelBackend = manager.backend
         self.num_groups = manager.num_cache_groups
         shape = (self.max_rows, self.max_beam_width, self.max_blocks_per_row)
@@ -189,6 +190,7 @@ class Batch:
                 whose table is wider than the batch.
             InvalidStateError: the cache is not ACTIVE, or the batch is closed.
         """
+        self._thread.check()
         self._check_open()
         self._check_cache(cache)
         if cache.batch_seat is not None:
@@ -219,6 +221,7 @@ class Batch:
         Raises:
             InvalidArgumentError: the cache is not seated in this batch.
         """
+        self._thread.check()
         row = self._member_row(cache)
         self._wait_readers()
         self._rows[row] = None
@@ -229,6 +232,7 @@ class Batch:
 
     def move(self, cache: Any, row: int) -> None:
         """Move a member to the empty ``row`` (its old row empties)."""
+        self._thread.check()
         old = self._member_row(cache)
         row = self._row_arg(row)
         if row == old:
@@ -259,6 +263,7 @@ class Batch:
     def mark_dirty(self, row: int) -> None:
         """Rebuild and upload ``row`` at the next publish. A seated cache calls it
         whenever one of its page tables changes (each new ``page_table_version``)."""
+        self._thread.check()
         self._dirty.add(row)
 
     def publish(self, stream: Stream | None = None) -> int:
@@ -270,6 +275,7 @@ class Batch:
             InvalidStateError: ``stream`` is capturing a CUDA graph (the upload would be
                 captured, not run), or the batch is closed.
         """
+        self._thread.check()
         self._check_open()
         if self.backend.is_capturing(stream):
             raise InvalidStateError("publish during CUDA graph capture: publish before "
@@ -328,6 +334,7 @@ class Batch:
             InvalidArgumentError: a wrong length, or more new tokens than
                 ``max_total_input_tokens``.
         """
+        self._thread.check()
         self._check_open()
         caps = self._per_row("capacities", capacities)
         hist = None if history_lengths is None else self._per_row("history_lengths",
@@ -457,6 +464,7 @@ class Batch:
             InvalidArgumentError: an unknown buffer or mode, or PER_LAYER for a buffer of
                 an SWA scratch group (its scratch sub-pages have no per-layer index).
         """
+        self._thread.check()
         self._check_open()
         key = self._index_key(layer_id, role, mode)
         if key in self._index:
@@ -504,6 +512,7 @@ class Batch:
 
     def close(self) -> None:
         """Empty every row and free the tables (idempotent)."""
+        self._thread.check()
         if self._closed:
             return
         for cache in self._rows:

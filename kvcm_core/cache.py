@@ -35,7 +35,7 @@ from kvcm_core.cache_resume import ResumeMixin
 from kvcm_core.cache_reuse import ReuseMixin, ReuseStatus
 from kvcm_core.cache_scratch import ScratchMixin
 from kvcm_core.context import CacheContext
-from kvcm_core.errors import InvalidStateError
+from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError, InvalidStateError
 from kvcm_core.eviction import check_priority
 from kvcm_core.matching import Match
 from kvcm_core.radix import check_token_array, encode_tokens, scope_root_key
@@ -46,6 +46,14 @@ from kvcm_core.types import ReusePolicy, ReuseScope
 __all__ = ["CacheStatus", "KVCache", "ReuseStatus"]
 
 _I32 = 1 << 31
+
+
+def _token_list(tokens: Any) -> list[Any]:
+    try:
+        return list(tokens)
+    except TypeError:
+        raise ArgumentTypeError(f"tokens: must be a sequence of token ids or a 1-D integer "
+                                f"array, got {type(tokens).__name__}") from None
 
 
 def _arr(pages: Sequence[int]) -> np.ndarray:
@@ -227,6 +235,8 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
 
     def pages(self, group: int, beam: int = 0) -> list[int]:
         """Page ids of one group's blocks (``-1``: none); for tests and debugging."""
+        self._check_group(group)
+        self._check_beam(beam)
         if self._ctx.kinds[group].is_ssm:
             live = self._ssm[group] if beam == 0 else self._beam_ssm(beam)[group]
             return [live]
@@ -287,6 +297,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
 
     def suspend(self) -> None:
         """Turn locks into holds (pages may then move to colder levels)."""
+        self._ctx.thread.check()
         self._require(CacheStatus.ACTIVE, CacheStatus.SUSPENDED)
         self._require_unseated("suspend()")
         if self._status is CacheStatus.SUSPENDED:
@@ -300,7 +311,9 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
     def prefetch(self, level: int = 0) -> int:
         """Hint for a suspended cache: bring its pages up to ``level`` (0: the GPU) where
         there is room without pushing held pages down. Returns the pages moved."""
+        self._ctx.thread.check()
         self._require(CacheStatus.SUSPENDED, CacheStatus.ACTIVE)
+        self._ctx.levels.check_level(level)
         if self._status is CacheStatus.ACTIVE:
             return 0
         a = self._arena
@@ -310,6 +323,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
     def commit(self, tokens: Sequence[Any] | np.ndarray) -> None:
         """Give the tokens at positions ``[T, T + len(tokens))`` (``T``: tokens known so
         far); history advances to at least their end and full blocks are published."""
+        self._ctx.thread.check()
         if self._status is not CacheStatus.ACTIVE:
             self._require(CacheStatus.ACTIVE)
         short = False
@@ -318,7 +332,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             if tokens.dtype != np.int32:
                 tokens = np.frombuffer(encode_tokens(tokens)[0], dtype="<i4")  # range check
         elif not isinstance(tokens, list | tuple):
-            tokens = list(tokens)
+            tokens = _token_list(tokens)
         # Refuse bad tokens before anything changes (a cheap check for decode steps).
         elif len(tokens) == 1 and type(tokens[0]) is int and -_I32 <= tokens[0] < _I32:
             short = True  # the decode step
@@ -329,7 +343,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         known = self._tokens.n
         end = known + len(tokens)
         if end > self._capacity:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"commit of {len(tokens)} tokens after {known} known ends at {end}, past "
                 f"capacity {self._capacity}")
         if short:
@@ -358,11 +372,13 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
 
     def stop_committing(self) -> None:
         """Publish nothing more from this cache (e.g. after a rewind it cannot redo)."""
+        self._ctx.thread.check()
         self._require(CacheStatus.ACTIVE, CacheStatus.SUSPENDED)
         self._commit_on = False
 
     def close(self) -> None:
         """Release every page; committed ones stay reusable until evicted. Idempotent."""
+        self._ctx.thread.check()
         if self._status is CacheStatus.CLOSED:
             return
         self._require_unseated("close()")
@@ -417,13 +433,12 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
     def get_base_page_indices(self, group: int, beam: int = 0) -> np.ndarray:
         """Slot ids of this cache's blocks for one cache group (read-only int32 array of
         ``num_blocks``); ``BAD_PAGE_INDEX`` for absent or stale blocks."""
+        self._ctx.thread.check()
         ctx = self._ctx
         if self._status is CacheStatus.CLOSED:
             self._require(CacheStatus.ACTIVE, CacheStatus.SUSPENDED)
-        ngroups = len(ctx.life_cycles)
-        if (type(group) is not int and (isinstance(group, bool) or not isinstance(
-                group, int | np.integer))) or not 0 <= group < ngroups:
-            raise ValueError(f"group={group!r}: must be a cache group id in 0..{ngroups - 1}")
+        if type(group) is not int or not 0 <= group < len(ctx.life_cycles):
+            self._check_group(group)
         if beam != 0:
             self._check_beam(beam)
             return self._beam_table(int(group), int(beam))

@@ -8,9 +8,11 @@ import enum
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
 
+from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError
+
+if TYPE_CHECKING:
     from kvcm_core.context import CacheContext
     from kvcm_core.levels import Levels
     from kvcm_core.radix import PrefixTree
@@ -87,6 +89,15 @@ class CacheBase:
         if seat is not None:
             seat[0].wait_readers()
         self._levels.change(pids, -1, 0)
+
+    def _check_group(self, group: Any) -> None:
+        """Refuse a group argument that is not a cache group id of this model."""
+        ngroups = len(self._ctx.life_cycles)
+        if isinstance(group, bool) or not isinstance(group, int | np.integer):
+            raise ArgumentTypeError(f"group={group!r}: must be an int cache group id")
+        if not 0 <= group < ngroups:
+            raise InvalidArgumentError(f"group={group!r}: must be a cache group id in "
+                                       f"0..{ngroups - 1}")
 
     def _refuse(self, reason: str) -> bool:
         """Record why a call is refused (``last_refusal``) and return False."""

@@ -8,7 +8,7 @@ import attrs
 import numpy as np
 
 from kvcm_core.cache_base import CacheBase, CacheStatus
-from kvcm_core.errors import InvalidStateError
+from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError, InvalidStateError
 from kvcm_core.refusals import level_shortage
 
 __all__ = ["BeamsMixin"]
@@ -40,10 +40,12 @@ class BeamsMixin(CacheBase):
         return self._beams[beam - 1].fork if beam else 0
 
     def _check_beam(self, beam: Any) -> None:
-        if isinstance(beam, bool) or not isinstance(beam, int | np.integer) or not (
-                0 <= beam < self.beam_width):
-            raise ValueError(f"beam={beam!r}: must be in 0..{self.beam_width - 1} (beam "
-                             f"width {self.beam_width})")
+        if isinstance(beam, bool) or not isinstance(beam, int | np.integer):
+            raise ArgumentTypeError(f"beam={beam!r}: must be an int in "
+                                    f"0..{self.beam_width - 1}")
+        if not 0 <= beam < self.beam_width:
+            raise InvalidArgumentError(f"beam={beam!r}: must be in 0..{self.beam_width - 1} "
+                                       f"(beam width {self.beam_width})")
 
     def _beam_views(self) -> list[tuple[list[list[int]], list[int]]]:
         """Per beam (beam 0 first), its per-group page lists and SSM states."""
@@ -75,15 +77,17 @@ class BeamsMixin(CacheBase):
         the pages (the reason is then in ``last_refusal``). SWA scratch pages are not used
         with beams.
         """
+        self._ctx.thread.check()
         self._require(CacheStatus.ACTIVE)  # type: ignore[attr-defined]
         self._last_refusal = None
         ctx = self._ctx
         L = self._levels
         most = ctx.config.max_beam_width
-        if isinstance(width, bool) or not isinstance(width, int | np.integer) or not (
-                1 <= width <= most):
-            raise ValueError(f"width={width!r}: must be in 1..{most} "
-                             "(KVCacheManagerConfig.max_beam_width)")
+        if isinstance(width, bool) or not isinstance(width, int | np.integer):
+            raise ArgumentTypeError(f"width={width!r}: must be an int in 1..{most}")
+        if not 1 <= width <= most:
+            raise InvalidArgumentError(f"width={width!r}: must be in 1..{most} "
+                                       "(KVCacheManagerConfig.max_beam_width)")
         width = int(width)
         if width < self.beam_width:
             for bm in reversed(self._beams[width - 1:]):

@@ -35,6 +35,7 @@ class ResizeMixin(CacheBase):
         """Set this step's capacity (and optionally move history). Returns False, with
         everything unchanged, when level 0 cannot provide the pages (the reason is then in
         ``last_refusal``)."""
+        self._ctx.thread.check()
         self._last_refusal = None
         if self._status is not CacheStatus.ACTIVE:
             self._require(CacheStatus.ACTIVE)

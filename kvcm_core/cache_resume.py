@@ -28,6 +28,7 @@ class ResumeMixin(CacheBase):
         """Bring the cache to the GPU and lock its pages; False (nothing changed) when the
         GPU level is too full (``max_util_for_resume``) or cannot provide the pages (the
         reason is then in ``last_refusal``)."""
+        self._ctx.thread.check()
         self._last_refusal = None
         if self._status is CacheStatus.CLOSED:
             self._require(CacheStatus.SUSPENDED)

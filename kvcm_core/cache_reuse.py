@@ -11,6 +11,7 @@ import attrs
 import numpy as np
 
 from kvcm_core.cache_base import CacheBase, CacheStatus
+from kvcm_core.errors import InvalidArgumentError
 from kvcm_core.types import ReusePolicy
 
 __all__ = ["CacheStatus", "ReuseMixin", "ReuseStatus"]
@@ -94,6 +95,7 @@ class ReuseMixin(CacheBase):
         although history covers them: the engine must recompute or reconstruct them
         (declined OPTIONAL groups, missing SINK_REQUIRED_ONLY window pages, PRIVATE
         state)."""
+        self._check_group(group)
         return list(self._recompute.get(group, ()))
 
     def _decide_optional(self, selected: Sequence[int] | None) -> list[tuple[int, int, int]]:
@@ -105,7 +107,7 @@ class ReuseMixin(CacheBase):
                     if st.policy is ReusePolicy.OPTIONAL}
         if self._optional_decided:
             if selected is not None and set(selected) != self._selected:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"optional_reuse_groups={list(selected)!r}: the choice was made at the "
                     f"first resume ({sorted(self._selected)}) and cannot change")
             return []
@@ -113,15 +115,15 @@ class ReuseMixin(CacheBase):
         for g in selected or ():
             if isinstance(g, bool) or not isinstance(g, int | np.integer) or not (
                     0 <= g < ngroups):
-                raise ValueError(f"optional_reuse_groups: {g!r} is not a cache group id "
+                raise InvalidArgumentError(f"optional_reuse_groups: {g!r} is not a cache group id "
                                  f"(0..{ngroups - 1})")
             if g not in optional:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"optional_reuse_groups: group {g} has policy "
                     f"{self._ctx.life_cycles[g].policy.name}; only OPTIONAL groups can be "
                     f"chosen (OPTIONAL groups: {sorted(optional)})")
             if not self._reuse_status[g].complete:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"optional_reuse_groups: group {g} is incomplete (coverage "
                     f"{self._reuse_status[g].coverage} of endpoint "
                     f"{self._reuse_status[g].endpoint}); it cannot be reused")

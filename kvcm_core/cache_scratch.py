@@ -33,11 +33,7 @@ class ScratchMixin(CacheBase):
         buffer's page indices for them come from
         ``manager.get_page_index_converter(layer_id, role).convert(table, desc)``.
         """
-        ngroups = len(self._ctx.life_cycles)
-        if isinstance(group, bool) or not isinstance(group, int | np.integer) or not (
-                0 <= group < ngroups):
-            raise ValueError(f"group={group!r}: must be a cache group id in "
-                             f"0..{ngroups - 1}")
+        self._check_group(group)
         rng = self._scratch_range.get(int(group))
         if rng is None or rng[1] <= rng[0] or not self._scratch_live or \
                 self._status is not CacheStatus.ACTIVE:
@@ -51,6 +47,7 @@ class ScratchMixin(CacheBase):
     def scratch_page_ids(self, group: int) -> list[int]:
         """Page ids of this cache's scratch slots of one cache group (kept across steps
         until a step needs none, or suspend/close); for tests and debugging."""
+        self._check_group(group)
         return list(self._scratch_slots.get(int(group), ()))
 
     def _plan_scratch(self, capacity: int, history: int, nb_new: int,

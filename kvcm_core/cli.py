@@ -431,6 +431,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return _dispatch("kvcm_core.simulate", rest, "`kvcm simulate`")
 
 
+def _cmd_soak(args: argparse.Namespace) -> int:
+    return _dispatch("kvcm_core.soak", args.rest, "`kvcm soak`")
+
+
 # -- entry point ----------------------------------------------------------------------------
 
 
@@ -489,6 +493,11 @@ def _parser() -> argparse.ArgumentParser:
         "simulate", help="replay a serving workload through the manager", add_help=False
     )
     p.set_defaults(func=_cmd_simulate, passes_rest=True)
+
+    p = sub.add_parser(
+        "soak", help="a long seeded random workload over three levels with injected storage "
+        "faults, verified every step (kvcm soak --steps N --seed S)", add_help=False)
+    p.set_defaults(func=_cmd_soak, passes_rest=True)
     return parser
 
 

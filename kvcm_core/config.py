@@ -464,6 +464,8 @@ class KVCacheManagerConfig:
         sparse_host_quota: host bytes for sparse pools (needed with sparse buffers).
         pool_group_ratios: share of each level's quota per pool group (by pool group
             index), or ``None`` to split by bytes per block.
+        check_thread: refuse (``InvalidStateError``) a mutating call from a thread other
+            than the one driving the manager (see ``KVCacheManager.bind_thread``).
     """
 
     tokens_per_block: int = attrs.field(validator=_pow2)
@@ -482,6 +484,7 @@ class KVCacheManagerConfig:
         default=None, converter=_sparse_quota, validator=_size(1, optional=True)
     )
     pool_group_ratios: tuple[float, ...] | None = attrs.field(default=None, converter=_tuple)
+    check_thread: bool = attrs.field(default=True, validator=_bool)
 
     def __attrs_post_init__(self) -> None:
         tpb = self.tokens_per_block

@@ -13,6 +13,7 @@ from kvcm_core.kinds import LifeCycleKind
 from kvcm_core.levels import Levels
 from kvcm_core.lifecycle import LifeCycle
 from kvcm_core.radix import PrefixTree
+from kvcm_core.threads import ThreadGuard
 
 __all__ = ["CacheContext"]
 
@@ -33,6 +34,7 @@ class CacheContext:
         scratch_max_blocks: SWA scratch groups -> most scratch blocks their slots hold.
         on_close: called with a cache once it closed (the manager forgets it).
         owner: the manager (returned by ``cache.manager``).
+        thread: the manager's thread guard (``thread.check()`` opens every mutating call).
     """
 
     config: KVCacheManagerConfig
@@ -50,6 +52,7 @@ class CacheContext:
     scratch_max_blocks: dict[int, int]
     on_close: Callable[[Any], None]
     owner: Any
+    thread: ThreadGuard
 
     @property
     def tpb(self) -> int:

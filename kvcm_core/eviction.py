@@ -25,6 +25,8 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
+from kvcm_core.errors import InvalidArgumentError
+
 __all__ = [
     "DEFAULT_PRIORITY",
     "MAX_PRIORITY",
@@ -58,9 +60,9 @@ def check_priority(priority: int, max_priority: int = MAX_PRIORITY) -> int:
     NumPy integer scalars are accepted and returned as Python ints; bools are refused.
     """
     if isinstance(priority, bool | np.bool_) or not isinstance(priority, int | np.integer):
-        raise ValueError(f"priority={priority!r}: must be an int in 0..{max_priority}")
+        raise InvalidArgumentError(f"priority={priority!r}: must be an int in 0..{max_priority}")
     if not 0 <= priority <= max_priority:
-        raise ValueError(f"priority={priority}: must be in 0..{max_priority}")
+        raise InvalidArgumentError(f"priority={priority}: must be in 0..{max_priority}")
     return int(priority)
 
 
@@ -104,7 +106,7 @@ def check_priorities(
         if priorities.ndim == 0:
             return check_priority(priorities.item(), max_priority)
         if priorities.ndim != 1 or priorities.dtype.kind not in "iu":
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"priorities: must be a 1-D integer array, got shape {priorities.shape} "
                 f"dtype {priorities.dtype}"
             )
@@ -114,10 +116,10 @@ def check_priorities(
         lo, hi = int(priorities.min()), int(priorities.max())
         if lo < 0 or hi > max_priority:
             bad = priorities[(priorities < 0) | (priorities > max_priority)][0]
-            raise ValueError(f"priority={int(bad)}: must be in 0..{max_priority}")
+            raise InvalidArgumentError(f"priority={int(bad)}: must be in 0..{max_priority}")
         return lo if lo == hi else priorities.tolist()  # type: ignore[no-any-return]
     elif isinstance(priorities, str | bytes):
-        raise ValueError(f"priority={priorities!r}: must be an int in 0..{max_priority}")
+        raise InvalidArgumentError(f"priority={priorities!r}: must be an int in 0..{max_priority}")
     elif isinstance(priorities, bool | np.integer) or not isinstance(priorities, Sequence):
         return check_priority(priorities, max_priority)  # type: ignore[arg-type]
     else:
@@ -140,7 +142,7 @@ _INT_ONLY = {int}
 
 def _check_length(got: int, n: int) -> None:
     if got != n:
-        raise ValueError(f"priorities: {got} given for a batch of {n} pages")
+        raise InvalidArgumentError(f"priorities: {got} given for a batch of {n} pages")
 
 
 def page_list(pages: PageBatch) -> list[int]:
@@ -157,13 +159,13 @@ def page_list(pages: PageBatch) -> list[int]:
         return pages
     if isinstance(pages, np.ndarray):
         if pages.ndim != 1 or pages.dtype.kind not in "iu":
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"pages: must be a 1-D integer array, got shape {pages.shape} "
                 f"dtype {pages.dtype}"
             )
         return pages.tolist()  # type: ignore[no-any-return]
     if isinstance(pages, str | bytes) or not isinstance(pages, Sequence):
-        raise ValueError(f"pages: must be a sequence of ints or a 1-D integer array, got "
+        raise InvalidArgumentError(f"pages: must be a sequence of ints or a 1-D integer array, got "
                          f"{type(pages).__name__}")
     return list(pages)
 
@@ -171,15 +173,16 @@ def page_list(pages: PageBatch) -> list[int]:
 def check_no_options(name: str, options: Mapping[str, Any] | None) -> None:
     """Raise ValueError when a policy that takes no options was given some."""
     if options:
-        raise ValueError(f"{name} eviction policy takes no options; got {sorted(options)}")
+        raise InvalidArgumentError(f"{name} eviction policy takes no options; got "
+                                   f"{sorted(options)}")
 
 
 def check_count(k: Any) -> int:
     """Return ``k`` (the number of victims asked for) as an int >= 0, else raise ValueError."""
     if isinstance(k, bool | np.bool_) or not isinstance(k, int | np.integer):
-        raise ValueError(f"k={k!r}: must be an int >= 0")
+        raise InvalidArgumentError(f"k={k!r}: must be an int >= 0")
     if k < 0:
-        raise ValueError(f"k={k}: must be >= 0")
+        raise InvalidArgumentError(f"k={k}: must be >= 0")
     return int(k)
 
 
@@ -189,9 +192,10 @@ def check_new_pages(pages: Sequence[int], present: Container[int], action: str =
     seen: set[int] = set()
     for page in pages:
         if page in present:
-            raise ValueError(f"cannot {action} page {page}: already present")
+            raise InvalidArgumentError(f"cannot {action} page {page}: already present")
         if page in seen:
-            raise ValueError(f"cannot {action} page {page}: it appears twice in the batch")
+            raise InvalidArgumentError(f"cannot {action} page {page}: it appears twice in the "
+                                       "batch")
         seen.add(page)
 
 
@@ -203,10 +207,11 @@ def check_present_pages(
     seen: set[int] = set()
     for page in pages:
         if page not in present:
-            raise ValueError(f"cannot {action} page {page}: not in the policy")
+            raise InvalidArgumentError(f"cannot {action} page {page}: not in the policy")
         if unique:
             if page in seen:
-                raise ValueError(f"cannot {action} page {page}: it appears twice in the batch")
+                raise InvalidArgumentError(f"cannot {action} page {page}: it appears twice in the "
+                                           "batch")
             seen.add(page)
 
 

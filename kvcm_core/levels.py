@@ -25,7 +25,14 @@ import numpy as np
 from kvcm_core.backend import CopyTask, KernelBackend, Stream, copy_pairs
 from kvcm_core.codec import PageCodec, PageLayout
 from kvcm_core.config import KVCacheManagerConfig
-from kvcm_core.errors import ConfigError, CorruptPageError, OutOfPagesError, TierIOError
+from kvcm_core.errors import (
+    ArgumentTypeError,
+    ConfigError,
+    CorruptPageError,
+    InvalidArgumentError,
+    OutOfPagesError,
+    TierIOError,
+)
 from kvcm_core.events import BlockEvent, EventKind
 from kvcm_core.eviction import EvictionPolicy
 from kvcm_core.frame import KEY_BYTES, FrameBook, FrameCheckFailed, LevelFrames, page_key
@@ -75,7 +82,6 @@ class Levels:
         self.tree = tree
         self.sinks = sinks
         self.frames = list(frames) or [None] * len(config.levels)
-        self.mover = Mover(backend, self.codecs)
         self.arena = PageArena()
         self.epoch = 0  # bumped whenever a page moves: page tables read it
         #: Ids of pages lost to a failed frame check that owners still reference (so a
@@ -139,6 +145,9 @@ class Levels:
             for ci, store in enumerate(self.stores[li]):
                 store.below = self.stores[li + 1][ci]
         self.all_stores = [s for level in self.stores for s in level]
+        # Built after the pools: a pool that fails to build leaves no mover (staging
+        # memory, streams) behind; the manager closes the tiers, and so their pools.
+        self.mover = Mover(backend, self.codecs)
         # Every slot holds at most one page and every committed page one node: size the
         # arrays once (up to a bound) rather than grow them under load.
         total = sum(s.num_slots for s in self.all_stores)
@@ -180,6 +189,15 @@ class Levels:
         return slots
 
     # -- lookups ----------------------------------------------------------------------------------
+
+    def check_level(self, level: object, name: str = "level") -> int:
+        """``level`` as an int, or the typed error naming it (public calls take levels)."""
+        n = len(self.stores)
+        if isinstance(level, bool) or not isinstance(level, int | np.integer):
+            raise ArgumentTypeError(f"{name}={level!r}: must be an int in 0..{n - 1}")
+        if not 0 <= level < n:
+            raise InvalidArgumentError(f"{name}={level!r}: must be in 0..{n - 1}")
+        return int(level)
 
     def gpu_store(self, group: int) -> Store:
         return self.stores[0][self._pg_of[group]]
@@ -351,7 +369,13 @@ class Levels:
         while target is not None and len(victims):
             keep = self.capacity(target, len(victims))
             if keep:
-                self.make_room(target, keep)
+                try:
+                    self.make_room(target, keep)
+                except OutOfPagesError:
+                    # A write further down failed: drop these victims rather than leave
+                    # them popped out of their queue (they are droppable).
+                    victims = victims[a.store[victims] == here]
+                    break
                 victims = victims[a.store[victims] == here]
                 keep = min(keep, len(victims), target.num_free)
                 cut = len(victims) - keep
@@ -668,6 +692,8 @@ class Levels:
         nid = int(a.node[pid])
         g = int(a.group[pid])
         store = self.store_of(pid)
+        # Out of its queue first: the store tells droppable pages by their node.
+        store.forget(np.array([pid], dtype=np.int64))
         if nid >= 0:
             tree.pages[nid, g] = -1
             a.node[pid] = NO_NODE
@@ -677,7 +703,6 @@ class Levels:
                     lc.window is None or tree.ordinal[nid] < lc.num_sink_blocks):
                 self.invalidate_below(nid)
             tree.collect(np.array([nid], dtype=np.int64))
-        store.forget(np.array([pid], dtype=np.int64))
         self.epoch += 1
 
     def publish_one(self, pid: int, nid: int, group: int) -> None:
@@ -746,7 +771,9 @@ class Levels:
 
     def resize_level(self, level: int, slots: list[int]) -> bool:
         """Give the stores of ``level`` these slot counts (every cache suspended), moving
-        pages out of released slots. False, with nothing changed, when they cannot fit."""
+        pages out of released slots. False, with nothing changed, when they cannot fit. A
+        page whose move fails (storage read or write) is lost, as a failed read at resume
+        loses it: dropped from the tree, its holders must recompute."""
         stores = self.stores[level]
         plans = []
         for store, new in zip(stores, slots, strict=True):
@@ -770,18 +797,29 @@ class Levels:
             a = self.arena
             for pid, slot in zip(high.tolist(), low.tolist(), strict=True):
                 if a.store[pid] != store.index:
-                    continue  # dropped with a corrupt page above it
+                    continue  # gone with the subtree of a page lost below
                 layout = self.layouts[self._pg_of[int(a.group[pid])]]
                 try:
                     self.mover.copy(layout, store, [int(a.slot[pid])], store, [slot])
                 except FrameCheckFailed:
                     self.discard_corrupt(store, np.array([pid], dtype=np.int64))
+                except TierIOError:
+                    self._lose_unmovable(store, pid)
                     continue
                 store.relocate(pid, slot)
             if len(high):
                 self.epoch += 1
             store.shrink(new)
         return True
+
+    def _lose_unmovable(self, store: Store, pid: int) -> None:
+        """A page whose copy failed: a droppable one is dropped (with the subtree that
+        needs it), a held one lost (its holders recompute)."""
+        a = self.arena
+        if a.holds[pid] == 0 and a.locks[pid] == 0:
+            self.drop(store, np.array([pid], dtype=np.int64), queued=True)
+        else:
+            self.lose(pid)
 
     # -- checks and shutdown ----------------------------------------------------------------------
 
@@ -804,11 +842,28 @@ class Levels:
                     raise AssertionError(f"L{level}: a committed page not in its node")
 
     def close(self) -> None:
-        self.flush_events()
+        """Close every pool, tier and the mover, each even when an earlier one failed.
+
+        Raises:
+            TierIOError: something could not be closed (every failure is listed); what
+                could be closed is closed.
+        """
+        failures: list[str] = []
+
+        def attempt(what: str, close: Callable[[], None]) -> None:
+            try:
+                close()
+            except Exception as exc:  # one failure must not leave the rest open
+                failures.append(f"{what}: {type(exc).__name__}: {exc}")
+
+        attempt("event sinks", self.flush_events)
         for store in self.all_stores:
-            for pool in store.pools:
-                pool.close()
-        for tier in self.tiers:
-            tier.close()
-        self.mover.close()
+            for i, pool in enumerate(store.pools):
+                attempt(f"level {store.level} store {store.index} pool {i}", pool.close)
+        for level, tier in enumerate(self.tiers):
+            attempt(f"level {level} tier", tier.close)
+        attempt("mover", self.mover.close)
+        if failures:
+            raise TierIOError(f"shutdown could not release {len(failures)} resources "
+                              f"(the rest is released): {'; '.join(failures)}")
 

@@ -23,7 +23,7 @@ from kvcm_core.cache import CacheStatus, KVCache
 from kvcm_core.codec import PageCodec
 from kvcm_core.config import KVCacheManagerConfig
 from kvcm_core.context import CacheContext
-from kvcm_core.errors import ConfigError, InvalidStateError
+from kvcm_core.errors import ArgumentTypeError, ConfigError, InvalidStateError
 from kvcm_core.frame import level_frames
 from kvcm_core.kinds import make_kind
 from kvcm_core.layout import BufferAttr, PageIndexConverter, StorageLayout
@@ -36,11 +36,15 @@ from kvcm_core.records import CodecKind, CodecSpec, Medium
 from kvcm_core.scratch import max_scratch_blocks, validate_scratch_layout
 from kvcm_core.stats import IterationStats
 from kvcm_core.storage import StorageStatistics
+from kvcm_core.threads import ThreadGuard
 from kvcm_core.tier import DevicePool, Tier
 from kvcm_core.types import CacheGroupId, ReuseScope
 from kvcm_core.units import parse_size
 
-__all__ = ["KVCacheManager"]
+__all__ = ["MAX_SLOTS", "KVCacheManager"]
+
+#: The most slots one pool group of a level may have: page indices are int32.
+MAX_SLOTS = 2**31 - 1
 
 
 _DEFAULT_SCOPE = ReuseScope()  # frozen: one instance serves every scope=None call
@@ -64,7 +68,6 @@ class KVCacheManager:
         self.config = config
         self.tokens_per_block = config.tokens_per_block
         backend_spec = pm.select_kernel_backend(config.kernel_backend)
-        self.backend: KernelBackend = backend_spec.factory({})
         self.kernel_backend: str = backend_spec.name
         self.registry = LifeCycleRegistry(config)
         self.layout = StorageLayout(self.registry)
@@ -81,6 +84,8 @@ class KVCacheManager:
         lcs = self.life_cycles
         tpb = self.tokens_per_block
         self.tree = PrefixTree(len(lcs), tpb)
+        # Built last, just before the tiers: a rule broken above leaves nothing to release.
+        self.backend: KernelBackend = backend_spec.factory({})
         tiers: list[Tier] = []
         try:  # a construction that fails releases what it built (files, threads, memory)
             codecs = self._build_tiers(pm, tiers)
@@ -101,6 +106,8 @@ class KVCacheManager:
         self._walk_groups = [g for g in attn if lcs[g].window is None and lcs[g].constrains]
         self._prune_groups = [g for g, lc in enumerate(lcs)
                               if lc.constrains and g not in self._walk_groups]
+        #: The owner thread of this manager and what it made (see :meth:`bind_thread`).
+        self.thread_guard = ThreadGuard(config.check_thread)
         self._open: dict[int, KVCache] = {}
         self._ids = itertools.count()
         self._closed = False
@@ -116,7 +123,7 @@ class KVCacheManager:
             # A model whose every life cycle is PRIVATE publishes nothing: no tree at all.
             publishes_anything=any(lc.publishes for lc in lcs),
             scratch_scales=scratch_scales, scratch_max_blocks=scratch_max,
-            on_close=self._forget_cache, owner=self)
+            on_close=self._forget_cache, owner=self, thread=self.thread_guard)
 
     def _build_tiers(self, pm: KvcmPluginManager, tiers: list[Tier]) -> list[PageCodec | None]:
         """Build each level's tier into ``tiers`` (so that a failure part way leaves the
@@ -236,13 +243,11 @@ class KVCacheManager:
 
     def get_storage_statistics(self, level: int = 0) -> StorageStatistics:
         """Slots of a level: ``free + evictable + unavailable == total``."""
-        nlevels = len(self.config.levels)
-        if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level < nlevels:
-            raise ValueError(f"level={level!r}: must be in 0..{nlevels - 1}")
-        return self.storage_levels.statistics(level)
+        return self.storage_levels.statistics(self.storage_levels.check_level(level))
 
     def get_and_reset_iteration_stats(self) -> IterationStats:
         """Counters since the last call; also flushes pending events to the sinks."""
+        self.thread_guard.check()
         self.storage_levels.flush_events()
         return self.storage_levels.reset_stats()
 
@@ -254,6 +259,7 @@ class KVCacheManager:
     def flush_events(self) -> None:
         """Deliver pending events to the event sinks (a raising sink is counted in
         :attr:`event_sink_errors`, never propagated)."""
+        self.thread_guard.check()
         self.storage_levels.flush_events()
 
     # -- requests -------------------------------------------------------------------------
@@ -275,8 +281,12 @@ class KVCacheManager:
             id: an identifier for the request (default: a counter).
             priority_callback: ``block ordinal -> priority (0..100)`` for its pages.
         """
+        self.thread_guard.check()
         self._check_open()
         scope = self._check_scope(scope)
+        if priority_callback is not None and not callable(priority_callback):
+            raise ArgumentTypeError(f"priority_callback={priority_callback!r}: must be a "
+                                    "callable (block ordinal -> priority) or None")
         match = self._match(scope, input_tokens)
         cache = KVCache(self._ctx, scope, match, input_tokens,
                         next(self._ids) if id is None else id, priority_callback)
@@ -289,6 +299,7 @@ class KVCacheManager:
     def probe_reuse(self, scope: ReuseScope | None,
                     tokens: Sequence[int | bytes] | np.ndarray) -> int:
         """Tokens ``create_kv_cache`` would reuse now, without taking anything."""
+        self.thread_guard.check()
         self._check_open()
         return self._match(self._check_scope(scope), tokens, probe=True).length
 
@@ -296,7 +307,7 @@ class KVCacheManager:
         if scope is None:
             return _DEFAULT_SCOPE
         if not isinstance(scope, ReuseScope):
-            raise TypeError(f"scope={scope!r}: must be a ReuseScope or None")
+            raise ArgumentTypeError(f"scope={scope!r}: must be a ReuseScope or None")
         return scope
 
     def _match(self, scope: ReuseScope, tokens: Sequence[Any] | np.ndarray,
@@ -346,12 +357,21 @@ class KVCacheManager:
 
     def clear_reusable_blocks(self) -> None:
         """Drop every reusable (droppable) block. Refused while caches are open."""
+        self.thread_guard.check()
         self._check_open()
         if self._open:
             raise InvalidStateError(
                 f"clear_reusable_blocks() refused: {len(self._open)} caches are open; close "
                 "them first")
         self.storage_levels.clear()
+
+    def bind_thread(self) -> None:
+        """Make the calling thread the one that drives this manager and everything it made
+        (caches, batches). Until then the first thread that calls a mutating method owns
+        them; a mutating call from another thread raises ``InvalidStateError``. An engine
+        that builds the manager on one thread and schedules on another calls this once
+        from the scheduler thread. A no-op when ``config.check_thread`` is False."""
+        self.thread_guard.bind()
 
     def __enter__(self) -> KVCacheManager:
         return self
@@ -365,14 +385,22 @@ class KVCacheManager:
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Release every pool. Refused while caches are open; idempotent."""
+        """Release every pool, tier and file. Refused while caches are open; idempotent.
+
+        Raises:
+            InvalidStateError: caches are open (nothing is released).
+            TierIOError: some resource could not be released (a read-only or failing file
+                system); the message lists each failure. Everything else is released and
+                the manager is shut down all the same: a second call is a no-op.
+        """
         if self._closed:
             return
+        self.thread_guard.check()
         if self._open:
             raise InvalidStateError(
                 f"shutdown() refused: {len(self._open)} caches are open; close them first")
+        self._closed = True  # set first: a failure below never leaves it half shut
         self.storage_levels.close()
-        self._closed = True
 
     def resize(self, level: int, quota: int | str) -> bool:
         """Grow or shrink a level's quota while every cache is suspended, moving pages out
@@ -384,6 +412,7 @@ class KVCacheManager:
             InvalidStateError: a cache is active.
             ConfigError: bad level or quota.
         """
+        self.thread_guard.check()
         self._check_open()
         nlevels = len(self.config.levels)
         if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level < nlevels:
@@ -400,6 +429,11 @@ class KVCacheManager:
                 slots = self.storage_levels.cold_slots(level, quota)
             except ConfigError:
                 raise ConfigError("quota", quota, f"too small for level {level}") from None
+        if max(slots) > MAX_SLOTS:  # refused before anything is sized (O(1))
+            self.last_refusal = (
+                f"resize(level={level}, quota={quota}): {max(slots)} slots in one pool "
+                f"group; slot ids are 32-bit page indices (at most {MAX_SLOTS} slots)")
+            return False
         ok = self.storage_levels.resize_level(level, slots)
         self.last_refusal = None if ok else (
             f"resize(level={level}, quota={quota}): the pages in the slots given up cannot "

@@ -51,7 +51,7 @@ def encode_tokens(tokens: TokenSeq) -> tuple[bytes, bool]:
             return tokens.astype("<i4", copy=False).tobytes(), False
         if tokens.size and tokens.dtype.kind in "iu" and (
                 int(tokens.min()) < _I32_MIN or int(tokens.max()) > _I32_MAX):
-            raise ValueError("token ids must fit a 32-bit signed int; got values in "
+            raise InvalidArgumentError("token ids must fit a 32-bit signed int; got values in "
                              f"{int(tokens.min())}..{int(tokens.max())}")
         return tokens.astype("<i4", copy=False).tobytes(), False
     try:
@@ -71,15 +71,22 @@ _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 
 
 def check_token_array(tokens: Any, name: str = "tokens") -> None:
-    """A NumPy token argument must be a 1-D integer array: float, bool and object arrays
-    are refused (``ArgumentTypeError``) rather than truncated or guessed at."""
-    if isinstance(tokens, np.ndarray):
-        if tokens.dtype.kind not in "iu":
-            raise ArgumentTypeError(f"{name}: a token array must have an integer dtype, got "
-                                    f"{tokens.dtype}")
-        if tokens.ndim != 1:
-            raise InvalidArgumentError(f"{name}: a token array must be 1-D, got shape "
-                                       f"{tokens.shape}")
+    """A token argument is a sequence (list, tuple) or a 1-D integer NumPy array: float,
+    bool and object arrays are refused (``ArgumentTypeError``) rather than truncated or
+    guessed at, and so is anything without a length."""
+    if type(tokens) is list or type(tokens) is tuple:
+        return
+    if not isinstance(tokens, np.ndarray):
+        if not hasattr(tokens, "__len__") or not hasattr(tokens, "__getitem__"):
+            raise ArgumentTypeError(f"{name}: must be a sequence of token ids or a 1-D "
+                                    f"integer array, got {type(tokens).__name__}")
+        return
+    if tokens.dtype.kind not in "iu":
+        raise ArgumentTypeError(f"{name}: a token array must have an integer dtype, got "
+                                f"{tokens.dtype}")
+    if tokens.ndim != 1:
+        raise InvalidArgumentError(f"{name}: a token array must be 1-D, got shape "
+                                   f"{tokens.shape}")
 
 
 def check_tokens(tokens: Sequence[Any]) -> None:
@@ -88,13 +95,15 @@ def check_tokens(tokens: Sequence[Any]) -> None:
     for i, item in enumerate(tokens):
         if isinstance(item, bytes | bytearray):
             if len(item) != 32:
-                raise ValueError(f"token {i}: a multimodal item must be a 32-byte digest, got "
+                raise InvalidArgumentError(f"token {i}: a multimodal item must be a 32-byte "
+                                           "digest, got "
                                  f"{len(item)} bytes")
         elif isinstance(item, bool) or not isinstance(item, int | np.integer):
-            raise ValueError(f"token {i}={item!r}: must be an int token id or a 32-byte "
+            raise ArgumentTypeError(f"token {i}={item!r}: must be an int token id or a 32-byte "
                              "digest")
         elif not _I32_MIN <= int(item) <= _I32_MAX:
-            raise ValueError(f"token {i}={item!r}: token ids must fit a 32-bit signed int")
+            raise InvalidArgumentError(f"token {i}={item!r}: token ids must fit a 32-bit signed "
+                                       "int")
 
 
 def _encode_mm_block(items: Sequence[int | bytes]) -> bytes:
@@ -104,7 +113,8 @@ def _encode_mm_block(items: Sequence[int | bytes]) -> bytes:
     for i, item in enumerate(items):
         if isinstance(item, bytes | bytearray):
             if len(item) != 32:
-                raise ValueError(f"multimodal item at position {i}: must be a 32-byte digest, "
+                raise InvalidArgumentError(f"multimodal item at position {i}: must be a 32-byte "
+                                           "digest, "
                                  f"got {len(item)} bytes")
             bitmap |= 1 << i
             parts.append(bytes(item))

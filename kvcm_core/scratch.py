@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
-from kvcm_core.errors import ConfigError
+from kvcm_core.errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 from kvcm_core.pagetable import BAD_PAGE_INDEX, ScratchDesc
 
 if TYPE_CHECKING:
@@ -130,17 +130,18 @@ def scratch_kernel_args(scratch: ScratchDesc, width: int, scale: int, offset: in
             ``[0, INT32_MAX]``, or fewer slot ids than the blocks in the table need.
     """
     if not isinstance(scratch, ScratchDesc):
-        raise TypeError(f"scratch={scratch!r}: must be a kvcm_core.scratch.ScratchDesc or None")
+        raise ArgumentTypeError(f"scratch={scratch!r}: must be a kvcm_core.scratch.ScratchDesc or "
+                                "None")
     begin, end, spb = int(scratch.begin), int(scratch.end), int(scratch.scratch_pages_per_block)
     if begin < 0:
-        raise ValueError(f"scratch begin={begin}: must be >= 0")
+        raise InvalidArgumentError(f"scratch begin={begin}: must be >= 0")
     if spb < 1:
-        raise ValueError(f"scratch_pages_per_block={spb}: must be >= 1")
+        raise InvalidArgumentError(f"scratch_pages_per_block={spb}: must be >= 1")
     scale, offset, expansion = int(scale), int(offset), int(expansion)
     if not 1 <= scale <= _I32_MAX:
-        raise ValueError(f"scale={scale}: with scratch it must be in [1, {_I32_MAX}]")
+        raise InvalidArgumentError(f"scale={scale}: with scratch it must be in [1, {_I32_MAX}]")
     if scale % expansion or offset % expansion:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"scale={scale}, offset={offset}: with scratch both must be multiples of "
             f"expansion={expansion} (the scratch arithmetic runs in whole pages)")
     stop = min(end, int(width))
@@ -150,11 +151,11 @@ def scratch_kernel_args(scratch: ScratchDesc, width: int, scale: int, offset: in
     needed = (stop - 1 - begin) * spb // unit_scale + 1
     ids = scratch.slot_ids
     if len(ids) < needed:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"scratch descriptor has {len(ids)} slot ids; blocks [{begin}, {stop}) need "
             f"{needed}")
     if any(not 0 <= i <= _I32_MAX for i in ids[:needed]):
-        raise ValueError(f"scratch slot ids {ids[:needed]}: must be in [0, {_I32_MAX}]")
+        raise InvalidArgumentError(f"scratch slot ids {ids[:needed]}: must be in [0, {_I32_MAX}]")
     return ScratchKernelArgs(begin, stop, spb, unit_scale, (offset // expansion) % unit_scale,
                              np.asarray(ids[:needed], dtype=np.int32))
 
@@ -173,10 +174,10 @@ def convert_page_indices_reference(slots: Any, scale: int, offset: int, expansio
         OverflowError: a result outside ``[BAD_PAGE_INDEX, INT32_MAX]``.
     """
     if expansion < 1:
-        raise ValueError(f"expansion={expansion}: must be >= 1")
+        raise InvalidArgumentError(f"expansion={expansion}: must be >= 1")
     s = np.asarray(slots, dtype=np.int32)
     if s.ndim == 0:
-        raise ValueError("slots must be an array of slot ids (last axis: blocks)")
+        raise InvalidArgumentError("slots must be an array of slot ids (last axis: blocks)")
     sa = None if scratch is None else scratch_kernel_args(
         scratch, s.shape[-1], scale, offset, expansion)
     wide = s.astype(np.int64)[..., None] * scale + offset + np.arange(expansion)
@@ -210,13 +211,13 @@ def convert_with_scratch(base: np.ndarray, scale: int, offset: int, expansion: i
     Output is int32.
     """
     if np.ndim(base) == 0:
-        raise ValueError("base must be an array of slot ids (last axis: blocks)")
+        raise InvalidArgumentError("base must be an array of slot ids (last axis: blocks)")
     if scratch is not None and scratch.end > scratch.begin:
         if spb <= 0:
-            raise ValueError("this buffer is not in an SWA scratch group "
+            raise InvalidArgumentError("this buffer is not in an SWA scratch group "
                              "(scratch_pages_per_block is 0); pass scratch=None")
         if scratch.scratch_pages_per_block != spb:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"scratch descriptor has scratch_pages_per_block="
                 f"{scratch.scratch_pages_per_block}, the converter {spb}")
     else:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvcm_core.backend import Buffer, KernelBackend, PageRegion
-from kvcm_core.errors import InvalidStateError, TierIOError
+from kvcm_core.errors import InvalidArgumentError, InvalidStateError, TierIOError
 from kvcm_core.records import TierCapabilities
 
 __all__ = [
@@ -42,7 +42,8 @@ def check_slots(pool: Pool, slots: np.ndarray) -> np.ndarray:
     arr = np.asarray(slots, dtype=np.int64).reshape(-1)
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= pool.num_slots):
         bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
-        raise ValueError(f"slot {bad} out of range: pool has slots 0..{pool.num_slots - 1}")
+        raise InvalidArgumentError(
+            f"slot {bad} out of range: pool has slots 0..{pool.num_slots - 1}")
     return arr
 
 

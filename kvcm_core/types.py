@@ -7,6 +7,8 @@ from typing import NewType
 
 import attrs
 
+from kvcm_core.errors import ArgumentTypeError
+
 __all__ = [
     "BlockOrdinal",
     "CacheGroupId",
@@ -66,13 +68,13 @@ class ReuseScope:
     @lora_id.validator
     def _check_lora(self, attribute: attrs.Attribute[object], value: object) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise TypeError(f"ReuseScope.lora_id={value!r}: must be an int or None")
+            raise ArgumentTypeError(f"ReuseScope.lora_id={value!r}: must be an int or None")
 
     @salt.validator
     def _check_salt(self, attribute: attrs.Attribute[object], value: object) -> None:
         if value is not None and (isinstance(value, bool)
                                   or not isinstance(value, str | bytes | int)):
-            raise TypeError(f"ReuseScope.salt={value!r}: must be a str, bytes, int or None")
+            raise ArgumentTypeError(f"ReuseScope.salt={value!r}: must be a str, bytes, int or None")
 
     def encode(self) -> bytes:
         """A canonical, unambiguous byte encoding (the root of the hash chain)."""
@@ -81,7 +83,8 @@ class ReuseScope:
             if value is None:
                 parts.append(b"N")
             elif isinstance(value, bool):
-                raise TypeError(f"ReuseScope field is a bool ({value!r}); use an int or str")
+                raise ArgumentTypeError(f"ReuseScope field is a bool ({value!r}); use an int or "
+                                        "str")
             elif isinstance(value, int):
                 parts.append(b"I" + str(value).encode())
             elif isinstance(value, str):

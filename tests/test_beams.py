@@ -13,9 +13,11 @@ import pytest
 
 from kvcm_core import (
     BAD_PAGE_INDEX,
+    ArgumentTypeError,
     AttentionLayerConfig,
     Batch,
     BufferConfig,
+    InvalidArgumentError,
     InvalidStateError,
     KVCacheManager,
     KVCacheManagerConfig,
@@ -216,8 +218,11 @@ def test_beam_width_is_validated():
     with pytest.raises(InvalidStateError):
         c.set_beam_width(2)  # suspended
     assert c.resume()
-    for bad in (0, 5, True, "2"):
-        with pytest.raises(ValueError, match="max_beam_width"):
+    for bad in (0, 5):
+        with pytest.raises(InvalidArgumentError, match="max_beam_width"):
+            c.set_beam_width(bad)
+    for bad in (True, "2"):
+        with pytest.raises(ArgumentTypeError, match=r"must be an int in 1\.\.4"):
             c.set_beam_width(bad)
     with pytest.raises(ValueError, match="beam"):
         c.beam_fork(1)

@@ -146,7 +146,8 @@ def test_a_bad_priority_callback_fails_the_resize_and_changes_nothing(managers, 
 @pytest.mark.parametrize("group", [-1, 4, "0", True, 1.0, None])
 def test_page_table_rejects_a_bad_group_id(active, group):
     m, _, c = active
-    _expect(ValueError, lambda: c.get_base_page_indices(group), m, c, match="group")
+    error = InvalidArgumentError if type(group) is int else ArgumentTypeError
+    _expect(error, lambda: c.get_base_page_indices(group), m, c, match="group")
 
 
 @pytest.mark.parametrize("beam", [1, -1, 2])
@@ -239,9 +240,10 @@ def test_refused_shutdown_and_clear_are_no_ops(managers):
 
 
 @pytest.mark.parametrize("level", [1, -1, "0", True, None])
-def test_storage_statistics_of_a_missing_level_is_a_value_error(managers, level):
+def test_storage_statistics_of_a_missing_level_is_a_typed_argument_error(managers, level):
     m = managers(full_layers(), slots=16)
-    _expect(ValueError, lambda: m.get_storage_statistics(level), m, match="level")
+    error = InvalidArgumentError if type(level) is int else ArgumentTypeError
+    _expect(error, lambda: m.get_storage_statistics(level), m, match="level")
 
 
 def test_manager_needs_a_config_object():

@@ -111,8 +111,8 @@ class PolicyLoop(EngineLoop):
         self._preempt_one(victim)
         return victim
 
-    def _admit(self, req: Request) -> bool:
-        if super()._admit(req):
+    def _admit(self, req: Request, report: Any = None) -> bool:
+        if super()._admit(req, report):
             return True
         if req.cache is not None:
             req.cache.close()

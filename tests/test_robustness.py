@@ -548,10 +548,15 @@ def test_disk_tier_files_are_0600_in_a_0700_directory(tmp_path, cleanup):
     caches = [d.write(tokens(32, 30 + i), chunk=32) for i in range(3)]
     assert level_counts(caches[0], 3)[2] > 0
     assert stat.S_IMODE(os.stat(disk).st_mode) == 0o700
-    names = os.listdir(disk)
-    assert names
+    # The pool files live in this manager's owner directory (0700, holding its lock).
+    owners = os.listdir(disk)
+    assert len(owners) == 1 and owners[0].startswith("kvcm-owner-")
+    owner = disk / owners[0]
+    assert stat.S_IMODE(os.lstat(owner).st_mode) == 0o700 and not owner.is_symlink()
+    names = os.listdir(owner)
+    assert "lock" in names and len(names) > 1
     for name in names:
-        st = os.lstat(disk / name)
+        st = os.lstat(owner / name)
         assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, name
         assert st.st_uid == os.geteuid() and st.st_nlink == 1
     d.resume_and_verify(*caches)

@@ -451,11 +451,7 @@ def run_trace(
             res.steps_fully_checked = res.steps_checked
         res.pages_written = loop.engine.written_pages
         res.series = series
-        for req in (*loop.running, *loop.suspended, *loop.waiting):
-            if req.cache is not None:
-                loop.unseat(req)
-                req.cache.close()
-        loop.close()
+        loop.close_all()
         manager.shutdown()
     return res
 

@@ -18,6 +18,7 @@ import attrs
 from kvcm_core.batch import Batch
 from kvcm_core.cache import CacheStatus
 from kvcm_core.config import AttentionLayerConfig
+from kvcm_core.errors import TierIOError
 from kvcm_core.testing.fingerprint import FingerprintEngine, StepWork
 from kvcm_core.types import ReuseScope
 
@@ -82,16 +83,22 @@ class EngineLoop:
         index_tables: also register every attention buffer's index table in the batch;
             the fingerprint engine then addresses the pages of layer-by-layer (SWA
             scratch) steps through the batch's converted tables.
+        recompute_lost: a ``resume`` that raises ``TierIOError`` (cold pages lost to a
+            storage failure) closes the cache and queues the request again to be
+            recomputed from what is still cached, as an engine should; off by default
+            (the error propagates).
     """
 
     def __init__(self, manager: Any, *, chunk_tokens: int = 64, max_batch: int = 64,
                  token_budget: int | None = None, check: bool = True,
                  close_finished: bool = True, preempt_mode: str = "auto",
-                 use_batch: bool = True, index_tables: bool = False) -> None:
+                 use_batch: bool = True, index_tables: bool = False,
+                 recompute_lost: bool = False) -> None:
         if preempt_mode not in ("auto", "suspend", "recompute"):
             raise ValueError(f"preempt_mode={preempt_mode!r}: must be auto, suspend or "
                              "recompute")
         self.preempt_mode = preempt_mode
+        self.recompute_lost = recompute_lost
         self.manager = manager
         self.batch: Batch | None = None
         if use_batch:
@@ -115,13 +122,24 @@ class EngineLoop:
         self.suspended: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
+        #: Resumes that raised TierIOError (the request was closed and recomputed).
+        self.lost_resumes = 0
 
     def submit(self, req: Request) -> None:
         """Queue a request; its cache is created (prefix matched) when it is admitted."""
         req.arrival = next(self._arrivals)
         self.waiting.append(req)
 
-    def _admit(self, req: Request) -> bool:
+    def _lost(self, req: Request, report: StepReport | None) -> None:
+        """A resume raised TierIOError (cold pages lost to a storage failure): close the
+        cache, as an engine must; the request is recomputed from what is still cached."""
+        req.cache.close()
+        req.cache = None
+        self.lost_resumes += 1
+        if report is not None:
+            report.recomputed.append(req)
+
+    def _admit(self, req: Request, report: StepReport | None = None) -> bool:
         m = self.manager
         if req.cache is None:
             match_len = max(0, req.prompt_len - 1)
@@ -130,7 +148,14 @@ class EngineLoop:
             req.reused = req.cache.history_length
         cache = req.cache
         chosen = self.choose_optional(cache)
-        if not cache.resume(optional_reuse_groups=chosen):
+        try:
+            resumed = cache.resume(optional_reuse_groups=chosen)
+        except TierIOError:
+            if not self.recompute_lost:
+                raise
+            self._lost(req, report)
+            return False
+        if not resumed:
             # Give the claims back while waiting: held claims of queued requests could fill
             # the GPU (on one level they can never move). The prefix is matched again.
             cache.close()
@@ -159,16 +184,23 @@ class EngineLoop:
         report = StepReport()
         while self.suspended and len(self.running) < self.max_batch:
             req = self.suspended[0]
-            if not req.cache.resume():
+            try:
+                resumed = req.cache.resume()
+            except TierIOError:  # its cold pages are lost: recompute what is gone
+                if not self.recompute_lost:
+                    raise
+                self.suspended.popleft()
+                self._lost(req, report)
+                self.waiting.appendleft(req)
+                continue
+            if not resumed:
                 break
             self.suspended.popleft()
             self._run(req)
             report.resumed.append(req)
         while self.waiting and not self.suspended and len(self.running) < self.max_batch:
             req = self.waiting[0]
-            if not self._admit(req):
-                if req.cache is not None and not self.running:
-                    break  # nothing else would free space: stay queued
+            if not self._admit(req, report):
                 break
             self.waiting.popleft()
             self._run(req)
@@ -296,6 +328,15 @@ class EngineLoop:
         """Free the batch (the loop's requests must be finished or unseated)."""
         if self.batch is not None:
             self.batch.close()
+
+    def close_all(self) -> None:
+        """Close every cache the loop still holds (running, suspended, waiting), then free
+        the batch: what a run that stops early does before shutting the manager down."""
+        for req in (*self.running, *self.suspended, *self.waiting):
+            if req.cache is not None:
+                self.unseat(req)
+                req.cache.close()
+        self.close()
 
     def run(self, requests: Iterable[Request] = (), max_steps: int = 1_000_000,
             on_step: Callable[[StepReport], None] | None = None) -> list[Request]:

@@ -14,6 +14,8 @@ What a fault does, so that code which ignores an error is caught rather than luc
   first by default, which is a cold frame's magic; point it at the payload or the checksum
   to exercise the other checks) and reports success (silent corruption, for frame checks);
 - :meth:`FaultyTier.corrupt` inverts that byte of one stored slot now;
+- **failing close** (``fail_close``) closes the inner pool or tier, then raises
+  ``OSError(EROFS)`` as a read-only file system would (for shutdown paths);
 - **holding** keeps handles pending (``done()`` False, ``wait(timeout)`` raising
   ``TimeoutError``) until :meth:`FaultyTier.release`; ``pending_polls`` makes each handle
   answer ``done() == False`` that many times first.
@@ -28,6 +30,7 @@ tests that need one.
 
 from __future__ import annotations
 
+import errno
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -79,6 +82,8 @@ class FaultPlan:
             from the end; 0, the default, is a cold frame's magic).
         hold: new handles stay pending until :meth:`FaultyTier.release`.
         pending_polls: each new handle answers ``done() == False`` this many times first.
+        fail_close: closing a storage pool or the tier raises ``OSError(EROFS)`` (after
+            closing the inner one).
     """
 
     fail_writes: set[int] = attrs.field(factory=set, converter=_ordinals)
@@ -89,6 +94,7 @@ class FaultPlan:
     corrupt_offset: int = 0
     hold: bool = False
     pending_polls: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    fail_close: bool = False
 
 
 class _FaultyHandle(IOHandle):
@@ -181,6 +187,7 @@ class FaultyStoragePool(StoragePool):
 
     def close(self) -> None:
         self.inner.close()
+        self.tier.closing_fault("storage pool")
 
 
 def _inverted(blob: bytes, offset: int) -> bytes:
@@ -342,6 +349,14 @@ class FaultyTier(Tier):
         """Release held handles and close the inner tier."""
         self.release()
         self.inner.close()
+        self.closing_fault("tier")
+
+    def closing_fault(self, what: str) -> None:
+        """Raise ``OSError(EROFS)`` if the plan fails closes (the inner one is closed)."""
+        if self.plan.fail_close:
+            self.injected.append(f"{what} close failed")
+            raise OSError(errno.EROFS, f"injected fault: closing the {what} failed",
+                          "read-only file system")
 
 
 def faulty_tier_spec(inner: TierSpec, plan: FaultPlan, *, name: str | None = None) -> TierSpec:

@@ -12,8 +12,9 @@ handle's ``wait()`` raise :class:`~kvcm_core.errors.TierIOError`.
 
 Options:
     path: the directory of pool files. Created with mode 0700 (an existing one we own is
-        tightened to 0700). Without it the tier uses a private temporary directory that
-        :meth:`DiskTier.close` removes.
+        tightened to 0700). Without it the tier uses a private temporary directory
+        (``kvcm-disk-*`` in the system temporary directory) that :meth:`DiskTier.close`
+        removes.
     io_threads: threads doing I/O (int >= 1, default 4).
     mode: ``"slot"`` (default: fixed-size slots in one preallocated file per pool) or
         ``"blob"``: each slot's bytes stored by size in append-only segment files, so a
@@ -25,7 +26,15 @@ Options:
 
 Persistence: a pool created with the ``name`` of an existing pool file in ``path`` reopens
 it and keeps its data (resized to the requested slot count); a file written with another
-slot size is refused. Unnamed pools get an anonymous file that is deleted on close.
+slot size is refused. Unnamed pools (the manager's cold levels) get an anonymous file in
+the tier's owner directory, deleted on close.
+
+Crash safety (see :mod:`kvcm_tier_disk.owner`): anonymous files live in an owner directory
+(``path/kvcm-owner-*``, or the private directory) holding an ``flock``-ed ``lock`` file;
+a tier that starts removes the owner directories whose lock is free (their process died,
+``kill -9`` included), logs one warning on logger ``kvcm.disk`` and records what it
+removed in :attr:`DiskTier.swept`. :meth:`DiskTier.close` closes every pool and the
+directory even when one of them fails, then raises ``TierIOError`` listing the failures.
 
 Security: files are created 0600 with ``O_CREAT | O_EXCL | O_NOFOLLOW`` relative to an open
 descriptor of the directory; pool names are reduced to a safe file name; a pool file that is
@@ -60,6 +69,16 @@ from kvcm_core.errors import ConfigError, InvalidStateError, TierIOError
 from kvcm_core.records import Availability, Medium, TierCapabilities, TierSpec
 from kvcm_core.tier import CompletedIO, IOHandle, StoragePool, Tier, check_slots, checked_rows
 from kvcm_tier_disk.blob import BlobDiskPool
+
+from .owner import (
+    OWNER_PREFIX,
+    PRIVATE_PREFIX,
+    OwnerLock,
+    Swept,
+    make_owner_directory,
+    make_private_directory,
+    sweep,
+)
 
 __all__ = ["BLOB_CAPABILITIES", "CAPABILITIES", "HEADER_BYTES", "DiskPool", "DiskTier"]
 
@@ -381,11 +400,14 @@ class DiskPool(StoragePool):
             return
         self._drain()
         fd, self._fd = self._fd, None
-        os.close(fd)
-        if not self.name:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._fname, dir_fd=self._tier._dir_fd)
         self._tier._pools.pop(self._fname, None)
+        try:
+            os.close(fd)
+            if not self.name:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._fname, dir_fd=self._tier._dir_fd)
+        except OSError as exc:
+            raise TierIOError(f"{self._label()}: closing {self.path} failed: {exc}") from exc
 
 
 def _rows_contiguous(rows: np.ndarray) -> bool:
@@ -456,13 +478,74 @@ class DiskTier(Tier):
         path, threads, self.mode, self._segment_bytes = _parse_options(self.options)
         if self.mode == "blob":
             self.capabilities = BLOB_CAPABILITIES
-        self._private = path is None
-        self.directory = tempfile.mkdtemp(prefix="kvcm-disk-") if path is None else path
-        self._dir_fd: int | None = _open_directory(self.directory)
         self._threads = threads
-        self._executor = cf.ThreadPoolExecutor(threads, thread_name_prefix="kvcm-disk")
+        self._anon_prefix = ""  # the owner directory, relative to the tier's directory
         self._pools: dict[str, DiskPool | BlobDiskPool] = {}
         self._anonymous = itertools.count()
+        self._lock: OwnerLock | None = None
+        self._dir_fd: int | None = None
+        self.directory = path or ""
+        #: Where this tier's anonymous pool files live (removed at close, swept after a
+        #: crash); the private directory itself without ``path``.
+        self.owner_directory: str | None = None
+        #: What the sweep at start removed (directories of dead owners, their bytes).
+        self.swept = Swept()
+        try:  # a failure part way releases what was built (descriptors, directories)
+            self._claim_directory(path)
+        except BaseException:
+            self._release_directory()
+            raise
+        self._executor = cf.ThreadPoolExecutor(threads, thread_name_prefix="kvcm-disk")
+
+    def _claim_directory(self, path: str | None) -> None:
+        """Sweep dead owners' directories, then make and lock this tier's own."""
+        if path is None:
+            self.swept = sweep(tempfile.gettempdir(), PRIVATE_PREFIX)
+            try:
+                self.directory = self.owner_directory = make_private_directory()
+            except OSError as exc:
+                raise TierIOError(f"disk tier: cannot create a private directory in "
+                                  f"{tempfile.gettempdir()}: {exc}") from exc
+            self._dir_fd = _open_directory(self.directory)
+        else:
+            self._dir_fd = _open_directory(path)
+            self.swept = sweep(path, OWNER_PREFIX)
+            try:
+                name = make_owner_directory(self._dir_fd, path)
+            except OSError as exc:
+                raise ConfigError("disk.options.path", path,
+                                  f"cannot create an owner directory in it: {exc}") from exc
+            self.owner_directory = os.path.join(path, name)
+            self._anon_prefix = name + "/"
+        assert self.owner_directory is not None
+        try:
+            self._lock = OwnerLock(self.owner_directory)
+        except OSError as exc:
+            raise ConfigError("disk.options.path", path,
+                              f"cannot create the owner lock file: {exc}") from exc
+
+    def _release_directory(self) -> list[str]:
+        """Remove the owner directory (the private one without ``path``) and its files,
+        then drop the lock and close the directory; returns what failed."""
+        failures: list[str] = []
+        owner, self.owner_directory = self.owner_directory, None
+        if owner is not None:
+            try:
+                shutil.rmtree(owner)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # e.g. read-only now: the next start sweeps it
+                failures.append(f"removing {owner}: {exc}")
+        lock, self._lock = self._lock, None
+        fd, self._dir_fd = self._dir_fd, None
+        try:
+            if lock is not None:
+                lock.release()
+            if fd is not None:
+                os.close(fd)
+        except OSError as exc:
+            failures.append(f"closing the owner lock or directory: {exc}")
+        return failures
 
     def create_pool(self, slot_bytes: int, num_slots: int, *, name: str = ""
                     ) -> DiskPool | BlobDiskPool:
@@ -488,8 +571,8 @@ class DiskTier(Tier):
             fname = file_name(name)
             if fname in self._pools:
                 raise ValueError(f"name={name!r}: a pool of that name is already open")
-        else:
-            fname = f".anon-{os.getpid()}-{id(self):x}-{next(self._anonymous)}{_SUFFIX}"
+        else:  # in this tier's owner directory: swept if the process dies
+            fname = f"{self._anon_prefix}.anon-{next(self._anonymous)}{_SUFFIX}"
         if self.mode == "blob":
             pool: BlobDiskPool = BlobDiskPool(self, name, fname, int(slot_bytes), num_slots,
                                               self._segment_bytes)
@@ -577,16 +660,25 @@ class DiskTier(Tier):
             )
 
     def close(self) -> None:
-        """Close every pool, stop the I/O threads, and remove a private directory."""
+        """Close every pool, stop the I/O threads, remove the owner directory (the private
+        directory without ``path``) and drop its lock; idempotent.
+
+        Raises:
+            TierIOError: something could not be closed or removed (each failure is listed);
+                everything else is released and the tier is closed all the same.
+        """
         if self._dir_fd is None:
             return
+        failures = []
         for pool in list(self._pools.values()):
-            pool.close()
+            try:
+                pool.close()
+            except OSError as exc:
+                failures.append(f"{pool.path}: {exc}")
         self._executor.shutdown(wait=True)
-        os.close(self._dir_fd)
-        self._dir_fd = None
-        if self._private:
-            shutil.rmtree(self.directory, ignore_errors=True)
+        failures += self._release_directory()
+        if failures:
+            raise TierIOError(f"disk tier in {self.directory}: {'; '.join(failures)}")
 
 
 def _open_directory(path: str) -> int:
