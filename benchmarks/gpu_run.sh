@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_run.sh bench    # kernel benchmark, simulate on the GPU
 #   bash benchmarks/gpu_run.sh quick    # GPU tests and a quick benchmark
 #   bash benchmarks/gpu_run.sh batch    # the Batch benchmark's device part
+#   bash benchmarks/gpu_run.sh sparse   # sparse attention: GPU tests, benchmark, simulate
 # Results under $OUT (default ./out).
 set -uo pipefail
 MODE="${1:-tests}"
@@ -60,6 +61,15 @@ case "$MODE" in
   batch)  # the Batch benchmark's device part (its host part is measured beside vLLM)
     run batch.log 200 "$PY" -m kvcm_core.bench.batch --quick --device-rows 256 \
       --device-blocks 2048 --out "$OUT"
+    ;;
+  sparse)  # sparse attention: its GPU tests and conformance, the benchmark, simulate
+    run sparse_tests.log 300 "$PY" -m pytest -q -p no:cacheprovider --tb=short \
+      tests/test_sparse_gpu.py tests/test_conformance_sparse.py
+    run sparse_bench.log 300 "$PY" -m kvcm_core.cli bench sparse --out "$OUT"
+    for b in cuda cupy; do
+      KVCM_KERNEL_BACKEND=$b run "sparse_simulate_$b.log" 200 "$PY" -m kvcm_core.cli \
+        simulate --preset sparse --requests 60 --no-plots --quiet --out "$OUT/simulate-sparse-$b"
+    done
     ;;
   quick)
     run tests_gpu.log 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider --tb=short

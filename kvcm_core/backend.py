@@ -34,6 +34,9 @@ __all__ = [
     "KernelBackend",
     "MemoryKind",
     "PageRegion",
+    "SparseBufferCells",
+    "SparseCopy",
+    "SparseResolve",
     "Stream",
     "TableConversion",
     "check_copy_args",
@@ -116,6 +119,95 @@ class TableConversion:
     offset: int
     expansion: int = 1
     scratch: Any = None  # Mapping[int, ScratchDesc] | None
+
+
+@attrs.frozen
+class SparseResolve:
+    """One selection group's residency state and a resolve's inputs and outputs, all in
+    device buffers (int32 unless said), for :meth:`KernelBackend.sparse_resolve`.
+
+    Per lease ``L`` (rows name their lease in ``lease_of_row``; ``-1``: empty row):
+    ``resident[L, e]`` the unit held by entry ``e`` (``-1``: free), ``stamp[L, e]`` (int64)
+    its last use (``-1``: never), ``tick[L]`` (int64) resolves so far, ``entry_of[L, u]``
+    the entry holding unit ``u`` (``-1``: none), ``first[L, u]`` a scratch of
+    ``INT32_MAX`` (left as found), ``marks[L] = (history, capacity)`` in tokens: units
+    ``[history // unit_tokens, ceil(capacity / unit_tokens))`` are in flight and their
+    entries pinned.
+
+    ``selected`` ``[rows, num_selected]`` names the units to resolve (``-1`` or an id
+    outside ``[0, max_units)``: unused slot); ``selected=None`` pins the in-flight units
+    instead (slot ``s`` is unit ``history // unit_tokens + s``, ``num_selected`` is then the
+    working-set size, ``entry_map`` the write map and the miss list the pin's), adding
+    nothing to the counters. Outputs: ``entry_map[rows, num_selected]``, the per-row miss lists
+    ``miss_unit`` / ``miss_entry`` ``[rows, num_selected]`` (slot order) with
+    ``miss_count[rows]``, and ``counters`` (int64 ``[rows, 2]``: distinct hits and misses,
+    added). ``keys`` (uint64 ``[rows, pow2 >= working_set_units]``) is the global-memory
+    scratch for working sets past the backend's shared-memory limit.
+    """
+
+    rows: int
+    leases: int
+    num_selected: int
+    working_set_units: int
+    max_units: int
+    unit_tokens: int
+    lease_of_row: Buffer
+    marks: Buffer
+    resident: Buffer
+    stamp: Buffer
+    tick: Buffer
+    entry_of: Buffer
+    first: Buffer
+    selected: Buffer | None
+    entry_map: Buffer
+    miss_unit: Buffer
+    miss_entry: Buffer
+    miss_count: Buffer
+    counters: Buffer
+    keys: Buffer
+
+
+@attrs.frozen
+class SparseBufferCells:
+    """Where one sparse buffer's units live: host pages and arena cells.
+
+    Unit ``u`` of a row is bytes ``[(u % upp) * unit_bytes, ...)`` of the host page of block
+    ``u // upp`` (``host.page_start(slot)``, ``slot`` from the row's page table); entry ``e``
+    of lease ``L`` is bytes ``[(e % upp) * unit_bytes, ...)`` of cell
+    ``L * lease_cells + e // upp`` of ``cells`` (``cells.offset`` already names the
+    buffer's first cell of lease 0, ``cells.stride`` is the cell size).
+    """
+
+    host: PageRegion
+    cells: PageRegion
+    unit_bytes: int
+    units_per_page: int
+    lease_cells: int
+
+
+@attrs.frozen
+class SparseCopy:
+    """A fetch (host pages to arena cells, the units of the miss lists) or a flush (cells to
+    host pages, the units ``[ranges[r, 0], ranges[r, 1])`` of each row, through
+    ``entry_of``) of several buffers, for :meth:`KernelBackend.sparse_copy`.
+
+    ``page_table`` is the group's device table ``[rows, row_elems]`` of slot ids (beam 0
+    first); a unit whose block has no page (``BAD_PAGE_INDEX``) or no entry is skipped.
+    """
+
+    flush: bool
+    rows: int
+    num_selected: int
+    max_units: int
+    row_elems: int
+    buffers: tuple[SparseBufferCells, ...]
+    page_table: Buffer
+    lease_of_row: Buffer
+    miss_unit: Buffer | None = None
+    miss_entry: Buffer | None = None
+    miss_count: Buffer | None = None
+    entry_of: Buffer | None = None
+    ranges: Buffer | None = None
 
 
 @attrs.frozen
@@ -396,6 +488,27 @@ class KernelBackend(abc.ABC):
             NotImplementedError: the backend has no such kernel (a ``Batch`` needs it).
         """
         raise NotImplementedError(f"kernel backend {self.name!r} has no convert_page_tables")
+
+    # -- sparse attention --------------------------------------------------------------
+
+    def sparse_resolve(self, job: SparseResolve, stream: Stream | None = None) -> None:
+        """Resolve one selection group's selection (or pin its in-flight units) on the
+        device: the rules are :func:`kvcm_core.sparse.reference.resolve_reference`'s,
+        bit for bit.
+
+        Raises:
+            NotImplementedError: the backend has no such kernel (sparse layers need it).
+        """
+        raise NotImplementedError(f"kernel backend {self.name!r} has no sparse_resolve")
+
+    def sparse_copy(self, job: SparseCopy, stream: Stream | None = None) -> None:
+        """Fetch or flush sparse units (:class:`SparseCopy`), one launch on CUDA backends:
+        :func:`kvcm_core.sparse.reference.copy_reference` defines the bytes.
+
+        Raises:
+            NotImplementedError: the backend has no such kernel (sparse layers need it).
+        """
+        raise NotImplementedError(f"kernel backend {self.name!r} has no sparse_copy")
 
     # -- the fingerprint engine's kernels ---------------------------------------------
 

@@ -45,6 +45,7 @@ from kvcm_core.errors import (
 )
 from kvcm_core.manager import KVCacheManager
 from kvcm_core.pagetable import ScratchDesc
+from kvcm_core.sparse.arena import SparseArena
 
 if TYPE_CHECKING:
     from kvcm_core.backend import Event, KernelBackend, Stream
@@ -177,6 +178,10 @@ class Batch:
         self._ready: Event | None = None
         self._read_fence: Event | None = None
         self._closed = False
+        has_sparse = any(getattr(layer, "sparse", None) is not None
+                         for layer in manager.config.layers)
+        self._sparse = SparseArena(manager, self.max_rows, self.max_blocks_per_row,
+                                   self.max_total_input_tokens) if has_sparse else None
 
     # -- membership --------------------------------------------------------------------------
 
@@ -208,6 +213,8 @@ class Batch:
                 raise InvalidArgumentError(f"row={row}: taken by cache "
                                            f"{self._rows[row].id!r}")
         self._check_fits(cache, cache.num_blocks, cache.beam_width)
+        if self._sparse is not None:
+            self._sparse.seat(row, cache)  # refuses beams before the row is taken
         self._rows[row] = cache
         cache.batch_seat = (self, row)
         self._dirty.add(row)
@@ -224,6 +231,8 @@ class Batch:
         self._thread.check()
         row = self._member_row(cache)
         self._wait_readers()
+        if self._sparse is not None:
+            self._sparse.leave(row)
         self._rows[row] = None
         self._scratch[row] = {}
         cache.batch_seat = None
@@ -241,6 +250,8 @@ class Batch:
             raise InvalidArgumentError(f"row={row}: taken by cache {self._rows[row].id!r}")
         self._rows[row], self._rows[old] = cache, None
         self._scratch[row], self._scratch[old] = self._scratch[old], {}
+        if self._sparse is not None:
+            self._sparse.move(old, row)
         cache.batch_seat = (self, row)
         self._dirty.update((row, old))
 
@@ -280,6 +291,8 @@ class Batch:
         if self.backend.is_capturing(stream):
             raise InvalidStateError("publish during CUDA graph capture: publish before "
                                     "capturing (the tables' addresses never change)")
+        # Sparse rows are checked before any work is queued; they pin after the upload.
+        sparse_moved = self._sparse is not None and self._sparse.prepare(self._rows)
         restage = self._dirty
         rows = np.asarray(sorted(restage | self._patched), dtype=np.int32)
         if len(rows):
@@ -292,6 +305,8 @@ class Batch:
             self._convert(rows, stream)
             self._dirty = set()
             self._patched.clear()
+        if self._sparse is not None:
+            self._sparse.publish(sparse_moved, self._device_tables(), stream)
         event = self.backend.create_event()
         event.record(stream)
         self._ready = event
@@ -345,6 +360,8 @@ class Batch:
         if self.max_total_input_tokens is not None:
             live = [r for r, c in enumerate(rows) if c is not None and caps[r] != -1]
             self._check_new_tokens(live, caps, hist)
+        if self._sparse is not None:
+            self._check_sparse_resize(caps, hist)
         # (A member that releases pages waits for the reader fence itself: cache._unlock.)
         out = [True] * self.max_rows
         if hist is None:
@@ -425,6 +442,145 @@ class Batch:
             self._tables[0].staging[r_arr, 0, b_arr] = slots[keep]
             self._counts[0].staging[count_r, 0] = count_v
         return rest
+
+    # -- sparse attention (kvcm_core.sparse; docs/sparse.md) ---------------------------------
+
+    def _check_sparse_resize(self, caps: list[int], hist: list[int] | None) -> None:
+        assert self._sparse is not None
+        self._sparse.check_flushed(self._rows, hist)
+        for r, cache in enumerate(self._rows):
+            if cache is not None and caps[r] != -1:
+                self._sparse.check_in_flight(cache, r, caps[r])
+
+    def _arena(self) -> SparseArena:
+        self._check_open()
+        if self._sparse is None:
+            raise InvalidStateError("the manager has no sparse layers")
+        return self._sparse
+
+    def resolve_sparse_selection(self, layer_id: int, selected: Any = None,
+                                 stream: Stream | None = None) -> Any:
+        """Resolve the selection of ``layer_id``'s selection group: ``selected`` (int32
+        ``[max_rows, num_selected]`` unit ids, ``-1`` unused; a NumPy array is written
+        synchronously, a contiguous int32 device array (``__cuda_array_interface__``)
+        copied on ``stream``; ``None``: :meth:`sparse_selection_table` as the indexer left
+        it). Returns the device entry map ``[max_rows, num_selected]``.
+
+        Raises:
+            InvalidStateError: the previous miss list was not fetched by every layer of
+                the group, or the batch has unpublished changes.
+            InvalidArgumentError: not a sparse layer, or a wrong shape.
+        """
+        arena = self._arena()
+        self._check_published()
+        g = arena.resolve(layer_id, selected, stream)
+        return arena.table(g, "entry_map")
+
+    def fetch_resolved_pages(self, layer_id: int, buffers: Any = None,
+                             stream: Stream | None = None) -> None:
+        """Copy the units of the group's current miss list from the host pages of the
+        layer's sparse buffers (``buffers``: roles, default all) into their entries."""
+        arena = self._arena()
+        g = arena.group_of(layer_id)
+        arena.fetch(layer_id, buffers, self._tables[g.group].device,
+                    self.max_beam_width * self.max_blocks_per_row, stream)
+
+    def fetch_sparse_pages(self, layer_id: int, selected: Any = None, buffers: Any = None,
+                           stream: Stream | None = None) -> Any:
+        """Resolve and fetch in one call, for a layer whose selection is its own; returns
+        the entry map.
+
+        Raises:
+            InvalidStateError: the layer shares its selection with other layers.
+        """
+        g = self._arena().group_of(layer_id)
+        if len(g.layers) > 1:
+            raise InvalidStateError(
+                f"fetch_sparse_pages(layer_id={layer_id}): its selection {g.key[1]!r} is "
+                f"shared by layers {list(g.layers)}; call resolve_sparse_selection once, "
+                "then fetch_resolved_pages for each layer")
+        out = self.resolve_sparse_selection(layer_id, selected, stream)
+        self.fetch_resolved_pages(layer_id, buffers, stream)
+        return out
+
+    def prepare_sparse_write_indices(self, layer_id: int, buffers: Any = None) -> Any:
+        """The entries the step's new tokens go to: device int32 ``[max_rows,
+        working_set_units]``, slot ``s`` the entry of unit ``history // unit_tokens + s``
+        of the row (``-1`` past the capacity), as the last publish pinned them. Every
+        buffer of the layer (``buffers`` only checks the roles) uses the same entries.
+
+        Raises:
+            InvalidStateError: unpublished changes (publish first).
+        """
+        arena = self._arena()
+        self._check_published()
+        arena.cells(layer_id, buffers)
+        return arena.table(arena.group_of(layer_id), "write_map")
+
+    def flush_sparse_units(self, stream: Stream | None = None) -> int:
+        """Write back, from their entries to their host pages, the units each row's history
+        crossed since the last flush (``[old history, min(new history, old capacity))``
+        in units); returns how many units per group were written, summed.
+
+        Rows changed since the last publish (a commit that rebased a block, a move) are
+        published first, so that units go to the pages the rows hold now.
+
+        Raises:
+            InvalidArgumentError: more units than the write-back bound (nothing written).
+        """
+        arena = self._arena()
+        if len(self.dirty_rows()):
+            self.publish(stream)
+        return arena.flush(self._rows, self._device_tables(), stream)
+
+    def _device_tables(self) -> list[tuple[Buffer, int]]:
+        """Each cache group's device page table and its int32 elements per row."""
+        width = self.max_beam_width * self.max_blocks_per_row
+        return [(t.device, width) for t in self._tables]
+
+    def peek_hit_miss_counter(self) -> tuple[int, int]:
+        """Distinct units resolved as hits and as misses since the batch was made
+        (synchronous: reads the device counters)."""
+        return self._arena().counters()
+
+    def read_sparse_table(self, layer_id: int, name: str) -> np.ndarray:
+        """A host copy of a selection group's ``"selected"``, ``"entry_map"`` or
+        ``"write_map"`` table, or of its miss list ``"miss_unit"`` / ``"miss_entry"``
+        (synchronous; for tests and tools)."""
+        arena = self._arena()
+        names = ("selected", "entry_map", "write_map", "miss_unit", "miss_entry")
+        if name not in names:
+            raise InvalidArgumentError(f"name={name!r}: must be one of {names}")
+        return arena.read(arena.group_of(layer_id), name)
+
+    def sparse_selection_table(self, layer_id: int) -> Any:
+        """The device selection table ``[max_rows, num_selected]`` an indexer may write in
+        place (then resolve with ``selected=None``)."""
+        arena = self._arena()
+        return arena.table(arena.group_of(layer_id), "selected")
+
+    def sparse_cells(self, layer_id: int, role: str) -> Any:
+        """Where a sparse buffer's entries live (:class:`~kvcm_core.backend.SparseBufferCells`):
+        entry ``e`` of row ``r`` is at ``cells.page_start(sparse_lease(r) * lease_cells +
+        e // units_per_page) + (e % units_per_page) * unit_bytes``."""
+        return self._arena().cells(layer_id, [role])[0]
+
+    def sparse_lease_table(self) -> Any:
+        """The device lease of each row, int32 ``[max_rows]`` (``-1``: empty row)."""
+        arena = self._arena()
+        arr = self.backend.as_array(arena.lease_of_row.device)
+        if hasattr(arr, "view") and hasattr(arr, "reshape"):
+            return arr[: 4 * self.max_rows].view(np.int32)
+        return arr.typed((self.max_rows,), "<i4")
+
+    def sparse_lease(self, row: int) -> int:
+        """The lease of ``row`` (``-1``: empty)."""
+        return self._arena().lease(self._row_arg(row))
+
+    def _check_published(self) -> None:
+        if len(self.dirty_rows()):
+            raise InvalidStateError("rows changed since the last publish: publish first")
+        self._arena().check_pinned(self._rows)
 
     # -- tables ------------------------------------------------------------------------------
 
@@ -521,6 +677,8 @@ class Batch:
         self.backend.synchronize()
         for t in (*self._tables, *self._counts, *(ix.table for ix in self._index.values())):
             t.free()
+        if self._sparse is not None:
+            self._sparse.free()
         self._closed = True
 
     def __enter__(self) -> Batch:

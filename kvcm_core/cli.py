@@ -8,8 +8,8 @@ Subcommands:
 - ``kvcm conformance [--plugin NAME ...] [-k EXPR] [--json]``: run the conformance suite
   (:mod:`kvcm_core.testing.suite`) in-process and print a table of plugin x result; the
   exit status is non-zero on any failure.
-- ``kvcm bench kernels|manager|mixed|trace|eviction|batch|redis|codecs ...``: the benchmarks
-  (:mod:`kvcm_core.bench`).
+- ``kvcm bench kernels|manager|mixed|trace|eviction|batch|redis|codecs|sparse ...``:
+  the benchmarks (:mod:`kvcm_core.bench`).
 - ``kvcm simulate ...``: the main job (:mod:`kvcm_core.simulate`).
 - ``kvcm --version``.
 
@@ -411,6 +411,8 @@ BENCH_TARGETS = {
     "redis": "the redis tier's pipelined put and get beside redis-benchmark in the same run",
     "codecs": "page codecs' encode and decode on a GPU against its copy bandwidth, blob "
               "codecs on the CPU, and simulated hit rates with raw and lossy cold levels",
+    "sparse": "sparse attention: resolve, fetch and flush device time against limits "
+              "measured in the same run, and trace hits against an exact host LRU",
 }
 
 

@@ -150,15 +150,16 @@ class StorageLayout:
         return PageIndexConverter(slot_bytes // attr.size, attr.offset // attr.size)
 
     def split_quota(
-        self, quota: int, ratios: Sequence[float] | None, level: int = 0
+        self, quota: int, ratios: Sequence[float] | None, level: int = 0,
+        groups: Sequence[int] | None = None,
     ) -> list[int]:
         """Slots per pool group for a level quota.
 
         By default every life cycle gets the same number of slots (the share of a pool group
         is its bytes per slot times its number of life cycles); ``ratios`` override the
-        shares, one per pool group.
+        shares, one per pool group. ``groups`` splits among those pool groups only.
         """
-        pgs = self.pool_groups
+        pgs = self.pool_groups if groups is None else [self.pool_groups[g] for g in groups]
         weights: list[float]
         if ratios is None:
             weights = [float(pg.page_bytes * len(pg.life_cycles)) for pg in pgs]

@@ -40,6 +40,7 @@ from kvcm_core.layout import StorageLayout
 from kvcm_core.lifecycle import LifeCycle
 from kvcm_core.migration import Mover
 from kvcm_core.radix import NO_NODE, PrefixTree
+from kvcm_core.sparse.storage import SparseHostPool, level0_slots
 from kvcm_core.stats import IterationStats
 from kvcm_core.storage import PageArena, StorageStatistics, Store, group_by_store
 from kvcm_core.tier import DevicePool, Tier
@@ -104,9 +105,11 @@ class Levels:
             lc.constrains_block(0) else 0 for lc in life_cycles] or [0])
         nlevels = len(config.levels)
         self.stores: list[list[Store]] = [[]]
-        slots = layout.split_quota(config.levels[0].quota, config.pool_group_ratios)
+        slots = level0_slots(layout, config)
         for pg, n in zip(layout.pool_groups, slots, strict=True):
-            pools = [tiers[0].create_pool(size, n, name=f"L0-pg{pg.id}-pool{k}")
+            # Sparse pools: level 0, but in pinned host memory under their own quota.
+            pools = [SparseHostPool(backend, size, n, f"L0-pg{pg.id}-sparse{k}") if pg.sparse
+                     else tiers[0].create_pool(size, n, name=f"L0-pg{pg.id}-pool{k}")
                      for k, size in enumerate(pg.slot_sizes)]
             self._add_store(0, pg.id, pools, make_policy, nlevels == 1)
         # Cold grouping: (pool policy, cold page size), independent of the GPU grouping;

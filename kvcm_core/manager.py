@@ -34,6 +34,7 @@ from kvcm_core.plugins import KvcmPluginManager, get_plugin_manager
 from kvcm_core.radix import PrefixTree, check_token_array, scope_root_key
 from kvcm_core.records import CodecKind, CodecSpec, Medium
 from kvcm_core.scratch import max_scratch_blocks, validate_scratch_layout
+from kvcm_core.sparse.storage import check_sparse_backend, level0_slots
 from kvcm_core.stats import IterationStats
 from kvcm_core.storage import StorageStatistics
 from kvcm_core.threads import ThreadGuard
@@ -69,6 +70,11 @@ class KVCacheManager:
         self.tokens_per_block = config.tokens_per_block
         backend_spec = pm.select_kernel_backend(config.kernel_backend)
         self.kernel_backend: str = backend_spec.name
+        try:
+            check_sparse_backend(config, self.backend, backend_spec.name)
+        except ConfigError:
+            self.backend.close()
+            raise
         self.registry = LifeCycleRegistry(config)
         self.layout = StorageLayout(self.registry)
         # SWA scratch (kvcm_core.scratch): group -> scale of each pool of its pool group,
@@ -423,7 +429,7 @@ class KVCacheManager:
             raise InvalidStateError(
                 f"manager.resize() needs every cache suspended; active: {active[:8]}")
         if level == 0:
-            slots = self.layout.split_quota(quota, self.config.pool_group_ratios)
+            slots = level0_slots(self.layout, self.config, quota)
         else:
             try:
                 slots = self.storage_levels.cold_slots(level, quota)

@@ -14,10 +14,11 @@ import pytest
 from kvcm_core import cli
 from kvcm_core.bench import result_path
 
-BENCHES = ["kernels", "manager", "mixed", "trace", "eviction", "batch", "codecs"]
+BENCHES = ["kernels", "manager", "mixed", "trace", "eviction", "batch", "codecs", "sparse"]
 #: The file name each benchmark writes into an --out folder.
 STEMS = {"kernels": "kernels-host", "manager": "host_overhead", "mixed": "mixed_precision",
-         "trace": "trace", "eviction": "eviction", "batch": "batch", "codecs": "codecs"}
+         "trace": "trace", "eviction": "eviction", "batch": "batch", "codecs": "codecs",
+         "sparse": "sparse"}
 TRACE = "\n".join(json.dumps(r) for r in [
     {"timestamp": 0, "input_length": 700, "output_length": 4, "hash_ids": [1, 2]},
     {"timestamp": 5, "input_length": 1100, "output_length": 4, "hash_ids": [1, 2, 3]},
@@ -32,6 +33,8 @@ def _quick_args(name: str, tmp_path: Path) -> list[str]:
         trace = tmp_path / "mini.jsonl"
         trace.write_text(TRACE)
         return [str(trace)]
+    if name == "sparse":  # host times of the reference, where no GPU is
+        return ["--backends", "numpy"]
     return []
 
 
@@ -55,7 +58,7 @@ def test_quick_runs_write_a_new_timestamped_file_each_time(name: str, tmp_path: 
 
 
 @pytest.mark.parametrize("name", ["manager", "mixed", "trace", "eviction", "kernels",
-                                  "batch"])
+                                  "batch", "sparse"])
 def test_an_existing_result_file_is_refused_before_running(name: str, tmp_path: Path,
                                                            capsys) -> None:
     old = tmp_path / "result.json"

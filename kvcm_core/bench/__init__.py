@@ -13,6 +13,8 @@
   ``redis-benchmark`` on the same server.
 - :mod:`kvcm_core.bench.codecs`: page codecs on a GPU against its copy bandwidth, blob
   codecs on the CPU, and simulated hit rates per cold codec.
+- :mod:`kvcm_core.bench.sparse`: the sparse kernels (resolve, fetch, flush) on each GPU
+  backend against limits measured in the same run, and trace hits beside an exact LRU.
 
 Each module has ``main(argv) -> int`` and ``_parser()``, takes ``--quick`` for a short run
 (smaller sizes, fewer repetitions; options given explicitly still win), and writes its
@@ -38,6 +40,7 @@ from kvcm_core.errors import ConfigError
 
 __all__ = [
     "DEFAULT_OUT",
+    "DeviceGate",
     "HelpFormatter",
     "add_output_options",
     "check_out",
@@ -187,3 +190,43 @@ def split_steps(step_ns: Sequence[int], boundary: Sequence[bool], per: int,
         f"{name}_no_new_block": mean([t for t, b in zip(step_ns, boundary, strict=True)
                                       if not b]),
     }
+
+
+_GATE = ('extern "C" __global__ void kvcm_bench_gate(unsigned long long flag) '
+         '{ while (*(volatile int*)flag == 0) { } }\n')
+
+
+class DeviceGate:
+    """Times the device work of a call alone: a kernel spinning on a pinned flag holds the
+    default stream while the host queues the call between two events, then the flag lets
+    it go (so the host's queuing time is not in the events' interval). Needs a backend that
+    compiles CUDA C (``compile``)."""
+
+    def __init__(self, backend: Any) -> None:
+        import numpy as np
+
+        self.backend = backend
+        self.module = backend.compile(_GATE)
+        self.flag = backend.alloc_host(64)
+        self.view = self.flag.host_view()[:4].view(np.int32)
+        self._arg = [np.uint64(self.flag.ptr)]
+
+    def time(self, call: Callable[[], Any]) -> tuple[float, float]:
+        """``(device seconds, host seconds)`` of one ``call``."""
+        be = self.backend
+        self.view[0] = 0
+        self.module.launch("kvcm_bench_gate", (1, 1, 1), (1, 1, 1), self._arg)
+        start, end = be.create_event(), be.create_event()
+        start.record()
+        try:
+            t0 = time.perf_counter()
+            call()
+            host = time.perf_counter() - t0
+            end.record()
+        finally:
+            self.view[0] = 1
+        end.synchronize()
+        return end.elapsed_ms(start) / 1e3, host
+
+    def close(self) -> None:
+        self.flag.free()

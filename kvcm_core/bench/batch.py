@@ -34,6 +34,7 @@ import numpy as np
 
 from kvcm_core.batch import Batch
 from kvcm_core.bench import (
+    DeviceGate,
     HelpFormatter,
     add_output_options,
     parse_with_quick,
@@ -48,8 +49,6 @@ from kvcm_core.plugins import get_plugin_manager
 
 ns = time.perf_counter_ns
 _EMPTY = 'extern "C" __global__ void kvcm_bench_batch_empty(unsigned long long x) {}\n'
-_GATE = ('extern "C" __global__ void kvcm_bench_batch_gate(unsigned long long flag) '
-         '{ while (*(volatile int*)flag == 0) { } }\n')
 
 #: What ``--quick`` changes: a run of a few seconds.
 QUICK = {"block_sizes": [16], "rows": 32, "context": 256, "steps": 32, "reps": 1,
@@ -174,24 +173,8 @@ def run_device(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     # one row, gains a block; its publish uploads and converts those rows. The device time
     # is that of the work the call queues, measured with the stream held by a gate kernel
     # while the host queues it (so host time is not in it); the host time is the call's.
-    gate = be.compile(_GATE)
-    flag = be.alloc_host(64)
-    flag_view = flag.host_view()[:4].view(np.int32)
-
-    def gated(call: Any) -> tuple[float, float]:
-        flag_view[0] = 0
-        gate.launch("kvcm_bench_batch_gate", (1, 1, 1), (1, 1, 1), [np.uint64(flag.ptr)])
-        start, end = be.create_event(), be.create_event()
-        start.record()
-        try:
-            t0 = time.perf_counter()
-            call()
-            host = time.perf_counter() - t0
-            end.record()
-        finally:
-            flag_view[0] = 1
-        end.synchronize()
-        return end.elapsed_ms(start) / 1e3, host
+    gate = DeviceGate(be)
+    gated = gate.time
 
     def case(name: str, grow_rows: list[int]) -> None:
         dev, host = [], []
@@ -212,7 +195,7 @@ def run_device(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         case("all_rows_dirty", list(range(rows)))
         case("one_row_dirty", [rows // 2])
     finally:
-        flag.free()
+        gate.close()
     b.close()
     for c in caches:
         c.close()

@@ -107,16 +107,21 @@ class SimulateConfig:
     kvcm: Mapping[str, Any]
 
 
-def load_config(path: str | Path | None = None) -> SimulateConfig:
+#: Embedded configurations ``--preset`` names: ``default`` (a small hybrid model) and
+#: ``sparse`` (sparse-attention layers sharing one selection, beside a dense one).
+PRESETS = ("default", "sparse")
+
+
+def load_config(path: str | Path | None = None, preset: str = "default") -> SimulateConfig:
     """Read a simulation file (``[simulate]`` and ``[kvcm]`` tables); ``None``: the
-    embedded default (``kvcm_core/simulate/default.toml``).
+    embedded preset (``kvcm_core/simulate/PRESET.toml``).
 
     Raises:
         ConfigError: unreadable file, unknown key or bad value.
     """
     try:
         if path is None:
-            text = importlib.resources.files(__name__).joinpath("default.toml").read_text()
+            text = importlib.resources.files(__name__).joinpath(f"{preset}.toml").read_text()
         else:
             text = Path(path).read_text()
         data = tomllib.loads(text)
@@ -218,9 +223,14 @@ def _parser() -> argparse.ArgumentParser:
                     "verify every step with the fingerprint engine, and report hit rates "
                     "against the infinite-cache bound and a GPU-only run.",
     )
-    p.add_argument("--config", metavar="FILE",
-                   help="a TOML file with [simulate] and [kvcm] tables (default: the "
-                        "embedded default.toml)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", metavar="FILE",
+                     help="a TOML file with [simulate] and [kvcm] tables (default: the "
+                          "embedded preset)")
+    src.add_argument("--preset", choices=PRESETS, default="default",
+                     help="an embedded configuration: default (a small hybrid model) or "
+                          "sparse (sparse-attention layers with one shared top-k selection "
+                          "that drifts step to step)")
     p.add_argument("--seed", type=int, help="workload seed (overrides [simulate] seed)")
     p.add_argument("--requests", type=int, metavar="N", help="requests in the trace")
     p.add_argument("--duration", type=int, metavar="STEPS",
@@ -377,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     records = None
     warnings: list[str] = []
     try:
-        sim = load_config(args.config)
+        sim = load_config(args.config, args.preset)
         wl = sim.workload
         if args.requests is not None:
             wl = attrs.evolve(wl, requests=args.requests)
@@ -425,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except importlib.metadata.PackageNotFoundError:  # pragma: no cover
         version = "unknown"
     meta: dict[str, Any] = {
-        "kvcm_version": version, "seed": seed, "config": args.config or "default.toml",
+        "kvcm_version": version, "seed": seed, "config": args.config or f"{args.preset}.toml",
         "python": platform.python_version(), "machine": platform.machine(),
         "kernel_backend": cfg.kernel_backend, "argv": list(argv or []),
         "workload": attrs.asdict(wl), "scheduler": attrs.asdict(sim.scheduler),

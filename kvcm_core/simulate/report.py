@@ -74,6 +74,7 @@ def _run_dict(res: RunResult) -> dict[str, Any]:
             "pages_checked": res.pages_checked,
             "pages_written": res.pages_written,
             "invariant_checks": res.invariant_checks,
+            **({"sparse": res.sparse} if res.sparse else {}),
         },
         "series": res.series,
     }

@@ -120,6 +120,9 @@ class RunResult:
     steps_fully_checked: int = 0
     fresh_checks: int = 0
     invariant_checks: int = 0
+    #: Sparse layers: hits and misses of the resolves (equal to an exact LRU's, checked
+    #: every step) and the entries checked after fetches; empty without sparse layers.
+    sparse: dict[str, int] = attrs.Factory(dict)
     series: dict[str, Any] = attrs.Factory(dict)
 
     @property
@@ -450,6 +453,9 @@ def run_trace(
         elif check:
             res.steps_fully_checked = res.steps_checked
         res.pages_written = loop.engine.written_pages
+        if loop.sparse is not None:
+            res.sparse = {"hits": loop.sparse.hits, "misses": loop.sparse.misses,
+                          "entries_checked": loop.sparse.checked_entries}
         res.series = series
         loop.close_all()
         manager.shutdown()

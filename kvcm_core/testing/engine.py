@@ -20,6 +20,7 @@ from kvcm_core.cache import CacheStatus
 from kvcm_core.config import AttentionLayerConfig
 from kvcm_core.errors import TierIOError
 from kvcm_core.testing.fingerprint import FingerprintEngine, StepWork
+from kvcm_core.testing.sparse_engine import SparseSteps
 from kvcm_core.types import ReuseScope
 
 __all__ = ["EngineLoop", "Request"]
@@ -93,7 +94,7 @@ class EngineLoop:
                  token_budget: int | None = None, check: bool = True,
                  close_finished: bool = True, preempt_mode: str = "auto",
                  use_batch: bool = True, index_tables: bool = False,
-                 recompute_lost: bool = False) -> None:
+                 recompute_lost: bool = False, sparse_seed: int = 0) -> None:
         if preempt_mode not in ("auto", "suspend", "recompute"):
             raise ValueError(f"preempt_mode={preempt_mode!r}: must be auto, suspend or "
                              "recompute")
@@ -103,8 +104,12 @@ class EngineLoop:
         self.batch: Batch | None = None
         if use_batch:
             widest = max(s.num_slots for s in manager.stores[0])
+            # Sparse layers write back what a step took: bound it by the step's tokens.
+            bound = (token_budget or chunk_tokens * max_batch) if _has_sparse(manager) \
+                else None
             self.batch = Batch(manager, max_batch, max(1, widest),
-                               max_beam_width=manager.config.max_beam_width)
+                               max_beam_width=manager.config.max_beam_width,
+                               max_total_input_tokens=bound)
             if index_tables:
                 for layer in manager.config.layers:
                     if isinstance(layer, AttentionLayerConfig):
@@ -112,6 +117,9 @@ class EngineLoop:
                             if buf.size:
                                 self.batch.register_index_table(layer.layer_id, buf.role)
         self.engine = FingerprintEngine(manager, self.batch)
+        #: The sparse half of each step (None without sparse layers or a batch).
+        self.sparse = SparseSteps(self.engine, sparse_seed) \
+            if self.batch is not None and _has_sparse(manager) else None
         self.chunk_tokens = chunk_tokens
         self.max_batch = max_batch
         self.token_budget = token_budget
@@ -216,6 +224,8 @@ class EngineLoop:
             want = self.chunk_tokens if hist < req.prompt_len else 1
             if hist < req.prompt_len:
                 want = min(want, req.prompt_len - hist)
+            if self.sparse is not None:
+                want = min(want, self.sparse.max_chunk)
             if budget is not None:
                 want = min(want, budget)
                 if want <= 0:
@@ -250,16 +260,22 @@ class EngineLoop:
             report.preempted.append(req)
         if work and self.batch is not None:
             self.batch.publish()
+            if self.sparse is not None:
+                self.sparse.published()
         if work:
             if self.check:
                 self.engine.check(work)
             self.engine.write(work)
+            if self.sparse is not None:
+                self.sparse.select(work)
         for req, cap in stepped:
             cache = req.cache
             known = cache.history_length
             cache.commit(req.tokens[known:cap])
             report.stepped += 1
             report.tokens += cap - known
+        if self.sparse is not None and stepped:
+            self.sparse.flush()
         for req, _ in stepped:
             if req.done:
                 self.running.remove(req)
@@ -321,7 +337,11 @@ class EngineLoop:
 
     def unseat(self, req: Request) -> None:
         """Take a request's cache out of the batch (before suspending or closing it)."""
-        if self.batch is not None and self.batch.row_of(req.cache) is not None:
+        row = None if self.batch is None else self.batch.row_of(req.cache)
+        if row is not None:
+            assert self.batch is not None
+            if self.sparse is not None:
+                self.sparse.left(self.batch.sparse_lease(row))
             self.batch.remove_kv_cache(req.cache)
 
     def close(self) -> None:
@@ -354,6 +374,10 @@ class EngineLoop:
                     stuck = [r.id for r in (*self.running, *self.suspended, *self.waiting)]
                     raise RuntimeError(f"engine loop made no progress; stuck: {stuck[:10]}")
         raise RuntimeError(f"engine loop did not finish in {max_steps} steps")
+
+
+def _has_sparse(manager: Any) -> bool:
+    return any(getattr(layer, "sparse", None) is not None for layer in manager.config.layers)
 
 
 def run_requests(manager: Any, requests: Sequence[Request], **kwargs: Any) -> EngineLoop:

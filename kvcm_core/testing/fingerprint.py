@@ -40,7 +40,7 @@ from kvcm_core.errors import KvcmError
 from kvcm_core.radix import token_id32
 from kvcm_core.testing.values import ITEMSIZE, from_bytes, round_to, to_bytes
 
-__all__ = ["FingerprintEngine", "FingerprintMismatch", "StepWork"]
+__all__ = ["FingerprintEngine", "FingerprintMismatch", "StepWork", "token_ids"]
 
 
 class FingerprintMismatch(KvcmError):
@@ -98,6 +98,11 @@ class StepWork:
     cache: Any
     tokens: Sequence[Any]  # the request's tokens, at least up to capacity
     beam: int = 0
+
+
+def token_ids(tokens: Sequence[Any], n: int) -> np.ndarray:
+    """The uint32 record ids of the first ``n`` tokens."""
+    return _ids(tokens, n)
 
 
 def _ids(tokens: Sequence[Any], n: int) -> np.ndarray:
@@ -163,6 +168,11 @@ class FingerprintEngine:
             for b in buffers if not b.is_ssm}
         self.checked_pages = 0
         self.written_pages = 0
+        #: Writes a step's sparse tokens into GPU entries (``SparseSteps``); when set, the
+        #: sparse buffers' host pages are written by flushes only.
+        self.entry_writer: Any = None
+        self._sparse = {(layer.layer_id, buf.role) for layer in manager.config.layers
+                        for buf in layer.buffers if getattr(buf, "is_sparse", False)}
         self._ssm_pending: dict[int, StepWork] = {}  # id(cache) -> state to reconstruct
 
     # -- building page batches ------------------------------------------------------------
@@ -244,6 +254,9 @@ class FingerprintEngine:
                     continue
                 if hi <= lo or ssm_only:
                     continue
+                if writing and only_blocks is None and self.entry_writer is not None and \
+                        (buf.layer_id, buf.role) in self._sparse:
+                    continue  # written into entries, reaching the host by flushes
                 s0, s1 = _stale(buf, hist, tpb)
                 # Positions below a beam's fork were written by beam 0 (shared or copied).
                 segments = [(lo, min(hi, fork), 0), (max(lo, fork), hi, w.beam)] \
@@ -632,6 +645,8 @@ class FingerprintEngine:
         if layered:
             self._write_by_layer(layered)
             work = [w for w in work if not any(w is x for x in layered)]
+        if self.entry_writer is not None:
+            self.written_pages += self.entry_writer.write_entries(work)
         self._put(work, writing=True)
 
     def step(self, work: Sequence[StepWork]) -> None:

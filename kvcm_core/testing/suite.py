@@ -16,7 +16,7 @@ import pytest
 
 # Assertions in the base classes get pytest's detailed messages when they are imported
 # here first (``kvcm conformance`` runs this module in a fresh pytest session).
-_SUITES = ("tier", "keyed", "kernels", "codec", "eviction")
+_SUITES = ("tier", "keyed", "kernels", "sparse", "codec", "eviction")
 pytest.register_assert_rewrite(
     *[
         name
@@ -29,10 +29,12 @@ from kvcm_core.testing.conformance.codec import CodecConformance  # noqa: E402
 from kvcm_core.testing.conformance.eviction import EvictionPolicyConformance  # noqa: E402
 from kvcm_core.testing.conformance.keyed import KeyedTierConformance  # noqa: E402
 from kvcm_core.testing.conformance.kernels import KernelBackendConformance  # noqa: E402
+from kvcm_core.testing.conformance.sparse import SparseKernelConformance  # noqa: E402
 from kvcm_core.testing.conformance.tier import TierConformance  # noqa: E402
 
 __all__ = [
-    "TestCodecs", "TestEvictionPolicies", "TestKernelBackends", "TestKeyedTiers", "TestTiers",
+    "TestCodecs", "TestEvictionPolicies", "TestKernelBackends", "TestKeyedTiers",
+    "TestSparseKernels", "TestTiers",
 ]
 
 
@@ -46,6 +48,10 @@ class TestKeyedTiers(KeyedTierConformance):
 
 class TestKernelBackends(KernelBackendConformance):
     """Every registered kernel backend."""
+
+
+class TestSparseKernels(SparseKernelConformance):
+    """Every registered kernel backend's sparse kernels."""
 
 
 class TestCodecs(CodecConformance):

@@ -18,6 +18,7 @@ __all__ = [
     "EvictionPolicyConformance",
     "KernelBackendConformance",
     "KeyedTierConformance",
+    "SparseKernelConformance",
     "TierConformance",
 ]
 
@@ -28,6 +29,7 @@ _LAZY = {
     "EvictionPolicyConformance": "eviction",
     "KernelBackendConformance": "kernels",
     "KeyedTierConformance": "keyed",
+    "SparseKernelConformance": "sparse",
     "TierConformance": "tier",
 }
 

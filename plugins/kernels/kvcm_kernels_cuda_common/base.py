@@ -24,11 +24,14 @@ from kvcm_core.backend import (
     KernelBackend,
     MemoryKind,
     PageRegion,
+    SparseCopy,
+    SparseResolve,
     Stream,
     TableConversion,
     check_copy_args,
 )
 from kvcm_core.scratch import ScratchDesc, scratch_kernel_args
+from kvcm_core.sparse.reference import keys_width
 from kvcm_kernels_cuda_common.source import (
     CONV_JOB_WORDS,
     COPY_CHUNK_BYTES_PER_THREAD,
@@ -36,6 +39,13 @@ from kvcm_kernels_cuda_common.source import (
     FP_DESC_WORDS,
     KERNEL_NAMES,
     SOURCE,
+)
+from kvcm_kernels_cuda_common.source_sparse import (
+    SPARSE_COPY_DESC_WORDS,
+    SPARSE_KERNEL_NAMES,
+    SPARSE_RESOLVE_THREADS,
+    SPARSE_SHARED_LIMIT,
+    SPARSE_SOURCE,
 )
 
 __all__ = [
@@ -604,13 +614,13 @@ class CudaKernelBackend(KernelBackend):
 
     def _kernels(self) -> CompiledModule:
         if self._module is None:
-            self._module = self.compile(SOURCE)
+            self._module = self.compile(SOURCE + SPARSE_SOURCE)
         return self._module
 
     def warm_up(self) -> None:
         """Compile and load the kernels now rather than on first use."""
         module = self._kernels()
-        for name in KERNEL_NAMES:
+        for name in (*KERNEL_NAMES, *SPARSE_KERNEL_NAMES):
             module.function(name)
 
     def close(self) -> None:
@@ -839,6 +849,59 @@ class CudaKernelBackend(KernelBackend):
             grid = (max(1, min(-(-n_max // threads), 4096)), min(len(jobs), _MAX_GRID_Y), 1)
             self._launch(module.function("kvcm_convert_page_tables"), grid, (threads, 1, 1),
                          _u64([dev, len(jobs), dev + flag_at]), st.native, 0)
+            self._ring.release(slot, st.native)
+
+    # -- sparse attention ------------------------------------------------------------------
+
+    #: Working sets up to this many entries sort in shared memory; larger ones in global.
+    sparse_shared_limit = SPARSE_SHARED_LIMIT
+
+    def sparse_resolve(self, job: SparseResolve, stream: Stream | None = None) -> None:
+        if job.rows == 0:
+            return
+        p = keys_width(job.working_set_units)
+        if p >= 1 << 24:
+            raise ValueError(f"working_set_units={job.working_set_units}: must be < 2**24")
+        shared = p <= self.sparse_shared_limit
+        st = self._stream(stream)
+        sel = 0 if job.selected is None else job.selected.ptr
+        args = [job.rows, job.num_selected, job.working_set_units, p, job.max_units,
+                job.unit_tokens, job.lease_of_row.ptr, job.marks.ptr, job.resident.ptr,
+                job.stamp.ptr, job.tick.ptr, job.entry_of.ptr, job.first.ptr, sel,
+                job.entry_map.ptr, job.miss_unit.ptr, job.miss_entry.ptr, job.miss_count.ptr,
+                job.counters.ptr, job.keys.ptr, int(shared)]
+        module = self._kernels()
+        with self._lock:
+            self._launch(module.function("kvcm_sparse_resolve"),
+                         (min(job.rows, _MAX_GRID_X), 1, 1), (SPARSE_RESOLVE_THREADS, 1, 1),
+                         _u64(args), st.native, 8 * p if shared else 0)
+
+    def sparse_copy(self, job: SparseCopy, stream: Stream | None = None) -> None:
+        if job.rows == 0 or not job.buffers:
+            return
+        desc = np.zeros((len(job.buffers), SPARSE_COPY_DESC_WORDS), dtype=np.int64)
+        for i, c in enumerate(job.buffers):
+            desc[i] = (c.host.buffer.ptr + c.host.offset, c.host.stride,
+                       c.cells.buffer.ptr + c.cells.offset, c.cells.stride, c.unit_bytes,
+                       c.units_per_page, c.lease_cells, 0)
+        st = self._stream(stream)
+        module = self._kernels()
+        opt = [(b.ptr if b is not None else 0) for b in
+               (job.miss_unit, job.miss_entry, job.miss_count, job.entry_of, job.ranges)]
+        with self._lock:
+            slot = self._ring.acquire(desc.nbytes, 0)
+            slot.view[: desc.nbytes].view(np.int64)[:] = desc.reshape(-1)
+            dev = slot.dev_ptr
+            self._memcpy_async(dev, slot.host_ptr, desc.nbytes, st.native)
+            # About 8192 blocks over rows and their units (a block copies one unit at a
+            # time), so that many reads of mapped host memory are in flight.
+            per_row = max(1, min(1024, 8192 // (job.rows * len(job.buffers))))
+            grid = (per_row, min(job.rows, _MAX_GRID_Y), min(len(job.buffers), _MAX_GRID_Y))
+            self._launch(module.function("kvcm_sparse_copy"), grid, (self._threads, 1, 1),
+                         _u64([dev, len(job.buffers), job.rows, job.num_selected,
+                               job.max_units, job.row_elems, int(job.flush),
+                               job.page_table.ptr, job.lease_of_row.ptr, *opt]),
+                         st.native, 0)
             self._ring.release(slot, st.native)
 
     # -- fingerprint engine ----------------------------------------------------------------

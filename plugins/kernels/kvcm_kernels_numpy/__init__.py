@@ -21,12 +21,15 @@ from kvcm_core.backend import (
     KernelBackend,
     MemoryKind,
     PageRegion,
+    SparseCopy,
+    SparseResolve,
     Stream,
     TableConversion,
     check_copy_args,
 )
 from kvcm_core.records import KernelBackendCapabilities, KernelBackendSpec
 from kvcm_core.scratch import ScratchDesc, convert_page_indices_reference
+from kvcm_core.sparse.reference import copy_reference, resolve_reference, resolve_views
 
 __all__ = ["NumpyBackend", "NumpyBuffer", "fingerprint_image"]
 
@@ -268,6 +271,13 @@ class NumpyBackend(KernelBackend):
             for r, desc in scratch.items():
                 dst[r] = convert_page_indices_reference(src[r], t.scale, t.offset,
                                                         t.expansion, desc)
+
+    def sparse_resolve(self, job: SparseResolve, stream: Stream | None = None) -> None:
+        resolve_reference(resolve_views(job), job.rows, job.num_selected,
+                          job.working_set_units, job.max_units, job.unit_tokens)
+
+    def sparse_copy(self, job: SparseCopy, stream: Stream | None = None) -> None:
+        copy_reference(job)
 
     def _locate(self, pages: FingerprintPages) -> tuple[np.ndarray, np.ndarray]:
         """For every page: index of the live buffer holding it, and its offset there."""

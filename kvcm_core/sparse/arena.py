@@ -1,0 +1,470 @@
+"""The sparse state a :class:`~kvcm_core.batch.Batch` owns: leases, residency, cells.
+
+Every seated row holds one **lease** (``add_kv_cache`` takes the lowest free one,
+``remove_kv_cache`` returns it, ``move`` carries it). A lease owns, per selection group,
+the residency state of the resolve kernels (``resident``, ``stamp``, ``tick``,
+``entry_of``) and, per sparse buffer, ``cells_per_buffer`` cells of the device arena of
+its pool: entry ``e`` of buffer ``b`` is sub-unit ``e % units_per_page`` of cell
+``lease * cells_per_lease + slot_in_pool(b) * cells_per_buffer + e // units_per_page``, so
+every buffer of a layer holds the unit of entry ``e`` at the same entry index.
+
+Per lease the marks ``(history, capacity)`` (tokens) say which units are in flight:
+``[history // unit_tokens, ceil(capacity / unit_tokens))``. Their entries are pinned
+(never evicted) until :meth:`SparseArena.flush` writes them back and moves ``history``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+
+from kvcm_core.backend import (
+    Buffer,
+    CopyTask,
+    PageRegion,
+    SparseBufferCells,
+    SparseCopy,
+    SparseResolve,
+)
+from kvcm_core.errors import InvalidArgumentError, InvalidStateError
+from kvcm_core.sparse.reference import keys_width
+from kvcm_core.sparse.state import (
+    STATE,
+    DeviceArray,
+    Mirror,
+    SelectionGroup,
+    resolve_job,
+    selection_groups,
+)
+
+if TYPE_CHECKING:
+    from kvcm_core.backend import KernelBackend, Stream
+
+__all__ = ["SparseArena"]
+
+
+class SparseArena:
+    """Leases, residency and cells of one batch (see module docstring).
+
+    Args:
+        manager: the batch's manager.
+        max_rows: the batch's rows (and leases).
+        max_blocks: blocks a row holds.
+        max_total_input_tokens: the batch's bound on new tokens (sizes the write-back
+            list; ``None``: every row crossing one block per step).
+    """
+
+    def __init__(self, manager: Any, max_rows: int, max_blocks: int,
+                 max_total_input_tokens: int | None) -> None:
+        self.backend: KernelBackend = manager.backend
+        self.manager = manager
+        self.rows = self.leases = max_rows
+        self.groups = selection_groups(manager, max_blocks, max_rows, max_total_input_tokens)
+        self.by_layer = {layer: g for g in self.groups for layer in g.layers}
+        self.lease_of_row = Mirror(self.backend, (max_rows,), np.int32, -1)
+        self.marks = Mirror(self.backend, (max_rows, 2), np.int32, 0)
+        self._free = list(range(max_rows))
+        self._fresh: set[int] = set()  # leases whose state is reset at the next publish
+        self._seats_moved = False  # the lease table changed since its last upload
+        self._caps = np.full(max_rows, -1, dtype=np.int64)  # capacity last pinned, by lease
+        self.arenas: list[Buffer] = []
+        self._place_cells()
+        for g in self.groups:
+            self._alloc_state(g)
+            g.ranges = Mirror(self.backend, (max_rows, 2), np.int32, 0)
+
+    # -- layout ----------------------------------------------------------------------------
+
+    def _place_cells(self) -> None:
+        """One device arena per sparse pool; each buffer's cells (see module docstring)."""
+        m = self.manager
+        pools: dict[tuple[int, int], list[tuple[SelectionGroup, int, str]]] = {}
+        for g in self.groups:
+            for layer, roles in g.buffers.items():
+                for role in roles:
+                    attr = m.buffer_attr(layer, role)
+                    pools.setdefault((attr.pool_group, attr.pool), []).append((g, layer, role))
+        for members in pools.values():
+            _g0, layer0, role0 = members[0]
+            size = m.buffer_attr(layer0, role0).size
+            slot_bytes = m.get_page_stride(layer0, role0)
+            per_buffer = max(-(-g.working_set_units // g.units_per_page) for g, _, _ in members)
+            lease_cells = (slot_bytes // size) * per_buffer
+            arena = self.backend.alloc_device(self.leases * lease_cells * size)
+            self.arenas.append(arena)
+            for g, layer, role in members:
+                attr = m.buffer_attr(layer, role)
+                cells = PageRegion(arena, (attr.offset // size) * per_buffer * size, size)
+                g.buffers[layer][role] = SparseBufferCells(
+                    m.get_page_region(layer, role), cells, size // g.units_per_page,
+                    g.units_per_page, lease_cells)
+
+    def _alloc_state(self, g: SelectionGroup) -> None:
+        widths = {"wsu": g.working_set_units, "units": g.max_units, "ns": g.num_selected,
+                  "keys": keys_width(g.working_set_units), None: 1, 2: 2}
+        for name, dtype, fill, per_lease, width in STATE:
+            n = (self.leases if per_lease else self.rows) * widths[width]
+            item = np.dtype(dtype).itemsize
+            buf = self.backend.alloc_device(n * item)
+            self.backend.write(buf, 0, np.full(n, fill, dtype=dtype).view(np.uint8))
+            g.state[name] = buf
+            if per_lease:  # one lease's reset image
+                tpl = self.backend.alloc_host(widths[width] * item)
+                tpl.host_view()[:] = np.full(widths[width], fill, dtype=dtype).view(np.uint8)
+                g.templates[name] = tpl
+
+    # -- leases ----------------------------------------------------------------------------
+
+    def seat(self, row: int, cache: Any) -> int:
+        """Give ``row`` the lowest free lease; its state resets at the next publish. A
+        request arriving with history has it on the host already: nothing to flush."""
+        self.check_beams(cache)
+        lease = heapq.heappop(self._free)
+        self.lease_of_row.host[row] = lease
+        self._seats_moved = True
+        h = cache.history_length
+        self.marks.host[lease] = (h, h)
+        self._caps[lease] = -1
+        self._fresh.add(lease)
+        return lease
+
+    def leave(self, row: int) -> None:
+        lease = int(self.lease_of_row.host[row])
+        self.lease_of_row.host[row] = -1
+        self._seats_moved = True
+        heapq.heappush(self._free, lease)
+
+    def move(self, old: int, new: int) -> None:
+        host = self.lease_of_row.host
+        host[new], host[old] = host[old], -1
+        self._seats_moved = True
+
+    def lease(self, row: int) -> int:
+        return int(self.lease_of_row.host[row])
+
+    @staticmethod
+    def check_beams(cache: Any) -> None:
+        if cache.beam_width > 1:
+            raise InvalidStateError(
+                f"cache {cache.id!r} has beam width {cache.beam_width}: sparse layers do not "
+                "take beams yet (beam width must be 1)")
+
+    # -- publish: in-flight units get pinned entries ---------------------------------------
+
+    def check_in_flight(self, cache: Any, row: int, capacity: int) -> None:
+        """Refuse a capacity whose in-flight units leave a group fewer than
+        ``num_selected`` free entries.
+
+        Raises:
+            InvalidArgumentError: too many tokens in flight for a working set.
+        """
+        lease = self.lease(row)
+        hist = int(self.marks.host[lease][0])
+        for g in self.groups:
+            n = g.in_flight(hist, capacity)
+            if n > g.working_set_units - g.num_selected:
+                raise InvalidArgumentError(
+                    f"capacity={capacity} of cache {cache.id!r}: {n} units in flight (from "
+                    f"the flushed history {hist}) exceed working_set_units - num_selected = "
+                    f"{g.working_set_units - g.num_selected} of selection {g.key[1]!r}; "
+                    "flush, or write fewer tokens per step")
+
+    def prepare(self, members: Sequence[Any]) -> bool:
+        """Before a publish queues anything: take every row's capacity into its marks,
+        refusing beams and too many units in flight. Returns whether anything moved."""
+        changed = bool(self._fresh)
+        for row, cache in enumerate(members):
+            if cache is None:
+                continue
+            self.check_beams(cache)
+            lease = self.lease(row)
+            cap = cache.capacity
+            if cap != self._caps[lease]:
+                self.check_in_flight(cache, row, cap)
+                changed = True
+        if changed:
+            for row, cache in enumerate(members):
+                if cache is not None:
+                    lease = self.lease(row)
+                    self.marks.host[lease][1] = self._caps[lease] = cache.capacity
+        return changed
+
+    def publish(self, changed: bool, tables: Sequence[tuple[Buffer, int]],
+                stream: Stream | None) -> None:
+        """Upload the lease table when seats changed (and the marks, fresh leases' state
+        and the pins when :meth:`prepare` saw a change), after the page tables went up."""
+        self._upload_seats(stream)
+        if not changed:
+            return
+        self.marks.upload(stream)
+        if self._fresh:
+            self._reset(sorted(self._fresh), stream)
+            self._fresh.clear()
+        self._pin(tables, stream)
+
+    def _upload_seats(self, stream: Stream | None) -> None:
+        if self._seats_moved:
+            self.lease_of_row.upload(stream)
+            self._seats_moved = False
+
+    def _pin(self, tables: Sequence[tuple[Buffer, int]], stream: Stream | None) -> None:
+        """Give every in-flight unit an entry; a unit that got a new one is fetched from its
+        host page (its tokens below history are there: a resumed request, or an entry
+        evicted since the flush)."""
+        for g in self.groups:
+            self.backend.sparse_resolve(self._job(g, pin=True), stream)
+            s = g.state
+            table, width = tables[g.group]
+            cells = self._group_cells(g)
+            self.backend.sparse_copy(SparseCopy(
+                flush=False, rows=self.rows, num_selected=g.working_set_units,
+                max_units=g.max_units, row_elems=width, buffers=cells, page_table=table,
+                lease_of_row=self.lease_of_row.device, miss_unit=s["pin_unit"],
+                miss_entry=s["pin_entry"], miss_count=s["pin_count"]), stream)
+
+    def check_pinned(self, members: Sequence[Any]) -> None:
+        """Raises InvalidStateError when a row's capacity moved since the last publish."""
+        for row, cache in enumerate(members):
+            if cache is not None and cache.capacity != self._caps[self.lease(row)]:
+                raise InvalidStateError(f"row {row}: capacity moved to {cache.capacity} "
+                                        "since the last publish: publish first")
+
+    def _reset(self, leases: list[int], stream: Stream | None) -> None:
+        pairs = np.zeros((len(leases), 2), dtype=np.int32)
+        pairs[:, 0] = leases
+        tasks = []
+        for g in self.groups:
+            for name, tpl in g.templates.items():
+                n = tpl.nbytes
+                tasks.append(CopyTask(PageRegion(g.state[name], 0, n), PageRegion(tpl, 0, n),
+                                      n, pairs))
+        self.backend.copy_pages_batch(tasks, stream)
+
+    def _job(self, g: SelectionGroup, pin: bool) -> SparseResolve:
+        return resolve_job(g.state, self.lease_of_row.device, self.marks.device,
+                           rows=self.rows, leases=self.leases, num_selected=g.num_selected,
+                           working_set_units=g.working_set_units, max_units=g.max_units,
+                           unit_tokens=g.unit_tokens, pin=pin)
+
+    # -- resolve and fetch -----------------------------------------------------------------
+
+    def group_of(self, layer_id: Any) -> SelectionGroup:
+        g = self.by_layer.get(layer_id)
+        if g is None:
+            raise InvalidArgumentError(
+                f"layer_id={layer_id!r}: not a sparse layer (sparse layers: "
+                f"{sorted(self.by_layer)})")
+        return g
+
+    def resolve(self, layer_id: int, selected: Any, stream: Stream | None) -> SelectionGroup:
+        """Resolve a group's selection (the miss list of the previous one consumed).
+
+        Raises:
+            InvalidStateError: a layer of the group has not fetched the previous miss list.
+        """
+        g = self.group_of(layer_id)
+        if g.pending:
+            raise InvalidStateError(
+                f"resolve for selection {g.key[1]!r} before layers {sorted(g.pending)} "
+                "fetched the previous miss list (call fetch_resolved_pages for each)")
+        st = stream or self.backend.default_stream
+        for ev in g.fetched:  # consumers of the last miss list on other streams
+            st.wait_event(ev)
+        g.fetched = []
+        if selected is not None:
+            self._stage_selection(g, selected, stream)
+        self.backend.sparse_resolve(self._job(g, pin=False), stream)
+        g.resolved = self.backend.create_event()
+        g.resolved.record(stream)
+        g.pending = set(g.layers)
+        return g
+
+    def _stage_selection(self, g: SelectionGroup, selected: Any, stream: Stream | None) -> None:
+        """Bring ``selected`` into the group's selection table: a NumPy array is written
+        (synchronously), a device array (``__cuda_array_interface__``: contiguous int32)
+        copied on ``stream``."""
+        want = (self.rows, g.num_selected)
+        table = g.state["selected"]
+        if isinstance(selected, np.ndarray):
+            if selected.shape != want or selected.dtype.kind not in "iu":
+                raise InvalidArgumentError(
+                    f"selected: must be an int array of shape {want} (max_rows, num_selected)"
+                    f", got {selected.dtype} {selected.shape}")
+            self.backend.write(table, 0,
+                               np.ascontiguousarray(selected, dtype=np.int32).view(np.uint8))
+            return
+        iface = getattr(selected, "__cuda_array_interface__", None)
+        if iface is None:
+            raise InvalidArgumentError(
+                f"selected: a NumPy array or a device array (__cuda_array_interface__), got "
+                f"{type(selected).__name__}")
+        shape, typestr = tuple(iface["shape"]), iface["typestr"]
+        contiguous = iface.get("strides") in (None, (4 * g.num_selected, 4))
+        if shape != want or typestr != "<i4" or not contiguous:
+            raise InvalidArgumentError(
+                f"selected: must be a contiguous int32 device array of shape {want}, got "
+                f"{typestr} {shape} strides {iface.get('strides')}")
+        ptr = int(iface["data"][0])
+        if ptr != table.ptr:  # not the table itself, written in place by the indexer
+            self.backend.copy_bytes(table, 0, DeviceArray(ptr, table.nbytes), 0,
+                                    table.nbytes, stream)
+
+    def fetch(self, layer_id: int, roles: Iterable[str] | None, page_table: Buffer,
+              row_elems: int, stream: Stream | None) -> None:
+        """Copy the current miss list's units of a layer's buffers into its cells.
+
+        Raises:
+            InvalidStateError: nothing was resolved for the layer's group.
+        """
+        g = self.group_of(layer_id)
+        if g.resolved is None:
+            raise InvalidStateError(f"fetch for layer {layer_id} before any "
+                                    "resolve_sparse_selection of its group")
+        (stream or self.backend.default_stream).wait_event(g.resolved)
+        s = g.state
+        self.backend.sparse_copy(SparseCopy(
+            flush=False, rows=self.rows, num_selected=g.num_selected, max_units=g.max_units,
+            row_elems=row_elems, buffers=self.cells(layer_id, roles),
+            page_table=page_table, lease_of_row=self.lease_of_row.device,
+            miss_unit=s["miss_unit"], miss_entry=s["miss_entry"],
+            miss_count=s["miss_count"]), stream)
+        g.pending.discard(layer_id)
+        ev = self.backend.create_event()
+        ev.record(stream)
+        g.fetched.append(ev)
+
+    def cells(self, layer_id: int, roles: Iterable[str] | None) -> tuple[SparseBufferCells, ...]:
+        """The cells of a layer's sparse buffers (``roles``: a subset)."""
+        own = self.group_of(layer_id).buffers[layer_id]
+        if roles is None:
+            return tuple(self._cells_now(layer_id, r) for r in own)
+        roles = [roles] if isinstance(roles, str) else list(roles)
+        bad = [r for r in roles if r not in own]
+        if bad:
+            raise InvalidArgumentError(f"buffers={bad!r}: layer {layer_id}'s sparse buffers "
+                                       f"are {sorted(own)}")
+        return tuple(self._cells_now(layer_id, r) for r in roles)
+
+    def _group_cells(self, g: SelectionGroup) -> tuple[SparseBufferCells, ...]:
+        return tuple(self._cells_now(layer, r) for layer in g.layers for r in g.buffers[layer])
+
+    def _cells_now(self, layer_id: int, role: str) -> SparseBufferCells:
+        """A buffer's cells with its host pages where they are now (a pool moves when the
+        manager resizes it)."""
+        cells = self.by_layer[layer_id].buffers[layer_id][role]
+        return attrs.evolve(cells, host=self.manager.get_page_region(layer_id, role))
+
+    # -- flush ----------------------------------------------------------------------------
+
+    def check_flushed(self, members: Sequence[Any], history: Sequence[int] | None) -> None:
+        """``Batch.resize`` may move a sparse row's history only once the last move was
+        flushed.
+
+        Raises:
+            InvalidStateError: a row's history moved since the last flush.
+        """
+        if history is None:
+            return
+        for row, cache in enumerate(members):
+            if cache is None or history[row] in (-1, cache.history_length):
+                continue
+            mark = int(self.marks.host[self.lease(row)][0])
+            if mark != cache.history_length:
+                raise InvalidStateError(
+                    f"row {row}: history moved from {mark} to {cache.history_length} and "
+                    "was not flushed: call flush_sparse_units first")
+
+    def flush(self, members: Sequence[Any], page_tables: Sequence[tuple[Buffer, int]],
+              stream: Stream | None) -> int:
+        """Write back every unit that crossed the history mark; returns the units written
+        (per group, summed).
+
+        Raises:
+            InvalidArgumentError: a group's units exceed its write-back bound (nothing is
+                written).
+        """
+        spans = []  # (row, lease, old history, new history, old capacity)
+        for row, cache in enumerate(members):
+            if cache is None:
+                continue
+            lease = self.lease(row)
+            h0, c0 = (int(x) for x in self.marks.host[lease])
+            spans.append((row, lease, h0, cache.history_length, c0))
+        ranges = []
+        for g in self.groups:
+            r = np.zeros((self.rows, 2), dtype=np.int32)
+            for row, _, h0, h1, c0 in spans:
+                end = min(h1, c0)
+                if end > h0:
+                    r[row] = (h0 // g.unit_tokens, -(-end // g.unit_tokens))
+            total = int((r[:, 1] - r[:, 0]).sum())
+            if total > g.write_back_units:
+                raise InvalidArgumentError(
+                    f"flush of {total} units for selection {g.key[1]!r} exceeds the write-"
+                    f"back bound of {g.write_back_units} units (from max_total_input_tokens"
+                    "): flush after every step")
+            ranges.append((r, total))
+        written = 0
+        for g, (r, total) in zip(self.groups, ranges, strict=True):
+            if total:
+                self._flush_group(g, r, page_tables[g.group], stream)
+                written += total
+        for _, lease, _, h1, _ in spans:
+            self.marks.host[lease][0] = h1
+        self.marks.upload(stream)
+        self._pin(page_tables, stream)  # the write maps follow the new history
+        return written
+
+    def _flush_group(self, g: SelectionGroup, ranges: np.ndarray,
+                     table: tuple[Buffer, int], stream: Stream | None) -> None:
+        g.ranges.host[...] = ranges
+        g.ranges.upload(stream)
+        cells = self._group_cells(g)
+        self.backend.sparse_copy(SparseCopy(
+            flush=True, rows=self.rows, num_selected=g.num_selected, max_units=g.max_units,
+            row_elems=table[1], buffers=cells, page_table=table[0],
+            lease_of_row=self.lease_of_row.device, entry_of=g.state["entry_of"],
+            ranges=g.ranges.device), stream)
+
+    # -- views -----------------------------------------------------------------------------
+
+    def table(self, g: SelectionGroup, name: str) -> Any:
+        """A zero-copy device view of one state table, shaped."""
+        shapes = {"selected": (g.num_selected, np.int32), "entry_map": (g.num_selected, np.int32),
+                  "write_map": (g.working_set_units, np.int32)}
+        width, dtype = shapes[name]
+        buf = g.state[name]
+        arr = self.backend.as_array(buf)
+        n = self.rows * width * 4
+        if hasattr(arr, "view") and hasattr(arr, "reshape"):
+            return arr[:n].view(dtype).reshape(self.rows, width)
+        return arr.typed((self.rows, width), "<i4")
+
+    def read(self, g: SelectionGroup, name: str) -> np.ndarray:
+        """A host copy of a per-row table (synchronous; tests and tools)."""
+        width = g.working_set_units if name == "write_map" else g.num_selected
+        raw = self.backend.read(g.state[name], 0, self.rows * width * 4)
+        return raw.view(np.int32).reshape(self.rows, width)
+
+    def counters(self) -> tuple[int, int]:
+        hits = misses = 0
+        for g in self.groups:
+            raw = self.backend.read(g.state["counters"], 0, self.rows * 16)
+            c = raw.view(np.int64).reshape(self.rows, 2)
+            hits += int(c[:, 0].sum())
+            misses += int(c[:, 1].sum())
+        return hits, misses
+
+    def free(self) -> None:
+        self.lease_of_row.free()
+        self.marks.free()
+        for a in self.arenas:
+            a.free()
+        for g in self.groups:
+            g.ranges.free()
+            for b in (*g.state.values(), *g.templates.values()):
+                b.free()

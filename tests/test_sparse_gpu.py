@@ -1,0 +1,138 @@
+"""Sparse attention on each GPU backend: resolve against the exact LRU on many random cases
+(shared-memory and global-memory sorts), the unit copies, and fingerprint-verified engine
+runs whose hit and miss counts equal the numpy run's and the host LRU's. Skipped without a
+GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sparse_helpers import PREEMPTING, run_loop
+
+from kvcm_core import get_plugin_manager
+from kvcm_core.testing.conformance.sparse import (
+    ResolveRig,
+    check_copy,
+    drifting_topk,
+    random_case,
+    run_case,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpu_backends() -> list[str]:
+    pm = get_plugin_manager()
+    return [n for n, s in pm.kernel_backends().items() if s.capabilities.has_device]
+
+
+def _available(name: str) -> None:
+    pm = get_plugin_manager()
+    ok, why = pm.availability_of(pm.kernel_backends()[name])
+    if not ok:
+        pytest.skip(f"kernel backend {name!r} unavailable: {why}")
+
+
+@pytest.fixture(params=_gpu_backends())
+def backend(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    _available(request.param)
+    b = get_plugin_manager().kernel_backends()[request.param].factory({})
+    yield b
+    b.close()
+
+
+@pytest.mark.parametrize("shared_limit", [4096, 0], ids=["shared", "global"])
+def test_gpu_resolve_is_the_exact_lru_on_random_cases(backend, shared_limit: int) -> None:
+    """``shared_limit=0`` sends every working set through the global-memory sort."""
+    backend.sparse_shared_limit = shared_limit
+    for seed in range(60):
+        case = random_case(np.random.default_rng(seed))
+        rig = ResolveRig(backend, case["rows"], case["ns"], case["wsu"], case["mu"],
+                         case["ut"])
+        try:
+            run_case(rig, case)
+        finally:
+            rig.close()
+
+
+@pytest.mark.parametrize("rows,wsu", [(64, 4096), (8, 4100), (4, 8192)])
+def test_gpu_resolve_of_2048_selected_on_a_drifting_top_k(backend, rows: int,
+                                                          wsu: int) -> None:
+    rig = ResolveRig(backend, rows, 2048, wsu, 16384, 4)
+    try:
+        for sel in drifting_topk(np.random.default_rng(wsu), rows, 2048, 8192, 5, 0.5):
+            rig.resolve(sel)
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("flush", [False, True])
+def test_gpu_unit_copies_match_the_byte_model(backend, flush: bool) -> None:
+    for seed in range(5):
+        check_copy(backend, flush, np.random.default_rng(seed))
+
+
+@pytest.mark.parametrize("name", _gpu_backends())
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gpu_sparse_engine_run_is_fingerprint_verified_with_the_numpy_counts(
+        name: str, seed: int) -> None:
+    _available(name)
+    gpu, cpu = run_loop(name, seed), run_loop("numpy", seed)
+    assert gpu.sparse is not None and gpu.batch is not None and cpu.batch is not None
+    assert gpu.batch.peek_hit_miss_counter() == cpu.batch.peek_hit_miss_counter()
+    assert gpu.batch.peek_hit_miss_counter() == (gpu.sparse.hits, gpu.sparse.misses)
+    gpu.close()
+    cpu.close()
+
+
+@pytest.mark.parametrize("name", _gpu_backends())
+def test_gpu_sparse_engine_run_with_preemption(name: str) -> None:
+    _available(name)
+    loop = run_loop(name, 5, n=16, **PREEMPTING)
+    assert loop.sparse is not None and loop.sparse.checked_entries > 0
+    assert sum(r.preemptions for r in loop.finished) > 0
+    loop.close()
+
+
+@pytest.mark.parametrize("name", _gpu_backends())
+def test_gpu_selection_given_as_a_device_array_is_copied_on_the_stream(name: str) -> None:
+    _available(name)
+    cp = pytest.importorskip("cupy")
+    from sparse_helpers import sparse_config
+
+    from kvcm_core import Batch, KVCacheManager
+
+    m = KVCacheManager(sparse_config(name))
+    b = Batch(m, max_rows=2, max_blocks_per_row=8)
+    cache = m.create_kv_cache(None, list(range(1, 65)))
+    assert cache.resume() and cache.resize(64) and cache.resize(64, 64)
+    b.add_kv_cache(cache)
+    b.publish()
+    sel = np.array([[7, 8, 9, 7], [-1, -1, -1, -1]], dtype=np.int32)
+    b.resolve_sparse_selection(0, cp.asarray(sel))
+    for layer in (0, 1):
+        b.fetch_resolved_pages(layer)
+    m.backend.synchronize()
+    np.testing.assert_array_equal(b.read_sparse_table(0, "selected"), sel)
+    np.testing.assert_array_equal(b.read_sparse_table(0, "entry_map")[0], [0, 1, 2, 0])
+    assert b.peek_hit_miss_counter() == (0, 3)
+    b.remove_kv_cache(cache)
+    cache.close()
+    b.close()
+    m.shutdown()
+
+
+def test_gpu_resolve_and_pin_of_more_slots_than_one_round(backend) -> None:
+    """A block takes 4 x 1024 slots a round: 5000 selected (and pins of 6000 entries) need
+    two rounds, whose misses must keep slot order across them."""
+    rig = ResolveRig(backend, 2, 5000, 6000, 20000, 4)
+    try:
+        rng = np.random.default_rng(11)
+        for sel in drifting_topk(rng, 2, 5000, 12000, 3, 0.6):
+            sel[:, ::7] = sel[:, ::7][:, ::-1]  # some slots in another order
+            rig.resolve(sel)
+        rig.pin(np.array([[4000, 7000], [0, 3000]]))  # 750 units in flight on each row
+        for sel in drifting_topk(rng, 2, 5000, 12000, 2, 0.6):
+            rig.resolve(sel)
+    finally:
+        rig.close()
