@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_run.sh quick    # GPU tests and a quick benchmark
 #   bash benchmarks/gpu_run.sh batch    # the Batch benchmark's device part
 #   bash benchmarks/gpu_run.sh sparse   # sparse attention: GPU tests, benchmark, simulate
+#   bash benchmarks/gpu_run.sh codecs   # page codecs: benchmark against copy bandwidth
+#   bash benchmarks/gpu_run.sh gpu_tests codecs_bench ...   # any list of the steps below
 # Results under $OUT (default ./out).
 set -uo pipefail
 MODE="${1:-tests}"
@@ -24,6 +26,12 @@ PY="${PYTHON:-python3}"
   "$PY" -m pip list 2>/dev/null | grep -iE '^(cupy|cuda-|numpy|pluggy|attrs|pytest|hypothesis|matplotlib|rich|torch)'
 } >"$OUT/env.txt" 2>&1
 
+# Wheels the image lacks (google-crc32c, zstandard, lz4), carried in .whl/ (gitignored):
+#   pip download --only-binary=:all: --no-deps --python-version 3.12 \
+#     --platform manylinux2014_x86_64 -d .whl google-crc32c zstandard lz4
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-deps --no-index .whl/*.whl >>"$OUT/env.txt" 2>&1
+fi
 "$PY" -m pip install -q --no-deps --no-build-isolation -e . -e examples/kvcm-tier-example \
   -e examples/tiny-engine \
   >>"$OUT/env.txt" 2>&1 || { echo "editable install failed"; cat "$OUT/env.txt"; exit 1; }
@@ -41,40 +49,60 @@ run() {  # run LOG TIMEOUT CMD...: tee into $OUT/LOG, keep the tail on stdout
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$log" | tail -6 || status=1
 }
 MANAGER_TESTS="tests/test_batch.py tests/test_page_table_version.py tests/test_prefix_reuse.py tests/test_manager_lifecycle.py tests/test_levels.py tests/test_reuse_policies.py tests/test_faults.py tests/test_manager_errors.py tests/test_manager_properties.py tests/test_swa_scratch.py tests/test_beams.py tests/test_engine_loop.py"
+step() {  # one named step; modes below are lists of steps
+  case "$1" in
+    gpu_tests)
+      run tests_gpu.log 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider --tb=short ;;
+    conformance)
+      run conformance.log 200 "$PY" -m pytest -q tests/test_conformance_kernels.py \
+        tests/test_conformance_codecs.py tests/test_conformance_tiers.py \
+        tests/test_conformance_sparse.py -p no:cacheprovider --tb=short ;;
+    codecs_backends)  # page codecs, lossy levels and cold frames on each device backend
+      for b in cuda cupy; do
+        KVCM_KERNEL_BACKEND=$b KVCM_TEST_BACKEND=$b KVCM_PROPERTY_EXAMPLES=10 \
+          run "codecs_$b.log" 200 "$PY" -m pytest -q tests/test_conformance_codecs.py \
+          tests/test_lossy_levels.py tests/test_cold_frames.py -p no:cacheprovider --tb=short
+      done ;;
+    manager_backends)  # the manager's suite with pages on each device backend
+      for b in cuda cupy; do
+        KVCM_TEST_BACKEND=$b KVCM_PROPERTY_EXAMPLES=10 run "manager_$b.log" 150 \
+          "$PY" -m pytest -q $MANAGER_TESTS -p no:cacheprovider --tb=short -x
+      done ;;
+    kernels_bench)
+      run bench.log 330 "$PY" -m kvcm_core.bench.kernels --out "$OUT" --sweep-threads 128,512 ;;
+    kernels_quick)
+      run bench.log 200 "$PY" -m kvcm_core.bench.kernels --quick --out "$OUT" ;;
+    simulate)
+      run simulate.log 120 "$PY" -m kvcm_core.cli simulate --quiet --out "$OUT/simulate" ;;
+    batch_bench)  # the Batch benchmark's device part (its host part is measured beside vLLM)
+      run batch.log 200 "$PY" -m kvcm_core.bench.batch --quick --device-rows 256 \
+        --device-blocks 2048 --out "$OUT" ;;
+    codecs_bench)  # page codecs' encode/decode against the copy bandwidth of the same run
+      run codecs_bench.log 300 "$PY" -m kvcm_core.cli bench codecs --out "$OUT" \
+        --skip cpu simulate ;;
+    sparse_tests)
+      run sparse_tests.log 300 "$PY" -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_sparse_gpu.py tests/test_conformance_sparse.py ;;
+    sparse_bench)
+      run sparse_bench.log 300 "$PY" -m kvcm_core.cli bench sparse --out "$OUT" ;;
+    sparse_simulate)
+      for b in cuda cupy; do
+        KVCM_KERNEL_BACKEND=$b run "sparse_simulate_$b.log" 200 "$PY" -m kvcm_core.cli \
+          simulate --preset sparse --requests 60 --no-plots --quiet \
+          --out "$OUT/simulate-sparse-$b"
+      done ;;
+    *) echo "unknown step $1"; status=2 ;;
+  esac
+}
 case "$MODE" in
-  tests)
-    run tests_gpu.log 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider --tb=short
-    run conformance.log 200 "$PY" -m pytest -q tests/test_conformance_kernels.py \
-      tests/test_conformance_codecs.py tests/test_conformance_tiers.py -p no:cacheprovider \
-      --tb=short
-    for b in cuda cupy; do
-      KVCM_TEST_BACKEND=$b KVCM_PROPERTY_EXAMPLES=10 run "manager_$b.log" 150 \
-        "$PY" -m pytest -q $MANAGER_TESTS -p no:cacheprovider --tb=short -x
-    done
-    ;;
-  bench)
-    run bench.log 330 "$PY" -m kvcm_core.bench.kernels --out "$OUT" --sweep-threads 128,512
-    run simulate.log 120 "$PY" -m kvcm_core.cli simulate --quiet --out "$OUT/simulate"
-    run batch.log 200 "$PY" -m kvcm_core.bench.batch --quick --device-rows 256 \
-      --device-blocks 2048 --out "$OUT"
-    ;;
-  batch)  # the Batch benchmark's device part (its host part is measured beside vLLM)
-    run batch.log 200 "$PY" -m kvcm_core.bench.batch --quick --device-rows 256 \
-      --device-blocks 2048 --out "$OUT"
-    ;;
-  sparse)  # sparse attention: its GPU tests and conformance, the benchmark, simulate
-    run sparse_tests.log 300 "$PY" -m pytest -q -p no:cacheprovider --tb=short \
-      tests/test_sparse_gpu.py tests/test_conformance_sparse.py
-    run sparse_bench.log 300 "$PY" -m kvcm_core.cli bench sparse --out "$OUT"
-    for b in cuda cupy; do
-      KVCM_KERNEL_BACKEND=$b run "sparse_simulate_$b.log" 200 "$PY" -m kvcm_core.cli \
-        simulate --preset sparse --requests 60 --no-plots --quiet --out "$OUT/simulate-sparse-$b"
-    done
-    ;;
-  quick)
-    run tests_gpu.log 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider --tb=short
-    run bench.log 200 "$PY" -m kvcm_core.bench.kernels --quick --out "$OUT"
-    ;;
+  tests) STEPS="gpu_tests conformance codecs_backends manager_backends" ;;
+  bench) STEPS="kernels_bench simulate batch_bench" ;;
+  batch) STEPS="batch_bench" ;;
+  sparse) STEPS="sparse_tests sparse_bench sparse_simulate" ;;
+  codecs) STEPS="codecs_bench" ;;
+  quick) STEPS="gpu_tests kernels_quick" ;;
+  *) STEPS="$*" ;;  # a list of step names
 esac
+for s in $STEPS; do step "$s"; done
 grep -hE "passed|failed|error" "$OUT"/*.log 2>/dev/null | tail -20
 exit $status

@@ -132,7 +132,8 @@ class Levels:
             for ci, n in enumerate(self.cold_slots(li, config.levels[li].quota)):
                 # Unnamed: kvcm does not persist its tree, so cold files are private to
                 # this manager (two managers never share a file).
-                pool = tiers[li].create_pool(self.slot_bytes(li, self.cold_size(ci, li)), n)
+                cold = self.cold_size(ci, li)
+                pool = tiers[li].create_pool(self.slot_bytes(li, cold), n)
                 self._add_store(li, ci, [pool], make_policy, li == nlevels - 1)
                 framing = self.frames[li]
                 if framing is not None:
@@ -806,6 +807,7 @@ class Levels:
                     self.mover.copy(layout, store, [int(a.slot[pid])], store, [slot])
                 except FrameCheckFailed:
                     self.discard_corrupt(store, np.array([pid], dtype=np.int64))
+                    continue
                 except TierIOError:
                     self._lose_unmovable(store, pid)
                     continue

@@ -70,11 +70,6 @@ class KVCacheManager:
         self.tokens_per_block = config.tokens_per_block
         backend_spec = pm.select_kernel_backend(config.kernel_backend)
         self.kernel_backend: str = backend_spec.name
-        try:
-            check_sparse_backend(config, self.backend, backend_spec.name)
-        except ConfigError:
-            self.backend.close()
-            raise
         self.registry = LifeCycleRegistry(config)
         self.layout = StorageLayout(self.registry)
         # SWA scratch (kvcm_core.scratch): group -> scale of each pool of its pool group,
@@ -92,6 +87,11 @@ class KVCacheManager:
         self.tree = PrefixTree(len(lcs), tpb)
         # Built last, just before the tiers: a rule broken above leaves nothing to release.
         self.backend: KernelBackend = backend_spec.factory({})
+        try:
+            check_sparse_backend(config, self.backend, backend_spec.name)
+        except ConfigError:
+            self.backend.close()
+            raise
         tiers: list[Tier] = []
         try:  # a construction that fails releases what it built (files, threads, memory)
             codecs = self._build_tiers(pm, tiers)

@@ -57,13 +57,14 @@ def test_a_blob_larger_than_a_slot_is_refused_and_nothing_is_written(tmp_path):
 
 
 def test_rewrites_leave_dead_bytes_until_a_mostly_dead_segment_is_compacted(tmp_path):
-    pool = _tier(tmp_path / "d").create_pool(SLOT, 8)
+    tier = _tier(tmp_path / "d")
+    pool = tier.create_pool(SLOT, 8)  # anonymous: its segments live in the owner directory
     first = [bytes([i]) * 500 for i in range(8)]
     pool.write_blobs(np.arange(8), first).wait()   # fills segment 1 past 4 KiB
-    before = _segments(tmp_path / "d")
+    before = _segments(tier.owner_directory)
     assert len(before) == 2
     pool.write_blobs(np.arange(6), [b"new" * 100] * 6).wait()  # 6 of 8 blobs now dead
-    assert before[0] not in _segments(tmp_path / "d")          # segment 1 compacted
+    assert before[0] not in _segments(tier.owner_directory)    # segment 1 compacted
     assert _read(pool, range(8)) == [b"new" * 100] * 6 + first[6:]
     assert pool.stored_bytes == pool.live_bytes == 6 * 300 + 2 * 500
 
