@@ -162,6 +162,7 @@ def test_a_reader_fence_keeps_pages_until_the_reading_kernel_is_done(
     done = threading.Event()
 
     def engine_frees() -> None:
+        m.bind_thread()  # the scheduler hands the manager to this thread (one at a time)
         if release == "shrink":  # the seated cache gives back all but its first block
             assert c.resize(TPB)
         else:
@@ -180,6 +181,7 @@ def test_a_reader_fence_keeps_pages_until_the_reading_kernel_is_done(
         flag[0] = 1  # the reader finishes
     assert done.wait(10)
     worker.join(10)
+    m.bind_thread()  # and takes it back
     assert store.num_free > free_before, "pages go once the fence passed"
     st.synchronize()
     assert int(out.get()[0]) >= 0
