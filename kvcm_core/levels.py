@@ -434,14 +434,11 @@ class Levels:
 
     def frame_keys(self, pids: np.ndarray) -> np.ndarray:
         """The 32-byte block keys (``uint8 [n, 32]``) that frames of these pages carry."""
-        a = self.arena
-        tree = self.tree
-        out = np.empty((len(pids), KEY_BYTES), dtype=np.uint8)
-        for i, (pid, nid) in enumerate(zip(pids.tolist(), a.node[pids].tolist(),
-                                           strict=True)):
-            key = page_key(tree.key(nid) if nid >= 0 else None, pid)
-            out[i] = np.frombuffer(key, dtype=np.uint8)
-        return out
+        keys = self.tree.keys_of(self.arena.node[pids].astype(np.int64))
+        if None in keys:  # partial or uncommitted blocks: a key from the page id
+            for i in [i for i, k in enumerate(keys) if k is None]:
+                keys[i] = page_key(None, int(pids[i]))
+        return np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(pids), KEY_BYTES)
 
     def discard_corrupt(self, store: Store, pids: np.ndarray, queued: bool = True) -> None:
         """Pages of ``store`` whose frame failed its check: counted, and out of the tree
