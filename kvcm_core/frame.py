@@ -61,6 +61,8 @@ _CRC_BYTES = 4
 #: Bytes a frame adds to its payload: header and checksum.
 FRAME_OVERHEAD = HEADER.itemsize + _CRC_BYTES
 KEY_BYTES = 32
+_KEY_AT = HEADER.fields["key"][1]
+_SEQ_AT = HEADER.fields["seq"][1]
 
 
 def _crc(data: Any) -> int:
@@ -202,6 +204,7 @@ class FrameBook:
         self.keys = np.zeros((num_slots, KEY_BYTES), dtype=np.uint8)
         self.seqs = np.zeros(num_slots, dtype=np.uint64)  # 0: never written
         self._next_seq = 1
+        self._templates: dict[int, np.ndarray] = {}  # payload size -> shared header bytes
 
     # -- slots ---------------------------------------------------------------------------
 
@@ -237,13 +240,31 @@ class FrameBook:
         head["length"] = lengths
         return head
 
+    def _template(self, size: int) -> np.ndarray:
+        """The header bytes every fixed-size frame of ``size`` shares (key and sequence
+        left zero)."""
+        head = self._templates.get(size)
+        if head is None:
+            head = np.zeros(1, dtype=HEADER)
+            head["magic"] = FRAME_MAGIC
+            head["version"] = FRAME_VERSION
+            head["codec"] = self.format.codec_id
+            head["layout"] = self._layout
+            head["length"] = size
+            head = self._templates[size] = head.view(np.uint8)
+        return head
+
     def wrap(self, slots: np.ndarray, payloads: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """Frames ``uint8 [n, payload + FRAME_OVERHEAD]`` of fixed-size ``payloads[i]``
         for ``slots[i]`` (block keys ``keys[i]``, 32 bytes each), recorded as written."""
         n, size = payloads.shape
         out = np.empty((n, size + FRAME_OVERHEAD), dtype=np.uint8)
         hb = HEADER.itemsize
-        out[:, :hb] = self._headers(slots, keys, size).view(np.uint8).reshape(n, hb)
+        # The shared header bytes, then each frame's key and sequence number in place.
+        out[:, :hb] = self._template(size)
+        out[:, _KEY_AT : _KEY_AT + KEY_BYTES] = keys
+        out[:, _SEQ_AT : _SEQ_AT + 8] = self._record(slots, keys).astype(
+            "<u8", copy=False).view(np.uint8).reshape(n, 8)
         out[:, hb : hb + size] = payloads
         crcs = _crcs(out[:, : hb + size])
         out[:, hb + size :] = crcs.astype("<u4").view(np.uint8).reshape(n, _CRC_BYTES)

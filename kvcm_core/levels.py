@@ -373,6 +373,7 @@ class Levels:
         while target is not None and len(victims):
             keep = self.capacity(target, len(victims))
             if keep:
+                mark = store.departures
                 try:
                     self.make_room(target, keep)
                 except OutOfPagesError:
@@ -380,7 +381,8 @@ class Levels:
                     # them popped out of their queue (they are droppable).
                     victims = victims[a.store[victims] == here]
                     break
-                victims = victims[a.store[victims] == here]
+                if store.departures != mark:  # pages of this store were freed or lost
+                    victims = victims[a.store[victims] == here]
                 keep = min(keep, len(victims), target.num_free)
                 cut = len(victims) - keep
                 failed = self._move(store, victims[cut:], target, queued=False,
@@ -389,7 +391,8 @@ class Levels:
                     victims[:cut]
             target = target.below
         # A corrupt page met on the way took the droppable pages below it along.
-        self.drop(store, victims[a.store[victims] == here])
+        if len(victims):
+            self.drop(store, victims[a.store[victims] == here])
         if store.num_free < n:
             raise OutOfPagesError(
                 f"level {store.level} pool group {store.pool_group}: could not free {k} "
@@ -410,8 +413,9 @@ class Levels:
         group = int(a.group[pids[0]])
         layout = self.layouts[self._pg_of[group]]
         keys = self.frame_keys(pids) if dst.frames is not None else None
+        old = a.slot[pids]
         try:
-            self.mover.copy(layout, src, a.slot[pids], dst, slots, stream, keys)
+            self.mover.copy(layout, src, old, dst, slots, stream, keys)
         except TierIOError:
             dst.unreserve_slots(slots)
             self.stats.io_failures += 1
@@ -423,10 +427,10 @@ class Levels:
             # Dropping a corrupt page frees the droppable pages below it: some good ones.
             keep = good & (a.store[pids] == src.index)
             dst.unreserve_slots(slots[~keep])
-            pids, slots = pids[keep], slots[keep]
+            pids, slots, old = pids[keep], slots[keep], old[keep]
             if not len(pids):
                 return pids
-        src.vacate(pids, queued=queued)
+        src.vacate(pids, queued=queued, slots=old)
         dst.settle(pids, slots, droppable)
         self.epoch += 1
         self._count_moves(pids, src.level, dst.level)
@@ -434,10 +438,14 @@ class Levels:
 
     def frame_keys(self, pids: np.ndarray) -> np.ndarray:
         """The 32-byte block keys (``uint8 [n, 32]``) that frames of these pages carry."""
-        keys = self.tree.keys_of(self.arena.node[pids].astype(np.int64))
+        keys = self.tree.keys_of(self.arena.node[pids])
         if None in keys:  # partial or uncommitted blocks: a key from the page id
-            for i in [i for i, k in enumerate(keys) if k is None]:
+            i = keys.index(None)
+            while True:
                 keys[i] = page_key(None, int(pids[i]))
+                if None not in keys:
+                    break
+                i = keys.index(None, i + 1)
         return np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(pids), KEY_BYTES)
 
     def discard_corrupt(self, store: Store, pids: np.ndarray, queued: bool = True) -> None:
