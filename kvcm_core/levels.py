@@ -34,7 +34,7 @@ from kvcm_core.errors import (
     TierIOError,
 )
 from kvcm_core.events import BlockEvent, EventKind
-from kvcm_core.eviction import EvictionPolicy
+from kvcm_core.eviction import DEFAULT_PRIORITY, EvictionPolicy
 from kvcm_core.frame import KEY_BYTES, FrameBook, FrameCheckFailed, LevelFrames, page_key
 from kvcm_core.layout import StorageLayout
 from kvcm_core.lifecycle import LifeCycle
@@ -91,6 +91,9 @@ class Levels:
         ngroups = len(life_cycles)
         self.stats = IterationStats.empty(ngroups, len(config.levels))
         self.event_sink_errors: dict[str, int] = {}
+        #: Leaf pages given a low priority at their writer's close -> their node (a page id
+        #: is recycled; the entry counts only while the page is still in that node).
+        self.leaf_nodes: dict[int, int] = {}
         self._events: list[BlockEvent] = []
         self._pg_of = [int(layout.group_to_pool_group[CacheGroupId(g)])
                        for g in range(ngroups)]
@@ -258,6 +261,24 @@ class Levels:
             a.release(gone)
             if self.corrupt_ids:
                 self.corrupt_ids.difference_update(gone.tolist())
+
+    def claim(self, pids: np.ndarray) -> None:
+        """A new request holds committed pages it matched (ids unique): one hold each. A
+        leaf block demoted at its writer's close (:meth:`demote_leaf`) is shared now and
+        gets the default priority back."""
+        self.change(pids, 0, 1)
+        leaves = self.leaf_nodes
+        if leaves:
+            node = self.arena.node
+            for pid in leaves.keys() & set(pids.tolist()):
+                if node[pid] == leaves.pop(pid):
+                    self.arena.priority[pid] = DEFAULT_PRIORITY
+
+    def demote_leaf(self, pid: int, nid: int, priority: int) -> None:
+        """Give a closing cache's leaf page (committed in node ``nid``, used by no other
+        request) ``priority`` until another request claims it."""
+        self.arena.priority[pid] = priority
+        self.leaf_nodes[pid] = nid
 
     def release_locked(self, pids: np.ndarray) -> None:
         """Owners let go of pages they locked once (a close): see :meth:`Store.unlock_all`."""
