@@ -91,9 +91,10 @@ class Levels:
         ngroups = len(life_cycles)
         self.stats = IterationStats.empty(ngroups, len(config.levels))
         self.event_sink_errors: dict[str, int] = {}
-        #: Leaf pages given a low priority at their writer's close -> their node (a page id
-        #: is recycled; the entry counts only while the page is still in that node).
-        self.leaf_nodes: dict[int, int] = {}
+        #: Leaf pages given a low priority at their writer's close -> (their node, that
+        #: priority): a page id is recycled, so an entry counts only while the page is
+        #: still in that node at that priority.
+        self.leaf_nodes: dict[int, tuple[int, int]] = {}
         self._events: list[BlockEvent] = []
         self._pg_of = [int(layout.group_to_pool_group[CacheGroupId(g)])
                        for g in range(ngroups)]
@@ -266,19 +267,20 @@ class Levels:
         """A new request holds committed pages it matched (ids unique): one hold each. A
         leaf block demoted at its writer's close (:meth:`demote_leaf`) is shared now and
         gets the default priority back."""
-        self.change(pids, 0, 1)
         leaves = self.leaf_nodes
-        if leaves:
-            node = self.arena.node
+        if leaves:  # before the hold, so that a held queue gets the page's new priority
+            a = self.arena
             for pid in leaves.keys() & set(pids.tolist()):
-                if node[pid] == leaves.pop(pid):
-                    self.arena.priority[pid] = DEFAULT_PRIORITY
+                nid, priority = leaves.pop(pid)
+                if a.node[pid] == nid and a.priority[pid] == priority:
+                    a.priority[pid] = DEFAULT_PRIORITY
+        self.change(pids, 0, 1)
 
     def demote_leaf(self, pid: int, nid: int, priority: int) -> None:
         """Give a closing cache's leaf page (committed in node ``nid``, used by no other
         request) ``priority`` until another request claims it."""
         self.arena.priority[pid] = priority
-        self.leaf_nodes[pid] = nid
+        self.leaf_nodes[pid] = (nid, priority)
 
     def release_locked(self, pids: np.ndarray) -> None:
         """Owners let go of pages they locked once (a close): see :meth:`Store.unlock_all`."""
