@@ -73,7 +73,8 @@ def extreme_values(rng: np.random.Generator, blocks: int, groups: int, group: in
     - ``subnormal``: fp32 subnormals of random sign (bf16 keeps many; fp16 rounds them to 0);
     - ``tiny``: normals just above 2**-126, so that ``amax / Q`` is subnormal;
     - ``zeros``: +0 and -0;
-    - ``largest``: up to the dtype's largest finite magnitude;
+    - ``largest``: up to the dtype's largest finite magnitude, with a few tiny values
+      (scaled to subnormals or to zero);
     - ``fp8 ties`` / ``int8 ties`` / ``int4 ties``: ``amax`` 448 / 127 / 7 (scale exactly 1
       for that codec), with saturation at +-Q and values halfway between two codes (round
       to nearest even), the rest random multiples of 0.5.
@@ -102,6 +103,9 @@ def extreme_values(rng: np.random.Generator, blocks: int, groups: int, group: in
                 top = _LARGEST[dtype]
                 row[:] = rng.uniform(-1.0, 1.0, group) * top
                 row[0] = np.float32(top) if dtype != "fp32" else np.float32(-top)
+                # values whose scaled value v = x / scale is subnormal, or 0 of either sign
+                row[1 : min(group, 5)] = np.array([1e-3, -1e-3, 1e-40, -1e-40],
+                                                  np.float32)[: min(group, 5) - 1]
             else:
                 fixed = np.array(_TIES[kind], dtype=np.float32)
                 amax = float(fixed[0])

@@ -174,8 +174,8 @@ def kernel_variant(name: str | None = None) -> Variant:
     return variant
 
 
-#: Bytes of the device area that keeps descriptor tables between calls.
-_TABLE_AREA = 256 << 10
+#: Smallest device area that keeps descriptor tables between calls (bytes).
+_TABLE_AREA = 16 << 10
 
 
 class _Staging:
@@ -183,10 +183,10 @@ class _Staging:
 
     Descriptor tables (one per layout and set of buffers: the same for every migration of
     a manager's cold group) are uploaded once into an append-only device area and reused
-    while their bytes are the same; the area starts over (after a device synchronize) when
-    full. Slot pairs go through two pinned-and-device slots: a slot is rewritten only after
-    the launch that read it has finished. Consecutive slots (block ``i`` at pool slot
-    ``p0 + i`` and cold slot ``c0 + i``) need no pairs at all."""
+    while their bytes are the same; the area starts over (after a device synchronize, and
+    larger if a table needs it) when full. Slot pairs go through two pinned-and-device
+    slots: a slot is rewritten only after the launch that read it has finished. Consecutive
+    slots (block ``i`` at pool slot ``p0 + i`` and cold slot ``c0 + i``) need no pairs."""
 
     def __init__(self, backend: KernelBackend, variant: Variant) -> None:
         self.backend = backend
@@ -196,8 +196,9 @@ class _Staging:
         self.dev: Buffer | None = None
         self.events: list[Event] = [backend.create_event(), backend.create_event()]
         self.next = 0
-        self.table_host = backend.alloc_host(_TABLE_AREA)
-        self.table_dev = backend.alloc_device(_TABLE_AREA)
+        self.table_cap = 0
+        self.table_host: Buffer | None = None
+        self.table_dev: Buffer | None = None
         self.tables: dict[bytes, tuple[int, Event]] = {}
         self.table_used = 0
 
@@ -212,12 +213,19 @@ class _Staging:
                 (stream or self.backend.default_stream()).wait_event(uploaded)
             return addr
         nbytes = -(-len(key) // 16) * 16
-        if nbytes > _TABLE_AREA:
-            raise ValueError(f"descriptor table of {len(key)} bytes exceeds {_TABLE_AREA}")
-        if self.table_used + nbytes > _TABLE_AREA:
-            self.backend.synchronize()  # no launch reads the area any more
+        if self.table_used + nbytes > self.table_cap:
+            if self.table_cap:
+                self.backend.synchronize()  # no launch reads the area any more
             self.tables.clear()
             self.table_used = 0
+            if nbytes * 4 > self.table_cap:
+                for buf in (self.table_host, self.table_dev):
+                    if buf is not None:
+                        buf.free()
+                self.table_cap = max(_TABLE_AREA, 4 * nbytes)
+                self.table_host = self.backend.alloc_host(self.table_cap)
+                self.table_dev = self.backend.alloc_device(self.table_cap)
+        assert self.table_host is not None and self.table_dev is not None
         at = self.table_used
         self.table_used += nbytes
         self.table_host.host_view()[at : at + len(key)] = np.frombuffer(key, dtype=np.uint8)
@@ -260,7 +268,7 @@ class QuantCodec(PageCodec):
 
     Args:
         mode: ``"fp8"``, ``"int8"`` or ``"int4"``.
-        options: must be empty or ``None``.
+        options: ``None``, or ``{"kernel": name}`` (the same as ``kernel=name``).
         kernel: the CUDA kernel variant (a name of
             :data:`~kvcm_codec_quant.source.VARIANTS`, or a :class:`Variant`); ``None``:
             ``$KVCM_QUANT_KERNEL``, else the default. Every variant gives the same bytes.
@@ -276,8 +284,13 @@ class QuantCodec(PageCodec):
                  kernel: str | Variant | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: must be one of {sorted(MODES)}")
-        if options:
-            raise ValueError(f"{mode} codec takes no options; got {sorted(options)}")
+        extra = sorted(set(options or {}) - {"kernel"})
+        if extra:
+            raise ValueError(f"{mode} codec takes only the option 'kernel'; got {extra}")
+        if kernel is None and options:
+            kernel = options.get("kernel")
+            if not isinstance(kernel, str):
+                raise ConfigError("kernel", kernel, "must be a kernel variant name (a string)")
         self.variant = kernel if isinstance(kernel, Variant) else kernel_variant(kernel)
         self.mode = mode
         self.error_bound = BOUNDS[mode]

@@ -63,6 +63,8 @@ class Variant:
     half-warp path, the warp path serves aligned 16-bit segments); ``threads`` per block;
     ``min_blocks``: blocks per multiprocessor the register budget must allow;
     ``streaming``: page loads and code stores with the evict-first cache hint;
+    ``lean``: the half-warp path's lean forms (hardware fp8 and bf16 conversions, one
+    division per warp; see the source);
     ``plain_c_math`` (never in :data:`VARIANTS`): the fp32 operations as C intrinsics,
     which a ``-ftz=true`` compilation flushes (the tests use it to show the bug is caught)."""
 
@@ -71,6 +73,7 @@ class Variant:
     threads: int
     min_blocks: int
     streaming: bool = False
+    lean: bool = False
     plain_c_math: bool = False  # tests only: C float intrinsics, which -ftz=true flushes
 
     @property
@@ -86,13 +89,16 @@ class Variant:
 #: Kernel variants by name (``KVCM_QUANT_KERNEL``).
 VARIANTS = {v.name: v for v in (
     Variant("legacy", 0, 256, 4),
-    Variant("hw1", 1, 256, 4),
     Variant("hw2", 2, 256, 4),
     Variant("hw4", 4, 256, 4),
     Variant("hw4cs", 4, 256, 4, streaming=True),
     Variant("hw2s", 2, 128, 8),
     Variant("hw4s", 4, 128, 8),
-    Variant("hw8s", 8, 128, 4),
+    Variant("hw2x", 2, 256, 4, lean=True),
+    Variant("hw4x", 4, 256, 4, lean=True),
+    Variant("hw4xcs", 4, 256, 4, streaming=True, lean=True),
+    Variant("hw4sx", 4, 128, 8, lean=True),
+    Variant("hw8sx", 8, 128, 4, lean=True),
 )}
 #: The variant used when ``KVCM_QUANT_KERNEL`` is unset (see docs/codecs.md for the sweep
 #: that chose it).
@@ -120,6 +126,9 @@ typedef unsigned short u16;
 #endif
 #ifndef QK_PLAIN_C_MATH
 #define QK_PLAIN_C_MATH 0
+#endif
+#ifndef QK_LEAN
+#define QK_LEAN 0
 #endif
 #define QK_HWPB (QK_THREADS / 16)
 #define FLT_MAX_F 3.402823466e+38f
@@ -502,6 +511,174 @@ __device__ __forceinline__ void unpack8(const uint4 w, int dtype, float v[8]) {
     }
 }
 
+#if QK_LEAN
+// -- lean forms of the half-warp path (variants *x): the same bytes with fewer instructions --
+// * one division and one reciprocal per warp for all of its 2 * QK_HW_GROUPS groups (lane t
+//   computes group (step t % K, half (t / K) % 2)), shuffled back;
+// * fp8 codes by the hardware conversion cvt.rn.satfinite.e4m3x2.f32 (round to nearest even,
+//   subnormals, saturation at +-448: the reference's rule for every value but NaN);
+// * int codes by the round-to-nearest-even of adding 1.5 * 2**23 (exact for |v| <= 127);
+// * decoded codes as exact fp32 by bit tricks (fp8: the code's bits in fp32's exponent and
+//   mantissa places times 2**120, folded into the scale when that stays finite; ints: added
+//   to 1.5 * 2**23), and bf16 / fp16 outputs by the packed conversions cvt.rn.bf16x2.f32 /
+//   cvt.rn.f16x2.f32 (round to nearest even; NaN only from non-finite inputs).
+__device__ __forceinline__ float f_add(float a, float b) {
+    float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+__device__ __forceinline__ float f_rcp(float a) {
+    float r; asm("rcp.rn.f32 %0, %1;" : "=f"(r) : "f"(a)); return r;
+}
+// e4m3 codes of v0..v3 (v0 in the low byte).
+__device__ __forceinline__ u32 e4m3x4(float v0, float v1, float v2, float v3) {
+    u32 r;
+    asm("{\n .reg .b16 lo, hi;\n cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+        " cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n mov.b32 %0, {lo, hi};\n}"
+        : "=r"(r) : "f"(v0), "f"(v1), "f"(v2), "f"(v3));
+    return r;
+}
+// y0 in the low half, rounded to nearest even (dtype 0: bf16, 1: fp16).
+__device__ __forceinline__ u32 pack16x2(float y0, float y1, int dtype) {
+    u32 r;
+    if (dtype == 0) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(y1), "f"(y0));
+    else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(y1), "f"(y0));
+    return r;
+}
+#define QK_MAGIC 12582912.0f  // 1.5 * 2**23: its ulp is 1
+
+template <int MODE>
+__device__ __forceinline__ void encode_hw(const SegDesc& d, const char* x, char* cold, i64 u) {
+    constexpr int K = QK_HW_GROUPS;
+    const int h = threadIdx.x >> 4, l = threadIdx.x & 15, lane = threadIdx.x & 31;
+    const int dtype = (int)d.dtype;
+    const i64 ng = d.elements >> 7;
+    const i64 g0 = u * (i64)(QK_HWPB * K) + h;
+    uint4 w[K];
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        const i64 g = g0 + (i64)QK_HWPB * j;
+        w[j] = make_uint4(0u, 0u, 0u, 0u);
+        if (g < ng) w[j] = QK_LD16((const uint4*)(x + g * 256) + l);
+    }
+    // amax of each step's group (every lane of its half warp holds it)
+    float mine = 0.0f;
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        float v[8];
+        unpack8(w[j], dtype, v);
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = f_max(amax, f_abs(v[i]));
+        amax = half_warp_max(amax);
+        if ((lane % K) == j) mine = amax;
+    }
+    // lane t: group (step t % K, half (t / K) & 1); one division, one reciprocal
+    const float a = __shfl_sync(0xffffffffu, mine, ((lane / K) & 1) * 16 + (lane % K));
+    const float sc = scale_of(a, MODE);
+    const float iv = __float_as_uint(sc) != 0u ? f_min(f_rcp(sc), FLT_MAX_F) : 0.0f;
+    const int back = ((lane >> 4) & 1) * K;
+    char* codes = cold + d.payload;
+    const i64 gb = d.group_bytes;
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        const float scale = __shfl_sync(0xffffffffu, sc, back + j);
+        const float inv = __shfl_sync(0xffffffffu, iv, back + j);
+        const i64 g = g0 + (i64)QK_HWPB * j;
+        if (g >= ng) continue;
+        if (l == 0) *(float*)(cold + 4 * g) = scale;
+        float v[8];
+        unpack8(w[j], dtype, v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = f_mul(v[i], inv);
+        char* q = codes + g * gb;
+        if (MODE == 0) {
+            QK_ST8((uint2*)q + l, make_uint2(e4m3x4(v[0], v[1], v[2], v[3]),
+                                             e4m3x4(v[4], v[5], v[6], v[7])));
+        } else {
+            constexpr float Q = MODE == 1 ? 127.0f : 7.0f;
+            u32 b[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                b[i] = __float_as_uint(f_add(f_min(f_max(v[i], -Q), Q), QK_MAGIC));
+            // low byte of each: the two's complement code
+            const u32 lo = __byte_perm(__byte_perm(b[0], b[1], 0x0040),
+                                       __byte_perm(b[2], b[3], 0x0040), 0x5410);
+            const u32 hi = __byte_perm(__byte_perm(b[4], b[5], 0x0040),
+                                       __byte_perm(b[6], b[7], 0x0040), 0x5410);
+            if (MODE == 1) {
+                QK_ST8((uint2*)q + l, make_uint2(lo, hi));
+            } else {
+                const u32 a0 = lo & 0x0f0f0f0fu, a1 = hi & 0x0f0f0f0fu;
+                const u32 p0 = a0 | (a0 >> 4), p1 = a1 | (a1 >> 4);  // bytes 0, 2 hold pairs
+                QK_ST4((u32*)q + l, __byte_perm(p0, p1, 0x6420));
+            }
+        }
+    }
+}
+
+template <int MODE>
+__device__ __forceinline__ void decode_hw(const SegDesc& d, char* x, const char* cold, i64 u) {
+    constexpr int K = QK_HW_GROUPS;
+    const int h = threadIdx.x >> 4, l = threadIdx.x & 15;
+    const int dtype = (int)d.dtype;
+    const i64 ng = d.elements >> 7;
+    const i64 g0 = u * (i64)(QK_HWPB * K) + h;
+    const char* codes = cold + d.payload;
+    const i64 gb = d.group_bytes;
+    uint2 w[K];
+    float s[K];
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        const i64 g = g0 + (i64)QK_HWPB * j;
+        w[j] = make_uint2(0u, 0u);
+        s[j] = 0.0f;
+        if (g < ng) {
+            s[j] = *(const float*)(cold + 4 * g);
+            const char* q = codes + g * gb;
+            if (MODE == 2) w[j].x = ((const u32*)q)[l];
+            else w[j] = ((const uint2*)q)[l];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        const i64 g = g0 + (i64)QK_HWPB * j;
+        if (g >= ng) continue;
+        float y[8];
+        if (MODE == 0) {
+            // value(code) = fp32 with the code's exponent and mantissa bits at bit 20, times
+            // 2**120 (exact, subnormal codes too); times the scale: folded into one product
+            // when scale * 2**120 is finite (same exact product, rounded once).
+            const bool fold = __float_as_uint(s[j]) < 0x43800000u;  // 0 <= scale < 256
+            const float m = fold ? f_mul(s[j], 0x1p120f) : 0x1p120f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const u32 c = ((i < 4 ? w[j].x : w[j].y) >> (8 * (i & 3))) & 0xffu;
+                const u32 bits = ((c & 0x7fu) << 20) | ((c & 0x80u) << 24);
+                const float t = f_mul(bits_f(bits), m);
+                y[i] = fold ? t : f_mul(t, s[j]);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                float k;
+                if (MODE == 1) {
+                    const u32 c = ((i < 4 ? w[j].x : w[j].y) >> (8 * (i & 3))) & 0xffu;
+                    k = f_add(bits_f(0x4b400000u | (c ^ 0x80u)), -(QK_MAGIC + 128.0f));
+                } else {
+                    const u32 c = (w[j].x >> (4 * i)) & 15u;
+                    k = f_add(bits_f(0x4b400000u | (c ^ 8u)), -(QK_MAGIC + 8.0f));
+                }
+                y[i] = f_mul(k, s[j]);
+            }
+        }
+        uint4 o;
+        o.x = pack16x2(y[0], y[1], dtype);
+        o.y = pack16x2(y[2], y[3], dtype);
+        o.z = pack16x2(y[4], y[5], dtype);
+        o.w = pack16x2(y[6], y[7], dtype);
+        QK_ST16((uint4*)(x + g * 256) + l, o);
+    }
+}
+#else  // QK_LEAN
 // Half warp h of the block takes groups g0 + h + QK_HWPB * j (j < QK_HW_GROUPS): the two
 // half warps of a warp read 512 contiguous bytes per step.
 template <int MODE>
@@ -593,6 +770,8 @@ __device__ __forceinline__ void decode_hw(const SegDesc& d, char* x, const char*
     }
 }
 
+#endif  // QK_LEAN
+
 template <bool encode>
 __device__ __forceinline__ void hw_unit(const SegDesc& d, int mode, char* pool, char* cold,
                                         i64 u) {
@@ -671,4 +850,5 @@ def source_for(variant: Variant) -> str:
     return (f"#define QK_HW_GROUPS {variant.hw_groups}\n#define QK_THREADS {variant.threads}\n"
             f"#define QK_MIN_BLOCKS {variant.min_blocks}\n"
             f"#define QK_STREAMING {int(variant.streaming)}\n"
+            f"#define QK_LEAN {int(variant.lean)}\n"
             f"#define QK_PLAIN_C_MATH {int(variant.plain_c_math)}\n" + SOURCE)
