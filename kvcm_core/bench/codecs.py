@@ -7,7 +7,9 @@
    (read plus write of one plain copy of the same bytes) measured in the same run, each
    call's device time taken with the stream held while the call queues its work (host
    time left out, the upload of the call's descriptor table in). The
-   target is 0.7 of the copy bandwidth for fp8 and int8. Each result also says whether the
+   target is 0.7 of the copy bandwidth for fp8 and int8. ``--kernels`` sweeps the page
+   codecs' kernel variants (their ``kernel`` option), ``--slots`` adds calls on shuffled
+   cold slots (a slot table per call) to the default consecutive ones. Each result also says whether the
    decoded values of a sample of pages stay within the codec's declared bound. Without a
    device backend the ``numpy`` backend runs a small version, marked as a host reference
    (not a device measurement).

@@ -26,8 +26,12 @@ block of a migration: ``blockIdx.y`` walks the (block, segment) rows. Three path
 - **general path** (everything else: fp32, other group sizes, unaligned regions, raw bytes):
   a warp per scale group (or per :data:`RAW_CHUNK` bytes of a raw segment).
 
-The variant is chosen by name (:data:`VARIANTS`; the codec reads ``KVCM_QUANT_KERNEL``) and
-compiled on first use; each variant computes exactly the same bytes.
+Variants ``*x`` use the lean forms of the half-warp path (``QK_LEAN``: hardware e4m3x2 and
+bf16x2 conversions, magic-number rounding, one division per warp; see the source). The
+variant is chosen by name (:data:`VARIANTS`; the codec reads ``KVCM_QUANT_KERNEL``) and
+compiled on first use; each variant computes exactly the same bytes. The default,
+:data:`DEFAULT_VARIANT`, was the fastest on an H200 in both GPU backends
+(``benchmarks/results/h200-20261202-quant``).
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ VARIANTS = {v.name: v for v in (
 )}
 #: The variant used when ``KVCM_QUANT_KERNEL`` is unset (see docs/codecs.md for the sweep
 #: that chose it).
-DEFAULT_VARIANT = "hw4"
+DEFAULT_VARIANT = "hw4sx"
 
 SOURCE = r"""
 typedef unsigned long long u64;
