@@ -536,3 +536,95 @@ def test_flush_to_zero_kernels_differ_on_extreme_values_and_are_caught(
     same = np.array_equal(pages, want_pages) and all(
         np.array_equal(g, w) for g, w in zip(outs, want_outs, strict=True))
     assert same == (gpu.name != "cupy")
+
+
+# -- the launch's host side, on a recording stand-in for a compiling backend --------------------
+
+
+class _Event:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.waited: list[Any] = []
+
+    def wait_event(self, event: Any) -> None:
+        self.waited.append(event)
+
+
+class _Module:
+    def __init__(self) -> None:
+        self.launches: list[tuple[str, tuple[int, ...], tuple[int, ...], list[int]]] = []
+
+    def launch(self, name: str, grid: Any, block: Any, args: Any, stream: Any = None) -> None:
+        self.launches.append((name, grid, block, [int(a) for a in args]))
+
+
+class _Recorder:
+    """The numpy backend's memory, with ``compiles_sources``: launches are recorded, table
+    uploads counted, events never complete on their own."""
+
+    def __init__(self, inner: KernelBackend) -> None:
+        self.inner = inner
+        self.capabilities = attrs.evolve(inner.capabilities, compiles_sources=True)
+        self.module = _Module()
+        self.default_stream = _Stream()
+        self.copies = 0
+
+    def compile(self, source: str) -> _Module:
+        return self.module
+
+    def create_event(self) -> _Event:
+        return _Event(done=False)
+
+    def copy_bytes(self, *args: Any) -> None:
+        self.copies += 1
+        self.inner.copy_bytes(*args[:5])
+
+    def synchronize(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_launch_uploads_a_descriptor_table_once_and_needs_no_slot_table_for_consecutive_slots(
+        numpy_backend: KernelBackend) -> None:
+    rec = _Recorder(numpy_backend)
+    layout = PageLayout((16384,), (BufferPlace(0, "k", 0, 0, 16384, "bf16", 128, False),))
+    codec = QuantCodec("fp8", kernel="hw4sx")
+    size = codec.cold_page_size(layout)
+    pool, cold = numpy_backend.alloc_device(16384 * 40), numpy_backend.alloc_device(size * 40)
+    try:
+        regions, cold_region = [PageRegion(pool, 0, 16384)], PageRegion(cold, 0, size)
+        ps = np.arange(5, 37, dtype=np.int32)
+        codec.encode(rec, layout, regions, ps, cold_region, ps - 3)
+        codec.decode(rec, layout, cold_region, ps - 3, regions, ps)
+        assert rec.copies == 1  # the descriptor table, once
+        (enc, grid, block, args), (dec, _, _, dargs) = rec.module.launches
+        assert (enc, dec) == ("kvcm_quant_encode", "kvcm_quant_decode")
+        assert block == (128, 1, 1) and grid == (2, 32, 1)  # 64 groups in blocks of 32
+        assert args[2] == 0 and args[5] == 5 | (2 << 32)  # no slot table; the bases
+        assert dargs[5] == 5 | (2 << 32)
+        # the table's upload never completed: calls on another stream wait for it
+        assert len(rec.default_stream.waited) == 1
+        other = _Stream()
+        shuffled = np.array([7, 3, 9], dtype=np.int32)
+        codec.encode(rec, layout, regions, shuffled, cold_region, shuffled, stream=other)
+        assert len(other.waited) == 1
+        assert rec.copies == 2  # the slot table; the descriptor table is kept
+        assert rec.module.launches[-1][3][2] != 0
+    finally:
+        pool.free()
+        cold.free()

@@ -6,13 +6,13 @@
    call each: bytes read plus bytes written per second, beside the device copy bandwidth
    (read plus write of one plain copy of the same bytes) measured in the same run, each
    call's device time taken with the stream held while the call queues its work (host
-   time left out, the upload of the call's descriptor table in). The
-   target is 0.7 of the copy bandwidth for fp8 and int8. ``--kernels`` sweeps the page
-   codecs' kernel variants (their ``kernel`` option), ``--slots`` adds calls on shuffled
-   cold slots (a slot table per call) to the default consecutive ones. Each result also says whether the
-   decoded values of a sample of pages stay within the codec's declared bound. Without a
-   device backend the ``numpy`` backend runs a small version, marked as a host reference
-   (not a device measurement).
+   time left out; a slot table's upload, where the call needs one, in). The target is
+   0.7 of the copy bandwidth for fp8 and int8. ``--kernels`` sweeps the page codecs'
+   kernel variants (their ``kernel`` option); ``--slots`` adds calls on shuffled cold
+   slots (a slot table per call) to the default consecutive ones. Each result also says
+   whether the decoded values of a sample of pages stay within the codec's declared bound.
+   Without a device backend the ``numpy`` backend runs a small version, marked as a host
+   reference (not a device measurement).
 2. **CPU**: the blob codecs named ``zstd`` and ``lz4`` (when installed; skipped with a line
    otherwise), page by page, on KV-like bf16 pages and on the fp8 cold pages of the same
    data: MB/s of encode and decode, and compression ratio.
@@ -215,7 +215,8 @@ def device_part(backend: KernelBackend, pm: Any, pages: int, page_bytes: int,
         shuffled = np.random.default_rng(1).permutation(pages).astype(np.int32)
         pool_in, pool_out = [PageRegion(src, 0, page_bytes)], [PageRegion(dst, 0, page_bytes)]
         sweep: dict[str, Any] = {}
-        for kernel in kernels or [None]:
+        variants: list[str | None] = list(kernels) if kernels else [None]
+        for kernel in variants:
             options = {} if kernel is None else {"kernel": kernel}
             results: dict[str, Any] = {}
             if kernel is not None:

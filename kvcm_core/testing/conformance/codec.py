@@ -226,7 +226,8 @@ def extreme_case(blocks: int = 8, seed: int = 0) -> _KvCase:
     ties differently, parts from the NumPy reference."""
     rng = np.random.default_rng(seed)
     sizes = [0, 0]
-    places, parts = [], [[], []]
+    places: list[BufferPlace] = []
+    parts: list[list[np.ndarray]] = [[], []]
     for i, (pool, dtype, group, groups) in enumerate(_EXTREME_BUFFERS):
         values = extreme_values(rng, blocks, groups, group, dtype)
         raw = to_bytes(values, dtype).reshape(blocks, -1)

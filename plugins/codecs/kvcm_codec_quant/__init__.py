@@ -14,10 +14,9 @@ itself runs on the host views of the buffers. ``KVCM_QUANT_KERNEL`` picks the ke
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
-
-import os
 
 import numpy as np
 
@@ -210,7 +209,7 @@ class _Staging:
         if known is not None:
             addr, uploaded = known
             if not uploaded.query():
-                (stream or self.backend.default_stream()).wait_event(uploaded)
+                (stream or self.backend.default_stream).wait_event(uploaded)
             return addr
         nbytes = -(-len(key) // 16) * 16
         if self.table_used + nbytes > self.table_cap:
