@@ -234,11 +234,9 @@ class _Staging:
         self.tables[key] = (self.table_dev.ptr + at, uploaded)
         return self.table_dev.ptr + at
 
-    def upload(self, table: np.ndarray, stream: Stream | None,
-               mapped: bool = False) -> tuple[int, Event]:
+    def upload(self, table: np.ndarray, stream: Stream | None) -> tuple[int, Event]:
         """Copy ``table`` (bytes) to the device on ``stream``: its device address and the
-        event to record after the launch that reads it. ``mapped``: no copy; the address
-        is the pinned host slot's, which the kernel reads over the bus."""
+        event to record after the launch that reads it."""
         nbytes = table.nbytes
         if nbytes * 2 > self.cap:
             for ev in self.events:
@@ -256,8 +254,6 @@ class _Staging:
         event.synchronize()
         at = k * (self.cap // 2)
         self.host.host_view()[at : at + nbytes] = table.view(np.uint8).reshape(-1)
-        if mapped:
-            return self.host.ptr + at, event
         self.backend.copy_bytes(self.dev, at, self.host, at, nbytes, stream)
         return self.dev.ptr + at, event
 
@@ -410,8 +406,7 @@ class QuantCodec(PageCodec):
         else:
             pairs = np.empty((len(ps), 2), dtype=np.int32)
             pairs[:, 0], pairs[:, 1] = ps, cs
-            pairs_at, event = staging.upload(pairs.view(np.uint8).reshape(-1), stream,
-                                             mapped=variant.mapped_slots)
+            pairs_at, event = staging.upload(pairs.view(np.uint8).reshape(-1), stream)
             slot_base = 0
         per_block = [int(u) if path == 2 else -(-int(u) // variant.warps)
                      for u, path in zip(table[:, 9], table[:, 12], strict=True)]

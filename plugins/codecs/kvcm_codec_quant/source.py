@@ -68,8 +68,7 @@ class Variant:
     ``min_blocks``: blocks per multiprocessor the register budget must allow;
     ``streaming``: page loads and code stores with the evict-first cache hint;
     ``lean``: the half-warp path's lean forms (hardware fp8 and bf16 conversions, one
-    division per warp; see the source); ``mapped_slots`` (host side only): a launch's slot
-    table is read by the kernel from pinned host memory instead of being copied first;
+    division per warp; see the source);
     ``plain_c_math`` (never in :data:`VARIANTS`): the fp32 operations as C intrinsics,
     which a ``-ftz=true`` compilation flushes (the tests use it to show the bug is caught)."""
 
@@ -79,7 +78,6 @@ class Variant:
     min_blocks: int
     streaming: bool = False
     lean: bool = False
-    mapped_slots: bool = False
     plain_c_math: bool = False  # tests only: C float intrinsics, which -ftz=true flushes
 
     @property
@@ -104,7 +102,6 @@ VARIANTS = {v.name: v for v in (
     Variant("hw4x", 4, 256, 4, lean=True),
     Variant("hw4xcs", 4, 256, 4, streaming=True, lean=True),
     Variant("hw4sx", 4, 128, 8, lean=True),
-    Variant("hw4sxm", 4, 128, 8, lean=True, mapped_slots=True),
     Variant("hw8sx", 8, 128, 4, lean=True),
 )}
 #: The variant used when ``KVCM_QUANT_KERNEL`` is unset (see docs/codecs.md for the sweep
