@@ -872,6 +872,8 @@ class CudaKernelBackend(KernelBackend):
     #: windows a row may take before it falls back to the sort (tests make both small).
     sparse_window: int | None = None
     sparse_max_windows = 16
+    #: v2 block size (``None``: 1024 while the rows leave SMs idle, else 512).
+    sparse_threads: int | None = None
 
     def _sparse_version(self) -> str:
         v = os.environ.get("KVCM_SPARSE_RESOLVE", self.sparse_resolve_version)
@@ -914,7 +916,7 @@ class CudaKernelBackend(KernelBackend):
                 job.counters.ptr, job.keys.ptr]
         if self._sparse_version() == "v2":
             # 1024 threads while the rows leave SMs idle, else 512 (two blocks an SM)
-            threads = 1024 if job.rows <= self._sms() else 512
+            threads = self.sparse_threads or (1024 if job.rows <= self._sms() else 512)
             stamps = job.working_set_units <= self.sparse_shared_limit
             shared = sparse_v2_shared_bytes(threads, job.working_set_units, p,
                                             job.num_selected, stamps)
