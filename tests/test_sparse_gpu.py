@@ -49,7 +49,8 @@ KERNELS = [("v1", None, 16, None), ("v2", None, 16, None), ("v2", None, 16, 512)
 
 
 @pytest.fixture(params=KERNELS, ids=lambda k: "-".join(str(x) for x in k))
-def kernel(backend, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+def kernel(backend, request: pytest.FixtureRequest,  # type: ignore[no-untyped-def]
+           monkeypatch: pytest.MonkeyPatch):
     version, window, max_windows, threads = request.param
     monkeypatch.setenv("KVCM_SPARSE_RESOLVE", version)
     backend.sparse_window, backend.sparse_max_windows = window, max_windows

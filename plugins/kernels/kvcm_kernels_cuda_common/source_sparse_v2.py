@@ -391,7 +391,8 @@ kvcm_sparse_resolve_v2(u64 rows, u64 ns, u64 wsu, u64 P, u64 max_units, u64 ut, 
 #pragma unroll
             for (int q = 0; q < SP2_ITEMS; ++q) e[q] = x[q] <= -3 ? order[-3 - x[q]] : x[q];
 #pragma unroll
-            for (int q = 0; q < SP2_ITEMS; ++q) old[q] = (x[q] <= -3 && e[q] >= 0) ? resident[e[q]] : -1;
+            for (int q = 0; q < SP2_ITEMS; ++q)
+                old[q] = (x[q] <= -3 && e[q] >= 0) ? resident[e[q]] : -1;
 #pragma unroll
             for (int q = 0; q < SP2_ITEMS; ++q) {
                 const i64 s = s0 + q * T + t;
@@ -422,7 +423,8 @@ kvcm_sparse_resolve_v2(u64 rows, u64 ns, u64 wsu, u64 P, u64 max_units, u64 ut, 
 #pragma unroll
                 for (int q = 0; q < SP2_ITEMS; ++q) f[q] = u[q] >= 0 ? first[u[q]] : -1;
 #pragma unroll
-                for (int q = 0; q < SP2_ITEMS; ++q) dup[q] = u[q] >= 0 && f[q] != (int)(s0 + q * T + t);
+                for (int q = 0; q < SP2_ITEMS; ++q)
+                    dup[q] = u[q] >= 0 && f[q] != (int)(s0 + q * T + t);
             }
 #pragma unroll
             for (int q = 0; q < SP2_ITEMS; ++q)
