@@ -2,7 +2,8 @@
 sparse_sweep``): rows x selected units (working set twice the selection, about 50% hits:
 each step keeps half of a row's last selection), for each GPU backend and each resolve
 kernel (``KVCM_SPARSE_RESOLVE=v1|v2``); beside them v2 through global memory (stamps not in
-shared memory) and v2 forced to its fallback sort. Median and best of the timed resolves'
+shared memory), v2 forced to its fallback sort, and v2 in 512-thread blocks on the
+fewest rows. Median and best of the timed resolves'
 device time (CUDA events around each call while a gate kernel holds the stream, so the
 host's queuing is not in it). Writes ``sparse_sweep-<device>-<time>.json`` under --out.
 
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             big = max(args.rows)
             if hasattr(backend, "sparse_max_windows"):
                 cases += [("v2", big, 2048, {"sparse_shared_limit": 0}),
-                          ("v2", big, 2048, {"sparse_max_windows": 0})]
+                          ("v2", big, 2048, {"sparse_max_windows": 0}),
+                          ("v2", min(args.rows), 2048, {"sparse_threads": 512})]
             for version, rows, ns, extra in cases:
                 r = _case(backend, version, rows, ns, args.steps, **extra)
                 r["backend"] = name
