@@ -144,7 +144,7 @@ def test_gpu_selection_given_as_a_device_array_is_copied_on_the_stream(name: str
 
 
 def test_gpu_resolve_and_pin_of_more_slots_than_one_round(kernel) -> None:
-    """v1 takes 4 x 512 slots a round, v2 4 x 1024 (or 4 x 512 with 512 threads): 5000
+    """v1 takes 4 x 512 slots a round, v2 8 x 1024 (or 8 x 512 with 512 threads): 5000
     selected (and pins of 6000 entries) may need several rounds, whose misses must keep
     slot order across them."""
     backend = kernel

@@ -23,13 +23,12 @@ reference on the host.
 
 from __future__ import annotations
 
-__all__ = ["SPARSE_V2_SLOTS", "SPARSE_V2_KERNEL", "SPARSE_V2_MAX_SHARED", "SPARSE_V2_SOURCE",
+__all__ = ["SPARSE_V2_ITEMS", "SPARSE_V2_KERNEL", "SPARSE_V2_MAX_SHARED", "SPARSE_V2_SOURCE",
            "sparse_v2_shared_bytes", "sparse_v2_window_bits"]
 
-#: Slots a thread holds per round: a row of up to ``SLOTS * threads`` slots keeps its slots
-#: in registers from the lookup to the writes (more: re-read per phase); entries go 8 a
-#: thread per round.
-SPARSE_V2_SLOTS = 4
+#: Slots (and entries) a thread holds per round: a row of up to ``ITEMS * threads`` slots
+#: keeps its slots in registers from the lookup to the writes (more: re-read per phase).
+SPARSE_V2_ITEMS = 8
 SPARSE_V2_KERNEL = "kvcm_sparse_resolve_v2"
 #: Dynamic shared memory a v2 block may take (Hopper: 227 KiB a block, less the kernel's
 #: 2 KiB of static shared memory); rows that need more run the first kernel.
@@ -55,8 +54,7 @@ def sparse_v2_shared_bytes(threads: int, wsu: int, keys: int, ns: int,
 SPARSE_V2_SOURCE = r"""
 // ---- sparse resolve, second kernel: ranks instead of a sort ---------------------------
 
-#define SP2_ITEMS 8  // entries a thread holds per round
-#define SP2_SLOTS 4  // slots a thread holds per round
+#define SP2_ITEMS 8
 #define SP2_MAXCNT (SP2_ITEMS * 32)
 
 // Exclusive ranks of the flagged items among a block's items q * T + t (index order:
@@ -143,48 +141,30 @@ __device__ __forceinline__ u64 sp2_min(u64 v, u64* slot) {
     return out;
 }
 
-__device__ __forceinline__ bool sp2_prot(const u32* prot, int e) {
+__device__ __forceinline__ bool sp2_prot(const u32* prot, i64 e) {
     return (prot[e >> 5] >> (e & 31)) & 1u;
 }
 
-// ORs `bit` into words[w] for the lanes with `on`: one shared atomic per distinct word of
-// the warp (lanes often share a word: neighbouring entries hold neighbouring stamps).
-// Whether the lane's bit was set already (earlier, or by another lane now).
-__device__ __forceinline__ bool sp2_or(u32* words, int w, u32 bit, bool on) {
-    const unsigned act = __ballot_sync(SP_FULL, on);
-    bool clash = false;
-    if (on) {
-        const unsigned grp = __match_any_sync(act, w);
-        const u32 all = __reduce_or_sync(grp, bit);
-        const int leader = __ffs(grp) - 1;
-        u32 prev = 0;
-        if ((int)(threadIdx.x & 31) == leader) prev = atomicOr(words + w, all);
-        prev = __shfl_sync(grp, prev, leader);
-        clash = (prev & bit) != 0 || __popc(all) != __popc(grp);
-    }
-    return clash;
-}
-
-__device__ void sp2_sorted_order(int k, int wsu, int P, const i64* st, const u32* prot,
+__device__ void sp2_sorted_order(int k, i64 wsu, i64 P, const i64* st, const u32* prot,
                                  int* order, u64* keys);
 
 // The order in which the row's k misses take entries: order[i] is the entry of the i-th
 // smallest (stamp, index) among the candidates (-1 where there are fewer than k).
-__device__ void sp2_order(int k, int wsu, int P, const i64* st, const u32* prot, u32* bm,
+__device__ void sp2_order(int k, i64 wsu, i64 P, const i64* st, const u32* prot, u32* bm,
                           int* tp, int* order, u64* keys, i64 window, i64 max_windows,
                           int* cnt, int* tot, u64* mslot) {
-    const int T = blockDim.x, t = threadIdx.x;
-    const int round = SP2_ITEMS * T;
+    const i64 T = blockDim.x, t = threadIdx.x;
+    const i64 round = SP2_ITEMS * T;
     // 1. free candidates, by index; the smallest other stamp
     int taken = 0;
     bool bad = false;
     u64 mn = SP_KEY_MAX;
-    for (int e0 = 0; e0 < wsu; e0 += round) {
+    for (i64 e0 = 0; e0 < wsu; e0 += round) {
         bool fr[SP2_ITEMS];
         int rk[SP2_ITEMS];
 #pragma unroll
         for (int q = 0; q < SP2_ITEMS; ++q) {
-            const int e = e0 + q * T + t;
+            const i64 e = e0 + q * T + t;
             const bool cand = e < wsu && !sp2_prot(prot, e);
             const i64 s = cand ? st[e] : 0;
             fr[q] = cand && s == -1;
@@ -208,17 +188,20 @@ __device__ void sp2_order(int k, int wsu, int P, const i64* st, const u32* prot,
         __syncthreads();
         bool clash = false;
         u64 next = SP_KEY_MAX;
-        for (int e0 = 0; e0 < wsu; e0 += round) {
+        for (i64 e0 = 0; e0 < wsu; e0 += round) {
 #pragma unroll
             for (int q = 0; q < SP2_ITEMS; ++q) {
-                const int e = e0 + q * T + t;
-                const bool cand = e < wsu && !sp2_prot(prot, e);
-                const i64 s = cand ? st[e] : -1;
-                const bool ge = s >= 0 && (u64)s >= m;
+                const i64 e = e0 + q * T + t;
+                if (e >= wsu || sp2_prot(prot, e)) continue;
+                const i64 s = st[e];
+                if (s < 0 || (u64)s < m) continue;
                 const u64 b = (u64)s - m;
-                const bool in = ge && b < (u64)window;
-                if (ge && !in && (u64)s < next) next = (u64)s;
-                clash |= sp2_or(bm, in ? (int)(b >> 5) : 0, 1u << (b & 31), in);
+                if (b < (u64)window) {
+                    const u32 bit = 1u << (b & 31);
+                    clash |= (atomicOr(bm + (b >> 5), bit) & bit) != 0;
+                } else if ((u64)s < next) {
+                    next = (u64)s;
+                }
             }
         }
         if (__syncthreads_or(clash)) { fallback = true; break; }
@@ -228,10 +211,10 @@ __device__ void sp2_order(int k, int wsu, int P, const i64* st, const u32* prot,
                                  count);
         tp[t] = pre;
         __syncthreads();
-        for (int e0 = 0; e0 < wsu; e0 += round) {
+        for (i64 e0 = 0; e0 < wsu; e0 += round) {
 #pragma unroll
             for (int q = 0; q < SP2_ITEMS; ++q) {
-                const int e = e0 + q * T + t;
+                const i64 e = e0 + q * T + t;
                 if (e >= wsu || sp2_prot(prot, e)) continue;
                 const i64 s = st[e];
                 if (s < 0 || (u64)s < m || (u64)s - m >= (u64)window) continue;
@@ -256,16 +239,16 @@ __device__ void sp2_order(int k, int wsu, int P, const i64* st, const u32* prot,
 
 // The order by the first kernel's sort of every eviction key, in the row's global scratch
 // (the fallback).
-__device__ void sp2_sorted_order(int k, int wsu, int P, const i64* st, const u32* prot,
+__device__ void sp2_sorted_order(int k, i64 wsu, i64 P, const i64* st, const u32* prot,
                                  int* order, u64* keys) {
-    const int T = blockDim.x, t = threadIdx.x;
-    for (int e = t; e < P; e += T) {
+    const i64 T = blockDim.x, t = threadIdx.x;
+    for (i64 e = t; e < P; e += T) {
         const bool cand = e < wsu && !sp2_prot(prot, e);
         keys[e] = cand ? (((u64)(st[e] + 1) << SP_ENTRY_BITS) | (u64)e) : SP_KEY_MAX;
     }
     __syncthreads();
     sp_sort_pairs(keys, P);  // through memory: no register arrays on this cold path
-    for (int i = t; i < k; i += T) {
+    for (i64 i = t; i < k; i += T) {
         const u64 key = keys[i];
         order[i] = key == SP_KEY_MAX ? -1 : (int)(key & ((1ULL << SP_ENTRY_BITS) - 1));
     }
@@ -273,19 +256,19 @@ __device__ void sp2_sorted_order(int k, int wsu, int P, const i64* st, const u32
 }
 
 // The units of a thread's slots of the round at s0 (-1: unused).
-__device__ __forceinline__ void sp2_units(int (&u)[SP2_SLOTS], const int* sel, int s0, int ns,
+__device__ __forceinline__ void sp2_units(int (&u)[SP2_ITEMS], const int* sel, i64 s0, i64 ns,
                                           i64 lo, i64 hi, i64 max_units) {
-    const int T = blockDim.x, t = threadIdx.x;
+    const i64 T = blockDim.x, t = threadIdx.x;
 #pragma unroll
-    for (int q = 0; q < SP2_SLOTS; ++q) {
-        const int s = s0 + q * T + t;
+    for (int q = 0; q < SP2_ITEMS; ++q) {
+        const i64 s = s0 + q * T + t;
         u[q] = s < ns ? (int)sp_unit(sel, s, lo, hi, max_units) : -1;
     }
 }
 
 // One block per row (grid-strided; blockDim.x a multiple of 32, at most 1024). A slot's
 // class x: an entry >= 0 (a hit at its unit's first slot), -2 (unused, or not its unit's
-// first slot), -3 - i (the i-th miss in slot order). Rows of more than SP2_SLOTS * T slots
+// first slot), -3 - i (the i-th miss in slot order). Rows of more than SP2_ITEMS * T slots
 // keep x in the entry map between phases.
 extern "C" __global__ void __launch_bounds__(1024, 1)
 kvcm_sparse_resolve_v2(u64 rows, u64 ns, u64 wsu, u64 P, u64 max_units, u64 ut, u64 lease_ptr,
@@ -298,11 +281,10 @@ kvcm_sparse_resolve_v2(u64 rows, u64 ns, u64 wsu, u64 P, u64 max_units, u64 ut, 
     __shared__ int sp2_tot;
     __shared__ int sp2_hits;
     __shared__ u64 sp2_m;
-    const int T = blockDim.x, t = threadIdx.x;
+    const i64 T = blockDim.x, t = threadIdx.x;
     const int lane = (int)(t & 31);
-    const int round = SP2_SLOTS * T, eround = SP2_ITEMS * T;
-    const int ins = (int)ns, iwsu = (int)wsu, iP = (int)P;
-    const bool single = ins <= round;
+    const i64 round = SP2_ITEMS * T;
+    const bool single = (i64)ns <= round;
     // shared layout: stamps (optional), protected bits, window bitmap, prefixes, order
     const i64 st_bytes = shared_stamps ? ((8 * (i64)wsu + 15) / 16) * 16 : 0;
     i64* sst = (i64*)sp2_smem;
@@ -314,7 +296,7 @@ kvcm_sparse_resolve_v2(u64 rows, u64 ns, u64 wsu, u64 P, u64 max_units, u64 ut, 
         const int L = ((const int*)lease_ptr)[r];
         int* emap = (int*)map_ptr + r * (i64)ns;
         if (L < 0) {
-            for (int s = t; s < ins; s += T) emap[s] = -1;
+            for (i64 s = t; s < (i64)ns; s += T) emap[s] = -1;
             if (t == 0) ((int*)mc_ptr)[r] = 0;
             continue;
         }
@@ -331,59 +313,60 @@ kvcm_sparse_resolve_v2(u64 rows, u64 ns, u64 wsu, u64 P, u64 max_units, u64 ut, 
         const i64* st = shared_stamps ? sst : stamp;
         // 0. the slots' units (first slot of each unit: atomicMin on first[]); protected
         // bits of the pinned entries and the padding; stamps into shared memory
-        int u[SP2_SLOTS], x[SP2_SLOTS];
-        for (int s0 = 0; s0 < ins; s0 += round) {
+        int u[SP2_ITEMS], x[SP2_ITEMS];
+        for (i64 s0 = 0; s0 < (i64)ns; s0 += round) {
             sp2_units(u, sel, s0, ns, lo, hi, max_units);
 #pragma unroll
-            for (int q = 0; q < SP2_SLOTS; ++q)
+            for (int q = 0; q < SP2_ITEMS; ++q)
                 if (u[q] >= 0) atomicMin(first + u[q], (int)(s0 + q * T + t));
         }
-        for (int e0 = 0; e0 < iP; e0 += eround) {
+        for (i64 e0 = 0; e0 < (i64)P; e0 += round) {
             int v[SP2_ITEMS];
 #pragma unroll
             for (int q = 0; q < SP2_ITEMS; ++q) {
-                const int e = e0 + q * T + t;
-                v[q] = e < iwsu ? resident[e] : 0;
-                if (shared_stamps && e < iwsu) sst[e] = stamp[e];
+                const i64 e = e0 + q * T + t;
+                v[q] = e < (i64)wsu ? resident[e] : 0;
+                if (shared_stamps && e < (i64)wsu) sst[e] = stamp[e];
             }
 #pragma unroll
             for (int q = 0; q < SP2_ITEMS; ++q) {
-                const int e = e0 + q * T + t;
-                const bool pinned = e >= iwsu || (v[q] >= lo && v[q] < hi);
+                const i64 e = e0 + q * T + t;
+                const bool pinned = e >= (i64)wsu || (v[q] >= lo && v[q] < hi);
                 const unsigned b = __ballot_sync(SP_FULL, pinned);
-                if (lane == 0 && e < iP) prot[e >> 5] = b;
+                if (lane == 0 && e < (i64)P) prot[e >> 5] = b;
             }
         }
-        for (int i = t; i < ins; i += T) order[i] = -1;
+        for (i64 i = t; i < (i64)ns; i += T) order[i] = -1;
         if (t == 0) sp2_hits = 0;
         __syncthreads();
         // 1. hits protect their entries; misses ranked in slot order
         int k = 0, my_hits = 0;
-        for (int s0 = 0; s0 < ins; s0 += round) {
+        for (i64 s0 = 0; s0 < (i64)ns; s0 += round) {
             if (!single) sp2_units(u, sel, s0, ns, lo, hi, max_units);
-            int f[SP2_SLOTS];
+            int f[SP2_ITEMS];
 #pragma unroll
-            for (int q = 0; q < SP2_SLOTS; ++q) {
+            for (int q = 0; q < SP2_ITEMS; ++q) {
                 f[q] = u[q] >= 0 ? first[u[q]] : -1;
                 x[q] = u[q] >= 0 ? entry_of[u[q]] : -2;
             }
-            bool miss[SP2_SLOTS];
-            int rk[SP2_SLOTS];
+            bool miss[SP2_ITEMS];
+            int rk[SP2_ITEMS];
 #pragma unroll
-            for (int q = 0; q < SP2_SLOTS; ++q) {
-                const int s = s0 + q * T + t;
+            for (int q = 0; q < SP2_ITEMS; ++q) {
+                const i64 s = s0 + q * T + t;
                 if (u[q] < 0 || f[q] != (int)s) x[q] = -2;
                 miss[q] = x[q] == -1;
-                const bool hit = x[q] >= 0;
-                sp2_or(prot, hit ? x[q] >> 5 : 0, 1u << (x[q] & 31), hit);
-                my_hits += hit;
+                if (x[q] >= 0) {
+                    atomicOr(prot + (x[q] >> 5), 1u << (x[q] & 31));
+                    ++my_hits;
+                }
             }
-            const int total = sp2_rank<SP2_SLOTS>(miss, rk, sp2_cnt, &sp2_tot);
+            const int total = sp2_rank<SP2_ITEMS>(miss, rk, sp2_cnt, &sp2_tot);
 #pragma unroll
-            for (int q = 0; q < SP2_SLOTS; ++q) {
+            for (int q = 0; q < SP2_ITEMS; ++q) {
                 if (miss[q]) x[q] = -3 - (k + rk[q]);
-                const int s = s0 + q * T + t;
-                if (!single && s < ins) emap[s] = x[q];
+                const i64 s = s0 + q * T + t;
+                if (!single && s < (i64)ns) emap[s] = x[q];
             }
             k += total;
         }
@@ -392,27 +375,27 @@ kvcm_sparse_resolve_v2(u64 rows, u64 ns, u64 wsu, u64 P, u64 max_units, u64 ut, 
         __syncthreads();
         // 2. the entries the misses take, in order
         if (k > 0)
-            sp2_order(k, iwsu, iP, st, prot, bm, tp, order, (u64*)keys_ptr + r * (i64)P,
+            sp2_order(k, (i64)wsu, (i64)P, st, prot, bm, tp, order, (u64*)keys_ptr + r * (i64)P,
                       (i64)window, (i64)max_windows, sp2_cnt, &sp2_tot, &sp2_m);
         // 3. misses move in; every resolved unit is stamped; the map of first slots
-        for (int s0 = 0; s0 < ins; s0 += round) {
+        for (i64 s0 = 0; s0 < (i64)ns; s0 += round) {
             if (!single) {
                 sp2_units(u, sel, s0, ns, lo, hi, max_units);
 #pragma unroll
-                for (int q = 0; q < SP2_SLOTS; ++q) {
-                    const int s = s0 + q * T + t;
-                    x[q] = s < ins ? emap[s] : -2;
+                for (int q = 0; q < SP2_ITEMS; ++q) {
+                    const i64 s = s0 + q * T + t;
+                    x[q] = s < (i64)ns ? emap[s] : -2;
                 }
             }
-            int e[SP2_SLOTS], old[SP2_SLOTS];
+            int e[SP2_ITEMS], old[SP2_ITEMS];
 #pragma unroll
-            for (int q = 0; q < SP2_SLOTS; ++q) e[q] = x[q] <= -3 ? order[-3 - x[q]] : x[q];
+            for (int q = 0; q < SP2_ITEMS; ++q) e[q] = x[q] <= -3 ? order[-3 - x[q]] : x[q];
 #pragma unroll
-            for (int q = 0; q < SP2_SLOTS; ++q)
+            for (int q = 0; q < SP2_ITEMS; ++q)
                 old[q] = (x[q] <= -3 && e[q] >= 0) ? resident[e[q]] : -1;
 #pragma unroll
-            for (int q = 0; q < SP2_SLOTS; ++q) {
-                const int s = s0 + q * T + t;
+            for (int q = 0; q < SP2_ITEMS; ++q) {
+                const i64 s = s0 + q * T + t;
                 if (x[q] <= -3) {
                     const int i = -3 - x[q];
                     if (e[q] >= 0) {
@@ -424,34 +407,34 @@ kvcm_sparse_resolve_v2(u64 rows, u64 ns, u64 wsu, u64 P, u64 max_units, u64 ut, 
                     ((int*)me_ptr)[r * (i64)ns + i] = e[q];
                 }
                 if (x[q] != -2 && e[q] >= 0) stamp[e[q]] = tick * (i64)wsu + s;
-                if (s < ins && (x[q] != -2 || u[q] < 0)) emap[s] = x[q] == -2 ? -1 : e[q];
+                if (s < (i64)ns && (x[q] != -2 || u[q] < 0)) emap[s] = x[q] == -2 ? -1 : e[q];
             }
         }
         __syncthreads();  // entry_of is final
         // 4. slots after their unit's first take its entry; first[] back to INT32_MAX
-        for (int s0 = 0; s0 < ins; s0 += round) {
-            bool dup[SP2_SLOTS];
+        for (i64 s0 = 0; s0 < (i64)ns; s0 += round) {
+            bool dup[SP2_ITEMS];
             if (single) {
 #pragma unroll
-                for (int q = 0; q < SP2_SLOTS; ++q) dup[q] = u[q] >= 0 && x[q] == -2;
+                for (int q = 0; q < SP2_ITEMS; ++q) dup[q] = u[q] >= 0 && x[q] == -2;
             } else {
                 sp2_units(u, sel, s0, ns, lo, hi, max_units);
-                int f[SP2_SLOTS];
+                int f[SP2_ITEMS];
 #pragma unroll
-                for (int q = 0; q < SP2_SLOTS; ++q) f[q] = u[q] >= 0 ? first[u[q]] : -1;
+                for (int q = 0; q < SP2_ITEMS; ++q) f[q] = u[q] >= 0 ? first[u[q]] : -1;
 #pragma unroll
-                for (int q = 0; q < SP2_SLOTS; ++q)
+                for (int q = 0; q < SP2_ITEMS; ++q)
                     dup[q] = u[q] >= 0 && f[q] != (int)(s0 + q * T + t);
             }
 #pragma unroll
-            for (int q = 0; q < SP2_SLOTS; ++q)
+            for (int q = 0; q < SP2_ITEMS; ++q)
                 if (dup[q]) emap[s0 + q * T + t] = entry_of[u[q]];
         }
         __syncthreads();  // every read of first[] is done
-        for (int s0 = 0; s0 < ins; s0 += round) {
+        for (i64 s0 = 0; s0 < (i64)ns; s0 += round) {
             if (!single) sp2_units(u, sel, s0, ns, lo, hi, max_units);
 #pragma unroll
-            for (int q = 0; q < SP2_SLOTS; ++q)
+            for (int q = 0; q < SP2_ITEMS; ++q)
                 if (u[q] >= 0) first[u[q]] = 0x7fffffff;
         }
         if (t == 0) {
