@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_run.sh batch    # the Batch benchmark's device part
 #   bash benchmarks/gpu_run.sh sparse   # sparse attention: GPU tests, benchmark, simulate
 #   bash benchmarks/gpu_run.sh codecs   # page codecs: benchmark against copy bandwidth
+#   bash benchmarks/gpu_run.sh sparse_tests sparse_sweep   # resolve kernels: tests, sweep
 #   bash benchmarks/gpu_run.sh gpu_tests codecs_bench ...   # any list of the steps below
 # Results under $OUT (default ./out).
 set -uo pipefail
@@ -91,6 +92,8 @@ step() {  # one named step; modes below are lists of steps
           simulate --preset sparse --requests 60 --no-plots --quiet \
           --out "$OUT/simulate-sparse-$b"
       done ;;
+    sparse_sweep)  # resolve kernels v1/v2: rows 64/256 x selected 2048/4096/8192
+      run sparse_sweep.log 300 "$PY" benchmarks/gpu_sweep_sparse.py --out "$OUT" ;;
     *) echo "unknown step $1"; status=2 ;;
   esac
 }
