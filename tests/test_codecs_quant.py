@@ -5,6 +5,7 @@ the CUDA kernel on both GPU backends bit for bit equal to the reference."""
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -389,6 +390,12 @@ def test_gpu_fast_and_general_paths_in_one_launch_match_the_reference(
 # -- kernel variants, flush-to-zero, extreme values --------------------------------------------
 
 
+#: Kernel variants the GPU tests run: the default and ``legacy``, or all of them with
+#: ``KVCM_QUANT_TEST_VARIANTS=all`` (``gpu_run.sh quant_tests`` sets it).
+TEST_VARIANTS = (list(VARIANTS) if os.environ.get("KVCM_QUANT_TEST_VARIANTS") == "all"
+                 else sorted({DEFAULT_VARIANT, "legacy"}))
+
+
 def _extreme(blocks: int = 8) -> tuple[PageLayout, list[np.ndarray], np.ndarray, np.ndarray]:
     case = extreme_case(blocks)
     slots = np.arange(blocks, dtype=np.int32)
@@ -470,7 +477,7 @@ def test_kernels_compiled_with_flush_to_zero_use_no_flushing_instruction(tmp_pat
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", TEST_VARIANTS)
 def test_gpu_kernel_variants_match_the_reference_on_extreme_values(
         gpu: KernelBackend, mode: str, variant: str) -> None:
     layout, pools, ps, cs = _extreme()
@@ -484,7 +491,7 @@ def test_gpu_kernel_variants_match_the_reference_on_extreme_values(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", TEST_VARIANTS)
 def test_gpu_kernel_variants_match_the_reference_on_mixed_paths(
         gpu: KernelBackend, mode: str, variant: str) -> None:
     layout, pools, ps, cs = _fast_path_case(1)
@@ -510,7 +517,7 @@ def _consecutive_case(mode: str) -> tuple[Any, ...]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", TEST_VARIANTS)
 def test_gpu_kernel_variants_match_the_reference_on_consecutive_slots(
         gpu: KernelBackend, mode: str, variant: str) -> None:
     """Consecutive pool and cold slots (a launch without a slot table), bench-like pages."""
