@@ -127,7 +127,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
                 claimed = _arr([p for p in pages_g if p >= 0]) if nfull < len(pages_g) \
                     else _arr(pages_g)
             if len(claimed):
-                L.change(claimed, 0, 1)
+                L.claim(claimed)
                 a.reused[claimed] = True
             if kind.lc.policy is not ReusePolicy.OPTIONAL:  # OPTIONAL: counted once chosen
                 self._count_reuse(g, claimed, nfull)

@@ -11,13 +11,20 @@ import numpy as np
 from kvcm_core.cache_base import CacheBase
 from kvcm_core.radix import NO_NODE, block_keys
 
-__all__ = ["PARTIAL_BLOCK_PRIORITY", "PublishMixin"]
+__all__ = ["LEAF_BLOCK_PRIORITY", "PARTIAL_BLOCK_PRIORITY", "PublishMixin"]
 
 #: Eviction priority of a trailing partial block published at close (when the engine gave
 #: no priority callback): the lowest, so it only keeps otherwise free room. Only a prompt
 #: that repeats it or extends it inside the same block can reuse it, and it costs a whole
 #: page; vLLM does not keep it at all.
 PARTIAL_BLOCK_PRIORITY = 0
+#: Eviction priority, from its close on, of a cache's leaf block (when the engine gave no
+#: priority callback): the deepest full block it published itself that no other request
+#: has used. Of a chain, the leaf is the block least likely to be shared (a prompt that
+#: shares it shares every block before it), so it goes first, as vLLM frees a request's
+#: blocks tail first; a later request that extends exactly this one recomputes at most
+#: this block.
+LEAF_BLOCK_PRIORITY = 1
 
 
 class PublishMixin(CacheBase):
@@ -193,9 +200,24 @@ class PublishMixin(CacheBase):
             return NO_NODE
         return nid
 
+    def _demote_leaf(self) -> None:
+        """Give the leaf block's pages :data:`LEAF_BLOCK_PRIORITY` (see there)."""
+        b = self._published - 1
+        if b < 0 or self._priority_cb is not None or len(self._nodes) <= b:
+            return
+        nid = self._nodes[b]
+        a = self._arena
+        for g in self._ctx.publish_groups:
+            pages_g = self._pages[g]
+            pid = pages_g[b] if b < len(pages_g) else -1
+            # Ours (published into this node by this cache) and never claimed by another.
+            if pid >= 0 and a.node[pid] == nid and not a.reused[pid]:
+                self._levels.demote_leaf(pid, nid, LEAF_BLOCK_PRIORITY)
+
     def _publish_at_close(self) -> None:
-        """The trailing partial block, and the live SSM state where it ends exactly at the
-        cache's history."""
+        """The leaf block's priority, the trailing partial block, and the live SSM state
+        where it ends exactly at the cache's history."""
+        self._demote_leaf()
         nid = self._publish_tail()
         ctx = self._ctx
         if not ctx.ssm_groups or nid == NO_NODE or self._tokens.n != self._history or \

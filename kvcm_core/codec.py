@@ -60,6 +60,11 @@ class PageCodec(abc.ABC):
 
     lossless: bool = True
     error_bound: float | None = None
+    #: True when a cold page is the block's pool slots concatenated in pool order,
+    #: unchanged (``cold_page_size(layout) == layout.page_bytes``; the ``raw`` codec).
+    #: Between device-accessible memory the core then copies the slots itself, one copy
+    #: task per pool, without calling :meth:`encode` or :meth:`decode`.
+    identity: bool = False
 
     @abc.abstractmethod
     def cold_page_size(self, layout: PageLayout) -> int:

@@ -34,7 +34,7 @@ from kvcm_core.errors import (
     TierIOError,
 )
 from kvcm_core.events import BlockEvent, EventKind
-from kvcm_core.eviction import EvictionPolicy
+from kvcm_core.eviction import DEFAULT_PRIORITY, EvictionPolicy
 from kvcm_core.frame import KEY_BYTES, FrameBook, FrameCheckFailed, LevelFrames, page_key
 from kvcm_core.layout import StorageLayout
 from kvcm_core.lifecycle import LifeCycle
@@ -91,6 +91,10 @@ class Levels:
         ngroups = len(life_cycles)
         self.stats = IterationStats.empty(ngroups, len(config.levels))
         self.event_sink_errors: dict[str, int] = {}
+        #: Leaf pages given a low priority at their writer's close -> (their node, that
+        #: priority): a page id is recycled, so an entry counts only while the page is
+        #: still in that node at that priority.
+        self.leaf_nodes: dict[int, tuple[int, int]] = {}
         self._events: list[BlockEvent] = []
         self._pg_of = [int(layout.group_to_pool_group[CacheGroupId(g)])
                        for g in range(ngroups)]
@@ -259,6 +263,25 @@ class Levels:
             if self.corrupt_ids:
                 self.corrupt_ids.difference_update(gone.tolist())
 
+    def claim(self, pids: np.ndarray) -> None:
+        """A new request holds committed pages it matched (ids unique): one hold each. A
+        leaf block demoted at its writer's close (:meth:`demote_leaf`) is shared now and
+        gets the default priority back."""
+        leaves = self.leaf_nodes
+        if leaves:  # before the hold, so that a held queue gets the page's new priority
+            a = self.arena
+            for pid in leaves.keys() & set(pids.tolist()):
+                nid, priority = leaves.pop(pid)
+                if a.node[pid] == nid and a.priority[pid] == priority:
+                    a.priority[pid] = DEFAULT_PRIORITY
+        self.change(pids, 0, 1)
+
+    def demote_leaf(self, pid: int, nid: int, priority: int) -> None:
+        """Give a closing cache's leaf page (committed in node ``nid``, used by no other
+        request) ``priority`` until another request claims it."""
+        self.arena.priority[pid] = priority
+        self.leaf_nodes[pid] = (nid, priority)
+
     def release_locked(self, pids: np.ndarray) -> None:
         """Owners let go of pages they locked once (a close): see :meth:`Store.unlock_all`."""
         for s, batch in group_by_store(self.arena, pids):
@@ -373,6 +396,7 @@ class Levels:
         while target is not None and len(victims):
             keep = self.capacity(target, len(victims))
             if keep:
+                mark = store.departures
                 try:
                     self.make_room(target, keep)
                 except OutOfPagesError:
@@ -380,7 +404,8 @@ class Levels:
                     # them popped out of their queue (they are droppable).
                     victims = victims[a.store[victims] == here]
                     break
-                victims = victims[a.store[victims] == here]
+                if store.departures != mark:  # pages of this store were freed or lost
+                    victims = victims[a.store[victims] == here]
                 keep = min(keep, len(victims), target.num_free)
                 cut = len(victims) - keep
                 failed = self._move(store, victims[cut:], target, queued=False,
@@ -389,7 +414,8 @@ class Levels:
                     victims[:cut]
             target = target.below
         # A corrupt page met on the way took the droppable pages below it along.
-        self.drop(store, victims[a.store[victims] == here])
+        if len(victims):
+            self.drop(store, victims[a.store[victims] == here])
         if store.num_free < n:
             raise OutOfPagesError(
                 f"level {store.level} pool group {store.pool_group}: could not free {k} "
@@ -410,8 +436,9 @@ class Levels:
         group = int(a.group[pids[0]])
         layout = self.layouts[self._pg_of[group]]
         keys = self.frame_keys(pids) if dst.frames is not None else None
+        old = a.slot[pids]
         try:
-            self.mover.copy(layout, src, a.slot[pids], dst, slots, stream, keys)
+            self.mover.copy(layout, src, old, dst, slots, stream, keys)
         except TierIOError:
             dst.unreserve_slots(slots)
             self.stats.io_failures += 1
@@ -423,10 +450,10 @@ class Levels:
             # Dropping a corrupt page frees the droppable pages below it: some good ones.
             keep = good & (a.store[pids] == src.index)
             dst.unreserve_slots(slots[~keep])
-            pids, slots = pids[keep], slots[keep]
+            pids, slots, old = pids[keep], slots[keep], old[keep]
             if not len(pids):
                 return pids
-        src.vacate(pids, queued=queued)
+        src.vacate(pids, queued=queued, slots=old)
         dst.settle(pids, slots, droppable)
         self.epoch += 1
         self._count_moves(pids, src.level, dst.level)
@@ -434,14 +461,15 @@ class Levels:
 
     def frame_keys(self, pids: np.ndarray) -> np.ndarray:
         """The 32-byte block keys (``uint8 [n, 32]``) that frames of these pages carry."""
-        a = self.arena
-        tree = self.tree
-        out = np.empty((len(pids), KEY_BYTES), dtype=np.uint8)
-        for i, (pid, nid) in enumerate(zip(pids.tolist(), a.node[pids].tolist(),
-                                           strict=True)):
-            key = page_key(tree.key(nid) if nid >= 0 else None, pid)
-            out[i] = np.frombuffer(key, dtype=np.uint8)
-        return out
+        keys = self.tree.keys_of(self.arena.node[pids])
+        if None in keys:  # partial or uncommitted blocks: a key from the page id
+            i = keys.index(None)
+            while True:
+                keys[i] = page_key(None, int(pids[i]))
+                if None not in keys:
+                    break
+                i = keys.index(None, i + 1)
+        return np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(pids), KEY_BYTES)
 
     def discard_corrupt(self, store: Store, pids: np.ndarray, queued: bool = True) -> None:
         """Pages of ``store`` whose frame failed its check: counted, and out of the tree

@@ -203,6 +203,11 @@ class Mover:
         if src.level == 0:
             pool = dst.pools[0]
             if isinstance(pool, DevicePool):
+                if codec.identity:
+                    be.copy_pages_batch(_identity_tasks(layout, self._gpu_regions(src),
+                                                        pool.region, copy_pairs(d, s), True),
+                                        stream)
+                    return
                 codec.encode(be, layout, self._gpu_regions(src), s, pool.region, d, stream)
                 return
             cold = self._page_bytes(dst)
@@ -217,6 +222,11 @@ class Mover:
             return
         pool = src.pools[0]
         if isinstance(pool, DevicePool):
+            if codec.identity:
+                be.copy_pages_batch(_identity_tasks(layout, self._gpu_regions(dst),
+                                                    pool.region, copy_pairs(d, s), False),
+                                    stream)
+                return
             codec.decode(be, layout, pool.region, s, self._gpu_regions(dst), d, stream)
             return
         cold = self._page_bytes(src)
@@ -336,6 +346,24 @@ class _ScratchStore:
         for size in layout.slot_sizes:
             self.pools.append(_ScratchPool(buffer, at, size, count))
             at += size * count
+
+
+def _identity_tasks(layout: PageLayout, gpu: Sequence[PageRegion], cold: PageRegion,
+                    pairs: np.ndarray, encode: bool) -> list[CopyTask]:
+    """The copies of an identity codec (:attr:`PageCodec.identity`) between GPU pools
+    ``gpu`` and cold pages in ``cold``: pool ``k``'s slot is bytes ``[o_k, o_k + s_k)`` of
+    the cold page (``o_k`` the slot sizes before it). ``pairs``: ``(dst, src)`` page
+    indices, as every copy task takes them; ``encode``: GPU to cold."""
+    tasks = []
+    start = 0
+    for region, size in zip(gpu, layout.slot_sizes, strict=True):
+        if size > 0:
+            part = cold if start == 0 else PageRegion(cold.buffer, cold.offset + start,
+                                                      cold.stride)
+            tasks.append(CopyTask(part, region, size, pairs) if encode else
+                         CopyTask(region, part, size, pairs))
+        start += size
+    return tasks
 
 
 def _host_pages(region: PageRegion, page_bytes: int, count: int) -> np.ndarray:

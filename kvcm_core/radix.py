@@ -273,6 +273,14 @@ class PrefixTree:
         """Chain key of a full block or root; ``None`` for a partial block."""
         return self._keys[nid]
 
+    def keys_of(self, nids: np.ndarray) -> list[bytes | None]:
+        """:meth:`key` of many nodes (``NO_NODE`` gives ``None``), in one gather."""
+        keys = self._keys[nids].tolist()
+        if len(nids) and int(np.minimum.reduce(nids)) < 0:
+            for i in np.flatnonzero(nids < 0).tolist():
+                keys[i] = None
+        return keys
+
     def is_full(self, nid: int) -> bool:
         return self.ordinal[nid] >= 0 and int(self.ntok[nid]) == self.tpb
 

@@ -189,6 +189,10 @@ class Store:
         # batch, in release order, when anything next reads or changes the queue.
         self._released: list[np.ndarray] = []
         self._released_n = 0  # pages in _released
+        #: Pages that left this store other than by moving (freed or lost): a caller
+        #: holding popped victims across other work reads it to know whether they are all
+        #: still here.
+        self.departures = 0
 
     @property
     def droppable(self) -> EvictionPolicy:
@@ -281,12 +285,15 @@ class Store:
         else:
             self._enter(pids)
 
-    def vacate(self, pids: np.ndarray, queued: bool = True) -> None:
+    def vacate(self, pids: np.ndarray, queued: bool = True,
+               slots: np.ndarray | None = None) -> None:
         """Pages that left this store (moved elsewhere): out of its queues (unless popped
-        already: ``queued`` False), slots free."""
+        already: ``queued`` False), slots free (``slots``: their slots here, if the caller
+        has them)."""
         if queued:
             self._leave(pids)
-        slots = self.arena.slot[pids]
+        if slots is None:
+            slots = self.arena.slot[pids]
         self._pid[slots] = NO_PAGE
         self._give_back(slots)
 
@@ -303,6 +310,7 @@ class Store:
         slots = a.slot[pids]
         self._pid[slots] = NO_PAGE
         self._give_back(slots)
+        self.departures += len(pids)
         a.store[pids] = -1
         a.slot[pids] = -1
         a.level[pids] = -1
@@ -318,6 +326,7 @@ class Store:
         slots = a.slot[pids]
         self._pid[slots] = NO_PAGE
         self._give_back(slots)
+        self.departures += len(pids)
         a.release(pids)
 
     # -- state transitions ------------------------------------------------------------------

@@ -251,7 +251,9 @@ def test_cascade_moves_droppable_blocks_down_and_drops_only_at_the_last_level(
     reqs = [tokens(16, 100 + i) for i in range(5)]  # 4 full blocks each
     m.get_and_reset_iteration_stats()
     for i, t in enumerate(reqs):
-        d.write(t, suspend=False).close()
+        # One priority for every block (plain LRU; without a callback each request's leaf
+        # block would go first, see the next test).
+        d.write(t, suspend=False, priority_callback=lambda b: 35).close()
         assert_invariants(m)
         st = m.get_and_reset_iteration_stats()
         # Request i's blocks are on the GPU, request i-1's on the host, i-2's on disk.
@@ -266,6 +268,23 @@ def test_cascade_moves_droppable_blocks_down_and_drops_only_at_the_last_level(
         assert st.groups[0].dropped_blocks == (4 if i >= 3 else 0), (i, st)
         assert st.groups[0].offload_blocks == 4 * min(i, 2), (i, st)
     assert m.get_storage_statistics(2).evictable == 4
+
+
+def test_a_closed_requests_leaf_block_is_the_first_victim_on_every_level(tmp_path, cleanup):
+    # Default priorities: each closed request's deepest full block (its leaf) is evicted
+    # before the older request's other blocks, on the GPU and again on the host.
+    m = make_manager([("gpu", 4), ("host", 4), ("disk", 4)], tmp_path)
+    cleanup(m)
+    d = Driver(m)
+    reqs = [tokens(16, 100 + i) for i in range(3)]  # 4 full blocks each
+    for t in reqs:
+        d.write(t, suspend=False).close()
+        assert_invariants(m)
+    # R0: its leaf left the host first, then (LRU) its blocks from the deepest; R1's leaf
+    # arrived on the host after R0's leaf had gone and left it first too.
+    lv = [[page_level(m, node_pages(m, n)[0]) for n in chain(m, r)] for r in reqs]
+    assert lv == [[1, 2, 2, 2], [1, 1, 1, 2], [0, 0, 0, 0]], lv
+    assert all(m.probe_reuse(None, r) == 16 for r in reqs)  # nothing dropped yet
 
 
 def test_a_batch_larger_than_the_next_level_still_moves_what_fits(tmp_path, cleanup):

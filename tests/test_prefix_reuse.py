@@ -462,6 +462,36 @@ def test_a_closed_requests_trailing_partial_block_is_evicted_before_any_full_blo
     assert m.probe_reuse(None, b) == 2 * tpb
 
 
+def test_a_closed_requests_leaf_block_goes_before_older_requests_blocks(managers):
+    # Eight slots: A then B (four full blocks each) fill them; C needs two pages. Plain LRU
+    # would take A's two deepest blocks; the two leaf blocks (A's and B's deepest, written
+    # by them and used by no other request) go instead, the older first.
+    m = managers(full_layers(), slots=8)
+    tpb = m.tokens_per_block
+    a, b = tokens(4 * tpb, seed=1), tokens(4 * tpb, seed=2)
+    _run_once(m, a)
+    _run_once(m, b)
+    _run_once(m, tokens(tpb + 1, seed=3))  # one full block and a partial one
+    assert m.probe_reuse(None, a) == 3 * tpb
+    assert m.probe_reuse(None, b) == 3 * tpb
+
+
+def test_a_leaf_block_another_request_reused_is_no_longer_demoted(managers):
+    # A's leaf is demoted at A's close; B repeats A (claims every block, the leaf
+    # included): the leaf is shared now and back at the default priority, so under
+    # pressure LRU order decides again (A's chain, released after C's, stays).
+    m = managers(full_layers(), slots=8)
+    tpb = m.tokens_per_block
+    a, c = tokens(4 * tpb, seed=1), tokens(4 * tpb, seed=2)
+    _run_once(m, a)
+    _run_once(m, c)
+    _run_once(m, a)  # B: the same prompt, every block reused (c's leaf stays demoted)
+    assert m.probe_reuse(None, a) == 4 * tpb
+    _run_once(m, tokens(2 * tpb + 1, seed=3))  # three pages: C's leaf, then C's deepest
+    assert m.probe_reuse(None, a) == 4 * tpb
+    assert m.probe_reuse(None, c) == tpb
+
+
 def test_a_priority_callback_overrides_the_partial_blocks_low_priority(managers):
     m = managers(full_layers(), slots=6)
     tpb = m.tokens_per_block

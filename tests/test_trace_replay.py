@@ -331,17 +331,18 @@ def test_simulate_trace_sampled_verification_still_catches_corruption(
 
 def test_bench_trace_tail_hint_evicts_blocks_past_the_last_full_id_first(
         tmp_path: Path) -> None:
-    # A, B and C each hold 16 full blocks of two trace ids plus 2 blocks of a partial
-    # third id (one full 64-token block and the trailing partial one); the GPU level holds
-    # 50 blocks, so C evicts 4 pages. Without the hint the trailing partial blocks of A and
-    # B go first (priority 0), then LRU takes A's block past its last full id and A's
-    # 16th block; with the hint every block past a last full id is at priority 0, so A's
-    # and B's tails go and D, which repeats A's two full ids, reuses all 1024 tokens.
-    recs = [{"timestamp": i, "input_length": 1124, "output_length": 1, "hash_ids": ids}
+    # A, B and C each hold 16 full blocks of two trace ids plus 3 blocks of a partial
+    # third id (two full 64-token blocks and the trailing partial one); the GPU level holds
+    # 51 blocks, so C evicts 6 pages. Without the hint the trailing partial blocks of A and
+    # B go first (priority 0), then their leaf blocks (priority 1), then LRU takes A's
+    # other block past its last full id and A's 16th block; with the hint every block past
+    # a last full id is at priority 0, so A's and B's tails go and D, which repeats A's
+    # two full ids, reuses all 1024 tokens.
+    recs = [{"timestamp": i, "input_length": 1188, "output_length": 1, "hash_ids": ids}
             for i, ids in enumerate([[1, 2, 3], [4, 5, 8], [6, 7, 9], [1, 2, 10]])]
     trace = _write(tmp_path / "t.jsonl", recs)
-    plain = _bench(trace, tmp_path / "a.json", "--gpu-tokens", str(50 * 64))["results"]
-    hinted = _bench(trace, tmp_path / "b.json", "--gpu-tokens", str(50 * 64),
+    plain = _bench(trace, tmp_path / "a.json", "--gpu-tokens", str(51 * 64))["results"]
+    hinted = _bench(trace, tmp_path / "b.json", "--gpu-tokens", str(51 * 64),
                     "--tail-hint")["results"]
     assert plain["runs"][0]["reused_tokens"] == 1024 - 64
     assert hinted["runs"][0]["reused_tokens"] == 1024

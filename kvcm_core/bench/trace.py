@@ -57,6 +57,7 @@ from kvcm_core.bench import (
 from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
 from kvcm_core.errors import ConfigError
 from kvcm_core.eviction import DEFAULT_PRIORITY
+from kvcm_core.frame import FRAME_OVERHEAD
 from kvcm_core.manager import KVCacheManager
 from kvcm_core.simulate.mooncake import (
     TRACE_BLOCK,
@@ -79,13 +80,17 @@ class _Usage(Exception):
 
 def make_config(args: argparse.Namespace, disk_path: str | None) -> KVCacheManagerConfig:
     """One attention layer, one 64-byte buffer; the GPU level and the optional host and
-    disk levels hold ``tokens // block_size`` pages each."""
+    disk levels hold ``tokens // block_size`` pages each. The disk level is framed (every
+    page carries a :data:`~kvcm_core.frame.FRAME_OVERHEAD`-byte frame counted against its
+    quota: more than the 64-byte page itself here, a rounding error on a real model's
+    page), so its quota includes the frames: it holds the tokens asked for."""
     bs = args.block_size
     levels = [LevelConfig(tier="gpu", quota=args.gpu_tokens // bs * PAGE_BYTES)]
     if args.host_tokens:
         levels.append(LevelConfig(tier="host", quota=args.host_tokens // bs * PAGE_BYTES))
     if args.disk_tokens:
-        levels.append(LevelConfig(tier="disk", quota=args.disk_tokens // bs * PAGE_BYTES,
+        levels.append(LevelConfig(tier="disk", quota=args.disk_tokens // bs *
+                                  (PAGE_BYTES + FRAME_OVERHEAD),
                                   options={"path": disk_path}))
     return KVCacheManagerConfig(
         tokens_per_block=bs,

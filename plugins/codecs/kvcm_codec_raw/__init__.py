@@ -54,6 +54,7 @@ class RawCodec(PageCodec):
 
     lossless = True
     error_bound = None
+    identity = True  # the core copies device-accessible pages itself (see PageCodec)
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         if options:
