@@ -11,10 +11,9 @@ import uuid
 
 import numpy as np
 import pytest
-from redis_fixtures import fresh_server, need_binaries
+from redis_fixtures import fresh_server, lag_budget, need_binaries
 
 from kvcm_core.errors import ConfigError, TierIOError
-from kvcm_core.testing.conformance.keyed import DEADLINE_SLACK_S
 
 pytest.importorskip("redis", reason="the redis client package is not installed")
 from kvcm_tier_redis import RedisTier  # noqa: E402
@@ -30,12 +29,21 @@ def _soon(seconds: float = 5.0) -> float:
 
 
 def _timed(call, budget: float):  # noqa: ANN001, ANN202 - test helper
-    """Run ``call(deadline)`` with ``budget`` seconds; assert it returned in time."""
-    start = time.monotonic()
-    try:
-        return call(start + budget)
-    finally:
-        assert time.monotonic() - start < budget + DEADLINE_SLACK_S
+    """Run ``call(deadline)`` with ``budget`` seconds and assert it returned in time: by
+    the deadline plus the slack of :func:`~redis_fixtures.lag_budget`, which grows with
+    the scheduler lag measured during the call (on a loaded machine the test process
+    itself runs late; a tier that keeps its deadlines is late by no more than that)."""
+    result: list = []
+    error: list[BaseException] = []
+    with lag_budget(budget) as timing:
+        try:
+            result.append(call(time.monotonic() + budget))
+        except BaseException as exc:  # noqa: BLE001 - re-raised after the timing check
+            error.append(exc)
+    assert timing.elapsed < timing.limit, timing
+    if error:
+        raise error[0]
+    return result[0]
 
 
 @pytest.mark.parametrize(("options", "field"), [

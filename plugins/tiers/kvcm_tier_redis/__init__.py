@@ -141,30 +141,39 @@ class RedisTier(KeyedTier):
 
     def _connect(self) -> Any:
         with self._lock:
-            if self._client is None:
-                from redis.backoff import NoBackoff
-                from redis.retry import Retry
+            if self._client is not None:
+                return self._client
+            nodes = list(self._nodes)
+        # Built outside the lock: connecting to a dead node may take connect_timeout_s,
+        # and a caller whose deadline passed must be able to drop the client meanwhile.
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
-                o, r = self._opts, self._redis
-                # No retries inside the client: the caller's deadline decides, and the core
-                # treats what cannot be read in time as lost.
-                kw: dict[str, Any] = {"socket_connect_timeout": o["connect_timeout_s"],
-                                      "retry": Retry(NoBackoff(), 0)}
-                if not o["cluster"]:
-                    self._client = r.Redis.from_url(o["url"], **kw)
-                elif not self._nodes:
-                    self._client = r.cluster.RedisCluster.from_url(o["url"], **kw)
-                else:  # after a failure: every node seen so far, not only the URL's
-                    kw.update(r.connection.parse_url(o["url"]))
-                    for k in ("host", "port", "db"):
-                        kw.pop(k, None)
-                    self._client = r.cluster.RedisCluster(
-                        startup_nodes=[r.cluster.ClusterNode(h, p) for h, p in self._nodes],
-                        **kw)
-                if o["cluster"]:
-                    seen = {(n.host, n.port) for n in self._client.get_nodes()}
-                    self._nodes = sorted(seen | set(self._nodes))
-            return self._client
+        o, r = self._opts, self._redis
+        # No retries inside the client: the caller's deadline decides, and the core treats
+        # what cannot be read in time as lost.
+        kw: dict[str, Any] = {"socket_connect_timeout": o["connect_timeout_s"],
+                              "retry": Retry(NoBackoff(), 0)}
+        if not o["cluster"]:
+            client = r.Redis.from_url(o["url"], **kw)
+        elif not nodes:
+            client = r.cluster.RedisCluster.from_url(o["url"], **kw)
+        else:  # after a failure: every node seen so far, not only the URL's
+            kw.update(r.connection.parse_url(o["url"]))
+            for k in ("host", "port", "db"):
+                kw.pop(k, None)
+            client = r.cluster.RedisCluster(
+                startup_nodes=[r.cluster.ClusterNode(h, p) for h, p in nodes], **kw)
+        with self._lock:
+            if o["cluster"]:
+                seen = {(n.host, n.port) for n in client.get_nodes()}
+                self._nodes = sorted(seen | set(self._nodes))
+            if self._client is None:
+                self._client = client
+                return client
+            other = self._client
+        client.close()
+        return other
 
     def _drop_client(self) -> None:
         """Close every connection (unblocks an I/O thread stuck on a dead server)."""
