@@ -359,3 +359,43 @@ def test_an_unreachable_server_at_construction_is_no_error_and_lookups_skip_it()
             assert serve(m, PROMPT) == 0
         assert budget.elapsed < budget.limit + 1.0, budget
         assert m.get_remote_statistics().skipped >= 1
+
+
+def test_a_killed_cluster_primary_means_recompute_never_wrong_kv_nor_a_late_call() -> None:
+    need_binaries()
+    from kvcm_core.testing.redis_server import RedisClusterServers
+
+    with RedisClusterServers() as cluster:
+        cfg = config(cluster.url, cluster=True, io_deadline_s=0.2, retry_after_s=0.1,
+                     write_deadline_s=0.5)
+        with KVCacheManager(cfg) as a, KVCacheManager(cfg) as b:
+            prompts = [_prompt(20 + s) for s in range(6)]
+            for i, p in enumerate(prompts):
+                serve(a, p, rid=i)
+            assert a.flush_remote(10.0)
+            time.sleep(0.2)  # replication to the replicas is asynchronous
+            cluster.kill_port(cluster.primary_ports()[0])
+            reused = []
+            for i, p in enumerate(prompts):  # during the failover: verified, each in time
+                with lag_budget(0.2) as budget:
+                    cache = b.create_kv_cache(None, p[:-1], id=f"probe{i}")
+                cache.close()
+                assert budget.elapsed < budget.limit, budget
+                reused.append(serve(b, p, rid=i))
+            assert all(r % TPB == 0 and r <= REUSABLE for r in reused)
+            cluster.wait_failover(3)
+            deadline = time.monotonic() + 15
+            for k in range(1000):  # the tier finds the new primary: new prefixes are shared
+                fresh = _prompt(40 + k)  # (a write that failed is not retried: new ones)
+                serve(a, fresh, rid=f"fresh{k}")
+                a.flush_remote(10.0)
+                # A new manager reaches the cluster through a live node (the URL's is dead).
+                live = f"redis://127.0.0.1:{cluster.primary_ports()[0]}/0"
+                with KVCacheManager(config(live, cluster=True)) as c:
+                    if c.probe_reuse(None, fresh[:-1], remote=True) == REUSABLE:
+                        assert serve(c, fresh) == REUSABLE
+                        break
+                assert time.monotonic() < deadline, a.get_remote_statistics()
+                time.sleep(0.2)
+            st = b.get_remote_statistics()
+            assert st.corrupt == st.foreign == st.truncated == 0
