@@ -57,6 +57,7 @@ _T = TypeVar("_T")
 _MGET_KEYS = 256  # keys per MGET (standalone servers reached through TLS)
 _READ_BUFFER = 4 << 20  # initial receive buffer of a plain connection
 _IOV_MAX = 512  # buffers per gathering write (Linux allows 1024)
+_HEAP_PRIME = 16 << 20  # see _prime_heap
 
 
 def _availability() -> Availability:
@@ -125,6 +126,25 @@ def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
     return out
 
 
+_heap_primed = False
+
+
+def _prime_heap() -> None:
+    """Allocate and free one large buffer, once per process.
+
+    Values read back are ``bytes`` of 16 KiB to 1 MiB, allocated by ``malloc`` and freed in
+    batches. glibc returns the top of its heap to the system whenever more than its trim
+    threshold (128 KiB at start) is free there, and the next batch then faults every page
+    in again: reading a 64 KiB value cost about ten times its copy. Freeing a buffer that
+    was too large for the heap (an ``mmap``) makes glibc raise both thresholds to that
+    size (its own dynamic rule), after which batches of values reuse heap memory. Other
+    allocators ignore this."""
+    global _heap_primed
+    if not _heap_primed:
+        _heap_primed = True
+        bytearray(_HEAP_PRIME)  # allocated and freed at once
+
+
 class _Plain:
     """A plain TCP connection to a standalone server (what every batch uses there): the
     commands of a batch are sent in one write; the replies are received into one reusable
@@ -141,6 +161,7 @@ class _Plain:
     def __init__(self, url: Mapping[str, Any], connect_timeout_s: float,
                  error: type[Exception]) -> None:
         self._error = error
+        _prime_heap()
         self._buf = bytearray(_READ_BUFFER)
         self._have = self._pos = 0
         sock = socket.create_connection((url.get("host", "localhost"), url.get("port", 6379)),
