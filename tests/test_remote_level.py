@@ -84,6 +84,31 @@ def test_what_one_manager_commits_the_next_reuses_in_the_same_process() -> None:
             assert b.get_remote_statistics().lookups == lookups
 
 
+@pytest.mark.parametrize("partial", [True, False])
+def test_probe_with_remote_equals_what_create_then_reuses(partial: bool) -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(11)
+    with fresh_server() as server:
+        cfg = config(server.url)
+        if not partial:
+            cfg = KVCacheManagerConfig.from_dict({**cfg.to_dict(),
+                                                  "enable_partial_reuse": False})
+        with KVCacheManager(cfg) as a:
+            serve(a, PROMPT)
+            serve(a, PROMPT[:5 * TPB] + _prompt(9, blocks=4), rid="branch")
+            assert a.flush_remote(10.0)
+        for trial in range(12):
+            cut = int(rng.integers(0, len(PROMPT)))
+            tail = rng.integers(0, 50_000, int(rng.integers(0, 3 * TPB))).tolist()
+            tokens = (PROMPT if trial % 2 else PROMPT[:5 * TPB] + _prompt(9, 4))[:cut] + tail
+            with KVCacheManager(cfg) as b:  # nothing local: everything comes from Redis
+                probed = b.probe_reuse(None, tokens, remote=True)
+                cache = b.create_kv_cache(None, tokens)
+                assert cache.history_length == probed, (cut, len(tail))
+                cache.close()
+
+
 def test_probe_without_remote_makes_no_round_trip() -> None:
     with fresh_server() as server, KVCacheManager(config(server.url)) as m:
         before = m.get_remote_statistics()
