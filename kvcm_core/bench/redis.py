@@ -11,8 +11,10 @@ For each value size (``--sizes``, default 16 KiB and 64 KiB), in one run against
   PIPELINE values (one pipeline each, exactly what the core sends per migration batch),
   every value read back checked.
 
-Each pair runs ``--reps`` times, alternating, on an emptied server; the medians are
-reported with the ratio tier / redis-benchmark (requests per second). The server is one
+Each pair runs ``--reps`` times, alternating, on an emptied server. The ratio tier /
+redis-benchmark (requests per second) is taken within each pair, run next to each other,
+and its median reported (a machine whose load drifts moves both sides of a pair alike);
+the medians of each side are reported too. The server is one
 started on a free loopback port for the run (``redis-server`` must be installed) unless
 ``--url`` names one, which is then flushed (``FLUSHDB``) between runs: never point it at a
 server holding data you want.
@@ -47,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--total-mib", type=int, default=256,
                    help="MiB of values per size and run (N = total / size)")
     p.add_argument("--pipeline", type=int, default=64, help="values per batch / pipeline")
-    p.add_argument("--reps", type=int, default=3, help="alternating runs per size")
+    p.add_argument("--reps", type=int, default=5, help="alternating runs per size")
     add_output_options(p, "32 MiB per size, 1 rep")
     return p
 
@@ -137,8 +139,12 @@ def main(argv: list[str] | None = None) -> int:
             med = {k: statistics.median(v) for k, v in runs.items()}
             row = {"value_bytes": size, "values": n, "pipeline": args.pipeline,
                    "runs": runs, "median": med,
-                   "set_ratio": med["tier set_rps"] / med["redis-benchmark set_rps"],
-                   "get_ratio": med["tier get_rps"] / med["redis-benchmark get_rps"]}
+                   "set_ratio": statistics.median(
+                       t / r for t, r in zip(runs["tier set_rps"],
+                                             runs["redis-benchmark set_rps"], strict=True)),
+                   "get_ratio": statistics.median(
+                       t / r for t, r in zip(runs["tier get_rps"],
+                                             runs["redis-benchmark get_rps"], strict=True))}
             results.append(row)
             print(f"{size:>7} B x {n}: SET tier {med['tier set_rps']:9.0f}/s "
                   f"redis-benchmark {med['redis-benchmark set_rps']:9.0f}/s "
