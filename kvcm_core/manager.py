@@ -114,9 +114,13 @@ class KVCacheManager:
                     self.backend, codecs, self.codec_specs,
                     [g for g in attn if lcs[g].publishes], self._walk_groups)
         except BaseException:
-            for tier in reversed(tiers):
+            if hasattr(self, "storage_levels"):  # the remote level failed: pools and all
                 with contextlib.suppress(Exception):
-                    tier.close()
+                    self.storage_levels.close()
+            else:
+                for tier in reversed(tiers):
+                    with contextlib.suppress(Exception):
+                        tier.close()
             with contextlib.suppress(Exception):
                 self.backend.close()
             raise
