@@ -424,3 +424,32 @@ def test_a_killed_cluster_primary_means_recompute_never_wrong_kv_nor_a_late_call
                 time.sleep(0.2)
             st = b.get_remote_statistics()
             assert st.corrupt == st.foreign == st.truncated == 0
+
+
+def test_shutdown_finishes_the_queued_writes() -> None:
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url)) as a:
+            serve(a, PROMPT)  # no flush: shutdown (the with block) must finish the queue
+        with KVCacheManager(config(server.url)) as b:
+            assert serve(b, PROMPT) == REUSABLE
+
+
+def test_keys_are_namespaced_by_layout_fingerprint_and_scope() -> None:
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url)) as a, \
+                KVCacheManager(config(server.url, size=512)) as other:
+            serve(a, PROMPT[:2 * TPB + 1], scope=ReuseScope(salt=1))
+            serve(a, PROMPT[:2 * TPB + 1], rid="s2", scope=ReuseScope(salt=2))
+            serve(other, PROMPT[:2 * TPB + 1], rid="o", scope=ReuseScope(salt=1))
+            for m in (a, other):
+                assert m.flush_remote(10.0)
+            assert a.remote.fingerprint != other.remote.fingerprint
+            keys = [k.split(b":") for k in _remote_keys(server.url)]
+            assert len(keys) == 6  # 2 blocks x (2 scopes + 1 other layout)
+            by_layout = {}
+            for _ns, layout, scope, group, block in keys:
+                by_layout.setdefault(layout, set()).add(scope)
+                assert group == b"0" and len(block) == 64
+            # One layout, two scopes; the other layout, one scope: never the same key.
+            assert len(by_layout[a.remote.fingerprint.hex().encode()]) == 2
+            assert len(by_layout[other.remote.fingerprint.hex().encode()]) == 1
