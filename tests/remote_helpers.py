@@ -4,6 +4,7 @@ prompt through its own manager (what another engine instance does)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from kvcm_core import KVCacheManager, KVCacheManagerConfig
@@ -11,6 +12,8 @@ from kvcm_core.testing.engine import EngineLoop, Request
 from kvcm_core.types import ReuseScope
 
 TPB = 16
+#: As in conftest: ``KVCM_TEST_BACKEND=cuda`` (or ``cupy``) runs these on a GPU.
+BACKEND = os.environ.get("KVCM_TEST_BACKEND", "numpy")
 
 
 def layers(size: int = 256, window: int | None = None) -> list[dict[str, Any]]:
@@ -38,7 +41,7 @@ def config(url: str, *, local: tuple[str, ...] = ("gpu", "host"), size: int = 25
     levels.append({"tier": "redis", "quota": quota, "options": opts, **(level or {})})
     return KVCacheManagerConfig.from_dict({
         "tokens_per_block": TPB, "layers": layers(size, window), "levels": levels,
-        "kernel_backend": "numpy"})
+        "kernel_backend": BACKEND})
 
 
 def serve(manager: KVCacheManager, prompt: list[int], answer: int = 3, rid: Any = "r",
