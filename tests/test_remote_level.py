@@ -453,3 +453,27 @@ def test_keys_are_namespaced_by_layout_fingerprint_and_scope() -> None:
             # One layout, two scopes; the other layout, one scope: never the same key.
             assert len(by_layout[a.remote.fingerprint.hex().encode()]) == 2
             assert len(by_layout[other.remote.fingerprint.hex().encode()]) == 1
+
+
+def test_a_lookup_asks_for_at_most_max_blocks_past_the_local_match() -> None:
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url)) as a, \
+                KVCacheManager(config(server.url, max_blocks=3)) as b:
+            serve(a, PROMPT)
+            assert a.flush_remote(10.0)
+            assert b.probe_reuse(None, PROMPT[:-1], remote=True) == 3 * TPB
+            assert serve(b, PROMPT) == 3 * TPB
+            assert b.get_remote_statistics().pulled_blocks == 3
+
+
+def test_blocks_read_from_the_remote_level_are_not_written_back() -> None:
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url)) as a, KVCacheManager(config(server.url)) as b:
+            serve(a, PROMPT)  # 10 full blocks once the answer is committed
+            assert a.flush_remote(10.0)
+            longer = PROMPT + _prompt(8, blocks=2)
+            assert serve(b, longer) == len(PROMPT)  # all 10 blocks pulled
+            assert b.flush_remote(10.0)
+            st = b.get_remote_statistics()
+            assert st.pulled_blocks == 10
+            assert st.writes_queued == 2  # only the blocks b computed itself
