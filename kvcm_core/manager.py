@@ -312,15 +312,16 @@ class KVCacheManager:
                                     "callable (block ordinal -> priority) or None")
         match = self._match(scope, input_tokens)
         held = None
-        if self.remote is not None:  # one round trip for the blocks after the local match
-            match, held = self.remote.extend(scope_root_key(scope), input_tokens, match,
-                                             lambda: self._match(scope, input_tokens))
+        remote = self.remote
+        if remote is not None:  # one round trip for the blocks after the local match
+            match, held = remote.extend(scope_root_key(scope), input_tokens, match,
+                                        lambda: self._match(scope, input_tokens))
         try:
             cache = KVCache(self._ctx, scope, match, input_tokens,
                             next(self._ids) if id is None else id, priority_callback)
         finally:
-            if held is not None:  # the cache holds what it reuses now
-                self.remote.release(held)
+            if remote is not None and held is not None:  # the cache holds them now
+                remote.release(held)
         self._open[builtins_id(cache)] = cache
         return cache
 

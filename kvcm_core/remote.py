@@ -437,8 +437,8 @@ class RemoteLevel:
             setattr(st, name, getattr(st, name) + 1)
             if verdict == "miss":
                 self._forget(rkey)
-        ok = present[:, self._required].all(axis=1)
-        extent = len(ok) if ok.all() else int(ok.argmin())
+        ok = np.asarray(present[:, self._required].all(axis=1))
+        extent = int(ok.size) if ok.all() else int(ok.argmin())
         return extent, pages
 
     def probe(self, root_key: bytes, tokens: Sequence[Any] | np.ndarray, match: Match,

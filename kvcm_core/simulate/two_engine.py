@@ -215,7 +215,8 @@ def run_two_engine(args: argparse.Namespace, out: Path, console: Any, err: Any) 
     ws = working_set(trace, base)
     levels = _levels(raw, sim.level_fractions, ws)
     t0 = time.perf_counter()
-    with RedisServer() as server:
+    server = RedisServer()
+    try:
         levels[-1]["options"] = {**levels[-1].get("options", {}), "url": server.url}
         shared = KVCacheManagerConfig.from_dict({**raw, "levels": levels})
         local = KVCacheManagerConfig.from_dict({**raw, "levels": levels[:-1]})
@@ -225,6 +226,8 @@ def run_two_engine(args: argparse.Namespace, out: Path, console: Any, err: Any) 
             if not args.quiet:
                 console.print(f"running {label} ...")
             runs[label] = run_engines(cfg, trace, sim.scheduler, label)
+    finally:
+        server.stop()
     bound = infinite_bound(local, trace, runs["shared"].creation_order, ws["bytes"])
     report = {
         "preset": "two-engine", "seed": seed, "requests": len(trace), "engines": ENGINES,
