@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_run.sh batch    # the Batch benchmark's device part
 #   bash benchmarks/gpu_run.sh sparse   # sparse attention: GPU tests, benchmark, simulate
 #   bash benchmarks/gpu_run.sh codecs   # page codecs: benchmark against copy bandwidth
+#   bash benchmarks/gpu_run.sh quant    # quant codec kernels: variants bit for bit, sweep
+#   bash benchmarks/gpu_run.sh sparse_tests sparse_sweep   # resolve kernels: tests, sweep
 #   bash benchmarks/gpu_run.sh gpu_tests codecs_bench ...   # any list of the steps below
 # Results under $OUT (default ./out).
 set -uo pipefail
@@ -101,6 +103,15 @@ step() {  # one named step; modes below are lists of steps
           -q -p no:cacheprovider --tb=short tests/test_remote_level.py \
           tests/test_simulate_two_engines.py
       done ;;
+    quant_tests)  # issue 12: every quant codec kernel variant bit for bit, both backends
+      KVCM_QUANT_TEST_VARIANTS=all run quant_tests.log 300 "$PY" -m pytest -q -m gpu \
+        -p no:cacheprovider --tb=short tests/test_codecs_quant.py ;;
+    quant_sweep)  # issue 12: quant kernel variants against the copy bandwidth, both backends
+      run quant_sweep.log 300 "$PY" -m kvcm_core.cli bench codecs --out "$OUT" \
+        --skip cpu simulate --slots both --reps 50 --kernels \
+        "${KVCM_QUANT_SWEEP:-legacy,hw2,hw4,hw4cs,hw2s,hw4s,hw2x,hw4x,hw4xcs,hw4sx,hw8sx}" ;;
+    sparse_sweep)  # resolve kernels v1/v2: rows 64/256 x selected 2048/4096/8192
+      run sparse_sweep.log 300 "$PY" benchmarks/gpu_sweep_sparse.py --out "$OUT" ;;
     *) echo "unknown step $1"; status=2 ;;
   esac
 }
@@ -110,6 +121,7 @@ case "$MODE" in
   batch) STEPS="batch_bench" ;;
   sparse) STEPS="sparse_tests sparse_bench sparse_simulate" ;;
   codecs) STEPS="codecs_bench" ;;
+  quant) STEPS="quant_tests codecs_backends quant_sweep" ;;
   quick) STEPS="gpu_tests kernels_quick" ;;
   *) STEPS="$*" ;;  # a list of step names
 esac

@@ -4,13 +4,17 @@ the CUDA kernel on both GPU backends bit for bit equal to the reference."""
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvcm_codec_quant import QuantCodec, kernel_variant
 from kvcm_codec_quant.reference import (
     BOUNDS,
     MODES,
@@ -22,10 +26,19 @@ from kvcm_codec_quant.reference import (
     make_plan,
     to_f32,
 )
+from kvcm_codec_quant.source import (
+    DEFAULT_VARIANT,
+    KERNEL_ENV,
+    VARIANTS,
+    Variant,
+    source_for,
+)
 
 from kvcm_core.backend import KernelBackend, MemoryKind, PageRegion
 from kvcm_core.codec import BufferPlace, PageLayout
+from kvcm_core.errors import ConfigError
 from kvcm_core.plugins import get_plugin_manager
+from kvcm_core.testing.conformance.codec import extreme_case
 
 GPU_BACKENDS = ("cupy", "cuda")
 _ITEM = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -178,17 +191,19 @@ def numpy_backend() -> Iterator[KernelBackend]:
     backend.close()
 
 
-def _codec(mode: str) -> Any:
-    return get_plugin_manager().codec(mode).factory({})
+def _codec(mode: str, kernel: str | Variant | None = None) -> Any:
+    if kernel is None:
+        return get_plugin_manager().codec(mode).factory({})
+    return QuantCodec(mode, kernel=kernel)
 
 
 def run_codec(backend: KernelBackend, mode: str, layout: PageLayout, pools: list[np.ndarray],
               pool_slots: np.ndarray, cold_slots: np.ndarray, cold_offset: int = 3,
-              cold_kind: str = MemoryKind.DEVICE,
-              stride_pad: int = 5) -> tuple[np.ndarray, list[np.ndarray]]:
+              cold_kind: str = MemoryKind.DEVICE, stride_pad: int = 5,
+              kernel: str | Variant | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
     """Encode ``pools`` (``[blocks, slot]`` each) on ``backend``, read the cold pages,
     decode them into fresh pools: ``(cold pages in cold_slots order, decoded pools)``."""
-    codec = _codec(mode)
+    codec = _codec(mode, kernel)
     size = codec.cold_page_size(layout)
     blocks = pools[0].shape[0]
     bufs = []
@@ -370,3 +385,253 @@ def test_gpu_fast_and_general_paths_in_one_launch_match_the_reference(
     assert np.array_equal(pages, want_pages), "encode differs from the reference"
     for p, (got, want) in enumerate(zip(outs, want_outs, strict=True)):
         assert np.array_equal(got, want), f"decode differs from the reference in pool {p}"
+
+
+# -- kernel variants, flush-to-zero, extreme values --------------------------------------------
+
+
+#: Kernel variants the GPU tests run: the default and ``legacy``, or all of them with
+#: ``KVCM_QUANT_TEST_VARIANTS=all`` (``gpu_run.sh quant_tests`` sets it).
+TEST_VARIANTS = (list(VARIANTS) if os.environ.get("KVCM_QUANT_TEST_VARIANTS") == "all"
+                 else sorted({DEFAULT_VARIANT, "legacy"}))
+
+
+def _extreme(blocks: int = 8) -> tuple[PageLayout, list[np.ndarray], np.ndarray, np.ndarray]:
+    case = extreme_case(blocks)
+    slots = np.arange(blocks, dtype=np.int32)
+    return case.layout, case.images, slots, slots[::-1].copy()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_extreme_case_reaches_subnormal_scales_zero_groups_and_saturation(mode: str) -> None:
+    """The extreme-value case really holds what a flush-to-zero kernel gets wrong: scale
+    groups with subnormal fp32 scales (bf16 and fp32 buffers), all-zero groups, and values
+    that saturate at the code range's ends."""
+    layout, pools, ps, _ = _extreme()
+    plan = make_plan(layout, mode)
+    pages = encode_pages(plan, [p[ps] for p in pools])
+    subnormal = {}
+    for seg in plan.segments:
+        at = seg.cold_offset
+        scales = np.ascontiguousarray(pages[:, at : at + 4 * seg.groups]).view("<f4")
+        subnormal[seg.dtype, seg.group_size] = int(np.sum((scales > 0)
+                                                          & (scales < np.float32(2.0**-126))))
+        assert np.any(scales == 0), f"{seg.dtype}: no all-zero group"
+    assert subnormal["bf16", 128] > 0 and subnormal["fp32", 32] > 0
+    assert subnormal["fp16", 128] == 0  # fp16 has no values that small
+    seg = plan.segments[0]
+    codes = pages[:, seg.cold_offset + seg.payload_offset():][:, : seg.groups * 128]
+    if mode == "int4":
+        codes = np.stack([codes & 15, codes >> 4])
+    top = {"fp8": (0x7E, 0xFE), "int8": (0x7F, 0x81), "int4": (0x7, 0x9)}[mode]
+    assert np.isin(codes, top).any(), "no saturated code"
+
+
+def test_kernel_variant_comes_from_the_environment_else_the_default(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    assert QuantCodec("fp8").variant.name == DEFAULT_VARIANT
+    for name in VARIANTS:
+        monkeypatch.setenv(KERNEL_ENV, name)
+        assert QuantCodec("int8").variant is VARIANTS[name]
+    assert QuantCodec("int8", kernel="legacy").variant is VARIANTS["legacy"]
+
+
+def test_unknown_kernel_variant_raises_config_error_naming_the_variable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KERNEL_ENV, "warp9")
+    with pytest.raises(ConfigError) as err:
+        get_plugin_manager().codec("fp8").factory({})
+    assert err.value.field == KERNEL_ENV and err.value.value == "warp9"
+    with pytest.raises(ConfigError, match="must be one of"):
+        kernel_variant("nope")
+
+
+def _ptx(source: str, tmp_path: Any) -> str:
+    import shutil
+    import subprocess
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    cu, ptx = tmp_path / "k.cu", tmp_path / "k.ptx"
+    cu.write_text(source)
+    done = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-ftz=true", "-ptx", str(cu),
+                           "-o", str(ptx)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return ptx.read_text()
+
+
+def test_kernels_compiled_with_flush_to_zero_use_no_flushing_instruction(tmp_path: Any) -> None:
+    """CuPy compiles with ``-ftz=true``: the codec's fp32 arithmetic must not depend on it.
+    Compiled so, the PTX of the default, legacy and lean variants has no ``.ftz``
+    instruction, while the C-intrinsics form (the bug) has."""
+    for name in sorted({DEFAULT_VARIANT, "legacy", "hw4x"}):
+        ptx = _ptx(source_for(VARIANTS[name]), tmp_path)
+        flushing = [line.strip() for line in ptx.splitlines() if ".ftz" in line]
+        assert not flushing, f"{name}: {flushing[:5]}"
+    plain = _ptx(source_for(attrs.evolve(VARIANTS[DEFAULT_VARIANT], plain_c_math=True)),
+                 tmp_path)
+    assert "mul.rn.ftz.f32" in plain and "div.rn.ftz.f32" in plain
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("variant", TEST_VARIANTS)
+def test_gpu_kernel_variants_match_the_reference_on_extreme_values(
+        gpu: KernelBackend, mode: str, variant: str) -> None:
+    layout, pools, ps, cs = _extreme()
+    pages, outs = run_codec(gpu, mode, layout, pools, ps, cs, cold_offset=0, stride_pad=0,
+                            kernel=variant)
+    want_pages, want_outs = _reference(mode, layout, pools, ps)
+    assert np.array_equal(pages, want_pages), "encode differs from the reference"
+    for p, (got, want) in enumerate(zip(outs, want_outs, strict=True)):
+        assert np.array_equal(got, want), f"decode differs from the reference in pool {p}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("variant", TEST_VARIANTS)
+def test_gpu_kernel_variants_match_the_reference_on_mixed_paths(
+        gpu: KernelBackend, mode: str, variant: str) -> None:
+    layout, pools, ps, cs = _fast_path_case(1)
+    for pad, offset in ((0, 0), (4, 4), (2, 2)):  # half-warp, warp and general cold paths
+        pages, outs = run_codec(gpu, mode, layout, pools, ps, cs, cold_offset=offset,
+                                stride_pad=pad, kernel=variant)
+        want_pages, want_outs = _reference(mode, layout, pools, ps)
+        assert np.array_equal(pages, want_pages), f"encode differs (cold offset {offset})"
+        for got, want in zip(outs, want_outs, strict=True):
+            assert np.array_equal(got, want), f"decode differs (cold offset {offset})"
+
+
+@functools.cache
+def _consecutive_case(mode: str) -> tuple[Any, ...]:
+    rng = np.random.default_rng(11)
+    blocks, size = 600, 16384
+    layout = PageLayout((size,), (BufferPlace(0, "k", 0, 0, size, "bf16", 128, False),))
+    pools = [fill_pool(rng, layout, 0, blocks)]
+    ps = np.arange(3, 3 + 517, dtype=np.int32)
+    cs = np.arange(7, 7 + 517, dtype=np.int32)
+    return layout, pools, ps, cs, _reference(mode, layout, pools, ps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("variant", TEST_VARIANTS)
+def test_gpu_kernel_variants_match_the_reference_on_consecutive_slots(
+        gpu: KernelBackend, mode: str, variant: str) -> None:
+    """Consecutive pool and cold slots (a launch without a slot table), bench-like pages."""
+    layout, pools, ps, cs, (want_pages, want_outs) = _consecutive_case(mode)
+    pages, outs = run_codec(gpu, mode, layout, pools, ps, cs, cold_offset=0, stride_pad=0,
+                            kernel=variant)
+    assert np.array_equal(pages, want_pages)
+    assert np.array_equal(outs[0], want_outs[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp8", "int8"])
+def test_flush_to_zero_kernels_differ_on_extreme_values_and_are_caught(
+        gpu: KernelBackend, mode: str) -> None:
+    """The bug the extreme values catch: the same kernels with C float intrinsics are
+    flushed by CuPy's ``-ftz=true`` and differ from the reference there, and equal it on
+    the ``cuda`` backend (NVRTC's default keeps subnormals)."""
+    plain = attrs.evolve(VARIANTS[DEFAULT_VARIANT], name="plain-c-math", plain_c_math=True)
+    layout, pools, ps, cs = _extreme()
+    pages, outs = run_codec(gpu, mode, layout, pools, ps, cs, cold_offset=0, stride_pad=0,
+                            kernel=plain)
+    want_pages, want_outs = _reference(mode, layout, pools, ps)
+    same = np.array_equal(pages, want_pages) and all(
+        np.array_equal(g, w) for g, w in zip(outs, want_outs, strict=True))
+    assert same == (gpu.name != "cupy")
+
+
+# -- the launch's host side, on a recording stand-in for a compiling backend --------------------
+
+
+class _Event:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.waited: list[Any] = []
+
+    def wait_event(self, event: Any) -> None:
+        self.waited.append(event)
+
+
+class _Module:
+    def __init__(self) -> None:
+        self.launches: list[tuple[str, tuple[int, ...], tuple[int, ...], list[int]]] = []
+
+    def launch(self, name: str, grid: Any, block: Any, args: Any, stream: Any = None) -> None:
+        self.launches.append((name, grid, block, [int(a) for a in args]))
+
+
+class _Recorder:
+    """The numpy backend's memory, with ``compiles_sources``: launches are recorded, table
+    uploads counted, events never complete on their own."""
+
+    def __init__(self, inner: KernelBackend) -> None:
+        self.inner = inner
+        self.capabilities = attrs.evolve(inner.capabilities, compiles_sources=True)
+        self.module = _Module()
+        self.default_stream = _Stream()
+        self.copies = 0
+
+    def compile(self, source: str) -> _Module:
+        return self.module
+
+    def create_event(self) -> _Event:
+        return _Event(done=False)
+
+    def copy_bytes(self, *args: Any) -> None:
+        self.copies += 1
+        self.inner.copy_bytes(*args[:5])
+
+    def synchronize(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_launch_uploads_a_descriptor_table_once_and_needs_no_slot_table_for_consecutive_slots(
+        numpy_backend: KernelBackend) -> None:
+    rec = _Recorder(numpy_backend)
+    layout = PageLayout((16384,), (BufferPlace(0, "k", 0, 0, 16384, "bf16", 128, False),))
+    codec = QuantCodec("fp8", kernel="hw4sx")
+    size = codec.cold_page_size(layout)
+    pool, cold = numpy_backend.alloc_device(16384 * 40), numpy_backend.alloc_device(size * 40)
+    try:
+        regions, cold_region = [PageRegion(pool, 0, 16384)], PageRegion(cold, 0, size)
+        ps = np.arange(5, 37, dtype=np.int32)
+        codec.encode(rec, layout, regions, ps, cold_region, ps - 3)
+        codec.decode(rec, layout, cold_region, ps - 3, regions, ps)
+        assert rec.copies == 1  # the descriptor table, once
+        (enc, grid, block, args), (dec, _, _, dargs) = rec.module.launches
+        assert (enc, dec) == ("kvcm_quant_encode", "kvcm_quant_decode")
+        assert block == (128, 1, 1) and grid == (2, 32, 1)  # 64 groups in blocks of 32
+        assert args[2] == 0 and args[5] == 5 | (2 << 32)  # no slot table; the bases
+        assert dargs[5] == 5 | (2 << 32)
+        # the table's upload never completed: calls on another stream wait for it
+        assert len(rec.default_stream.waited) == 1
+        other = _Stream()
+        shuffled = np.array([7, 3, 9], dtype=np.int32)
+        codec.encode(rec, layout, regions, shuffled, cold_region, shuffled, stream=other)
+        assert len(other.waited) == 1
+        assert rec.copies == 2  # the slot table; the descriptor table is kept
+        assert rec.module.launches[-1][3][2] != 0
+    finally:
+        pool.free()
+        cold.free()

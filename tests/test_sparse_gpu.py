@@ -41,11 +41,30 @@ def backend(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     b.close()
 
 
-@pytest.mark.parametrize("shared_limit", [4096, 0], ids=["shared", "global"])
-def test_gpu_resolve_is_the_exact_lru_on_random_cases(backend, shared_limit: int) -> None:
-    """``shared_limit=0`` sends every working set through the global-memory sort."""
+#: (kernel, window, max_windows, threads): v2 with its widest window, with windows of a few
+#: stamps (several windows a row), with none allowed (every row falls back to the sort), and
+#: with 512-thread blocks (as for more rows than SMs: slots take more rounds).
+KERNELS = [("v1", None, 16, None), ("v2", None, 16, None), ("v2", None, 16, 512),
+           ("v2", 5, 64, None), ("v2", 3, 2, 512), ("v2", 1, 0, None)]
+
+
+@pytest.fixture(params=KERNELS, ids=lambda k: "-".join(str(x) for x in k))
+def kernel(backend, request: pytest.FixtureRequest,  # type: ignore[no-untyped-def]
+           monkeypatch: pytest.MonkeyPatch):
+    version, window, max_windows, threads = request.param
+    monkeypatch.setenv("KVCM_SPARSE_RESOLVE", version)
+    backend.sparse_window, backend.sparse_max_windows = window, max_windows
+    backend.sparse_threads = threads
+    return backend
+
+
+@pytest.mark.parametrize("shared_limit", [8192, 0], ids=["shared", "global"])
+def test_gpu_resolve_is_the_exact_lru_on_random_cases(kernel, shared_limit: int) -> None:
+    """``shared_limit=0`` sends every working set through global memory (v1: the sort's
+    keys; v2: the stamps)."""
+    backend = kernel
     backend.sparse_shared_limit = shared_limit
-    for seed in range(60):
+    for seed in range(60 if backend.sparse_window is None else 20):
         case = random_case(np.random.default_rng(seed))
         rig = ResolveRig(backend, case["rows"], case["ns"], case["wsu"], case["mu"],
                          case["ut"])
@@ -55,9 +74,11 @@ def test_gpu_resolve_is_the_exact_lru_on_random_cases(backend, shared_limit: int
             rig.close()
 
 
-@pytest.mark.parametrize("rows,wsu", [(64, 4096), (8, 4100), (4, 8192)])
-def test_gpu_resolve_of_2048_selected_on_a_drifting_top_k(backend, rows: int,
+@pytest.mark.parametrize("rows,wsu", [(64, 4096), (8, 4100), (4, 8192), (2, 9000)])
+def test_gpu_resolve_of_2048_selected_on_a_drifting_top_k(kernel, rows: int,
                                                           wsu: int) -> None:
+    """9000 entries: past the shared limit."""
+    backend = kernel
     rig = ResolveRig(backend, rows, 2048, wsu, 16384, 4)
     try:
         for sel in drifting_topk(np.random.default_rng(wsu), rows, 2048, 8192, 5, 0.5):
@@ -122,17 +143,21 @@ def test_gpu_selection_given_as_a_device_array_is_copied_on_the_stream(name: str
     m.shutdown()
 
 
-def test_gpu_resolve_and_pin_of_more_slots_than_one_round(backend) -> None:
-    """A block takes 4 x 1024 slots a round: 5000 selected (and pins of 6000 entries) need
-    two rounds, whose misses must keep slot order across them."""
-    rig = ResolveRig(backend, 2, 5000, 6000, 20000, 4)
+def test_gpu_resolve_and_pin_of_more_slots_than_one_round(kernel) -> None:
+    """v1 takes 4 x 512 slots a round, v2 8 x 1024 (or 8 x 512 with 512 threads): 5000
+    selected (and pins of 6000 entries) may need several rounds, whose misses must keep
+    slot order across them."""
+    backend = kernel
+    rows = 2
+    rig = ResolveRig(backend, rows, 5000, 6000, 20000, 4)
     try:
         rng = np.random.default_rng(11)
-        for sel in drifting_topk(rng, 2, 5000, 12000, 3, 0.6):
+        for sel in drifting_topk(rng, rows, 5000, 12000, 3, 0.6):
             sel[:, ::7] = sel[:, ::7][:, ::-1]  # some slots in another order
             rig.resolve(sel)
-        rig.pin(np.array([[4000, 7000], [0, 3000]]))  # 750 units in flight on each row
-        for sel in drifting_topk(rng, 2, 5000, 12000, 2, 0.6):
+        marks = np.array([[4000, 7000], [0, 3000]] * (rows // 2))
+        rig.pin(marks)  # 750 units in flight on each row
+        for sel in drifting_topk(rng, rows, 5000, 12000, 2, 0.6):
             rig.resolve(sel)
     finally:
         rig.close()

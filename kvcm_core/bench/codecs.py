@@ -6,11 +6,13 @@
    call each: bytes read plus bytes written per second, beside the device copy bandwidth
    (read plus write of one plain copy of the same bytes) measured in the same run, each
    call's device time taken with the stream held while the call queues its work (host
-   time left out, the upload of the call's descriptor table in). The
-   target is 0.7 of the copy bandwidth for fp8 and int8. Each result also says whether the
-   decoded values of a sample of pages stay within the codec's declared bound. Without a
-   device backend the ``numpy`` backend runs a small version, marked as a host reference
-   (not a device measurement).
+   time left out; a slot table's upload, where the call needs one, in). The target is
+   0.7 of the copy bandwidth for fp8 and int8. ``--kernels`` sweeps the page codecs'
+   kernel variants (their ``kernel`` option); ``--slots`` adds calls on shuffled cold
+   slots (a slot table per call) to the default consecutive ones. Each result also says
+   whether the decoded values of a sample of pages stay within the codec's declared bound.
+   Without a device backend the ``numpy`` backend runs a small version, marked as a host
+   reference (not a device measurement).
 2. **CPU**: the blob codecs named ``zstd`` and ``lz4`` (when installed; skipped with a line
    otherwise), page by page, on KV-like bf16 pages and on the fp8 cold pages of the same
    data: MB/s of encode and decode, and compression ratio.
@@ -85,6 +87,14 @@ def _parser() -> argparse.ArgumentParser:
                         help="requests of each simulated workload")
     parser.add_argument("--skip", nargs="*", default=[], choices=["device", "cpu", "simulate"],
                         help="parts not to run")
+    parser.add_argument("--kernels", default="",
+                        help="comma-separated kernel variants of the page codecs to sweep "
+                             "(their 'kernel' option, e.g. legacy,hw4; empty: the codecs' "
+                             "default or $KVCM_QUANT_KERNEL)")
+    parser.add_argument("--slots", default="consecutive",
+                        choices=["consecutive", "shuffled", "both"],
+                        help="device calls on consecutive slots (block i at page i), on "
+                             "shuffled ones (a slot table each call), or both")
     add_output_options(parser, "256 pages a call, 3 repetitions, 256 CPU pages, 20 simulated "
                                "requests")
     return parser
@@ -173,9 +183,23 @@ def _within_bound(backend: KernelBackend, src: Any, dst: Any, page_bytes: int,
     return bool(np.all(np.abs(x - y) <= bound * amax))
 
 
+def _codec_rates(backend: KernelBackend, gate: _Gate, codec: Any, layout: PageLayout,
+                 pool_in: list[PageRegion], pool_out: list[PageRegion], cold: PageRegion,
+                 slots: np.ndarray, cold_slots: np.ndarray, moved: int,
+                 reps: int) -> tuple[float, float]:
+    enc = _median_gbps(gate, lambda: codec.encode(backend, layout, pool_in, slots, cold,
+                                                  cold_slots), moved, reps)
+    dec = _median_gbps(gate, lambda: codec.decode(backend, layout, cold, cold_slots, pool_out,
+                                                  slots), moved, reps)
+    return enc, dec
+
+
 def device_part(backend: KernelBackend, pm: Any, pages: int, page_bytes: int,
-                reps: int) -> dict[str, Any]:
-    """Copy bandwidth and each page codec's encode and decode on one backend."""
+                reps: int, kernels: list[str] | None = None,
+                slot_orders: tuple[str, ...] = ("consecutive",)) -> dict[str, Any]:
+    """Copy bandwidth and each page codec's encode and decode on one backend; with
+    ``kernels``, once per kernel variant (the codecs' ``kernel`` option), the copy measured
+    again after each."""
     n = pages * page_bytes
     src, dst = backend.alloc_device(n), backend.alloc_device(n)
     buffers = [src, dst]
@@ -188,37 +212,61 @@ def device_part(backend: KernelBackend, pm: Any, pages: int, page_bytes: int,
         out: dict[str, Any] = {"copy_read_write_gbps": copy, "codecs": {}}
         layout = _layout(page_bytes)
         slots = np.arange(pages, dtype=np.int32)
+        shuffled = np.random.default_rng(1).permutation(pages).astype(np.int32)
         pool_in, pool_out = [PageRegion(src, 0, page_bytes)], [PageRegion(dst, 0, page_bytes)]
-        for name in PAGE_CODECS:
-            if name not in pm.codecs():
-                print(f"  {name}: not installed; skipped")
+        sweep: dict[str, Any] = {}
+        variants: list[str | None] = list(kernels) if kernels else [None]
+        for kernel in variants:
+            options = {} if kernel is None else {"kernel": kernel}
+            results: dict[str, Any] = {}
+            if kernel is not None:
+                print(f"  kernel {kernel}:")
+            for name in PAGE_CODECS:
+                if name not in pm.codecs():
+                    print(f"  {name}: not installed; skipped")
+                    continue
+                codec = pm.codec(name).factory(options)
+                size = codec.cold_page_size(layout)
+                cold_buf = backend.alloc_device(pages * size)
+                buffers.append(cold_buf)
+                cold = PageRegion(cold_buf, 0, size)
+                moved = n + pages * size
+                target = TARGET if name in TARGETED else None
+                res: dict[str, Any] = {"cold_page_bytes": size, "bytes_per_call": moved,
+                                       "target_vs_copy": target}
+                for order in slot_orders:
+                    cold_slots = slots if order == "consecutive" else shuffled
+                    enc, dec = _codec_rates(backend, gate, codec, layout, pool_in, pool_out,
+                                            cold, slots, cold_slots, moved, reps)
+                    rates = {"encode_gbps": enc, "decode_gbps": dec,
+                             "encode_vs_copy": enc / copy, "decode_vs_copy": dec / copy,
+                             "meets_target": None if target is None
+                             else min(enc, dec) / copy >= target}
+                    if order == slot_orders[0]:
+                        res.update(rates, slot_order=order)
+                    else:
+                        res[order] = rates
+                    print(f"  {name:5} cold page {size} B, {order} slots: encode {enc:8.1f} "
+                          f"GB/s ({enc / copy:.2f} x copy), decode {dec:8.1f} GB/s "
+                          f"({dec / copy:.2f} x copy)"
+                          f"{'' if target is None else f', target {target} x copy'}")
+                backend.synchronize()
+                res["within_bound"] = _within_bound(backend, src, dst, page_bytes, pages,
+                                                    codec.error_bound)
+                print(f"  {name:5} within bound: {res['within_bound']}")
+                results[name] = res
+                cold_buf.free()
+                buffers.remove(cold_buf)
+            if kernel is None:
+                out["codecs"] = results
                 continue
-            codec = pm.codec(name).factory({})
-            size = codec.cold_page_size(layout)
-            cold_buf = backend.alloc_device(pages * size)
-            buffers.append(cold_buf)
-            cold = PageRegion(cold_buf, 0, size)
-            moved = n + pages * size
-            enc = _median_gbps(gate, lambda c=codec, r=cold: c.encode(
-                backend, layout, pool_in, slots, r, slots), moved, reps)
-            dec = _median_gbps(gate, lambda c=codec, r=cold: c.decode(
-                backend, layout, r, slots, pool_out, slots), moved, reps)
-            backend.synchronize()
-            target = TARGET if name in TARGETED else None
-            res = {
-                "cold_page_bytes": size, "bytes_per_call": moved,
-                "encode_gbps": enc, "decode_gbps": dec,
-                "encode_vs_copy": enc / copy, "decode_vs_copy": dec / copy,
-                "target_vs_copy": target,
-                "meets_target": None if target is None else min(enc, dec) / copy >= target,
-                "within_bound": _within_bound(backend, src, dst, page_bytes, pages,
-                                              codec.error_bound),
-            }
-            out["codecs"][name] = res
-            print(f"  {name:5} cold page {size} B: encode {enc:8.1f} GB/s "
-                  f"({enc / copy:.2f} x copy), decode {dec:8.1f} GB/s ({dec / copy:.2f} x "
-                  f"copy){'' if target is None else f', target {target} x copy'}; "
-                  f"within bound: {res['within_bound']}")
+            after = _median_gbps(gate, lambda: backend.copy_bytes(dst, 0, src, 0, n), 2 * n,
+                                 reps)
+            sweep[kernel] = {"codecs": results, "copy_after_gbps": after}
+            if not out["codecs"]:
+                out["codecs"] = results
+        if kernels:
+            out["kernels"] = sweep
         return out
     finally:
         backend.synchronize()
@@ -242,7 +290,9 @@ def run_device(pm: Any, args: argparse.Namespace) -> dict[str, Any]:
         try:
             copy_note = "" if backend.capabilities.has_device else " (host reference)"
             print(f"device {name}{copy_note}: {pages} pages of {args.page_bytes} B")
-            res = device_part(backend, pm, pages, args.page_bytes, args.reps)
+            kernels = [k for k in args.kernels.split(",") if k] or None
+            orders = ("consecutive", "shuffled") if args.slots == "both" else (args.slots,)
+            res = device_part(backend, pm, pages, args.page_bytes, args.reps, kernels, orders)
             res["host_reference"] = not backend.capabilities.has_device
             res["pages"] = pages
             print(f"  copy: {res['copy_read_write_gbps']:.1f} GB/s read + write")

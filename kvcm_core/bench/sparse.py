@@ -6,8 +6,8 @@ kernel backend with a device (``--backends`` to choose; ``numpy`` gives host tim
   1024 new ones (misses): 50% hits. Device time per resolve: events around the call
   while a gate kernel holds the stream, so the host's time to queue it is not counted
   (the selections were uploaded before). Also the global-memory path: a working set
-  of 8192 entries (past the 4096-entry shared-memory sort), and 4096 entries with the
-  shared sort turned off.
+  of 8192 entries (past the shared-memory limit, when it is 4096), and 4096 entries with
+  shared memory turned off.
 - **fetch**: the missed units of 64 rows copied from pinned host pages into their entries,
   units of ``--unit-kib`` (1, 4 and 16 KiB), ``--missed-mib`` in all; beside it the model
   ``missed bytes / pinned host-to-device bandwidth + one launch``, both limits measured in
@@ -219,7 +219,8 @@ def run_backend(args: argparse.Namespace, name: str) -> dict[str, Any]:
                   (args.rows[-1], args.working_set, 0)]
         for rows, wsu, limit in cases:
             r = bench_resolve(backend, rows, args.selected, wsu, args.steps, limit)
-            r["path"] = "global" if limit == 0 or wsu > 4096 else "shared"
+            shared = getattr(backend, "sparse_shared_limit", 0)
+            r["path"] = "global" if limit == 0 or wsu > shared else "shared"
             out["resolve"].append(r)
             print(f"[{name}] resolve {rows} x {args.selected} of {wsu} ({r['path']}): "
                   f"{r['device_us_median']:.1f} us device, hit rate {r['hit_rate']:.2f}",

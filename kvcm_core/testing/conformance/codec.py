@@ -39,9 +39,9 @@ from kvcm_core.errors import CorruptPageError
 from kvcm_core.plugins import get_plugin_manager
 from kvcm_core.records import CodecKind
 from kvcm_core.testing.conformance import ConformanceBase
-from kvcm_core.testing.values import from_bytes, to_bytes
+from kvcm_core.testing.values import ITEMSIZE, extreme_values, from_bytes, to_bytes
 
-__all__ = ["CodecConformance"]
+__all__ = ["CodecConformance", "extreme_case"]
 
 _SETTINGS = settings(
     max_examples=40,
@@ -209,6 +209,34 @@ def _kv_cases(draw: st.DrawFn) -> _KvCase:
             rng.normal(0.0, 1.0, (blocks, exact // 2)), "bf16")
         images.append(image)
     places = [p for p in places if p.size > 0]
+    return _KvCase(PageLayout(tuple(sizes), tuple(places)), images)
+
+
+#: (pool, dtype, group size, groups) of the extreme-value layout: the 16-bit buffers of
+#: pool 0 are aligned whole groups of 128 (the kernels' vector paths), pool 1 takes the
+#: general path (fp32, and an odd group size).
+_EXTREME_BUFFERS = ((0, "bf16", 128, 8), (0, "fp16", 128, 8), (1, "fp32", 32, 8),
+                    (1, "bf16", 7, 8))
+
+
+def extreme_case(blocks: int = 8, seed: int = 0) -> _KvCase:
+    """Typed buffers full of extreme values (:func:`kvcm_core.testing.values.extreme_values`:
+    subnormal inputs and scales, +-0, the largest finite values, saturation and ties), no
+    NaN or infinity: the inputs on which a kernel that flushes subnormals to zero, or rounds
+    ties differently, parts from the NumPy reference."""
+    rng = np.random.default_rng(seed)
+    sizes = [0, 0]
+    places: list[BufferPlace] = []
+    parts: list[list[np.ndarray]] = [[], []]
+    for i, (pool, dtype, group, groups) in enumerate(_EXTREME_BUFFERS):
+        values = extreme_values(rng, blocks, groups, group, dtype)
+        raw = to_bytes(values, dtype).reshape(blocks, -1)
+        places.append(BufferPlace(i, "kv", pool, sizes[pool], raw.shape[1], dtype, group,
+                                  False))
+        sizes[pool] += raw.shape[1]
+        parts[pool].append(raw)
+        assert raw.shape[1] == groups * group * ITEMSIZE[dtype]
+    images = [np.ascontiguousarray(np.concatenate(p, axis=1)) for p in parts]
     return _KvCase(PageLayout(tuple(sizes), tuple(places)), images)
 
 
@@ -458,6 +486,26 @@ class CodecConformance(ConformanceBase):
         self._page(kvcm_plugin_spec)
         if not backend.capabilities.has_device:
             pytest.skip("the selected backend is the numpy reference itself")
+        reference = get_plugin_manager().kernel_backend("numpy").factory({})
+        try:
+            want_pages, want_out = _encode_decode(reference, codec, case)
+        finally:
+            reference.close()
+        pages, out = _encode_decode(backend, codec, case)
+        assert np.array_equal(pages, want_pages), "cold pages differ from the numpy backend's"
+        for got, want in zip(out, want_out, strict=True):
+            assert np.array_equal(got, want), "decoded pages differ from the numpy backend's"
+
+    def test_page_codec_gives_the_numpy_backends_bytes_on_extreme_values_on_a_device_backend(
+        self, codec: Any, kvcm_plugin_spec: Any, backend: KernelBackend
+    ) -> None:
+        """Subnormal inputs and scales, +-0, the largest finite values, saturation and
+        ties: cold pages and decoded pages equal the ``numpy`` backend's, bit for bit (a
+        kernel compiled with flush-to-zero fails here)."""
+        self._page(kvcm_plugin_spec)
+        if not backend.capabilities.has_device:
+            pytest.skip("the selected backend is the numpy reference itself")
+        case = extreme_case()
         reference = get_plugin_manager().kernel_backend("numpy").factory({})
         try:
             want_pages, want_out = _encode_decode(reference, codec, case)

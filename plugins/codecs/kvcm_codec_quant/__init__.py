@@ -7,11 +7,14 @@ covers are copied unchanged. The cold page layout, the scale rule, the rounding 
 error bounds are defined in :mod:`kvcm_codec_quant.reference`, the NumPy reference. On a
 backend that compiles CUDA C (``cupy``, ``cuda``) one kernel launch encodes or decodes every
 block of a call, bit for bit equal to the reference; elsewhere (``numpy``) the reference
-itself runs on the host views of the buffers.
+itself runs on the host views of the buffers. ``KVCM_QUANT_KERNEL`` picks the kernel variant
+(:data:`kvcm_codec_quant.source.VARIANTS`; default
+:data:`~kvcm_codec_quant.source.DEFAULT_VARIANT`); all give the same bytes.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,13 +31,22 @@ from kvcm_codec_quant.reference import (
     encode_pages,
     make_plan,
 )
-from kvcm_codec_quant.source import FAST_GROUPS, SEG_DESC_WORDS, SOURCE, WARPS_PER_BLOCK
+from kvcm_codec_quant.source import (
+    DEFAULT_VARIANT,
+    FAST_GROUPS,
+    KERNEL_ENV,
+    SEG_DESC_WORDS,
+    VARIANTS,
+    Variant,
+    source_for,
+)
 from kvcm_core import hookimpl
 from kvcm_core.backend import Buffer, Event, KernelBackend, PageRegion, Stream
 from kvcm_core.codec import PageCodec, PageLayout
+from kvcm_core.errors import ConfigError
 from kvcm_core.records import CodecCapabilities, CodecKind, CodecSpec
 
-__all__ = ["CODEC_IDS", "QuantCodec", "capabilities"]
+__all__ = ["CODEC_IDS", "QuantCodec", "capabilities", "kernel_variant"]
 
 #: Frame ids of the codecs (``raw`` is 0).
 CODEC_IDS = {"fp8": 1, "int8": 2, "int4": 3}
@@ -124,31 +136,103 @@ def _write(backend: KernelBackend, region: PageRegion, slots: np.ndarray,
         backend.write(region.buffer, region.page_start(int(s)), row)
 
 
-#: Whether the kernel's fast path (see :mod:`kvcm_codec_quant.source`) may be used.
+#: Whether the kernel's fast paths (see :mod:`kvcm_codec_quant.source`) may be used.
 FAST_PATH = True
 
 
-def _fast(seg: Segment, pool_base: int, pool_stride: int, cold_base: int,
-          cold_stride: int) -> bool:
-    """Whether a segment takes the kernel's fast path: 16-bit values in whole groups of
-    128, 8-byte aligned in every slot, cold sections 4-byte aligned in every page."""
-    return (FAST_PATH and seg.dtype in ("bf16", "fp16") and seg.group_size == 128
-            and seg.elements % 128 == 0 and pool_base % 8 == 0 and pool_stride % 8 == 0
-            and cold_base % 4 == 0 and cold_stride % 4 == 0)
+def _path(seg: Segment, variant: Variant, pool_base: int, pool_stride: int, cold_base: int,
+          cold_stride: int) -> int:
+    """The kernel path of a segment: 2 the half-warp path (16-bit values in whole groups of
+    128, 16-byte aligned in every slot, cold sections 8-byte aligned in every page; variants
+    with ``hw_groups``), 1 the warp path (8-byte aligned values, 4-byte aligned cold
+    sections), 0 the general path."""
+    if not (FAST_PATH and seg.dtype in ("bf16", "fp16") and seg.group_size == 128
+            and seg.elements % 128 == 0):
+        return 0
+    if (variant.hw_groups and pool_base % 16 == 0 and pool_stride % 16 == 0
+            and cold_base % 8 == 0 and cold_stride % 8 == 0):
+        return 2
+    if pool_base % 8 == 0 and pool_stride % 8 == 0 and cold_base % 4 == 0 and cold_stride % 4 == 0:
+        return 1
+    return 0
+
+
+def kernel_variant(name: str | None = None) -> Variant:
+    """The kernel variant called ``name``, else named by ``$KVCM_QUANT_KERNEL``, else the
+    default.
+
+    Raises:
+        ConfigError: the name is not one of :data:`~kvcm_codec_quant.source.VARIANTS`.
+    """
+    field = "kernel"
+    if name is None:
+        name, field = os.environ.get(KERNEL_ENV) or DEFAULT_VARIANT, KERNEL_ENV
+    variant = VARIANTS.get(name)
+    if variant is None:
+        raise ConfigError(field, name, f"must be one of {sorted(VARIANTS)}")
+    return variant
+
+
+#: Smallest device area that keeps descriptor tables between calls (bytes).
+_TABLE_AREA = 16 << 10
 
 
 class _Staging:
-    """Pinned and device memory for a launch's descriptor table, two slots deep: a slot is
-    rewritten only after the launch that read it has finished."""
+    """A backend's compiled kernels for one variant, and the device memory a launch reads.
 
-    def __init__(self, backend: KernelBackend) -> None:
+    Descriptor tables (one per layout and set of buffers: the same for every migration of
+    a manager's cold group) are uploaded once into an append-only device area and reused
+    while their bytes are the same; the area starts over (after a device synchronize, and
+    larger if a table needs it) when full. Slot pairs go through two pinned-and-device
+    slots: a slot is rewritten only after the launch that read it has finished. Consecutive
+    slots (block ``i`` at pool slot ``p0 + i`` and cold slot ``c0 + i``) need no pairs."""
+
+    def __init__(self, backend: KernelBackend, variant: Variant) -> None:
         self.backend = backend
-        self.module = backend.compile(SOURCE)  # type: ignore[attr-defined]
+        self.module = backend.compile(source_for(variant))  # type: ignore[attr-defined]
         self.cap = 0
         self.host: Buffer | None = None
         self.dev: Buffer | None = None
         self.events: list[Event] = [backend.create_event(), backend.create_event()]
         self.next = 0
+        self.table_cap = 0
+        self.table_host: Buffer | None = None
+        self.table_dev: Buffer | None = None
+        self.tables: dict[bytes, tuple[int, Event]] = {}
+        self.table_used = 0
+
+    def table(self, table: np.ndarray, stream: Stream | None) -> int:
+        """Device address of descriptor table ``table``, uploaded on ``stream`` the first
+        time; a later call on another stream waits for that upload."""
+        key = table.tobytes()
+        known = self.tables.get(key)
+        if known is not None:
+            addr, uploaded = known
+            if not uploaded.query():
+                (stream or self.backend.default_stream).wait_event(uploaded)
+            return addr
+        nbytes = -(-len(key) // 16) * 16
+        if self.table_used + nbytes > self.table_cap:
+            if self.table_cap:
+                self.backend.synchronize()  # no launch reads the area any more
+            self.tables.clear()
+            self.table_used = 0
+            if nbytes * 4 > self.table_cap:
+                for buf in (self.table_host, self.table_dev):
+                    if buf is not None:
+                        buf.free()
+                self.table_cap = max(_TABLE_AREA, 4 * nbytes)
+                self.table_host = self.backend.alloc_host(self.table_cap)
+                self.table_dev = self.backend.alloc_device(self.table_cap)
+        assert self.table_host is not None and self.table_dev is not None
+        at = self.table_used
+        self.table_used += nbytes
+        self.table_host.host_view()[at : at + len(key)] = np.frombuffer(key, dtype=np.uint8)
+        self.backend.copy_bytes(self.table_dev, at, self.table_host, at, len(key), stream)
+        uploaded = self.backend.create_event()
+        uploaded.record(stream)
+        self.tables[key] = (self.table_dev.ptr + at, uploaded)
+        return self.table_dev.ptr + at
 
     def upload(self, table: np.ndarray, stream: Stream | None) -> tuple[int, Event]:
         """Copy ``table`` (bytes) to the device on ``stream``: its device address and the
@@ -174,24 +258,39 @@ class _Staging:
         return self.dev.ptr + at, event
 
 
+def _consecutive(slots: np.ndarray) -> bool:
+    return len(slots) < 2 or bool(np.all(np.diff(slots) == 1))
+
+
 class QuantCodec(PageCodec):
     """A quantizing page codec (see the module docstring).
 
     Args:
         mode: ``"fp8"``, ``"int8"`` or ``"int4"``.
-        options: must be empty or ``None``.
+        options: ``None``, or ``{"kernel": name}`` (the same as ``kernel=name``).
+        kernel: the CUDA kernel variant (a name of
+            :data:`~kvcm_codec_quant.source.VARIANTS`, or a :class:`Variant`); ``None``:
+            ``$KVCM_QUANT_KERNEL``, else the default. Every variant gives the same bytes.
 
     Raises:
         ValueError: an unknown mode or an option was given.
+        ConfigError: an unknown kernel variant (also from ``$KVCM_QUANT_KERNEL``).
     """
 
     lossless = False
 
-    def __init__(self, mode: str, options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, mode: str, options: Mapping[str, Any] | None = None, *,
+                 kernel: str | Variant | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: must be one of {sorted(MODES)}")
-        if options:
-            raise ValueError(f"{mode} codec takes no options; got {sorted(options)}")
+        extra = sorted(set(options or {}) - {"kernel"})
+        if extra:
+            raise ValueError(f"{mode} codec takes only the option 'kernel'; got {extra}")
+        if kernel is None and options:
+            kernel = options.get("kernel")
+            if not isinstance(kernel, str):
+                raise ConfigError("kernel", kernel, "must be a kernel variant name (a string)")
+        self.variant = kernel if isinstance(kernel, Variant) else kernel_variant(kernel)
         self.mode = mode
         self.error_bound = BOUNDS[mode]
         self._plans: dict[PageLayout, Plan] = {}
@@ -263,14 +362,17 @@ class QuantCodec(PageCodec):
             _write(backend, region, ps, r)
 
     def _table(self, plan: Plan, pools: Sequence[PageRegion], cold: PageRegion) -> np.ndarray:
+        variant = self.variant
         table = np.zeros((len(plan.segments), SEG_DESC_WORDS), dtype=np.int64)
         ends = [s.cold_offset for s in plan.segments[1:]] + [plan.cold_page_size]
         for i, (seg, end) in enumerate(zip(plan.segments, ends, strict=True)):
             region = pools[seg.pool]
             pool_base = region.buffer.ptr + region.offset + seg.offset
             cold_base = cold.buffer.ptr + cold.offset + seg.cold_offset
-            fast = _fast(seg, pool_base, region.stride, cold_base, cold.stride)
-            if fast:
+            path = _path(seg, variant, pool_base, region.stride, cold_base, cold.stride)
+            if path == 2:
+                units = -(-seg.groups // variant.hw_block_groups)
+            elif path == 1:
                 units = -(-seg.groups // FAST_GROUPS)
             else:
                 units = seg.groups if seg.dtype else -(-seg.size // RAW_CHUNK)
@@ -279,7 +381,7 @@ class QuantCodec(PageCodec):
                 seg.size, seg.elements, seg.group_size, 1 if seg.dtype else 0,
                 LOSSY_DTYPES[seg.dtype][0] if seg.dtype else 0, units,
                 seg.payload_offset() if seg.dtype else 0,
-                seg.group_bytes(self.mode) if seg.dtype else 0, int(fast),
+                seg.group_bytes(self.mode) if seg.dtype else 0, path,
                 4 * seg.groups, seg.used_bytes(self.mode), end - seg.cold_offset,
             )
         return table
@@ -289,23 +391,34 @@ class QuantCodec(PageCodec):
                 encode: bool) -> None:
         known = self._staging.get(id(backend))
         if known is None:
-            known = self._staging[id(backend)] = (backend, _Staging(backend))
+            known = self._staging[id(backend)] = (backend, _Staging(backend, self.variant))
         staging = known[1]
+        variant = self.variant
         table = self._table(plan, pools, cold)
-        pairs = np.empty((len(ps), 2), dtype=np.int32)
-        pairs[:, 0], pairs[:, 1] = ps, cs
-        blob = np.concatenate([table.view(np.uint8).reshape(-1), pairs.view(np.uint8).reshape(-1)])
-        dev, event = staging.upload(blob, stream)
-        units = int(table[:, 9].max())
         rows = len(ps) * len(plan.segments)
-        grid = (max(1, min(-(-units // WARPS_PER_BLOCK), _MAX_GRID_X)), min(rows, _MAX_GRID_Y), 1)
+        if rows >= 2**32:
+            raise ValueError(f"{len(ps)} blocks x {len(plan.segments)} segments: at most "
+                             "2**32 - 1 rows a launch")
+        descs = staging.table(table, stream)
+        event: Event | None = None
+        if _consecutive(ps) and _consecutive(cs):
+            pairs_at, slot_base = 0, int(ps[0]) | (int(cs[0]) << 32)
+        else:
+            pairs = np.empty((len(ps), 2), dtype=np.int32)
+            pairs[:, 0], pairs[:, 1] = ps, cs
+            pairs_at, event = staging.upload(pairs.view(np.uint8).reshape(-1), stream)
+            slot_base = 0
+        per_block = [int(u) if path == 2 else -(-int(u) // variant.warps)
+                     for u, path in zip(table[:, 9], table[:, 12], strict=True)]
+        grid = (max(1, min(max(per_block), _MAX_GRID_X)), min(rows, _MAX_GRID_Y), 1)
         staging.module.launch(
             "kvcm_quant_encode" if encode else "kvcm_quant_decode", grid,
-            (32 * WARPS_PER_BLOCK, 1, 1),
-            [np.uint64(dev), np.uint64(len(plan.segments)), np.uint64(dev + table.nbytes),
-             np.uint64(len(ps)), np.uint64(MODES[self.mode])],
+            (variant.threads, 1, 1),
+            [np.uint64(descs), np.uint64(len(plan.segments)), np.uint64(pairs_at),
+             np.uint64(len(ps)), np.uint64(MODES[self.mode]), np.uint64(slot_base)],
             stream=stream)
-        event.record(stream)
+        if event is not None:
+            event.record(stream)
 
 
 def _factory(mode: str) -> Any:

@@ -384,6 +384,16 @@ class CudaDriverBackend(CudaKernelBackend):
             self._drv.cuModuleGetFunction(module_native, name.encode()), "cuModuleGetFunction"
         )
 
+    def _allow_shared(self, function: Any, nbytes: int) -> None:
+        self._enter()
+        attr = self._drv.CUfunction_attribute
+        _ok(self._drv.cuFuncSetAttribute(
+            function, attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
+            "cuFuncSetAttribute")
+        _ok(self._drv.cuFuncSetAttribute(
+            function, attr.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100),
+            "cuFuncSetAttribute")
+
     def _launch(
         self,
         function: Any,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import ctypes
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -46,6 +47,13 @@ from kvcm_kernels_cuda_common.source_sparse import (
     SPARSE_RESOLVE_THREADS,
     SPARSE_SHARED_LIMIT,
     SPARSE_SOURCE,
+)
+from kvcm_kernels_cuda_common.source_sparse_v2 import (
+    SPARSE_V2_KERNEL,
+    SPARSE_V2_MAX_SHARED,
+    SPARSE_V2_SOURCE,
+    sparse_v2_shared_bytes,
+    sparse_v2_window_bits,
 )
 
 __all__ = [
@@ -409,6 +417,7 @@ class CudaKernelBackend(KernelBackend):
         self._default = self._new_stream()
         self._ring = _StagingRing(self)
         self._module: CompiledModule | None = None
+        self._shared_allowed: dict[str, int] = {}
         self._closed = False
 
     # -- primitives a subclass supplies --------------------------------------------------
@@ -614,13 +623,13 @@ class CudaKernelBackend(KernelBackend):
 
     def _kernels(self) -> CompiledModule:
         if self._module is None:
-            self._module = self.compile(SOURCE + SPARSE_SOURCE)
+            self._module = self.compile(SOURCE + SPARSE_SOURCE + SPARSE_V2_SOURCE)
         return self._module
 
     def warm_up(self) -> None:
         """Compile and load the kernels now rather than on first use."""
         module = self._kernels()
-        for name in (*KERNEL_NAMES, *SPARSE_KERNEL_NAMES):
+        for name in (*KERNEL_NAMES, *SPARSE_KERNEL_NAMES, SPARSE_V2_KERNEL):
             module.function(name)
 
     def close(self) -> None:
@@ -853,8 +862,44 @@ class CudaKernelBackend(KernelBackend):
 
     # -- sparse attention ------------------------------------------------------------------
 
-    #: Working sets up to this many entries sort in shared memory; larger ones in global.
+    #: Working sets up to this many entries keep their stamps (v2) or sort their keys (v1)
+    #: in shared memory; larger ones work in global memory.
     sparse_shared_limit = SPARSE_SHARED_LIMIT
+    #: The resolve kernel: ``"v2"`` (ranks stamps in windows, default) or ``"v1"`` (sorts
+    #: every eviction key); the environment variable ``KVCM_SPARSE_RESOLVE`` sets it.
+    sparse_resolve_version = "v2"
+    #: v2: stamps a window ranks at once (``None``: the widest, 128 bits per thread) and the
+    #: windows a row may take before it falls back to the sort (tests make both small).
+    sparse_window: int | None = None
+    sparse_max_windows = 16
+    #: v2 block size (``None``: 1024 while the rows leave SMs idle, else 512).
+    sparse_threads: int | None = None
+
+    def _sparse_version(self) -> str:
+        v = os.environ.get("KVCM_SPARSE_RESOLVE", self.sparse_resolve_version)
+        if v not in ("v1", "v2"):
+            raise ValueError(f"KVCM_SPARSE_RESOLVE={v!r}: must be 'v1' or 'v2'")
+        return v
+
+    def _sms(self) -> int:
+        sms = getattr(self, "_sm_count", None)
+        if sms is None:
+            sms = self._sm_count = int(self.device_info().get("multiprocessors", 0)) or 1
+        return sms
+
+    def _shared_function(self, name: str, shared: int) -> Any:
+        """Kernel ``name``, allowed ``shared`` bytes of dynamic shared memory (past 48 KiB
+        a kernel must ask for it) and the largest shared-memory carveout."""
+        fn = self._kernels().function(name)
+        allowed = self._shared_allowed.setdefault(name, 48 << 10)
+        if shared > allowed:
+            self._allow_shared(fn, shared)
+            self._shared_allowed[name] = shared
+        return fn
+
+    def _allow_shared(self, function: Any, nbytes: int) -> None:
+        """Let ``function`` launch with ``nbytes`` of dynamic shared memory."""
+        raise NotImplementedError
 
     def sparse_resolve(self, job: SparseResolve, stream: Stream | None = None) -> None:
         if job.rows == 0:
@@ -862,19 +907,37 @@ class CudaKernelBackend(KernelBackend):
         p = keys_width(job.working_set_units)
         if p >= 1 << 24:
             raise ValueError(f"working_set_units={job.working_set_units}: must be < 2**24")
-        shared = p <= self.sparse_shared_limit
         st = self._stream(stream)
         sel = 0 if job.selected is None else job.selected.ptr
         args = [job.rows, job.num_selected, job.working_set_units, p, job.max_units,
                 job.unit_tokens, job.lease_of_row.ptr, job.marks.ptr, job.resident.ptr,
                 job.stamp.ptr, job.tick.ptr, job.entry_of.ptr, job.first.ptr, sel,
                 job.entry_map.ptr, job.miss_unit.ptr, job.miss_entry.ptr, job.miss_count.ptr,
-                job.counters.ptr, job.keys.ptr, int(shared)]
-        module = self._kernels()
+                job.counters.ptr, job.keys.ptr]
+        if self._sparse_version() == "v2":
+            # 1024 threads while the rows leave SMs idle, else 512 (two blocks an SM)
+            threads = self.sparse_threads or (1024 if job.rows <= self._sms() else 512)
+            stamps = job.working_set_units <= self.sparse_shared_limit
+            shared = sparse_v2_shared_bytes(threads, job.working_set_units, p,
+                                            job.num_selected, stamps)
+            if shared > SPARSE_V2_MAX_SHARED and stamps:
+                stamps = False
+                shared = sparse_v2_shared_bytes(threads, job.working_set_units, p,
+                                                job.num_selected, stamps)
+            if shared <= SPARSE_V2_MAX_SHARED:
+                widest = sparse_v2_window_bits(threads)
+                window = max(1, min(self.sparse_window or widest, widest))
+                with self._lock:
+                    fn = self._shared_function(SPARSE_V2_KERNEL, shared)
+                    self._launch(fn, (min(job.rows, _MAX_GRID_X), 1, 1), (threads, 1, 1),
+                                 _u64([*args, int(stamps), window, self.sparse_max_windows]),
+                                 st.native, shared)
+                return
+        shared = p <= self.sparse_shared_limit
         with self._lock:
-            self._launch(module.function("kvcm_sparse_resolve"),
-                         (min(job.rows, _MAX_GRID_X), 1, 1), (SPARSE_RESOLVE_THREADS, 1, 1),
-                         _u64(args), st.native, 8 * p if shared else 0)
+            fn = self._shared_function("kvcm_sparse_resolve", 8 * p if shared else 0)
+            self._launch(fn, (min(job.rows, _MAX_GRID_X), 1, 1), (SPARSE_RESOLVE_THREADS, 1, 1),
+                         _u64([*args, int(shared)]), st.native, 8 * p if shared else 0)
 
     def sparse_copy(self, job: SparseCopy, stream: Stream | None = None) -> None:
         if job.rows == 0 or not job.buffers:

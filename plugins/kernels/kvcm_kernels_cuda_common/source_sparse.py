@@ -14,9 +14,10 @@ __all__ = [
     "SPARSE_SOURCE",
 ]
 
-#: Working sets up to this many entries sort their eviction keys in shared memory (32 KiB of
-#: keys); larger ones use the global-memory scratch ``SparseResolve.keys``.
-SPARSE_SHARED_LIMIT = 4096
+#: Working sets up to this many entries sort their eviction keys (v1, 64 KiB of keys) or keep
+#: their stamps (v2) in shared memory; larger ones use global memory (the scratch
+#: ``SparseResolve.keys``, the state tables).
+SPARSE_SHARED_LIMIT = 8192
 #: Threads of one resolve block (one block per row; two blocks share an SM).
 SPARSE_RESOLVE_THREADS = 512
 #: int64 words of one buffer's copy descriptor (``SparseCells`` below).

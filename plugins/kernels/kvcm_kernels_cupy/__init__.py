@@ -200,6 +200,11 @@ class CupyBackend(CudaKernelBackend):
         with stream_native:
             function(grid, block, args_t, shared_mem=shared_bytes)
 
+    def _allow_shared(self, function: Any, nbytes: int) -> None:
+        self._enter()
+        function.max_dynamic_shared_size_bytes = nbytes  # a RawKernel's attributes
+        function.preferred_shared_memory_carveout = 100
+
     def device_info(self) -> dict[str, Any]:
         self._enter()
         rt = self._rt
