@@ -185,3 +185,25 @@ def test_a_cluster_primary_failing_over_costs_calls_not_correctness() -> None:
             assert tier.get_many(fresh, deadline=_soon()) == fresh
         finally:
             tier.close()
+
+
+def test_a_password_and_a_database_in_the_url_are_honoured() -> None:
+    import redis
+
+    with fresh_server() as server:
+        admin = redis.Redis(host="127.0.0.1", port=server.port)
+        admin.config_set("requirepass", "s3cret")
+        url = f"redis://:s3cret@127.0.0.1:{server.port}/2"
+        tier = RedisTier(None, {"url": url})
+        wrong = RedisTier(None, {"url": f"redis://:nope@127.0.0.1:{server.port}/2"})
+        try:
+            keys = _keys(2)
+            assert tier.put_many(keys, [b"a", b"b"], deadline=_soon()).all()
+            assert tier.get_many(keys, deadline=_soon()) == [b"a", b"b"]
+            db2 = redis.Redis(host="127.0.0.1", port=server.port, db=2, password="s3cret")
+            assert db2.dbsize() == 2  # stored in database 2, not 0
+            with pytest.raises(TierIOError):
+                wrong.get_many(keys, deadline=_soon())
+        finally:
+            tier.close()
+            wrong.close()
