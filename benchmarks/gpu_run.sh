@@ -93,6 +93,16 @@ step() {  # one named step; modes below are lists of steps
           simulate --preset sparse --requests 60 --no-plots --quiet \
           --out "$OUT/simulate-sparse-$b"
       done ;;
+    remote)  # the shared Redis level (docs/remote.md) with pages on each device backend;
+      # the image has no redis-server: carry one in .whl/rbin (the binaries renamed *.bin,
+      # their libraries in .whl/rbin/lib, and two sh wrappers that set LD_LIBRARY_PATH for
+      # them alone), and the redis wheel in .whl/ (pip download --no-deps redis)
+      PATH="$PWD/.whl/rbin:$PATH"
+      for b in cuda cupy; do
+        KVCM_TEST_BACKEND=$b KVCM_KERNEL_BACKEND=$b run "remote_$b.log" 200 "$PY" -m pytest \
+          -q -p no:cacheprovider --tb=short tests/test_remote_level.py \
+          tests/test_simulate_two_engines.py
+      done ;;
     quant_tests)  # issue 12: every quant codec kernel variant bit for bit, both backends
       KVCM_QUANT_TEST_VARIANTS=all run quant_tests.log 300 "$PY" -m pytest -q -m gpu \
         -p no:cacheprovider --tb=short tests/test_codecs_quant.py ;;

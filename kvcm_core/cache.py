@@ -359,11 +359,14 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         tpb = self._tpb
         if self._commit_on:
             full = end // tpb
+            ctx = self._ctx
             if self._published < full:
-                self._publish_range(self._published, full)
+                b0 = self._published
+                self._publish_range(b0, full)
+                if ctx.remote is not None and self._published > b0:
+                    ctx.remote.committed(self._root_key, self._nodes[b0 : self._published])
             if self._published * tpb > self._committed:
                 self._committed = self._published * tpb
-            ctx = self._ctx
             if (ctx.config.commit_min_snapshot and ctx.ssm_groups and end % tpb == 0
                     and end == self._history and self._published == end // tpb and end):
                 self._snapshot(self._nodes[end // tpb - 1])

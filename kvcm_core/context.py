@@ -35,6 +35,8 @@ class CacheContext:
         on_close: called with a cache once it closed (the manager forgets it).
         owner: the manager (returned by ``cache.manager``).
         thread: the manager's thread guard (``thread.check()`` opens every mutating call).
+        remote: the manager's shared remote level (``committed`` is told of every block a
+            commit publishes), or None.
     """
 
     config: KVCacheManagerConfig
@@ -53,6 +55,7 @@ class CacheContext:
     on_close: Callable[[Any], None]
     owner: Any
     thread: ThreadGuard
+    remote: Any = None
 
     @property
     def tpb(self) -> int:

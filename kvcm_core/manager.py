@@ -33,6 +33,7 @@ from kvcm_core.matching import Match, match_prefix
 from kvcm_core.plugins import KvcmPluginManager, get_plugin_manager
 from kvcm_core.radix import PrefixTree, check_token_array, scope_root_key
 from kvcm_core.records import CodecKind, CodecSpec, Medium
+from kvcm_core.remote import RemoteLevel, RemoteStatistics, build_remote, split_keyed_level
 from kvcm_core.scratch import max_scratch_blocks, validate_scratch_layout
 from kvcm_core.sparse.storage import check_sparse_backend, level0_slots
 from kvcm_core.stats import IterationStats
@@ -66,6 +67,10 @@ class KVCacheManager:
         if not isinstance(config, KVCacheManagerConfig):
             raise ConfigError("config", type(config).__name__, "must be a KVCacheManagerConfig")
         pm = plugin_manager or get_plugin_manager()
+        #: The configuration as given; :attr:`config` holds the manager's own levels (a
+        #: keyed level, the last one, is :attr:`remote`: see docs/remote.md).
+        self.given_config = config
+        config, keyed = split_keyed_level(config, pm)
         self.config = config
         self.tokens_per_block = config.tokens_per_block
         backend_spec = pm.select_kernel_backend(config.kernel_backend)
@@ -93,23 +98,34 @@ class KVCacheManager:
             self.backend.close()
             raise
         tiers: list[Tier] = []
+        attn = [g for g, lc in enumerate(lcs) if not lc.is_ssm]
+        self._walk_groups = [g for g in attn if lcs[g].window is None and lcs[g].constrains]
+        #: The shared remote level (a keyed tier), or None.
+        self.remote: RemoteLevel | None = None
         try:  # a construction that fails releases what it built (files, threads, memory)
             codecs = self._build_tiers(pm, tiers)
             self.storage_levels = Levels(config, self.layout, lcs, self.backend, tiers,
                                          codecs, lambda: policy_spec.factory({}), self.tree,
                                          pm.event_sinks(config),
                                          level_frames(config, pm, tiers))
+            if keyed is not None:
+                self.remote = build_remote(
+                    pm, keyed, len(config.levels), config, self.storage_levels,
+                    self.backend, codecs, self.codec_specs,
+                    [g for g in attn if lcs[g].publishes], self._walk_groups)
         except BaseException:
-            for tier in reversed(tiers):
+            if hasattr(self, "storage_levels"):  # the remote level failed: pools and all
                 with contextlib.suppress(Exception):
-                    tier.close()
+                    self.storage_levels.close()
+            else:
+                for tier in reversed(tiers):
+                    with contextlib.suppress(Exception):
+                        tier.close()
             with contextlib.suppress(Exception):
                 self.backend.close()
             raise
         #: Each level's page codec (None on level 0).
         self.codecs: list[PageCodec | None] = codecs
-        attn = [g for g, lc in enumerate(lcs) if not lc.is_ssm]
-        self._walk_groups = [g for g in attn if lcs[g].window is None and lcs[g].constrains]
         self._prune_groups = [g for g, lc in enumerate(lcs)
                               if lc.constrains and g not in self._walk_groups]
         #: The owner thread of this manager and what it made (see :meth:`bind_thread`).
@@ -129,7 +145,8 @@ class KVCacheManager:
             # A model whose every life cycle is PRIVATE publishes nothing: no tree at all.
             publishes_anything=any(lc.publishes for lc in lcs),
             scratch_scales=scratch_scales, scratch_max_blocks=scratch_max,
-            on_close=self._forget_cache, owner=self, thread=self.thread_guard)
+            on_close=self._forget_cache, owner=self, thread=self.thread_guard,
+            remote=self.remote)
 
     def _build_tiers(self, pm: KvcmPluginManager, tiers: list[Tier]) -> list[PageCodec | None]:
         """Build each level's tier into ``tiers`` (so that a failure part way leaves the
@@ -294,8 +311,17 @@ class KVCacheManager:
             raise ArgumentTypeError(f"priority_callback={priority_callback!r}: must be a "
                                     "callable (block ordinal -> priority) or None")
         match = self._match(scope, input_tokens)
-        cache = KVCache(self._ctx, scope, match, input_tokens,
-                        next(self._ids) if id is None else id, priority_callback)
+        held = None
+        remote = self.remote
+        if remote is not None:  # one round trip for the blocks after the local match
+            match, held = remote.extend(scope_root_key(scope), input_tokens, match,
+                                        lambda: self._match(scope, input_tokens))
+        try:
+            cache = KVCache(self._ctx, scope, match, input_tokens,
+                            next(self._ids) if id is None else id, priority_callback)
+        finally:
+            if remote is not None and held is not None:  # the cache holds them now
+                remote.release(held)
         self._open[builtins_id(cache)] = cache
         return cache
 
@@ -303,11 +329,45 @@ class KVCacheManager:
         self._open.pop(builtins_id(cache), None)
 
     def probe_reuse(self, scope: ReuseScope | None,
-                    tokens: Sequence[int | bytes] | np.ndarray) -> int:
-        """Tokens ``create_kv_cache`` would reuse now, without taking anything."""
+                    tokens: Sequence[int | bytes] | np.ndarray, *, remote: bool = False) -> int:
+        """Tokens ``create_kv_cache`` would reuse now, without taking anything.
+
+        Args:
+            remote: also ask the shared remote level (one round trip, nothing pulled);
+                by default only local levels are looked at (no I/O). See docs/remote.md
+                for when the two can differ.
+        """
         self.thread_guard.check()
         self._check_open()
-        return self._match(self._check_scope(scope), tokens, probe=True).length
+        scope = self._check_scope(scope)
+        if remote and self.remote is not None:
+            return self.remote.probe(scope_root_key(scope), tokens, self._match(scope, tokens),
+                                     self.config.reuse_match_backoff,
+                                     self.config.enable_partial_reuse)
+        return self._match(scope, tokens, probe=True).length
+
+    def get_remote_statistics(self) -> RemoteStatistics:
+        """Counters of the shared remote level (docs/remote.md).
+
+        Raises:
+            InvalidStateError: the configuration has no keyed level.
+        """
+        return self._need_remote().statistics()
+
+    def flush_remote(self, timeout_s: float | None = None) -> bool:
+        """Wait until the remote level's queued writes were made (or failed); False when
+        ``timeout_s`` passed first.
+
+        Raises:
+            InvalidStateError: the configuration has no keyed level.
+        """
+        return self._need_remote().flush(timeout_s)
+
+    def _need_remote(self) -> RemoteLevel:
+        if self.remote is None:
+            raise InvalidStateError("this manager has no remote level: no keyed tier "
+                                    "(such as 'redis') among config.levels")
+        return self.remote
 
     def _check_scope(self, scope: ReuseScope | None) -> ReuseScope:
         if scope is None:
@@ -406,7 +466,11 @@ class KVCacheManager:
             raise InvalidStateError(
                 f"shutdown() refused: {len(self._open)} caches are open; close them first")
         self._closed = True  # set first: a failure below never leaves it half shut
-        self.storage_levels.close()
+        try:
+            if self.remote is not None:
+                self.remote.close()
+        finally:
+            self.storage_levels.close()
 
     def resize(self, level: int, quota: int | str) -> bool:
         """Grow or shrink a level's quota while every cache is suspended, moving pages out

@@ -54,6 +54,8 @@ class IterationStats:
         corrupt_pages: cold pages whose frame failed its check on a read (dropped from
             the prefix tree with everything below them, and recomputed by whoever needs
             them).
+        remote_blocks: blocks ``create_kv_cache`` pulled from the shared remote level
+            into a local level (docs/remote.md).
     """
 
     groups: list[GroupIterationStats]
@@ -63,6 +65,7 @@ class IterationStats:
     hit_tokens: int = 0
     io_failures: int = 0
     corrupt_pages: int = 0
+    remote_blocks: int = 0
 
     @classmethod
     def empty(cls, num_groups: int, num_levels: int) -> IterationStats:

@@ -2,15 +2,19 @@
 
 For each value size (``--sizes``, default 16 KiB and 64 KiB), in one run against one server:
 
-- ``redis-benchmark -c 1 -P PIPELINE -d SIZE -t set,get -n N -r N``: one client, PIPELINE
-  commands in flight, keys drawn from N (so the server stores about as many values as the
-  tier's run does), the server's own C client: the store's limit on this machine;
+- ``redis-benchmark -c 1 -P PIPELINE -d SIZE -t set -n N -r N``, then, on a server holding
+  every one of its N keys (``key:000000000000`` ...: written first by pipelined SETs),
+  ``-t get`` with the same options: one client, PIPELINE commands in flight, the server's
+  own C client, every GET a hit like the tier's (with ``-r N`` alone about a third of its
+  GETs would find nothing and cost far less): the store's limit on this machine;
 - the ``redis`` tier: ``put_many`` then ``get_many`` of N distinct keys in batches of
   PIPELINE values (one pipeline each, exactly what the core sends per migration batch),
   every value read back checked.
 
-Each pair runs ``--reps`` times, alternating, on an emptied server; the medians are
-reported with the ratio tier / redis-benchmark (requests per second). The server is one
+Each pair runs ``--reps`` times, alternating, on an emptied server. The ratio tier /
+redis-benchmark (requests per second) is taken within each pair, run next to each other,
+and its median reported (a machine whose load drifts moves both sides of a pair alike);
+the medians of each side are reported too. The server is one
 started on a free loopback port for the run (``redis-server`` must be installed) unless
 ``--url`` names one, which is then flushed (``FLUSHDB``) between runs: never point it at a
 server holding data you want.
@@ -45,22 +49,42 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--total-mib", type=int, default=256,
                    help="MiB of values per size and run (N = total / size)")
     p.add_argument("--pipeline", type=int, default=64, help="values per batch / pipeline")
-    p.add_argument("--reps", type=int, default=3, help="alternating runs per size")
+    p.add_argument("--reps", type=int, default=5, help="alternating runs per size")
     add_output_options(p, "32 MiB per size, 1 rep")
     return p
 
 
-def _redis_benchmark(host: str, port: int, size: int, n: int, pipeline: int) -> dict[str, float]:
+def _redis_benchmark(host: str, port: int, size: int, n: int, pipeline: int,
+                     admin: Any) -> dict[str, float]:
     exe = shutil.which("redis-benchmark")
     if exe is None:
         raise ConfigError("redis-benchmark", None, "not found on PATH (Debian: apt-get "
                                                    "install redis-tools)")
-    out = subprocess.run([exe, "-h", host, "-p", str(port), "-c", "1", "-P", str(pipeline),
-                          "-d", str(size), "-t", "set,get", "-n", str(n), "-r", str(n), "--csv"],
-                         capture_output=True, text=True, timeout=600, check=True).stdout
-    rows = {r[0]: float(r[1]) for r in csv.reader(io.StringIO(out)) if len(r) > 1
-            and r[0] in ("SET", "GET")}
-    return {"set_rps": rows["SET"], "get_rps": rows["GET"]}
+
+    def run(test: str) -> float:
+        out = subprocess.run([exe, "-h", host, "-p", str(port), "-c", "1", "-P",
+                              str(pipeline), "-d", str(size), "-t", test, "-n", str(n), "-r",
+                              str(n), "--csv"],
+                             capture_output=True, text=True, timeout=600, check=True).stdout
+        rows = {r[0]: float(r[1]) for r in csv.reader(io.StringIO(out)) if len(r) > 1
+                and r[0] == test.upper()}
+        return rows[test.upper()]
+
+    set_rps = run("set")
+    admin.flushdb()
+    value = b"x" * size
+    for lo in range(0, n, pipeline):  # every key redis-benchmark's GETs will draw
+        pipe = admin.pipeline(transaction=False)
+        for i in range(lo, min(n, lo + pipeline)):
+            pipe.set(b"key:%012d" % i, value)
+        pipe.execute()
+    before = admin.info("stats")
+    get_rps = run("get")
+    after = admin.info("stats")
+    hits = after["keyspace_hits"] - before["keyspace_hits"]
+    misses = after["keyspace_misses"] - before["keyspace_misses"]
+    return {"set_rps": set_rps, "get_rps": get_rps,
+            "get_hit_fraction": hits / max(1, hits + misses)}
 
 
 def _tier_run(tier: Any, size: int, n: int, pipeline: int, seed: int) -> dict[str, float]:
@@ -107,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             runs: dict[str, list[float]] = {}
             for rep in range(args.reps):
                 for who, run in (("redis-benchmark", lambda: _redis_benchmark(
-                        host, port, size, n, args.pipeline)),
+                        host, port, size, n, args.pipeline, admin)),
                                  ("tier", lambda: _tier_run(tier, size, n, args.pipeline, rep))):
                     admin.flushdb()
                     for k, v in run().items():
@@ -115,8 +139,12 @@ def main(argv: list[str] | None = None) -> int:
             med = {k: statistics.median(v) for k, v in runs.items()}
             row = {"value_bytes": size, "values": n, "pipeline": args.pipeline,
                    "runs": runs, "median": med,
-                   "set_ratio": med["tier set_rps"] / med["redis-benchmark set_rps"],
-                   "get_ratio": med["tier get_rps"] / med["redis-benchmark get_rps"]}
+                   "set_ratio": statistics.median(
+                       t / r for t, r in zip(runs["tier set_rps"],
+                                             runs["redis-benchmark set_rps"], strict=True)),
+                   "get_ratio": statistics.median(
+                       t / r for t, r in zip(runs["tier get_rps"],
+                                             runs["redis-benchmark get_rps"], strict=True))}
             results.append(row)
             print(f"{size:>7} B x {n}: SET tier {med['tier set_rps']:9.0f}/s "
                   f"redis-benchmark {med['redis-benchmark set_rps']:9.0f}/s "

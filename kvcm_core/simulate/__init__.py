@@ -107,9 +107,10 @@ class SimulateConfig:
     kvcm: Mapping[str, Any]
 
 
-#: Embedded configurations ``--preset`` names: ``default`` (a small hybrid model) and
-#: ``sparse`` (sparse-attention layers sharing one selection, beside a dense one).
-PRESETS = ("default", "sparse")
+#: Embedded configurations ``--preset`` names: ``default`` (a small hybrid model),
+#: ``sparse`` (sparse-attention layers sharing one selection, beside a dense one) and
+#: ``two-engine`` (two managers sharing a Redis level: :mod:`kvcm_core.simulate.two_engine`).
+PRESETS = ("default", "sparse", "two-engine")
 
 
 def load_config(path: str | Path | None = None, preset: str = "default") -> SimulateConfig:
@@ -228,9 +229,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="a TOML file with [simulate] and [kvcm] tables (default: the "
                           "embedded preset)")
     src.add_argument("--preset", choices=PRESETS, default="default",
-                     help="an embedded configuration: default (a small hybrid model) or "
+                     help="an embedded configuration: default (a small hybrid model), "
                           "sparse (sparse-attention layers with one shared top-k selection "
-                          "that drifts step to step)")
+                          "that drifts step to step) or two-engine (two managers serving "
+                          "alternate turns, sharing a Redis level on a redis-server the run "
+                          "starts; compared with local levels only and the GPU only)")
     p.add_argument("--seed", type=int, help="workload seed (overrides [simulate] seed)")
     p.add_argument("--requests", type=int, metavar="N", help="requests in the trace")
     p.add_argument("--duration", type=int, metavar="STEPS",
@@ -384,6 +387,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.requests is not None or args.duration is not None:
             return _usage("--requests and --duration apply to the seeded workload; with "
                           "--trace use --trace-limit")
+    if args.preset == "two-engine" and args.config is None:
+        if args.trace is not None or args.gpu_only or args.corrupt_at is not None or \
+                args.duration is not None:
+            return _usage("--preset two-engine takes --seed, --requests, --out and --quiet "
+                          "only")
+        from kvcm_core.simulate.two_engine import run_two_engine
+
+        return run_two_engine(args, Path(args.out), console, err)
     records = None
     warnings: list[str] = []
     try:

@@ -361,7 +361,7 @@ def run_trace(
         else:
             children[r.after].append(i)
     heapq.heapify(ready)
-    nlevels = len(config.levels)
+    nlevels = len(manager.levels)  # its own levels (a keyed level has no slots)
     every = max(1, sched.invariants_every) if sched.invariants_every else 0
     if sampler is not None:
         every *= verify_every  # sampled verification samples the invariant checks too

@@ -1,11 +1,13 @@
 """The ``redis`` tier: a keyed level on a Redis server or Redis Cluster, shared by any number
 of managers in any number of processes and machines.
 
-It stores values (the core's checksummed cold frames) under keys (the core's block keys)
-with the ``redis`` client package: every batch is one pipeline (``SET``, ``GET`` or ``MGET``,
-``EXISTS``, ``UNLINK``) on the tier's own connection, cut into pipelines of at most
-``pipeline_bytes`` of values, so a batch costs one round trip per pipeline whatever its
-length. A Redis Cluster (``cluster = true``, reached through any node's URL) spreads the keys
+It stores values (the core's checksummed cold frames) under keys (the core's block keys):
+every batch is one pipeline (``SET``, ``GET``, ``EXISTS``, ``UNLINK``) on the tier's own
+connection, cut into pipelines of at most ``pipeline_bytes`` of values, so a batch costs one
+round trip per pipeline whatever its length. A standalone server over plain TCP is reached
+through the tier's own small RESP connection (values received into one reusable buffer and
+sliced out of it); a cluster and TLS (``rediss://``) go through the ``redis`` client
+package (with ``hiredis`` when installed). A Redis Cluster (``cluster = true``, reached through any node's URL) spreads the keys
 over its primaries; the client follows ``MOVED`` redirections and re-reads the topology
 after a failover.
 
@@ -31,6 +33,8 @@ Options:
 from __future__ import annotations
 
 import concurrent.futures as cf
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -50,7 +54,10 @@ CAPABILITIES = TierCapabilities(device_accessible=False, medium=Medium.REMOTE,
 
 _OPTIONS = ("url", "cluster", "namespace", "connect_timeout_s", "pipeline_bytes")
 _T = TypeVar("_T")
-_MGET_KEYS = 256  # keys per MGET (standalone servers)
+_MGET_KEYS = 256  # keys per MGET (standalone servers reached through TLS)
+_READ_BUFFER = 4 << 20  # initial receive buffer of a plain connection
+_IOV_MAX = 512  # buffers per gathering write (Linux allows 1024)
+_HEAP_PRIME = 16 << 20  # see _prime_heap
 
 
 def _availability() -> Availability:
@@ -88,15 +95,27 @@ def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
             "connect_timeout_s": float(timeout), "pipeline_bytes": chunk}
 
 
-def _pack(commands: list[list[Any]]) -> bytes:
-    """Commands in the Redis protocol (RESP arrays of bulk strings), in one buffer: values
-    are copied once here, which costs far less than one socket write per value."""
+def _parts(commands: list[list[Any]]) -> list[Any]:
+    """Commands in the Redis protocol (RESP arrays of bulk strings) as a list of buffers:
+    headers are joined into the buffers between the values, which are not copied."""
     parts: list[Any] = []
+    head: list[bytes] = []
     for args in commands:
-        parts.append(b"*%d\r\n" % len(args))
+        head.append(b"*%d\r\n" % len(args))
         for a in args:
-            parts += (b"$%d\r\n" % len(a), a, b"\r\n")
-    return b"".join(parts)
+            if len(a) < 1024:  # keys and small values travel inside the headers
+                head += (b"$%d\r\n" % len(a), a, b"\r\n")
+                continue
+            head.append(b"$%d\r\n" % len(a))
+            parts += (b"".join(head), a)
+            head = [b"\r\n"]
+    parts.append(b"".join(head))
+    return parts
+
+
+def _pack(commands: list[list[Any]]) -> bytes:
+    """Commands in the Redis protocol, in one buffer (one socket write for the batch)."""
+    return b"".join(_parts(commands))
 
 
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
@@ -105,6 +124,156 @@ def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
         if not isinstance(k, bytes) or not k:
             raise TypeError(f"keys[{i}]={k!r}: keys must be non-empty bytes")
     return out
+
+
+_heap_primed = False
+
+
+def _prime_heap() -> None:
+    """Allocate and free one large buffer, once per process.
+
+    Values read back are ``bytes`` of 16 KiB to 1 MiB, allocated by ``malloc`` and freed in
+    batches. glibc returns the top of its heap to the system whenever more than its trim
+    threshold (128 KiB at start) is free there, and the next batch then faults every page
+    in again: reading a 64 KiB value cost about ten times its copy. Freeing a buffer that
+    was too large for the heap (an ``mmap``) makes glibc raise both thresholds to that
+    size (its own dynamic rule), after which batches of values reuse heap memory. Other
+    allocators ignore this."""
+    global _heap_primed
+    if not _heap_primed:
+        _heap_primed = True
+        bytearray(_HEAP_PRIME)  # allocated and freed at once
+
+
+class _Plain:
+    """A plain TCP connection to a standalone server (what every batch uses there): the
+    commands of a batch are sent in one write; the replies are received into one reusable
+    buffer and each value is sliced out of it, one copy from the kernel and one into the
+    returned ``bytes`` (the client library's reader makes three, and reading 64 KiB values
+    through it took about twice the time).
+
+    Args:
+        url: parsed ``redis://`` URL parts (``redis.connection.parse_url``).
+        connect_timeout_s: seconds to connect.
+        error: the exception class for protocol and server errors.
+    """
+
+    def __init__(self, url: Mapping[str, Any], connect_timeout_s: float,
+                 error: type[Exception]) -> None:
+        self._error = error
+        _prime_heap()
+        self._buf = bytearray(_READ_BUFFER)
+        self._have = self._pos = 0
+        sock = socket.create_connection((url.get("host", "localhost"), url.get("port", 6379)),
+                                        timeout=connect_timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(None)  # the caller's deadline is kept by the tier, not here
+            self._sock = sock
+            hello: list[list[bytes]] = []
+            if url.get("password") is not None:
+                who = [url["username"].encode()] if url.get("username") else []
+                hello.append([b"AUTH", *who, str(url["password"]).encode()])
+            if url.get("db"):
+                hello.append([b"SELECT", str(url["db"]).encode()])
+            if hello:
+                sock.sendall(_pack(hello))
+                for _ in hello:
+                    if self._reply() is None:
+                        raise error("the server refused AUTH or SELECT")
+        except BaseException:
+            sock.close()
+            raise
+
+    def stale(self) -> bool:
+        """Whether the idle connection can no longer be used: between batches nothing may
+        be readable, so anything readable is the server's end of it (a restart, a
+        timeout)."""
+        try:
+            return bool(select.select([self._sock], [], [], 0)[0]) or \
+                self._have != self._pos
+        except (OSError, ValueError):
+            return True
+
+    def close(self) -> None:
+        """Shut the socket down (which also wakes a thread blocked reading it)."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    def _fill(self, need: int) -> None:
+        """Receive until ``need`` bytes are buffered past the read position."""
+        if self._have - self._pos >= need:
+            return
+        buf = self._buf
+        if self._pos + need > len(buf):
+            rest = self._have - self._pos
+            if need > len(buf):
+                self._buf = buf = buf[self._pos:self._have] + bytearray(
+                    max(need, 2 * len(buf)) - rest)
+            else:
+                buf[:rest] = buf[self._pos:self._have]
+            self._have, self._pos = rest, 0
+        view = memoryview(buf)
+        try:
+            while self._have - self._pos < need:
+                got = self._sock.recv_into(view[self._have:])
+                if not got:
+                    raise self._error("the server closed the connection")
+                self._have += got
+        finally:
+            view.release()
+
+    def _line(self) -> bytes:
+        while True:
+            end = self._buf.find(b"\r\n", self._pos, self._have)
+            if end >= 0:
+                line = self._buf[self._pos:end]
+                self._pos = end + 2
+                return line  # type: ignore[return-value]  # a bytearray: compared, parsed
+            self._fill(self._have - self._pos + 1)
+
+    def _reply(self) -> bytes | int | None:
+        """One reply: a bulk string's bytes, a status's text (``b"OK"``), an integer, or
+        None for a nil or an error reply (``-OOM`` for a SET past ``maxmemory`` with
+        eviction off, ``-WRONGTYPE`` for a GET of another type)."""
+        line = self._line()
+        kind = line[:1]
+        if kind == b":":
+            return int(line[1:])
+        if kind == b"$":
+            n = int(line[1:])
+            if n < 0:
+                return None
+            self._fill(n + 2)
+            pos = self._pos
+            value = bytes(memoryview(self._buf)[pos:pos + n])
+            self._pos = pos + n + 2
+            return value
+        if kind == b"+":
+            return bytes(line[1:])
+        if kind == b"-":
+            return None
+        raise self._error(f"unexpected reply {line[:40]!r}")
+
+    def call(self, parts: list[Any], n: int) -> list[bytes | int | None]:
+        """Send the buffers ``parts`` (``n`` commands) with one gathering write (values are
+        not copied into one buffer first) and read their ``n`` replies."""
+        sock = self._sock
+        views = [memoryview(p) for p in parts]
+        while views:
+            sent = sock.sendmsg(views[:_IOV_MAX])
+            while sent:  # drop what was sent; a partly sent buffer keeps its rest
+                first = views[0]
+                if sent >= len(first):
+                    sent -= len(first)
+                    views.pop(0)
+                else:
+                    views[0] = first[sent:]
+                    sent = 0
+        return [self._reply() for _ in range(n)]
 
 
 class RedisTier(KeyedTier):
@@ -130,6 +299,10 @@ class RedisTier(KeyedTier):
                               "(pip install 'kvcm[redis]')") from exc
         self._redis = redis
         self._client: Any = None
+        self._plain: _Plain | None = None  # standalone server over plain TCP
+        parsed = redis.connection.parse_url(self._opts["url"])
+        self._raw_url = None if self._opts["cluster"] or "connection_class" in parsed \
+            or "path" in parsed else parsed
         self._nodes: list[tuple[str, int]] = []  # cluster nodes seen (to reconnect through)
         self._lock = threading.Lock()  # guards _client between the caller and the I/O thread
         self._io = cf.ThreadPoolExecutor(1, thread_name_prefix="kvcm-redis")
@@ -141,35 +314,64 @@ class RedisTier(KeyedTier):
 
     def _connect(self) -> Any:
         with self._lock:
-            if self._client is None:
-                from redis.backoff import NoBackoff
-                from redis.retry import Retry
+            if self._client is not None:
+                return self._client
+            nodes = list(self._nodes)
+        # Built outside the lock: connecting to a dead node may take connect_timeout_s,
+        # and a caller whose deadline passed must be able to drop the client meanwhile.
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
-                o, r = self._opts, self._redis
-                # No retries inside the client: the caller's deadline decides, and the core
-                # treats what cannot be read in time as lost.
-                kw: dict[str, Any] = {"socket_connect_timeout": o["connect_timeout_s"],
-                                      "retry": Retry(NoBackoff(), 0)}
-                if not o["cluster"]:
-                    self._client = r.Redis.from_url(o["url"], **kw)
-                elif not self._nodes:
-                    self._client = r.cluster.RedisCluster.from_url(o["url"], **kw)
-                else:  # after a failure: every node seen so far, not only the URL's
-                    kw.update(r.connection.parse_url(o["url"]))
-                    for k in ("host", "port", "db"):
-                        kw.pop(k, None)
-                    self._client = r.cluster.RedisCluster(
-                        startup_nodes=[r.cluster.ClusterNode(h, p) for h, p in self._nodes],
-                        **kw)
-                if o["cluster"]:
-                    seen = {(n.host, n.port) for n in self._client.get_nodes()}
-                    self._nodes = sorted(seen | set(self._nodes))
-            return self._client
+        o, r = self._opts, self._redis
+        # No retries inside the client: the caller's deadline decides, and the core treats
+        # what cannot be read in time as lost.
+        kw: dict[str, Any] = {"socket_connect_timeout": o["connect_timeout_s"],
+                              "retry": Retry(NoBackoff(), 0)}
+        if not o["cluster"]:
+            client = r.Redis.from_url(o["url"], **kw)
+        elif not nodes:
+            client = r.cluster.RedisCluster.from_url(o["url"], **kw)
+        else:  # after a failure: every node seen so far, not only the URL's
+            kw.update(r.connection.parse_url(o["url"]))
+            for k in ("host", "port", "db"):
+                kw.pop(k, None)
+            client = r.cluster.RedisCluster(
+                startup_nodes=[r.cluster.ClusterNode(h, p) for h, p in nodes], **kw)
+        with self._lock:
+            if o["cluster"]:
+                seen = {(n.host, n.port) for n in client.get_nodes()}
+                self._nodes = sorted(seen | set(self._nodes))
+            if self._client is None:
+                self._client = client
+                return client
+            other = self._client
+        client.close()
+        return other
+
+    def _plain_connection(self) -> _Plain:
+        with self._lock:
+            if self._plain is not None and not self._plain.stale():
+                return self._plain
+            stale, self._plain = self._plain, None
+        if stale is not None:
+            stale.close()
+        plain = _Plain(self._raw_url, self._opts["connect_timeout_s"],  # type: ignore[arg-type]
+                       self._redis.ConnectionError)
+        with self._lock:
+            if self._plain is None:
+                self._plain = plain
+                return plain
+            other = self._plain
+        plain.close()
+        return other
 
     def _drop_client(self) -> None:
         """Close every connection (unblocks an I/O thread stuck on a dead server)."""
         with self._lock:
             client, self._client = self._client, None
+            plain, self._plain = self._plain, None
+        if plain is not None:
+            plain.close()
         if client is not None:
             try:
                 client.close()
@@ -181,7 +383,7 @@ class RedisTier(KeyedTier):
             raise InvalidStateError("the redis tier is closed")
 
         def run() -> _T:
-            return fn(self._connect())
+            return fn(None if self._raw_url is not None else self._connect())
 
         future = self._io.submit(run)
         try:
@@ -219,6 +421,8 @@ class RedisTier(KeyedTier):
         ``-OOM``...) becomes that key's exception; a broken connection fails the call."""
         replies: list[Any] = [None] * len(keys)
         limit = self._opts["pipeline_bytes"]
+        if self._raw_url is not None:
+            return self._run_plain(keys, command, sizes)
         for pool, idx in self._groups(client, keys):
             conn = pool.get_connection()
             try:
@@ -243,6 +447,26 @@ class RedisTier(KeyedTier):
             finally:
                 pool.release(conn)
         return replies
+
+    def _run_plain(self, keys: list[bytes], command: Callable[[int], list[Any]],
+                   sizes: Sequence[int] | None) -> list[Any]:
+        """:meth:`_run` on the plain connection of a standalone server."""
+        conn = self._plain_connection()
+        limit = self._opts["pipeline_bytes"]
+        out: list[Any] = []
+        try:
+            lo = 0
+            while lo < len(keys):
+                hi, size = lo, 0
+                while hi < len(keys) and (hi == lo or size < limit):
+                    size += sizes[hi] if sizes is not None else 0
+                    hi += 1
+                out += conn.call(_parts([command(i) for i in range(lo, hi)]), hi - lo)
+                lo = hi
+        except BaseException:
+            self._drop_plain()  # its stream may be mid-reply: never reuse it
+            raise
+        return out
 
     # -- the keyed-tier contract ------------------------------------------------------------
 
@@ -269,9 +493,10 @@ class RedisTier(KeyedTier):
             return []
 
         def get(c: Any) -> list[Any]:
-            if self._opts["cluster"]:  # keys of many slots: one GET each, per primary
+            if self._opts["cluster"] or self._raw_url is not None:
+                # One GET each (per primary in a cluster), pipelined.
                 return self._run(c, full, lambda i: [b"GET", full[i]])
-            out: list[Any] = []  # one MGET per chunk: one reply to parse
+            out: list[Any] = []  # TLS: one MGET per chunk: one reply to parse
             for lo in range(0, len(full), _MGET_KEYS):
                 out.extend(c.mget(full[lo:lo + _MGET_KEYS]))
             return out
@@ -294,6 +519,12 @@ class RedisTier(KeyedTier):
         res = self._call(f"delete of {len(full)} keys",
                          lambda c: self._run(c, full, lambda i: [b"UNLINK", full[i]]), deadline)
         return sum(r for r in res if isinstance(r, int))
+
+    def _drop_plain(self) -> None:
+        with self._lock:
+            plain, self._plain = self._plain, None
+        if plain is not None:
+            plain.close()
 
     def close(self) -> None:
         """Close the connection and stop the I/O thread (idempotent; a call stuck on a

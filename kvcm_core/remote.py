@@ -1,0 +1,797 @@
+"""A shared remote level on a keyed tier (a Redis server or cluster): prefixes one manager
+computed are reused by managers in other processes and on other machines.
+
+A keyed level is the last entry of ``config.levels`` (``tier = "redis"``). It holds no
+slots: the manager's own levels stay as they are, and :class:`RemoteLevel` adds
+
+- **writes at commit**: every full block a cache commits is encoded by the level's page
+  codec (on the scheduler thread, one batch per commit) and handed to a bounded queue; a
+  writer thread frames the pages (:mod:`kvcm_core.frame`, checked by whoever reads them)
+  and stores them with ``put_many`` under ``write_deadline_s``. A full queue drops writes
+  (counted): the engine never waits for the store.
+- **reads at create**: ``create_kv_cache`` extends the local match with one batched
+  ``get_many`` for the prompt's next blocks (at most ``max_blocks``, within
+  ``io_deadline_s``). Intact frames of consecutive blocks are pulled into a local level
+  (level 1, or level 0 without cold levels) as committed pages, held while the cache is
+  built, so a remote hit cannot vanish before the cache owns it; the local matcher then
+  decides what is reused. A value that is not an intact frame of this block in this layout
+  (foreign, truncated or corrupt) is counted and treated as a miss, never decoded as KV.
+- **faults**: a round trip that fails or runs past its deadline is a miss for the whole
+  lookup (the engine recomputes), and the level is skipped for ``retry_after_s``.
+- **an own-key quota**: the level's ``quota`` bounds the bytes of the keys *this* manager
+  wrote, least recently used first; it deletes only those keys. What the store evicts by
+  itself (``maxmemory``) is ordinary loss.
+
+Keys: ``<layout fingerprint>:<scope>:<cache group>:<block key>`` (hex) under the tier's own
+namespace. The fingerprint covers layers, buffers, sizes, tokens per block, the hash
+algorithm, the codecs and the frame version, so two models never read each other's pages;
+the scope part (and the block key chain, which starts at the scope's root) keeps tenants
+apart. The frame's key field holds a digest of the cache group and block key, so a value
+stored under another key is detected.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import itertools
+import struct
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import google_crc32c
+import numpy as np
+
+from kvcm_core.backend import Buffer, KernelBackend
+from kvcm_core.codec import BlobCodec, PageCodec
+from kvcm_core.config import KVCacheManagerConfig, LevelConfig
+from kvcm_core.errors import ConfigError, CorruptPageError, OutOfPagesError, TierIOError
+from kvcm_core.frame import FRAME_MAGIC, FRAME_OVERHEAD, FRAME_VERSION, HEADER, \
+    layout_fingerprint
+from kvcm_core.matching import Match
+from kvcm_core.migration import Mover
+from kvcm_core.radix import block_keys, encode_tokens
+from kvcm_core.records import CodecKind
+from kvcm_core.tier import DevicePool, KeyedTier
+
+if TYPE_CHECKING:
+    from kvcm_core.levels import Levels
+    from kvcm_core.plugins import KvcmPluginManager
+    from kvcm_core.records import CodecSpec
+    from kvcm_core.storage import Store
+
+__all__ = ["RemoteLevel", "RemoteOptions", "RemoteStatistics", "build_remote",
+           "remote_options", "split_keyed_level"]
+
+_HEAD = struct.Struct("<4sHH16s32sQI")  # the frame header (kvcm_core.frame.HEADER)
+assert _HEAD.size == HEADER.itemsize
+_WRITE_BATCH = 64  # pages per put_many of the writer thread
+_KNOWN_KEYS = 1 << 16  # keys remembered as stored remotely (not written again)
+_WARM_UP_S = 2.0  # seconds the first connection may take (at construction)
+_COUNTERS = {"miss": "misses", "foreign": "foreign", "truncated": "truncated",
+             "corrupt": "corrupt"}
+
+
+@attrs.frozen(kw_only=True)
+class RemoteOptions:
+    """The core's options of a keyed level (``levels[i].options``; the other keys go to
+    the tier).
+
+    Attributes:
+        io_deadline_s: seconds the lookup of ``create_kv_cache`` may take (one round trip).
+        max_blocks: blocks past the local match one lookup asks for.
+        write_queue_blocks: pages waiting to be written, at most (more are dropped).
+        write_deadline_s: seconds one batch of writes (or deletes) may take.
+        retry_after_s: after a failed or late round trip, seconds the level is skipped.
+    """
+
+    io_deadline_s: float = 0.05
+    max_blocks: int = 256
+    write_queue_blocks: int = 4096
+    write_deadline_s: float = 2.0
+    retry_after_s: float = 1.0
+
+
+_OPTION_NAMES = tuple(a.name for a in attrs.fields(RemoteOptions))
+
+
+def remote_options(index: int, options: Mapping[str, Any]) -> tuple[RemoteOptions, dict[str, Any]]:
+    """Split a keyed level's options into the core's (checked) and the tier's.
+
+    Raises:
+        ConfigError: a core option breaks its rule (named ``levels[i].options.NAME``).
+    """
+    mine = {k: v for k, v in options.items() if k in _OPTION_NAMES}
+    rest = {k: v for k, v in options.items() if k not in _OPTION_NAMES}
+    for name, value in mine.items():
+        field = f"levels[{index}].options.{name}"
+        if name in ("max_blocks", "write_queue_blocks"):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(field, value, "must be an int >= 1")
+        elif isinstance(value, bool) or not isinstance(value, int | float) or not (
+                value >= 0 if name == "retry_after_s" else value > 0):
+            raise ConfigError(field, value, "must be a number >= 0" if name == "retry_after_s"
+                              else "must be a number > 0 (seconds)")
+    return RemoteOptions(**mine), rest
+
+
+def split_keyed_level(config: KVCacheManagerConfig, pm: KvcmPluginManager
+                      ) -> tuple[KVCacheManagerConfig, LevelConfig | None]:
+    """The configuration of the manager's own levels, and its keyed level (or None).
+
+    Raises:
+        ConfigError: more than one keyed level, or one that is not the last level.
+    """
+    keyed = [i for i, lv in enumerate(config.levels) if pm.tier(lv.tier).capabilities.keyed]
+    if not keyed:
+        return config, None
+    i = keyed[0]
+    if len(keyed) > 1:
+        raise ConfigError(f"levels[{keyed[1]}].tier", config.levels[keyed[1]].tier,
+                          "a manager has at most one keyed (shared remote) level")
+    if i == 0:
+        raise ConfigError("levels[0].tier", config.levels[0].tier,
+                          "level 0 must be device memory, not a keyed remote store")
+    if i != len(config.levels) - 1:
+        raise ConfigError(f"levels[{i}].tier", config.levels[i].tier,
+                          "a keyed (shared remote) level must be the last level")
+    return attrs.evolve(config, levels=config.levels[:i]), config.levels[i]
+
+
+@attrs.define
+class RemoteStatistics:
+    """Counters of a manager's remote level since it was built (pages are per cache
+    group and block; blocks count each block once).
+
+    Attributes:
+        lookups: round trips of ``create_kv_cache``; ``probes``: of ``probe_reuse``.
+        skipped: lookups and probes not made (within ``retry_after_s`` of a failure).
+        hits: intact pages found; ``misses``: pages asked for and absent.
+        foreign: intact frames of another layout, codec, block or group (misses).
+        truncated: values shorter than their frame says (misses).
+        corrupt: values that are no frame or fail the checksum (misses).
+        read_failures: round trips that failed or ran past ``io_deadline_s``.
+        pulled_blocks, pulled_pages: placed into a local level by ``create_kv_cache``.
+        unplaced_pages: found, but the local level had no room for them.
+        writes_queued: pages handed to the writer; ``writes_dropped``: the queue was full.
+        written, written_bytes: pages (frames) the store accepted.
+        write_failures: pages whose write failed, was refused or was skipped.
+        deleted: own keys deleted to stay under the level's quota.
+        own_keys, own_bytes: keys (and their bytes) this manager wrote and still counts.
+    """
+
+    lookups: int = 0
+    probes: int = 0
+    skipped: int = 0
+    hits: int = 0
+    misses: int = 0
+    foreign: int = 0
+    truncated: int = 0
+    corrupt: int = 0
+    read_failures: int = 0
+    pulled_blocks: int = 0
+    pulled_pages: int = 0
+    unplaced_pages: int = 0
+    writes_queued: int = 0
+    writes_dropped: int = 0
+    written: int = 0
+    written_bytes: int = 0
+    write_failures: int = 0
+    deleted: int = 0
+    own_keys: int = 0
+    own_bytes: int = 0
+
+
+# -- staging: cold pages in host memory, as a store the Mover copies from and to ---------
+
+
+class _HostPages(DevicePool):
+    def __init__(self, buffer: Buffer, slot_bytes: int, count: int) -> None:
+        self._buffer = buffer
+        self.slot_bytes = slot_bytes
+        self.num_slots = count
+
+    @property
+    def buffer(self) -> Buffer:
+        return self._buffer
+
+    def resize(self, num_slots: int) -> None:  # pragma: no cover - never resized
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _Stage:
+    """Cold pages of the remote level's codec in pinned host memory (the Mover's view of
+    the remote level: ``level`` indexes the codec list it was given)."""
+
+    frames = None
+    index = -1
+
+    def __init__(self, level: int, buffer: Buffer, slot_bytes: int, count: int) -> None:
+        self.level = level
+        self.pools = [_HostPages(buffer, slot_bytes, count)]
+
+    def rows(self, n: int) -> np.ndarray:
+        pool = self.pools[0]
+        return pool.buffer.host_view()[: n * pool.slot_bytes].reshape(n, pool.slot_bytes)
+
+
+# -- frames of the remote level -----------------------------------------------------------
+
+
+def _crc(data: bytes) -> int:
+    return int(google_crc32c.value(data))
+
+
+def frame_key(group: int, block_key: bytes) -> bytes:
+    """The 32 bytes a remote frame carries for ``(cache group, block key)``."""
+    return hashlib.sha256(b"kvcm-remote:%d:" % group + block_key).digest()
+
+
+class _Plan:
+    """One lookup: the blocks after the local match, what is local, what to ask for."""
+
+    def __init__(self, b0: int, keys: list[bytes], nodes: np.ndarray, data: bytes,
+                 have: np.ndarray) -> None:
+        self.b0, self.keys, self.nodes, self.data, self.have = b0, keys, nodes, data, have
+        self.want: list[tuple[int, int]] = [
+            (int(i), int(j)) for i, j in zip(*np.nonzero(~have), strict=True)]
+
+
+class RemoteLevel:
+    """A manager's shared remote level (see module docstring). Built by
+    :func:`build_remote`; driven by the manager (lookups, probes) and by commits."""
+
+    def __init__(self, *, index: int, level: LevelConfig, options: RemoteOptions,
+                 readers: KeyedTier, writers: KeyedTier, levels: Levels,
+                 backend: KernelBackend, codec: PageCodec, codec_id: int,
+                 blob: BlobCodec | None, fingerprint: bytes, groups: Sequence[int],
+                 required: Sequence[int], tokens_per_block: int) -> None:
+        self.index = index
+        self.config = level
+        self.options = options
+        self.quota = level.quota
+        self.tier = readers
+        self.fingerprint = fingerprint
+        self.stats = RemoteStatistics()
+        self._writers = writers
+        self._levels = levels
+        self._tree = levels.tree
+        self._codec = codec
+        self._codec_id = codec_id
+        self._blob = blob
+        self._groups = list(groups)
+        self._required = [self._groups.index(g) for g in required if g in self._groups] \
+            or list(range(len(self._groups)))
+        self._tpb = tokens_per_block
+        self._backend = backend
+        self._target = 1 if len(levels.stores) > 1 else 0
+        self._stage_level = len(levels.codecs)
+        self._mover = Mover(backend, [*levels.codecs, codec])
+        self._stage_buf: Buffer | None = None
+        self._cold = {g: codec.cold_page_size(levels.layouts[levels.pool_group_of(g)])
+                      for g in self._groups}
+        self._prefix = fingerprint.hex().encode() + b":"
+        self._seq = itertools.count(1)
+        self._skip_until = 0.0
+        self._lock = threading.Condition()
+        self._queue: collections.deque[tuple[bytes, bytes, bytes]] = collections.deque()
+        self._busy = False
+        self._closing = False
+        self._own: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._own_bytes = 0
+        self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._thread = threading.Thread(target=self._write_loop, daemon=True,
+                                        name="kvcm-remote-writer")
+        self._thread.start()
+        # Open both connections now: the first request's lookup should not pay for it. A
+        # store that is down is not an error here (lookups skip it until it answers).
+        for tier in (readers, writers):
+            try:
+                tier.exists_many([self._prefix + b"warm-up"],
+                                 deadline=time.monotonic() + _WARM_UP_S)
+            except TierIOError:
+                self._failed()
+
+    # -- keys ------------------------------------------------------------------------------
+
+    def key(self, root_key: bytes, group: int, block_key: bytes) -> bytes:
+        """The store key of ``group``'s page of a block (under the tier's namespace)."""
+        return b"%s%s:%d:%s" % (self._prefix, root_key[:8].hex().encode(), group,
+                                block_key.hex().encode())
+
+    def _stage(self, cold: int, n: int) -> _Stage:
+        need = cold * n
+        if self._stage_buf is None or self._stage_buf.nbytes < need:
+            if self._stage_buf is not None:
+                self._stage_buf.free()
+            self._stage_buf = self._backend.alloc_host(max(need, 1 << 20))
+        return _Stage(self._stage_level, self._stage_buf, cold, n)
+
+    def _remember(self, key: bytes) -> None:
+        known = self._known
+        known[key] = None
+        known.move_to_end(key)
+        if len(known) > _KNOWN_KEYS:
+            known.popitem(last=False)
+
+    def _forget(self, key: bytes) -> None:
+        """A key found absent: not known, and no longer counted against the quota."""
+        with self._lock:
+            self._known.pop(key, None)
+            size = self._own.pop(key, None)
+            if size is not None:
+                self._own_bytes -= size
+
+    def _failed(self) -> None:
+        self._skip_until = time.monotonic() + self.options.retry_after_s
+
+    # -- frames ------------------------------------------------------------------------------
+
+    def _frame(self, fkey: bytes, payload: bytes) -> bytes:
+        if self._blob is not None:
+            payload = self._blob.encode(payload)
+        body = _HEAD.pack(FRAME_MAGIC, FRAME_VERSION, self._codec_id, self.fingerprint, fkey,
+                          next(self._seq), len(payload)) + payload
+        return body + _crc(body).to_bytes(4, "little")
+
+    def check(self, value: bytes | None, fkey: bytes, cold: int) -> tuple[str, bytes | None]:
+        """``(verdict, cold page)`` of a value read back: ``"hit"`` with the page, else
+        ``"miss"``, ``"foreign"``, ``"truncated"`` or ``"corrupt"`` with None."""
+        if value is None:
+            return "miss", None
+        n = len(value)
+        if n < FRAME_OVERHEAD:
+            return "truncated", None
+        magic, version, codec, layout, key, _seq, length = _HEAD.unpack_from(value)
+        if magic != FRAME_MAGIC:
+            return "corrupt", None
+        if length > n - FRAME_OVERHEAD:
+            return "truncated", None
+        if length < n - FRAME_OVERHEAD or _crc(value[:-4]) != int.from_bytes(value[-4:],
+                                                                              "little"):
+            return "corrupt", None
+        if (version != FRAME_VERSION or codec != self._codec_id or layout != self.fingerprint
+                or key != fkey):
+            return "foreign", None
+        payload = value[_HEAD.size:-4]
+        if self._blob is not None:
+            try:
+                payload = self._blob.decode(payload, cold)
+            except CorruptPageError:
+                return "corrupt", None
+        if len(payload) != cold:
+            return "corrupt", None
+        return "hit", payload
+
+    # -- lookups -------------------------------------------------------------------------------
+
+    def _plan(self, root_key: bytes, tokens: Sequence[Any] | np.ndarray,
+              match: Match) -> _Plan | None:
+        tpb = self._tpb
+        nfull = len(tokens) // tpb
+        b0 = match.length // tpb
+        if b0 >= nfull:
+            return None
+        b1 = min(nfull, b0 + self.options.max_blocks)
+        if len(match.keys) >= b0:
+            data, mm = encode_tokens(tokens[b0 * tpb : b1 * tpb])
+            prev = match.keys[b0 - 1] if b0 else root_key
+            keys = block_keys(prev, (), tpb, 0, b1 - b0, data) if not mm else []
+        else:  # a probe's match keeps no keys: hash from the root
+            data, mm = encode_tokens(tokens[: b1 * tpb])
+            keys = block_keys(root_key, (), tpb, 0, b1, data)[b0:] if not mm else []
+            data = data[b0 * tpb * 4 :]
+        if mm:  # multimodal prompts stay local (their blocks carry digests)
+            return None
+        tree = self._tree
+        get = tree.index.get
+        nodes = np.fromiter((get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
+        have = np.zeros((len(keys), len(self._groups)), dtype=bool)
+        live = nodes >= 0
+        if live.any():
+            have[live] = tree.pages[nodes[live]][:, self._groups] >= 0
+        plan = _Plan(b0, keys, nodes, data, have)
+        return plan if plan.want else None
+
+    def _round_trip(self, root_key: bytes, plan: _Plan, fetch: bool
+                    ) -> tuple[int, dict[tuple[int, int], bytes]]:
+        """Ask for the plan's pages in one round trip; returns the extent (blocks after
+        the local match whose required groups are all there) and the pages read."""
+        if time.monotonic() < self._skip_until:
+            self.stats.skipped += 1
+            return 0, {}
+        groups = self._groups
+        rkeys = [self.key(root_key, groups[j], plan.keys[i]) for i, j in plan.want]
+        deadline = time.monotonic() + self.options.io_deadline_s
+        try:
+            if fetch:
+                values: Sequence[Any] = self.tier.get_many(rkeys, deadline=deadline)
+            else:
+                values = self.tier.exists_many(rkeys, deadline=deadline).tolist()
+        except TierIOError:
+            self.stats.read_failures += 1
+            self._failed()
+            return 0, {}
+        present = plan.have.copy()
+        pages: dict[tuple[int, int], bytes] = {}
+        st = self.stats
+        for (i, j), rkey, value in zip(plan.want, rkeys, values, strict=True):
+            g = groups[j]
+            if not fetch:
+                verdict, page = ("hit", b"") if value else ("miss", None)
+            else:
+                verdict, page = self.check(value, frame_key(g, plan.keys[i]), self._cold[g])
+            if verdict == "hit":
+                st.hits += 1
+                present[i, j] = True
+                if fetch:
+                    pages[(i, j)] = page  # type: ignore[assignment]
+                continue
+            name = _COUNTERS[verdict]
+            setattr(st, name, getattr(st, name) + 1)
+            if verdict == "miss":
+                self._forget(rkey)
+        ok = np.asarray(present[:, self._required].all(axis=1))
+        extent = int(ok.size) if ok.all() else int(ok.argmin())
+        return extent, pages
+
+    def probe(self, root_key: bytes, tokens: Sequence[Any] | np.ndarray, match: Match,
+              backoff: int, partial: bool) -> int:
+        """Tokens ``create_kv_cache`` would reuse with this level: the same round trip
+        (``exists_many``), nothing pulled."""
+        plan = self._plan(root_key, tokens, match)
+        if plan is None:
+            return match.length
+        self.stats.probes += 1
+        extent, _ = self._round_trip(root_key, plan, fetch=False)
+        if not extent:
+            return match.length
+        length = (plan.b0 + extent) * self._tpb
+        if backoff:
+            length = max(0, length - backoff)
+            if not partial:
+                length = length // self._tpb * self._tpb
+        return max(match.length, length)
+
+    def extend(self, root_key: bytes, tokens: Sequence[Any] | np.ndarray, match: Match,
+               rematch: Callable[[], Match]) -> tuple[Match, np.ndarray | None]:
+        """Pull the pages the store has for the blocks after ``match`` into a local level
+        and match again. Returns the new match and the pages held meanwhile (give them to
+        :meth:`release` once the cache holds its own), or ``(match, None)``."""
+        plan = self._plan(root_key, tokens, match)
+        if plan is None:
+            return match, None
+        self.stats.lookups += 1
+        extent, pages = self._round_trip(root_key, plan, fetch=True)
+        if not extent:
+            return match, None
+        L = self._levels
+        tree = self._tree
+        # Keep the local pages of the match and of the extent where they are while room is
+        # made for the pulled ones (a cascade could otherwise evict them).
+        nids = np.concatenate([match.nodes, plan.nodes[:extent]])
+        local = tree.pages[nids[nids >= 0]].reshape(-1)
+        local = np.unique(local[local >= 0])
+        L.change(local, 0, 1)
+        try:
+            pulled = self._pull(root_key, plan, extent, pages, match)
+        except BaseException:
+            L.change(local, 0, -1)
+            raise
+        held = np.concatenate([local, pulled])
+        return (rematch() if len(pulled) else match), held
+
+    def release(self, held: np.ndarray) -> None:
+        """Let go of the pages :meth:`extend` held."""
+        self._levels.change(held, 0, -1)
+
+    def _pull(self, root_key: bytes, plan: _Plan, extent: int,
+              pages: dict[tuple[int, int], bytes], match: Match) -> np.ndarray:
+        L = self._levels
+        tree = self._tree
+        groups = self._groups
+        by_store: dict[int, list[tuple[int, int]]] = {}
+        for (i, j) in pages:
+            if i < extent:
+                g = groups[j]
+                store = L.cold_store(self._target, g) if self._target else L.gpu_store(g)
+                by_store.setdefault(store.index, []).append((i, j))
+        placed: list[tuple[int, list[int], np.ndarray]] = []  # (group, blocks, pages)
+        for s, items in by_store.items():
+            store = L.all_stores[s]
+            items.sort()
+            n = L.capacity(store, len(items))
+            if n < len(items):
+                self.stats.unplaced_pages += len(items) - n
+                items = items[:n]
+            if not items:
+                continue
+            try:
+                L.make_room(store, len(items))
+            except OutOfPagesError:
+                self.stats.unplaced_pages += len(items)
+                continue
+            for j in sorted({j for _, j in items}):
+                blocks = [i for i, jj in items if jj == j]
+                pids = self._place(store, groups[j], [pages[(i, j)] for i in blocks],
+                                   [plan.keys[i] for i in blocks])
+                if pids is not None:
+                    placed.append((groups[j], blocks, pids))
+        if not placed:
+            return np.empty(0, dtype=np.int64)
+        # Tree nodes for the blocks that have none (existing nodes are a prefix: a node
+        # exists only under its parent).
+        last = max(max(blocks) for _, blocks, _ in placed) + 1
+        nodes = plan.nodes
+        first_new = int(np.argmin(nodes[:last] >= 0)) if (nodes[:last] < 0).any() else last
+        if first_new < last:
+            if first_new:
+                parent = int(nodes[first_new - 1])
+            elif plan.b0:
+                parent = int(match.nodes[plan.b0 - 1])
+            else:
+                parent = tree.root(root_key)
+            tpb = self._tpb
+            rows = np.frombuffer(plan.data, dtype="<i4")[first_new * tpb : last * tpb]
+            nodes = nodes.copy()
+            nodes[first_new:last] = tree.add_chain(
+                parent, plan.keys[first_new:last], rows.reshape(-1, tpb).astype(np.int32),
+                plan.b0 + first_new)
+        out = []
+        blocks_pulled: set[int] = set()
+        for g, blocks, pids in placed:
+            L.publish(pids, nodes[blocks], g)
+            out.append(pids)
+            blocks_pulled.update(blocks)
+            for i in blocks:
+                rkey = self.key(root_key, g, plan.keys[i])
+                with self._lock:
+                    self._remember(rkey)
+                    if rkey in self._own:
+                        self._own.move_to_end(rkey)
+        pulled = np.concatenate(out)
+        self.stats.pulled_pages += len(pulled)
+        self.stats.pulled_blocks += len(blocks_pulled)
+        L.stats.remote_blocks += len(blocks_pulled)
+        return pulled
+
+    def _place(self, store: Store, group: int, payloads: list[bytes],
+               keys: list[bytes]) -> np.ndarray | None:
+        """New held pages of ``group`` in ``store`` holding ``payloads``; None when the
+        local write failed (nothing is left behind)."""
+        L = self._levels
+        n = len(payloads)
+        pids = store.take(group, n, locks=0)
+        cold = self._cold[group]
+        stage = self._stage(cold, n)
+        rows = stage.rows(n)
+        for k, payload in enumerate(payloads):
+            rows[k] = np.frombuffer(payload, dtype=np.uint8)
+        fkeys = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(n, 32)
+        layout = L.layouts[L.pool_group_of(group)]
+        try:
+            self._mover.copy(layout, stage, np.arange(n), store,  # type: ignore[arg-type]
+                             L.arena.slot[pids], keys=fkeys)
+        except (TierIOError, CorruptPageError):
+            store.change(pids, 0, 0)  # unreferenced and uncommitted: freed
+            L.stats.io_failures += 1
+            self.stats.unplaced_pages += n
+            return None
+        L.change(pids, 0, 1)
+        return pids
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def committed(self, root_key: bytes, nodes: Sequence[int]) -> None:
+        """A cache published ``nodes`` (full blocks): queue their GPU pages for writing."""
+        if self._closing or not len(nodes):
+            return
+        L = self._levels
+        a = L.arena
+        tree = self._tree
+        nids = np.asarray(nodes, dtype=np.int64)
+        work: dict[int, list[tuple[int, bytes, bytes]]] = {}  # store -> (page, rkey, fkey)
+        with self._lock:
+            known = self._known
+            for g in self._groups:
+                for nid, pid in zip(nids.tolist(), tree.pages[nids, g].tolist(), strict=True):
+                    if pid < 0 or a.level[pid] != 0:
+                        continue
+                    bkey = tree.key(nid)
+                    if bkey is None:
+                        continue
+                    rkey = self.key(root_key, g, bkey)
+                    if rkey in known:
+                        continue
+                    work.setdefault(int(a.store[pid]), []).append(
+                        (pid, rkey, frame_key(g, bkey)))
+            room = self.options.write_queue_blocks - len(self._queue)
+        total = sum(len(v) for v in work.values())
+        if total > room:
+            self.stats.writes_dropped += total - max(room, 0)
+        if room <= 0:
+            return
+        batch: list[tuple[bytes, bytes, bytes]] = []
+        for s, items in work.items():
+            items = items[: room - len(batch)]
+            if not items:
+                break
+            store = L.all_stores[s]
+            layout = L.layouts[store.pool_group]
+            pids = np.asarray([p for p, _, _ in items], dtype=np.int64)
+            cold = self._codec.cold_page_size(layout)
+            stage = self._stage(cold, len(items))
+            self._mover.copy(layout, store, a.slot[pids], stage,  # type: ignore[arg-type]
+                             np.arange(len(items)))
+            rows = stage.rows(len(items))
+            batch += [(rkey, fkey, rows[k].tobytes())
+                      for k, (_, rkey, fkey) in enumerate(items)]
+        with self._lock:
+            for rkey, _, _ in batch:
+                self._remember(rkey)
+            self._queue.extend(batch)
+            self._lock.notify_all()
+        self.stats.writes_queued += len(batch)
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closing:
+                    self._lock.wait()
+                if not self._queue:
+                    return
+                batch = [self._queue.popleft()
+                         for _ in range(min(_WRITE_BATCH, len(self._queue)))]
+                self._busy = True
+            try:
+                self._write(batch)
+            except Exception:  # noqa: BLE001 - a writer bug must not kill the thread
+                self.stats.write_failures += len(batch)
+            finally:
+                with self._lock:
+                    self._busy = False
+                    self._lock.notify_all()
+
+    def _write(self, batch: list[tuple[bytes, bytes, bytes]]) -> None:
+        st = self.stats
+        if time.monotonic() < self._skip_until:
+            st.write_failures += len(batch)
+            self._unknow([k for k, _, _ in batch])
+            return
+        keys = [k for k, _, _ in batch]
+        values = [self._frame(fkey, payload) for _, fkey, payload in batch]
+        deadline = time.monotonic() + self.options.write_deadline_s
+        try:
+            ok = self._writers.put_many(keys, values, deadline=deadline)
+        except TierIOError:
+            self._failed()
+            st.write_failures += len(batch)
+            self._unknow(keys)
+            return
+        victims: list[bytes] = []
+        with self._lock:
+            own = self._own
+            for key, value, stored in zip(keys, values, ok.tolist(), strict=True):
+                if not stored:
+                    self._known.pop(key, None)
+                    continue
+                st.written += 1
+                st.written_bytes += len(value)
+                self._own_bytes += len(value) - own.pop(key, 0)
+                own[key] = len(value)
+            st.write_failures += len(keys) - int(ok.sum())
+            while self._own_bytes > self.quota and own:
+                key, size = own.popitem(last=False)
+                self._own_bytes -= size
+                self._known.pop(key, None)
+                victims.append(key)
+        if victims:
+            try:
+                self._writers.delete_many(victims, deadline=time.monotonic()
+                                          + self.options.write_deadline_s)
+                st.deleted += len(victims)
+            except TierIOError:
+                self._failed()
+
+    def _unknow(self, keys: list[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                self._known.pop(key, None)
+
+    # -- whole level -----------------------------------------------------------------------
+
+    def statistics(self) -> RemoteStatistics:
+        """A copy of the counters, with the own-key totals of now."""
+        with self._lock:
+            return attrs.evolve(self.stats, own_keys=len(self._own),
+                                own_bytes=self._own_bytes)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued write was made (or failed); False if ``timeout_s``
+        passed first."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._queue and not self._busy,
+                                       timeout_s)
+
+    def close(self) -> None:
+        """Finish the queued writes (each batch within ``write_deadline_s``), stop the
+        writer and close the tier connections (idempotent)."""
+        if self._closing and not self._thread.is_alive():
+            return
+        with self._lock:
+            self._closing = True
+            self._lock.notify_all()
+        pending = -(-len(self._queue) // _WRITE_BATCH) + 1
+        self._thread.join(timeout=pending * self.options.write_deadline_s + 1.0)
+        errors = []
+        for close in (self.tier.close, self._writers.close, self._mover.close):
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001 - close the rest all the same
+                errors.append(f"{type(exc).__name__}: {exc}")
+        if self._stage_buf is not None:
+            self._stage_buf.free()
+            self._stage_buf = None
+        if errors:
+            raise TierIOError(f"closing the remote level failed: {'; '.join(errors)}")
+
+
+def build_remote(pm: KvcmPluginManager, level: LevelConfig, index: int,
+                 config: KVCacheManagerConfig, levels: Levels, backend: KernelBackend,
+                 codecs: Sequence[PageCodec | None], codec_specs: Sequence[CodecSpec | None],
+                 groups: Sequence[int], required: Sequence[int]) -> RemoteLevel:
+    """Build the keyed level ``level`` (``levels[index]`` of the configuration) of a
+    manager whose own levels are ``config.levels``.
+
+    Raises:
+        ConfigError: a bad core option or codec; the tier's own errors for its options.
+    """
+    opts, tier_opts = remote_options(index, level.options)
+    spec = pm.tier(level.tier)
+    page = pm.codec(level.codec or "raw")
+    if page.capabilities.kind is not CodecKind.PAGE:
+        raise ConfigError(f"levels[{index}].codec", page.name,
+                          "must be a page codec (blob codecs go in 'blob_codec')")
+    codec = next((c for c, s in zip(codecs, codec_specs, strict=True)
+                  if c is not None and s is not None and s.name == page.name), None)
+    if codec is None:
+        codec = page.factory({})
+    blob = None
+    outer = page
+    if level.blob_codec is not None:
+        outer = pm.codec(level.blob_codec)
+        if outer.capabilities.kind is not CodecKind.BLOB:
+            raise ConfigError(f"levels[{index}].blob_codec", level.blob_codec,
+                              "must be a blob codec (such as 'zstd' or 'lz4')")
+        blob = outer.factory({})
+    fingerprint = layout_fingerprint({
+        "layers": config.to_dict()["layers"], "tokens_per_block": config.tokens_per_block,
+        "hash": "sha256", "codec": page.name, "blob_codec": level.blob_codec,
+        "frame_version": FRAME_VERSION, "remote": 1})
+    built: list[KeyedTier] = []
+    try:
+        for _ in range(2):  # reads and writes on their own connections and threads
+            tier = spec.factory(backend, tier_opts)
+            if not isinstance(tier, KeyedTier):
+                tier.close()
+                raise ConfigError(f"levels[{index}].tier", level.tier,
+                                  "declares keyed but is no kvcm_core.tier.KeyedTier")
+            built.append(tier)
+        return RemoteLevel(index=index, level=level, options=opts, readers=built[0],
+                           writers=built[1], levels=levels, backend=backend, codec=codec,
+                           codec_id=outer.capabilities.codec_id, blob=blob,
+                           fingerprint=fingerprint, groups=groups, required=required,
+                           tokens_per_block=config.tokens_per_block)
+    except BaseException:
+        for tier in built:
+            try:
+                tier.close()
+            except Exception:  # noqa: BLE001, S110 - the first error is the one to report
+                pass
+        raise

@@ -1,0 +1,252 @@
+"""``kvcm simulate --preset two-engine``: two engine instances sharing one Redis level.
+
+Two managers (what two engine processes would each hold: their own GPU and host levels)
+serve one seeded trace; the turns of a conversation alternate between them (turn ``k`` of
+session ``s`` goes to engine ``(s + k) % 2``), so a turn finds its conversation's earlier
+turns only in the other engine, unless the engines share a level. Three runs of the same
+trace, each verified by the fingerprint engine at every step in both engines:
+
+1. **shared**: both managers have a ``redis`` level on one ``redis-server`` the run starts
+   on a free loopback port (and stops);
+2. **local only**: the same managers without the Redis level;
+3. **GPU only**: level 0 alone.
+
+The report gives each run's hit rate (prompt tokens reused over prompt tokens looked up,
+first lookups only) and the infinite-cache bound of the trace (one unbounded cache that
+sees every request: what perfect sharing would give). After each engine step both managers
+wait for the writes they queued (``flush_remote``): a real step lasts longer than a
+loopback write, and the run's figures then do not depend on thread timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvcm_core.config import KVCacheManagerConfig
+from kvcm_core.errors import ConfigError, PluginError
+from kvcm_core.manager import KVCacheManager
+from kvcm_core.simulate.runner import STALL_STEPS, SchedulerConfig, SchedulerStalled, \
+    infinite_bound, working_set
+from kvcm_core.simulate.workload import TraceRequest, generate_trace
+from kvcm_core.testing.engine import EngineLoop, Request
+
+__all__ = ["EnginesResult", "run_engines", "run_two_engine"]
+
+ENGINES = 2
+
+
+@attrs.define
+class EnginesResult:
+    """One run of the trace over the engines."""
+
+    label: str
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    steps: int = 0
+    remote_blocks: int = 0
+    reused_blocks_by_level: list[int] = attrs.Factory(list)
+    creation_order: list[str] = attrs.Factory(list)
+    per_engine: list[list[int]] = attrs.Factory(list)  # [lookup, hit] per engine
+    remote: list[dict[str, int]] = attrs.Factory(list)  # remote statistics per engine
+    wall_s: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = attrs.asdict(self)
+        del out["creation_order"]
+        out["hit_rate"] = self.hit_rate
+        return out
+
+
+class _Loop(EngineLoop):
+    """An engine loop that counts each request's first lookup."""
+
+    def __init__(self, manager: KVCacheManager, res: EnginesResult, engine: int,
+                 sched: SchedulerConfig) -> None:
+        super().__init__(manager, chunk_tokens=sched.chunk_tokens, max_batch=sched.max_batch,
+                         token_budget=sched.token_budget, check=True)
+        create = manager.create_kv_cache
+        seen: set[Any] = set()
+
+        def counted(scope: Any = None, input_tokens: Any = (), id: Any = None,
+                    priority_callback: Any = None) -> Any:
+            cache = create(scope, input_tokens, id=id, priority_callback=priority_callback)
+            if id not in seen:
+                seen.add(id)
+                res.creation_order.append(id)
+                res.lookup_tokens += len(input_tokens)
+                res.hit_tokens += cache.history_length
+                res.per_engine[engine][0] += len(input_tokens)
+                res.per_engine[engine][1] += cache.history_length
+            return cache
+
+        manager.create_kv_cache = counted  # type: ignore[method-assign]
+
+
+def run_engines(config: KVCacheManagerConfig, trace: list[TraceRequest],
+                sched: SchedulerConfig, label: str, engines: int = ENGINES) -> EnginesResult:
+    """Replay ``trace`` over ``engines`` managers built from ``config`` (the turns of a
+    session alternate between them), verified at every step.
+
+    Raises:
+        FingerprintMismatch: a page did not hold what a request's history says.
+        AssertionError: a manager invariant broke.
+        SchedulerStalled: no engine made progress for a long time.
+    """
+    res = EnginesResult(label=label, per_engine=[[0, 0] for _ in range(engines)])
+    managers: list[KVCacheManager] = []
+    loops: list[_Loop] = []
+    t0 = time.perf_counter()
+    try:
+        for e in range(engines):
+            managers.append(KVCacheManager(config))
+            loops.append(_Loop(managers[-1], res, e, sched))
+        res.reused_blocks_by_level = [0] * len(managers[0].levels)
+        children: dict[str, list[int]] = defaultdict(list)
+        ready: list[tuple[int, int]] = []
+        for i, r in enumerate(trace):
+            if r.after is None:
+                ready.append((r.arrival or 0, i))
+            else:
+                children[r.after].append(i)
+        heapq.heapify(ready)
+        remote = managers[0].remote is not None
+        step = idle = 0
+        every = sched.invariants_every
+        while True:
+            while ready and ready[0][0] <= step:
+                _, i = heapq.heappop(ready)
+                r = trace[i]
+                loops[(r.session + r.turn) % engines].submit(
+                    Request(r.id, r.tokens.tolist(), r.prompt_len, scope=r.scope))
+            if all(loop.idle for loop in loops):
+                if not ready:
+                    break
+                step = ready[0][0]
+                continue
+            progressed = False
+            for loop in loops:
+                if loop.idle:
+                    continue
+                report = loop.step()
+                progressed |= bool(report.stepped or report.finished)
+                for req in report.finished:
+                    for j in children.get(req.id, ()):
+                        heapq.heappush(ready, (step + 1 + trace[j].delay, j))
+            for m in managers:
+                if remote:
+                    m.flush_remote(10.0)
+                st = m.get_and_reset_iteration_stats()
+                res.remote_blocks += st.remote_blocks
+                for lv, n in enumerate(st.reused_blocks_by_level):
+                    res.reused_blocks_by_level[lv] += n
+            idle = 0 if progressed else idle + 1
+            if idle >= STALL_STEPS:
+                raise SchedulerStalled(f"step {step}: no engine advanced for {idle} steps")
+            if every and (res.steps + 1) % every == 0:
+                for m in managers:
+                    m.check_invariants()
+            res.steps += 1
+            step += 1
+        for m in managers:
+            m.check_invariants()
+            if remote:
+                res.remote.append(attrs.asdict(m.get_remote_statistics()))
+    finally:
+        res.wall_s = time.perf_counter() - t0
+        for loop in loops:
+            loop.close_all()
+        for m in managers:
+            m.shutdown()
+    return res
+
+
+def _levels(raw: dict[str, Any], fractions: tuple[float, ...] | None,
+            ws: dict[str, int]) -> list[dict[str, Any]]:
+    levels = [dict(lv) for lv in raw["levels"]]
+    if fractions is not None:
+        if len(fractions) != len(levels):
+            raise ConfigError("simulate.level_fractions", list(fractions),
+                              f"needs one fraction per level ({len(levels)})")
+        floor = 2 * (ws["largest_request_blocks"] + 1) * ws["bytes_per_block"]
+        for i, (lv, frac) in enumerate(zip(levels, fractions, strict=True)):
+            lv["quota"] = max(floor if i == 0 else 1, int(frac * ws["bytes"]))
+    return levels
+
+
+def run_two_engine(args: argparse.Namespace, out: Path, console: Any, err: Any) -> int:
+    """Run the two-engine comparison (``main`` of ``kvcm simulate`` calls it); returns
+    the exit status."""
+    from kvcm_core.plugins import get_plugin_manager
+    from kvcm_core.simulate import load_config
+    from kvcm_core.testing.redis_server import RedisServer, redis_binaries
+
+    found = redis_binaries()
+    if isinstance(found, str):
+        err.print(f"kvcm simulate --preset two-engine: needs a redis-server to start: {found}",
+                  markup=False, highlight=False)
+        return 2
+    try:
+        get_plugin_manager().tier("redis")  # the redis package, through the tier's check
+        import redis  # noqa: F401
+    except (PluginError, ImportError) as exc:
+        err.print(f"kvcm simulate --preset two-engine: the redis tier is unavailable: {exc} "
+                  "(pip install 'kvcm[redis]')", markup=False, highlight=False)
+        return 2
+    sim = load_config(None, "two-engine")
+    wl = sim.workload
+    if args.requests is not None:
+        wl = attrs.evolve(wl, requests=args.requests)
+    seed = sim.seed if args.seed is None else args.seed
+    trace = generate_trace(wl, seed)
+    raw = dict(sim.kvcm)
+    base = KVCacheManagerConfig.from_dict(raw)
+    ws = working_set(trace, base)
+    levels = _levels(raw, sim.level_fractions, ws)
+    t0 = time.perf_counter()
+    server = RedisServer()
+    try:
+        levels[-1]["options"] = {**levels[-1].get("options", {}), "url": server.url}
+        shared = KVCacheManagerConfig.from_dict({**raw, "levels": levels})
+        local = KVCacheManagerConfig.from_dict({**raw, "levels": levels[:-1]})
+        gpu = KVCacheManagerConfig.from_dict({**raw, "levels": levels[:1]})
+        runs = {}
+        for label, cfg in (("shared", shared), ("local only", local), ("gpu only", gpu)):
+            if not args.quiet:
+                console.print(f"running {label} ...")
+            runs[label] = run_engines(cfg, trace, sim.scheduler, label)
+    finally:
+        server.stop()
+    bound = infinite_bound(local, trace, runs["shared"].creation_order, ws["bytes"])
+    report = {
+        "preset": "two-engine", "seed": seed, "requests": len(trace), "engines": ENGINES,
+        "routing": "turn k of session s on engine (s + k) % 2",
+        "working_set_bytes": ws["bytes"], "levels": [
+            {"tier": lv["tier"], "quota": lv["quota"]} for lv in levels],
+        "runs": {k: v.as_dict() for k, v in runs.items()},
+        "infinite_bound": {k: v for k, v in bound.items() if k != "by_kind"},
+        "wall_s": time.perf_counter() - t0,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    if not args.quiet:
+        console.print(f"kvcm simulate --preset two-engine: {len(trace)} requests, "
+                      f"{ENGINES} engines (turns alternate), seed {seed}")
+        for label, r in runs.items():
+            extra = f"  ({r.remote_blocks} blocks from Redis)" if r.remote_blocks else ""
+            console.print(f"  {label:<11} hit rate {100 * r.hit_rate:5.1f}%{extra}")
+        console.print(f"  {'bound':<11} hit rate {100 * bound['hit_rate']:5.1f}%  "
+                      "(one unbounded cache seeing every request)")
+        console.print(f"report: {out / 'report.json'}  ({report['wall_s']:.1f} s)")
+    return 0

@@ -1,0 +1,479 @@
+"""The shared remote level (docs/remote.md) on real Redis servers started on loopback:
+managers in two processes share prefixes; models and tenants never read each other's
+pages; a value that is not an intact frame of the block is a miss, never KV; a paused or
+killed server costs a deadline, not a stalled step or wrong KV; a manager deletes only
+the keys it wrote. Every request runs through the fingerprint engine, which checks every
+page it reads."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+from redis_fixtures import fresh_server, lag_budget, need_binaries, session_cluster
+from remote_helpers import TPB, config, serve, serve_in_another_process
+
+from kvcm_core import KVCacheManager, KVCacheManagerConfig
+from kvcm_core.errors import ConfigError, InvalidStateError
+from kvcm_core.types import ReuseScope
+
+redis = pytest.importorskip("redis", reason="the redis client package is not installed")
+
+PROMPT = list(range(1000, 1000 + 10 * TPB))  # 10 blocks; a lookup of 159 tokens: 9 reusable
+REUSABLE = 9 * TPB
+
+
+def _prompt(seed: int, blocks: int = 10) -> list[int]:
+    return [seed * 100_000 + i for i in range(blocks * TPB)]
+
+
+def _admin(url: str):  # noqa: ANN202 - a redis client of the test's own
+    return redis.Redis.from_url(url)
+
+
+def _remote_keys(url: str) -> list[bytes]:
+    return sorted(_admin(url).keys("kvcm:*"))
+
+
+# -- sharing -------------------------------------------------------------------------------
+
+
+def _spawn_pool() -> cf.ProcessPoolExecutor:
+    return cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+
+def test_two_processes_share_prefixes_through_a_standalone_server() -> None:
+    with fresh_server() as server, _spawn_pool() as pool:
+        other = pool.submit(serve_in_another_process, server.url, PROMPT).result(timeout=120)
+        assert other["reused"] == 0 and other["written"] == 10
+        with KVCacheManager(config(server.url)) as m:
+            assert serve(m, PROMPT) == REUSABLE  # pages checked by the fingerprint engine
+            assert m.get_and_reset_iteration_stats().remote_blocks == 9
+            st = m.get_remote_statistics()
+            assert st.pulled_blocks == 9 and st.corrupt == st.foreign == st.truncated == 0
+
+
+def test_two_processes_share_prefixes_through_a_cluster() -> None:
+    cluster = session_cluster()
+    prompt = _prompt(77)
+    with _spawn_pool() as pool:
+        other = pool.submit(serve_in_another_process, cluster.url, prompt,
+                            True).result(timeout=120)
+    assert other["written"] == 10 and other["write_failures"] == 0
+    with KVCacheManager(config(cluster.url, cluster=True)) as m:
+        assert serve(m, prompt) == REUSABLE
+        assert m.get_remote_statistics().pulled_blocks == 9
+
+
+def test_what_one_manager_commits_the_next_reuses_in_the_same_process() -> None:
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url)) as a, KVCacheManager(config(server.url)) as b:
+            assert serve(a, PROMPT) == 0
+            assert a.flush_remote(10.0)
+            assert b.probe_reuse(None, PROMPT[:-1]) == 0  # local only: nothing there
+            assert b.probe_reuse(None, PROMPT[:-1], remote=True) == REUSABLE
+            assert serve(b, PROMPT) == REUSABLE
+            # Pulled pages are local now: the next lookup needs no round trip.
+            lookups = b.get_remote_statistics().lookups
+            # (and the partial block b's own request published at close is reused too)
+            assert serve(b, PROMPT, rid="again") == len(PROMPT) - 1
+            assert b.get_remote_statistics().lookups == lookups
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_probe_with_remote_equals_what_create_then_reuses(partial: bool) -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(11)
+    with fresh_server() as server:
+        cfg = config(server.url)
+        if not partial:
+            cfg = KVCacheManagerConfig.from_dict({**cfg.to_dict(),
+                                                  "enable_partial_reuse": False})
+        with KVCacheManager(cfg) as a:
+            serve(a, PROMPT)
+            serve(a, PROMPT[:5 * TPB] + _prompt(9, blocks=4), rid="branch")
+            assert a.flush_remote(10.0)
+        for trial in range(12):
+            cut = int(rng.integers(0, len(PROMPT)))
+            tail = rng.integers(0, 50_000, int(rng.integers(0, 3 * TPB))).tolist()
+            tokens = (PROMPT if trial % 2 else PROMPT[:5 * TPB] + _prompt(9, 4))[:cut] + tail
+            with KVCacheManager(cfg) as b:  # nothing local: everything comes from Redis
+                probed = b.probe_reuse(None, tokens, remote=True)
+                cache = b.create_kv_cache(None, tokens)
+                assert cache.history_length == probed, (cut, len(tail))
+                cache.close()
+
+
+def test_probe_without_remote_makes_no_round_trip() -> None:
+    with fresh_server() as server, KVCacheManager(config(server.url)) as m:
+        before = m.get_remote_statistics()
+        assert m.probe_reuse(None, PROMPT) == 0
+        after = m.get_remote_statistics()
+        assert after.probes == before.probes and after.hits == after.misses == 0
+
+
+@pytest.mark.parametrize("local", [("gpu",), ("gpu", "disk"), ("gpu", "host", "disk")])
+def test_pulled_pages_land_in_the_first_local_level_below_the_gpu_or_on_it(local) -> None:
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url, local=local)) as a, \
+                KVCacheManager(config(server.url, local=local)) as b:
+            serve(a, PROMPT)
+            assert a.flush_remote(10.0)
+            cache = b.create_kv_cache(None, PROMPT[:-1])
+            try:
+                assert cache.history_length == REUSABLE
+                levels = b.get_and_reset_iteration_stats().reused_blocks_by_level
+                assert levels[1 if len(local) > 1 else 0] == 9
+                b.check_invariants()
+            finally:
+                cache.close()
+            assert serve(b, PROMPT) == REUSABLE  # verified after any onboarding
+            b.check_invariants()
+
+
+def test_a_sliding_window_model_reuses_remote_blocks_correctly() -> None:
+    with fresh_server() as server:
+        cfg = config(server.url, window=4 * TPB)
+        with KVCacheManager(cfg) as a, KVCacheManager(cfg) as b:
+            prompt = _prompt(3, blocks=12)
+            serve(a, prompt)
+            assert a.flush_remote(10.0)
+            assert serve(b, prompt) > 0
+            b.check_invariants()
+
+
+def test_a_blob_codec_on_the_remote_level_round_trips() -> None:
+    with fresh_server() as server:
+        cfg = config(server.url, level={"blob_codec": "zstd"})
+        with KVCacheManager(cfg) as a, KVCacheManager(cfg) as b:
+            serve(a, PROMPT)
+            assert a.flush_remote(10.0)
+            assert serve(b, PROMPT) == REUSABLE
+
+
+# -- isolation -----------------------------------------------------------------------------
+
+
+def test_the_same_tokens_under_two_salts_never_cross() -> None:
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url)) as a, KVCacheManager(config(server.url)) as b:
+            serve(a, PROMPT, scope=ReuseScope(salt=1))
+            assert a.flush_remote(10.0)
+            assert b.probe_reuse(ReuseScope(salt=2), PROMPT[:-1], remote=True) == 0
+            assert serve(b, PROMPT, scope=ReuseScope(salt=2)) == 0
+            assert serve(b, PROMPT, rid="default", scope=None) == 0
+            assert serve(b, PROMPT, rid="salt1", scope=ReuseScope(salt=1)) == REUSABLE
+
+
+@pytest.mark.parametrize("change", ["page size", "codec"])
+def test_the_same_tokens_under_two_layouts_never_cross(change: str) -> None:
+    with fresh_server() as server:
+        first = config(server.url)
+        second = config(server.url, size=512) if change == "page size" else \
+            config(server.url, level={"codec": "fp8"})
+        with KVCacheManager(first) as a, KVCacheManager(second) as b:
+            serve(a, PROMPT)
+            assert a.flush_remote(10.0)
+            assert b.probe_reuse(None, PROMPT[:-1], remote=True) == 0
+            cache = b.create_kv_cache(None, PROMPT[:-1])
+            assert cache.history_length == 0
+            cache.close()
+            st = b.get_remote_statistics()
+            assert st.hits == 0 and st.foreign == 0  # other keys: plain misses
+
+
+# -- integrity -----------------------------------------------------------------------------
+
+
+def _damage(url: str, how: str, foreign: bytes) -> int:
+    """Damage the stored value of block 4 (keys sort by scope, group, block key: find it
+    by its frame); returns how many keys were damaged."""
+    admin = _admin(url)
+    keys = _remote_keys(url)
+    assert len(keys) == 10
+    # The block key is the frame's key digest: damage whichever key, all are block pages.
+    key = keys[4]
+    value = admin.get(key)
+    if how == "truncated":
+        admin.set(key, value[:-100])
+    elif how == "corrupt":
+        admin.set(key, value[:80] + bytes([value[80] ^ 0xFF]) + value[81:])
+    elif how == "not a frame":
+        admin.set(key, b"hello, world" * 40)
+    else:
+        admin.set(key, foreign)
+    return 1
+
+
+@pytest.mark.parametrize("how", ["truncated", "corrupt", "not a frame", "foreign"])
+def test_damaged_values_are_counted_and_treated_as_misses_never_as_kv(how: str) -> None:
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url)) as a, KVCacheManager(config(server.url)) as b:
+            serve(a, PROMPT)
+            assert a.flush_remote(10.0)
+            keys = _remote_keys(server.url)
+            # A foreign value: an intact frame of this layout for another block.
+            foreign = _admin(server.url).get(keys[0] if keys[4] != keys[0] else keys[1])
+            _damage(server.url, how, foreign)
+            reused = serve(b, PROMPT)  # every page read is fingerprint-checked
+            st = b.get_remote_statistics()
+            counter = {"truncated": "truncated", "corrupt": "corrupt",
+                       "not a frame": "corrupt", "foreign": "foreign"}[how]
+            assert getattr(st, counter) == 1
+            assert st.hits == 9 - 1
+            # The damaged block and those after it are computed, not reused.
+            assert reused < REUSABLE and reused % TPB == 0
+
+
+# -- faults ------------------------------------------------------------------------------
+
+
+def test_a_paused_server_costs_one_deadline_then_is_skipped_and_steps_go_on() -> None:
+    with fresh_server() as server:
+        cfg = config(server.url, io_deadline_s=0.1, retry_after_s=30.0,
+                     write_deadline_s=0.2)
+        with KVCacheManager(cfg) as a, KVCacheManager(cfg) as b:
+            serve(a, PROMPT)
+            assert a.flush_remote(10.0)
+            pid = server.nodes[0].proc.pid  # type: ignore[union-attr]
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                with lag_budget(0.1) as budget:
+                    cache = b.create_kv_cache(None, PROMPT[:-1])
+                assert budget.elapsed < budget.limit, budget
+                assert cache.history_length == 0  # not read in time: recomputed
+                cache.close()
+                assert b.get_remote_statistics().read_failures == 1
+                # Within retry_after_s the level is skipped: no wait at all.
+                with lag_budget(0.0) as budget:
+                    assert serve(b, PROMPT, rid="skipped") == 0  # commits queue writes
+                assert budget.elapsed < budget.limit + 1.0, budget
+                assert b.get_remote_statistics().skipped >= 1
+            finally:
+                os.kill(pid, signal.SIGCONT)
+
+
+def test_a_killed_server_means_recompute_and_a_restarted_one_is_used_again() -> None:
+    with fresh_server() as server:
+        cfg = config(server.url, io_deadline_s=0.2, retry_after_s=0.2)
+        with KVCacheManager(cfg) as a, KVCacheManager(cfg) as b:
+            serve(a, PROMPT)
+            assert a.flush_remote(10.0)
+            server.kill()
+            with lag_budget(0.2) as budget:
+                assert serve(b, PROMPT) == 0
+            assert budget.elapsed < budget.limit + 1.0, budget
+            assert b.flush_remote(10.0)
+            st = b.get_remote_statistics()
+            assert st.read_failures + st.skipped >= 1 and st.write_failures >= 1
+            server.restart()  # empty: what it held is lost, which is ordinary
+            time.sleep(0.3)  # past retry_after_s
+            assert serve(a, PROMPT, rid="after") == len(PROMPT) - 1  # a's own local pages
+            prompt = _prompt(5)
+            assert serve(a, prompt) == 0
+            assert a.flush_remote(10.0)
+            assert serve(b, prompt) == REUSABLE
+
+
+def test_maxmemory_evictions_are_ordinary_loss() -> None:
+    with fresh_server(maxmemory=1 << 20) as server:
+        cfg = config(server.url, size=16384)  # 32 KiB pages
+        with KVCacheManager(cfg) as a, KVCacheManager(cfg) as b:
+            prompts = [_prompt(s) for s in range(8)]  # 80 pages, 2.5 MiB: some evicted
+            for i, p in enumerate(prompts):
+                serve(a, p, rid=i)
+            assert a.flush_remote(30.0)
+            assert len(_remote_keys(server.url)) < 80
+            reused = [serve(b, p, rid=i) for i, p in enumerate(prompts)]
+            assert all(r % TPB == 0 and r <= REUSABLE for r in reused)
+            st = b.get_remote_statistics()
+            assert st.misses > 0 and st.corrupt == st.foreign == st.truncated == 0
+
+
+def test_the_own_key_quota_deletes_only_keys_this_manager_wrote() -> None:
+    with fresh_server() as server:
+        page = 2 * 256 + 72  # one frame: a cold page (two layers) and the frame around it
+        with KVCacheManager(config(server.url)) as other:
+            serve(other, _prompt(1))
+            assert other.flush_remote(10.0)
+        theirs = set(_remote_keys(server.url))
+        assert len(theirs) == 10
+        with KVCacheManager(config(server.url, quota=12 * page)) as m:
+            for s in range(2, 6):
+                serve(m, _prompt(s), rid=s)
+            assert m.flush_remote(10.0)
+            st = m.get_remote_statistics()
+            assert st.written == 40 and st.deleted == 40 - 12
+            assert st.own_keys == 12 and st.own_bytes <= 12 * page
+        left = set(_remote_keys(server.url))
+        assert theirs <= left  # never deletes another manager's keys
+        assert len(left - theirs) == 12
+        with KVCacheManager(config(server.url)) as reader:  # the most recent ones stay
+            assert reader.probe_reuse(None, _prompt(5)[:-1], remote=True) == REUSABLE
+            assert reader.probe_reuse(None, _prompt(2)[:-1], remote=True) == 0
+
+
+def test_a_full_write_queue_drops_writes_and_counts_them() -> None:
+    with fresh_server() as server:
+        # retry_after_s=0: the writer keeps trying (no failure makes it skip the store)
+        cfg = config(server.url, write_queue_blocks=4, write_deadline_s=2.0,
+                     retry_after_s=0)
+        with KVCacheManager(cfg) as m:
+            pid = server.nodes[0].proc.pid  # type: ignore[union-attr]
+            os.kill(pid, signal.SIGSTOP)  # the writer waits on its first batch
+            try:
+                with lag_budget(0.0) as budget:
+                    for s in range(3):
+                        m.create_kv_cache(None, []).close()
+                        serve(m, _prompt(10 + s), rid=s)
+                assert budget.elapsed < budget.limit + 1.5, budget  # writes never block
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert m.flush_remote(10.0)
+            st = m.get_remote_statistics()
+            assert st.writes_dropped > 0
+            assert st.writes_queued + st.writes_dropped == 30
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("io_deadline_s", 0), ("io_deadline_s", "fast"), ("max_blocks", 0),
+    ("write_queue_blocks", 1.5), ("write_deadline_s", -1), ("retry_after_s", -0.1),
+])
+def test_bad_remote_options_raise_config_error_naming_the_option(option, value) -> None:
+    need_binaries()
+    with pytest.raises(ConfigError) as info:
+        KVCacheManager(config("redis://127.0.0.1:1/0", **{option: value}))
+    assert info.value.field == f"levels[2].options.{option}"
+
+
+def test_a_keyed_level_must_be_the_last_and_only_one() -> None:
+    base = config("redis://127.0.0.1:1/0").to_dict()
+    redis_level = base["levels"][2]
+    for levels, field in (([base["levels"][0], redis_level, base["levels"][1]],
+                           "levels[1].tier"),
+                          ([base["levels"][0], redis_level, redis_level], "levels[2].tier"),
+                          ([redis_level], "levels[0].tier")):
+        with pytest.raises(ConfigError) as info:
+            KVCacheManager(KVCacheManagerConfig.from_dict({**base, "levels": levels}))
+        assert info.value.field == field
+
+
+def test_remote_calls_without_a_keyed_level_raise_invalid_state() -> None:
+    cfg = config("redis://127.0.0.1:1/0").to_dict()
+    cfg["levels"] = cfg["levels"][:2]
+    with KVCacheManager(KVCacheManagerConfig.from_dict(cfg)) as m:
+        with pytest.raises(InvalidStateError, match="keyed"):
+            m.get_remote_statistics()
+        with pytest.raises(InvalidStateError, match="keyed"):
+            m.flush_remote()
+        assert m.probe_reuse(None, PROMPT, remote=True) == 0  # local levels only
+
+
+def test_an_unreachable_server_at_construction_is_no_error_and_lookups_skip_it() -> None:
+    need_binaries()
+    with KVCacheManager(config("redis://127.0.0.1:1/0", retry_after_s=60.0)) as m:
+        with lag_budget(0.0) as budget:
+            assert serve(m, PROMPT) == 0
+        assert budget.elapsed < budget.limit + 1.0, budget
+        assert m.get_remote_statistics().skipped >= 1
+
+
+def test_a_killed_cluster_primary_means_recompute_never_wrong_kv_nor_a_late_call() -> None:
+    need_binaries()
+    from kvcm_core.testing.redis_server import RedisClusterServers
+
+    with RedisClusterServers() as cluster:
+        cfg = config(cluster.url, cluster=True, io_deadline_s=0.2, retry_after_s=0.1,
+                     write_deadline_s=0.5)
+        with KVCacheManager(cfg) as a, KVCacheManager(cfg) as b:
+            prompts = [_prompt(20 + s) for s in range(6)]
+            for i, p in enumerate(prompts):
+                serve(a, p, rid=i)
+            assert a.flush_remote(10.0)
+            time.sleep(0.2)  # replication to the replicas is asynchronous
+            cluster.kill_port(cluster.primary_ports()[0])
+            reused = []
+            for i, p in enumerate(prompts):  # during the failover: verified, each in time
+                with lag_budget(0.2) as budget:
+                    cache = b.create_kv_cache(None, p[:-1], id=f"probe{i}")
+                cache.close()
+                assert budget.elapsed < budget.limit, budget
+                reused.append(serve(b, p, rid=i))
+            assert all(r % TPB == 0 and r <= REUSABLE for r in reused)
+            cluster.wait_failover(3)
+            deadline = time.monotonic() + 15
+            for k in range(1000):  # the tier finds the new primary: new prefixes are shared
+                fresh = _prompt(40 + k)  # (a write that failed is not retried: new ones)
+                serve(a, fresh, rid=f"fresh{k}")
+                a.flush_remote(10.0)
+                # A new manager reaches the cluster through a live node (the URL's is dead).
+                live = f"redis://127.0.0.1:{cluster.primary_ports()[0]}/0"
+                with KVCacheManager(config(live, cluster=True)) as c:
+                    if c.probe_reuse(None, fresh[:-1], remote=True) == REUSABLE:
+                        assert serve(c, fresh) == REUSABLE
+                        break
+                assert time.monotonic() < deadline, a.get_remote_statistics()
+                time.sleep(0.2)
+            st = b.get_remote_statistics()
+            assert st.corrupt == st.foreign == st.truncated == 0
+
+
+def test_shutdown_finishes_the_queued_writes() -> None:
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url)) as a:
+            serve(a, PROMPT)  # no flush: shutdown (the with block) must finish the queue
+        with KVCacheManager(config(server.url)) as b:
+            assert serve(b, PROMPT) == REUSABLE
+
+
+def test_keys_are_namespaced_by_layout_fingerprint_and_scope() -> None:
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url)) as a, \
+                KVCacheManager(config(server.url, size=512)) as other:
+            serve(a, PROMPT[:2 * TPB + 1], scope=ReuseScope(salt=1))
+            serve(a, PROMPT[:2 * TPB + 1], rid="s2", scope=ReuseScope(salt=2))
+            serve(other, PROMPT[:2 * TPB + 1], rid="o", scope=ReuseScope(salt=1))
+            for m in (a, other):
+                assert m.flush_remote(10.0)
+            assert a.remote.fingerprint != other.remote.fingerprint
+            keys = [k.split(b":") for k in _remote_keys(server.url)]
+            assert len(keys) == 6  # 2 blocks x (2 scopes + 1 other layout)
+            by_layout = {}
+            for _ns, layout, scope, group, block in keys:
+                by_layout.setdefault(layout, set()).add(scope)
+                assert group == b"0" and len(block) == 64
+            # One layout, two scopes; the other layout, one scope: never the same key.
+            assert len(by_layout[a.remote.fingerprint.hex().encode()]) == 2
+            assert len(by_layout[other.remote.fingerprint.hex().encode()]) == 1
+
+
+def test_a_lookup_asks_for_at_most_max_blocks_past_the_local_match() -> None:
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url)) as a, \
+                KVCacheManager(config(server.url, max_blocks=3)) as b:
+            serve(a, PROMPT)
+            assert a.flush_remote(10.0)
+            assert b.probe_reuse(None, PROMPT[:-1], remote=True) == 3 * TPB
+            assert serve(b, PROMPT) == 3 * TPB
+            assert b.get_remote_statistics().pulled_blocks == 3
+
+
+def test_blocks_read_from_the_remote_level_are_not_written_back() -> None:
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url)) as a, KVCacheManager(config(server.url)) as b:
+            serve(a, PROMPT)  # 10 full blocks once the answer is committed
+            assert a.flush_remote(10.0)
+            longer = PROMPT + _prompt(8, blocks=2)
+            assert serve(b, longer) == len(PROMPT)  # all 10 blocks pulled
+            assert b.flush_remote(10.0)
+            st = b.get_remote_statistics()
+            assert st.pulled_blocks == 10
+            assert st.writes_queued == 2  # only the blocks b computed itself
