@@ -381,20 +381,26 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         self._ctx.thread.check()
         if self._status is CacheStatus.CLOSED:
             return
-        self._require_unseated("close()")
+        if self.batch_seat is not None:
+            self._require_unseated("close()")
         ctx = self._ctx
         L = self._levels
-        if self._commit_on and self._tokens.n <= self._history and not self._unwritten:
+        # (Each step below is skipped when it has nothing to do: a close is on every
+        # request's path, and its fixed cost weighs as much as its per-block one.)
+        if self._commit_on and self._tokens.n <= self._history and not self._unwritten \
+                and (self._tokens.n % self._tpb or ctx.ssm_groups):  # a tail or a state
             self._publish_at_close()
         active = self._status is CacheStatus.ACTIVE
-        self._drop_scratch()
-        self._release_beams()
+        if self._scratch_slots or self._scratch_live:
+            self._drop_scratch()
+        if self._beams:
+            self._release_beams()
         # Deepest block first, every group of a block together: the LRU order then evicts
         # a chain from its tail, and no group's pages of a block age apart from the others.
         groups = ctx.attn_groups
         if len(groups) == 1 and not ctx.ssm_groups:
             pages_g = self._pages[groups[0]]
-            pids = np.array(pages_g, dtype=np.int64)[::-1]
+            pids = np.fromiter(reversed(pages_g), np.int64, len(pages_g))
             if -1 in pages_g:
                 pids = pids[pids >= 0]
             order = None
