@@ -377,20 +377,25 @@ class Store:
         still lock lose one lock; of the rest, committed ones become droppable (in the
         given order: least recent first) and the others are freed."""
         a = self.arena
-        locks = a.locks[pids] - 1
-        # Counts of nonzero items only (NumPy's cheapest reductions): a close costs a
-        # few array operations whatever its length.
+        held = a.locks[pids]
+        locks = held - 1
+        # Integer counts only (comparisons cost as much again): a close costs a few array
+        # operations whatever its length.
         if not np.count_nonzero(a.holds[pids]):
-            if not np.count_nonzero(locks):  # the usual close: this owner held the only locks
+            nz = np.count_nonzero(locks)
+            if not nz:  # the usual close: this owner held the only locks
                 a.locks[pids] = 0
-            elif np.count_nonzero(locks < 0):  # some page was not locked: the general path
+            elif np.count_nonzero(held) != len(held):  # a page it did not lock
                 self.change(pids, -1, 0)
                 return
             else:  # others keep some locked: those stay
                 a.locks[pids] = locks
-                pids = pids[locks == 0]
-                if not len(pids):
+                z = len(locks) - nz
+                if not z:
                     return
+                # Others lock a prefix of the chain, which comes last here (deepest block
+                # first): the pages to release are then the first z.
+                pids = pids[:z] if not np.count_nonzero(locks[:z]) else pids[locks == 0]
             committed = a.node[pids] >= 0
             if np.count_nonzero(committed) == len(committed):
                 self._released.append(pids)  # see droppable

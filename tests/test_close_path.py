@@ -93,3 +93,16 @@ def test_close_twice_changes_nothing_the_second_time(managers):
     c.close()
     assert counts(m) == before
     assert c.page_table_version == version
+
+
+def test_close_of_a_request_whose_every_page_another_locks_releases_none(managers):
+    m = managers(full_layers(), slots=32)
+    prefix = tokens(4 * TPB)
+    a = run(m, prefix)
+    b = m.create_kv_cache(None, prefix)
+    assert b.resume() and b.resize(len(prefix))
+    assert b.stats.reused_blocks == 4
+    b.close()
+    assert counts(m) == (28, 0, 4)  # still a's
+    a.close()
+    assert counts(m) == (28, 4, 0)
