@@ -165,7 +165,7 @@ def test_list_tuple_int32_and_int64_prompts_walk_the_same(cached):
 @pytest.mark.parametrize("form", ["list", "int32"])
 def test_walk_crosses_its_encoding_chunks(managers, form):
     """Prompts longer than one encoding chunk (64 blocks for lists, 1024 for arrays) are
-    walked to the end, and a miss just past a chunk boundary is found."""
+    walked to the end, and a miss at or next to a chunk or batch boundary is found."""
     chunk = matching_mod._CHUNK if form == "list" else matching_mod._ARRAY_CHUNK
     nblocks = chunk + 5
     m = managers(full_layers(), slots=nblocks + 8)
@@ -179,7 +179,9 @@ def test_walk_crosses_its_encoding_chunks(managers, form):
     assert full.length == len(base)
     assert full.keys == ref_keys(base)
     assert full.data == np.asarray(base, dtype="<i4").tobytes()
-    for miss in (chunk - 1, chunk, chunk + 1):
+    # Misses around the chunk boundary and around the walk's listing batches (16 blocks,
+    # then 64 more, ...).
+    for miss in sorted({15, 16, 17, 79, 80, 81, chunk - 1, chunk, chunk + 1}):
         other = list(base)
         other[miss * TPB] += 1
         assert walk(m, as_form(other)).length == miss * TPB
