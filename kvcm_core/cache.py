@@ -384,46 +384,55 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         self._ctx.thread.check()
         if self._status is CacheStatus.CLOSED:
             return
-        self._require_unseated("close()")
+        if self.batch_seat is not None:
+            self._require_unseated("close()")
         ctx = self._ctx
         L = self._levels
-        if self._commit_on and self._tokens.n <= self._history and not self._unwritten:
+        # (Each step below is skipped when it has nothing to do: a close is on every
+        # request's path, and its fixed cost weighs as much as its per-block one.)
+        if self._commit_on and self._tokens.n <= self._history and not self._unwritten \
+                and (self._tokens.n % self._tpb or ctx.ssm_groups):  # a tail or a state
             self._publish_at_close()
         active = self._status is CacheStatus.ACTIVE
-        self._drop_scratch()
-        self._release_beams()
+        if self._scratch_slots or self._scratch_live:
+            self._drop_scratch()
+        if self._beams:
+            self._release_beams()
         # Deepest block first, every group of a block together: the LRU order then evicts
         # a chain from its tail, and no group's pages of a block age apart from the others.
         groups = ctx.attn_groups
-        if len(groups) == 1 and not ctx.ssm_groups:
-            pages_g = self._pages[groups[0]]
-            pids = np.array(pages_g, dtype=np.int64)[::-1]
-            if -1 in pages_g:
-                pids = pids[pids >= 0]
-            order = None
-        elif len(groups) == 1:
-            order = self._pages[groups[0]][::-1]
+        if len(groups) == 1 and not ctx.ssm_groups:  # one attention group: the usual model
+            g = groups[0]
+            pages_g = self._pages[g]
+            if pages_g:
+                pids = np.fromiter(reversed(pages_g), np.int64, len(pages_g))
+                if -1 in pages_g:
+                    pids = pids[pids >= 0]
+                if len(pids) and active:  # locked pages are on the GPU: one store
+                    L.gpu_store(g).unlock_all(pids)
+                elif len(pids):
+                    L.change(pids, 0, -1)
+                self._pages[g] = []
         else:
-            depth = max((len(self._pages[g]) for g in groups), default=0)
-            order = [self._pages[g][b] for b in range(depth - 1, -1, -1) for g in groups
-                     if b < len(self._pages[g])]
-        if order is not None:
+            if len(groups) == 1:
+                order = self._pages[groups[0]][::-1]
+            else:
+                depth = max((len(self._pages[g]) for g in groups), default=0)
+                order = [self._pages[g][b] for b in range(depth - 1, -1, -1) for g in groups
+                         if b < len(self._pages[g])]
             if ctx.ssm_groups:
                 order.extend(self._ssm[g] for g in ctx.ssm_groups)
             pids = _arr(order)
             if -1 in order:
                 pids = pids[pids >= 0]
-        if len(pids):
-            if active and len(groups) == 1 and not ctx.ssm_groups:
-                # Locked pages are on the GPU: one store, no grouping to do.
-                L.gpu_store(groups[0]).unlock_all(pids)
-            elif active:
-                L.release_locked(pids)
-            else:
-                L.change(pids, 0, -1)
-        for g in groups:
-            self._pages[g] = []
-        self._ssm = [-1] * len(self._ssm)
+            if len(pids):
+                if active:
+                    L.release_locked(pids)
+                else:
+                    L.change(pids, 0, -1)
+            for g in groups:
+                self._pages[g] = []
+            self._ssm = [-1] * len(self._ssm)
         if self._pending:
             L.change(_arr([src for _, _, src in self._pending]), 0, -1)
             self._pending.clear()

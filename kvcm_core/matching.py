@@ -29,6 +29,7 @@ __all__ = ["Match", "match_prefix", "token_array"]
 
 _CHUNK = 64  # blocks encoded at a time during the walk
 _ARRAY_CHUNK = 1024  # the same for int32 arrays (encoding is one copy)
+_FIRST_CUT = 16  # blocks listed before the walk's first lookup (then 4x as many each time)
 _EMPTY = np.empty(0, dtype=np.int64)
 
 
@@ -90,10 +91,10 @@ def match_prefix(
         return Match(0, _EMPTY, [])
     nfull = n // tpb
     keys: list[bytes] = []
-    key = root_key
-    get = tree.index.get
     found: list[int] = []  # node ids of the blocks walked
     if mm:
+        key = root_key
+        get = tree.index.get
         for b in range(nfull):
             k = block_keys(key, tokens, tpb, b, b + 1)[0]
             nid = get(k)
@@ -102,66 +103,36 @@ def match_prefix(
             keys.append(k)
             found.append(nid)
             key = k
+        chunks: list[bytes] = []
     else:
-        step = 4 * tpb
-        sha = hashlib.sha256
-        append = keys.append
-        add = found.append
         chunks = [data]
-        b = 0
-        while b < nfull:
-            if b:
-                data = encode_tokens(tokens[b * tpb : min(nfull, b + chunk) * tpb])[0]
-                chunks.append(data)
-            stop = min(nfull - b, chunk) * step
-            if probe:  # the length only: no keys kept
-                for off in range(0, stop, step):
-                    key = sha(key + data[off : off + step]).digest()
-                    nid = get(key)
-                    if nid is None:
-                        break
-                    add(nid)
-                else:
-                    b += chunk
-                    continue
-                break
-            for off in range(0, stop, step):
-                k = sha(key + data[off : off + step]).digest()
-                nid = get(k)
-                if nid is None:
-                    break
-                append(k)
-                add(nid)
-                key = k
-            else:
-                b += chunk
-                continue
-            break
-    if walk_groups and found:
+        _walk(tree.index, root_key, tokens, data, tpb, nfull, chunk, found,
+              None if probe else keys, chunks)
+    # The candidates' pages, checked once for all the blocks walked.
+    nodes = np.fromiter(found, np.int64, len(found)) if found else _EMPTY
+    if walk_groups and len(nodes):
         ok: Any
         if len(walk_groups) == 1:
-            ok = tree.pages[found, walk_groups[0]] >= 0
+            ok = tree.pages[nodes, walk_groups[0]] >= 0
         else:
-            ok = (tree.pages[found][:, walk_groups] >= 0).all(axis=1)
+            ok = (tree.pages[nodes][:, walk_groups] >= 0).all(axis=1)
         if np.count_nonzero(ok) != len(ok):
             cut = int(ok.argmin())
-            del found[cut:]
-            if not probe:
-                del keys[cut:]
-    length = len(found) * tpb
+            nodes = nodes[:cut]
+            del keys[cut:]
+    length = len(nodes) * tpb
     if partial and length < n:
-        parent = found[-1] if found else root
+        parent = int(nodes[-1]) if len(nodes) else root
         limit = min(tpb, n - length)
         tail: Any = token_array(tokens[length : length + limit])
         if tail is None:  # multimodal digests: compared item by item
             tail = list(tokens[length : length + limit])
         best, plen = tree.best_partial(parent, tail)
         if best != NO_NODE and all(tree.pages[best, g] >= 0 for g in walk_groups):
-            found.append(best)
+            nodes = np.append(nodes, np.int64(best))
             length += plen
     if probe and not prune_groups and not backoff:
         return Match(length, _EMPTY, [])
-    nodes = np.asarray(found, dtype=np.int64)
     length = _prune(tree, nodes, length, tpb, life_cycles, prune_groups)
     if backoff and length:
         length = max(0, length - backoff)
@@ -171,6 +142,58 @@ def match_prefix(
     nb = -(-length // tpb)
     encoded = None if mm else (chunks[0] if len(chunks) == 1 else b"".join(chunks))
     return Match(length, nodes[:nb], keys[: length // tpb], encoded)
+
+
+def _walk(index: dict[bytes, int], key: bytes, tokens: Sequence[Any] | np.ndarray,
+          data: bytes, tpb: int, nfull: int, chunk: int, found: list[int],
+          keys: list[bytes] | None, chunks: list[bytes]) -> None:
+    """The full-block walk: hash each block's chain key and look it up in ``index``, in
+    one loop, until the first key not cached (or ``nfull`` blocks). ``data`` holds the
+    first ``chunk`` blocks' tokens encoded (4-byte little-endian); later chunks are
+    encoded as the walk reaches them and appended to ``chunks``. Appends the node ids to
+    ``found`` and, unless ``keys`` is None (a probe), the chain keys to ``keys``.
+
+    Each chunk's bytes are cut into one ``bytes`` object per block by NumPy (a view as
+    ``V{4 * tpb}`` items, listed 16 blocks first, then four times as many each time, so
+    a miss early on a long prompt lists few): the loop body is then one SHA-256 of the
+    parent key and the block, one dict lookup, one append; no slicing, no index
+    arithmetic."""
+    sha = hashlib.sha256
+    get = index.get
+    add = found.append
+    step = 4 * tpb
+    vdt = np.dtype(f"V{step}")
+    append = None if keys is None else keys.append
+    b = 0
+    cut = _FIRST_CUT
+    while True:
+        nblk = min(nfull - b, chunk)
+        view = np.frombuffer(data, dtype=vdt, count=nblk)
+        i = 0
+        while i < nblk:  # listed a growing batch at a time: a miss early lists few blocks
+            blocks = view[i : i + cut].tolist()
+            i += cut
+            cut *= 4
+            if append is None:  # a probe: the node ids only
+                for block in blocks:
+                    key = sha(key + block).digest()
+                    nid = get(key)
+                    if nid is None:
+                        return
+                    add(nid)
+            else:
+                for block in blocks:
+                    key = sha(key + block).digest()
+                    nid = get(key)
+                    if nid is None:
+                        return
+                    append(key)
+                    add(nid)
+        b += nblk
+        if b >= nfull:
+            return
+        data = encode_tokens(tokens[b * tpb : min(nfull, b + chunk) * tpb])[0]
+        chunks.append(data)
 
 
 def _feasible(tree: PrefixTree, nodes: np.ndarray, end: int, tpb: int,

@@ -1,0 +1,108 @@
+"""What a close does with each of its pages (KVCache.close, Store.unlock_all; docs/
+internals.md "The lookup walk", last paragraph): committed pages nobody else locks become
+evictable, pages another request still locks stay unavailable, uncommitted ones are freed,
+a suspended request's held pages are released the same way, and the trailing partial block
+is published only when there is one. Checked through the level's slot counts
+(``free + evictable + unavailable == total``) and through what a later lookup reuses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conftest import full_layers, tokens
+
+TPB = 4
+
+
+def counts(m: Any) -> tuple[int, int, int]:
+    st = m.get_storage_statistics(0)
+    assert st.free + st.evictable + st.unavailable == st.total
+    return st.free, st.evictable, st.unavailable
+
+
+def run(m: Any, toks: list[int], extra_blocks: int = 0) -> Any:
+    """A request that commits ``toks`` with ``extra_blocks`` more blocks of room."""
+    c = m.create_kv_cache(None, toks)
+    assert c.resume() and c.resize(len(toks) + extra_blocks * TPB)
+    c.commit(toks[c.history_length:])
+    return c
+
+
+def test_close_of_the_only_owner_makes_its_committed_pages_evictable(managers):
+    m = managers(full_layers(), slots=32)
+    c = run(m, tokens(5 * TPB))
+    assert counts(m) == (27, 0, 5)
+    c.close()
+    assert counts(m) == (27, 5, 0)
+    assert m.probe_reuse(None, tokens(5 * TPB)) == 5 * TPB
+
+
+def test_close_frees_the_pages_it_never_committed(managers):
+    m = managers(full_layers(), slots=32)
+    c = run(m, tokens(3 * TPB), extra_blocks=4)
+    assert counts(m) == (25, 0, 7)
+    c.close()
+    assert counts(m) == (29, 3, 0)
+
+
+def test_close_leaves_pages_another_request_locks_unavailable(managers):
+    m = managers(full_layers(), slots=32)
+    prefix = tokens(4 * TPB)
+    run(m, prefix).close()
+    b = run(m, prefix + tokens(2 * TPB, seed=1))
+    c = run(m, prefix + tokens(3 * TPB, seed=2))
+    assert b.stats.reused_blocks == c.stats.reused_blocks == 4
+    assert counts(m) == (32 - 9, 0, 9)  # 4 shared, 2 + 3 private
+    b.close()
+    assert counts(m) == (23, 2, 7)  # b's own blocks evictable, the prefix still c's
+    c.close()
+    assert counts(m) == (23, 9, 0)
+    assert m.probe_reuse(None, prefix + tokens(2 * TPB, seed=1)) == 6 * TPB
+
+
+def test_close_of_a_suspended_request_releases_its_held_pages(managers):
+    m = managers(full_layers(), slots=32)
+    c = run(m, tokens(4 * TPB), extra_blocks=2)
+    c.suspend()
+    c.close()
+    free, evictable, unavailable = counts(m)
+    assert (evictable, unavailable) == (4, 0)
+    assert free == 28
+
+
+def test_close_publishes_a_trailing_partial_block_and_nothing_for_a_full_one(managers):
+    m = managers(full_layers(), slots=32)
+    ten = tokens(10)  # two full blocks and 2 tokens
+    run(m, ten).close()
+    assert m.probe_reuse(None, ten + tokens(3, seed=9)) == 10
+    eight = tokens(8, seed=4)
+    run(m, eight).close()
+    nodes = m.tree.num_nodes
+    assert m.probe_reuse(None, eight + tokens(3, seed=9)) == 8
+    run(m, eight).close()  # everything reused: no new node
+    assert m.tree.num_nodes == nodes
+
+
+def test_close_twice_changes_nothing_the_second_time(managers):
+    m = managers(full_layers(), slots=32)
+    c = run(m, tokens(3 * TPB))
+    c.close()
+    before = counts(m)
+    version = c.page_table_version
+    c.close()
+    assert counts(m) == before
+    assert c.page_table_version == version
+
+
+def test_close_of_a_request_whose_every_page_another_locks_releases_none(managers):
+    m = managers(full_layers(), slots=32)
+    prefix = tokens(4 * TPB)
+    a = run(m, prefix)
+    b = m.create_kv_cache(None, prefix)
+    assert b.resume() and b.resize(len(prefix))
+    assert b.stats.reused_blocks == 4
+    b.close()
+    assert counts(m) == (28, 0, 4)  # still a's
+    a.close()
+    assert counts(m) == (28, 4, 0)
