@@ -390,9 +390,11 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         L = self._levels
         # (Each step below is skipped when it has nothing to do: a close is on every
         # request's path, and its fixed cost weighs as much as its per-block one.)
-        if self._commit_on and self._tokens.n <= self._history and not self._unwritten \
-                and (self._tokens.n % self._tpb or ctx.ssm_groups):  # a tail or a state
-            self._publish_at_close()
+        if self._commit_on and self._tokens.n <= self._history and not self._unwritten:
+            if self._tokens.n % self._tpb or ctx.ssm_groups:  # a tail or a state
+                self._publish_at_close()
+            else:
+                self._demote_leaf()
         active = self._status is CacheStatus.ACTIVE
         if self._scratch_slots or self._scratch_live:
             self._drop_scratch()
