@@ -321,6 +321,7 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
                 result.steps += 1
                 result.tokens += report.tokens
                 result.finished += len(report.finished)
+                loop.finished.clear()  # a long run keeps no finished request
                 if on_step is not None:
                     on_step(step, result)
         except FingerprintMismatch as exc:
