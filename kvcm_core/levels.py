@@ -90,6 +90,8 @@ class Levels:
         #: Ids of pages lost to a failed frame check that owners still reference (so a
         #: ``resume`` can say CorruptPageError rather than a plain I/O loss).
         self.corrupt_ids: set[int] = set()
+        #: The last storage failure of a move (its message names the cause).
+        self.last_io_error: TierIOError | None = None
         ngroups = len(life_cycles)
         self.stats = IterationStats.empty(ngroups, len(config.levels))
         self.event_sink_errors: dict[str, int] = {}
@@ -423,9 +425,10 @@ class Levels:
         keys = self.frame_keys(pids) if dst.frames is not None else None
         try:
             self.mover.copy(layout, src, a.slot[pids], dst, slots, stream, keys)
-        except TierIOError:
+        except TierIOError as exc:
             dst.unreserve_slots(slots)
             self.stats.io_failures += 1
+            self.last_io_error = exc
             return pids
         except FrameCheckFailed as exc:
             good = np.ones(len(pids), dtype=bool)
@@ -529,9 +532,10 @@ class Levels:
             if len(failed):
                 for pid in failed.tolist():
                     self.lose(pid)
+                cause = self.last_io_error
                 raise TierIOError(
-                    f"reading {len(failed)} pages from level {src.level} failed; they are "
-                    "dropped from the prefix tree and must be recomputed")
+                    f"reading {len(failed)} pages from level {src.level} failed ({cause}); "
+                    "they are dropped from the prefix tree and must be recomputed") from cause
 
     def fill(self, group: int, dst: np.ndarray, src: np.ndarray,
              stream: Stream | None = None) -> None:
