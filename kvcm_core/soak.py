@@ -301,6 +301,23 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
         loop = EngineLoop(m, chunk_tokens=16, max_batch=6, preempt_mode="suspend",
                           recompute_lost=True)
         start = time.perf_counter()
+        every = max(1, cfg.steps // 20)
+
+        def tally(since: float) -> None:
+            """Fill in the counts that live elsewhere (at the end and every 5%, so a
+            progress line shows the figures of a run that is stopped early)."""
+            result.seconds = time.perf_counter() - since
+            result.faults = len(tier.injected)
+            result.faults_by_kind = dict.fromkeys(_KINDS, 0)
+            for line in tier.injected:
+                kind = _kind(line)
+                result.faults_by_kind[kind] = result.faults_by_kind.get(kind, 0) + 1
+            io = m.storage_levels.io[2]
+            if io is not None:
+                result.deadline_misses = io.stats.read_misses + io.stats.write_misses
+            result.corrupt_pages = m.storage_levels.stats.corrupt_pages
+            result.recomputes = loop.lost_resumes
+
         try:
             for step in range(cfg.steps):
                 if len(loop.waiting) < 12:
@@ -322,6 +339,8 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
                 result.tokens += report.tokens
                 result.finished += len(report.finished)
                 loop.finished.clear()  # a long run keeps no finished request
+                if (step + 1) % every == 0:
+                    tally(start)
                 if on_step is not None:
                     on_step(step, result)
         except FingerprintMismatch as exc:
@@ -330,16 +349,8 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
         except AssertionError as exc:
             result.invariant_breaches += 1
             result.failure = f"step {result.steps}: invariant broken: {exc}"
-        result.seconds = time.perf_counter() - start
-        result.faults = len(tier.injected)
-        for line in tier.injected:
-            kind = _kind(line)
-            result.faults_by_kind[kind] = result.faults_by_kind.get(kind, 0) + 1
+        tally(start)
         io = m.storage_levels.io[2]
-        if io is not None:
-            result.deadline_misses = io.stats.read_misses + io.stats.write_misses
-        result.corrupt_pages = m.storage_levels.stats.corrupt_pages
-        result.recomputes = loop.lost_resumes
         loop.close_all()
         leak = _leaked_slots(m)
         if leak and result.failure is None:
@@ -400,12 +411,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"kvcm soak: {exc}", file=sys.stderr)
         return 2
-    every = max(1, cfg.steps // 10)
+    every = max(1, cfg.steps // 20)
 
     def progress(step: int, result: SoakResult) -> None:
         if not args.quiet and (step + 1) % every == 0:
-            print(f"  {step + 1}/{cfg.steps} steps, {result.finished} requests finished",
-                  flush=True)
+            print(f"  {step + 1}/{cfg.steps}: {result.summary()}", flush=True)
 
     result = run_soak(cfg, progress)
     print(f"kvcm soak (seed {cfg.seed}): {result.summary()}")
