@@ -145,6 +145,12 @@ class LevelIO:
                 job.done.set()
                 self._cv.notify_all()
 
+    @property
+    def thread_alive(self) -> bool:
+        """Whether the level's thread is running (started at the first operation, ended
+        by :meth:`close` once what is queued has run)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stuck(self) -> str | None:
         """What the level is stuck on (an operation past its deadline), or None."""
         with self._cv:

@@ -173,8 +173,10 @@ def test_while_a_level_is_stuck_its_io_fails_at_once_and_it_recovers_by_itself(b
     a, b, c = _push_to_disk(d)
     io = m.storage_levels.io[2]
     plan.slow_reads = {tier.reads + 1}
+    t0 = time.monotonic()
     with pytest.raises(TierIOError, match="missed its 0.1 s I/O deadline"):
         a.resume()
+    assert time.monotonic() - t0 < SLOW - 0.1
     assert io.stuck() is not None
     # B is on the host; making room for it pushes C to the disk: refused at once.
     _, took = _timed(b.resume)
@@ -356,14 +358,20 @@ def test_shutdown_waits_one_deadline_then_lists_what_it_abandoned(build):
     with pytest.raises(TierIOError):
         a.resume()
     close_all(m)
+    t0 = time.monotonic()
     with pytest.raises(TierIOError, match="abandoned past the I/O deadline") as info:
-        _, took = _timed(m.shutdown)
+        m.shutdown()
+    assert time.monotonic() - t0 < DEADLINE + 0.2          # one deadline, not SLOW
     assert "read of" in str(info.value) and "(running" in str(info.value)
     assert m.is_shut_down
     m.shutdown()                                           # a second call is a no-op
     # The stuck read returns; the level's thread then closes the files it still had.
     io = m.storage_levels.io[2]
     assert io.wait_idle(SLOW * 4)
+    t0 = time.monotonic()
+    while io.thread_alive and time.monotonic() - t0 < 2:
+        time.sleep(0.01)
+    assert not io.thread_alive
     deadline = time.monotonic() + 2
     while os.path.exists(directory) and os.listdir(directory) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -375,5 +383,11 @@ def test_shutdown_of_an_idle_level_is_quick_and_raises_nothing(build):
     d = Driver(m)
     _push_to_disk(d)
     close_all(m)
+    io = m.storage_levels.io[2]
+    assert io.thread_alive
     _, took = _timed(m.shutdown)
     assert took < DEADLINE and m.is_shut_down
+    t0 = time.monotonic()
+    while io.thread_alive and time.monotonic() - t0 < 2:
+        time.sleep(0.01)
+    assert not io.thread_alive                             # the thread ended with it
