@@ -51,7 +51,15 @@ __all__ = ["DeadlineBlobPool", "DeadlinePool", "IODeadlineError", "IOStats", "Le
 
 class IODeadlineError(TierIOError):
     """A storage operation missed its level's ``io_deadline_s`` (or was not attempted
-    because an earlier one is still stuck past it)."""
+    because an earlier one is still stuck past it).
+
+    Attributes:
+        attempted: False when the operation was refused at once (never queued).
+    """
+
+    def __init__(self, message: str, *, attempted: bool = True) -> None:
+        super().__init__(message)
+        self.attempted = attempted
 
 
 class IOStats:
@@ -195,7 +203,7 @@ class LevelIO:
         elif kind == "write":
             self.stats.write_misses += 1
         raise IODeadlineError(f"level {self.level}: {what} not attempted: the level's I/O "
-                          f"thread is stuck on {on}")
+                              f"thread is stuck on {on}", attempted=False)
 
     def call(self, fn: Callable[[], None], what: str, kind: str,
              until: float | None = None) -> None:
@@ -437,9 +445,9 @@ class DeadlinePool(StoragePool):
         try:
             self.io.call(lambda: inner.resize(num_slots), f"resize to {num_slots} slots",
                          "resize")
-        except IODeadlineError:
-            # It may still happen: size the file back behind it (the store keeps ``old``).
-            self.io.call_later(lambda: inner.resize(old), f"resize back to {old} slots")
+        except IODeadlineError as exc:
+            if exc.attempted:  # it may still happen: size the file back behind it
+                self.io.call_later(lambda: inner.resize(old), f"resize back to {old} slots")
             raise
         self.num_slots = inner.num_slots
 
