@@ -217,6 +217,8 @@ class LevelIO:
         if self.deadline_s is None:
             _run_inline(fn)
             return
+        if self._stopped:
+            raise TierIOError(f"level {self.level}: I/O after shutdown ({what})")
         if kind != "admin":  # closes queue behind a stuck operation; the rest fail now
             self._fast_fail(what, kind)
         job = _Job(fn, what, kind)

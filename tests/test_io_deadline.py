@@ -10,9 +10,11 @@ block (recomputed), never serve a wrong one.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import attrs
+import numpy as np
 import pytest
 from levels_helpers import (
     LAYOUTS,
@@ -32,7 +34,7 @@ from levels_helpers import (
 
 from kvcm_core import ConfigError, InvalidStateError, KVCacheManager, TierIOError
 from kvcm_core.config import KVCacheManagerConfig, LevelConfig
-from kvcm_core.level_io import DeadlinePool, IODeadlineError
+from kvcm_core.level_io import DeadlinePool, IODeadlineError, LevelIO
 from kvcm_core.testing.engine import EngineLoop, Request
 from kvcm_core.testing.faults import FaultPlan
 
@@ -391,3 +393,82 @@ def test_shutdown_of_an_idle_level_is_quick_and_raises_nothing(build):
     while io.thread_alive and time.monotonic() - t0 < 2:
         time.sleep(0.01)
     assert not io.thread_alive                             # the thread ended with it
+
+
+# -- LevelIO on its own ------------------------------------------------------------------------
+
+
+def test_level_io_runs_in_order_and_every_os_failure_is_a_tier_io_error():
+    io = LevelIO(3, 1.0)
+    seen = []
+    io.call(lambda: seen.append(1), "first", "write")
+    io.call(lambda: seen.append(2), "second", "read")
+    assert seen == [1, 2] and io.stats.operations == 2
+
+    def fail():
+        raise OSError(5, "Input/output error")
+
+    with pytest.raises(TierIOError, match="Input/output error"):
+        io.call(fail, "write of 1 slots", "write")
+    assert io.close([], time.monotonic() + 1) == ([], [])
+
+
+def test_level_io_past_its_deadline_refuses_at_once_until_the_late_call_returns():
+    io = LevelIO(3, 0.05)
+    gate = threading.Event()
+    with pytest.raises(IODeadlineError, match="level 3: read of 2 slots missed its 0.05 s") \
+            as info:
+        io.call(gate.wait, "read of 2 slots", "read")
+    assert info.value.attempted and io.stats.read_misses == 1
+    assert io.stuck().startswith("read of 2 slots")
+    ran = []
+    t0 = time.monotonic()
+    with pytest.raises(IODeadlineError, match="not attempted: .* stuck on read of 2") as info:
+        io.call(lambda: ran.append(1), "write of 1 slots", "write")
+    assert time.monotonic() - t0 < 0.04 and not info.value.attempted and not ran
+    assert io.stats.fast_fails == 1 and io.stats.write_misses == 1
+    gate.set()
+    assert io.wait_idle(2) and io.stuck() is None
+    io.call(lambda: ran.append(1), "write of 1 slots", "write")   # recovered
+    assert ran == [1]
+    io.close([], time.monotonic() + 1)
+
+
+def test_level_io_close_abandons_what_is_stuck_and_runs_the_closers_after_it():
+    io = LevelIO(3, 0.05)
+    gate = threading.Event()
+    with pytest.raises(IODeadlineError):
+        io.call(gate.wait, "write of 4 slots", "write")
+    closed = []
+    t0 = time.monotonic()
+    failures, abandoned = io.close([("level 3 tier", lambda: closed.append("tier"))],
+                                   time.monotonic() + 0.05)
+    assert time.monotonic() - t0 < 0.2 and failures == []
+    assert abandoned[0].startswith("level 3: write of 4 slots (running")
+    assert abandoned[1] == "level 3 tier (queued)" and not closed
+    with pytest.raises(TierIOError, match="after shutdown"):
+        io.call(lambda: None, "read of 1 slots", "read")
+    gate.set()
+    t0 = time.monotonic()
+    while io.thread_alive and time.monotonic() - t0 < 2:
+        time.sleep(0.01)
+    assert closed == ["tier"] and not io.thread_alive
+
+
+def test_a_failed_background_write_marks_its_slots_until_they_are_written_again():
+    io = LevelIO(3, 1.0, write_queue_depth=2)
+    pool = object()
+    slots = np.array([4, 5])
+
+    def fail():
+        raise TierIOError("injected")
+
+    io.background(fail, "write of 2 slots", pool, slots)
+    assert io.wait_idle(1) and io.stats.background_failures == 1
+    with pytest.raises(TierIOError, match=r"slots \[5\] were not written"):
+        io.call(lambda: io.check_readable(pool, np.array([5, 7])), "read", "read")
+    io.call(lambda: io.check_readable(pool, np.array([6])), "read", "read")  # others fine
+    io.background(lambda: None, "write of 2 slots", pool, slots)
+    assert io.wait_idle(1)
+    io.call(lambda: io.check_readable(pool, slots), "read", "read")
+    io.close([], time.monotonic() + 1)
