@@ -543,7 +543,8 @@ class Levels:
         the sources where they are.
 
         Raises:
-            TierIOError: a source on a storage level could not be read.
+            TierIOError: a source on a storage level could not be read (or missed its
+                I/O deadline); the sources of that level are lost (out of the tree).
             CorruptPageError: a source failed its frame check (it is lost; ``pages``
                 names it).
         """
@@ -563,6 +564,17 @@ class Levels:
                 bad = src[sel][exc.positions]
                 self.discard_corrupt(store, bad)
                 raise CorruptPageError(str(exc), pages=tuple(bad.tolist())) from exc
+            except TierIOError as exc:
+                # Lost like a failed onboard: out of the tree (a block whose slot can never
+                # be read again must not be reused again and again).
+                self.stats.io_failures += 1
+                lost = list(dict.fromkeys(src[sel].tolist()))
+                for pid in lost:
+                    if a.store[pid] == s:
+                        self._lose_unmovable(store, pid)
+                raise TierIOError(
+                    f"reading {len(lost)} pages from level {store.level} failed ({exc}); "
+                    "they are dropped from the prefix tree and must be recomputed") from exc
             n = int(sel.sum())
             if store.level == 0:
                 self.stats.groups[group].intra_device_copies += n

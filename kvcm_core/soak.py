@@ -102,6 +102,8 @@ class SoakConfig:
         slow_rate: chance per step of a disk read or write sleeping past the deadline.
         io_deadline_s: the disk level's ``LevelConfig.io_deadline_s``.
         slow_s: how long a slow operation sleeps (more than ``io_deadline_s``).
+        write_queue_depth: the disk level's ``LevelConfig.write_queue_depth`` (background
+            writes; 0: none).
         arrival_rate: mean requests submitted per step (Poisson).
         probe_every: cross-check ``probe_reuse`` against ``create_kv_cache`` every this
             many steps (0: never).
@@ -117,6 +119,7 @@ class SoakConfig:
     slow_rate: float = attrs.field(default=0.002, validator=_rate)
     io_deadline_s: float = attrs.field(default=0.1, validator=_seconds)
     slow_s: float = attrs.field(default=0.25, validator=_seconds)
+    write_queue_depth: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     arrival_rate: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
     probe_every: int = attrs.field(default=5, validator=attrs.validators.ge(0))
     resize_every: int = attrs.field(default=100, validator=attrs.validators.ge(0))
@@ -185,7 +188,8 @@ def _layers() -> list[AttentionLayerConfig]:
                                  num_sink_tokens=4)]
 
 
-def _manager(directory: str, plan: FaultPlan, deadline: float = 0.1) -> KVCacheManager:
+def _manager(directory: str, plan: FaultPlan, deadline: float = 0.1, depth: int = 0
+             ) -> KVCacheManager:
     pm = KvcmPluginManager()
     pm.register(_TierPlugin(faulty_tier_spec(pm.tier("disk"), plan, name=_FAULTY)),
                 name="soak-faults")
@@ -195,7 +199,8 @@ def _manager(directory: str, plan: FaultPlan, deadline: float = 0.1) -> KVCacheM
         levels=[LevelConfig(tier="gpu", quota=_QUOTAS[0]),
                 LevelConfig(tier="host", quota=_QUOTAS[1]),
                 LevelConfig(tier=_FAULTY, quota=_QUOTAS[2], io_deadline_s=deadline,
-                            options={"path": directory})]), plugin_manager=pm)
+                            write_queue_depth=depth, options={"path": directory})]),
+        plugin_manager=pm)
 
 
 def _resize_cold_level(m: KVCacheManager, loop: EngineLoop, rng: np.random.Generator) -> bool:
@@ -295,7 +300,7 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
     plan = FaultPlan()
     with tempfile.TemporaryDirectory(prefix="kvcm-soak-") as directory:
         plan.slow_s = cfg.slow_s
-        m = _manager(directory, plan, cfg.io_deadline_s)
+        m = _manager(directory, plan, cfg.io_deadline_s, cfg.write_queue_depth)
         tier = m.storage_levels.tiers[2]
         assert isinstance(tier, FaultyTier)
         loop = EngineLoop(m, chunk_tokens=16, max_batch=6, preempt_mode="suspend",
@@ -396,6 +401,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the disk level's io_deadline_s (default 0.1)")
     p.add_argument("--slow-s", type=float, default=0.25,
                    help="seconds a slow operation sleeps (default 0.25)")
+    p.add_argument("--write-queue-depth", type=int, default=0,
+                   help="background disk writes in flight (default 0: none)")
     p.add_argument("--quiet", action="store_true", help="only the final line")
     return p
 
@@ -407,7 +414,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          write_fault_rate=args.write_fault_rate,
                          read_fault_rate=args.read_fault_rate,
                          corrupt_rate=args.corrupt_rate, slow_rate=args.slow_rate,
-                         io_deadline_s=args.io_deadline, slow_s=args.slow_s)
+                         io_deadline_s=args.io_deadline, slow_s=args.slow_s,
+                         write_queue_depth=args.write_queue_depth)
     except (ConfigError, ValueError) as exc:
         print(f"kvcm soak: {exc}", file=sys.stderr)
         return 2

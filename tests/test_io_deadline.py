@@ -472,3 +472,4 @@ def test_a_failed_background_write_marks_its_slots_until_they_are_written_again(
     assert io.wait_idle(1)
     io.call(lambda: io.check_readable(pool, slots), "read", "read")
     io.close([], time.monotonic() + 1)
+

@@ -53,6 +53,16 @@ def test_slow_disk_io_misses_its_deadline_and_no_step_waits_much_longer() -> Non
     assert result.slowest_step_s < 0.25
 
 
+def test_background_disk_writes_under_faults_give_zero_wrong_kv_and_no_recompute_loop() -> None:
+    """A reusable block whose background write failed can never be read: the first reuse
+    that tries loses it (it left the tree only on a moving read before, so requests
+    reusing it failed and were recomputed again and again: 973 recomputes here)."""
+    result = run_soak(SoakConfig(steps=3000, seed=2, write_queue_depth=4))
+    assert result.ok, result.failure
+    assert result.faults_by_kind["write"] > 50
+    assert result.recomputes < result.requests / 4
+
+
 def test_the_summary_counts_every_fault_kind(capsys) -> None:
     assert main(["soak", "--steps", "200", "--seed", "1", "--corrupt-rate", "0.2",
                  "--slow-rate", "0.02", "--quiet"]) == 0
