@@ -372,6 +372,15 @@ def _options(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
         raise ConfigError(_where(inst, attr), value, "must be a mapping with string keys")
 
 
+def _deadline(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or \
+            not 0 < value <= 3600 or value != value:
+        raise ConfigError(_where(inst, attr), value,
+                          "must be a number of seconds in (0, 3600], or None (no deadline)")
+
+
 @attrs.frozen(kw_only=True)
 class LevelConfig:
     """One storage level, warm to cold.
@@ -384,6 +393,18 @@ class LevelConfig:
         blob_codec: lossless blob codec (e.g. ``"zstd"``) applied to the cold pages of a
             tier that stores blobs by size; ``None``: none.
         options: passed to the tier's factory (e.g. ``{"path": ...}`` for disk).
+        io_deadline_s: seconds every read or write batch of a storage level (disk,
+            remote: a tier whose pools are not device memory) may take, default 5.0. Its
+            I/O runs on one thread of its own; a write past the deadline is dropped (the
+            block is not cached on this level), a read past it loses the blocks (they
+            leave the prefix tree; a ``resume`` that needed them raises ``TierIOError``).
+            ``None``: no deadline, I/O on the scheduler thread (a frozen file system then
+            stalls every request). Ignored on device-accessible levels (no I/O).
+        write_queue_depth: storage writes that may be in flight in the background
+            (``0``, the default: each write completes before the step goes on). With
+            ``N > 0`` a write's rows are copied into a bounded queue of ``N`` batches and
+            the step goes on; a write that later fails makes its blocks unreadable (a
+            read of them is a lost block, never wrong KV). Needs ``io_deadline_s``.
     """
 
     tier: str = attrs.field(validator=_plugin_name())
@@ -393,6 +414,13 @@ class LevelConfig:
     options: Mapping[str, Any] = attrs.field(
         factory=dict, converter=_to_options, validator=_options
     )
+    io_deadline_s: float | None = attrs.field(default=5.0, validator=_deadline)
+    write_queue_depth: int = attrs.field(default=0, validator=_int(0))
+
+    def __attrs_post_init__(self) -> None:
+        if self.write_queue_depth and self.io_deadline_s is None:
+            raise ConfigError("LevelConfig.write_queue_depth", self.write_queue_depth,
+                              "background writes need io_deadline_s (an I/O thread)")
 
 
 @attrs.frozen(kw_only=True)

@@ -16,6 +16,7 @@ them, skipping a level too small for them), and :meth:`Levels.make_room` then fr
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -37,6 +38,7 @@ from kvcm_core.events import BlockEvent, EventKind
 from kvcm_core.eviction import DEFAULT_PRIORITY, EvictionPolicy
 from kvcm_core.frame import KEY_BYTES, FrameBook, FrameCheckFailed, LevelFrames, page_key
 from kvcm_core.layout import StorageLayout
+from kvcm_core.level_io import LevelIO
 from kvcm_core.lifecycle import LifeCycle
 from kvcm_core.migration import Mover
 from kvcm_core.radix import NO_NODE, PrefixTree
@@ -88,6 +90,8 @@ class Levels:
         #: Ids of pages lost to a failed frame check that owners still reference (so a
         #: ``resume`` can say CorruptPageError rather than a plain I/O loss).
         self.corrupt_ids: set[int] = set()
+        #: The last storage failure of a move (its message names the cause).
+        self.last_io_error: TierIOError | None = None
         ngroups = len(life_cycles)
         self.stats = IterationStats.empty(ngroups, len(config.levels))
         self.event_sink_errors: dict[str, int] = {}
@@ -131,13 +135,22 @@ class Levels:
                 cold_keys.setdefault(key, []).append(g)
         self.cold_keys = list(cold_keys)
         self._cold_index = [self.cold_keys.index(k) for k in self.cold_key_of]
+        #: Per level, its I/O thread (storage levels; None elsewhere): see
+        #: :mod:`kvcm_core.level_io`.
+        self.io: list[LevelIO | None] = [None] * nlevels
         for li in range(1, nlevels):
             self.stores.append([])
-            for ci, n in enumerate(self.cold_slots(li, config.levels[li].quota)):
+            lc = config.levels[li]
+            io = LevelIO(li, lc.io_deadline_s, lc.write_queue_depth)
+            for ci, n in enumerate(self.cold_slots(li, lc.quota)):
                 # Unnamed: kvcm does not persist its tree, so cold files are private to
                 # this manager (two managers never share a file).
                 cold = self.cold_size(ci, li)
                 pool = tiers[li].create_pool(self.slot_bytes(li, cold), n)
+                wrapped = io.wrap(pool)
+                if wrapped is not pool:
+                    self.io[li] = io
+                    pool = wrapped
                 self._add_store(li, ci, [pool], make_policy, li == nlevels - 1)
                 framing = self.frames[li]
                 if framing is not None:
@@ -439,9 +452,10 @@ class Levels:
         old = a.slot[pids]
         try:
             self.mover.copy(layout, src, old, dst, slots, stream, keys)
-        except TierIOError:
+        except TierIOError as exc:
             dst.unreserve_slots(slots)
             self.stats.io_failures += 1
+            self.last_io_error = exc
             return pids
         except FrameCheckFailed as exc:
             good = np.ones(len(pids), dtype=bool)
@@ -546,9 +560,10 @@ class Levels:
             if len(failed):
                 for pid in failed.tolist():
                     self.lose(pid)
+                cause = self.last_io_error
                 raise TierIOError(
-                    f"reading {len(failed)} pages from level {src.level} failed; they are "
-                    "dropped from the prefix tree and must be recomputed")
+                    f"reading {len(failed)} pages from level {src.level} failed ({cause}); "
+                    "they are dropped from the prefix tree and must be recomputed") from cause
 
     def fill(self, group: int, dst: np.ndarray, src: np.ndarray,
              stream: Stream | None = None) -> None:
@@ -556,7 +571,8 @@ class Levels:
         the sources where they are.
 
         Raises:
-            TierIOError: a source on a storage level could not be read.
+            TierIOError: a source on a storage level could not be read (or missed its
+                I/O deadline); the sources of that level are lost (out of the tree).
             CorruptPageError: a source failed its frame check (it is lost; ``pages``
                 names it).
         """
@@ -576,6 +592,17 @@ class Levels:
                 bad = src[sel][exc.positions]
                 self.discard_corrupt(store, bad)
                 raise CorruptPageError(str(exc), pages=tuple(bad.tolist())) from exc
+            except TierIOError as exc:
+                # Lost like a failed onboard: out of the tree (a block whose slot can never
+                # be read again must not be reused again and again).
+                self.stats.io_failures += 1
+                lost = list(dict.fromkeys(src[sel].tolist()))
+                for pid in lost:
+                    if a.store[pid] == s:
+                        self._lose_unmovable(store, pid)
+                raise TierIOError(
+                    f"reading {len(lost)} pages from level {store.level} failed ({exc}); "
+                    "they are dropped from the prefix tree and must be recomputed") from exc
             n = int(sel.sum())
             if store.level == 0:
                 self.stats.groups[group].intra_device_copies += n
@@ -817,7 +844,10 @@ class Levels:
             plans.append((store, new, short))
         for store, new, short in plans:
             if new >= store.num_slots:
-                store.grow(new)
+                try:
+                    store.grow(new)
+                except TierIOError:
+                    return False  # the pool could not grow (in time): it keeps its size
                 continue
             if short > 0:
                 try:
@@ -842,7 +872,10 @@ class Levels:
                 store.relocate(pid, slot)
             if len(high):
                 self.epoch += 1
-            store.shrink(new)
+            try:
+                store.shrink(new)
+            except TierIOError:
+                return False  # the pool keeps its size; the pages moved stay valid
         return True
 
     def _lose_unmovable(self, store: Store, pid: int) -> None:
@@ -890,12 +923,28 @@ class Levels:
                 failures.append(f"{what}: {type(exc).__name__}: {exc}")
 
         attempt("event sinks", self.flush_events)
-        for store in self.all_stores:
-            for i, pool in enumerate(store.pools):
-                attempt(f"level {store.level} store {store.index} pool {i}", pool.close)
+        # Storage levels close on their I/O threads, all within one deadline: what is
+        # stuck then is abandoned (its thread closes the files once it returns).
+        deadlines = [io.deadline_s for io in self.io if io is not None and io.deadline_s]
+        until = time.monotonic() + max(deadlines, default=0.0)
+        abandoned: list[str] = []
         for level, tier in enumerate(self.tiers):
-            attempt(f"level {level} tier", tier.close)
+            closers = [(f"level {store.level} store {store.index} pool {i}", pool.close)
+                       for store in self.stores[level] for i, pool in enumerate(store.pools)]
+            closers.append((f"level {level} tier", tier.close))
+            io = self.io[level]
+            if io is None:
+                for what, close in closers:
+                    attempt(what, close)
+                continue
+            failed, stuck = io.close(closers, until)
+            failures += failed
+            abandoned += stuck
         attempt("mover", self.mover.close)
+        if abandoned:
+            failures.append(f"{len(abandoned)} storage operations abandoned past the I/O "
+                            f"deadline ({'; '.join(abandoned)}); their level's I/O thread "
+                            "closes its files when they return")
         if failures:
             raise TierIOError(f"shutdown could not release {len(failures)} resources "
                               f"(the rest is released): {'; '.join(failures)}")

@@ -12,16 +12,24 @@ every page a running request needs every step (a wrong KV byte is a
 At the end, with every cache closed and the reusable blocks dropped, every slot of every
 level must be free (nothing leaked).
 
-A read fault makes the cache that needed the pages raise ``TierIOError`` at ``resume``;
-the loop closes it and recomputes the request (a *recompute*). A write fault drops the
-blocks it was moving. Neither may ever produce wrong KV.
+Four kinds of fault, each armed per step at its rate:
 
-Hooks for faults that land with other work (they are refused until then, naming what is
-missing): corrupted cold frames (``corrupt_rate``, needs checksummed frames) and slow I/O
-past a deadline (``slow_rate``, needs ``io_deadline_s``).
+- **write**: a disk write fails (poison stored): the blocks it was moving are dropped;
+- **read**: a disk read fails: the blocks are lost, the cache that needed them raises
+  ``TierIOError`` at ``resume``; the loop closes it and recomputes the request (a
+  *recompute*);
+- **corrupt**: a byte of a stored disk page is flipped (now, or by the next write): the
+  frame check fires on its next read (``CorruptPageError``; recomputed likewise);
+- **slow**: a disk read or write sleeps past the level's ``io_deadline_s`` (a frozen file
+  system): the operation misses its deadline (a write dropped, a read lost) and the level
+  refuses I/O at once until the sleeper returns; no step waits longer than about one
+  deadline (``slowest step`` in the summary).
+
+None may ever produce wrong KV.
 
 No hypothesis at run time: the workload comes from ``numpy.random.default_rng(seed)``, so
-the command runs from a plain install and a seed replays exactly.
+the command runs from a plain install and a seed replays exactly, except that slow faults
+make what happens while a level is stuck depend on timing.
 
 Exit status: 0 when every step verified; 1 on wrong KV or a broken invariant; 2 on a bad
 command line.
@@ -41,6 +49,7 @@ import numpy as np
 
 from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
 from kvcm_core.errors import ConfigError
+from kvcm_core.frame import HEADER
 from kvcm_core.hookspecs import hookimpl
 from kvcm_core.manager import KVCacheManager
 from kvcm_core.plugins import KvcmPluginManager
@@ -56,6 +65,17 @@ _PAGE = 2 * 16 * _TPB  # one block of one layer: a k and a v page
 #: Level quotas (bytes): 48, 24 and 64 blocks of both layers on GPU, host and disk.
 _QUOTAS = (2 * _PAGE * 48, 2 * _PAGE * 24, 2 * _PAGE * 64)
 _FAULTY = "soak-faulty-disk"
+_PREFIXES = 8
+_KINDS = ("write", "read", "corrupt", "slow")
+
+
+def _kind(line: str) -> str:
+    """The kind of one ``FaultyTier.injected`` line."""
+    for word, kind in (("slow", "slow"), ("corrupted", "corrupt"), ("write", "write"),
+                       ("read", "read")):
+        if word in line:
+            return kind
+    return "other"
 
 
 def _rate(instance: Any, attribute: attrs.Attribute[float], value: float) -> None:
@@ -63,13 +83,9 @@ def _rate(instance: Any, attribute: attrs.Attribute[float], value: float) -> Non
         raise ConfigError(f"soak.{attribute.name}", value, "must be a number in [0, 1]")
 
 
-def _not_yet(what: str) -> Callable[[Any, attrs.Attribute[float], float], None]:
-    def check(instance: Any, attribute: attrs.Attribute[float], value: float) -> None:
-        _rate(instance, attribute, value)
-        if value:
-            raise ConfigError(f"soak.{attribute.name}", value, f"needs {what}, not built yet")
-
-    return check
+def _seconds(instance: Any, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 60:
+        raise ConfigError(f"soak.{attribute.name}", value, "must be seconds in (0, 60]")
 
 
 @attrs.frozen(kw_only=True)
@@ -81,9 +97,13 @@ class SoakConfig:
         seed: seeds the workload and the faults.
         write_fault_rate: chance per step of arming a failed write on the disk level.
         read_fault_rate: chance per step of arming a failed read on the disk level.
-        corrupt_rate: chance per step of a corrupted cold frame (hook; needs checksummed
-            cold frames).
-        slow_rate: chance per step of I/O past its deadline (hook; needs ``io_deadline_s``).
+        corrupt_rate: chance per step of a flipped byte in a disk page (the frame check
+            fires when it is read).
+        slow_rate: chance per step of a disk read or write sleeping past the deadline.
+        io_deadline_s: the disk level's ``LevelConfig.io_deadline_s``.
+        slow_s: how long a slow operation sleeps (more than ``io_deadline_s``).
+        write_queue_depth: the disk level's ``LevelConfig.write_queue_depth`` (background
+            writes; 0: none).
         arrival_rate: mean requests submitted per step (Poisson).
         probe_every: cross-check ``probe_reuse`` against ``create_kv_cache`` every this
             many steps (0: never).
@@ -95,13 +115,19 @@ class SoakConfig:
     seed: int = 0
     write_fault_rate: float = attrs.field(default=0.05, validator=_rate)
     read_fault_rate: float = attrs.field(default=0.05, validator=_rate)
-    corrupt_rate: float = attrs.field(default=0.0, validator=_not_yet(
-        "checksummed cold frames (the codecs work)"))
-    slow_rate: float = attrs.field(default=0.0, validator=_not_yet(
-        "LevelConfig.io_deadline_s (background cold I/O)"))
+    corrupt_rate: float = attrs.field(default=0.02, validator=_rate)
+    slow_rate: float = attrs.field(default=0.002, validator=_rate)
+    io_deadline_s: float = attrs.field(default=0.1, validator=_seconds)
+    slow_s: float = attrs.field(default=0.25, validator=_seconds)
+    write_queue_depth: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     arrival_rate: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
     probe_every: int = attrs.field(default=5, validator=attrs.validators.ge(0))
     resize_every: int = attrs.field(default=100, validator=attrs.validators.ge(0))
+
+    def __attrs_post_init__(self) -> None:
+        if self.slow_s <= self.io_deadline_s:
+            raise ConfigError("soak.slow_s", self.slow_s,
+                              f"must exceed io_deadline_s ({self.io_deadline_s})")
 
 
 @attrs.define
@@ -113,6 +139,10 @@ class SoakResult:
     finished: int = 0
     tokens: int = 0
     faults: int = 0
+    faults_by_kind: dict[str, int] = attrs.field(factory=lambda: dict.fromkeys(_KINDS, 0))
+    deadline_misses: int = 0
+    corrupt_pages: int = 0
+    slowest_step_s: float = 0.0
     recomputes: int = 0
     probes: int = 0
     resizes: int = 0
@@ -130,12 +160,15 @@ class SoakResult:
         return self.steps / self.seconds if self.seconds > 0 else 0.0
 
     def summary(self) -> str:
+        kinds = ", ".join(f"{n} {k}" for k, n in self.faults_by_kind.items())
         return (f"steps {self.steps}, requests {self.requests} ({self.finished} finished, "
-                f"{self.tokens} tokens), faults injected {self.faults}, recomputes "
-                f"{self.recomputes}, probes {self.probes}, quota resizes {self.resizes}, "
-                f"{self.steps_per_second:.0f} "
-                f"steps/s, wrong KV {self.wrong_kv}, invariant breaches "
-                f"{self.invariant_breaches}")
+                f"{self.tokens} tokens), faults injected {self.faults} ({kinds}), "
+                f"deadline misses {self.deadline_misses}, corrupt pages caught "
+                f"{self.corrupt_pages}, recomputes {self.recomputes}, probes "
+                f"{self.probes}, quota resizes {self.resizes}, "
+                f"{self.steps_per_second:.0f} steps/s, slowest step "
+                f"{self.slowest_step_s * 1000:.0f} ms, wrong KV {self.wrong_kv}, "
+                f"invariant breaches {self.invariant_breaches}")
 
 
 class _TierPlugin:
@@ -155,7 +188,8 @@ def _layers() -> list[AttentionLayerConfig]:
                                  num_sink_tokens=4)]
 
 
-def _manager(directory: str, plan: FaultPlan) -> KVCacheManager:
+def _manager(directory: str, plan: FaultPlan, deadline: float = 0.1, depth: int = 0
+             ) -> KVCacheManager:
     pm = KvcmPluginManager()
     pm.register(_TierPlugin(faulty_tier_spec(pm.tier("disk"), plan, name=_FAULTY)),
                 name="soak-faults")
@@ -164,8 +198,9 @@ def _manager(directory: str, plan: FaultPlan) -> KVCacheManager:
         max_util_for_resume=1.0,
         levels=[LevelConfig(tier="gpu", quota=_QUOTAS[0]),
                 LevelConfig(tier="host", quota=_QUOTAS[1]),
-                LevelConfig(tier=_FAULTY, quota=_QUOTAS[2],
-                            options={"path": directory})]), plugin_manager=pm)
+                LevelConfig(tier=_FAULTY, quota=_QUOTAS[2], io_deadline_s=deadline,
+                            write_queue_depth=depth, options={"path": directory})]),
+        plugin_manager=pm)
 
 
 def _resize_cold_level(m: KVCacheManager, loop: EngineLoop, rng: np.random.Generator) -> bool:
@@ -183,7 +218,7 @@ class _Workload:
 
     def __init__(self, rng: np.random.Generator) -> None:
         self.rng = rng
-        self.prefixes = [self._tokens(int(rng.integers(4, 41))) for _ in range(8)]
+        self.prefixes = [self._tokens(int(rng.integers(4, 41))) for _ in range(_PREFIXES)]
         self.ids = 0
 
     def _tokens(self, n: int) -> list[int]:
@@ -201,13 +236,47 @@ class _Workload:
         return Request(self.ids, prompt + answer, prompt_len=len(prompt))
 
 
-def _arm_faults(cfg: SoakConfig, rng: np.random.Generator, tier: FaultyTier) -> None:
-    """Make one of the next few disk writes (reads) fail, at the configured rates."""
+def _arm_faults(cfg: SoakConfig, rng: np.random.Generator, tier: FaultyTier,
+                m: KVCacheManager) -> None:
+    """Make one of the next few disk writes (reads) fail, flip a byte of a disk page, make
+    a disk operation slow, at the configured rates."""
     plan = tier.plan
     if rng.random() < cfg.write_fault_rate:
         plan.fail_writes.add(tier.writes + int(rng.integers(1, 4)))
     if rng.random() < cfg.read_fault_rate:
         plan.fail_reads.add(tier.reads + int(rng.integers(1, 4)))
+    if rng.random() < cfg.corrupt_rate:
+        _corrupt(rng, tier, m)
+    if rng.random() < cfg.slow_rate:
+        if rng.random() < 0.5:
+            plan.slow_writes.add(tier.writes + int(rng.integers(1, 4)))
+        else:
+            plan.slow_reads.add(tier.reads + int(rng.integers(1, 4)))
+
+
+def _corrupt(rng: np.random.Generator, tier: FaultyTier, m: KVCacheManager) -> None:
+    """Flip a byte of a page stored on the disk level now (preferring one likely to be
+    read), or, when the level holds none, of the next write: in the header (magic, key,
+    sequence, length) or anywhere."""
+    L = m.storage_levels
+    store = L.stores[2][int(rng.integers(len(L.stores[2])))]
+    pages = store.pages()
+    slot_bytes = store.pools[0].slot_bytes
+    # Half the flips in the header (magic, key, sequence, length), half anywhere.
+    head = HEADER.itemsize if rng.random() < 0.5 else slot_bytes
+    tier.plan.corrupt_offset = int(rng.integers(head))
+    a = L.arena
+    # A page likely to be read: a suspended request's (read at its resume), else a
+    # reusable block that was reused before (a shared prefix).
+    for likely in (pages[a.holds[pages] > 0], pages[a.reused[pages] > 0]):
+        if len(likely):
+            pages = likely
+            break
+    if len(pages):
+        pid = int(pages[int(rng.integers(len(pages)))])
+        tier.corrupt(store.pools[0], int(a.slot[pid]))
+    else:
+        tier.plan.corrupt_writes.add(tier.writes + 1)
 
 
 def _probe(m: KVCacheManager, work: _Workload) -> None:
@@ -230,20 +299,40 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
     result = SoakResult()
     plan = FaultPlan()
     with tempfile.TemporaryDirectory(prefix="kvcm-soak-") as directory:
-        m = _manager(directory, plan)
+        plan.slow_s = cfg.slow_s
+        m = _manager(directory, plan, cfg.io_deadline_s, cfg.write_queue_depth)
         tier = m.storage_levels.tiers[2]
         assert isinstance(tier, FaultyTier)
         loop = EngineLoop(m, chunk_tokens=16, max_batch=6, preempt_mode="suspend",
                           recompute_lost=True)
         start = time.perf_counter()
+        every = max(1, cfg.steps // 20)
+
+        def tally(since: float) -> None:
+            """Fill in the counts that live elsewhere (at the end and every 5%, so a
+            progress line shows the figures of a run that is stopped early)."""
+            result.seconds = time.perf_counter() - since
+            result.faults = len(tier.injected)
+            result.faults_by_kind = dict.fromkeys(_KINDS, 0)
+            for line in tier.injected:
+                kind = _kind(line)
+                result.faults_by_kind[kind] = result.faults_by_kind.get(kind, 0) + 1
+            io = m.storage_levels.io[2]
+            if io is not None:
+                result.deadline_misses = io.stats.read_misses + io.stats.write_misses
+            result.corrupt_pages = m.storage_levels.stats.corrupt_pages
+            result.recomputes = loop.lost_resumes
+
         try:
             for step in range(cfg.steps):
                 if len(loop.waiting) < 12:
                     for _ in range(int(rng.poisson(cfg.arrival_rate))):
                         loop.submit(work.request())
                         result.requests += 1
-                _arm_faults(cfg, rng, tier)
+                _arm_faults(cfg, rng, tier, m)
+                t0 = time.perf_counter()
                 report = loop.step()
+                result.slowest_step_s = max(result.slowest_step_s, time.perf_counter() - t0)
                 m.check_invariants()
                 if cfg.probe_every and step % cfg.probe_every == 0:
                     _probe(m, work)
@@ -254,6 +343,9 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
                 result.steps += 1
                 result.tokens += report.tokens
                 result.finished += len(report.finished)
+                loop.finished.clear()  # a long run keeps no finished request
+                if (step + 1) % every == 0:
+                    tally(start)
                 if on_step is not None:
                     on_step(step, result)
         except FingerprintMismatch as exc:
@@ -262,14 +354,15 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
         except AssertionError as exc:
             result.invariant_breaches += 1
             result.failure = f"step {result.steps}: invariant broken: {exc}"
-        result.seconds = time.perf_counter() - start
-        result.faults = len(tier.injected)
-        result.recomputes = loop.lost_resumes
+        tally(start)
+        io = m.storage_levels.io[2]
         loop.close_all()
         leak = _leaked_slots(m)
         if leak and result.failure is None:
             result.invariant_breaches += 1
             result.failure = f"after {result.steps} steps: slots leaked: {leak}"
+        if io is not None:
+            io.wait_idle(cfg.slow_s * 4)  # a slow operation still sleeping: let it return
         m.shutdown()
     return result
 
@@ -290,7 +383,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvcm soak",
         description="A seeded random workload over GPU, host and disk levels with injected "
-        "disk write and read failures; every step fingerprint-verified and invariant-"
+        "disk write and read failures, corrupted disk pages and disk I/O past its deadline; "
+        "every step fingerprint-verified and invariant-"
         "checked. Exit 1 on any wrong KV or broken invariant.")
     p.add_argument("--steps", type=int, default=1000, help="engine steps (default 1000)")
     p.add_argument("--seed", type=int, default=0, help="workload and fault seed")
@@ -298,6 +392,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="chance per step of a failed disk write (default 0.05)")
     p.add_argument("--read-fault-rate", type=float, default=0.05,
                    help="chance per step of a failed disk read (default 0.05)")
+    p.add_argument("--corrupt-rate", type=float, default=0.02,
+                   help="chance per step of a flipped byte in a disk page (default 0.02)")
+    p.add_argument("--slow-rate", type=float, default=0.002,
+                   help="chance per step of a disk operation sleeping past the I/O "
+                   "deadline (default 0.002)")
+    p.add_argument("--io-deadline", type=float, default=0.1,
+                   help="the disk level's io_deadline_s (default 0.1)")
+    p.add_argument("--slow-s", type=float, default=0.25,
+                   help="seconds a slow operation sleeps (default 0.25)")
+    p.add_argument("--write-queue-depth", type=int, default=0,
+                   help="background disk writes in flight (default 0: none)")
     p.add_argument("--quiet", action="store_true", help="only the final line")
     return p
 
@@ -307,16 +412,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = SoakConfig(steps=args.steps, seed=args.seed,
                          write_fault_rate=args.write_fault_rate,
-                         read_fault_rate=args.read_fault_rate)
+                         read_fault_rate=args.read_fault_rate,
+                         corrupt_rate=args.corrupt_rate, slow_rate=args.slow_rate,
+                         io_deadline_s=args.io_deadline, slow_s=args.slow_s,
+                         write_queue_depth=args.write_queue_depth)
     except (ConfigError, ValueError) as exc:
         print(f"kvcm soak: {exc}", file=sys.stderr)
         return 2
-    every = max(1, cfg.steps // 10)
+    every = max(1, cfg.steps // 20)
 
     def progress(step: int, result: SoakResult) -> None:
         if not args.quiet and (step + 1) % every == 0:
-            print(f"  {step + 1}/{cfg.steps} steps, {result.finished} requests finished",
-                  flush=True)
+            print(f"  {step + 1}/{cfg.steps}: {result.summary()}", flush=True)
 
     result = run_soak(cfg, progress)
     print(f"kvcm soak (seed {cfg.seed}): {result.summary()}")

@@ -25,15 +25,58 @@ def test_the_soak_injects_faults_reuses_blocks_and_recomputes_lost_ones() -> Non
 
 
 def test_the_soak_replays_exactly_from_its_seed() -> None:
-    a, b = (run_soak(SoakConfig(steps=150, seed=11)) for _ in range(2))
+    """Slow faults make what happens while the disk level is stuck depend on timing; every
+    other kind replays exactly."""
+    a, b = (run_soak(SoakConfig(steps=150, seed=11, slow_rate=0)) for _ in range(2))
     assert (a.requests, a.finished, a.tokens, a.faults, a.recomputes) == (
         b.requests, b.finished, b.tokens, b.faults, b.recomputes)
 
 
-@pytest.mark.parametrize("field", ["corrupt_rate", "slow_rate"])
-def test_fault_kinds_not_built_yet_are_refused_naming_what_they_need(field) -> None:
-    with pytest.raises(ConfigError, match=f"soak.{field}=0.1: needs"):
-        SoakConfig(**{field: 0.1})
+def test_corrupted_disk_pages_are_caught_by_the_frame_check_and_recomputed() -> None:
+    result = run_soak(SoakConfig(steps=400, seed=4, write_fault_rate=0, read_fault_rate=0,
+                                 corrupt_rate=0.5, slow_rate=0))
+    assert result.ok, result.failure
+    assert result.faults_by_kind["corrupt"] == result.faults > 100
+    assert result.corrupt_pages > 0 and result.recomputes > 0
+
+
+def test_slow_disk_io_misses_its_deadline_and_no_step_waits_much_longer() -> None:
+    result = run_soak(SoakConfig(steps=600, seed=6, write_fault_rate=0, read_fault_rate=0,
+                                 corrupt_rate=0, slow_rate=0.05, io_deadline_s=0.05,
+                                 slow_s=0.3))
+    assert result.ok, result.failure
+    # (Operations armed slow while the level is stuck fail at once and never sleep.)
+    assert result.faults_by_kind["slow"] == result.faults >= 2
+    assert result.deadline_misses >= result.faults
+    # A slow operation sleeps 0.3 s; a step waits for it at most one 0.05 s deadline
+    # (plus the step's own work; generous for a loaded machine).
+    assert result.slowest_step_s < 0.25
+
+
+def test_background_disk_writes_under_faults_give_zero_wrong_kv_and_no_recompute_loop() -> None:
+    """A reusable block whose background write failed can never be read: the first reuse
+    that tries loses it (it left the tree only on a moving read before, so requests
+    reusing it failed and were recomputed again and again: 973 recomputes here)."""
+    result = run_soak(SoakConfig(steps=3000, seed=2, write_queue_depth=4))
+    assert result.ok, result.failure
+    assert result.faults_by_kind["write"] > 50
+    assert result.recomputes < result.requests / 4
+
+
+def test_the_summary_counts_every_fault_kind(capsys) -> None:
+    assert main(["soak", "--steps", "200", "--seed", "1", "--corrupt-rate", "0.2",
+                 "--slow-rate", "0.02", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert " write, " in out and " read, " in out and " corrupt, " in out and " slow)" in out
+    assert "deadline misses" in out and "slowest step" in out and "wrong KV 0" in out
+
+
+@pytest.mark.parametrize(("field", "value", "rule"), [
+    ("corrupt_rate", 1.5, "must be a number in"), ("slow_rate", -0.1, "must be a number in"),
+    ("io_deadline_s", 0, "must be seconds in"), ("slow_s", 0.05, "must exceed io_deadline_s")])
+def test_bad_soak_rates_and_times_are_refused_naming_the_field(field, value, rule) -> None:
+    with pytest.raises(ConfigError, match=f"soak.{field}={value}: {rule}"):
+        SoakConfig(**{field: value})
 
 
 def test_a_bad_soak_argument_exits_2(capsys) -> None:

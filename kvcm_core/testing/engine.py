@@ -18,7 +18,7 @@ import attrs
 from kvcm_core.batch import Batch
 from kvcm_core.cache import CacheStatus
 from kvcm_core.config import AttentionLayerConfig
-from kvcm_core.errors import TierIOError
+from kvcm_core.errors import CorruptPageError, TierIOError
 from kvcm_core.testing.fingerprint import FingerprintEngine, StepWork
 from kvcm_core.testing.sparse_engine import SparseSteps
 from kvcm_core.types import ReuseScope
@@ -85,7 +85,8 @@ class EngineLoop:
             the fingerprint engine then addresses the pages of layer-by-layer (SWA
             scratch) steps through the batch's converted tables.
         recompute_lost: a ``resume`` that raises ``TierIOError`` (cold pages lost to a
-            storage failure) closes the cache and queues the request again to be
+            storage failure or a missed I/O deadline) or ``CorruptPageError`` (a cold page
+            failed its frame check) closes the cache and queues the request again to be
             recomputed from what is still cached, as an engine should; off by default
             (the error propagates).
     """
@@ -130,7 +131,8 @@ class EngineLoop:
         self.suspended: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
-        #: Resumes that raised TierIOError (the request was closed and recomputed).
+        #: Resumes that raised TierIOError or CorruptPageError (the request was closed
+        #: and recomputed).
         self.lost_resumes = 0
 
     def submit(self, req: Request) -> None:
@@ -139,7 +141,7 @@ class EngineLoop:
         self.waiting.append(req)
 
     def _lost(self, req: Request, report: StepReport | None) -> None:
-        """A resume raised TierIOError (cold pages lost to a storage failure): close the
+        """A resume raised TierIOError or CorruptPageError (cold pages lost): close the
         cache, as an engine must; the request is recomputed from what is still cached."""
         req.cache.close()
         req.cache = None
@@ -158,7 +160,7 @@ class EngineLoop:
         chosen = self.choose_optional(cache)
         try:
             resumed = cache.resume(optional_reuse_groups=chosen)
-        except TierIOError:
+        except (TierIOError, CorruptPageError):
             if not self.recompute_lost:
                 raise
             self._lost(req, report)
@@ -194,7 +196,7 @@ class EngineLoop:
             req = self.suspended[0]
             try:
                 resumed = req.cache.resume()
-            except TierIOError:  # its cold pages are lost: recompute what is gone
+            except (TierIOError, CorruptPageError):  # cold pages lost: recompute them
                 if not self.recompute_lost:
                     raise
                 self.suspended.popleft()

@@ -16,6 +16,9 @@ What a fault does, so that code which ignores an error is caught rather than luc
 - :meth:`FaultyTier.corrupt` inverts that byte of one stored slot now;
 - **failing close** (``fail_close``) closes the inner pool or tier, then raises
   ``OSError(EROFS)`` as a read-only file system would (for shutdown paths);
+- a **slow** operation (``slow_writes``/``slow_reads``, ``slow_all``) sleeps ``slow_s``
+  seconds on the thread that called it, then proceeds normally (a frozen file system, for
+  I/O deadlines; with ``LevelConfig.io_deadline_s`` the caller is the level's I/O thread);
 - **holding** keeps handles pending (``done()`` False, ``wait(timeout)`` raising
   ``TimeoutError``) until :meth:`FaultyTier.release`; ``pending_polls`` makes each handle
   answer ``done() == False`` that many times first.
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 from collections.abc import Iterable, Sequence
 
 import attrs
@@ -84,6 +88,10 @@ class FaultPlan:
         pending_polls: each new handle answers ``done() == False`` this many times first.
         fail_close: closing a storage pool or the tier raises ``OSError(EROFS)`` (after
             closing the inner one).
+        slow_writes: ordinals of writes that sleep ``slow_s`` first.
+        slow_reads: ordinals of reads that sleep ``slow_s`` first.
+        slow_all: every storage read and write sleeps ``slow_s`` first.
+        slow_s: seconds a slow operation sleeps (default 1.0).
     """
 
     fail_writes: set[int] = attrs.field(factory=set, converter=_ordinals)
@@ -95,6 +103,10 @@ class FaultPlan:
     hold: bool = False
     pending_polls: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     fail_close: bool = False
+    slow_writes: set[int] = attrs.field(factory=set, converter=_ordinals)
+    slow_reads: set[int] = attrs.field(factory=set, converter=_ordinals)
+    slow_all: bool = False
+    slow_s: float = attrs.field(default=1.0, validator=attrs.validators.ge(0))
 
 
 class _FaultyHandle(IOHandle):
@@ -148,6 +160,7 @@ class FaultyStoragePool(StoragePool):
         tier, plan = self.tier, self.tier.plan
         tier.writes += 1
         n = tier.writes
+        tier.maybe_slow("write", n, arr)
         if plan.fail_all_writes or n in plan.fail_writes:
             poison = np.full((len(arr), self.slot_bytes), POISON, dtype=np.uint8)
             inner = self.inner.write(arr, poison)
@@ -167,6 +180,7 @@ class FaultyStoragePool(StoragePool):
         tier, plan = self.tier, self.tier.plan
         tier.reads += 1
         n = tier.reads
+        tier.maybe_slow("read", n, arr)
         if plan.fail_all_reads or n in plan.fail_reads:
             if (
                 isinstance(dest, np.ndarray)
@@ -221,6 +235,7 @@ class FaultyBlobPool(FaultyStoragePool, BlobPool):
         tier, plan = self.tier, self.tier.plan
         tier.writes += 1
         n = tier.writes
+        tier.maybe_slow("write", n, arr)
         if plan.fail_all_writes or n in plan.fail_writes:
             inner = self.inner.write_blobs(arr, [bytes([POISON]) * len(b) for b in blobs])
             tier.injected.append(f"write {n} failed (slots {arr.tolist()})")
@@ -237,6 +252,7 @@ class FaultyBlobPool(FaultyStoragePool, BlobPool):
         tier, plan = self.tier, self.tier.plan
         tier.reads += 1
         n = tier.reads
+        tier.maybe_slow("read", n, arr)
         if plan.fail_all_reads or n in plan.fail_reads:
             out[:] = [bytes([POISON]) * self.slot_bytes] * len(arr)
             tier.injected.append(f"read {n} failed (slots {arr.tolist()})")
@@ -312,6 +328,13 @@ class FaultyTier(Tier):
         gate = self._gate if self.plan.hold else None
         return _FaultyHandle(inner, error, gate, self.plan.pending_polls, keep)
 
+    def maybe_slow(self, op: str, n: int, slots: np.ndarray) -> None:
+        """Sleep ``plan.slow_s`` if the plan makes ``op`` number ``n`` slow."""
+        plan = self.plan
+        if plan.slow_all or n in (plan.slow_writes if op == "write" else plan.slow_reads):
+            self.injected.append(f"{op} {n} slow (slots {slots.tolist()})")
+            time.sleep(plan.slow_s)
+
     def release(self) -> None:
         """Let every held handle complete; handles made later are held again if
         ``plan.hold`` is still set."""
@@ -325,6 +348,7 @@ class FaultyTier(Tier):
         Raises:
             ValueError: ``slot`` out of range, or ``pool`` not made by this tier.
         """
+        pool = getattr(pool, "inner_pool", pool)  # through a level's I/O thread wrapper
         if not isinstance(pool, FaultyStoragePool | FaultyDevicePool) or pool.tier is not self:
             raise ValueError(f"pool {pool!r}: not a pool of this FaultyTier")
         check_slots(pool, np.array([slot]))

@@ -1,0 +1,496 @@
+"""Storage I/O that cannot stall everyone: one I/O thread per storage level, with a deadline.
+
+A cold level whose tier is reached through I/O (disk, remote: pools that are not device
+memory) gets a :class:`LevelIO`: one thread of its own that runs every read, write, resize
+and close of that level's pools, in submission order. The scheduler thread hands it a
+batch and waits at most ``LevelConfig.io_deadline_s`` (default 5 s):
+
+- a **write** past its deadline is dropped: the caller sees
+  :class:`~kvcm_core.errors.TierIOError`, as for a failed write, so the block is simply
+  not cached on that level (droppable victims are dropped instead of offloaded);
+- a **read** past its deadline loses the blocks: the caller sees ``TierIOError``, so they
+  leave the prefix tree and a ``resume`` that needed them raises ``TierIOError`` (the
+  engine recomputes them);
+- while an operation that missed its deadline is still running (the level is *stuck*: a
+  frozen file system), every new operation of that level fails at once, without waiting,
+  so a level that hangs costs at most one deadline, once; requests that never touch it
+  are not delayed at all. The level recovers by itself when the stuck operation returns.
+
+Ordering makes late completions harmless: one thread per level runs operations in order,
+and nothing queues behind a stuck one, so a late write lands before any later operation
+of its slots. A late read lands in a private buffer that nobody reads; writes copy their
+rows first (the caller's staging is reused as soon as the call returns).
+
+Background writes (``LevelConfig.write_queue_depth = N > 0``): a write returns once its
+rows are copied into the queue (at most ``N`` batches in flight; a full queue waits for
+the oldest, within the deadline). A background write that fails marks its slots bad: a
+later read of them fails (the blocks are lost, never wrong KV) until they are written
+again.
+
+Shutdown (:meth:`LevelIO.close_pools`): every pool and the tier are closed on the level's
+thread, all within one deadline; operations still unfinished then are abandoned (their
+thread closes the files once they return) and listed in the ``TierIOError`` that
+``KVCacheManager.shutdown()`` raises.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvcm_core.errors import TierIOError
+from kvcm_core.tier import BlobPool, CompletedIO, IOHandle, Pool, StoragePool, check_slots
+
+__all__ = ["DeadlineBlobPool", "DeadlinePool", "IODeadlineError", "IOStats", "LevelIO"]
+
+
+class IODeadlineError(TierIOError):
+    """A storage operation missed its level's ``io_deadline_s`` (or was not attempted
+    because an earlier one is still stuck past it).
+
+    Attributes:
+        attempted: False when the operation was refused at once (never queued).
+    """
+
+    def __init__(self, message: str, *, attempted: bool = True) -> None:
+        super().__init__(message)
+        self.attempted = attempted
+
+
+class IOStats:
+    """What a level's I/O thread saw (counters only grow).
+
+    Attributes:
+        operations: operations run on the thread.
+        write_misses: writes past their deadline (the blocks were dropped).
+        read_misses: reads past their deadline (the blocks were lost).
+        fast_fails: operations refused at once because the level was stuck.
+        background_failures: background writes that failed (their slots marked bad).
+        bad_reads: reads refused because a slot's background write had failed.
+    """
+
+    __slots__ = ("background_failures", "bad_reads", "fast_fails", "operations",
+                 "read_misses", "write_misses")
+
+    def __init__(self) -> None:
+        self.operations = 0
+        self.write_misses = 0
+        self.read_misses = 0
+        self.fast_fails = 0
+        self.background_failures = 0
+        self.bad_reads = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class _Job:
+    __slots__ = ("done", "error", "fn", "kind", "submitted", "what")
+
+    def __init__(self, fn: Callable[[], None], what: str, kind: str) -> None:
+        self.fn = fn
+        self.what = what
+        self.kind = kind  # "read", "write", "bg-write", "admin"
+        self.submitted = time.monotonic()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+class LevelIO:
+    """The I/O thread of storage level ``level`` (see module docstring).
+
+    Args:
+        level: the level index (names the thread and messages).
+        deadline_s: seconds an operation may take (None: run on the caller's thread).
+        write_queue_depth: background write batches in flight at most (0: none).
+    """
+
+    def __init__(self, level: int, deadline_s: float | None, write_queue_depth: int = 0
+                 ) -> None:
+        self.level = level
+        self.deadline_s = deadline_s
+        self.write_queue_depth = write_queue_depth if deadline_s is not None else 0
+        self.stats = IOStats()
+        self._cv = threading.Condition()
+        self._queue: collections.deque[_Job | None] = collections.deque()
+        self._running: _Job | None = None
+        self._late: list[_Job] = []  # jobs past their deadline, not finished
+        self._background: collections.deque[_Job] = collections.deque()
+        self._bad: set[tuple[int, int]] = set()  # (pool id, slot) of failed bg writes
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    # -- the thread --------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name=f"kvcm-io-L{self.level}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                job = self._queue.popleft()
+                if job is None:
+                    return
+                self._running = job
+            try:
+                job.fn()
+            except BaseException as exc:  # handed to the waiter, never lost
+                job.error = exc
+            with self._cv:
+                self._running = None
+                self.stats.operations += 1
+                if job in self._late:
+                    self._late.remove(job)
+                job.done.set()
+                self._cv.notify_all()
+
+    @property
+    def thread_alive(self) -> bool:
+        """Whether the level's thread is running (started at the first operation, ended
+        by :meth:`close` once what is queued has run)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def stuck(self) -> str | None:
+        """What the level is stuck on (an operation past its deadline), or None."""
+        with self._cv:
+            if not self._late:
+                return None
+            job = self._late[0]
+            return f"{job.what} ({time.monotonic() - job.submitted:.1f} s)"
+
+    def _submit(self, job: _Job) -> None:
+        with self._cv:
+            if self._stopped:
+                raise TierIOError(f"level {self.level}: I/O after shutdown ({job.what})")
+            if self._thread is None:
+                self._start()
+            self._queue.append(job)
+            self._cv.notify_all()
+
+    def _miss(self, job: _Job) -> IODeadlineError | None:
+        """``job`` is past its deadline: None if it finished meanwhile, else the error
+        (the job is recorded as late: the level is stuck until it returns)."""
+        with self._cv:
+            if job.done.is_set():
+                return None
+            self._late.append(job)
+            if job.kind == "read":
+                self.stats.read_misses += 1
+            elif job.kind == "write":
+                self.stats.write_misses += 1
+        verdict = {"read": "the blocks are lost", "write": "the blocks are not cached here"
+                   }.get(job.kind, "abandoned")
+        return IODeadlineError(f"level {self.level}: {job.what} missed its "
+                               f"{self.deadline_s} s I/O deadline; {verdict}")
+
+    def _fast_fail(self, what: str, kind: str) -> None:
+        """Refuse at once while an operation is stuck past its deadline."""
+        on = self.stuck()
+        if on is None:
+            return
+        self.stats.fast_fails += 1
+        if kind == "read":
+            self.stats.read_misses += 1
+        elif kind == "write":
+            self.stats.write_misses += 1
+        raise IODeadlineError(f"level {self.level}: {what} not attempted: the level's I/O "
+                              f"thread is stuck on {on}", attempted=False)
+
+    def call(self, fn: Callable[[], None], what: str, kind: str,
+             until: float | None = None) -> None:
+        """Run ``fn`` on the level's thread, waiting at most the deadline (or until the
+        absolute monotonic time ``until``).
+
+        Raises:
+            TierIOError: ``fn`` failed (any exception, as a TierIOError), it missed its
+                deadline, or the level is stuck.
+        """
+        if self.deadline_s is None:
+            _run_inline(fn)
+            return
+        if self._stopped:
+            raise TierIOError(f"level {self.level}: I/O after shutdown ({what})")
+        if kind != "admin":  # closes queue behind a stuck operation; the rest fail now
+            self._fast_fail(what, kind)
+        job = _Job(fn, what, kind)
+        self._submit(job)
+        end = until if until is not None else job.submitted + self.deadline_s
+        if not job.done.wait(max(0.0, end - time.monotonic())):
+            missed = self._miss(job)
+            if missed is not None:
+                raise missed
+        _raise(job.error)
+
+    def call_later(self, fn: Callable[[], None], what: str) -> None:
+        """Queue ``fn`` on the thread without waiting (its failure is ignored)."""
+        self._submit(_Job(fn, what, "admin"))
+
+    # -- background writes -------------------------------------------------------------------
+
+    def background(self, fn: Callable[[], None], what: str, pool: Pool,
+                   slots: np.ndarray) -> None:
+        """Queue a write (rows already copied) and return; waits for the oldest when
+        ``write_queue_depth`` writes are in flight (within the deadline)."""
+        self._fast_fail(what, "write")
+        self._reap()
+        if len(self._background) >= self.write_queue_depth:
+            oldest = self._background[0]
+            left = oldest.submitted + (self.deadline_s or 0) - time.monotonic()
+            if not oldest.done.wait(max(0.0, left)):
+                with self._cv:
+                    if not oldest.done.is_set() and oldest not in self._late:
+                        self._late.append(oldest)
+                self._fast_fail(what, "write")
+            self._reap()
+        key = id(pool)
+        arr = [int(s) for s in slots.tolist()]
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException:
+                with self._cv:
+                    self._bad.update((key, s) for s in arr)
+                    self.stats.background_failures += 1
+                raise
+            with self._cv:
+                self._bad.difference_update((key, s) for s in arr)
+
+        job = _Job(run, what, "bg-write")
+        self._submit(job)
+        self._background.append(job)
+
+    def _reap(self) -> None:
+        while self._background and self._background[0].done.is_set():
+            self._background.popleft()
+
+    def check_readable(self, pool: Pool, slots: np.ndarray) -> None:
+        """On the I/O thread, before a read: refuse slots whose background write failed."""
+        if not self._bad:
+            return
+        key = id(pool)
+        with self._cv:
+            bad = [int(s) for s in slots.tolist() if (key, int(s)) in self._bad]
+            if bad:
+                self.stats.bad_reads += 1
+        if bad:
+            raise TierIOError(f"level {self.level}: slots {bad[:8]} were not written "
+                              "(their background write failed)")
+
+    def forget_slots(self, pool: Pool) -> None:
+        """Drop the bad marks of ``pool`` (it was closed)."""
+        key = id(pool)
+        with self._cv:
+            self._bad = {b for b in self._bad if b[0] != key}
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    def close(self, closers: Sequence[tuple[str, Callable[[], None]]], until: float
+              ) -> tuple[list[str], list[str]]:
+        """Run ``closers`` (what, close) on the thread, all by ``until``, then stop it.
+
+        Returns ``(failures, abandoned)``: closers that raised, and what was still
+        unfinished at ``until`` (operations in flight or queued, and the closers behind
+        them; the thread runs them when it can, then ends).
+        """
+        failures: list[str] = []
+        if self.deadline_s is None or self._thread is None:
+            for what, fn in closers:
+                try:
+                    fn()
+                except Exception as exc:  # one failure must not leave the rest open
+                    failures.append(f"{what}: {type(exc).__name__}: {exc}")
+            with self._cv:
+                self._stopped = True
+            return failures, []
+        jobs = []
+        with self._cv:
+            for what, fn in closers:
+                job = _Job(fn, what, "admin")
+                self._queue.append(job)
+                jobs.append(job)
+            self._queue.append(None)  # the thread ends after the closers
+            self._stopped = True
+            self._cv.notify_all()
+        for job in jobs:
+            job.done.wait(max(0.0, until - time.monotonic()))
+        abandoned = []
+        with self._cv:
+            now = time.monotonic()
+            running = self._running
+            if running is not None and not running.done.is_set():
+                abandoned.append(f"{self._name(running)} (running "
+                                 f"{now - running.submitted:.1f} s)")
+            abandoned += [f"{self._name(j)} (queued)" for j in self._queue
+                          if j is not None and not j.done.is_set()]
+        for job in jobs:
+            if job.done.is_set() and job.error is not None:
+                failures.append(f"{job.what}: {type(job.error).__name__}: {job.error}")
+        return failures, abandoned
+
+    def _name(self, job: _Job) -> str:
+        return job.what if job.what.startswith("level ") else f"level {self.level}: {job.what}"
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until nothing is queued or running; whether it
+        is idle."""
+        end = time.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._running is not None:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def wrap(self, pool: Pool) -> Pool:
+        """``pool`` with its I/O on this level's thread (storage pools only)."""
+        if self.deadline_s is None or not isinstance(pool, StoragePool):
+            return pool
+        if isinstance(pool, BlobPool):
+            return DeadlineBlobPool(self, pool)
+        return DeadlinePool(self, pool)
+
+
+def _run_inline(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except TierIOError:
+        raise
+    except OSError as exc:
+        raise TierIOError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _raise(error: BaseException | None) -> None:
+    if error is None:
+        return
+    if isinstance(error, TierIOError):
+        raise error
+    if isinstance(error, OSError):
+        raise TierIOError(f"{type(error).__name__}: {error}") from error
+    raise error
+
+
+def _wait(handle: IOHandle) -> None:
+    handle.wait()
+
+
+class DeadlinePool(StoragePool):
+    """A storage pool whose every operation runs on its level's :class:`LevelIO`
+    thread within the deadline (see module docstring). Other attributes are the inner
+    pool's (``inner_pool``)."""
+
+    def __init__(self, io: LevelIO, inner: StoragePool) -> None:
+        self.io = io
+        self.inner_pool = inner
+        self.slot_bytes = inner.slot_bytes
+        self.num_slots = inner.num_slots
+
+    def __getattr__(self, name: str) -> Any:
+        inner = self.__dict__.get("inner_pool")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def _what(self, op: str, slots: np.ndarray) -> str:
+        return f"{op} of {len(slots)} slots"
+
+    def write(self, slots: np.ndarray, source: np.ndarray) -> IOHandle:
+        arr = check_slots(self, slots)
+        rows = np.array(source, dtype=np.uint8, copy=True)  # the caller reuses its rows
+        inner = self.inner_pool
+        return self._write(arr, lambda: _wait(inner.write(arr, rows)))
+
+    def _write(self, arr: np.ndarray, fn: Callable[[], None]) -> IOHandle:
+        io = self.io
+        what = self._what("write", arr)
+        try:
+            if io.write_queue_depth:
+                io.background(fn, what, self.inner_pool, arr)
+            else:
+                io.call(fn, what, "write")
+        except TierIOError as exc:
+            return CompletedIO(exc)
+        return CompletedIO()
+
+    def read(self, slots: np.ndarray, dest: np.ndarray) -> IOHandle:
+        arr = check_slots(self, slots)
+        if not isinstance(dest, np.ndarray) or dest.shape != (len(arr), self.slot_bytes):
+            return self.inner_pool.read(arr, dest)  # let the inner pool refuse it
+        private = np.empty_like(dest)  # a late read must not land in the caller's rows
+        inner, io = self.inner_pool, self.io
+
+        def run() -> None:
+            io.check_readable(inner, arr)
+            inner.read(arr, private).wait()
+
+        try:
+            io.call(run, self._what("read", arr), "read")
+        except TierIOError as exc:
+            return CompletedIO(exc)
+        dest[...] = private
+        return CompletedIO()
+
+    def resize(self, num_slots: int) -> None:
+        """Resize on the level's thread within the deadline; on a miss the pool is
+        resized back to its old size behind the stuck call and ``TierIOError`` raised."""
+        inner, old = self.inner_pool, self.num_slots
+        try:
+            self.io.call(lambda: inner.resize(num_slots), f"resize to {num_slots} slots",
+                         "resize")
+        except IODeadlineError as exc:
+            if exc.attempted:  # it may still happen: size the file back behind it
+                self.io.call_later(lambda: inner.resize(old), f"resize back to {old} slots")
+            raise
+        self.num_slots = inner.num_slots
+
+    def close(self) -> None:
+        self.io.forget_slots(self.inner_pool)
+        self.inner_pool.close()
+
+
+class DeadlineBlobPool(DeadlinePool, BlobPool):
+    """:class:`DeadlinePool` for blob pools (``write_blobs``/``read_blobs`` too)."""
+
+    inner_pool: BlobPool
+
+    def write(self, slots: np.ndarray, source: np.ndarray) -> IOHandle:
+        return BlobPool.write(self, slots, source)
+
+    def read(self, slots: np.ndarray, dest: np.ndarray) -> IOHandle:
+        return BlobPool.read(self, slots, dest)
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.inner_pool.stored_bytes
+
+    def write_blobs(self, slots: np.ndarray, blobs: Sequence[bytes]) -> IOHandle:
+        arr = check_slots(self, slots)
+        copies = [bytes(b) for b in blobs]
+        inner = self.inner_pool
+        return self._write(arr, lambda: _wait(inner.write_blobs(arr, copies)))
+
+    def read_blobs(self, slots: np.ndarray, out: list[bytes]) -> IOHandle:
+        arr = check_slots(self, slots)
+        private: list[bytes] = [b""] * len(arr)
+        inner, io = self.inner_pool, self.io
+
+        def run() -> None:
+            io.check_readable(inner, arr)
+            inner.read_blobs(arr, private).wait()
+
+        try:
+            io.call(run, self._what("read", arr), "read")
+        except TierIOError as exc:
+            return CompletedIO(exc)
+        out[:] = private
+        return CompletedIO()

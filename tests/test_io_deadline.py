@@ -1,0 +1,475 @@
+"""Storage I/O that cannot stall everyone (issue 13): one I/O thread per storage level,
+``LevelConfig.io_deadline_s``, background writes, shutdown within one deadline.
+
+The disk level is the disk tier wrapped in :class:`~kvcm_core.testing.faults.FaultyTier`;
+its ``slow`` knob makes an operation sleep past the deadline, as a frozen file system
+would. Every byte is checked through the fingerprint engine: a missed deadline may lose a
+block (recomputed), never serve a wrong one.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import attrs
+import numpy as np
+import pytest
+from levels_helpers import (
+    LAYOUTS,
+    TPB,
+    Driver,
+    assert_all_free,
+    assert_invariants,
+    cache_pages,
+    close_all,
+    faulty_disk,
+    faulty_tier,
+    make_levels,
+    page_level,
+    page_levels,
+    tokens,
+)
+
+from kvcm_core import ConfigError, InvalidStateError, KVCacheManager, TierIOError
+from kvcm_core.config import KVCacheManagerConfig, LevelConfig
+from kvcm_core.level_io import DeadlinePool, IODeadlineError, LevelIO
+from kvcm_core.testing.engine import EngineLoop, Request
+from kvcm_core.testing.faults import FaultPlan
+
+DEADLINE = 0.1  # seconds; a slow operation sleeps SLOW
+SLOW = 0.6
+
+
+def _manager(tmp_path, plan, tiers=(("gpu", 8), ("host", 8), ("faulty-disk", 40)), *,
+             deadline=DEADLINE, depth=0):
+    levels = make_levels("full", list(tiers), tmp_path)
+    levels = [attrs.evolve(lc, io_deadline_s=deadline, write_queue_depth=depth)
+              if "disk" in lc.tier else lc for lc in levels]
+    cfg = KVCacheManagerConfig(tokens_per_block=TPB, layers=LAYOUTS["full"](), levels=levels,
+                               kernel_backend=os.environ.get("KVCM_TEST_BACKEND", "numpy"),
+                               max_util_for_resume=1.0)
+    return KVCacheManager(cfg, plugin_manager=faulty_disk(plan))
+
+
+@pytest.fixture
+def build(tmp_path):
+    """Managers with a faulty disk as level 2 (``(manager, plan, tier)``); at the end every
+    slow operation has returned, nothing is open, and every slot is free."""
+    made = []
+
+    def make(*args, **kw):
+        plan = FaultPlan(slow_s=SLOW)
+        m = _manager(tmp_path / f"m{len(made)}", plan, *args, **kw)
+        made.append((m, plan))
+        return m, plan, faulty_tier(m, 2)
+
+    yield make
+    for m, plan in made:
+        plan.slow_all = False
+        plan.slow_reads.clear()
+        plan.slow_writes.clear()
+        if m.is_shut_down:
+            continue
+        io = m.storage_levels.io[2]
+        assert io is None or io.wait_idle(SLOW * 4)
+        close_all(m)
+        assert_all_free(m)
+        m.shutdown()
+
+
+def _push_to_disk(d):
+    """A (7 blocks) suspended and pushed to disk by B and C (8 blocks each, suspended)."""
+    a = d.write(tokens(30, 11), end=25)
+    b = d.write(tokens(32, 12), chunk=32)
+    c = d.write(tokens(32, 13), chunk=32)
+    assert set(page_levels(a)) == {2} and set(page_levels(b)) == {1}
+    return a, b, c
+
+
+def _timed(fn, *args):
+    t0 = time.monotonic()
+    out = fn(*args)
+    return out, time.monotonic() - t0
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+
+def test_the_io_deadline_defaults_to_five_seconds_and_background_writes_are_opt_in():
+    lc = LevelConfig(tier="disk", quota=1 << 20)
+    assert lc.io_deadline_s == 5.0 and lc.write_queue_depth == 0
+
+
+@pytest.mark.parametrize(("kw", "field"), [
+    ({"io_deadline_s": 0}, "LevelConfig.io_deadline_s"),
+    ({"io_deadline_s": -1.0}, "LevelConfig.io_deadline_s"),
+    ({"io_deadline_s": "5"}, "LevelConfig.io_deadline_s"),
+    ({"io_deadline_s": True}, "LevelConfig.io_deadline_s"),
+    ({"write_queue_depth": -1}, "LevelConfig.write_queue_depth"),
+    ({"write_queue_depth": 1.5}, "LevelConfig.write_queue_depth"),
+    ({"io_deadline_s": None, "write_queue_depth": 2}, "LevelConfig.write_queue_depth"),
+])
+def test_bad_io_deadline_or_queue_depth_is_refused_naming_the_field(kw, field):
+    with pytest.raises(ConfigError) as info:
+        LevelConfig(tier="disk", quota=1 << 20, **kw)
+    assert info.value.field == field
+
+
+def test_only_storage_levels_get_an_io_thread_and_none_turns_it_off(build, tmp_path):
+    m, _, _ = build()
+    L = m.storage_levels
+    assert L.io[0] is None and L.io[1] is None  # GPU and pinned host: no I/O to bound
+    assert L.io[2] is not None and L.io[2].deadline_s == DEADLINE
+    assert all(isinstance(s.pools[0], DeadlinePool) for s in L.stores[2])
+    off = _manager(tmp_path / "off", FaultPlan(), deadline=None)
+    try:
+        assert off.storage_levels.io[2] is None
+        assert not isinstance(off.storage_levels.stores[2][0].pools[0], DeadlinePool)
+    finally:
+        off.shutdown()
+
+
+# -- writes ----------------------------------------------------------------------------------
+
+
+def test_a_write_past_its_deadline_drops_the_blocks_instead_of_offloading_them(build):
+    m, plan, tier = build([("gpu", 8), ("host", 4), ("faulty-disk", 16)])
+    d = Driver(m)
+    s = d.write(tokens(16, 1))                             # held, stays on the GPU
+    r = [tokens(16, 100 + i) for i in range(3)]
+    d.write(r[0], chunk=16, suspend=False).close()
+    d.write(r[1], chunk=16, suspend=False).close()         # R0 -> host
+    plan.slow_writes = {tier.writes + 1}
+    m.get_and_reset_iteration_stats()
+    # R1 -> host, R0 -> disk in one batch: that write sleeps past the deadline.
+    _, took = _timed(lambda: d.write(r[2], chunk=16, suspend=False).close())
+    assert took < SLOW - 0.1, "the step waited for the slow write"
+    io = m.storage_levels.io[2]
+    assert io.stats.write_misses == 1, (tier.injected, io.stats.as_dict())
+    assert len(tier.injected) == 1 and " slow " in tier.injected[0]
+    st = m.get_and_reset_iteration_stats()
+    assert st.io_failures == 1 and st.groups[0].dropped_blocks == 4
+    assert_invariants(m)
+    # R0 is simply not cached; the rest is, and the disk holds nothing.
+    assert m.probe_reuse(None, r[0]) == 0
+    assert m.probe_reuse(None, r[1]) == 16 and m.probe_reuse(None, r[2]) == 16
+    assert io.wait_idle(SLOW * 4)                          # the late write lands...
+    disk = m.get_storage_statistics(2)
+    assert disk.free == disk.total                         # ...in slots nobody owns
+    again = d.create(r[0] + tokens(5, 7))
+    assert again.history_length == 0
+    d.run_to(again)
+    again.close()
+    q = d.create(r[1] + tokens(5, 8))
+    assert q.history_length == 16
+    d.run_to(q)
+    q.close()
+    d.resume_and_verify(s)
+
+
+def test_while_a_level_is_stuck_its_io_fails_at_once_and_it_recovers_by_itself(build):
+    m, plan, tier = build()
+    d = Driver(m)
+    a, b, c = _push_to_disk(d)
+    io = m.storage_levels.io[2]
+    plan.slow_reads = {tier.reads + 1}
+    t0 = time.monotonic()
+    with pytest.raises(TierIOError, match="missed its 0.1 s I/O deadline"):
+        a.resume()
+    assert time.monotonic() - t0 < SLOW - 0.1
+    assert io.stuck() is not None
+    # B is on the host; making room for it pushes C to the disk: refused at once.
+    _, took = _timed(b.resume)
+    assert took < DEADLINE / 2
+    assert io.stats.fast_fails >= 1
+    b.suspend()
+    assert io.wait_idle(SLOW * 4) and io.stuck() is None
+    reads = tier.reads
+    d.resume_and_verify(b, c)                              # the level works again
+    assert tier.reads > reads
+    a.close()
+
+
+# -- reads -----------------------------------------------------------------------------------
+
+
+def test_a_read_past_its_deadline_loses_the_blocks_and_resume_raises(build):
+    m, plan, tier = build()
+    d = Driver(m)
+    a, b, c = _push_to_disk(d)
+    a_toks = d.toks[id(a)]
+    assert m.probe_reuse(None, a_toks[:25]) == 24
+    plan.slow_reads = {tier.reads + 1}
+    with pytest.raises(TierIOError, match="missed its 0.1 s I/O deadline") as info:
+        a.resume()
+    assert isinstance(info.value.__cause__, IODeadlineError)
+    assert m.storage_levels.io[2].stats.read_misses == 1
+    assert_invariants(m)
+    # Lost: out of the tree, no slot; the cache stays SUSPENDED and can be closed.
+    assert m.probe_reuse(None, a_toks[:25]) == 0
+    assert all(page_level(m, p) < 0 for p in cache_pages(a))
+    with pytest.raises(TierIOError):
+        a.resume()
+    assert a.status.name == "SUSPENDED"
+    with pytest.raises(InvalidStateError):
+        a.resize(30)
+    a.close()
+    assert m.storage_levels.io[2].wait_idle(SLOW * 4)
+    d.resume_and_verify(b, c)
+    again = d.create(a_toks)
+    assert again.history_length == 0
+    d.run_to(again)
+    again.close()
+
+
+def test_a_reusable_block_whose_read_misses_the_deadline_leaves_the_tree(build):
+    m, plan, tier = build()
+    d = Driver(m)
+    p_toks = tokens(22, 1)
+    d.write(p_toks, suspend=False).close()
+    other = d.write(tokens(32, 2), chunk=32)
+    filler = d.write(tokens(32, 3), chunk=32)              # P -> disk
+    q_toks = p_toks + tokens(10, 4)
+    q = d.create(q_toks)
+    assert q.history_length == 22 and set(page_levels(q)) == {2}
+    plan.slow_reads = {tier.reads + 1}
+    with pytest.raises(TierIOError):
+        q.resume()
+    q.close()
+    assert_invariants(m)
+    assert m.storage_levels.io[2].wait_idle(SLOW * 4)
+    left = m.probe_reuse(None, q_toks[:31])
+    assert left < 22                                       # recomputed, never served
+    r = d.create(q_toks)
+    assert r.history_length == left
+    d.run_to(r)
+    r.close()
+    d.resume_and_verify(other, filler)
+
+
+# -- nobody else waits ---------------------------------------------------------------------
+
+
+def test_a_frozen_cold_tier_does_not_stall_requests_that_live_on_the_gpu(build):
+    """Every disk operation sleeps SLOW (a frozen file system) while an engine loop keeps
+    stepping a mix of requests: no step waits much more than one deadline, the frozen
+    level costs at most one deadline per SLOW seconds, and every byte verifies."""
+    m, plan, tier = build([("gpu", 12), ("host", 4), ("faulty-disk", 40)])
+    loop = EngineLoop(m, chunk_tokens=8, max_batch=4, preempt_mode="suspend",
+                      recompute_lost=True)
+    rid = 0
+
+    def submit(n):
+        nonlocal rid
+        for _ in range(n):
+            rid += 1
+            prompt = tokens(12 + rid % 20, rid)
+            loop.submit(Request(rid, prompt + tokens(6, 1000 + rid), prompt_len=len(prompt)))
+
+    submit(6)
+    for _ in range(20):                                    # warm: pages reach the disk
+        loop.step()
+        submit(1)
+    assert m.get_storage_statistics(2).free < m.get_storage_statistics(2).total
+    plan.slow_all = True
+    worst, start, waits = 0.0, time.monotonic(), 0
+    for _ in range(60):
+        submit(1)
+        _, took = _timed(loop.step)
+        worst = max(worst, took)
+        waits += took > DEADLINE * 0.8
+        m.check_invariants()
+    frozen = time.monotonic() - start
+    assert any(" slow " in line for line in tier.injected)
+    assert worst < DEADLINE + 0.35, f"a step took {worst:.2f} s"
+    assert waits <= frozen / SLOW + 2, f"{waits} steps waited a deadline in {frozen:.1f} s"
+    plan.slow_all = False
+    assert m.storage_levels.io[2].wait_idle(SLOW * 4)
+    for _ in range(400):                                   # thaw: everything finishes
+        if loop.idle:
+            break
+        loop.step()
+    assert loop.idle and len(loop.finished) == rid
+    m.check_invariants()
+
+
+# -- background writes -----------------------------------------------------------------------
+
+
+def test_background_writes_do_not_hold_the_step_and_read_back_exactly(build):
+    m, plan, tier = build(depth=4)
+    d = Driver(m)
+    plan.slow_writes = {tier.writes + 1}
+    # A goes to the disk through a write that sleeps past the deadline in the background.
+    (a, b, c), took = _timed(_push_to_disk, d)
+    assert took < SLOW - 0.1, "the step waited for a background write"
+    io = m.storage_levels.io[2]
+    assert not io.wait_idle(0) and io.stats.write_misses == 0  # still writing, unwaited
+    assert io.wait_idle(SLOW * 4)
+    d.resume_and_verify(a, b, c)                           # read after the write landed
+    assert io.stats.background_failures == 0 and io.stats.read_misses == 0
+
+
+def test_a_failed_background_write_makes_its_blocks_lost_never_wrong(build):
+    m, plan, tier = build(depth=4)
+    d = Driver(m)
+    plan.fail_writes = {tier.writes + 1}
+    a, b, c = _push_to_disk(d)
+    io = m.storage_levels.io[2]
+    assert io.wait_idle(SLOW * 4) and io.stats.background_failures == 1
+    with pytest.raises(TierIOError, match="background write failed"):
+        a.resume()
+    assert io.stats.bad_reads == 1
+    a.close()
+    assert_invariants(m)
+    again = d.create(d.toks[id(a)] if id(a) in d.toks else tokens(30, 11))
+    d.run_to(again)
+    again.close()
+    d.resume_and_verify(b, c)
+
+
+# -- resize and shutdown ---------------------------------------------------------------------
+
+
+def test_a_resize_of_a_stuck_level_is_refused_at_once_and_changes_nothing(build):
+    m, plan, tier = build()
+    d = Driver(m)
+    a, b, c = _push_to_disk(d)
+    plan.slow_reads = {tier.reads + 1}
+    with pytest.raises(TierIOError):
+        a.resume()
+    before = m.get_storage_statistics(2).total
+    ok, took = _timed(m.resize, 2, m.config.levels[2].quota * 2)
+    assert not ok and took < DEADLINE / 2 and m.last_refusal is not None
+    assert m.get_storage_statistics(2).total == before
+    a.close()
+    assert m.storage_levels.io[2].wait_idle(SLOW * 4)
+    assert m.resize(2, m.config.levels[2].quota * 2)
+    assert m.get_storage_statistics(2).total > before
+    d.resume_and_verify(b, c)
+
+
+def test_shutdown_waits_one_deadline_then_lists_what_it_abandoned(build):
+    m, plan, tier = build()
+    d = Driver(m)
+    a, b, c = _push_to_disk(d)
+    directory = tier.inner.directory
+    plan.slow_reads = {tier.reads + 1}
+    with pytest.raises(TierIOError):
+        a.resume()
+    close_all(m)
+    t0 = time.monotonic()
+    with pytest.raises(TierIOError, match="abandoned past the I/O deadline") as info:
+        m.shutdown()
+    assert time.monotonic() - t0 < DEADLINE + 0.2          # one deadline, not SLOW
+    assert "read of" in str(info.value) and "(running" in str(info.value)
+    assert m.is_shut_down
+    m.shutdown()                                           # a second call is a no-op
+    # The stuck read returns; the level's thread then closes the files it still had.
+    io = m.storage_levels.io[2]
+    assert io.wait_idle(SLOW * 4)
+    t0 = time.monotonic()
+    while io.thread_alive and time.monotonic() - t0 < 2:
+        time.sleep(0.01)
+    assert not io.thread_alive
+    deadline = time.monotonic() + 2
+    while os.path.exists(directory) and os.listdir(directory) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(n.startswith("kvcm-owner") for n in os.listdir(directory))
+
+
+def test_shutdown_of_an_idle_level_is_quick_and_raises_nothing(build):
+    m, _, _ = build()
+    d = Driver(m)
+    _push_to_disk(d)
+    close_all(m)
+    io = m.storage_levels.io[2]
+    assert io.thread_alive
+    _, took = _timed(m.shutdown)
+    assert took < DEADLINE and m.is_shut_down
+    t0 = time.monotonic()
+    while io.thread_alive and time.monotonic() - t0 < 2:
+        time.sleep(0.01)
+    assert not io.thread_alive                             # the thread ended with it
+
+
+# -- LevelIO on its own ------------------------------------------------------------------------
+
+
+def test_level_io_runs_in_order_and_every_os_failure_is_a_tier_io_error():
+    io = LevelIO(3, 1.0)
+    seen = []
+    io.call(lambda: seen.append(1), "first", "write")
+    io.call(lambda: seen.append(2), "second", "read")
+    assert seen == [1, 2] and io.stats.operations == 2
+
+    def fail():
+        raise OSError(5, "Input/output error")
+
+    with pytest.raises(TierIOError, match="Input/output error"):
+        io.call(fail, "write of 1 slots", "write")
+    assert io.close([], time.monotonic() + 1) == ([], [])
+
+
+def test_level_io_past_its_deadline_refuses_at_once_until_the_late_call_returns():
+    io = LevelIO(3, 0.05)
+    gate = threading.Event()
+    with pytest.raises(IODeadlineError, match="level 3: read of 2 slots missed its 0.05 s") \
+            as info:
+        io.call(gate.wait, "read of 2 slots", "read")
+    assert info.value.attempted and io.stats.read_misses == 1
+    assert io.stuck().startswith("read of 2 slots")
+    ran = []
+    t0 = time.monotonic()
+    with pytest.raises(IODeadlineError, match="not attempted: .* stuck on read of 2") as info:
+        io.call(lambda: ran.append(1), "write of 1 slots", "write")
+    assert time.monotonic() - t0 < 0.04 and not info.value.attempted and not ran
+    assert io.stats.fast_fails == 1 and io.stats.write_misses == 1
+    gate.set()
+    assert io.wait_idle(2) and io.stuck() is None
+    io.call(lambda: ran.append(1), "write of 1 slots", "write")   # recovered
+    assert ran == [1]
+    io.close([], time.monotonic() + 1)
+
+
+def test_level_io_close_abandons_what_is_stuck_and_runs_the_closers_after_it():
+    io = LevelIO(3, 0.05)
+    gate = threading.Event()
+    with pytest.raises(IODeadlineError):
+        io.call(gate.wait, "write of 4 slots", "write")
+    closed = []
+    t0 = time.monotonic()
+    failures, abandoned = io.close([("level 3 tier", lambda: closed.append("tier"))],
+                                   time.monotonic() + 0.05)
+    assert time.monotonic() - t0 < 0.2 and failures == []
+    assert abandoned[0].startswith("level 3: write of 4 slots (running")
+    assert abandoned[1] == "level 3 tier (queued)" and not closed
+    with pytest.raises(TierIOError, match="after shutdown"):
+        io.call(lambda: None, "read of 1 slots", "read")
+    gate.set()
+    t0 = time.monotonic()
+    while io.thread_alive and time.monotonic() - t0 < 2:
+        time.sleep(0.01)
+    assert closed == ["tier"] and not io.thread_alive
+
+
+def test_a_failed_background_write_marks_its_slots_until_they_are_written_again():
+    io = LevelIO(3, 1.0, write_queue_depth=2)
+    pool = object()
+    slots = np.array([4, 5])
+
+    def fail():
+        raise TierIOError("injected")
+
+    io.background(fail, "write of 2 slots", pool, slots)
+    assert io.wait_idle(1) and io.stats.background_failures == 1
+    with pytest.raises(TierIOError, match=r"slots \[5\] were not written"):
+        io.call(lambda: io.check_readable(pool, np.array([5, 7])), "read", "read")
+    io.call(lambda: io.check_readable(pool, np.array([6])), "read", "read")  # others fine
+    io.background(lambda: None, "write of 2 slots", pool, slots)
+    assert io.wait_idle(1)
+    io.call(lambda: io.check_readable(pool, slots), "read", "read")
+    io.close([], time.monotonic() + 1)
+
