@@ -63,6 +63,7 @@ _CRC_BYTES = 4
 FRAME_OVERHEAD = HEADER.itemsize + _CRC_BYTES
 KEY_BYTES = 32
 _KEY_AT = HEADER.fields["key"][1]
+_KEY_ITEM = np.dtype((np.void, KEY_BYTES))
 _SEQ_AT = HEADER.fields["seq"][1]
 
 
@@ -240,7 +241,10 @@ class FrameBook:
         n = len(slots)
         seqs = np.arange(self._next_seq, self._next_seq + n, dtype=np.uint64)
         self._next_seq += n
-        self.keys[slots] = keys
+        if keys.dtype == np.uint8 and keys.flags.c_contiguous:  # a key per item, not a byte
+            self.keys.view(_KEY_ITEM)[slots, 0] = keys.view(_KEY_ITEM)[:, 0]
+        else:
+            self.keys[slots] = keys
         self.seqs[slots] = seqs
         return seqs
 
