@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,7 @@ _CRC_BYTES = 4
 FRAME_OVERHEAD = HEADER.itemsize + _CRC_BYTES
 KEY_BYTES = 32
 _KEY_AT = HEADER.fields["key"][1]
+_KEY_ITEM = np.dtype((np.void, KEY_BYTES))
 _SEQ_AT = HEADER.fields["seq"][1]
 
 
@@ -71,17 +73,31 @@ def _crc(data: Any) -> int:
 
 
 _crc_value = google_crc32c.value
+_SLICES: dict[tuple[int, int], list[slice]] = {}  # (row width, body) -> slices
+_LITTLE = sys.byteorder == "little"
 
 
-def _crcs(rows: np.ndarray) -> np.ndarray:
-    """CRC-32C of each row of a 2-D ``uint8`` array (``uint32 [n]``): one copy of the
-    rows into bytes, then one C call per row on a slice of it (no NumPy view, no Python
-    frame per row)."""
+def _row_slices(n: int, width: int, body: int) -> list[slice]:
+    """The slices of the first ``body`` bytes of each row of ``width`` bytes in their flat
+    copy, for at least ``n`` rows (one list per row shape, grown to the largest batch
+    met; slices past the data give empty bytes and are never read)."""
+    have = _SLICES.get((width, body))
+    if have is None or len(have) < n:
+        if len(_SLICES) > 16:
+            _SLICES.clear()
+        have = _SLICES[(width, body)] = [slice(o, o + body)
+                                         for o in range(0, max(n, 256) * width, width)]
+    return have
+
+
+def _crcs(rows: np.ndarray, body: int | None = None) -> np.ndarray:
+    """CRC-32C of the first ``body`` bytes (all: None) of each row of a 2-D ``uint8``
+    array (``uint32 [n]``): one copy of the whole rows into bytes, then one C call per row
+    on a slice of it (no NumPy view, no Python frame per row)."""
     n, width = rows.shape
     flat = np.ascontiguousarray(rows).tobytes()
-    return np.fromiter(map(_crc_value, [flat[o : o + width]
-                                        for o in range(0, n * width, width)]),
-                       np.uint32, n)
+    slices = _row_slices(n, width, width if body is None else body)
+    return np.fromiter(map(_crc_value, map(flat.__getitem__, slices)), np.uint32, n)
 
 
 def layout_fingerprint(description: Any) -> bytes:
@@ -225,7 +241,10 @@ class FrameBook:
         n = len(slots)
         seqs = np.arange(self._next_seq, self._next_seq + n, dtype=np.uint64)
         self._next_seq += n
-        self.keys[slots] = keys
+        if keys.dtype == np.uint8 and keys.flags.c_contiguous:  # a key per item, not a byte
+            self.keys.view(_KEY_ITEM)[slots, 0] = keys.view(_KEY_ITEM)[:, 0]
+        else:
+            self.keys[slots] = keys
         self.seqs[slots] = seqs
         return seqs
 
@@ -263,11 +282,16 @@ class FrameBook:
         # The shared header bytes, then each frame's key and sequence number in place.
         out[:, :hb] = self._template(size)
         out[:, _KEY_AT : _KEY_AT + KEY_BYTES] = keys
-        out[:, _SEQ_AT : _SEQ_AT + 8] = self._record(slots, keys).astype(
-            "<u8", copy=False).view(np.uint8).reshape(n, 8)
-        out[:, hb : hb + size] = payloads
-        crcs = _crcs(out[:, : hb + size])
-        out[:, hb + size :] = crcs.astype("<u4").view(np.uint8).reshape(n, _CRC_BYTES)
+        seqs = self._record(slots, keys)
+        body = hb + size
+        if _LITTLE:  # the sequence numbers and CRCs straight into their columns
+            out[:, _SEQ_AT : _SEQ_AT + 8].view(np.uint64)[:, 0] = seqs
+            out[:, hb : body] = payloads
+            out[:, body:].view(np.uint32)[:, 0] = _crcs(out, body)
+            return out
+        out[:, _SEQ_AT : _SEQ_AT + 8] = seqs.astype("<u8").view(np.uint8).reshape(n, 8)
+        out[:, hb : body] = payloads
+        out[:, body:] = _crcs(out, body).astype("<u4").view(np.uint8).reshape(n, _CRC_BYTES)
         return out
 
     def wrap_blobs(self, slots: np.ndarray, payloads: Sequence[bytes],
@@ -302,7 +326,7 @@ class FrameBook:
         ok = self._header_ok(slots, head, np.full(n, size, dtype=np.uint32))
         stored = np.ascontiguousarray(frames[:, hb + size :]).view("<u4").reshape(n)
         if np.count_nonzero(ok):
-            ok &= _crcs(frames[:, : hb + size]) == stored
+            ok &= _crcs(frames, hb + size) == stored
         return ok
 
     def unwrap_blob(self, slot: int, blob: bytes | None) -> bytes | None:

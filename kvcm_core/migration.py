@@ -277,13 +277,15 @@ class Mover:
         if isinstance(sp, DevicePool) and sp.region.buffer.host_ptr is not None:
             # Host-visible pages (pinned host) to storage: one gather, in storage order.
             order = np.argsort(d, kind="stable")
-            rows = _host_pages(sp.region, cold, int(s.max()) + 1)[s[order]]
+            items = _host_pages(sp.region, cold, int(s.max()) + 1, whole=True)
+            rows = items[s[order]].view(np.uint8).reshape(len(s), cold)
             self._put(dst, d[order], rows, None if keys is None else keys[order])
             return
         if isinstance(dp, DevicePool) and dp.region.buffer.host_ptr is not None:
             rows = np.empty((len(s), cold), dtype=np.uint8)
             self._get(src, s, rows, ok)
-            _host_pages(dp.region, cold, int(d.max()) + 1)[d] = rows
+            _host_pages(dp.region, cold, int(d.max()) + 1, whole=True)[d] = \
+                rows.view(np.dtype((np.void, cold))).reshape(len(d))
             return
         for lo, hi in self._chunks(len(s), cold):
             k = hi - lo
@@ -366,13 +368,19 @@ def _identity_tasks(layout: PageLayout, gpu: Sequence[PageRegion], cold: PageReg
     return tasks
 
 
-def _host_pages(region: PageRegion, page_bytes: int, count: int) -> np.ndarray:
-    """``[count, page_bytes]`` host view of a host-visible region's first pages."""
+def _host_pages(region: PageRegion, page_bytes: int, count: int,
+                whole: bool = False) -> np.ndarray:
+    """``[count, page_bytes]`` host view of a host-visible region's first pages
+    (``whole``: ``[count]`` of ``void`` items of ``page_bytes``, so that a fancy index
+    copies whole pages rather than byte by byte)."""
     end = region.offset + (count - 1) * region.stride + page_bytes
     if end > region.buffer.nbytes:
         raise ValueError(f"page {count - 1} ends at byte {end}, past the buffer's "
                          f"{region.buffer.nbytes} bytes")
     base = region.buffer.host_view()
+    if whole:
+        return np.ndarray((count,), dtype=np.dtype((np.void, page_bytes)), buffer=base,
+                          offset=region.offset, strides=(region.stride,))
     return np.ndarray((count, page_bytes), dtype=np.uint8, buffer=base, offset=region.offset,
                       strides=(region.stride, 1))
 

@@ -401,6 +401,16 @@ class SegmentLruPolicy(EvictionPolicy):
             queue = self._queues[p]
             while need and queue:
                 serial, seg = queue[0]
+                if len(seg) < need and len(queue) > 2 and len(queue[1][1]) < need:
+                    # Small segments (a close's leaf and partial blocks) in a row: every
+                    # one that fits whole is taken in one liveness pass.
+                    took = self._pop_front_run(queue, need)
+                    if took is not None:
+                        need -= len(took)
+                        out.append(took)
+                        self._live[p] -= len(took)
+                        self._count -= len(took)
+                        continue
                 live = seg[stamp[seg] == serial]
                 self._entries -= len(seg)
                 if len(live) <= need:
@@ -427,6 +437,31 @@ class SegmentLruPolicy(EvictionPolicy):
         if self._to_outer and int(got.max()) >= _BIG:
             return np.asarray(self._outer(got), dtype=np.int64)
         return got
+
+    def _pop_front_run(self, queue: deque[tuple[int, np.ndarray]],
+                       need: int) -> np.ndarray | None:
+        """Take the front segments of ``queue`` whose total length fits in ``need``
+        (at least three, else None and nothing done): their live entries, in order,
+        stamped absent."""
+        serials: list[int] = []
+        segs: list[np.ndarray] = []
+        total = 0
+        for serial, seg in queue:
+            if total + len(seg) > need:
+                break
+            serials.append(serial)
+            segs.append(seg)
+            total += len(seg)
+        if len(segs) < 3:
+            return None
+        for _ in segs:
+            queue.popleft()
+        self._entries -= total
+        cat = np.concatenate(segs)
+        lens = np.fromiter(map(len, segs), np.int64, len(segs))
+        live = cat[self._stamp[cat] == np.repeat(np.asarray(serials, dtype=np.int64), lens)]
+        self._stamp[live] = 0
+        return live
 
     # -- queries -------------------------------------------------------------------------------
 

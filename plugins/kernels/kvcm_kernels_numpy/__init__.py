@@ -115,9 +115,17 @@ def _copy(task: CopyTask, counts: tuple[int, int]) -> None:
     pairs = task.pairs
     if len(pairs) == 0:
         return
-    src_view = _page_view(task.src, task.page_bytes, counts[1])
-    dst_view = _page_view(task.dst, task.page_bytes, counts[0])
+    src_view = _page_items(task.src, task.page_bytes, counts[1])
+    dst_view = _page_items(task.dst, task.page_bytes, counts[0])
     dst_view[pairs[:, 0]] = src_view[pairs[:, 1]]  # gather first, then scatter
+
+
+def _page_items(region: PageRegion, page_bytes: int, count: int) -> np.ndarray:
+    """:func:`_page_view` with each page as one item (``void`` of ``page_bytes``): a
+    fancy index then copies whole pages, not byte by byte."""
+    base = region.buffer.host_view()
+    return np.ndarray((count,), dtype=np.dtype((np.void, page_bytes)), buffer=base,
+                      offset=region.offset, strides=(region.stride,))
 
 
 def _slot_maps(page_bytes: int, slots: int) -> tuple[np.ndarray, np.ndarray]:

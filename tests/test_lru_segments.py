@@ -1,0 +1,54 @@
+"""The ``lru`` policy's array segments: many small segments in a row (a close's leaf and
+partial blocks each enter one) are popped in exact LRU order, dead entries skipped."""
+
+import random
+
+import numpy as np
+from kvcm_eviction_lru.segments import SegmentLruPolicy
+
+
+def _reference_pop(order: dict[int, list[int]], k: int) -> list[int]:
+    out: list[int] = []
+    for p in sorted(order):
+        while order[p] and len(out) < k:
+            out.append(order[p].pop(0))
+    return out
+
+
+def test_runs_of_small_segments_pop_in_lru_order_skipping_dead_entries():
+    rng = random.Random(7)
+    policy = SegmentLruPolicy()
+    order: dict[int, list[int]] = {}
+    next_id = 0
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.55:  # a small batch (one or two pages, often one priority)
+            n = rng.choice([1, 1, 1, 2, 3])
+            pages = list(range(next_id, next_id + n))
+            next_id += n
+            prios = [rng.choice([0, 1, 1, 35]) for _ in pages]
+            policy.insert_many(np.asarray(pages, dtype=np.int64),
+                               np.asarray(prios, dtype=np.int64))
+            for pg, pr in zip(pages, prios, strict=True):
+                order.setdefault(pr, []).append(pg)
+        elif op < 0.75:  # remove or touch some: dead entries stay in old segments
+            live = [pg for q in order.values() for pg in q]
+            if not live:
+                continue
+            chosen = rng.sample(live, min(len(live), rng.randint(1, 3)))
+            if rng.random() < 0.5:
+                policy.remove_many(np.asarray(chosen, dtype=np.int64))
+                for q in order.values():
+                    q[:] = [pg for pg in q if pg not in chosen]
+            else:
+                policy.touch_many(np.asarray(chosen, dtype=np.int64))
+                for pr, q in order.items():
+                    moved = [pg for pg in chosen if pg in q]
+                    q[:] = [pg for pg in q if pg not in chosen] + moved
+        else:
+            k = rng.randint(1, 12)
+            got = policy.pop_victims(k).tolist()
+            assert got == _reference_pop(order, k)
+        assert len(policy) == sum(len(q) for q in order.values())
+    assert policy.pop_victims(10**6).tolist() == _reference_pop(order, 10**6)
+    assert len(policy) == 0
