@@ -196,7 +196,8 @@ def test_a_storage_failure_during_the_run_exits_3_naming_it(tmp_path, capsys, re
                  "--no-plots", "--no-compare", "--out", str(tmp_path)])
     assert code == 3
     line = _one_line(capsys.readouterr().err)
-    assert "storage failed: TierIOError: injected fault: read" in line
+    assert "storage failed: TierIOError: reading 1 pages from level 2 failed" in line
+    assert "injected fault: read" in line
     assert "likely cause: a colder level's tier could not" in line
 
 
