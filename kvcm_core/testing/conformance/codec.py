@@ -240,6 +240,20 @@ def extreme_case(blocks: int = 8, seed: int = 0) -> _KvCase:
     return _KvCase(PageLayout(tuple(sizes), tuple(places)), images)
 
 
+def _assert_numpy_bytes(backend: KernelBackend, codec: Any, case: Any) -> None:
+    """Cold pages and decoded pages of ``backend`` equal the ``numpy`` backend's, bit for
+    bit."""
+    reference = get_plugin_manager().kernel_backend("numpy").factory({})
+    try:
+        want_pages, want_out = _encode_decode(reference, codec, case)
+    finally:
+        reference.close()
+    pages, out = _encode_decode(backend, codec, case)
+    assert np.array_equal(pages, want_pages), "cold pages differ from the numpy backend's"
+    for got, want in zip(out, want_out, strict=True):
+        assert np.array_equal(got, want), "decoded pages differ from the numpy backend's"
+
+
 def _encode_decode(backend: KernelBackend, codec: PageCodec, case: _KvCase
                    ) -> tuple[np.ndarray, list[np.ndarray]]:
     """Encode every block of ``case`` on ``backend`` and decode into fresh pools: the cold
@@ -486,15 +500,7 @@ class CodecConformance(ConformanceBase):
         self._page(kvcm_plugin_spec)
         if not backend.capabilities.has_device:
             pytest.skip("the selected backend is the numpy reference itself")
-        reference = get_plugin_manager().kernel_backend("numpy").factory({})
-        try:
-            want_pages, want_out = _encode_decode(reference, codec, case)
-        finally:
-            reference.close()
-        pages, out = _encode_decode(backend, codec, case)
-        assert np.array_equal(pages, want_pages), "cold pages differ from the numpy backend's"
-        for got, want in zip(out, want_out, strict=True):
-            assert np.array_equal(got, want), "decoded pages differ from the numpy backend's"
+        _assert_numpy_bytes(backend, codec, case)
 
     def test_page_codec_gives_the_numpy_backends_bytes_on_extreme_values_on_a_device_backend(
         self, codec: Any, kvcm_plugin_spec: Any, backend: KernelBackend
@@ -505,16 +511,7 @@ class CodecConformance(ConformanceBase):
         self._page(kvcm_plugin_spec)
         if not backend.capabilities.has_device:
             pytest.skip("the selected backend is the numpy reference itself")
-        case = extreme_case()
-        reference = get_plugin_manager().kernel_backend("numpy").factory({})
-        try:
-            want_pages, want_out = _encode_decode(reference, codec, case)
-        finally:
-            reference.close()
-        pages, out = _encode_decode(backend, codec, case)
-        assert np.array_equal(pages, want_pages), "cold pages differ from the numpy backend's"
-        for got, want in zip(out, want_out, strict=True):
-            assert np.array_equal(got, want), "decoded pages differ from the numpy backend's"
+        _assert_numpy_bytes(backend, codec, extreme_case())
 
     def test_encode_and_decode_of_no_blocks_change_nothing(
         self, codec: Any, kvcm_plugin_spec: Any, backend: KernelBackend
