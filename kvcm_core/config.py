@@ -21,6 +21,7 @@ from kvcm_core.types import ReusePolicy
 from kvcm_core.units import parse_size
 
 __all__ = [
+    "DEFAULT_WRITE_QUEUE_DEPTH",
     "DTYPES",
     "DTYPE_SIZES",
     "AttentionLayerConfig",
@@ -381,6 +382,10 @@ def _deadline(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
                           "must be a number of seconds in (0, 3600], or None (no deadline)")
 
 
+#: Background write batches a storage level keeps in flight unless told otherwise.
+DEFAULT_WRITE_QUEUE_DEPTH = 8
+
+
 @attrs.frozen(kw_only=True)
 class LevelConfig:
     """One storage level, warm to cold.
@@ -400,11 +405,16 @@ class LevelConfig:
             leave the prefix tree; a ``resume`` that needed them raises ``TierIOError``).
             ``None``: no deadline, I/O on the scheduler thread (a frozen file system then
             stalls every request). Ignored on device-accessible levels (no I/O).
-        write_queue_depth: storage writes that may be in flight in the background
-            (``0``, the default: each write completes before the step goes on). With
-            ``N > 0`` a write's rows are copied into a bounded queue of ``N`` batches and
-            the step goes on; a write that later fails makes its blocks unreadable (a
-            read of them is a lost block, never wrong KV). Needs ``io_deadline_s``.
+        write_queue_depth: storage write batches that may be in flight in the
+            background. ``None`` (the default): :data:`DEFAULT_WRITE_QUEUE_DEPTH` on a
+            level with an I/O thread, ``0`` without one. With ``N > 0`` a write's rows
+            are copied into a bounded queue of ``N`` batches and the step goes on; a
+            write that later fails makes its blocks unreadable (a read of them is a lost
+            block, never wrong KV). When the queue is full, victims that are only cached
+            copies are dropped at once rather than offloaded (nothing waits for the
+            level), while held pages (a suspended request's) wait for the oldest write,
+            within the deadline. ``0``: each write completes before the step goes on.
+            ``N > 0`` needs ``io_deadline_s``.
     """
 
     tier: str = attrs.field(validator=_plugin_name())
@@ -415,12 +425,20 @@ class LevelConfig:
         factory=dict, converter=_to_options, validator=_options
     )
     io_deadline_s: float | None = attrs.field(default=5.0, validator=_deadline)
-    write_queue_depth: int = attrs.field(default=0, validator=_int(0))
+    write_queue_depth: int | None = attrs.field(default=None,
+                                                validator=_int(0, optional=True))
 
     def __attrs_post_init__(self) -> None:
         if self.write_queue_depth and self.io_deadline_s is None:
             raise ConfigError("LevelConfig.write_queue_depth", self.write_queue_depth,
                               "background writes need io_deadline_s (an I/O thread)")
+
+    @property
+    def background_write_depth(self) -> int:
+        """The write queue's depth in effect: ``write_queue_depth``, or its default."""
+        if self.write_queue_depth is not None:
+            return self.write_queue_depth
+        return DEFAULT_WRITE_QUEUE_DEPTH if self.io_deadline_s is not None else 0
 
 
 @attrs.frozen(kw_only=True)

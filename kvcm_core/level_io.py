@@ -21,11 +21,15 @@ and nothing queues behind a stuck one, so a late write lands before any later op
 of its slots. A late read lands in a private buffer that nobody reads; writes copy their
 rows first (the caller's staging is reused as soon as the call returns).
 
-Background writes (``LevelConfig.write_queue_depth = N > 0``): a write returns once its
-rows are copied into the queue (at most ``N`` batches in flight; a full queue waits for
-the oldest, within the deadline). A background write that fails marks its slots bad: a
-later read of them fails (the blocks are lost, never wrong KV) until they are written
-again.
+Background writes (``LevelConfig.write_queue_depth``, 8 batches unless told otherwise)
+are for *droppable* pages, victims that are only cached copies (announced by
+:meth:`LevelIO.dropping`): such a write returns once its rows are copied into the queue.
+When ``N`` batches are already in flight it fails at once (``stats.queue_full_drops``) and
+the caller drops those victims instead of offloading them, so a level that cannot keep up
+never holds up the scheduler. A background write that fails marks its slots bad: a later
+read of them fails (the blocks are lost, never wrong KV; they were droppable) until they
+are written again. Writes of held pages (a suspended request's, which must not be lost)
+stay synchronous within the deadline: a failure leaves them where they were.
 
 Shutdown (:meth:`LevelIO.close_pools`): every pool and the tier are closed on the level's
 thread, all within one deadline; operations still unfinished then are abandoned (their
@@ -36,9 +40,10 @@ thread closes the files once they return) and listed in the ``TierIOError`` that
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,7 +51,8 @@ import numpy as np
 from kvcm_core.errors import TierIOError
 from kvcm_core.tier import BlobPool, CompletedIO, IOHandle, Pool, StoragePool, check_slots
 
-__all__ = ["DeadlineBlobPool", "DeadlinePool", "IODeadlineError", "IOStats", "LevelIO"]
+__all__ = ["DeadlineBlobPool", "DeadlinePool", "IODeadlineError", "IOStats", "LevelIO",
+           "WriteQueueFull"]
 
 
 class IODeadlineError(TierIOError):
@@ -62,6 +68,14 @@ class IODeadlineError(TierIOError):
         self.attempted = attempted
 
 
+class WriteQueueFull(IODeadlineError):
+    """A write of droppable pages found the level's background write queue full: it was
+    not attempted (the pages are dropped instead of offloaded)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, attempted=False)
+
+
 class IOStats:
     """What a level's I/O thread saw (counters only grow).
 
@@ -72,10 +86,12 @@ class IOStats:
         fast_fails: operations refused at once because the level was stuck.
         background_failures: background writes that failed (their slots marked bad).
         bad_reads: reads refused because a slot's background write had failed.
+        queue_full_drops: writes of droppable pages not attempted because the background
+            queue was full (those pages were dropped instead of offloaded).
     """
 
     __slots__ = ("background_failures", "bad_reads", "fast_fails", "operations",
-                 "read_misses", "write_misses")
+                 "queue_full_drops", "read_misses", "write_misses")
 
     def __init__(self) -> None:
         self.operations = 0
@@ -84,6 +100,7 @@ class IOStats:
         self.fast_fails = 0
         self.background_failures = 0
         self.bad_reads = 0
+        self.queue_full_drops = 0
 
     def as_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -124,6 +141,19 @@ class LevelIO:
         self._bad: set[tuple[int, int]] = set()  # (pool id, slot) of failed bg writes
         self._thread: threading.Thread | None = None
         self._stopped = False
+        #: The writes being issued are of droppable pages (see :meth:`dropping`).
+        self.droppable = False
+
+    @contextlib.contextmanager
+    def dropping(self, droppable: bool) -> Iterator[None]:
+        """Within the block, writes are of droppable pages when ``droppable`` is True:
+        only those go to the background queue (a full queue refuses them at once); any
+        other write completes, within the deadline, before the call returns."""
+        before, self.droppable = self.droppable, droppable
+        try:
+            yield
+        finally:
+            self.droppable = before
 
     # -- the thread --------------------------------------------------------------------------
 
@@ -238,10 +268,16 @@ class LevelIO:
 
     def background(self, fn: Callable[[], None], what: str, pool: Pool,
                    slots: np.ndarray) -> None:
-        """Queue a write (rows already copied) and return; waits for the oldest when
-        ``write_queue_depth`` writes are in flight (within the deadline)."""
+        """Queue a write (rows already copied) and return. With ``write_queue_depth``
+        writes in flight, a droppable write (see :meth:`dropping`) raises
+        :class:`WriteQueueFull` at once; any other waits for the oldest, within the
+        deadline."""
         self._fast_fail(what, "write")
         self._reap()
+        if len(self._background) >= self.write_queue_depth and self.droppable:
+            self.stats.queue_full_drops += 1
+            raise WriteQueueFull(f"level {self.level}: {what} not attempted: "
+                                 f"{len(self._background)} background writes in flight")
         if len(self._background) >= self.write_queue_depth:
             oldest = self._background[0]
             left = oldest.submitted + (self.deadline_s or 0) - time.monotonic()
@@ -253,17 +289,16 @@ class LevelIO:
             self._reap()
         key = id(pool)
         arr = [int(s) for s in slots.tolist()]
+        written = self.clearing(fn, pool, slots)
 
         def run() -> None:
             try:
-                fn()
+                written()
             except BaseException:
                 with self._cv:
                     self._bad.update((key, s) for s in arr)
                     self.stats.background_failures += 1
                 raise
-            with self._cv:
-                self._bad.difference_update((key, s) for s in arr)
 
         job = _Job(run, what, "bg-write")
         self._submit(job)
@@ -272,6 +307,21 @@ class LevelIO:
     def _reap(self) -> None:
         while self._background and self._background[0].done.is_set():
             self._background.popleft()
+
+    def clearing(self, fn: Callable[[], None], pool: Pool, slots: np.ndarray
+                 ) -> Callable[[], None]:
+        """``fn`` (a write of ``slots``), then, once it succeeded, the slots' marks of
+        an earlier failed background write are dropped (they hold good data again)."""
+        key = id(pool)
+        arr = [int(s) for s in slots.tolist()]
+
+        def run() -> None:
+            fn()
+            if self._bad:
+                with self._cv:
+                    self._bad.difference_update((key, s) for s in arr)
+
+        return run
 
     def check_readable(self, pool: Pool, slots: np.ndarray) -> None:
         """On the I/O thread, before a read: refuse slots whose background write failed."""
@@ -414,10 +464,10 @@ class DeadlinePool(StoragePool):
         io = self.io
         what = self._what("write", arr)
         try:
-            if io.write_queue_depth:
+            if io.write_queue_depth and io.droppable:
                 io.background(fn, what, self.inner_pool, arr)
             else:
-                io.call(fn, what, "write")
+                io.call(io.clearing(fn, self.inner_pool, arr), what, "write")
         except TierIOError as exc:
             return CompletedIO(exc)
         return CompletedIO()

@@ -38,7 +38,7 @@ from kvcm_core.events import BlockEvent, EventKind
 from kvcm_core.eviction import DEFAULT_PRIORITY, EvictionPolicy
 from kvcm_core.frame import KEY_BYTES, FrameBook, FrameCheckFailed, LevelFrames, page_key
 from kvcm_core.layout import StorageLayout
-from kvcm_core.level_io import LevelIO
+from kvcm_core.level_io import LevelIO, WriteQueueFull
 from kvcm_core.lifecycle import LifeCycle
 from kvcm_core.migration import Mover
 from kvcm_core.radix import NO_NODE, PrefixTree
@@ -92,6 +92,7 @@ class Levels:
         self.corrupt_ids: set[int] = set()
         #: The last storage failure of a move (its message names the cause).
         self.last_io_error: TierIOError | None = None
+        self.resize_failure: str | None = None  # why the last resize_level returned False
         ngroups = len(life_cycles)
         self.stats = IterationStats.empty(ngroups, len(config.levels))
         self.event_sink_errors: dict[str, int] = {}
@@ -141,7 +142,7 @@ class Levels:
         for li in range(1, nlevels):
             self.stores.append([])
             lc = config.levels[li]
-            io = LevelIO(li, lc.io_deadline_s, lc.write_queue_depth)
+            io = LevelIO(li, lc.io_deadline_s, lc.background_write_depth)
             for ci, n in enumerate(self.cold_slots(li, lc.quota)):
                 # Unnamed: kvcm does not persist its tree, so cold files are private to
                 # this manager (two managers never share a file).
@@ -450,8 +451,16 @@ class Levels:
         layout = self.layouts[self._pg_of[group]]
         keys = self.frame_keys(pids) if dst.frames is not None else None
         old = a.slot[pids]
+        io = self.io[dst.level]
         try:
-            self.mover.copy(layout, src, old, dst, slots, stream, keys)
+            if io is None:
+                self.mover.copy(layout, src, old, dst, slots, stream, keys)
+            else:
+                with io.dropping(droppable):
+                    self.mover.copy(layout, src, old, dst, slots, stream, keys)
+        except WriteQueueFull:  # the level is busy: these cached copies are dropped
+            dst.unreserve_slots(slots)
+            return pids
         except TierIOError as exc:
             dst.unreserve_slots(slots)
             self.stats.io_failures += 1
@@ -834,6 +843,7 @@ class Levels:
         page whose move fails (storage read or write) is lost, as a failed read at resume
         loses it: dropped from the tree, its holders must recompute."""
         stores = self.stores[level]
+        self.resize_failure = None
         plans = []
         for store, new in zip(stores, slots, strict=True):
             nhigh = len(store.high_pages(new))
@@ -846,8 +856,9 @@ class Levels:
             if new >= store.num_slots:
                 try:
                     store.grow(new)
-                except TierIOError:
-                    return False  # the pool could not grow (in time): it keeps its size
+                except TierIOError as exc:  # the pool could not grow (in time)
+                    self.resize_failure = f"the pool kept its size: {exc}"
+                    return False
                 continue
             if short > 0:
                 try:
@@ -874,8 +885,9 @@ class Levels:
                 self.epoch += 1
             try:
                 store.shrink(new)
-            except TierIOError:
-                return False  # the pool keeps its size; the pages moved stay valid
+            except TierIOError as exc:  # the pages moved stay valid
+                self.resize_failure = f"the pool kept its size: {exc}"
+                return False
         return True
 
     def _lose_unmovable(self, store: Store, pid: int) -> None:

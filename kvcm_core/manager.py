@@ -504,11 +504,12 @@ class KVCacheManager:
                 f"resize(level={level}, quota={quota}): {max(slots)} slots in one pool "
                 f"group; slot ids are 32-bit page indices (at most {MAX_SLOTS} slots)")
             return False
-        ok = self.storage_levels.resize_level(level, slots)
-        self.last_refusal = None if ok else (
-            f"resize(level={level}, quota={quota}): the pages in the slots given up cannot "
-            f"be placed (too few free slots left on level {level}, and the colder levels "
-            "cannot take the rest)")
+        L = self.storage_levels
+        ok = L.resize_level(level, slots)
+        self.last_refusal = None if ok else f"resize(level={level}, quota={quota}): " + (
+            L.resize_failure or
+            f"the pages in the slots given up cannot be placed (too few free slots left on "
+            f"level {level}, and the colder levels cannot take the rest)")
         return ok
 
     def check_invariants(self) -> None:

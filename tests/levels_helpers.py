@@ -114,16 +114,19 @@ def quota(layout: str, level: int, slots: int, framed: bool | None = None,
 def make_levels(layout: str, tiers: Sequence[tuple[str, int]], tmp_path: Path,
                 disk: Mapping[str, Any] | None = None) -> list[LevelConfig]:
     """Levels of ``tiers[i] = (tier, slots per life cycle)``; ``disk``: more options of
-    disk levels and their ``blob_codec`` (e.g. ``{"mode": "blob", "blob_codec": "zstd"}``)."""
+    disk levels, their ``blob_codec`` and ``write_queue_depth`` (e.g. ``{"mode": "blob",
+    "blob_codec": "zstd"}``)."""
     out = []
     extra = dict(disk or {})
     blob_codec = extra.pop("blob_codec", None)
+    depth = extra.pop("write_queue_depth", None)
     for i, (tier, slots) in enumerate(tiers):
         is_disk = "disk" in tier
         options = {"path": str(tmp_path / f"L{i}"), **extra} if is_disk else {}
         size = quota(layout, i, slots, is_disk, is_disk and blob_codec is not None)
         out.append(LevelConfig(tier=tier, quota=size, options=options,
-                               blob_codec=blob_codec if is_disk else None))
+                               blob_codec=blob_codec if is_disk else None,
+                               write_queue_depth=depth if is_disk else None))
     return out
 
 

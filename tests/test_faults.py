@@ -38,6 +38,12 @@ from kvcm_core.testing.faults import FaultPlan
 from kvcm_core.testing.fingerprint import FingerprintMismatch
 
 
+# Writes of droppable victims go to a background queue by default, where a failure is met
+# later, at a read (tests/test_io_deadline.py covers that): these tests check what a
+# failed synchronous write does.
+SYNC_WRITES = {"write_queue_depth": 0}
+
+
 @pytest.fixture
 def faulty(tmp_path):
     """Builds managers whose last level is a faulty disk; returns (manager, plan, tier).
@@ -76,7 +82,7 @@ def _push_to_disk(d):
 
 
 def test_failed_disk_write_drops_the_droppable_blocks_and_leaks_nothing(faulty):
-    m, plan, tier = faulty([("gpu", 8), ("host", 4), ("faulty-disk", 16)])
+    m, plan, tier = faulty([("gpu", 8), ("host", 4), ("faulty-disk", 16)], disk=SYNC_WRITES)
     d = Driver(m)
     s = d.write(tokens(16, 1))                  # held, stays on the GPU (droppable go first)
     r = [tokens(16, 100 + i) for i in range(3)]
@@ -113,7 +119,7 @@ def test_failed_disk_write_drops_the_droppable_blocks_and_leaks_nothing(faulty):
 def test_failed_write_of_part_of_a_chain_keeps_only_the_prefix_that_arrived(faulty):
     """R0's blocks leave the host two at a time; the first batch's write fails: those
     blocks are dropped (with everything below them), what was written later is reused."""
-    m, plan, tier = faulty([("gpu", 4), ("host", 4), ("faulty-disk", 16)])
+    m, plan, tier = faulty([("gpu", 4), ("host", 4), ("faulty-disk", 16)], disk=SYNC_WRITES)
     d = Driver(m)
     r = [tokens(16, 100 + i) for i in range(3)]
     d.write(r[0], chunk=16, suspend=False).close()
@@ -134,7 +140,7 @@ def test_failed_write_of_part_of_a_chain_keeps_only_the_prefix_that_arrived(faul
 def test_failed_host_to_disk_write_of_cold_droppable_blocks_never_serves_poison(faulty):
     """Every disk write fails: closed blocks pushed off the host are dropped, reuse only
     ever comes from levels that hold good data."""
-    m, plan, _tier = faulty([("gpu", 4), ("host", 4), ("faulty-disk", 16)])
+    m, plan, _tier = faulty([("gpu", 4), ("host", 4), ("faulty-disk", 16)], disk=SYNC_WRITES)
     d = Driver(m)
     plan.fail_all_writes = True
     reqs = [tokens(12, 200 + i) for i in range(6)]

@@ -23,18 +23,20 @@ from levels_helpers import (
     assert_all_free,
     assert_invariants,
     cache_pages,
+    chain,
     close_all,
     faulty_disk,
     faulty_tier,
     make_levels,
+    node_pages,
     page_level,
     page_levels,
     tokens,
 )
 
 from kvcm_core import ConfigError, InvalidStateError, KVCacheManager, TierIOError
-from kvcm_core.config import KVCacheManagerConfig, LevelConfig
-from kvcm_core.level_io import DeadlinePool, IODeadlineError, LevelIO
+from kvcm_core.config import DEFAULT_WRITE_QUEUE_DEPTH, KVCacheManagerConfig, LevelConfig
+from kvcm_core.level_io import DeadlinePool, IODeadlineError, LevelIO, WriteQueueFull
 from kvcm_core.testing.engine import EngineLoop, Request
 from kvcm_core.testing.faults import FaultPlan
 
@@ -88,6 +90,11 @@ def _push_to_disk(d):
     return a, b, c
 
 
+def page_levels_of(m, toks):
+    """Levels of the pages of the blocks of ``toks`` in the tree."""
+    return {page_level(m, p) for n in chain(m, toks) for p in node_pages(m, n) if p >= 0}
+
+
 def _timed(fn, *args):
     t0 = time.monotonic()
     out = fn(*args)
@@ -97,9 +104,23 @@ def _timed(fn, *args):
 # -- configuration ---------------------------------------------------------------------------
 
 
-def test_the_io_deadline_defaults_to_five_seconds_and_background_writes_are_opt_in():
+def test_the_io_deadline_defaults_to_five_seconds_with_background_writes_on():
     lc = LevelConfig(tier="disk", quota=1 << 20)
-    assert lc.io_deadline_s == 5.0 and lc.write_queue_depth == 0
+    assert lc.io_deadline_s == 5.0 and lc.write_queue_depth is None
+    assert lc.background_write_depth == DEFAULT_WRITE_QUEUE_DEPTH > 0
+    inline = LevelConfig(tier="disk", quota=1 << 20, io_deadline_s=None)
+    assert inline.background_write_depth == 0  # no thread, so nothing in the background
+    assert LevelConfig(tier="disk", quota=1 << 20, write_queue_depth=0
+                       ).background_write_depth == 0
+
+
+def test_a_level_built_from_defaults_writes_in_the_background(build, tmp_path):
+    m = _manager(tmp_path / "defaults", FaultPlan(), deadline=5.0, depth=None)
+    try:
+        io = m.storage_levels.io[2]
+        assert io is not None and io.write_queue_depth == DEFAULT_WRITE_QUEUE_DEPTH
+    finally:
+        m.shutdown()
 
 
 @pytest.mark.parametrize(("kw", "field"), [
@@ -298,39 +319,131 @@ def test_a_frozen_cold_tier_does_not_stall_requests_that_live_on_the_gpu(build):
 # -- background writes -----------------------------------------------------------------------
 
 
-def test_background_writes_do_not_hold_the_step_and_read_back_exactly(build):
-    m, plan, tier = build(depth=4)
+def _cascade(m, d, n=3, seed=300):
+    """A held request (stays on the GPU) and ``n`` closed ones of 16 tokens: the third
+    close pushes the first one's blocks (droppable victims) from the host to the disk."""
+    s = d.write(tokens(16, seed))
+    r = [tokens(16, seed + 1 + i) for i in range(n)]
+    for t in r[:2]:
+        d.write(t, chunk=16, suspend=False).close()
+    return s, r
+
+
+def _reuse_and_verify(d, prefix, n, seed):
+    """A new request on ``prefix`` reuses ``n`` tokens, and every byte checks."""
+    q = d.create(prefix + tokens(3, seed))
+    assert q.history_length == n
+    d.run_to(q)
+    q.close()
+
+
+def test_background_writes_of_cached_victims_do_not_hold_the_step_and_read_back(build):
+    m, plan, tier = build([("gpu", 8), ("host", 4), ("faulty-disk", 40)], depth=4)
     d = Driver(m)
+    s, r = _cascade(m, d)
     plan.slow_writes = {tier.writes + 1}
-    # A goes to the disk through a write that sleeps past the deadline in the background.
-    (a, b, c), took = _timed(_push_to_disk, d)
-    assert took < SLOW - 0.1, "the step waited for a background write"
+    _, took = _timed(lambda: d.write(r[2], chunk=16, suspend=False).close())  # R0 -> disk
+    assert took < DEADLINE / 2, "the step waited for a background write"
     io = m.storage_levels.io[2]
     assert not io.wait_idle(0) and io.stats.write_misses == 0  # still writing, unwaited
+    assert page_levels_of(m, r[0]) == {2}
     assert io.wait_idle(SLOW * 4)
-    d.resume_and_verify(a, b, c)                           # read after the write landed
+    _reuse_and_verify(d, r[0], 16, 1)                      # read after the write landed
     assert io.stats.background_failures == 0 and io.stats.read_misses == 0
+    d.resume_and_verify(s)
+
+
+def test_held_pages_are_written_synchronously_even_with_a_background_queue(build):
+    """A suspended request's pages must not be lost to a failed background write: their
+    write (here slow, within the deadline) completes before the step goes on."""
+    m, plan, tier = build(depth=4, deadline=SLOW * 3)
+    d = Driver(m)
+    plan.slow_writes = {tier.writes + 1}
+    (a, b, c), took = _timed(_push_to_disk, d)             # A's held pages -> disk
+    io = m.storage_levels.io[2]
+    assert took > SLOW / 2, "the held pages' write did not complete before the step"
+    assert io.wait_idle(0) and io.stats.write_misses == 0  # nothing left in flight
+    d.resume_and_verify(a, b, c)
 
 
 def test_a_failed_background_write_makes_its_blocks_lost_never_wrong(build):
-    m, plan, tier = build(depth=4)
+    m, plan, tier = build([("gpu", 8), ("host", 4), ("faulty-disk", 40)], depth=4)
     d = Driver(m)
+    s, r = _cascade(m, d)
     plan.fail_writes = {tier.writes + 1}
-    a, b, c = _push_to_disk(d)
+    d.write(r[2], chunk=16, suspend=False).close()         # R0 -> disk: fails later
     io = m.storage_levels.io[2]
     assert io.wait_idle(SLOW * 4) and io.stats.background_failures == 1
+    assert m.get_and_reset_iteration_stats().io_failures == 0  # not known at write time
+    # The tree still names R0's blocks; reading them fails, so they are lost (recomputed).
+    q = d.create(r[0] + tokens(3, 5))
+    assert q.history_length == 16
     with pytest.raises(TierIOError, match="background write failed"):
-        a.resume()
+        q.resume()
     assert io.stats.bad_reads == 1
-    a.close()
+    q.close()
     assert_invariants(m)
-    again = d.create(d.toks[id(a)] if id(a) in d.toks else tokens(30, 11))
-    d.run_to(again)
-    again.close()
-    d.resume_and_verify(b, c)
+    assert m.probe_reuse(None, r[0]) == 0                  # gone from the tree
+    _reuse_and_verify(d, r[0], 0, 6)                       # recomputed, then cached again
+    _reuse_and_verify(d, r[1], 16, 7)
+    d.resume_and_verify(s)
+
+
+def test_a_full_write_queue_drops_cached_victims_at_once_and_nothing_waits(build):
+    """Depth 1 and a write sleeping past the deadline in the background: the next cascade
+    of droppable victims to the disk is refused at once (dropped, not offloaded, not an
+    I/O failure), and no step waits for the level."""
+    m, plan, tier = build([("gpu", 8), ("host", 4), ("faulty-disk", 40)], depth=1)
+    d = Driver(m)
+    s = d.write(tokens(16, 2))                             # held, stays on the GPU
+    r = [tokens(16, 200 + i) for i in range(5)]
+    d.write(r[0], chunk=16, suspend=False).close()
+    d.write(r[1], chunk=16, suspend=False).close()          # R0 -> host
+    plan.slow_writes = {tier.writes + 1}
+    m.get_and_reset_iteration_stats()
+    _, took = _timed(lambda: d.write(r[2], chunk=16, suspend=False).close())  # R0 -> disk
+    io = m.storage_levels.io[2]
+    assert took < DEADLINE / 2 and not io.wait_idle(0)     # the slow write is in flight
+    _, took = _timed(lambda: d.write(r[3], chunk=16, suspend=False).close())  # R1 -> disk?
+    assert took < DEADLINE / 2, "a step waited for the full write queue"
+    assert io.stats.queue_full_drops == 1 and io.stats.write_misses == 0
+    st = m.get_and_reset_iteration_stats()
+    assert st.io_failures == 0 and st.groups[0].dropped_blocks == 4
+    assert m.probe_reuse(None, r[1]) == 0                  # dropped, not cached
+    assert_invariants(m)
+    assert io.wait_idle(SLOW * 4)
+    assert m.probe_reuse(None, r[0]) == 16                 # the slow write landed
+    q = d.create(r[0] + tokens(3, 9))
+    d.run_to(q)                                            # read back from the disk
+    q.close()
+    d.resume_and_verify(s)
 
 
 # -- resize and shutdown ---------------------------------------------------------------------
+
+
+def test_a_resize_that_misses_its_deadline_is_refused_and_the_level_keeps_its_size(build):
+    """A pool resize sleeping past the deadline: ``resize`` returns False within about
+    one deadline naming it, the level keeps its size once the late resize has been undone
+    behind it, and every page on the disk reads back intact."""
+    m, plan, tier = build()
+    d = Driver(m)
+    a, b, c = _push_to_disk(d)
+    before = m.get_storage_statistics(2).total
+    quota = m.config.levels[2].quota
+    plan.slow_resizes = True
+    ok, took = _timed(m.resize, 2, quota * 2)
+    assert not ok and took < DEADLINE + 0.3
+    assert "deadline" in m.last_refusal and "kept its size" in m.last_refusal
+    assert m.get_storage_statistics(2).total == before
+    plan.slow_resizes = False
+    io = m.storage_levels.io[2]
+    assert io.wait_idle(SLOW * 4)
+    inner = m.storage_levels.stores[2][0].pools[0].inner_pool
+    assert inner.num_slots == before                       # grown late, then sized back
+    m.check_invariants()
+    d.resume_and_verify(a, b, c)
+    assert m.resize(2, quota * 2) and m.get_storage_statistics(2).total > before
 
 
 def test_a_resize_of_a_stuck_level_is_refused_at_once_and_changes_nothing(build):

@@ -91,6 +91,7 @@ class FaultPlan:
         slow_writes: ordinals of writes that sleep ``slow_s`` first.
         slow_reads: ordinals of reads that sleep ``slow_s`` first.
         slow_all: every storage read and write sleeps ``slow_s`` first.
+        slow_resizes: every storage pool resize sleeps ``slow_s`` first (then resizes).
         slow_s: seconds a slow operation sleeps (default 1.0).
     """
 
@@ -106,6 +107,7 @@ class FaultPlan:
     slow_writes: set[int] = attrs.field(factory=set, converter=_ordinals)
     slow_reads: set[int] = attrs.field(factory=set, converter=_ordinals)
     slow_all: bool = False
+    slow_resizes: bool = False
     slow_s: float = attrs.field(default=1.0, validator=attrs.validators.ge(0))
 
 
@@ -196,6 +198,10 @@ class FaultyStoragePool(StoragePool):
         return tier.handle(self.inner.read(arr, dest), None)
 
     def resize(self, num_slots: int) -> None:
+        tier = self.tier
+        if tier.plan.slow_resizes:
+            tier.injected.append(f"resize to {num_slots} slow")
+            time.sleep(tier.plan.slow_s)
         self.inner.resize(num_slots)
         self.num_slots = self.inner.num_slots
 
