@@ -24,6 +24,11 @@ rows first (the caller's staging is reused as soon as the call returns).
 Background writes (``LevelConfig.write_queue_depth``, 8 batches unless told otherwise)
 are for *droppable* pages, victims that are only cached copies (announced by
 :meth:`LevelIO.dropping`): such a write returns once its rows are copied into the queue.
+The thread is woken once half the queue has filled (or by any other operation of the level,
+which runs after them), and runs the queued writes of one pool as one write, each slot
+written once, in slot order: a thread hand-over costs far more than a small write, so
+fewer, larger writes keep the level's thread from taking the scheduler's time (the
+scheduler and the I/O thread share one interpreter lock).
 When ``N`` batches are already in flight it fails at once (``stats.queue_full_drops``) and
 the caller drops those victims instead of offloading them, so a level that cannot keep up
 never holds up the scheduler. A background write that fails marks its slots bad: a later
@@ -107,7 +112,7 @@ class IOStats:
 
 
 class _Job:
-    __slots__ = ("done", "error", "fn", "kind", "submitted", "what")
+    __slots__ = ("done", "error", "fn", "kind", "rows", "submitted", "what")
 
     def __init__(self, fn: Callable[[], None], what: str, kind: str) -> None:
         self.fn = fn
@@ -116,6 +121,12 @@ class _Job:
         self.submitted = time.monotonic()
         self.done = threading.Event()
         self.error: BaseException | None = None
+        #: A background write that can merge with its neighbours: (pool, slots, rows).
+        self.rows: tuple[StoragePool, np.ndarray, np.ndarray] | None = None
+
+
+#: Background writes merged into one write at most (the thread's hand-over is paid once).
+_MERGE_JOBS = 16
 
 
 class LevelIO:
@@ -141,6 +152,8 @@ class LevelIO:
         self._bad: set[tuple[int, int]] = set()  # (pool id, slot) of failed bg writes
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._idle = True  # the thread waits for work (a lazy submission leaves it so)
+        self._lazy = 0  # background writes queued since the thread was last woken
         #: The writes being issued are of droppable pages (see :meth:`dropping`).
         self.droppable = False
 
@@ -166,22 +179,63 @@ class LevelIO:
         while True:
             with self._cv:
                 while not self._queue:
+                    self._idle = True
                     self._cv.wait()
+                self._idle = False
                 job = self._queue.popleft()
                 if job is None:
                     return
+                batch = [job]
+                if job.rows is not None:  # queued writes of the same pool after it
+                    q = self._queue
+                    while (q and len(batch) < _MERGE_JOBS and q[0] is not None
+                           and q[0].rows is not None and q[0].rows[0] is job.rows[0]):
+                        batch.append(q.popleft())
                 self._running = job
-            try:
-                job.fn()
-            except BaseException as exc:  # handed to the waiter, never lost
-                job.error = exc
+            if len(batch) > 1:
+                self._write_merged(batch)
+            else:
+                try:
+                    job.fn()
+                except BaseException as exc:  # handed to the waiter, never lost
+                    job.error = exc
             with self._cv:
                 self._running = None
-                self.stats.operations += 1
-                if job in self._late:
-                    self._late.remove(job)
-                job.done.set()
+                self.stats.operations += len(batch)
+                for done in batch:
+                    if done in self._late:
+                        self._late.remove(done)
+                    done.done.set()
                 self._cv.notify_all()
+
+    def _write_merged(self, batch: list[_Job]) -> None:
+        """On the thread: the background writes ``batch`` (one pool) as one write; a
+        slot named twice gets its last write's rows."""
+        pool = batch[0].rows[0]  # type: ignore[index]
+        slots = np.concatenate([j.rows[1] for j in batch])  # type: ignore[index]
+        rows = np.concatenate([j.rows[2] for j in batch])  # type: ignore[index]
+        last, first = np.unique(slots[::-1], return_index=True)
+        pick = len(slots) - 1 - first  # the last write of each slot, in slot order
+        try:
+            _wait(pool.write(last, rows[pick]))
+        except BaseException as exc:
+            self._mark_bad(pool, slots, len(batch))
+            for job in batch:
+                job.error = exc
+            return
+        self._clear_bad(pool, last)
+
+    def _mark_bad(self, pool: Pool, slots: np.ndarray, failures: int) -> None:
+        key = id(pool)
+        with self._cv:
+            self._bad.update((key, int(s)) for s in slots.tolist())
+            self.stats.background_failures += failures
+
+    def _clear_bad(self, pool: Pool, slots: np.ndarray) -> None:
+        if self._bad:
+            key = id(pool)
+            with self._cv:
+                self._bad.difference_update((key, int(s)) for s in slots.tolist())
 
     @property
     def thread_alive(self) -> bool:
@@ -197,14 +251,30 @@ class LevelIO:
             job = self._late[0]
             return f"{job.what} ({time.monotonic() - job.submitted:.1f} s)"
 
-    def _submit(self, job: _Job) -> None:
+    def _submit(self, job: _Job, wake: bool = True) -> None:
+        """Queue ``job``; ``wake`` False leaves an idle thread asleep (a background write
+        that the next wake-up runs with the others)."""
         with self._cv:
             if self._stopped:
                 raise TierIOError(f"level {self.level}: I/O after shutdown ({job.what})")
             if self._thread is None:
                 self._start()
             self._queue.append(job)
-            self._cv.notify_all()
+            if wake or not self._idle:
+                self._wake()
+            else:
+                self._lazy += 1
+
+    def _wake(self) -> None:
+        """(Holding ``_cv``.) Wake the thread; background writes that waited for it have
+        their deadlines counted from now."""
+        if self._lazy:
+            now = time.monotonic()
+            for job in self._queue:
+                if job is not None and job.kind == "bg-write" and not job.done.is_set():
+                    job.submitted = max(job.submitted, now)
+            self._lazy = 0
+        self._cv.notify_all()
 
     def _miss(self, job: _Job) -> IODeadlineError | None:
         """``job`` is past its deadline: None if it finished meanwhile, else the error
@@ -267,11 +337,12 @@ class LevelIO:
     # -- background writes -------------------------------------------------------------------
 
     def background(self, fn: Callable[[], None], what: str, pool: Pool,
-                   slots: np.ndarray) -> None:
+                   slots: np.ndarray, rows: np.ndarray | None = None) -> None:
         """Queue a write (rows already copied) and return. With ``write_queue_depth``
         writes in flight, a droppable write (see :meth:`dropping`) raises
         :class:`WriteQueueFull` at once; any other waits for the oldest, within the
-        deadline."""
+        deadline. ``rows``: the write is ``pool.write(slots, rows)`` (it may merge with
+        the writes of the same pool queued beside it)."""
         self._fast_fail(what, "write")
         self._reap()
         if len(self._background) >= self.write_queue_depth and self.droppable:
@@ -280,6 +351,8 @@ class LevelIO:
                                  f"{len(self._background)} background writes in flight")
         if len(self._background) >= self.write_queue_depth:
             oldest = self._background[0]
+            with self._cv:
+                self._wake()
             left = oldest.submitted + (self.deadline_s or 0) - time.monotonic()
             if not oldest.done.wait(max(0.0, left)):
                 with self._cv:
@@ -287,22 +360,26 @@ class LevelIO:
                         self._late.append(oldest)
                 self._fast_fail(what, "write")
             self._reap()
-        key = id(pool)
-        arr = [int(s) for s in slots.tolist()]
         written = self.clearing(fn, pool, slots)
 
         def run() -> None:
             try:
                 written()
             except BaseException:
-                with self._cv:
-                    self._bad.update((key, s) for s in arr)
-                    self.stats.background_failures += 1
+                self._mark_bad(pool, slots, 1)
                 raise
 
         job = _Job(run, what, "bg-write")
-        self._submit(job)
+        if rows is not None and isinstance(pool, StoragePool):
+            job.rows = (pool, slots, rows)
+        self._submit(job, wake=len(self._background) + 1 >= max(1, self.write_queue_depth // 2))
         self._background.append(job)
+
+    @property
+    def background_in_flight(self) -> int:
+        """Background write batches queued or running (at most ``write_queue_depth``)."""
+        self._reap()
+        return len(self._background)
 
     def _reap(self) -> None:
         while self._background and self._background[0].done.is_set():
@@ -312,14 +389,9 @@ class LevelIO:
                  ) -> Callable[[], None]:
         """``fn`` (a write of ``slots``), then, once it succeeded, the slots' marks of
         an earlier failed background write are dropped (they hold good data again)."""
-        key = id(pool)
-        arr = [int(s) for s in slots.tolist()]
-
         def run() -> None:
             fn()
-            if self._bad:
-                with self._cv:
-                    self._bad.difference_update((key, s) for s in arr)
+            self._clear_bad(pool, slots)
 
         return run
 
@@ -370,7 +442,7 @@ class LevelIO:
                 jobs.append(job)
             self._queue.append(None)  # the thread ends after the closers
             self._stopped = True
-            self._cv.notify_all()
+            self._wake()
         for job in jobs:
             job.done.wait(max(0.0, until - time.monotonic()))
         abandoned = []
@@ -395,6 +467,7 @@ class LevelIO:
         is idle."""
         end = time.monotonic() + timeout
         with self._cv:
+            self._wake()
             while self._queue or self._running is not None:
                 left = end - time.monotonic()
                 if left <= 0:
@@ -458,14 +531,15 @@ class DeadlinePool(StoragePool):
         arr = check_slots(self, slots)
         rows = np.array(source, dtype=np.uint8, copy=True)  # the caller reuses its rows
         inner = self.inner_pool
-        return self._write(arr, lambda: _wait(inner.write(arr, rows)))
+        return self._write(arr, lambda: _wait(inner.write(arr, rows)), rows)
 
-    def _write(self, arr: np.ndarray, fn: Callable[[], None]) -> IOHandle:
+    def _write(self, arr: np.ndarray, fn: Callable[[], None],
+               rows: np.ndarray | None = None) -> IOHandle:
         io = self.io
         what = self._what("write", arr)
         try:
             if io.write_queue_depth and io.droppable:
-                io.background(fn, what, self.inner_pool, arr)
+                io.background(fn, what, self.inner_pool, arr, rows)
             else:
                 io.call(io.clearing(fn, self.inner_pool, arr), what, "write")
         except TierIOError as exc:

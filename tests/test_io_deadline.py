@@ -389,6 +389,65 @@ def test_a_failed_background_write_makes_its_blocks_lost_never_wrong(build):
     d.resume_and_verify(s)
 
 
+def test_queued_background_writes_wake_the_thread_once_and_run_as_one_write(build):
+    """Below half the queue, background writes wait for the level's thread without waking
+    it; the next wake-up runs the queued writes of the pool as one write, and every block
+    reads back intact."""
+    m, plan, tier = build([("gpu", 8), ("host", 4), ("faulty-disk", 40)], depth=8)
+    d = Driver(m)
+    s, r = _cascade(m, d, n=6)
+    io = m.storage_levels.io[2]
+    d.write(r[2], chunk=16, suspend=False).close()          # R0 -> disk
+    assert io.wait_idle(SLOW)                               # the thread now sleeps
+    before = tier.writes
+    for t in r[3:6]:                                        # R1, R2, R3 -> disk
+        d.write(t, chunk=16, suspend=False).close()
+    assert io.background_in_flight == 3 and tier.writes == before, "the thread was woken"
+    assert page_levels_of(m, r[3]) == {2}                   # on the disk level already
+    assert io.wait_idle(SLOW) and tier.writes == before + 1  # one merged write
+    assert io.stats.queue_full_drops == 0 and io.stats.background_failures == 0
+    for i in range(4):
+        _reuse_and_verify(d, r[i], 16, 60 + i)
+    d.resume_and_verify(s)
+
+
+def test_merged_background_writes_keep_the_last_write_of_a_slot():
+    """Queued background writes of one pool merge into one write; a slot written twice
+    (freed and reused while its first write waited) holds its last rows, and a failure
+    marks every slot of the merged writes unreadable until it is written again."""
+    from kvcm_core.testing.faults import FaultyTier
+    from kvcm_core.testing.reference import DictTier
+
+    plan = FaultPlan()
+    tier = FaultyTier(DictTier(), plan)
+    io = LevelIO(2, deadline_s=1.0, write_queue_depth=8)
+    pool = DeadlinePool(io, tier.create_pool(16, 8, name="p"))
+    rows = [np.full((2, 16), v, dtype=np.uint8) for v in (1, 2, 3)]
+    with io.dropping(True):
+        pool.write(np.array([0, 1]), rows[0]).wait()  # starts the thread, runs at once
+        assert io.wait_idle(1.0)
+        before = tier.writes
+        pool.write(np.array([5, 2]), rows[1]).wait()
+        pool.write(np.array([1, 6]), rows[2]).wait()   # slot 1 again: its last rows win
+        assert io.background_in_flight == 2 and tier.writes == before
+    assert io.wait_idle(1.0) and tier.writes == before + 1
+    out = np.zeros((5, 16), dtype=np.uint8)
+    pool.read(np.array([0, 1, 2, 5, 6]), out).wait()
+    assert out[:, 0].tolist() == [1, 3, 2, 2, 3]
+    plan.fail_writes = {tier.writes + 1}
+    with io.dropping(True):
+        pool.write(np.array([3]), rows[0][:1]).wait()
+        pool.write(np.array([4]), rows[1][:1]).wait()
+    assert io.wait_idle(1.0) and io.stats.background_failures == 2
+    for slot in (3, 4):
+        with pytest.raises(TierIOError, match="background write failed"):
+            pool.read(np.array([slot]), out[:1]).wait()
+    pool.write(np.array([3]), rows[2][:1]).wait()      # written again (synchronously)
+    pool.read(np.array([3]), out[:1]).wait()
+    assert out[0, 0] == 3
+    io.close([("pool", pool.close)], time.monotonic() + 1.0)
+
+
 def test_a_full_write_queue_drops_cached_victims_at_once_and_nothing_waits(build):
     """Depth 1 and a write sleeping past the deadline in the background: the next cascade
     of droppable victims to the disk is refused at once (dropped, not offloaded, not an

@@ -137,6 +137,8 @@ def replay(args: argparse.Namespace, prompts: list[np.ndarray]) -> dict[str, Any
                 levels.append({k: getattr(st, k, None) for k in
                                ("total", "free", "evictable", "used_bytes", "total_bytes")})
             groups = stats.groups
+            io = {lv: {k: getattr(q.stats, k) for k in q.stats.__slots__}
+                  for lv, q in enumerate(manager.storage_levels.io) if q is not None}
         finally:
             manager.shutdown()
     finally:
@@ -155,6 +157,7 @@ def replay(args: argparse.Namespace, prompts: list[np.ndarray]) -> dict[str, Any
         "offload_blocks": sum(g.offload_blocks for g in groups),
         "dropped_blocks": sum(g.dropped_blocks for g in groups),
         "levels_at_end": levels,
+        "io": io,
     }
 
 

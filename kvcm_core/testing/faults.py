@@ -37,12 +37,14 @@ import errno
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
 
 from kvcm_core.backend import Buffer
 from kvcm_core.errors import TierIOError
+from kvcm_core.level_io import IODeadlineError
 from kvcm_core.records import TierSpec
 from kvcm_core.tier import BlobPool, DevicePool, IOHandle, Pool, StoragePool, Tier, check_slots
 
@@ -349,16 +351,30 @@ class FaultyTier(Tier):
 
     def corrupt(self, pool: Pool, slot: int) -> None:
         """Invert byte ``plan.corrupt_offset`` of ``slot`` of ``pool`` (a pool of this
-        tier) now.
+        tier) now. Given a level's pool (its I/O thread wrapper), the damage is done on the
+        level's I/O thread, after the writes queued before it (background writes
+        included): it hits what the level wrote, as damage on the medium would (behind an
+        operation past the deadline it lands when that returns).
 
         Raises:
             ValueError: ``slot`` out of range, or ``pool`` not made by this tier.
         """
-        pool = getattr(pool, "inner_pool", pool)  # through a level's I/O thread wrapper
-        if not isinstance(pool, FaultyStoragePool | FaultyDevicePool) or pool.tier is not self:
-            raise ValueError(f"pool {pool!r}: not a pool of this FaultyTier")
-        check_slots(pool, np.array([slot]))
+        io = getattr(pool, "io", None)
+        inner = getattr(pool, "inner_pool", pool)  # through a level's I/O thread wrapper
+        if not isinstance(inner, FaultyStoragePool | FaultyDevicePool) or \
+                inner.tier is not self:
+            raise ValueError(f"pool {inner!r}: not a pool of this FaultyTier")
+        check_slots(inner, np.array([slot]))
         self.injected.append(f"slot {slot} corrupted")
+        if io is not None:
+            try:
+                io.call(lambda: self._corrupt(inner, slot), f"corrupt slot {slot}", "admin")
+            except IODeadlineError:  # behind a slow operation: it lands when that returns
+                self.injected[-1] += " (late)"
+        else:
+            self._corrupt(inner, slot)
+
+    def _corrupt(self, pool: Any, slot: int) -> None:
         offset = self.plan.corrupt_offset
         if isinstance(pool, FaultyBlobPool):
             blobs = [b""]
