@@ -147,12 +147,13 @@ class LevelIO:
         self._cv = threading.Condition()
         self._queue: collections.deque[_Job | None] = collections.deque()
         self._running: _Job | None = None
+        self._started = 0.0  # when the thread began ``_running``
         self._late: list[_Job] = []  # jobs past their deadline, not finished
         self._background: collections.deque[_Job] = collections.deque()
         self._bad: set[tuple[int, int]] = set()  # (pool id, slot) of failed bg writes
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self._idle = True  # the thread waits for work (a lazy submission leaves it so)
+        self._go = False  # the thread was woken: it runs what is queued until none is left
         self._lazy = 0  # background writes queued since the thread was last woken
         #: The writes being issued are of droppable pages (see :meth:`dropping`).
         self.droppable = False
@@ -178,10 +179,8 @@ class LevelIO:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._queue:
-                    self._idle = True
+                while not (self._queue and self._go):
                     self._cv.wait()
-                self._idle = False
                 job = self._queue.popleft()
                 if job is None:
                     return
@@ -192,6 +191,7 @@ class LevelIO:
                            and q[0].rows is not None and q[0].rows[0] is job.rows[0]):
                         batch.append(q.popleft())
                 self._running = job
+                self._started = time.monotonic()
             if len(batch) > 1:
                 self._write_merged(batch)
             else:
@@ -206,6 +206,8 @@ class LevelIO:
                     if done in self._late:
                         self._late.remove(done)
                     done.done.set()
+                if not self._queue:
+                    self._go = False  # asleep until the next wake-up
                 self._cv.notify_all()
 
     def _write_merged(self, batch: list[_Job]) -> None:
@@ -244,12 +246,18 @@ class LevelIO:
         return self._thread is not None and self._thread.is_alive()
 
     def stuck(self) -> str | None:
-        """What the level is stuck on (an operation past its deadline), or None."""
+        """What the level is stuck on (an operation past its deadline: one somebody waited
+        for in vain, or one the thread has been running for longer than the deadline, a
+        background write for example), or None."""
         with self._cv:
-            if not self._late:
+            if self._late:
+                job = self._late[0]
+                return f"{job.what} ({time.monotonic() - job.submitted:.1f} s)"
+            job = self._running
+            if job is None or self.deadline_s is None:
                 return None
-            job = self._late[0]
-            return f"{job.what} ({time.monotonic() - job.submitted:.1f} s)"
+            took = time.monotonic() - self._started
+            return f"{job.what} (running {took:.1f} s)" if took > self.deadline_s else None
 
     def _submit(self, job: _Job, wake: bool = True) -> None:
         """Queue ``job``; ``wake`` False leaves an idle thread asleep (a background write
@@ -260,7 +268,7 @@ class LevelIO:
             if self._thread is None:
                 self._start()
             self._queue.append(job)
-            if wake or not self._idle:
+            if wake or self._go:
                 self._wake()
             else:
                 self._lazy += 1
@@ -274,6 +282,7 @@ class LevelIO:
                 if job is not None and job.kind == "bg-write" and not job.done.is_set():
                     job.submitted = max(job.submitted, now)
             self._lazy = 0
+        self._go = True
         self._cv.notify_all()
 
     def _miss(self, job: _Job) -> IODeadlineError | None:

@@ -424,7 +424,7 @@ def test_merged_background_writes_keep_the_last_write_of_a_slot():
     pool = DeadlinePool(io, tier.create_pool(16, 8, name="p"))
     rows = [np.full((2, 16), v, dtype=np.uint8) for v in (1, 2, 3)]
     with io.dropping(True):
-        pool.write(np.array([0, 1]), rows[0]).wait()  # starts the thread, runs at once
+        pool.write(np.array([0, 1]), rows[0]).wait()
         assert io.wait_idle(1.0)
         before = tier.writes
         pool.write(np.array([5, 2]), rows[1]).wait()
@@ -445,6 +445,36 @@ def test_merged_background_writes_keep_the_last_write_of_a_slot():
     pool.write(np.array([3]), rows[2][:1]).wait()      # written again (synchronously)
     pool.read(np.array([3]), out[:1]).wait()
     assert out[0, 0] == 3
+    io.close([("pool", pool.close)], time.monotonic() + 1.0)
+
+
+def test_a_background_write_running_past_the_deadline_makes_the_level_refuse_at_once():
+    """Nobody waits for a background write, yet once the thread has run it for longer
+    than the deadline the level counts as stuck: the next read is refused at once rather
+    than waiting a deadline behind it, and the level recovers when the write returns."""
+    from kvcm_core.testing.faults import FaultyTier
+    from kvcm_core.testing.reference import DictTier
+
+    plan = FaultPlan(slow_s=SLOW)
+    tier = FaultyTier(DictTier(), plan)
+    io = LevelIO(2, deadline_s=DEADLINE, write_queue_depth=2)
+    pool = DeadlinePool(io, tier.create_pool(16, 8, name="p"))
+    rows = np.full((1, 16), 7, dtype=np.uint8)
+    pool.write(np.array([1]), rows).wait()                  # synchronous: nothing queued
+    plan.slow_writes = {tier.writes + 1}
+    with io.dropping(True):
+        pool.write(np.array([0]), rows).wait()              # wakes the thread (half of 2)
+    assert io.stuck() is None
+    time.sleep(DEADLINE * 1.5)
+    assert io.stuck() is not None and "running" in io.stuck()
+    out = np.zeros((1, 16), dtype=np.uint8)
+    t0 = time.monotonic()
+    with pytest.raises(IODeadlineError, match="not attempted") as caught:
+        pool.read(np.array([1]), out).wait()
+    assert not caught.value.attempted and time.monotonic() - t0 < DEADLINE / 2
+    assert io.wait_idle(SLOW * 2) and io.stuck() is None
+    pool.read(np.array([0]), out).wait()                    # the late write landed
+    assert out[0, 0] == 7
     io.close([("pool", pool.close)], time.monotonic() + 1.0)
 
 
