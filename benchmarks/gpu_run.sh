@@ -109,7 +109,7 @@ step() {  # one named step; modes below are lists of steps
     quant_sweep)  # issue 12: quant kernel variants against the copy bandwidth, both backends
       run quant_sweep.log 300 "$PY" -m kvcm_core.cli bench codecs --out "$OUT" \
         --skip cpu simulate --slots both --reps 50 --kernels \
-        "${KVCM_QUANT_SWEEP:-legacy,hw2,hw4,hw4cs,hw2s,hw4s,hw2x,hw4x,hw4xcs,hw4sx,hw8sx}" ;;
+        "${KVCM_QUANT_SWEEP:-hw4x,hw4sx,hw4sxp,hw4xp,hw4sxm}" ;;
     sparse_sweep)  # resolve kernels v1/v2: rows 64/256 x selected 2048/4096/8192
       run sparse_sweep.log 300 "$PY" benchmarks/gpu_sweep_sparse.py --out "$OUT" ;;
     *) echo "unknown step $1"; status=2 ;;

@@ -36,6 +36,8 @@ compiled on first use; each variant computes exactly the same bytes. The default
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from kvcm_codec_quant.reference import RAW_CHUNK
@@ -44,7 +46,9 @@ __all__ = [
     "DEFAULT_VARIANT",
     "FAST_GROUPS",
     "KERNEL_ENV",
+    "PARAM_WORDS",
     "SEG_DESC_WORDS",
+    "SLOT_TABLES",
     "SOURCE",
     "VARIANTS",
     "Variant",
@@ -57,6 +61,15 @@ SEG_DESC_WORDS = 16
 FAST_GROUPS = 8
 #: Environment variable that picks the kernel variant.
 KERNEL_ENV = "KVCM_QUANT_KERNEL"
+#: How a launch gets its slot table (shuffled slots; consecutive ones need none):
+#: ``device`` copied into device memory on the launch's stream before the launch; ``param``
+#: as a kernel parameter (it travels with the launch); ``mapped`` read by the kernel from
+#: pinned host memory mapped into the device's address space.
+SLOT_TABLES = ("device", "param", "mapped")
+#: Sizes (32-bit words) of the slot-table parameter of the ``param`` kernels: a launch takes
+#: the smallest that holds its table (one word a block when every slot is below 2**16, else
+#: two). The largest keeps the kernel's parameters under the 32764 bytes CUDA allows.
+PARAM_WORDS = (1024, 4096, 8160)
 
 
 @attrs.frozen
@@ -69,6 +82,9 @@ class Variant:
     ``streaming``: page loads and code stores with the evict-first cache hint;
     ``lean``: the half-warp path's lean forms (hardware fp8 and bf16 conversions, one
     division per warp; see the source);
+    ``slots``: how a launch on shuffled slots gets its slot table (one of
+    :data:`SLOT_TABLES`; a ``param`` table too large for the parameter goes the ``device``
+    way);
     ``plain_c_math`` (never in :data:`VARIANTS`): the fp32 operations as C intrinsics,
     which a ``-ftz=true`` compilation flushes (the tests use it to show the bug is caught)."""
 
@@ -78,7 +94,13 @@ class Variant:
     min_blocks: int
     streaming: bool = False
     lean: bool = False
+    slots: str = attrs.field(default="device")
     plain_c_math: bool = False  # tests only: C float intrinsics, which -ftz=true flushes
+
+    @slots.validator
+    def _known_slots(self, _: Any, value: str) -> None:
+        if value not in SLOT_TABLES:
+            raise ValueError(f"slots={value!r}: must be one of {list(SLOT_TABLES)}")
 
     @property
     def warps(self) -> int:
@@ -103,6 +125,9 @@ VARIANTS = {v.name: v for v in (
     Variant("hw4xcs", 4, 256, 4, streaming=True, lean=True),
     Variant("hw4sx", 4, 128, 8, lean=True),
     Variant("hw8sx", 8, 128, 4, lean=True),
+    Variant("hw4sxp", 4, 128, 8, lean=True, slots="param"),
+    Variant("hw4xp", 4, 256, 4, lean=True, slots="param"),
+    Variant("hw4sxm", 4, 128, 8, lean=True, slots="mapped"),
 )}
 #: The variant used when ``KVCM_QUANT_KERNEL`` is unset (see docs/codecs.md for the sweep
 #: that chose it).
@@ -133,6 +158,9 @@ typedef unsigned short u16;
 #endif
 #ifndef QK_LEAN
 #define QK_LEAN 0
+#endif
+#ifndef QK_PARAM_SLOTS
+#define QK_PARAM_SLOTS 0
 #endif
 #define QK_HWPB (QK_THREADS / 16)
 #define FLT_MAX_F 3.402823466e+38f
@@ -791,22 +819,52 @@ __device__ __forceinline__ void hw_unit(const SegDesc& d, int mode, char* pool, 
 }
 #endif  // QK_HW_GROUPS
 
-// pairs: int2 (pool slot, cold slot) per block, or 0: block i is pool slot base_lo + i and
-// cold slot base_hi + i (slot_base = base_lo | base_hi << 32). rows = npairs * nseg < 2**32.
-template <bool encode>
-__device__ __forceinline__ void quant_pages(u64 descs, u64 nseg, u64 pairs, u64 npairs,
-                                            u64 mode, u64 slot_base) {
+// Where block pi of a launch lives: (pool slot, cold slot).
+// ListSlots: int2 pairs in device memory (uploaded, variants with slots "device") or in
+// mapped pinned host memory (slots "mapped"), or none: block i is pool slot base_lo + i and
+// cold slot base_hi + i (base = base_lo | base_hi << 32).
+struct ListSlots {
+    const int2* pairs;
+    u64 base;
+    __device__ __forceinline__ int2 operator()(u32 i) const {
+        return pairs != nullptr ? pairs[i]
+                                : make_int2((int)((u32)base + i), (int)((u32)(base >> 32) + i));
+    }
+};
+
+#if QK_PARAM_SLOTS
+// ParamSlots (variants with slots "param"): the slot table is a kernel parameter (it travels
+// with the launch: no copy, no dependency on another engine). Narrow: word i is
+// pool | cold << 16 (both < 2**16); wide: words 2i, 2i + 1.
+template <int W>
+struct SlotWords {
+    u32 w[W];
+};
+
+template <int W>
+struct ParamSlots {
+    const SlotWords<W>* t;
+    u32 wide;
+    __device__ __forceinline__ int2 operator()(u32 i) const {
+        if (wide) return make_int2((int)t->w[2 * i], (int)t->w[2 * i + 1]);
+        const u32 x = t->w[i];
+        return make_int2((int)(x & 0xffffu), (int)(x >> 16));
+    }
+};
+#endif
+
+// rows = npairs * nseg < 2**32: blockIdx.y walks the (block, segment) rows.
+template <bool encode, typename Slots>
+__device__ __forceinline__ void quant_pages(u64 descs, u64 nseg, u64 npairs, u64 mode,
+                                            const Slots& slots) {
     const SegDesc* D = (const SegDesc*)descs;
-    const int2* P = (const int2*)pairs;
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 ns = (u32)nseg;
     const u32 rows = (u32)npairs * ns;
     for (u32 r = blockIdx.y; r < rows; r += gridDim.y) {
         const u32 seg = r % ns, pi = r / ns;
         const SegDesc& d = D[seg];
-        const int2 pr = P != nullptr ? P[pi]
-                                     : make_int2((int)((u32)slot_base + pi),
-                                                 (int)((u32)(slot_base >> 32) + pi));
+        const int2 pr = slots(pi);
         char* pool = (char*)(d.pool_base + (i64)pr.x * d.pool_stride);
         char* cold = (char*)(d.cold_base + (i64)pr.y * d.cold_stride);
 #if QK_HW_GROUPS
@@ -836,17 +894,35 @@ __device__ __forceinline__ void quant_pages(u64 descs, u64 nseg, u64 pairs, u64 
 }
 
 // One launch per call: every segment of every block, encoded (GPU pages to cold pages) or
-// decoded (cold pages to GPU pages).
+// decoded (cold pages to GPU pages). pairs: the int2 slot table's address, or 0 for
+// consecutive slots from slot_base.
 extern "C" __global__ void __launch_bounds__(QK_THREADS, QK_MIN_BLOCKS)
 kvcm_quant_encode(u64 descs, u64 nseg, u64 pairs, u64 npairs, u64 mode, u64 slot_base) {
-    quant_pages<true>(descs, nseg, pairs, npairs, mode, slot_base);
+    quant_pages<true>(descs, nseg, npairs, mode, ListSlots{(const int2*)pairs, slot_base});
 }
 
 extern "C" __global__ void __launch_bounds__(QK_THREADS, QK_MIN_BLOCKS)
 kvcm_quant_decode(u64 descs, u64 nseg, u64 pairs, u64 npairs, u64 mode, u64 slot_base) {
-    quant_pages<false>(descs, nseg, pairs, npairs, mode, slot_base);
+    quant_pages<false>(descs, nseg, npairs, mode, ListSlots{(const int2*)pairs, slot_base});
 }
-""".replace("@RAW_CHUNK@", str(RAW_CHUNK)).replace("@FAST_GROUPS@", str(FAST_GROUPS))
+
+#if QK_PARAM_SLOTS
+// The same with the slot table of W words as a parameter (kvcm_quant_encode_p<W>, ...).
+#define QK_PARAM_KERNELS(W)                                                                   \
+extern "C" __global__ void __launch_bounds__(QK_THREADS, QK_MIN_BLOCKS)                       \
+kvcm_quant_encode_p##W(u64 descs, u64 nseg, u64 npairs, u64 mode, u64 wide,                  \
+                       const __grid_constant__ SlotWords<W> table) {                         \
+    quant_pages<true>(descs, nseg, npairs, mode, ParamSlots<W>{&table, (u32)wide});           \
+}                                                                                             \
+extern "C" __global__ void __launch_bounds__(QK_THREADS, QK_MIN_BLOCKS)                       \
+kvcm_quant_decode_p##W(u64 descs, u64 nseg, u64 npairs, u64 mode, u64 wide,                  \
+                       const __grid_constant__ SlotWords<W> table) {                         \
+    quant_pages<false>(descs, nseg, npairs, mode, ParamSlots<W>{&table, (u32)wide});          \
+}
+@PARAM_KERNELS@
+#endif
+""".replace("@RAW_CHUNK@", str(RAW_CHUNK)).replace("@FAST_GROUPS@", str(FAST_GROUPS)).replace(
+    "@PARAM_KERNELS@", "\n".join(f"QK_PARAM_KERNELS({w})" for w in PARAM_WORDS))
 
 
 def source_for(variant: Variant) -> str:
@@ -855,4 +931,5 @@ def source_for(variant: Variant) -> str:
             f"#define QK_MIN_BLOCKS {variant.min_blocks}\n"
             f"#define QK_STREAMING {int(variant.streaming)}\n"
             f"#define QK_LEAN {int(variant.lean)}\n"
-            f"#define QK_PLAIN_C_MATH {int(variant.plain_c_math)}\n" + SOURCE)
+            f"#define QK_PLAIN_C_MATH {int(variant.plain_c_math)}\n"
+            f"#define QK_PARAM_SLOTS {int(variant.slots == 'param')}\n" + SOURCE)
