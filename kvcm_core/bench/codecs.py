@@ -221,42 +221,49 @@ def device_part(backend: KernelBackend, pm: Any, pages: int, page_bytes: int,
             results: dict[str, Any] = {}
             if kernel is not None:
                 print(f"  kernel {kernel}:")
-            for name in PAGE_CODECS:
-                if name not in pm.codecs():
-                    print(f"  {name}: not installed; skipped")
-                    continue
-                codec = pm.codec(name).factory(options)
-                size = codec.cold_page_size(layout)
-                cold_buf = backend.alloc_device(pages * size)
-                buffers.append(cold_buf)
-                cold = PageRegion(cold_buf, 0, size)
-                moved = n + pages * size
-                target = TARGET if name in TARGETED else None
-                res: dict[str, Any] = {"cold_page_bytes": size, "bytes_per_call": moved,
-                                       "target_vs_copy": target}
-                for order in slot_orders:
-                    cold_slots = slots if order == "consecutive" else shuffled
-                    enc, dec = _codec_rates(backend, gate, codec, layout, pool_in, pool_out,
-                                            cold, slots, cold_slots, moved, reps)
-                    rates = {"encode_gbps": enc, "decode_gbps": dec,
-                             "encode_vs_copy": enc / copy, "decode_vs_copy": dec / copy,
-                             "meets_target": None if target is None
-                             else min(enc, dec) / copy >= target}
-                    if order == slot_orders[0]:
-                        res.update(rates, slot_order=order)
-                    else:
-                        res[order] = rates
-                    print(f"  {name:5} cold page {size} B, {order} slots: encode {enc:8.1f} "
-                          f"GB/s ({enc / copy:.2f} x copy), decode {dec:8.1f} GB/s "
-                          f"({dec / copy:.2f} x copy)"
-                          f"{'' if target is None else f', target {target} x copy'}")
-                backend.synchronize()
-                res["within_bound"] = _within_bound(backend, src, dst, page_bytes, pages,
-                                                    codec.error_bound)
-                print(f"  {name:5} within bound: {res['within_bound']}")
-                results[name] = res
-                cold_buf.free()
-                buffers.remove(cold_buf)
+            try:
+                for name in PAGE_CODECS:
+                    if name not in pm.codecs():
+                        print(f"  {name}: not installed; skipped")
+                        continue
+                    codec = pm.codec(name).factory(options)
+                    size = codec.cold_page_size(layout)
+                    cold_buf = backend.alloc_device(pages * size)
+                    buffers.append(cold_buf)
+                    cold = PageRegion(cold_buf, 0, size)
+                    moved = n + pages * size
+                    target = TARGET if name in TARGETED else None
+                    res: dict[str, Any] = {"cold_page_bytes": size, "bytes_per_call": moved,
+                                           "target_vs_copy": target}
+                    for order in slot_orders:
+                        cold_slots = slots if order == "consecutive" else shuffled
+                        enc, dec = _codec_rates(backend, gate, codec, layout, pool_in, pool_out,
+                                                cold, slots, cold_slots, moved, reps)
+                        rates = {"encode_gbps": enc, "decode_gbps": dec,
+                                 "encode_vs_copy": enc / copy, "decode_vs_copy": dec / copy,
+                                 "meets_target": None if target is None
+                                 else min(enc, dec) / copy >= target}
+                        if order == slot_orders[0]:
+                            res.update(rates, slot_order=order)
+                        else:
+                            res[order] = rates
+                        print(f"  {name:5} cold page {size} B, {order} slots: encode {enc:8.1f} "
+                              f"GB/s ({enc / copy:.2f} x copy), decode {dec:8.1f} GB/s "
+                              f"({dec / copy:.2f} x copy)"
+                              f"{'' if target is None else f', target {target} x copy'}")
+                    backend.synchronize()
+                    res["within_bound"] = _within_bound(backend, src, dst, page_bytes, pages,
+                                                        codec.error_bound)
+                    print(f"  {name:5} within bound: {res['within_bound']}")
+                    results[name] = res
+                    cold_buf.free()
+                    buffers.remove(cold_buf)
+            except Exception as exc:  # a swept variant that fails: reported, the rest run
+                if kernel is None:
+                    raise
+                print(f"  kernel {kernel}: failed: {exc!r}")
+                sweep[kernel] = {"error": repr(exc)}
+                continue
             if kernel is None:
                 out["codecs"] = results
                 continue
