@@ -467,7 +467,7 @@ def test_kernels_compiled_with_flush_to_zero_use_no_flushing_instruction(tmp_pat
     """CuPy compiles with ``-ftz=true``: the codec's fp32 arithmetic must not depend on it.
     Compiled so, the PTX of the default, legacy, lean and slot-table-parameter variants
     has no ``.ftz`` instruction, while the C-intrinsics form (the bug) has."""
-    for name in sorted({DEFAULT_VARIANT, "legacy", "hw4x", "hw4sxp"}):
+    for name in sorted({DEFAULT_VARIANT, "legacy", "hw4x", "hw4sxp", "hw4sxp2"}):
         ptx = _ptx(source_for(VARIANTS[name]), tmp_path)
         flushing = [line.strip() for line in ptx.splitlines() if ".ftz" in line]
         assert not flushing, f"{name}: {flushing[:5]}"
