@@ -129,7 +129,6 @@ VARIANTS = {v.name: v for v in (
     Variant("hw4sx", 4, 128, 8, lean=True),
     Variant("hw8sx", 8, 128, 4, lean=True),
     Variant("hw4sxp", 4, 128, 8, lean=True, slots="param"),
-    Variant("hw4xp", 4, 256, 4, lean=True, slots="param"),
     Variant("hw4sxm", 4, 128, 8, lean=True, slots="mapped"),
     Variant("hw4sxp2", 4, 128, 8, lean=True, slots="param", packed_amax=True),
 )}
