@@ -27,11 +27,20 @@ block of a migration: ``blockIdx.y`` walks the (block, segment) rows. Three path
   a warp per scale group (or per :data:`RAW_CHUNK` bytes of a raw segment).
 
 Variants ``*x`` use the lean forms of the half-warp path (``QK_LEAN``: hardware e4m3x2 and
-bf16x2 conversions, magic-number rounding, one division per warp; see the source). The
-variant is chosen by name (:data:`VARIANTS`; the codec reads ``KVCM_QUANT_KERNEL``) and
+bf16x2 conversions, magic-number rounding, one division per warp; see the source).
+
+A launch on shuffled slots needs a slot table, (pool slot, cold slot) per block. Variants
+``*p*`` pass it as a kernel parameter (``kvcm_quant_encode_p<W>`` / ``..._decode_p<W>``
+for W in :data:`PARAM_WORDS`: one 32-bit word a block, two when a slot is 2**16 or more):
+it travels with the launch, so no copy on another engine precedes the kernel. ``*m``
+variants have the kernel read the table from mapped pinned host memory; the others copy it
+to the device on the launch's stream. ``hw4sxp2`` also takes each group's largest magnitude
+with packed bf16x2 / f16x2 max instructions.
+
+The variant is chosen by name (:data:`VARIANTS`; the codec reads ``KVCM_QUANT_KERNEL``) and
 compiled on first use; each variant computes exactly the same bytes. The default,
-:data:`DEFAULT_VARIANT`, was the fastest on an H200 in both GPU backends
-(``benchmarks/results/h200-20261202-quant``).
+:data:`DEFAULT_VARIANT`, was the fastest on an H200 in both GPU backends, on consecutive
+and on shuffled slots (``benchmarks/results/h200-20261202-quant3``).
 """
 
 from __future__ import annotations
@@ -133,8 +142,8 @@ VARIANTS = {v.name: v for v in (
     Variant("hw4sxp2", 4, 128, 8, lean=True, slots="param", packed_amax=True),
 )}
 #: The variant used when ``KVCM_QUANT_KERNEL`` is unset (see docs/codecs.md for the sweep
-#: that chose it).
-DEFAULT_VARIANT = "hw4sx"
+#: that chose it: benchmarks/results/h200-20261202-quant3).
+DEFAULT_VARIANT = "hw4sxp2"
 
 SOURCE = r"""
 typedef unsigned long long u64;
