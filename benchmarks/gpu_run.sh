@@ -104,12 +104,14 @@ step() {  # one named step; modes below are lists of steps
           tests/test_simulate_two_engines.py
       done ;;
     quant_tests)  # issue 12: every quant codec kernel variant bit for bit, both backends
-      KVCM_QUANT_TEST_VARIANTS=all run quant_tests.log 300 "$PY" -m pytest -q -m gpu \
-        -p no:cacheprovider --tb=short tests/test_codecs_quant.py ;;
+      # (KVCM_QUANT_TEST_VARIANTS=name,name,...: those and the default)
+      KVCM_QUANT_TEST_VARIANTS=${KVCM_QUANT_TEST_VARIANTS:-all} run quant_tests.log 300 \
+        "$PY" -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_codecs_quant.py ;;
     quant_sweep)  # issue 12: quant kernel variants against the copy bandwidth, both backends
+      # (the older variants' sweep: benchmarks/results/h200-20261202-quant)
       run quant_sweep.log 300 "$PY" -m kvcm_core.cli bench codecs --out "$OUT" \
         --skip cpu simulate --slots both --reps 50 --kernels \
-        "${KVCM_QUANT_SWEEP:-legacy,hw2,hw4,hw4cs,hw2s,hw4s,hw2x,hw4x,hw4xcs,hw4sx,hw8sx}" ;;
+        "${KVCM_QUANT_SWEEP:-hw4sx,hw4sxp,hw4sxm,hw4sxp2}" ;;
     sparse_sweep)  # resolve kernels v1/v2: rows 64/256 x selected 2048/4096/8192
       run sparse_sweep.log 300 "$PY" benchmarks/gpu_sweep_sparse.py --out "$OUT" ;;
     *) echo "unknown step $1"; status=2 ;;

@@ -29,6 +29,7 @@ from kvcm_codec_quant.reference import (
 from kvcm_codec_quant.source import (
     DEFAULT_VARIANT,
     KERNEL_ENV,
+    PARAM_WORDS,
     VARIANTS,
     Variant,
     source_for,
@@ -390,10 +391,13 @@ def test_gpu_fast_and_general_paths_in_one_launch_match_the_reference(
 # -- kernel variants, flush-to-zero, extreme values --------------------------------------------
 
 
-#: Kernel variants the GPU tests run: the default and ``legacy``, or all of them with
-#: ``KVCM_QUANT_TEST_VARIANTS=all`` (``gpu_run.sh quant_tests`` sets it).
-TEST_VARIANTS = (list(VARIANTS) if os.environ.get("KVCM_QUANT_TEST_VARIANTS") == "all"
-                 else sorted({DEFAULT_VARIANT, "legacy"}))
+#: Kernel variants the GPU tests run: the default and ``legacy``, all of them with
+#: ``KVCM_QUANT_TEST_VARIANTS=all`` (``gpu_run.sh quant_tests`` sets it), or those named
+#: there, comma-separated (the default is always among them).
+_TEST_ENV = os.environ.get("KVCM_QUANT_TEST_VARIANTS", "")
+TEST_VARIANTS = (list(VARIANTS) if _TEST_ENV == "all" else sorted(
+    {DEFAULT_VARIANT, "legacy"} if not _TEST_ENV
+    else {DEFAULT_VARIANT} | {v for v in _TEST_ENV.split(",") if v}))
 
 
 def _extreme(blocks: int = 8) -> tuple[PageLayout, list[np.ndarray], np.ndarray, np.ndarray]:
@@ -464,9 +468,9 @@ def _ptx(source: str, tmp_path: Any) -> str:
 
 def test_kernels_compiled_with_flush_to_zero_use_no_flushing_instruction(tmp_path: Any) -> None:
     """CuPy compiles with ``-ftz=true``: the codec's fp32 arithmetic must not depend on it.
-    Compiled so, the PTX of the default, legacy and lean variants has no ``.ftz``
-    instruction, while the C-intrinsics form (the bug) has."""
-    for name in sorted({DEFAULT_VARIANT, "legacy", "hw4x"}):
+    Compiled so, the PTX of the default, legacy, lean and slot-table-parameter variants
+    has no ``.ftz`` instruction, while the C-intrinsics form (the bug) has."""
+    for name in sorted({DEFAULT_VARIANT, "legacy", "hw4x", "hw4sxp", "hw4sxp2"}):
         ptx = _ptx(source_for(VARIANTS[name]), tmp_path)
         flushing = [line.strip() for line in ptx.splitlines() if ".ftz" in line]
         assert not flushing, f"{name}: {flushing[:5]}"
@@ -528,6 +532,61 @@ def test_gpu_kernel_variants_match_the_reference_on_consecutive_slots(
     assert np.array_equal(outs[0], want_outs[0])
 
 
+#: Shuffled-slot cases ``(pool blocks, blocks moved, first cold slot)``: a ``param``
+#: variant takes each parameter size with narrow (slots < 2**16) and wide tables, full to
+#: the last word, and one table too large for any (uploaded instead).
+TABLE_CASES = (
+    (600, 517, 0),  # narrow, 1024 words
+    (3000, 3000, 0),  # narrow, 4096 words
+    (PARAM_WORDS[-1], PARAM_WORDS[-1], 0),  # narrow, the largest size full
+    (PARAM_WORDS[-1] + 40, PARAM_WORDS[-1] + 1, 0),  # too large: uploaded
+    (600, 512, 1 << 16),  # wide, 1024 words full
+    (PARAM_WORDS[-1] // 2, PARAM_WORDS[-1] // 2, 1 << 16),  # wide, the largest size full
+)
+
+
+def _small_layout() -> PageLayout:
+    """Two pools of small slots: 4 half-warp groups of bf16; an fp16 group and raw bytes."""
+    return PageLayout((512, 256 + 16), (
+        BufferPlace(0, "k", 0, 0, 512, "bf16", 128, False),
+        BufferPlace(1, "v", 1, 0, 256, "fp16", 128, False),
+    ))
+
+
+@functools.cache
+def _table_case(mode: str, case: tuple[int, int, int]) -> tuple[Any, ...]:
+    blocks, n, cold0 = case
+    rng = np.random.default_rng(blocks + n)
+    layout = _small_layout()
+    pools = [fill_pool(rng, layout, p, blocks) for p in range(2)]
+    ps = rng.permutation(blocks)[:n].astype(np.int32)
+    cs = (cold0 + rng.permutation(n + 3)[:n]).astype(np.int32)
+    return layout, pools, ps, cs, _reference(mode, layout, pools, ps)
+
+
+#: Variants of the slot-table test: each way of passing the table (the ``device`` way is
+#: one code path whatever the kernel shape: the default and one other stand for it).
+TABLE_VARIANTS = sorted({v for v in TEST_VARIANTS if VARIANTS[v].slots != "device"}
+                        | {DEFAULT_VARIANT, "hw4sx"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TABLE_CASES, ids=lambda c: f"{c[1]}-from-{c[2]}")
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("variant", TABLE_VARIANTS)
+def test_gpu_kernel_variants_match_the_reference_on_shuffled_slot_tables_of_every_size(
+        gpu: KernelBackend, mode: str, variant: str, case: tuple[int, int, int]) -> None:
+    """Shuffled pool and cold slots: the slot table reaches the kernel whatever its size
+    and width (a ``param`` variant: each parameter size, narrow and wide, and the upload
+    when none holds it) and every block lands where the table says."""
+    layout, pools, ps, cs, (want_pages, want_outs) = _table_case(mode, case)
+    pages, outs = run_codec(gpu, mode, layout, pools, ps, cs, cold_offset=0, stride_pad=0,
+                            kernel=variant)
+    assert np.array_equal(pages, want_pages), "encode differs from the reference"
+    for p, (got, want) in enumerate(zip(outs, want_outs, strict=True)):
+        assert np.array_equal(got, want), f"decode differs from the reference in pool {p}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["fp8", "int8"])
 def test_flush_to_zero_kernels_differ_on_extreme_values_and_are_caught(
@@ -572,10 +631,12 @@ class _Stream:
 
 class _Module:
     def __init__(self) -> None:
-        self.launches: list[tuple[str, tuple[int, ...], tuple[int, ...], list[int]]] = []
+        self.launches: list[tuple[str, tuple[int, ...], tuple[int, ...], list[Any]]] = []
 
     def launch(self, name: str, grid: Any, block: Any, args: Any, stream: Any = None) -> None:
-        self.launches.append((name, grid, block, [int(a) for a in args]))
+        # scalars as ints; a struct passed by value as a copy of its bytes
+        self.launches.append((name, grid, block, [
+            a.copy() if isinstance(a, np.ndarray) else int(a) for a in args]))
 
 
 class _Recorder:
@@ -635,3 +696,77 @@ def test_launch_uploads_a_descriptor_table_once_and_needs_no_slot_table_for_cons
     finally:
         pool.free()
         cold.free()
+
+
+def _recorded_launch(numpy_backend: KernelBackend, kernel: str, ps: np.ndarray,
+                     cs: np.ndarray) -> tuple[_Recorder, QuantCodec, tuple[Any, ...]]:
+    """Encode blocks ``ps`` into cold pages ``cs`` (256-byte bf16 slots) on a recorder:
+    the recorder, the codec, and the encode launch ``(name, grid, block, args)``."""
+    rec = _Recorder(numpy_backend)
+    layout = PageLayout((256,), (BufferPlace(0, "k", 0, 0, 256, "bf16", 128, False),))
+    codec = QuantCodec("fp8", kernel=kernel)
+    size = codec.cold_page_size(layout)
+    pool = numpy_backend.alloc_device(256 * (int(ps.max()) + 1))
+    cold = numpy_backend.alloc_device(size * (int(cs.max()) + 1))
+    try:
+        codec.encode(rec, layout, [PageRegion(pool, 0, 256)], ps, PageRegion(cold, 0, size), cs)
+    finally:
+        pool.free()
+        cold.free()
+    return rec, codec, rec.module.launches[-1]
+
+
+def _param_words(arg: np.ndarray) -> np.ndarray:
+    assert arg.shape == (1,) and arg.dtype.kind == "V"  # one struct, passed by value
+    return arg.view(np.uint32)
+
+
+def test_param_variant_passes_a_narrow_slot_table_in_the_launch_and_copies_nothing_else(
+        numpy_backend: KernelBackend) -> None:
+    ps = np.array([7, 3, 9, 0], dtype=np.int32)
+    cs = np.array([65535, 2, 40000, 1], dtype=np.int32)
+    rec, _, (name, grid, block, args) = _recorded_launch(numpy_backend, "hw4sxp", ps, cs)
+    assert rec.copies == 1  # the descriptor table only
+    assert name == f"kvcm_quant_encode_p{PARAM_WORDS[0]}"
+    assert grid == (1, 4, 1) and block == (128, 1, 1)
+    assert args[2:5] == [4, MODES["fp8"], 0]  # blocks, mode, narrow
+    words = _param_words(args[5])
+    assert len(words) == PARAM_WORDS[0]
+    assert list(words[:4]) == [int(p) | (int(c) << 16) for p, c in zip(ps, cs, strict=True)]
+
+
+def test_param_variant_widens_the_table_for_slots_from_2_16_and_takes_the_smallest_size(
+        numpy_backend: KernelBackend) -> None:
+    n = PARAM_WORDS[0] // 2 + 1  # two words a block: past the smallest size
+    ps = np.arange(n, dtype=np.int32)[::-1].copy()
+    cs = (np.arange(n, dtype=np.int32) + (1 << 16)).astype(np.int32)
+    _, _, (name, _, _, args) = _recorded_launch(numpy_backend, "hw4sxp", ps, cs)
+    assert name == f"kvcm_quant_encode_p{PARAM_WORDS[1]}"
+    assert args[2:5] == [n, MODES["fp8"], 1]  # wide
+    words = _param_words(args[5])
+    assert np.array_equal(words[0 : 2 * n : 2], ps) and np.array_equal(words[1 : 2 * n : 2], cs)
+
+
+def test_param_variant_uploads_a_table_too_large_for_any_parameter_size(
+        numpy_backend: KernelBackend) -> None:
+    n = PARAM_WORDS[-1] + 1
+    ps = np.arange(n, dtype=np.int32)[::-1].copy()
+    rec, _, (name, _, _, args) = _recorded_launch(numpy_backend, "hw4sxp", ps, ps)
+    assert name == "kvcm_quant_encode" and rec.copies == 2  # descriptors, then the pairs
+    assert args[2] != 0 and args[3] == n and args[5] == 0
+
+
+def test_mapped_variant_hands_the_kernel_the_pinned_host_table_without_a_copy(
+        numpy_backend: KernelBackend) -> None:
+    ps = np.array([5, 1, 4], dtype=np.int32)
+    rec, codec, (name, _, _, args) = _recorded_launch(numpy_backend, "hw4sxm", ps, ps[::-1].copy())
+    assert name == "kvcm_quant_encode" and rec.copies == 1  # the descriptor table only
+    staging = next(iter(codec._staging.values()))[1]
+    assert staging.host is not None and args[2] == staging.host.ptr  # slot 0 of the host area
+    pairs = staging.host.host_view()[: 3 * 8].view(np.int32).reshape(3, 2)
+    assert np.array_equal(pairs[:, 0], ps) and np.array_equal(pairs[:, 1], ps[::-1])
+
+
+def test_variant_refuses_an_unknown_slot_table_way() -> None:
+    with pytest.raises(ValueError, match="slots='pcie'"):
+        Variant("x", 4, 128, 8, slots="pcie")

@@ -134,6 +134,20 @@ def test_copy_engine_descriptors_merge_runs_of_adjacent_pages_in_order() -> None
         dst.free()
 
 
+def test_kernel_arguments_pass_one_element_arrays_by_value_and_refuse_longer_ones() -> None:
+    """A struct passed by value (the quant codec's slot-table parameter) is a NumPy array of
+    one ``void`` element; an array of several elements is a mistake (a host array meant as
+    device memory) and is refused naming its shape."""
+    from kvcm_kernels_cuda_common.base import _scalar
+
+    words = np.arange(16, dtype=np.uint32)
+    struct = words.view(np.dtype((np.void, words.nbytes)))
+    assert _scalar(struct) is struct
+    assert _scalar(3) == np.int64(3) and _scalar(np.uint64(7)) == np.uint64(7)
+    with pytest.raises(TypeError, match=r"one element; got shape \(16,\)"):
+        _scalar(words)
+
+
 def test_dlpack_export_shares_memory_and_releases_unconsumed_capsules() -> None:
     from kvcm_kernels_cuda_common import dlpack
 

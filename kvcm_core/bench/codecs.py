@@ -6,10 +6,11 @@
    call each: bytes read plus bytes written per second, beside the device copy bandwidth
    (read plus write of one plain copy of the same bytes) measured in the same run, each
    call's device time taken with the stream held while the call queues its work (host
-   time left out; a slot table's upload, where the call needs one, in). The target is
-   0.7 of the copy bandwidth for fp8 and int8. ``--kernels`` sweeps the page codecs'
-   kernel variants (their ``kernel`` option); ``--slots`` adds calls on shuffled cold
-   slots (a slot table per call) to the default consecutive ones. Each result also says
+   time left out, and reported beside; a slot table's transfer, where the call needs one,
+   in). The target is 0.7 of the copy bandwidth for fp8 and int8. ``--kernels`` sweeps
+   the page codecs' kernel variants (their ``kernel`` option); ``--slots`` adds calls on
+   shuffled cold slots (a slot table per call) to the default consecutive ones. Each
+   result also says
    whether the decoded values of a sample of pages stay within the codec's declared bound.
    Without a device backend the ``numpy`` backend runs a small version, marked as a host
    reference (not a device measurement).
@@ -140,6 +141,9 @@ class _Gate:
         self.module = compile_source(_GATE) if (
             backend.capabilities.compiles_sources and compile_source is not None) else None
         self.flag = backend.alloc_host(64) if self.module is not None else None
+        #: Host seconds of each call of the last :meth:`seconds` (queuing its work; empty
+        #: without the gate).
+        self.host: list[float] = []
 
     def seconds(self, call: Callable[[], Any], reps: int) -> list[float]:
         if self.module is None or self.flag is None:
@@ -149,6 +153,7 @@ class _Gate:
         self.backend.synchronize()
         flag = self.flag.host_view()[:4].view(np.int32)
         out = []
+        self.host = []
         for _ in range(reps):
             flag[0] = 0
             self.module.launch("kvcm_bench_codecs_gate", (1, 1, 1), (1, 1, 1),
@@ -156,7 +161,9 @@ class _Gate:
             start, end = self.backend.create_event(), self.backend.create_event()
             start.record()
             try:
+                t0 = time.perf_counter()
                 call()
+                self.host.append(time.perf_counter() - t0)
                 end.record()
             finally:
                 flag[0] = 1
@@ -183,15 +190,22 @@ def _within_bound(backend: KernelBackend, src: Any, dst: Any, page_bytes: int,
     return bool(np.all(np.abs(x - y) <= bound * amax))
 
 
+def _host_us(gate: _Gate) -> float | None:
+    return statistics.median(gate.host) * 1e6 if gate.host else None
+
+
 def _codec_rates(backend: KernelBackend, gate: _Gate, codec: Any, layout: PageLayout,
                  pool_in: list[PageRegion], pool_out: list[PageRegion], cold: PageRegion,
                  slots: np.ndarray, cold_slots: np.ndarray, moved: int,
-                 reps: int) -> tuple[float, float]:
+                 reps: int) -> tuple[float, float, float | None, float | None]:
+    """Encode and decode GB/s (device time), and the median host microseconds a call took
+    to queue its work (None without the gate)."""
     enc = _median_gbps(gate, lambda: codec.encode(backend, layout, pool_in, slots, cold,
                                                   cold_slots), moved, reps)
+    enc_host = _host_us(gate)
     dec = _median_gbps(gate, lambda: codec.decode(backend, layout, cold, cold_slots, pool_out,
                                                   slots), moved, reps)
-    return enc, dec
+    return enc, dec, enc_host, _host_us(gate)
 
 
 def device_part(backend: KernelBackend, pm: Any, pages: int, page_bytes: int,
@@ -221,42 +235,52 @@ def device_part(backend: KernelBackend, pm: Any, pages: int, page_bytes: int,
             results: dict[str, Any] = {}
             if kernel is not None:
                 print(f"  kernel {kernel}:")
-            for name in PAGE_CODECS:
-                if name not in pm.codecs():
-                    print(f"  {name}: not installed; skipped")
-                    continue
-                codec = pm.codec(name).factory(options)
-                size = codec.cold_page_size(layout)
-                cold_buf = backend.alloc_device(pages * size)
-                buffers.append(cold_buf)
-                cold = PageRegion(cold_buf, 0, size)
-                moved = n + pages * size
-                target = TARGET if name in TARGETED else None
-                res: dict[str, Any] = {"cold_page_bytes": size, "bytes_per_call": moved,
-                                       "target_vs_copy": target}
-                for order in slot_orders:
-                    cold_slots = slots if order == "consecutive" else shuffled
-                    enc, dec = _codec_rates(backend, gate, codec, layout, pool_in, pool_out,
-                                            cold, slots, cold_slots, moved, reps)
-                    rates = {"encode_gbps": enc, "decode_gbps": dec,
-                             "encode_vs_copy": enc / copy, "decode_vs_copy": dec / copy,
-                             "meets_target": None if target is None
-                             else min(enc, dec) / copy >= target}
-                    if order == slot_orders[0]:
-                        res.update(rates, slot_order=order)
-                    else:
-                        res[order] = rates
-                    print(f"  {name:5} cold page {size} B, {order} slots: encode {enc:8.1f} "
-                          f"GB/s ({enc / copy:.2f} x copy), decode {dec:8.1f} GB/s "
-                          f"({dec / copy:.2f} x copy)"
-                          f"{'' if target is None else f', target {target} x copy'}")
-                backend.synchronize()
-                res["within_bound"] = _within_bound(backend, src, dst, page_bytes, pages,
-                                                    codec.error_bound)
-                print(f"  {name:5} within bound: {res['within_bound']}")
-                results[name] = res
-                cold_buf.free()
-                buffers.remove(cold_buf)
+            try:
+                for name in PAGE_CODECS:
+                    if name not in pm.codecs():
+                        print(f"  {name}: not installed; skipped")
+                        continue
+                    codec = pm.codec(name).factory(options)
+                    size = codec.cold_page_size(layout)
+                    cold_buf = backend.alloc_device(pages * size)
+                    buffers.append(cold_buf)
+                    cold = PageRegion(cold_buf, 0, size)
+                    moved = n + pages * size
+                    target = TARGET if name in TARGETED else None
+                    res: dict[str, Any] = {"cold_page_bytes": size, "bytes_per_call": moved,
+                                           "target_vs_copy": target}
+                    for order in slot_orders:
+                        cold_slots = slots if order == "consecutive" else shuffled
+                        enc, dec, enc_us, dec_us = _codec_rates(
+                            backend, gate, codec, layout, pool_in, pool_out, cold, slots,
+                            cold_slots, moved, reps)
+                        rates = {"encode_gbps": enc, "decode_gbps": dec,
+                                 "encode_host_us": enc_us, "decode_host_us": dec_us,
+                                 "encode_vs_copy": enc / copy, "decode_vs_copy": dec / copy,
+                                 "meets_target": None if target is None
+                                 else min(enc, dec) / copy >= target}
+                        if order == slot_orders[0]:
+                            res.update(rates, slot_order=order)
+                        else:
+                            res[order] = rates
+                        print(f"  {name:5} cold page {size} B, {order} slots: encode {enc:8.1f} "
+                              f"GB/s ({enc / copy:.2f} x copy), decode {dec:8.1f} GB/s "
+                              f"({dec / copy:.2f} x copy)"
+                              f"{'' if target is None else f', target {target} x copy'}"
+                              f"{'' if enc_us is None else f'; host {enc_us:.0f}/{dec_us:.0f} us'}")
+                    backend.synchronize()
+                    res["within_bound"] = _within_bound(backend, src, dst, page_bytes, pages,
+                                                        codec.error_bound)
+                    print(f"  {name:5} within bound: {res['within_bound']}")
+                    results[name] = res
+                    cold_buf.free()
+                    buffers.remove(cold_buf)
+            except Exception as exc:  # a swept variant that fails: reported, the rest run
+                if kernel is None:
+                    raise
+                print(f"  kernel {kernel}: failed: {exc!r}")
+                sweep[kernel] = {"error": repr(exc)}
+                continue
             if kernel is None:
                 out["codecs"] = results
                 continue

@@ -35,6 +35,7 @@ from kvcm_codec_quant.source import (
     DEFAULT_VARIANT,
     FAST_GROUPS,
     KERNEL_ENV,
+    PARAM_WORDS,
     SEG_DESC_WORDS,
     VARIANTS,
     Variant,
@@ -183,9 +184,12 @@ class _Staging:
     Descriptor tables (one per layout and set of buffers: the same for every migration of
     a manager's cold group) are uploaded once into an append-only device area and reused
     while their bytes are the same; the area starts over (after a device synchronize, and
-    larger if a table needs it) when full. Slot pairs go through two pinned-and-device
-    slots: a slot is rewritten only after the launch that read it has finished. Consecutive
-    slots (block ``i`` at pool slot ``p0 + i`` and cold slot ``c0 + i``) need no pairs."""
+    larger if a table needs it) when full. Slot pairs (variants whose ``slots`` is
+    ``device`` or ``mapped``, and ``param`` tables too large for the parameter) go through
+    two pinned-and-device slots: a slot is rewritten only after the launch that read it has
+    finished. ``param`` tables are packed into a reused host array per parameter size.
+    Consecutive slots (block ``i`` at pool slot ``p0 + i`` and cold slot ``c0 + i``) need
+    no pairs."""
 
     def __init__(self, backend: KernelBackend, variant: Variant) -> None:
         self.backend = backend
@@ -200,6 +204,7 @@ class _Staging:
         self.table_dev: Buffer | None = None
         self.tables: dict[bytes, tuple[int, Event]] = {}
         self.table_used = 0
+        self.params: dict[int, np.ndarray] = {}
 
     def table(self, table: np.ndarray, stream: Stream | None) -> int:
         """Device address of descriptor table ``table``, uploaded on ``stream`` the first
@@ -234,9 +239,11 @@ class _Staging:
         self.tables[key] = (self.table_dev.ptr + at, uploaded)
         return self.table_dev.ptr + at
 
-    def upload(self, table: np.ndarray, stream: Stream | None) -> tuple[int, Event]:
+    def upload(self, table: np.ndarray, stream: Stream | None,
+               mapped: bool = False) -> tuple[int, Event]:
         """Copy ``table`` (bytes) to the device on ``stream``: its device address and the
-        event to record after the launch that reads it."""
+        event to record after the launch that reads it. ``mapped``: no copy; the address is
+        the pinned host copy's, which the kernel reads over the bus."""
         nbytes = table.nbytes
         if nbytes * 2 > self.cap:
             for ev in self.events:
@@ -254,8 +261,18 @@ class _Staging:
         event.synchronize()
         at = k * (self.cap // 2)
         self.host.host_view()[at : at + nbytes] = table.view(np.uint8).reshape(-1)
+        if mapped:
+            return self.host.ptr + at, event
         self.backend.copy_bytes(self.dev, at, self.host, at, nbytes, stream)
         return self.dev.ptr + at, event
+
+    def param(self, words: int) -> np.ndarray:
+        """The reused ``uint32 [words]`` host array of the slot-table parameter of that size
+        (the driver copies a launch's parameters when it queues the launch)."""
+        arr = self.params.get(words)
+        if arr is None:
+            arr = self.params[words] = np.zeros(words, dtype=np.uint32)
+        return arr
 
 
 def _consecutive(slots: np.ndarray) -> bool:
@@ -400,25 +417,52 @@ class QuantCodec(PageCodec):
             raise ValueError(f"{len(ps)} blocks x {len(plan.segments)} segments: at most "
                              "2**32 - 1 rows a launch")
         descs = staging.table(table, stream)
-        event: Event | None = None
-        if _consecutive(ps) and _consecutive(cs):
-            pairs_at, slot_base = 0, int(ps[0]) | (int(cs[0]) << 32)
-        else:
-            pairs = np.empty((len(ps), 2), dtype=np.int32)
-            pairs[:, 0], pairs[:, 1] = ps, cs
-            pairs_at, event = staging.upload(pairs.view(np.uint8).reshape(-1), stream)
-            slot_base = 0
         per_block = [int(u) if path == 2 else -(-int(u) // variant.warps)
                      for u, path in zip(table[:, 9], table[:, 12], strict=True)]
         grid = (max(1, min(max(per_block), _MAX_GRID_X)), min(rows, _MAX_GRID_Y), 1)
-        staging.module.launch(
-            "kvcm_quant_encode" if encode else "kvcm_quant_decode", grid,
-            (variant.threads, 1, 1),
-            [np.uint64(descs), np.uint64(len(plan.segments)), np.uint64(pairs_at),
-             np.uint64(len(ps)), np.uint64(MODES[self.mode]), np.uint64(slot_base)],
-            stream=stream)
+        name = "kvcm_quant_encode" if encode else "kvcm_quant_decode"
+        common = [np.uint64(descs), np.uint64(len(plan.segments))]
+        mode = np.uint64(MODES[self.mode])
+        event: Event | None = None
+        if _consecutive(ps) and _consecutive(cs):
+            args = [*common, np.uint64(0), np.uint64(len(ps)), mode,
+                    np.uint64(int(ps[0]) | (int(cs[0]) << 32))]
+        else:
+            packed = _param_table(staging, ps, cs) if variant.slots == "param" else None
+            if packed is not None:
+                words, wide = packed
+                name = f"{name}_p{len(words)}"
+                args = [*common, np.uint64(len(ps)), mode, np.uint64(wide),
+                        words.view(np.dtype((np.void, words.nbytes)))]
+            else:
+                pairs = np.empty((len(ps), 2), dtype=np.int32)
+                pairs[:, 0], pairs[:, 1] = ps, cs
+                pairs_at, event = staging.upload(pairs.view(np.uint8).reshape(-1), stream,
+                                                 mapped=variant.slots == "mapped")
+                args = [*common, np.uint64(pairs_at), np.uint64(len(ps)), mode, np.uint64(0)]
+        staging.module.launch(name, grid, (variant.threads, 1, 1), args, stream=stream)
         if event is not None:
             event.record(stream)
+
+
+def _param_table(staging: _Staging, ps: np.ndarray, cs: np.ndarray
+                 ) -> tuple[np.ndarray, int] | None:
+    """The slot table as the parameter of a ``param`` kernel: ``(words, wide)`` with
+    ``words`` the smallest of :data:`PARAM_WORDS` that holds it (narrow: one word
+    ``pool | cold << 16`` a block when every slot is below 2**16; wide: two words a block),
+    or None when no size holds it (the launch then uploads the pairs)."""
+    wide = int(max(int(ps.max()), int(cs.max())) >= 1 << 16)
+    need = len(ps) << wide
+    size = next((w for w in PARAM_WORDS if w >= need), None)
+    if size is None:
+        return None
+    words = staging.param(size)
+    if wide:
+        words[0:need:2] = ps
+        words[1:need:2] = cs
+    else:
+        words[:need] = ps.astype(np.uint32) | (cs.astype(np.uint32) << 16)
+    return words, wide
 
 
 def _factory(mode: str) -> Any:

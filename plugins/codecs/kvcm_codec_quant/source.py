@@ -27,14 +27,25 @@ block of a migration: ``blockIdx.y`` walks the (block, segment) rows. Three path
   a warp per scale group (or per :data:`RAW_CHUNK` bytes of a raw segment).
 
 Variants ``*x`` use the lean forms of the half-warp path (``QK_LEAN``: hardware e4m3x2 and
-bf16x2 conversions, magic-number rounding, one division per warp; see the source). The
-variant is chosen by name (:data:`VARIANTS`; the codec reads ``KVCM_QUANT_KERNEL``) and
+bf16x2 conversions, magic-number rounding, one division per warp; see the source).
+
+A launch on shuffled slots needs a slot table, (pool slot, cold slot) per block. Variants
+``*p*`` pass it as a kernel parameter (``kvcm_quant_encode_p<W>`` / ``..._decode_p<W>``
+for W in :data:`PARAM_WORDS`: one 32-bit word a block, two when a slot is 2**16 or more):
+it travels with the launch, so no copy on another engine precedes the kernel. ``*m``
+variants have the kernel read the table from mapped pinned host memory; the others copy it
+to the device on the launch's stream. ``hw4sxp2`` also takes each group's largest magnitude
+with packed bf16x2 / f16x2 max instructions.
+
+The variant is chosen by name (:data:`VARIANTS`; the codec reads ``KVCM_QUANT_KERNEL``) and
 compiled on first use; each variant computes exactly the same bytes. The default,
-:data:`DEFAULT_VARIANT`, was the fastest on an H200 in both GPU backends
-(``benchmarks/results/h200-20261202-quant``).
+:data:`DEFAULT_VARIANT`, was the fastest on an H200 in both GPU backends, on consecutive
+and on shuffled slots (``benchmarks/results/h200-20261202-quant3``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import attrs
 
@@ -44,7 +55,9 @@ __all__ = [
     "DEFAULT_VARIANT",
     "FAST_GROUPS",
     "KERNEL_ENV",
+    "PARAM_WORDS",
     "SEG_DESC_WORDS",
+    "SLOT_TABLES",
     "SOURCE",
     "VARIANTS",
     "Variant",
@@ -57,6 +70,15 @@ SEG_DESC_WORDS = 16
 FAST_GROUPS = 8
 #: Environment variable that picks the kernel variant.
 KERNEL_ENV = "KVCM_QUANT_KERNEL"
+#: How a launch gets its slot table (shuffled slots; consecutive ones need none):
+#: ``device`` copied into device memory on the launch's stream before the launch; ``param``
+#: as a kernel parameter (it travels with the launch); ``mapped`` read by the kernel from
+#: pinned host memory mapped into the device's address space.
+SLOT_TABLES = ("device", "param", "mapped")
+#: Sizes (32-bit words) of the slot-table parameter of the ``param`` kernels: a launch takes
+#: the smallest that holds its table (one word a block when every slot is below 2**16, else
+#: two). The largest keeps the kernel's parameters under the 32764 bytes CUDA allows.
+PARAM_WORDS = (1024, 4096, 8160)
 
 
 @attrs.frozen
@@ -69,6 +91,11 @@ class Variant:
     ``streaming``: page loads and code stores with the evict-first cache hint;
     ``lean``: the half-warp path's lean forms (hardware fp8 and bf16 conversions, one
     division per warp; see the source);
+    ``slots``: how a launch on shuffled slots gets its slot table (one of
+    :data:`SLOT_TABLES`; a ``param`` table too large for the parameter goes the ``device``
+    way);
+    ``packed_amax``: lean encode takes each group's largest magnitude with packed
+    bf16x2 / f16x2 max instructions on the loaded words (fewer instructions, same value);
     ``plain_c_math`` (never in :data:`VARIANTS`): the fp32 operations as C intrinsics,
     which a ``-ftz=true`` compilation flushes (the tests use it to show the bug is caught)."""
 
@@ -78,7 +105,14 @@ class Variant:
     min_blocks: int
     streaming: bool = False
     lean: bool = False
+    slots: str = attrs.field(default="device")
+    packed_amax: bool = False
     plain_c_math: bool = False  # tests only: C float intrinsics, which -ftz=true flushes
+
+    @slots.validator
+    def _known_slots(self, _: Any, value: str) -> None:
+        if value not in SLOT_TABLES:
+            raise ValueError(f"slots={value!r}: must be one of {list(SLOT_TABLES)}")
 
     @property
     def warps(self) -> int:
@@ -103,10 +137,13 @@ VARIANTS = {v.name: v for v in (
     Variant("hw4xcs", 4, 256, 4, streaming=True, lean=True),
     Variant("hw4sx", 4, 128, 8, lean=True),
     Variant("hw8sx", 8, 128, 4, lean=True),
+    Variant("hw4sxp", 4, 128, 8, lean=True, slots="param"),
+    Variant("hw4sxm", 4, 128, 8, lean=True, slots="mapped"),
+    Variant("hw4sxp2", 4, 128, 8, lean=True, slots="param", packed_amax=True),
 )}
 #: The variant used when ``KVCM_QUANT_KERNEL`` is unset (see docs/codecs.md for the sweep
-#: that chose it).
-DEFAULT_VARIANT = "hw4sx"
+#: that chose it: benchmarks/results/h200-20261202-quant3).
+DEFAULT_VARIANT = "hw4sxp2"
 
 SOURCE = r"""
 typedef unsigned long long u64;
@@ -133,6 +170,12 @@ typedef unsigned short u16;
 #endif
 #ifndef QK_LEAN
 #define QK_LEAN 0
+#endif
+#ifndef QK_PARAM_SLOTS
+#define QK_PARAM_SLOTS 0
+#endif
+#ifndef QK_PACKED_AMAX
+#define QK_PACKED_AMAX 0
 #endif
 #define QK_HWPB (QK_THREADS / 16)
 #define FLT_MAX_F 3.402823466e+38f
@@ -548,6 +591,18 @@ __device__ __forceinline__ u32 pack16x2(float y0, float y1, int dtype) {
     return r;
 }
 #define QK_MAGIC 12582912.0f  // 1.5 * 2**23: its ulp is 1
+#if QK_PACKED_AMAX
+// Larger of two pairs of 16-bit magnitudes (dtype 0: bf16, 1: fp16), half by half, as the
+// packed max instructions give it: exact, subnormals kept (no .ftz), a NaN ignored when the
+// other half is a number (both NaN: NaN, which the f_max with 0 after it then ignores), so
+// the group's amax is the reference's (a max over |v| from 0 that skips NaN).
+__device__ __forceinline__ u32 max16x2(u32 a, u32 b, int dtype) {
+    u32 r;
+    if (dtype == 0) asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    else asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+#endif
 
 template <int MODE>
 __device__ __forceinline__ void encode_hw(const SegDesc& d, const char* x, char* cold, i64 u) {
@@ -567,11 +622,17 @@ __device__ __forceinline__ void encode_hw(const SegDesc& d, const char* x, char*
     float mine = 0.0f;
 #pragma unroll
     for (int j = 0; j < K; ++j) {
+#if QK_PACKED_AMAX
+        const u32 m = max16x2(max16x2(w[j].x & 0x7fff7fffu, w[j].y & 0x7fff7fffu, dtype),
+                              max16x2(w[j].z & 0x7fff7fffu, w[j].w & 0x7fff7fffu, dtype), dtype);
+        float amax = f_max(f_max(0.0f, from16(m & 0xffffu, dtype)), from16(m >> 16, dtype));
+#else
         float v[8];
         unpack8(w[j], dtype, v);
         float amax = 0.0f;
 #pragma unroll
         for (int i = 0; i < 8; ++i) amax = f_max(amax, f_abs(v[i]));
+#endif
         amax = half_warp_max(amax);
         if ((lane % K) == j) mine = amax;
     }
@@ -791,22 +852,52 @@ __device__ __forceinline__ void hw_unit(const SegDesc& d, int mode, char* pool, 
 }
 #endif  // QK_HW_GROUPS
 
-// pairs: int2 (pool slot, cold slot) per block, or 0: block i is pool slot base_lo + i and
-// cold slot base_hi + i (slot_base = base_lo | base_hi << 32). rows = npairs * nseg < 2**32.
-template <bool encode>
-__device__ __forceinline__ void quant_pages(u64 descs, u64 nseg, u64 pairs, u64 npairs,
-                                            u64 mode, u64 slot_base) {
+// Where block pi of a launch lives: (pool slot, cold slot).
+// ListSlots: int2 pairs in device memory (uploaded, variants with slots "device") or in
+// mapped pinned host memory (slots "mapped"), or none: block i is pool slot base_lo + i and
+// cold slot base_hi + i (base = base_lo | base_hi << 32).
+struct ListSlots {
+    const int2* pairs;
+    u64 base;
+    __device__ __forceinline__ int2 operator()(u32 i) const {
+        return pairs != nullptr ? pairs[i]
+                                : make_int2((int)((u32)base + i), (int)((u32)(base >> 32) + i));
+    }
+};
+
+#if QK_PARAM_SLOTS
+// ParamSlots (variants with slots "param"): the slot table is a kernel parameter (it travels
+// with the launch: no copy, no dependency on another engine). Narrow: word i is
+// pool | cold << 16 (both < 2**16); wide: words 2i, 2i + 1.
+template <int W>
+struct SlotWords {
+    u32 w[W];
+};
+
+template <int W>
+struct ParamSlots {
+    const SlotWords<W>* t;
+    u32 wide;
+    __device__ __forceinline__ int2 operator()(u32 i) const {
+        if (wide) return make_int2((int)t->w[2 * i], (int)t->w[2 * i + 1]);
+        const u32 x = t->w[i];
+        return make_int2((int)(x & 0xffffu), (int)(x >> 16));
+    }
+};
+#endif
+
+// rows = npairs * nseg < 2**32: blockIdx.y walks the (block, segment) rows.
+template <bool encode, typename Slots>
+__device__ __forceinline__ void quant_pages(u64 descs, u64 nseg, u64 npairs, u64 mode,
+                                            const Slots& slots) {
     const SegDesc* D = (const SegDesc*)descs;
-    const int2* P = (const int2*)pairs;
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 ns = (u32)nseg;
     const u32 rows = (u32)npairs * ns;
     for (u32 r = blockIdx.y; r < rows; r += gridDim.y) {
         const u32 seg = r % ns, pi = r / ns;
         const SegDesc& d = D[seg];
-        const int2 pr = P != nullptr ? P[pi]
-                                     : make_int2((int)((u32)slot_base + pi),
-                                                 (int)((u32)(slot_base >> 32) + pi));
+        const int2 pr = slots(pi);
         char* pool = (char*)(d.pool_base + (i64)pr.x * d.pool_stride);
         char* cold = (char*)(d.cold_base + (i64)pr.y * d.cold_stride);
 #if QK_HW_GROUPS
@@ -836,17 +927,35 @@ __device__ __forceinline__ void quant_pages(u64 descs, u64 nseg, u64 pairs, u64 
 }
 
 // One launch per call: every segment of every block, encoded (GPU pages to cold pages) or
-// decoded (cold pages to GPU pages).
+// decoded (cold pages to GPU pages). pairs: the int2 slot table's address, or 0 for
+// consecutive slots from slot_base.
 extern "C" __global__ void __launch_bounds__(QK_THREADS, QK_MIN_BLOCKS)
 kvcm_quant_encode(u64 descs, u64 nseg, u64 pairs, u64 npairs, u64 mode, u64 slot_base) {
-    quant_pages<true>(descs, nseg, pairs, npairs, mode, slot_base);
+    quant_pages<true>(descs, nseg, npairs, mode, ListSlots{(const int2*)pairs, slot_base});
 }
 
 extern "C" __global__ void __launch_bounds__(QK_THREADS, QK_MIN_BLOCKS)
 kvcm_quant_decode(u64 descs, u64 nseg, u64 pairs, u64 npairs, u64 mode, u64 slot_base) {
-    quant_pages<false>(descs, nseg, pairs, npairs, mode, slot_base);
+    quant_pages<false>(descs, nseg, npairs, mode, ListSlots{(const int2*)pairs, slot_base});
 }
-""".replace("@RAW_CHUNK@", str(RAW_CHUNK)).replace("@FAST_GROUPS@", str(FAST_GROUPS))
+
+#if QK_PARAM_SLOTS
+// The same with the slot table of W words as a parameter (kvcm_quant_encode_p<W>, ...).
+#define QK_PARAM_KERNELS(W)                                                                   \
+extern "C" __global__ void __launch_bounds__(QK_THREADS, QK_MIN_BLOCKS)                       \
+kvcm_quant_encode_p##W(u64 descs, u64 nseg, u64 npairs, u64 mode, u64 wide,                  \
+                       const __grid_constant__ SlotWords<W> table) {                         \
+    quant_pages<true>(descs, nseg, npairs, mode, ParamSlots<W>{&table, (u32)wide});           \
+}                                                                                             \
+extern "C" __global__ void __launch_bounds__(QK_THREADS, QK_MIN_BLOCKS)                       \
+kvcm_quant_decode_p##W(u64 descs, u64 nseg, u64 npairs, u64 mode, u64 wide,                  \
+                       const __grid_constant__ SlotWords<W> table) {                         \
+    quant_pages<false>(descs, nseg, npairs, mode, ParamSlots<W>{&table, (u32)wide});          \
+}
+@PARAM_KERNELS@
+#endif
+""".replace("@RAW_CHUNK@", str(RAW_CHUNK)).replace("@FAST_GROUPS@", str(FAST_GROUPS)).replace(
+    "@PARAM_KERNELS@", "\n".join(f"QK_PARAM_KERNELS({w})" for w in PARAM_WORDS))
 
 
 def source_for(variant: Variant) -> str:
@@ -855,4 +964,6 @@ def source_for(variant: Variant) -> str:
             f"#define QK_MIN_BLOCKS {variant.min_blocks}\n"
             f"#define QK_STREAMING {int(variant.streaming)}\n"
             f"#define QK_LEAN {int(variant.lean)}\n"
-            f"#define QK_PLAIN_C_MATH {int(variant.plain_c_math)}\n" + SOURCE)
+            f"#define QK_PLAIN_C_MATH {int(variant.plain_c_math)}\n"
+            f"#define QK_PARAM_SLOTS {int(variant.slots == 'param')}\n"
+            f"#define QK_PACKED_AMAX {int(variant.packed_amax)}\n" + SOURCE)

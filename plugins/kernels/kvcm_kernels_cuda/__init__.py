@@ -399,7 +399,7 @@ class CudaDriverBackend(CudaKernelBackend):
         function: Any,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
-        args: list[np.generic],
+        args: list[np.generic | np.ndarray],
         stream_native: Any,
         shared_bytes: int,
     ) -> None:

@@ -270,9 +270,10 @@ class CompiledModule:
         """Queue kernel ``name`` on ``stream``.
 
         Args:
-            args: NumPy scalars (passed with their exact C type), :class:`CudaBuffer`
-                (its device address), Python ``int`` (as ``int64``), ``float`` (as
-                ``double``) or ``bool``.
+            args: NumPy scalars (passed with their exact C type), NumPy arrays of one
+                element (its bytes, e.g. a ``void`` element for a struct passed by value),
+                :class:`CudaBuffer` (its device address), Python ``int`` (as ``int64``),
+                ``float`` (as ``double``) or ``bool``.
         """
         packed = [_scalar(a) for a in args]
         self._backend._launch(
@@ -285,8 +286,13 @@ class CompiledModule:
         )
 
 
-def _scalar(value: Any) -> np.generic:
+def _scalar(value: Any) -> np.generic | np.ndarray:
     if isinstance(value, np.generic):
+        return value
+    if isinstance(value, np.ndarray):
+        if value.size != 1:
+            raise TypeError(f"kernel argument: a NumPy array passed by value must have one "
+                            f"element; got shape {value.shape}")
         return value
     if isinstance(value, Buffer):
         return np.uint64(value.ptr)
@@ -501,7 +507,7 @@ class CudaKernelBackend(KernelBackend):
         function: Any,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
-        args: list[np.generic],
+        args: list[np.generic | np.ndarray],
         stream_native: Any,
         shared_bytes: int,
     ) -> None: ...

@@ -182,7 +182,7 @@ class CupyBackend(CudaKernelBackend):
         function: Any,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
-        args: list[np.generic],
+        args: list[np.generic | np.ndarray],
         stream_native: Any,
         shared_bytes: int,
     ) -> None:
