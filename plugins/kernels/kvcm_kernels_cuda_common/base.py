@@ -55,6 +55,13 @@ from kvcm_kernels_cuda_common.source_sparse_v2 import (
     sparse_v2_shared_bytes,
     sparse_v2_window_bits,
 )
+from kvcm_kernels_cuda_common.source_sparse_v3 import (
+    SPARSE_V3_KERNELS,
+    SPARSE_V3_MAX_SHARED,
+    SPARSE_V3_SOURCE,
+    sparse_v3_kernel,
+    sparse_v3_shared_bytes,
+)
 
 __all__ = [
     "AUTO_CE_MIN_PAGE_BYTES",
@@ -623,13 +630,14 @@ class CudaKernelBackend(KernelBackend):
 
     def _kernels(self) -> CompiledModule:
         if self._module is None:
-            self._module = self.compile(SOURCE + SPARSE_SOURCE + SPARSE_V2_SOURCE)
+            self._module = self.compile(SOURCE + SPARSE_SOURCE + SPARSE_V2_SOURCE
+                                        + SPARSE_V3_SOURCE)
         return self._module
 
     def warm_up(self) -> None:
         """Compile and load the kernels now rather than on first use."""
         module = self._kernels()
-        for name in (*KERNEL_NAMES, *SPARSE_KERNEL_NAMES, SPARSE_V2_KERNEL):
+        for name in (*KERNEL_NAMES, *SPARSE_KERNEL_NAMES, SPARSE_V2_KERNEL, *SPARSE_V3_KERNELS):
             module.function(name)
 
     def close(self) -> None:
@@ -865,8 +873,9 @@ class CudaKernelBackend(KernelBackend):
     #: Working sets up to this many entries keep their stamps (v2) or sort their keys (v1)
     #: in shared memory; larger ones work in global memory.
     sparse_shared_limit = SPARSE_SHARED_LIMIT
-    #: The resolve kernel: ``"v2"`` (ranks stamps in windows, default) or ``"v1"`` (sorts
-    #: every eviction key); the environment variable ``KVCM_SPARSE_RESOLVE`` sets it.
+    #: The resolve kernel: ``"v2"`` (ranks stamps in windows, default), ``"v3"`` (the same
+    #: ranking with fewer barriers, state in shared memory) or ``"v1"`` (sorts every
+    #: eviction key); the environment variable ``KVCM_SPARSE_RESOLVE`` sets it.
     sparse_resolve_version = "v2"
     #: v2: stamps a window ranks at once (``None``: the widest, 128 bits per thread) and the
     #: windows a row may take before it falls back to the sort (tests make both small).
@@ -877,8 +886,8 @@ class CudaKernelBackend(KernelBackend):
 
     def _sparse_version(self) -> str:
         v = os.environ.get("KVCM_SPARSE_RESOLVE", self.sparse_resolve_version)
-        if v not in ("v1", "v2"):
-            raise ValueError(f"KVCM_SPARSE_RESOLVE={v!r}: must be 'v1' or 'v2'")
+        if v not in ("v1", "v2", "v3"):
+            raise ValueError(f"KVCM_SPARSE_RESOLVE={v!r}: must be 'v1', 'v2' or 'v3'")
         return v
 
     def _sms(self) -> int:
@@ -914,9 +923,22 @@ class CudaKernelBackend(KernelBackend):
                 job.stamp.ptr, job.tick.ptr, job.entry_of.ptr, job.first.ptr, sel,
                 job.entry_map.ptr, job.miss_unit.ptr, job.miss_entry.ptr, job.miss_count.ptr,
                 job.counters.ptr, job.keys.ptr]
-        if self._sparse_version() == "v2":
-            # 1024 threads while the rows leave SMs idle, else 512 (two blocks an SM)
-            threads = self.sparse_threads or (1024 if job.rows <= self._sms() else 512)
+        version = self._sparse_version()
+        # 1024 threads while the rows leave SMs idle, else 512 (two blocks an SM)
+        threads = self.sparse_threads or (1024 if job.rows <= self._sms() else 512)
+        if version == "v3" and job.working_set_units <= self.sparse_shared_limit:
+            name = sparse_v3_kernel(threads)
+            shared = sparse_v3_shared_bytes(threads, job.working_set_units, job.num_selected)
+            if shared <= SPARSE_V3_MAX_SHARED:
+                widest = sparse_v2_window_bits(threads)
+                window = max(1, min(self.sparse_window or widest, widest))
+                with self._lock:
+                    fn = self._shared_function(name, shared)
+                    self._launch(fn, (min(job.rows, _MAX_GRID_X), 1, 1), (threads, 1, 1),
+                                 _u64([*args, window, self.sparse_max_windows]),
+                                 st.native, shared)
+                return
+        if version in ("v2", "v3"):  # v3 past its shared memory: v2's global-memory path
             stamps = job.working_set_units <= self.sparse_shared_limit
             shared = sparse_v2_shared_bytes(threads, job.working_set_units, p,
                                             job.num_selected, stamps)
