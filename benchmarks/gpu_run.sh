@@ -11,7 +11,7 @@
 #   bash benchmarks/gpu_run.sh sparse   # sparse attention: GPU tests, benchmark, simulate
 #   bash benchmarks/gpu_run.sh codecs   # page codecs: benchmark against copy bandwidth
 #   bash benchmarks/gpu_run.sh quant    # quant codec kernels: variants bit for bit, sweep
-#   bash benchmarks/gpu_run.sh sparse_tests sparse_sweep   # resolve kernels: tests, sweep
+#   bash benchmarks/gpu_run.sh sparse_tests sparse_sweep sparse_ncu  # resolve kernels
 #   bash benchmarks/gpu_run.sh gpu_tests codecs_bench ...   # any list of the steps below
 # Results under $OUT (default ./out).
 set -uo pipefail
@@ -110,8 +110,29 @@ step() {  # one named step; modes below are lists of steps
       run quant_sweep.log 300 "$PY" -m kvcm_core.cli bench codecs --out "$OUT" \
         --skip cpu simulate --slots both --reps 50 --kernels \
         "${KVCM_QUANT_SWEEP:-legacy,hw2,hw4,hw4cs,hw2s,hw4s,hw2x,hw4x,hw4xcs,hw4sx,hw8sx}" ;;
-    sparse_sweep)  # resolve kernels v1/v2: rows 64/256 x selected 2048/4096/8192
-      run sparse_sweep.log 300 "$PY" benchmarks/gpu_sweep_sparse.py --out "$OUT" ;;
+    sparse_tests_v3)  # issue 11: the v3 resolve kernel's settings, and the sparse engine
+      # runs and conformance with v3 as the kernel (the v1/v2 settings: sparse_tests)
+      KVCM_SPARSE_RESOLVE=v3 run sparse_tests_v3.log 300 "$PY" -m pytest -q \
+        -p no:cacheprovider --tb=short tests/test_sparse_gpu.py tests/test_conformance_sparse.py \
+        -k "not [v1- and not [v2-" ;;
+    sparse_sweep)  # resolve kernels: rows 64/256 x selected (KVCM_SWEEP_SELECTED, default
+      # 2048 4096 8192) for KVCM_SWEEP_VERSIONS (default v1,v2,v3), 40 timed steps, burst
+      # timing; SM clocks sampled meanwhile
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,utilization.gpu --format=csv \
+        -lms 250 >"$OUT/sparse_sweep_clocks.csv" 2>&1 &
+      local smi=$!
+      run sparse_sweep.log 300 "$PY" benchmarks/gpu_sweep_sparse.py --out "$OUT" --burst \
+        --selected ${KVCM_SWEEP_SELECTED:-2048 4096 8192} \
+        --versions "${KVCM_SWEEP_VERSIONS:-v1,v2,v3}"
+      kill "$smi" 2>/dev/null ;;
+    sparse_ncu)  # each resolve kernel's own duration (Nsight Compute), v2 and v3, cuda
+      local ncu
+      ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      run sparse_ncu.log 200 "${ncu:-ncu}" --clock-control none --cache-control none \
+        --metrics gpu__time_duration.sum -k regex:kvcm_sparse_resolve --csv \
+        "$PY" benchmarks/ncu_sparse_resolve.py --versions v2,v3 --rows 64 256
+      "$PY" benchmarks/ncu_sparse_resolve.py --summary "$OUT/sparse_ncu.log" \
+        | tee "$OUT/sparse_ncu_summary.txt" ;;
     *) echo "unknown step $1"; status=2 ;;
   esac
 }

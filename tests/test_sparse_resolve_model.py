@@ -1,9 +1,10 @@
 """The v2 and v3 GPU resolve kernels' algorithm (``kvcm_core.sparse.resolve_model``: free
 entries by index, then stamps ranked a bitmap window at a time, the sort as fallback; v3
 starts its first window at the smallest unpinned stamp and ranks the free entries in the
-same pass) gives the reference's bytes: every random case of the sparse conformance suite, run through a NumPy
-backend whose resolve is the model, checked against the exact LRU oracle, with windows
-wide and narrow so that one window, several windows and the fallback sort all happen."""
+same pass) gives the reference's bytes: every random case of the sparse conformance suite,
+run through a NumPy backend whose resolve is the model, checked against the exact LRU
+oracle, with windows wide and narrow so that one window, several windows and the fallback
+sort all happen."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""A NumPy model of the second and third GPU resolve kernels (``kvcm_sparse_resolve_v2``, ``_v3``), phase by
-phase, so that its way of finding the entries that misses take can be checked against
-:func:`kvcm_core.sparse.reference.resolve_reference` on the host (tests/test_sparse_model.py).
+"""A NumPy model of the second and third GPU resolve kernels (``kvcm_sparse_resolve_v2``,
+``_v3``), phase by phase, so that their way of finding the entries that misses take can be
+checked against :func:`kvcm_core.sparse.reference.resolve_reference` on the host
+(tests/test_sparse_resolve_model.py).
 
 The kernel does not sort the eviction keys. After the hits protect their entries:
 
