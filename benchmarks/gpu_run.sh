@@ -11,7 +11,7 @@
 #   bash benchmarks/gpu_run.sh sparse   # sparse attention: GPU tests, benchmark, simulate
 #   bash benchmarks/gpu_run.sh codecs   # page codecs: benchmark against copy bandwidth
 #   bash benchmarks/gpu_run.sh quant    # quant codec kernels: variants bit for bit, sweep
-#   bash benchmarks/gpu_run.sh sparse_tests sparse_sweep sparse_ncu  # resolve kernels
+#   bash benchmarks/gpu_run.sh sparse_tests sparse_sweep   # resolve kernels: tests, sweep
 #   bash benchmarks/gpu_run.sh gpu_tests codecs_bench ...   # any list of the steps below
 # Results under $OUT (default ./out).
 set -uo pipefail
@@ -125,14 +125,6 @@ step() {  # one named step; modes below are lists of steps
         --selected ${KVCM_SWEEP_SELECTED:-2048 4096 8192} \
         --versions "${KVCM_SWEEP_VERSIONS:-v1,v2,v3}"
       kill "$smi" 2>/dev/null ;;
-    sparse_ncu)  # each resolve kernel's own duration (Nsight Compute), v2 and v3, cuda
-      local ncu
-      ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-      run sparse_ncu.log 200 "${ncu:-ncu}" --clock-control none --cache-control none \
-        --metrics gpu__time_duration.sum -k regex:kvcm_sparse_resolve --csv \
-        "$PY" benchmarks/ncu_sparse_resolve.py --versions v2,v3 --rows 64 256
-      "$PY" benchmarks/ncu_sparse_resolve.py --summary "$OUT/sparse_ncu.log" \
-        | tee "$OUT/sparse_ncu_summary.txt" ;;
     *) echo "unknown step $1"; status=2 ;;
   esac
 }
