@@ -1,7 +1,7 @@
 """Sweep of the sparse resolve kernels' device time (``bash benchmarks/gpu_run.sh
 sparse_sweep``): rows x selected units (working set twice the selection, about 50% hits:
 each step keeps half of a row's last selection), for each GPU backend and each resolve
-kernel (``KVCM_SPARSE_RESOLVE=v1|v2|v3``); beside them v2 through global memory (stamps not
+kernel (``KVCM_SPARSE_RESOLVE=v1|v2|v3|v4``); beside them v2 through global memory (stamps not
 in shared memory); with v1, v2 forced to its fallback sort and v2 in 512-thread blocks on
 the fewest rows; with v3, v3 in 256-, 512- and 1024-thread blocks and v3 on 8192 selected
 of 16384 entries (past the shared limit: v2's global-memory path). Median and best of the timed
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", default="cuda,cupy")
-    ap.add_argument("--versions", default="v1,v2,v3")
+    ap.add_argument("--versions", default="v1,v2,v3,v4")
     ap.add_argument("--rows", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--selected", type=int, nargs="+", default=[2048, 4096, 8192])
     ap.add_argument("--steps", type=int, default=40, help="timed resolves per case")

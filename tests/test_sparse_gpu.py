@@ -44,11 +44,14 @@ def backend(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
 #: (kernel, window, max_windows, threads): v2 and v3 with their widest window, with windows
 #: of a few stamps (several windows a row), with none allowed (every row falls back to the
 #: sort), and with 512-thread blocks (as for more rows than SMs: slots take more rounds);
-#: v3 also in 256-thread blocks (entries and slots take the most rounds).
+#: v3 also in 256-thread blocks (entries and slots take the most rounds); v4 (v3 with the
+#: dedup in a shared hash) likewise.
 KERNELS = [("v1", None, 16, None), ("v2", None, 16, None), ("v2", None, 16, 512),
            ("v2", 5, 64, None), ("v2", 3, 2, 512), ("v2", 1, 0, None),
            ("v3", None, 16, None), ("v3", None, 16, 512), ("v3", None, 16, 256),
-           ("v3", 5, 64, None), ("v3", 3, 2, 256), ("v3", 1, 0, None)]
+           ("v3", 5, 64, None), ("v3", 3, 2, 256), ("v3", 1, 0, None),
+           ("v4", None, 16, None), ("v4", None, 16, 512), ("v4", 3, 2, 256),
+           ("v4", 1, 0, None)]
 
 
 @pytest.fixture(params=KERNELS, ids=lambda k: "-".join(str(x) for x in k))
@@ -166,12 +169,13 @@ def test_gpu_resolve_and_pin_of_more_slots_than_one_round(kernel) -> None:
         rig.close()
 
 
+@pytest.mark.parametrize("version", ["v3", "v4"])
 def test_gpu_resolve_v3_is_the_exact_lru_with_equal_counts_at_the_benchmark_shape(
-        backend, monkeypatch: pytest.MonkeyPatch) -> None:
+        backend, monkeypatch: pytest.MonkeyPatch, version: str) -> None:
     """The shape of the target (256 rows x 2048 selected of 4096 entries, half hits),
-    through v3's 512-thread kernel: maps, miss lists, state and hit/miss counts equal the
-    host LRU's at every step (the rig checks each)."""
-    monkeypatch.setenv("KVCM_SPARSE_RESOLVE", "v3")
+    through the 512-thread kernel of v3 (and v4): maps, miss lists, state and hit/miss
+    counts equal the host LRU's at every step (the rig checks each)."""
+    monkeypatch.setenv("KVCM_SPARSE_RESOLVE", version)
     rig = ResolveRig(backend, 256, 2048, 4096, 8192, 4)
     try:
         for sel in drifting_topk(np.random.default_rng(7), 256, 2048, 8192, 4, 0.5):

@@ -874,8 +874,9 @@ class CudaKernelBackend(KernelBackend):
     #: in shared memory; larger ones work in global memory.
     sparse_shared_limit = SPARSE_SHARED_LIMIT
     #: The resolve kernel: ``"v3"`` (default: v2's ranking with fewer barriers, the row's
-    #: state in shared memory; past its shared memory it runs v2), ``"v2"`` (ranks stamps
-    #: in windows) or ``"v1"`` (sorts every eviction key); the environment variable
+    #: state in shared memory; past its shared memory it runs v2), ``"v4"`` (v3 with the
+    #: dedup in a shared hash; not yet measured), ``"v2"`` (ranks stamps in windows) or
+    #: ``"v1"`` (sorts every eviction key); the environment variable
     #: ``KVCM_SPARSE_RESOLVE`` sets it. v3 is the default by the H200 figures of
     #: benchmarks/results/h200-20261202-resolve2 (256 x 2048: 54.4 us median, v2 60.8).
     sparse_resolve_version = "v3"
@@ -888,8 +889,8 @@ class CudaKernelBackend(KernelBackend):
 
     def _sparse_version(self) -> str:
         v = os.environ.get("KVCM_SPARSE_RESOLVE", self.sparse_resolve_version)
-        if v not in ("v1", "v2", "v3"):
-            raise ValueError(f"KVCM_SPARSE_RESOLVE={v!r}: must be 'v1', 'v2' or 'v3'")
+        if v not in ("v1", "v2", "v3", "v4"):
+            raise ValueError(f"KVCM_SPARSE_RESOLVE={v!r}: must be 'v1', 'v2', 'v3' or 'v4'")
         return v
 
     def _sms(self) -> int:
@@ -928,9 +929,10 @@ class CudaKernelBackend(KernelBackend):
         version = self._sparse_version()
         # 1024 threads while the rows leave SMs idle, else 512 (two blocks an SM)
         threads = self.sparse_threads or (1024 if job.rows <= self._sms() else 512)
-        if version == "v3" and job.working_set_units <= self.sparse_shared_limit:
-            name = sparse_v3_kernel(threads)
-            shared = sparse_v3_shared_bytes(threads, job.working_set_units, job.num_selected)
+        if version in ("v3", "v4") and job.working_set_units <= self.sparse_shared_limit:
+            name = sparse_v3_kernel(threads, version)
+            shared = sparse_v3_shared_bytes(threads, job.working_set_units, job.num_selected,
+                                            version)
             if shared <= SPARSE_V3_MAX_SHARED:
                 widest = sparse_v2_window_bits(threads)
                 window = max(1, min(self.sparse_window or widest, widest))
@@ -940,7 +942,7 @@ class CudaKernelBackend(KernelBackend):
                                  _u64([*args, window, self.sparse_max_windows]),
                                  st.native, shared)
                 return
-        if version in ("v2", "v3"):  # v3 past its shared memory: v2's global-memory path
+        if version != "v1":  # v3/v4 past their shared memory: v2's global-memory path
             stamps = job.working_set_units <= self.sparse_shared_limit
             shared = sparse_v2_shared_bytes(threads, job.working_set_units, p,
                                             job.num_selected, stamps)

@@ -21,8 +21,14 @@ round trip after the lookups:
 - the dedup scratch ``first`` is restored as soon as every slot has read it.
 
 Rows whose working set exceeds the shared limit, or whose shared memory would exceed
-``SPARSE_V2_MAX_SHARED``, run the second kernel (stamps in global memory). The algorithm in
+``SPARSE_V3_MAX_SHARED``, run the second kernel (stamps in global memory). The algorithm in
 NumPy is :func:`kvcm_core.sparse.resolve_model.resolve_model` with ``variant="v3"``.
+
+``KVCM_SPARSE_RESOLVE=v4`` is the same kernel with one change: the first slot of each unit
+is found in a hash table in shared memory (open addressing, at most half full, in the space
+the window bitmap and the miss order take later) instead of by ``atomicMin`` on the global
+scratch ``first``, which it leaves untouched: one shared atomic and one shared probe per
+slot instead of a global atomic, a global read and a global write.
 """
 
 from __future__ import annotations
@@ -32,27 +38,36 @@ __all__ = ["SPARSE_V3_KERNELS", "SPARSE_V3_MAX_SHARED", "SPARSE_V3_SOURCE", "SPA
 
 #: Block sizes the third kernel is compiled for.
 SPARSE_V3_THREADS = (256, 512, 1024)
-SPARSE_V3_KERNELS = tuple(f"kvcm_sparse_resolve_v3_{t}" for t in SPARSE_V3_THREADS)
+SPARSE_V3_KERNELS = tuple(f"kvcm_sparse_resolve_{v}_{t}" for v in ("v3", "v4")
+                          for t in SPARSE_V3_THREADS)
 #: Dynamic shared memory a v3 block may take: Hopper's 227 KiB a block less the kernel's
 #: static shared memory (at most about 9 KiB, for 1024 threads) and a margin.
 SPARSE_V3_MAX_SHARED = 212 << 10
 
 
-def sparse_v3_kernel(threads: int) -> str:
-    """The name of the third kernel for blocks of ``threads``."""
+def sparse_v3_kernel(threads: int, version: str = "v3") -> str:
+    """The name of the third kernel (``version`` ``"v3"``, or ``"v4"``: the shared hash) for
+    blocks of ``threads``."""
     if threads not in SPARSE_V3_THREADS:
-        raise ValueError(f"sparse_threads={threads}: v3 runs blocks of "
+        raise ValueError(f"sparse_threads={threads}: {version} runs blocks of "
                          f"{', '.join(map(str, SPARSE_V3_THREADS))} threads")
-    return f"kvcm_sparse_resolve_v3_{threads}"
+    return f"kvcm_sparse_resolve_{version}_{threads}"
 
 
-def sparse_v3_shared_bytes(threads: int, wsu: int, ns: int) -> int:
+def sparse_v3_shared_bytes(threads: int, wsu: int, ns: int, version: str = "v3") -> int:
     """Dynamic shared memory of one block: per entry (padded to 8) a stamp, a resident and a
     protected byte (13 bytes); the window bitmap (16 bytes a thread); per slot (padded to
-    4) a unit, a class and a miss order (12 bytes)."""
+    4) a unit, a class and a miss order (12 bytes). v4: the hash table (8 bytes a slot of
+    at least twice ``ns``, a power of two) shares the space of the bitmap and the order."""
     wsp = -(-wsu // 8) * 8
     nsp = -(-ns // 4) * 4
-    return 13 * wsp + 16 * threads + 12 * nsp
+    if version == "v3":
+        return 13 * wsp + 16 * threads + 12 * nsp
+    hash_slots = 32
+    while hash_slots < 2 * ns:
+        hash_slots *= 2
+    prot = -(-wsp // 16) * 16
+    return 12 * wsp + prot + 8 * nsp + max(16 * threads + 4 * nsp, 8 * hash_slots)
 
 
 SPARSE_V3_SOURCE = r"""
@@ -131,11 +146,30 @@ __device__ void sp3_sorted_order(int k, int wsu, i64 P, const i64* sst,
     __syncthreads();
 }
 
+// v4: the row's first slot of each unit in a shared hash table (open addressing, 2^hb
+// slots of unit keys and min-slot values, at most half full) instead of the global scratch.
+__device__ __forceinline__ u32 sp3_hash(int u, int hb) {
+    return ((u32)u * 2654435761u) >> (32 - hb);
+}
+__device__ __forceinline__ void sp3_hash_insert(int* hk, int* hv, int hb, int u, int s) {
+    const u32 mask = (1u << hb) - 1u;
+    for (u32 h = sp3_hash(u, hb);; h = (h + 1u) & mask) {
+        const int prev = atomicCAS(hk + h, -1, u);
+        if (prev == -1 || prev == u) { atomicMin(hv + h, s); return; }
+    }
+}
+__device__ __forceinline__ int sp3_hash_find(const int* hk, const int* hv, int hb, int u) {
+    const u32 mask = (1u << hb) - 1u;
+    u32 h = sp3_hash(u, hb);
+    while (hk[h] != u) h = (h + 1u) & mask;
+    return hv[h];
+}
+
 // One block of T threads per row (grid-strided). Slot classes (cls): -1 unused; an entry
 // >= 0 (a hit, at its unit's first slot); -3 - i (the i-th miss in slot order); SP3_DUP + f
 // (a repeated slot whose unit's first slot is f). Phase 3 replaces a first slot's class by
 // its final entry, which phase 4 gives the repeated slots.
-template <int T>
+template <int T, bool HASH>
 __device__ __forceinline__ void sp3_resolve(
         u64 rows, u64 ns_, u64 wsu_, u64 P, u64 max_units, u64 ut, u64 lease_ptr,
         u64 marks_ptr, u64 resident_ptr, u64 stamp_ptr, u64 tick_ptr, u64 entry_of_ptr,
@@ -155,11 +189,30 @@ __device__ __forceinline__ void sp3_resolve(
     const int ept = ((wsp + T - 1) / T + 7) & ~7;  // entries a thread owns (contiguous)
     i64* sst = (i64*)sp3_smem;
     int* rs = (int*)(sp3_smem + 8 * (i64)wsp);
-    u32* bm = (u32*)(sp3_smem + 12 * (i64)wsp);
-    int* uu = (int*)(bm + 4 * T);
-    int* cls = uu + nsp;
-    int* order = cls + nsp;
-    unsigned char* prot = (unsigned char*)(order + nsp);
+    u32* bm;
+    int *uu, *cls, *order;
+    unsigned char* prot;
+    int hb = 5;  // v4: hash slots 2^hb >= 2 * ns
+    if (HASH)
+        while ((1 << hb) < 2 * ns) ++hb;
+    int* hk = 0;
+    int* hv = 0;
+    if (!HASH) {
+        bm = (u32*)(sp3_smem + 12 * (i64)wsp);
+        uu = (int*)(bm + 4 * T);
+        cls = uu + nsp;
+        order = cls + nsp;
+        prot = (unsigned char*)(order + nsp);
+    } else {  // the hash is dead after phase 1: the window bitmap and the order reuse it
+        prot = sp3_smem + 12 * (i64)wsp;
+        uu = (int*)(prot + ((wsp + 15) & ~15));
+        cls = uu + nsp;
+        bm = (u32*)(cls + nsp);
+        order = (int*)(bm + 4 * T);
+        hk = (int*)bm;
+        hv = hk + (1 << hb);
+        for (int i = t; i < (1 << hb); i += T) { hk[i] = -1; hv[i] = 0x7fffffff; }
+    }
     const u64 W = window_;
     const int maxw = (int)max_windows_;
     int ph = 0;  // scan buffer
@@ -198,8 +251,13 @@ __device__ __forceinline__ void sp3_resolve(
 #pragma unroll
             for (int q = 0; q < SP3_SI; ++q) {
                 const int s = s0 + q * T + t;
-                if (u[q] >= 0) atomicMin(first + u[q], s);
-                if (s < nsp) { uu[s] = u[q]; order[s] = -1; }
+                if (HASH) {
+                    if (u[q] >= 0) sp3_hash_insert(hk, hv, hb, u[q], s);
+                    if (s < nsp) uu[s] = u[q];
+                } else {
+                    if (u[q] >= 0) atomicMin(first + u[q], s);
+                    if (s < nsp) { uu[s] = u[q]; order[s] = -1; }
+                }
             }
         }
         u64 mn = SP_KEY_MAX;
@@ -228,7 +286,7 @@ __device__ __forceinline__ void sp3_resolve(
                 }
             }
         }
-        ((uint4*)bm)[t] = make_uint4(0u, 0u, 0u, 0u);
+        if (!HASH) ((uint4*)bm)[t] = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) {
             const u64 y = __shfl_xor_sync(SP_FULL, mn, off);
@@ -251,8 +309,9 @@ __device__ __forceinline__ void sp3_resolve(
             }
 #pragma unroll
             for (int q = 0; q < SP3_SI; ++q) {
-                f[q] = u[q] >= 0 ? first[u[q]] : -1;
                 x[q] = u[q] >= 0 ? entry_of[u[q]] : -1;
+                if (HASH) f[q] = u[q] >= 0 ? sp3_hash_find(hk, hv, hb, u[q]) : -1;
+                else f[q] = u[q] >= 0 ? first[u[q]] : -1;
             }
             int nm = 0, nh = 0;
 #pragma unroll
@@ -281,6 +340,11 @@ __device__ __forceinline__ void sp3_resolve(
             }
             k += tm;
             hits += th;
+        }
+        if (HASH) {  // the hash is dead: clear the bitmap and the order in its place
+            ((uint4*)bm)[t] = make_uint4(0u, 0u, 0u, 0u);
+            for (int i = t; i < nsp; i += T) order[i] = -1;
+            __syncthreads();
         }
         // 2. the entries the misses take, in order (order[i] for miss i; -1 past the
         // candidates): free candidates by index and the first window of stamps in one
@@ -389,7 +453,7 @@ __device__ __forceinline__ void sp3_resolve(
 #pragma unroll
             for (int q = 0; q < SP3_SI; ++q) {
                 const int s = sb + q;
-                if (u[q] >= 0) first[u[q]] = 0x7fffffff;
+                if (!HASH && u[q] >= 0) first[u[q]] = 0x7fffffff;
                 if (c[q] >= SP3_DUP) continue;
                 int e = c[q];
                 if (c[q] <= -3) {
@@ -421,6 +485,8 @@ __device__ __forceinline__ void sp3_resolve(
             for (int q = 0; q < SP3_SI; ++q)
                 if (c[q] >= SP3_DUP && sb + q < ns) emap[sb + q] = cls[c[q] - SP3_DUP];
         }
+        if (HASH)  // the order was last read before the barrier above: the next row's hash
+            for (int i = t; i < (1 << hb); i += T) { hk[i] = -1; hv[i] = 0x7fffffff; }
         if (t == 0) {
             ((i64*)tick_ptr)[L] = tick + 1;
             ((int*)mc_ptr)[r] = k;
@@ -434,18 +500,21 @@ __device__ __forceinline__ void sp3_resolve(
     }
 }
 
-#define SP3_KERNEL(T, B)                                                                    \
+#define SP3_KERNEL(V, H, T, B)                                                              \
 extern "C" __global__ void __launch_bounds__(T, B)                                          \
-kvcm_sparse_resolve_v3_##T(u64 rows, u64 ns, u64 wsu, u64 P, u64 max_units, u64 ut,        \
+kvcm_sparse_resolve_##V##_##T(u64 rows, u64 ns, u64 wsu, u64 P, u64 max_units, u64 ut,        \
                            u64 lease_ptr, u64 marks_ptr, u64 resident_ptr, u64 stamp_ptr,   \
                            u64 tick_ptr, u64 entry_of_ptr, u64 first_ptr, u64 sel_ptr,      \
                            u64 map_ptr, u64 mu_ptr, u64 me_ptr, u64 mc_ptr, u64 cnt_ptr,    \
                            u64 keys_ptr, u64 window, u64 max_windows) {                     \
-    sp3_resolve<T>(rows, ns, wsu, P, max_units, ut, lease_ptr, marks_ptr, resident_ptr,     \
+    sp3_resolve<T, H>(rows, ns, wsu, P, max_units, ut, lease_ptr, marks_ptr, resident_ptr,     \
                    stamp_ptr, tick_ptr, entry_of_ptr, first_ptr, sel_ptr, map_ptr, mu_ptr,  \
                    me_ptr, mc_ptr, cnt_ptr, keys_ptr, window, max_windows);                 \
 }
-SP3_KERNEL(256, 2)
-SP3_KERNEL(512, 2)
-SP3_KERNEL(1024, 1)
+SP3_KERNEL(v3, false, 256, 2)
+SP3_KERNEL(v3, false, 512, 2)
+SP3_KERNEL(v3, false, 1024, 1)
+SP3_KERNEL(v4, true, 256, 2)
+SP3_KERNEL(v4, true, 512, 2)
+SP3_KERNEL(v4, true, 1024, 1)
 """
