@@ -16,8 +16,8 @@ round trip after the lookups:
   memory instead of reading ``entry_of`` back;
 - the first window starts at the smallest stamp of the unpinned entries (found while they
   are loaded), so free entries and the first window are ranked in one pass over the entries:
-  two passes and three barriers where the free entries and one window took two passes and
-  about ten barriers;
+  two passes and three barriers where v2's free entries and one window take three passes
+  and fifteen barriers;
 - the dedup scratch ``first`` is restored as soon as every slot has read it.
 
 Rows whose working set exceeds the shared limit, or whose shared memory would exceed
