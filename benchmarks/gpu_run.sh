@@ -112,8 +112,21 @@ step() {  # one named step; modes below are lists of steps
       run quant_sweep.log 300 "$PY" -m kvcm_core.cli bench codecs --out "$OUT" \
         --skip cpu simulate --slots both --reps 50 --kernels \
         "${KVCM_QUANT_SWEEP:-hw4sx,hw4sxp,hw4sxm,hw4sxp2}" ;;
-    sparse_sweep)  # resolve kernels v1/v2: rows 64/256 x selected 2048/4096/8192
-      run sparse_sweep.log 300 "$PY" benchmarks/gpu_sweep_sparse.py --out "$OUT" ;;
+    sparse_tests_v3)  # issue 11: the v3 and v4 resolve kernels' settings, and the sparse
+      # engine runs and conformance with v3 as the kernel (the v1/v2 settings: sparse_tests)
+      KVCM_SPARSE_RESOLVE=v3 run sparse_tests_v3.log 300 "$PY" -m pytest -q \
+        -p no:cacheprovider --tb=short tests/test_sparse_gpu.py tests/test_conformance_sparse.py \
+        -k "not [v1- and not [v2-" ;;
+    sparse_sweep)  # resolve kernels: rows 64/256 x selected (KVCM_SWEEP_SELECTED, default
+      # 2048 4096 8192) for KVCM_SWEEP_VERSIONS (default v1,v2,v3,v4), 40 timed steps, burst
+      # timing; SM clocks sampled meanwhile
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,utilization.gpu --format=csv \
+        -lms 250 >"$OUT/sparse_sweep_clocks.csv" 2>&1 &
+      local smi=$!
+      run sparse_sweep.log 300 "$PY" benchmarks/gpu_sweep_sparse.py --out "$OUT" --burst \
+        --selected ${KVCM_SWEEP_SELECTED:-2048 4096 8192} \
+        --versions "${KVCM_SWEEP_VERSIONS:-v1,v2,v3,v4}"
+      kill "$smi" 2>/dev/null ;;
     *) echo "unknown step $1"; status=2 ;;
   esac
 }

@@ -41,11 +41,17 @@ def backend(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     b.close()
 
 
-#: (kernel, window, max_windows, threads): v2 with its widest window, with windows of a few
-#: stamps (several windows a row), with none allowed (every row falls back to the sort), and
-#: with 512-thread blocks (as for more rows than SMs: slots take more rounds).
+#: (kernel, window, max_windows, threads): v2 and v3 with their widest window, with windows
+#: of a few stamps (several windows a row), with none allowed (every row falls back to the
+#: sort), and with 512-thread blocks (as for more rows than SMs: slots take more rounds);
+#: v3 also in 256-thread blocks (entries and slots take the most rounds); v4 (v3 with the
+#: dedup in a shared hash) likewise.
 KERNELS = [("v1", None, 16, None), ("v2", None, 16, None), ("v2", None, 16, 512),
-           ("v2", 5, 64, None), ("v2", 3, 2, 512), ("v2", 1, 0, None)]
+           ("v2", 5, 64, None), ("v2", 3, 2, 512), ("v2", 1, 0, None),
+           ("v3", None, 16, None), ("v3", None, 16, 512), ("v3", None, 16, 256),
+           ("v3", 5, 64, None), ("v3", 3, 2, 256), ("v3", 1, 0, None),
+           ("v4", None, 16, None), ("v4", None, 16, 512), ("v4", 3, 2, 256),
+           ("v4", 1, 0, None)]
 
 
 @pytest.fixture(params=KERNELS, ids=lambda k: "-".join(str(x) for x in k))
@@ -61,7 +67,7 @@ def kernel(backend, request: pytest.FixtureRequest,  # type: ignore[no-untyped-d
 @pytest.mark.parametrize("shared_limit", [8192, 0], ids=["shared", "global"])
 def test_gpu_resolve_is_the_exact_lru_on_random_cases(kernel, shared_limit: int) -> None:
     """``shared_limit=0`` sends every working set through global memory (v1: the sort's
-    keys; v2: the stamps)."""
+    keys; v2, and v3, which hands such rows to v2: the stamps)."""
     backend = kernel
     backend.sparse_shared_limit = shared_limit
     for seed in range(60 if backend.sparse_window is None else 20):
@@ -77,7 +83,7 @@ def test_gpu_resolve_is_the_exact_lru_on_random_cases(kernel, shared_limit: int)
 @pytest.mark.parametrize("rows,wsu", [(64, 4096), (8, 4100), (4, 8192), (2, 9000)])
 def test_gpu_resolve_of_2048_selected_on_a_drifting_top_k(kernel, rows: int,
                                                           wsu: int) -> None:
-    """9000 entries: past the shared limit."""
+    """9000 entries: past the shared limit (v3 hands the row to v2's global path)."""
     backend = kernel
     rig = ResolveRig(backend, rows, 2048, wsu, 16384, 4)
     try:
@@ -144,9 +150,9 @@ def test_gpu_selection_given_as_a_device_array_is_copied_on_the_stream(name: str
 
 
 def test_gpu_resolve_and_pin_of_more_slots_than_one_round(kernel) -> None:
-    """v1 takes 4 x 512 slots a round, v2 8 x 1024 (or 8 x 512 with 512 threads): 5000
-    selected (and pins of 6000 entries) may need several rounds, whose misses must keep
-    slot order across them."""
+    """v1 takes 4 x 512 slots a round, v2 8 x 1024 (or 8 x 512 with 512 threads), v3 4 a
+    thread: 5000 selected (and pins of 6000 entries) may need several rounds, whose misses
+    must keep slot order across them."""
     backend = kernel
     rows = 2
     rig = ResolveRig(backend, rows, 5000, 6000, 20000, 4)
@@ -159,5 +165,33 @@ def test_gpu_resolve_and_pin_of_more_slots_than_one_round(kernel) -> None:
         rig.pin(marks)  # 750 units in flight on each row
         for sel in drifting_topk(rng, rows, 5000, 12000, 2, 0.6):
             rig.resolve(sel)
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("version", ["v3", "v4"])
+def test_gpu_resolve_v3_is_the_exact_lru_with_equal_counts_at_the_benchmark_shape(
+        backend, monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    """The shape of the target (256 rows x 2048 selected of 4096 entries, half hits),
+    through the 512-thread kernel of v3 (and v4): maps, miss lists, state and hit/miss
+    counts equal the host LRU's at every step (the rig checks each)."""
+    monkeypatch.setenv("KVCM_SPARSE_RESOLVE", version)
+    rig = ResolveRig(backend, 256, 2048, 4096, 8192, 4)
+    try:
+        for sel in drifting_topk(np.random.default_rng(7), 256, 2048, 8192, 4, 0.5):
+            rig.resolve(sel)
+        hits, misses = rig.counters.sum(0)
+        assert hits > 0 and misses > 0
+    finally:
+        rig.close()
+
+
+def test_gpu_resolve_refuses_an_unknown_kernel_setting(backend,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCM_SPARSE_RESOLVE", "v9")
+    rig = ResolveRig(backend, 1, 4, 8, 16, 1)
+    try:
+        with pytest.raises(ValueError, match="KVCM_SPARSE_RESOLVE='v9'"):
+            rig.resolve(np.array([[1, 2, 3, 4]]))
     finally:
         rig.close()

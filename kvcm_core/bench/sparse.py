@@ -118,8 +118,12 @@ def _half_hits(rows: int, ns: int, steps: int, rng: np.random.Generator) -> list
 
 
 def bench_resolve(backend: KernelBackend, rows: int, ns: int, wsu: int, steps: int,
-                  shared_limit: int | None = None) -> dict[str, Any]:
-    """Device time of resolves with about 50% hits (the first, all-miss, resolve untimed)."""
+                  shared_limit: int | None = None, burst: bool = False) -> dict[str, Any]:
+    """Device time of resolves with about 50% hits (the first, all-miss, resolve untimed).
+
+    ``burst``: also the same steps again on a fresh state, all queued behind the gate
+    between two events and run back to back: their device time over ``steps``
+    (``device_us_burst``: the gaps between launches in, the gate's release paid once)."""
     sels = _half_hits(rows, ns, steps, np.random.default_rng(rows))
     mu = int(max(s.max() for s in sels)) + 1
     rig = ResolveRig(backend, rows, ns, wsu, mu, 4)
@@ -134,6 +138,17 @@ def bench_resolve(backend: KernelBackend, rows: int, ns: int, wsu: int, steps: i
         dev, host = _times(backend, [functools.partial(backend.sparse_resolve, j)
                                      for j in jobs[1:]])
         counts = rig.read("counters") - first  # the timed resolves
+        if burst:
+            rig.close()
+            rig = ResolveRig(backend, rows, ns, wsu, mu, 4)
+            jobs = [attrs.evolve(rig.job(), selected=b) for b in bufs]
+            backend.sparse_resolve(jobs[0])
+            def steps_back_to_back() -> None:
+                for j in jobs[1:]:
+                    backend.sparse_resolve(j)
+
+            d, _ = _times(backend, [steps_back_to_back])
+            burst_us = d[0] / len(jobs[1:]) * 1e6
     finally:
         if shared_limit is not None:
             backend.sparse_shared_limit = old  # type: ignore[attr-defined]
@@ -141,10 +156,13 @@ def bench_resolve(backend: KernelBackend, rows: int, ns: int, wsu: int, steps: i
             b.free()
         rig.close()
     hits, misses = int(counts[:, 0].sum()), int(counts[:, 1].sum())
-    return {"rows": rows, "selected": ns, "working_set_units": wsu,
-            "device_us_median": statistics.median(dev) * 1e6, "device_us_min": min(dev) * 1e6,
-            "host_us_median": statistics.median(host) * 1e6,
-            "hit_rate": hits / max(1, hits + misses)}
+    out = {"rows": rows, "selected": ns, "working_set_units": wsu,
+           "device_us_median": statistics.median(dev) * 1e6, "device_us_min": min(dev) * 1e6,
+           "host_us_median": statistics.median(host) * 1e6,
+           "hit_rate": hits / max(1, hits + misses)}
+    if burst:
+        out["device_us_burst"] = burst_us
+    return out
 
 
 def bench_copy(backend: KernelBackend, unit_kib: int, missed_mib: int, rows: int, reps: int,

@@ -55,6 +55,13 @@ from kvcm_kernels_cuda_common.source_sparse_v2 import (
     sparse_v2_shared_bytes,
     sparse_v2_window_bits,
 )
+from kvcm_kernels_cuda_common.source_sparse_v3 import (
+    SPARSE_V3_KERNELS,
+    SPARSE_V3_MAX_SHARED,
+    SPARSE_V3_SOURCE,
+    sparse_v3_kernel,
+    sparse_v3_shared_bytes,
+)
 
 __all__ = [
     "AUTO_CE_MIN_PAGE_BYTES",
@@ -629,13 +636,14 @@ class CudaKernelBackend(KernelBackend):
 
     def _kernels(self) -> CompiledModule:
         if self._module is None:
-            self._module = self.compile(SOURCE + SPARSE_SOURCE + SPARSE_V2_SOURCE)
+            self._module = self.compile(SOURCE + SPARSE_SOURCE + SPARSE_V2_SOURCE
+                                        + SPARSE_V3_SOURCE)
         return self._module
 
     def warm_up(self) -> None:
         """Compile and load the kernels now rather than on first use."""
         module = self._kernels()
-        for name in (*KERNEL_NAMES, *SPARSE_KERNEL_NAMES, SPARSE_V2_KERNEL):
+        for name in (*KERNEL_NAMES, *SPARSE_KERNEL_NAMES, SPARSE_V2_KERNEL, *SPARSE_V3_KERNELS):
             module.function(name)
 
     def close(self) -> None:
@@ -871,9 +879,13 @@ class CudaKernelBackend(KernelBackend):
     #: Working sets up to this many entries keep their stamps (v2) or sort their keys (v1)
     #: in shared memory; larger ones work in global memory.
     sparse_shared_limit = SPARSE_SHARED_LIMIT
-    #: The resolve kernel: ``"v2"`` (ranks stamps in windows, default) or ``"v1"`` (sorts
-    #: every eviction key); the environment variable ``KVCM_SPARSE_RESOLVE`` sets it.
-    sparse_resolve_version = "v2"
+    #: The resolve kernel: ``"v3"`` (default: v2's ranking with fewer barriers, the row's
+    #: state in shared memory; past its shared memory it runs v2), ``"v4"`` (v3 with the
+    #: dedup in a shared hash; not yet measured), ``"v2"`` (ranks stamps in windows) or
+    #: ``"v1"`` (sorts every eviction key); the environment variable
+    #: ``KVCM_SPARSE_RESOLVE`` sets it. v3 is the default by the H200 figures of
+    #: benchmarks/results/h200-20261202-resolve2 (256 x 2048: 54.4 us median, v2 60.8).
+    sparse_resolve_version = "v3"
     #: v2: stamps a window ranks at once (``None``: the widest, 128 bits per thread) and the
     #: windows a row may take before it falls back to the sort (tests make both small).
     sparse_window: int | None = None
@@ -883,8 +895,8 @@ class CudaKernelBackend(KernelBackend):
 
     def _sparse_version(self) -> str:
         v = os.environ.get("KVCM_SPARSE_RESOLVE", self.sparse_resolve_version)
-        if v not in ("v1", "v2"):
-            raise ValueError(f"KVCM_SPARSE_RESOLVE={v!r}: must be 'v1' or 'v2'")
+        if v not in ("v1", "v2", "v3", "v4"):
+            raise ValueError(f"KVCM_SPARSE_RESOLVE={v!r}: must be 'v1', 'v2', 'v3' or 'v4'")
         return v
 
     def _sms(self) -> int:
@@ -920,9 +932,23 @@ class CudaKernelBackend(KernelBackend):
                 job.stamp.ptr, job.tick.ptr, job.entry_of.ptr, job.first.ptr, sel,
                 job.entry_map.ptr, job.miss_unit.ptr, job.miss_entry.ptr, job.miss_count.ptr,
                 job.counters.ptr, job.keys.ptr]
-        if self._sparse_version() == "v2":
-            # 1024 threads while the rows leave SMs idle, else 512 (two blocks an SM)
-            threads = self.sparse_threads or (1024 if job.rows <= self._sms() else 512)
+        version = self._sparse_version()
+        # 1024 threads while the rows leave SMs idle, else 512 (two blocks an SM)
+        threads = self.sparse_threads or (1024 if job.rows <= self._sms() else 512)
+        if version in ("v3", "v4") and job.working_set_units <= self.sparse_shared_limit:
+            name = sparse_v3_kernel(threads, version)
+            shared = sparse_v3_shared_bytes(threads, job.working_set_units, job.num_selected,
+                                            version)
+            if shared <= SPARSE_V3_MAX_SHARED:
+                widest = sparse_v2_window_bits(threads)
+                window = max(1, min(self.sparse_window or widest, widest))
+                with self._lock:
+                    fn = self._shared_function(name, shared)
+                    self._launch(fn, (min(job.rows, _MAX_GRID_X), 1, 1), (threads, 1, 1),
+                                 _u64([*args, window, self.sparse_max_windows]),
+                                 st.native, shared)
+                return
+        if version != "v1":  # v3/v4 past their shared memory: v2's global-memory path
             stamps = job.working_set_units <= self.sparse_shared_limit
             shared = sparse_v2_shared_bytes(threads, job.working_set_units, p,
                                             job.num_selected, stamps)
