@@ -165,7 +165,9 @@ class Fences:
         """``stream`` waits for every tracked batch (the last of each lane)."""
         st = self._stream(stream)
         me = self.lane(st)
-        for lane, seq in list(self.latest.items()):
+        # The most recent first (on the deferred test backend this runs the later lane
+        # first, so a batch that does not wait for an earlier one reads wrong bytes).
+        for lane, seq in sorted(self.latest.items(), key=lambda item: -item[1]):
             if lane != me and seq in self.events:
                 self._wait(st, me, lane, seq)
 
