@@ -123,18 +123,18 @@ class Fences:
         return arr
 
     def _pending(self, parts: Iterable[tuple[Any, np.ndarray]]) -> list[int]:
-        if not self.events:
+        events = self.events
+        if not events:
             return []
-        oldest = min(self.events)
+        oldest = next(iter(events))  # numbers are inserted in increasing order
         found: set[int] = set()
         for store, slots in parts:
             if not len(slots):
                 continue
             f = self.of(store)[slots]
-            f = f[f >= oldest]
-            if len(f):
-                found.update(np.unique(f).tolist())
-        return [s for s in found if s in self.events]
+            if f.max() >= oldest:
+                found.update(f[f >= oldest].tolist())
+        return [s for s in found if s in events]
 
     def wait_device(self, stream: Stream, parts: Iterable[tuple[Any, np.ndarray]]) -> None:
         """``stream`` waits for the batches that last touched these slots."""

@@ -1,8 +1,12 @@
-"""Overlapping migrations (issue 16) on the CPU: the ``deferred`` test backend claims a
-device, so the manager issues its copies on the evict and onboard streams and returns, but
-runs queued work only when a result needs it. Every page the fingerprint engine reads is
-therefore read after exactly what the engine's stream was made to wait for: a missing
-event or host wait shows up as a fingerprint mismatch, every time."""
+"""Overlapping migrations (issue 16): copies issued on the evict and onboard streams, the
+engine's stream made to wait, slots fenced by events.
+
+On the CPU the ``deferred`` test backend claims a device, so the manager takes these paths,
+but it runs queued work only when a result needs it: every page the fingerprint engine
+reads is read after exactly what the engine's stream was made to wait for, so a missing
+event or host wait shows up as a fingerprint mismatch, every time. The same orderings run
+on each GPU backend (marked ``gpu``: the fingerprint kernels on the stream given to
+``resume``, right after it returns)."""
 
 from __future__ import annotations
 
@@ -25,12 +29,14 @@ from kvcm_core.testing.engine import EngineLoop, Request
 from kvcm_core.testing.fingerprint import FingerprintEngine, FingerprintMismatch, StepWork
 
 TPB = 16
-KV = 1024  # bytes of K (and of V) per layer and block
+KV = 1024  # bytes of K (and of V) per layer and block on the CPU
+KV_GPU = 128 << 10  # on a GPU: blocks of 512 KiB, so that copies take a while
 
 
 def _config(backend: str, gpu: int, host: int, disk: Path | None = None,
             disk_blocks: int = 64) -> KVCacheManagerConfig:
-    block = 2 * 2 * KV
+    kv = KV if backend in ("numpy", "deferred") else KV_GPU
+    block = 2 * 2 * kv
     levels = [LevelConfig(tier="gpu", quota=gpu * block),
               LevelConfig(tier="host", quota=host * block)]
     if disk is not None:
@@ -38,8 +44,8 @@ def _config(backend: str, gpu: int, host: int, disk: Path | None = None,
                                   options={"path": str(disk)}))
     return KVCacheManagerConfig(
         tokens_per_block=TPB,
-        layers=[AttentionLayerConfig(layer_id=i, buffers=[BufferConfig(role="k", size=KV),
-                                                          BufferConfig(role="v", size=KV)])
+        layers=[AttentionLayerConfig(layer_id=i, buffers=[BufferConfig(role="k", size=kv),
+                                                          BufferConfig(role="v", size=kv)])
                 for i in range(2)],
         levels=levels, kernel_backend=backend, max_util_for_resume=1.0)
 
@@ -96,15 +102,32 @@ def _shutdown(m: KVCacheManager) -> None:
     m.shutdown()
 
 
-def _backend(m: KVCacheManager) -> DeferredBackend:
+def _queued(m: KVCacheManager) -> None:
+    """On the deferred backend: work is still queued (the host did not wait for it)."""
+    if isinstance(m.backend, DeferredBackend):
+        assert m.backend.pending() > 0
+
+
+def _available(name: str) -> bool:
+    pm = deferred_plugin_manager()
+    return bool(pm.availability_of(pm.kernel_backend(name))[0])
+
+
+#: The deferred CPU backend, and each GPU backend (marked gpu; skipped where unavailable).
+BACKENDS = ["deferred", *(pytest.param(b, marks=pytest.mark.gpu) for b in ("cuda", "cupy"))]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    if request.param != "deferred" and not _available(request.param):
+        pytest.skip(f"kernel backend {request.param} unavailable")
+    return request.param
+
+
+def test_resume_returns_with_the_swap_copies_still_queued_and_a_check_on_its_stream_sees_every_page(
+        backend):
+    m = _manager(gpu=4, host=16, backend=backend)
     be = m.backend
-    assert isinstance(be, DeferredBackend)
-    return be
-
-
-def test_resume_returns_with_the_swap_copies_still_queued_and_a_check_on_its_stream_sees_every_page():
-    m = _manager(gpu=4, host=16)
-    be = _backend(m)
     stream = be.create_stream()
     rig = _Rig(m, stream)
     a, b = m.create_kv_cache(), m.create_kv_cache()
@@ -114,7 +137,7 @@ def test_resume_returns_with_the_swap_copies_still_queued_and_a_check_on_its_str
     assert a.resume(stream)  # b pushed out, a brought back
     fences = m.storage_levels.mover.fences
     assert fences.batches > batches  # the copies were issued as fenced batches ...
-    assert be.pending() > 0  # ... and not waited for: the host was not synchronised
+    _queued(m)  # ... and not waited for: the host was not synchronised
     rig.check(a)  # a kernel on the stream right after resume: every page in place
     a.suspend()
     assert b.resume(stream)
@@ -123,9 +146,14 @@ def test_resume_returns_with_the_swap_copies_still_queued_and_a_check_on_its_str
     _shutdown(m)
 
 
-def test_slots_freed_by_an_eviction_are_overwritten_only_after_the_eviction_read_them():
-    m = _manager(gpu=4, host=16)
-    be = _backend(m)
+def test_slots_freed_by_an_eviction_are_overwritten_only_after_the_eviction_read_them(
+        backend):
+    _slot_reuse(backend)
+
+
+def _slot_reuse(backend: str) -> None:
+    m = _manager(gpu=4, host=16, backend=backend)
+    be = m.backend
     stream = be.create_stream()
     rig = _Rig(m, stream)
     caches = [m.create_kv_cache() for _ in range(4)]
@@ -138,9 +166,9 @@ def test_slots_freed_by_an_eviction_are_overwritten_only_after_the_eviction_read
     _shutdown(m)
 
 
-def test_prefetch_then_resume_sees_every_page():
-    m = _manager(gpu=8, host=16)
-    be = _backend(m)
+def test_prefetch_then_resume_sees_every_page(backend):
+    m = _manager(gpu=8, host=16, backend=backend)
+    be = m.backend
     stream = be.create_stream()
     rig = _Rig(m, stream)
     a, b = m.create_kv_cache(), m.create_kv_cache()
@@ -148,15 +176,19 @@ def test_prefetch_then_resume_sees_every_page():
     rig.fill(b, 8, seed=4)  # the GPU full of b: a on the host level
     b.close()  # its pages stay cached on the GPU, droppable
     assert a.prefetch(0) == 4  # issued on the onboard stream, nobody waits yet
-    assert be.pending() > 0
+    _queued(m)
     assert a.resume(stream)  # already on the GPU: the fast path still orders the stream
     rig.check(a)
     _shutdown(m)
 
 
-def test_cascade_to_disk_during_onboard_keeps_every_page(tmp_path):
-    m = _manager(gpu=4, host=4, disk=tmp_path / "d", disk_blocks=64)
-    be = _backend(m)
+def test_cascade_to_disk_during_onboard_keeps_every_page(tmp_path, backend):
+    _cascade(tmp_path, backend)
+
+
+def _cascade(tmp_path: Path, backend: str) -> None:
+    m = _manager(gpu=4, host=4, disk=tmp_path / "d", disk_blocks=64, backend=backend)
+    be = m.backend
     stream = be.create_stream()
     rig = _Rig(m, stream)
     caches = [m.create_kv_cache() for _ in range(4)]
@@ -172,7 +204,8 @@ def test_cascade_to_disk_during_onboard_keeps_every_page(tmp_path):
 
 @pytest.mark.parametrize("stream", ["default", "own"])
 def test_fingerprint_workload_over_three_levels_on_queued_streams_matches_numpy(tmp_path,
-                                                                                 stream):
+                                                                                 stream,
+                                                                                 backend):
     def run(backend: str) -> tuple[Any, Any]:
         m = _manager(gpu=56, host=64, disk=tmp_path / backend / stream, backend=backend,
                      disk_blocks=256)
@@ -183,7 +216,7 @@ def test_fingerprint_workload_over_three_levels_on_queued_streams_matches_numpy(
         stats = m.get_and_reset_iteration_stats()
         return m, (loop, stats)
 
-    dm, (dloop, dstats) = run("deferred")
+    dm, (dloop, dstats) = run(backend)
     nm, (nloop, nstats) = run("numpy")
     assert dm.storage_levels.mover.fences.batches > 0
     assert nm.storage_levels.mover.fences.batches == 0  # numpy: nothing to track
@@ -202,5 +235,5 @@ def test_each_ordering_step_left_out_shows_as_wrong_pages(monkeypatch, tmp_path,
     # kvcm_core.fences doing nothing, a check reads slots before (or after) their copies.
     monkeypatch.setattr(Fences, step, lambda self, *args: None)
     with pytest.raises(FingerprintMismatch):
-        test_slots_freed_by_an_eviction_are_overwritten_only_after_the_eviction_read_them()
-        test_cascade_to_disk_during_onboard_keeps_every_page(tmp_path)
+        _slot_reuse("deferred")
+        _cascade(tmp_path, "deferred")

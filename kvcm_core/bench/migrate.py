@@ -52,9 +52,9 @@ _KIB = 1024
 _MIB = 1 << 20
 
 #: What ``--quick`` changes: a run of seconds.
-QUICK = {"blocks": [16], "reps": 2, "warmup": 1, "limit_mib": 64}
+QUICK = {"blocks": [16], "cascade_blocks": [16], "reps": 2, "warmup": 1, "limit_mib": 64}
 #: The numpy backend's shapes (tiny: it copies on the CPU).
-NUMPY = {"layers": 2, "kv_kib": 1, "blocks": [8], "limit_mib": 4}
+NUMPY = {"layers": 2, "kv_kib": 1, "blocks": [8], "cascade_blocks": [8], "limit_mib": 4}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="KiB of K (and of V) per layer and 16-token block")
     parser.add_argument("--blocks", type=int, nargs="+", default=[128, 256, 512],
                         help="blocks per request (each phase runs at every size)")
+    parser.add_argument("--cascade-blocks", type=int, nargs="+", default=[128],
+                        help="blocks per request of the cascade (its disk writes are slow)")
     parser.add_argument("--reps", type=int, default=5, help="timed calls per measurement")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls first")
     parser.add_argument("--limit-mib", type=int, default=1024,
@@ -86,9 +88,10 @@ def _check(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "must be >= 1")
     if args.warmup < 0:
         raise ConfigError("--warmup", args.warmup, "must be >= 0")
-    for n in args.blocks:
-        if n < 1:
-            raise ConfigError("--blocks", n, "every size must be >= 1")
+    for name in ("blocks", "cascade_blocks"):
+        for n in getattr(args, name):
+            if n < 1:
+                raise ConfigError(f"--{name.replace('_', '-')}", n, "every size must be >= 1")
 
 
 # -- timing ---------------------------------------------------------------------------
@@ -280,7 +283,7 @@ def run_backend(args: argparse.Namespace, name: str) -> dict[str, Any]:
         if phase in args.skip:
             continue
         rows = []
-        for n in args.blocks:
+        for n in args.cascade_blocks if phase == "cascade" else args.blocks:
             if phase == "offload":
                 r = offload(name, args, n, lim)
             elif phase == "swap":

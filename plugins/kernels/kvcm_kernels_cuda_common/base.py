@@ -85,7 +85,10 @@ AUTO_CE_MIN_PAGE_BYTES: dict[tuple[str, str], int | None] = {
 _DEFAULTS: dict[str, Any] = {"device": 0, "copy_path": "auto", "block_threads": 128}
 _MASK64 = (1 << 64) - 1
 _ALIGN = 256
-_RING_SLOTS = 8
+#: Staging slots of the launch ring. A slot is reused only after its launch completed (the
+#: host waits otherwise): an asynchronous migration queues a launch per batch on two
+#: streams (kvcm_core.fences), so 8 slots made the host wait for the first batches.
+_RING_SLOTS = 32
 _MAX_GRID_Y = 65535
 _MAX_GRID_X = (1 << 31) - 1
 
