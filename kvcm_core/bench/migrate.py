@@ -30,6 +30,7 @@ of the one-way limit or better, host time of ``resume`` for a 2 GiB swap under 1
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -74,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls first")
     parser.add_argument("--limit-mib", type=int, default=1024,
                         help="MiB of each plain copy that measures the limits")
+    parser.add_argument("--copy-path", default="", choices=["", "auto", "sm", "ce"],
+                        help="the GPU backends' copy path for this run (sets KVCM_COPY_PATH; "
+                             "empty: each backend's default)")
     parser.add_argument("--skip", nargs="*", default=[],
                         choices=["offload", "swap", "cascade"], help="phases not to run")
     add_output_options(parser, "16 blocks a request, 2 repetitions, 64 MiB limit copies")
@@ -303,6 +307,8 @@ def run_backend(args: argparse.Namespace, name: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_with_quick(_parser(), argv, QUICK)
     _check(args)
+    if args.copy_path:
+        os.environ["KVCM_COPY_PATH"] = args.copy_path
     pm = get_plugin_manager()
     if args.backends == "auto":
         names = [n for n, s in pm.kernel_backends().items()

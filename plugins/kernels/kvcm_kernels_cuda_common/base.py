@@ -412,6 +412,11 @@ class CudaKernelBackend(KernelBackend):
         self.options = parse_options(options, self.extra_options)
         self.device_id: int = self.options["device"]
         self.copy_path: str = self.options["copy_path"]
+        env = os.environ.get("KVCM_COPY_PATH", "")
+        if env and "copy_path" not in (options or {}):  # experiments (kvcm bench migrate)
+            if env not in COPY_PATHS:
+                raise ValueError(f"KVCM_COPY_PATH={env!r}: must be one of {COPY_PATHS}")
+            self.copy_path = env
         self._threads: int = self.options["block_threads"]
         self._lock = threading.RLock()
         self._live: dict[int, tuple[int, int]] = {}  # id(buffer) -> (ptr, end)
