@@ -112,18 +112,18 @@ step() {  # one named step; modes below are lists of steps
         --skip cpu simulate --slots both --reps 50 --kernels \
         "${KVCM_QUANT_SWEEP:-legacy,hw2,hw4,hw4cs,hw2s,hw4s,hw2x,hw4x,hw4xcs,hw4sx,hw8sx}" ;;
     migrate_tests)  # issue 16: orderings of overlapping migrations, fingerprint-checked
-      run migrate_tests.log 90 "$PY" -m pytest -q -m gpu -p no:cacheprovider --tb=short \
+      run migrate_tests.log 75 "$PY" -m pytest -q -m gpu -p no:cacheprovider --tb=short \
         tests/test_migrate_overlap.py tests/test_gpu_manager.py ;;
     migrate_manager)  # issue 16: the manager files it touches, pages on each GPU backend
       for b in cuda cupy; do
-        KVCM_TEST_BACKEND=$b KVCM_PROPERTY_EXAMPLES=10 run "migrate_manager_$b.log" 40 \
+        KVCM_TEST_BACKEND=$b KVCM_PROPERTY_EXAMPLES=10 run "migrate_manager_$b.log" 35 \
           "$PY" -m pytest -q -x -p no:cacheprovider --tb=short tests/test_levels.py \
           tests/test_manager_lifecycle.py tests/test_faults.py tests/test_io_deadline.py
       done ;;
     migrate_bench)  # issue 16: offload, swap, cascade against the limits, both backends
-      run migrate_bench.log 150 "$PY" -m kvcm_core.cli bench migrate --out "$OUT" ;;
+      run migrate_bench.log 120 "$PY" -m kvcm_core.cli bench migrate --out "$OUT" ;;
     migrate_simulate)  # issue 16: the manager's time per step in kvcm simulate
-      run migrate_simulate.log 70 "$PY" -m kvcm_core.cli simulate --no-plots \
+      run migrate_simulate.log 60 "$PY" -m kvcm_core.cli simulate --no-plots \
         --out "$OUT/simulate" ;;
     sparse_sweep)  # resolve kernels v1/v2: rows 64/256 x selected 2048/4096/8192
       run sparse_sweep.log 300 "$PY" benchmarks/gpu_sweep_sparse.py --out "$OUT" ;;
