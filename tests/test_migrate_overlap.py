@@ -33,9 +33,13 @@ KV = 1024  # bytes of K (and of V) per layer and block on the CPU
 KV_GPU = 128 << 10  # on a GPU: blocks of 512 KiB, so that copies take a while
 
 
+def _kv(backend: str) -> int:
+    return KV if backend in ("numpy", "deferred") else KV_GPU
+
+
 def _config(backend: str, gpu: int, host: int, disk: Path | None = None,
-            disk_blocks: int = 64) -> KVCacheManagerConfig:
-    kv = KV if backend in ("numpy", "deferred") else KV_GPU
+            disk_blocks: int = 64, kv: int | None = None) -> KVCacheManagerConfig:
+    kv = kv or _kv(backend)
     block = 2 * 2 * kv
     levels = [LevelConfig(tier="gpu", quota=gpu * block),
               LevelConfig(tier="host", quota=host * block)]
@@ -51,9 +55,10 @@ def _config(backend: str, gpu: int, host: int, disk: Path | None = None,
 
 
 def _manager(gpu: int, host: int, disk: Path | None = None, backend: str = "deferred",
-             disk_blocks: int = 64) -> KVCacheManager:
+             disk_blocks: int = 64, kv: int | None = None) -> KVCacheManager:
     pm = deferred_plugin_manager()
-    return KVCacheManager(_config(backend, gpu, host, disk, disk_blocks), plugin_manager=pm)
+    return KVCacheManager(_config(backend, gpu, host, disk, disk_blocks, kv),
+                          plugin_manager=pm)
 
 
 def _workload(seed: int = 0) -> list[Request]:
@@ -206,9 +211,11 @@ def _cascade(tmp_path: Path, backend: str) -> None:
 def test_fingerprint_workload_over_three_levels_on_queued_streams_matches_numpy(tmp_path,
                                                                                  stream,
                                                                                  backend):
+    kv = _kv(backend)  # the numpy reference runs the same shapes
+
     def run(backend: str) -> tuple[Any, Any]:
         m = _manager(gpu=56, host=64, disk=tmp_path / backend / stream, backend=backend,
-                     disk_blocks=256)
+                     disk_blocks=256, kv=kv)
         st = m.backend.create_stream() if stream == "own" else None
         loop = EngineLoop(m, chunk_tokens=64, max_batch=4, token_budget=192,
                           use_batch=stream == "default", stream=st)
