@@ -30,7 +30,7 @@ from kvcm_core.testing.fingerprint import FingerprintEngine, FingerprintMismatch
 
 TPB = 16
 KV = 1024  # bytes of K (and of V) per layer and block on the CPU
-KV_GPU = 128 << 10  # on a GPU: blocks of 512 KiB, so that copies take a while
+KV_GPU = 32 << 10  # on a GPU: blocks of 128 KiB, so that copies take a while
 
 
 def _kv(backend: str) -> int:

@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--copy-path", default="", choices=["", "auto", "sm", "ce"],
                         help="the GPU backends' copy path for this run (sets KVCM_COPY_PATH; "
                              "empty: each backend's default)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile the host time of one swap resume of the largest size "
+                             "(the functions that took most, in the result)")
     parser.add_argument("--skip", nargs="*", default=[],
                         choices=["offload", "swap", "cascade"], help="phases not to run")
     add_output_options(parser, "16 blocks a request, 2 repetitions, 64 MiB limit copies")
@@ -264,9 +267,32 @@ def swap(backend: str, args: argparse.Namespace, n: int, lim: dict[str, float]
             cache.suspend()
             if rep >= args.warmup:
                 times.append(t)
-        return _summary(times, 2 * n * rig.block_bytes, lim["duplex_gbps"])
+        out = _summary(times, 2 * n * rig.block_bytes, lim["duplex_gbps"])
+        if args.profile and n == max(args.blocks):
+            out["profile"] = _profile(rig, turn[(args.warmup + args.reps) % 2])
+        return out
     finally:
         rig.close()
+
+
+def _profile(rig: _Rig, cache: Any, top: int = 14) -> list[str]:
+    """The functions that took most host time (own time) in one ``resume``."""
+    import cProfile
+    import io
+    import pstats
+
+    rig.be.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    cache.resume(rig.stream)
+    prof.disable()
+    rig.be.synchronize()
+    cache.suspend()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    lines = [ln for ln in text.getvalue().splitlines() if ln.strip()]
+    print("\n".join(lines[-top - 2:]))
+    return lines
 
 
 def run_backend(args: argparse.Namespace, name: str) -> dict[str, Any]:
