@@ -473,13 +473,14 @@ class Levels:
         old = a.slot[pids]
         io = self.io[dst.level]
         mover = self.mover
+        per = max(-(-len(pids) // _MOVE_BATCHES), _MOVE_BATCH_BYTES // max(layout.page_bytes, 1))
+        issue = mover.can_issue(src, dst)
+        if issue and dst.level == 0:  # batch k takes the slots eviction batch k freed
+            slots = mover.fences.order(dst, slots)
+        slots = _in_runs(slots, old, per)
         try:
-            if mover.can_issue(src, dst):
+            if issue:
                 # Issued, not waited for (kvcm_core.fences): slots freed here are fenced.
-                if dst.level == 0:
-                    slots = mover.fences.order(dst, slots)
-                per = max(-(-len(pids) // _MOVE_BATCHES),
-                          _MOVE_BATCH_BYTES // max(layout.page_bytes, 1))
                 mover.issue(layout, src, old, dst, slots, per)
             elif io is None:
                 self.mover.copy(layout, src, old, dst, slots, stream, keys)
@@ -998,3 +999,17 @@ class Levels:
             raise TierIOError(f"shutdown could not release {len(failures)} resources "
                               f"(the rest is released): {'; '.join(failures)}")
 
+
+def _in_runs(slots: np.ndarray, old: np.ndarray, per: int) -> np.ndarray:
+    """Destination slots for pages leaving source slots ``old``: within each batch of
+    ``per``, the batch's slots in ascending order go to its pages in ascending order of
+    their source slots, so that pages adjacent on both sides are copied as one run (one
+    copy descriptor instead of one per page)."""
+    n = len(slots)
+    if n < 2:
+        return slots
+    out = np.array(slots, copy=True)
+    for lo in range(0, n, per):
+        hi = min(n, lo + per)
+        out[lo:hi][np.argsort(old[lo:hi], kind="stable")] = np.sort(out[lo:hi])
+    return out

@@ -169,6 +169,8 @@ class Mover:
         per = max(1, chunk_pages)
         for lo in range(0, len(s), per):
             cs, cd = s[lo : lo + per], d[lo : lo + per]
+            o = np.argsort(cs, kind="stable")  # runs of adjacent pages: one descriptor each
+            cs, cd = cs[o], cd[o]
             parts = ((src, cs), (dst, cd))
             f.wait_device(stream, parts)
             pairs = copy_pairs(cd, cs)
