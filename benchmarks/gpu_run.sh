@@ -112,7 +112,7 @@ step() {  # one named step; modes below are lists of steps
         --skip cpu simulate --slots both --reps 50 --kernels \
         "${KVCM_QUANT_SWEEP:-legacy,hw2,hw4,hw4cs,hw2s,hw4s,hw2x,hw4x,hw4xcs,hw4sx,hw8sx}" ;;
     migrate_tests)  # issue 16: orderings of overlapping migrations, fingerprint-checked
-      run migrate_tests.log 75 "$PY" -m pytest -q -m gpu -p no:cacheprovider --tb=short \
+      run migrate_tests.log 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider --tb=short \
         tests/test_migrate_overlap.py tests/test_gpu_manager.py ;;
     migrate_manager)  # issue 16: the manager files it touches, pages on each GPU backend
       for b in cuda cupy; do
