@@ -203,7 +203,7 @@ class Fences:
     def prune(self) -> None:
         """Forget completed batches (their events are reused)."""
         for seq in sorted(self.events):
-            lane, ev = self.events[seq]
+            _lane, ev = self.events[seq]
             if ev.query():
                 del self.events[seq]
                 self._spare.append(ev)
