@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_run.sh quick    # GPU tests and a quick benchmark
 #   bash benchmarks/gpu_run.sh batch    # the Batch benchmark's device part
 #   bash benchmarks/gpu_run.sh sparse   # sparse attention: GPU tests, benchmark, simulate
+#   bash benchmarks/gpu_run.sh migrate  # overlapping migrations: GPU tests, bench, simulate
 #   bash benchmarks/gpu_run.sh codecs   # page codecs: benchmark against copy bandwidth
 #   bash benchmarks/gpu_run.sh quant    # quant codec kernels: variants bit for bit, sweep
 #   bash benchmarks/gpu_run.sh sparse_tests sparse_sweep   # resolve kernels: tests, sweep
@@ -112,6 +113,20 @@ step() {  # one named step; modes below are lists of steps
       run quant_sweep.log 300 "$PY" -m kvcm_core.cli bench codecs --out "$OUT" \
         --skip cpu simulate --slots both --reps 50 --kernels \
         "${KVCM_QUANT_SWEEP:-hw4sx,hw4sxp,hw4sxm,hw4sxp2}" ;;
+    migrate_tests)  # issue 16: orderings of overlapping migrations, fingerprint-checked
+      run migrate_tests.log 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider --tb=short \
+        tests/test_migrate_overlap.py tests/test_gpu_manager.py ;;
+    migrate_manager)  # issue 16: the manager files it touches, pages on each GPU backend
+      for b in cuda cupy; do
+        KVCM_TEST_BACKEND=$b KVCM_PROPERTY_EXAMPLES=10 run "migrate_manager_$b.log" 35 \
+          "$PY" -m pytest -q -x -p no:cacheprovider --tb=short tests/test_levels.py \
+          tests/test_manager_lifecycle.py tests/test_faults.py tests/test_io_deadline.py
+      done ;;
+    migrate_bench)  # issue 16: offload, swap, cascade against the limits, both backends
+      run migrate_bench.log 120 "$PY" -m kvcm_core.cli bench migrate --profile --out "$OUT" ;;
+    migrate_simulate)  # issue 16: the manager's time per step in kvcm simulate
+      run migrate_simulate.log 60 "$PY" -m kvcm_core.cli simulate --no-plots \
+        --out "$OUT/simulate" ;;
     sparse_tests_v3)  # issue 11: the v3 and v4 resolve kernels' settings, and the sparse
       # engine runs and conformance with v3 as the kernel (the v1/v2 settings: sparse_tests)
       KVCM_SPARSE_RESOLVE=v3 run sparse_tests_v3.log 300 "$PY" -m pytest -q \
@@ -135,6 +150,7 @@ case "$MODE" in
   bench) STEPS="kernels_bench simulate batch_bench" ;;
   batch) STEPS="batch_bench" ;;
   sparse) STEPS="sparse_tests sparse_bench sparse_simulate" ;;
+  migrate) STEPS="migrate_bench migrate_tests migrate_manager migrate_simulate" ;;
   codecs) STEPS="codecs_bench" ;;
   quant) STEPS="quant_tests codecs_backends quant_sweep" ;;
   quick) STEPS="gpu_tests kernels_quick" ;;

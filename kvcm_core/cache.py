@@ -310,7 +310,11 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
 
     def prefetch(self, level: int = 0) -> int:
         """Hint for a suspended cache: bring its pages up to ``level`` (0: the GPU) where
-        there is room without pushing held pages down. Returns the pages moved."""
+        there is room without pushing held pages down. Returns the pages moved.
+
+        On a GPU backend the copies are only started (on the manager's onboard stream,
+        after the default stream's work queued so far): the later ``resume(stream)`` makes
+        ``stream`` wait for them, so a scheduler overlaps them with its current step."""
         self._ctx.thread.check()
         self._require(CacheStatus.SUSPENDED, CacheStatus.ACTIVE)
         self._ctx.levels.check_level(level)
@@ -318,7 +322,10 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             return 0
         a = self._arena
         pages = list(dict.fromkeys(p for p in self._all_pages() if a.level[p] > level))
-        return self._levels.prefetch(_arr(pages), level) if pages else 0
+        if not pages:
+            return 0
+        self._levels.begin(None)  # nobody waits here: the next resume does
+        return self._levels.prefetch(_arr(pages), level)
 
     def commit(self, tokens: Sequence[Any] | np.ndarray) -> None:
         """Give the tokens at positions ``[T, T + len(tokens))`` (``T``: tokens known so

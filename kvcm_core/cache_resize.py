@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcm_core.backend import Stream
 from kvcm_core.cache_base import CacheBase, CacheStatus
 from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError, OutOfPagesError
 from kvcm_core.refusals import level_shortage, room_failed
@@ -31,10 +32,26 @@ def _arr(pages: list[int]) -> np.ndarray:
 class ResizeMixin(CacheBase):
     """``resize`` and the release of stale window pages."""
 
-    def resize(self, capacity: int, history_length: int | None = None) -> bool:
+    def resize(self, capacity: int, history_length: int | None = None,
+               stream: Stream | None = None) -> bool:
         """Set this step's capacity (and optionally move history). Returns False, with
         everything unchanged, when level 0 cannot provide the pages (the reason is then in
-        ``last_refusal``)."""
+        ``last_refusal``).
+
+        ``stream``: the engine's stream (None: the backend's default stream). Pages pushed
+        down to make room are copied asynchronously on a device backend; ``stream`` is
+        made to wait for those copies, so new pages written on it afterwards never
+        overwrite a slot before its old contents were read."""
+        L = self._levels
+        if not L.mover.fences.enabled:
+            return self._resize(capacity, history_length)
+        L.begin(stream)
+        try:
+            return self._resize(capacity, history_length)
+        finally:
+            L.end(stream)
+
+    def _resize(self, capacity: int, history_length: int | None) -> bool:
         self._ctx.thread.check()
         self._last_refusal = None
         if self._status is not CacheStatus.ACTIVE:

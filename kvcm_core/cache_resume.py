@@ -27,7 +27,22 @@ class ResumeMixin(CacheBase):
                optional_reuse_groups: Sequence[int] | None = None) -> bool:
         """Bring the cache to the GPU and lock its pages; False (nothing changed) when the
         GPU level is too full (``max_util_for_resume``) or cannot provide the pages (the
-        reason is then in ``last_refusal``)."""
+        reason is then in ``last_refusal``).
+
+        On a device backend the copies are only queued: the call returns once they are
+        issued, and ``stream`` (the engine's; None: the backend's default stream) is made
+        to wait for them, so work queued on it afterwards sees every page in place."""
+        L = self._levels
+        if not L.mover.fences.enabled:
+            return self._resume(stream, optional_reuse_groups)
+        L.begin(stream)
+        try:
+            return self._resume(stream, optional_reuse_groups)
+        finally:
+            L.end(stream)
+
+    def _resume(self, stream: Stream | None,
+                optional_reuse_groups: Sequence[int] | None) -> bool:
         self._ctx.thread.check()
         self._last_refusal = None
         if self._status is CacheStatus.CLOSED:

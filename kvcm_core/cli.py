@@ -8,7 +8,7 @@ Subcommands:
 - ``kvcm conformance [--plugin NAME ...] [-k EXPR] [--json]``: run the conformance suite
   (:mod:`kvcm_core.testing.suite`) in-process and print a table of plugin x result; the
   exit status is non-zero on any failure.
-- ``kvcm bench kernels|manager|mixed|trace|eviction|batch|redis|codecs|sparse ...``:
+- ``kvcm bench kernels|manager|mixed|trace|eviction|batch|redis|codecs|sparse|migrate ...``:
   the benchmarks (:mod:`kvcm_core.bench`).
 - ``kvcm simulate ...``: the main job (:mod:`kvcm_core.simulate`).
 - ``kvcm --version``.
@@ -413,6 +413,8 @@ BENCH_TARGETS = {
               "codecs on the CPU, and simulated hit rates with raw and lossy cold levels",
     "sparse": "sparse attention: resolve, fetch and flush device time against limits "
               "measured in the same run, and trace hits against an exact host LRU",
+    "migrate": "offload, swap and cascade of a Llama-3-8B-like layout through the public "
+               "API against the one-way and duplex copy limits measured in the same run",
 }
 
 

@@ -51,6 +51,11 @@ from kvcm_core.types import CacheGroupId, pool_reuse_policy
 __all__ = ["Levels"]
 
 _EVENT_BATCH = 256
+#: An asynchronous move is queued in about this many batches (each with its event), at
+#: least this many bytes each: an onboard into slots an eviction freed waits only for the
+#: eviction batches that freed them, so both directions of the link work at once.
+_MOVE_BATCHES = 8
+_MOVE_BATCH_BYTES = 16 << 20
 _RESERVE_LIMIT = 1 << 20  # pages / nodes allocated up front at most
 
 
@@ -304,6 +309,21 @@ class Levels:
             else:
                 self.change(batch, -1, 0)
 
+    # -- streams of public calls --------------------------------------------------------
+
+    def begin(self, stream: Stream | None) -> None:
+        """A public call on the engine's ``stream`` that may move pages starts (see
+        :mod:`kvcm_core.fences`)."""
+        fences = self.mover.fences
+        if fences.enabled:
+            fences.begin(stream)
+
+    def end(self, stream: Stream | None) -> None:
+        """The call returns: ``stream`` waits for the copies still in flight."""
+        fences = self.mover.fences
+        if fences.enabled:
+            fences.end(stream)
+
     # -- taking pages -----------------------------------------------------------------------------
 
     def can_take(self, needs: Mapping[int, int], extra: Mapping[int, int] | None = None) -> bool:
@@ -452,8 +472,17 @@ class Levels:
         keys = self.frame_keys(pids) if dst.frames is not None else None
         old = a.slot[pids]
         io = self.io[dst.level]
+        mover = self.mover
+        per = max(-(-len(pids) // _MOVE_BATCHES), _MOVE_BATCH_BYTES // max(layout.page_bytes, 1))
+        issue = mover.can_issue(src, dst)
+        if issue and dst.level == 0:  # batch k takes the slots eviction batch k freed
+            slots = mover.fences.order(dst, slots)
+        slots = _in_runs(slots, old, per)
         try:
-            if io is None:
+            if issue:
+                # Issued, not waited for (kvcm_core.fences): slots freed here are fenced.
+                mover.issue(layout, src, old, dst, slots, per)
+            elif io is None:
                 self.mover.copy(layout, src, old, dst, slots, stream, keys)
             else:
                 with io.dropping(droppable):
@@ -628,10 +657,17 @@ class Levels:
         a = self.arena
         pairs = copy_pairs(a.slot[dst], a.slot[src])
         tasks = []
-        for pool in self.gpu_store(group).pools:
+        store = self.gpu_store(group)
+        for pool in store.pools:
             assert isinstance(pool, DevicePool)
             tasks.append(CopyTask(pool.region, pool.region, pool.slot_bytes, pairs))
+        fences = self.mover.fences
+        parts = ((store, pairs[:, 0]), (store, pairs[:, 1]))
+        if fences.events:
+            fences.wait_device(stream or self.backend.default_stream, parts)
         self.backend.copy_pages_batch(tasks, stream)
+        if fences.enabled:
+            fences.record(stream or self.backend.default_stream, parts)
         self.stats.groups[group].intra_device_copies += len(dst)
 
     def prefetch(self, pids: np.ndarray, level: int) -> int:
@@ -844,6 +880,7 @@ class Levels:
         loses it: dropped from the tree, its holders must recompute."""
         stores = self.stores[level]
         self.resize_failure = None
+        self.mover.fences.synchronize()  # pools may be reallocated: no copy in flight
         plans = []
         for store, new in zip(stores, slots, strict=True):
             nhigh = len(store.high_pages(new))
@@ -935,6 +972,7 @@ class Levels:
                 failures.append(f"{what}: {type(exc).__name__}: {exc}")
 
         attempt("event sinks", self.flush_events)
+        attempt("copies in flight", self.mover.fences.synchronize)
         # Storage levels close on their I/O threads, all within one deadline: what is
         # stuck then is abandoned (its thread closes the files once it returns).
         deadlines = [io.deadline_s for io in self.io if io is not None and io.deadline_s]
@@ -961,3 +999,17 @@ class Levels:
             raise TierIOError(f"shutdown could not release {len(failures)} resources "
                               f"(the rest is released): {'; '.join(failures)}")
 
+
+def _in_runs(slots: np.ndarray, old: np.ndarray, per: int) -> np.ndarray:
+    """Destination slots for pages leaving source slots ``old``: within each batch of
+    ``per``, the batch's slots in ascending order go to its pages in ascending order of
+    their source slots, so that pages adjacent on both sides are copied as one run (one
+    copy descriptor instead of one per page)."""
+    n = len(slots)
+    if n < 2:
+        return slots
+    out = np.array(slots, copy=True)
+    for lo in range(0, n, per):
+        hi = min(n, lo + per)
+        out[lo:hi][np.argsort(old[lo:hi], kind="stable")] = np.sort(out[lo:hi])
+    return out

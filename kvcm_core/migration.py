@@ -33,6 +33,7 @@ import numpy as np
 from kvcm_core.backend import Buffer, CopyTask, KernelBackend, PageRegion, Stream, copy_pairs
 from kvcm_core.codec import PageCodec, PageLayout
 from kvcm_core.errors import CorruptPageError, TierIOError
+from kvcm_core.fences import Fences
 from kvcm_core.frame import HEADER, FrameBook, FrameCheckFailed
 from kvcm_core.tier import BlobPool, DevicePool, StoragePool
 
@@ -57,8 +58,11 @@ class Mover:
         self.codecs = list(codecs)
         self._staging: Buffer | None = None
         self._scratch: Buffer | None = None  # GPU pages of a transcode
+        #: Slot fences of asynchronous copies (:mod:`kvcm_core.fences`).
+        self.fences = Fences(backend)
 
     def close(self) -> None:
+        self.fences.close()
         for buf in (self._staging, self._scratch):
             if buf is not None:
                 buf.free()
@@ -114,6 +118,8 @@ class Mover:
         d = np.asarray(dst_slots, dtype=np.int32)
         if keys is None and src.frames is not None:
             keys = src.frames.keys[s]  # a copy: taken before any write to a frame book
+        if self.fences.events:  # asynchronous copies may still touch these slots
+            self.fences.wait_host(((src, s), (dst, d)))
         ok = np.ones(n, dtype=bool)
         if src.level == 0 or dst.level == 0:
             self._copy_gpu(layout, src, s, dst, d, stream, keys, ok)
@@ -128,6 +134,61 @@ class Mover:
             raise FrameCheckFailed(
                 f"{len(bad)} cold pages read from level {src.level} failed their frame "
                 f"check (slots {s[bad].tolist()[:8]})", bad)
+
+    # -- asynchronous copies (GPU <-> device-accessible pools) ------------------------------
+
+    def can_issue(self, src: Store, dst: Store) -> bool:
+        """Whether a move between these stores runs asynchronously (:meth:`issue`): a
+        device backend, the GPU level on one side, a device-accessible pool on the other
+        (GPU or pinned host memory, not sparse) and an identity codec between them."""
+        if not self.fences.enabled or (src.level != 0 and dst.level != 0):
+            return False
+        for store in (src, dst):
+            if store.frames is not None or not all(
+                    type(p).__name__ != "SparseHostPool" and isinstance(p, DevicePool)
+                    for p in store.pools):
+                return False
+        if src.level == 0 and dst.level == 0:
+            return True
+        return self.codec_of(max(src.level, dst.level)).identity
+
+    def issue(self, layout: PageLayout, src: Store, src_slots: np.ndarray, dst: Store,
+              dst_slots: np.ndarray, chunk_pages: int) -> None:
+        """Queue the copy of blocks ``src_slots[i]`` into ``dst_slots[i]`` (see
+        :meth:`can_issue`) and return: evictions on the evict stream, onboards on the
+        onboard stream, in batches of ``chunk_pages`` pages, each waiting for the fences
+        of its slots and fencing them (:mod:`kvcm_core.fences`)."""
+        f = self.fences
+        evict, onboard = f.streams()
+        stream = onboard if dst.level < src.level or (
+            dst.level == src.level == 0) else evict
+        f.join_op(stream)
+        s = np.asarray(src_slots, dtype=np.int32)
+        d = np.asarray(dst_slots, dtype=np.int32)
+        gpu_src = src.level == 0
+        per = max(1, chunk_pages)
+        for lo in range(0, len(s), per):
+            cs, cd = s[lo : lo + per], d[lo : lo + per]
+            o = np.argsort(cs, kind="stable")  # runs of adjacent pages: one descriptor each
+            cs, cd = cs[o], cd[o]
+            parts = ((src, cs), (dst, cd))
+            f.wait_device(stream, parts)
+            pairs = copy_pairs(cd, cs)
+            if gpu_src and dst.level == 0:
+                tasks = [CopyTask(r, r2, pool.slot_bytes, pairs) for r, r2, pool in zip(
+                    self._gpu_regions(dst), self._gpu_regions(src), src.pools, strict=True)]
+            elif gpu_src:
+                pool = dst.pools[0]
+                assert isinstance(pool, DevicePool)
+                tasks = _identity_tasks(layout, self._gpu_regions(src), pool.region, pairs,
+                                        True)
+            else:
+                pool = src.pools[0]
+                assert isinstance(pool, DevicePool)
+                tasks = _identity_tasks(layout, self._gpu_regions(dst), pool.region, pairs,
+                                        False)
+            self.backend.copy_pages_batch(tasks, stream)
+            f.record(stream, parts)
 
     # -- storage pools: frames applied here ------------------------------------------------
 

@@ -14,11 +14,12 @@ import pytest
 from kvcm_core import cli
 from kvcm_core.bench import result_path
 
-BENCHES = ["kernels", "manager", "mixed", "trace", "eviction", "batch", "codecs", "sparse"]
+BENCHES = ["kernels", "manager", "mixed", "trace", "eviction", "batch", "codecs", "sparse",
+           "migrate"]
 #: The file name each benchmark writes into an --out folder.
 STEMS = {"kernels": "kernels-host", "manager": "host_overhead", "mixed": "mixed_precision",
          "trace": "trace", "eviction": "eviction", "batch": "batch", "codecs": "codecs",
-         "sparse": "sparse"}
+         "sparse": "sparse", "migrate": "migrate"}
 TRACE = "\n".join(json.dumps(r) for r in [
     {"timestamp": 0, "input_length": 700, "output_length": 4, "hash_ids": [1, 2]},
     {"timestamp": 5, "input_length": 1100, "output_length": 4, "hash_ids": [1, 2, 3]},
@@ -33,7 +34,7 @@ def _quick_args(name: str, tmp_path: Path) -> list[str]:
         trace = tmp_path / "mini.jsonl"
         trace.write_text(TRACE)
         return [str(trace)]
-    if name == "sparse":  # host times of the reference, where no GPU is
+    if name in ("sparse", "migrate"):  # host times of the reference, where no GPU is
         return ["--backends", "numpy"]
     return []
 

@@ -84,6 +84,7 @@ class EngineLoop:
         index_tables: also register every attention buffer's index table in the batch;
             the fingerprint engine then addresses the pages of layer-by-layer (SWA
             scratch) steps through the batch's converted tables.
+        stream: the engine's stream (None: the backend's default stream).
         recompute_lost: a ``resume`` that raises ``TierIOError`` (cold pages lost to a
             storage failure or a missed I/O deadline) or ``CorruptPageError`` (a cold page
             failed its frame check) closes the cache and queues the request again to be
@@ -95,7 +96,8 @@ class EngineLoop:
                  token_budget: int | None = None, check: bool = True,
                  close_finished: bool = True, preempt_mode: str = "auto",
                  use_batch: bool = True, index_tables: bool = False,
-                 recompute_lost: bool = False, sparse_seed: int = 0) -> None:
+                 recompute_lost: bool = False, sparse_seed: int = 0,
+                 stream: Any = None) -> None:
         if preempt_mode not in ("auto", "suspend", "recompute"):
             raise ValueError(f"preempt_mode={preempt_mode!r}: must be auto, suspend or "
                              "recompute")
@@ -118,6 +120,10 @@ class EngineLoop:
                             if buf.size:
                                 self.batch.register_index_table(layer.layer_id, buf.role)
         self.engine = FingerprintEngine(manager, self.batch)
+        #: The engine's stream: given to resume and resize, and the fingerprint kernels
+        #: run on it (None: the backend's default stream).
+        self.stream = stream
+        self.engine.stream = stream
         #: The sparse half of each step (None without sparse layers or a batch).
         self.sparse = SparseSteps(self.engine, sparse_seed) \
             if self.batch is not None and _has_sparse(manager) else None
@@ -159,7 +165,7 @@ class EngineLoop:
         cache = req.cache
         chosen = self.choose_optional(cache)
         try:
-            resumed = cache.resume(optional_reuse_groups=chosen)
+            resumed = cache.resume(self.stream, optional_reuse_groups=chosen)
         except (TierIOError, CorruptPageError):
             if not self.recompute_lost:
                 raise
@@ -195,7 +201,7 @@ class EngineLoop:
         while self.suspended and len(self.running) < self.max_batch:
             req = self.suspended[0]
             try:
-                resumed = req.cache.resume()
+                resumed = req.cache.resume(self.stream)
             except (TierIOError, CorruptPageError):  # cold pages lost: recompute them
                 if not self.recompute_lost:
                     raise
@@ -234,7 +240,7 @@ class EngineLoop:
                     i += 1
                     continue
             cap = min(len(req.tokens), hist + want)
-            while not cache.resize(cap):
+            while not cache.resize(cap, stream=self.stream):
                 victim = self._preempt(exclude=req)
                 if victim is None:
                     break

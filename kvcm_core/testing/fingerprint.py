@@ -127,6 +127,9 @@ class FingerprintEngine:
 
     def __init__(self, manager: Any, batch: Any = None) -> None:
         self.manager = manager
+        #: The stream the engine's kernels run on (None: the backend's default stream);
+        #: pages are written and checked only after what the manager made it wait for.
+        self.stream: Any = None
         #: When set, the page tables of caches seated in this Batch are read from its
         #: published device tables instead of from the caches.
         self.batch = batch
@@ -459,17 +462,17 @@ class FingerprintEngine:
         next layer overwrites the scratch sub-pages."""
         pages = self._rows(work, writing=True, ssm_only=True)
         if pages is not None:
-            self.backend.fingerprint_write(pages)
+            self.backend.fingerprint_write(pages, self.stream)
             self.written_pages += len(pages)
         for layer_id in self._layer_order:
             pages = self._layer_pages(work, layer_id, writing=True)
             if pages is None:
                 continue
-            self.backend.fingerprint_write(pages)
+            self.backend.fingerprint_write(pages, self.stream)
             self.written_pages += len(pages)
             pages = self._layer_pages(work, layer_id, writing=False)
             assert pages is not None
-            ok = self.backend.fingerprint_check(pages)
+            ok = self.backend.fingerprint_check(pages, self.stream)
             self.checked_pages += len(pages)
             if not ok.all():
                 bad = int(np.nonzero(~ok)[0][0])
@@ -494,7 +497,7 @@ class FingerprintEngine:
             if typed:
                 self._typed_write(pages)
             else:
-                self.backend.fingerprint_write(pages)
+                self.backend.fingerprint_write(pages, self.stream)
             self.written_pages += len(pages)
 
     def _typed_batches(self, pages: FingerprintPages) -> Any:
@@ -621,7 +624,7 @@ class FingerprintEngine:
         pages = self._rows(work, writing=False)
         if pages is None:
             return
-        ok = self.backend.fingerprint_check(pages)
+        ok = self.backend.fingerprint_check(pages, self.stream)
         self.checked_pages += len(pages)
         if not ok.all():
             bad = int(np.nonzero(~ok)[0][0])

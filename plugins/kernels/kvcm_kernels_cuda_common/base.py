@@ -92,7 +92,10 @@ AUTO_CE_MIN_PAGE_BYTES: dict[tuple[str, str], int | None] = {
 _DEFAULTS: dict[str, Any] = {"device": 0, "copy_path": "auto", "block_threads": 128}
 _MASK64 = (1 << 64) - 1
 _ALIGN = 256
-_RING_SLOTS = 8
+#: Staging slots of the launch ring. A slot is reused only after its launch completed (the
+#: host waits otherwise): an asynchronous migration queues a launch per batch on two
+#: streams (kvcm_core.fences), so 8 slots made the host wait for the first batches.
+_RING_SLOTS = 32
 _MAX_GRID_Y = 65535
 _MAX_GRID_X = (1 << 31) - 1
 
@@ -422,6 +425,11 @@ class CudaKernelBackend(KernelBackend):
         self.options = parse_options(options, self.extra_options)
         self.device_id: int = self.options["device"]
         self.copy_path: str = self.options["copy_path"]
+        env = os.environ.get("KVCM_COPY_PATH", "")
+        if env and "copy_path" not in (options or {}):  # experiments (kvcm bench migrate)
+            if env not in COPY_PATHS:
+                raise ValueError(f"KVCM_COPY_PATH={env!r}: must be one of {COPY_PATHS}")
+            self.copy_path = env
         self._threads: int = self.options["block_threads"]
         self._lock = threading.RLock()
         self._live: dict[int, tuple[int, int]] = {}  # id(buffer) -> (ptr, end)

@@ -1,0 +1,222 @@
+"""Events instead of host synchronisation for page migrations (device backends).
+
+A migration between the GPU level and a device-accessible cold level (pinned host) is
+issued on one of two copy streams of the manager, so both directions of the link work at
+once: evictions (device to host) on the *evict* stream, onboards (host to device) on the
+*onboard* stream. The call that issued them returns at once. What keeps every reader and
+writer of a slot ordered is a **fence** per slot: the sequence number of the last copy
+batch that read or wrote it, whose event is recorded on the batch's stream right after it.
+
+- A copy batch waits (on the device: ``stream.wait_event``) for the fences of every slot
+  it reads or writes, so a slot freed by an eviction is overwritten only after the copy
+  that read it has completed, and a page is read only after the copy that brought it in.
+- A copy through the host (storage levels, codecs that run synchronously) waits for the
+  fences of its slots on the host first (``event.synchronize``), as it always did.
+- Before the first copy of a call, the copy streams wait for the caller's stream (the
+  engine's work queued so far, which may still read or write pages that move).
+- When the call returns, the caller's stream waits for every copy batch still tracked
+  (:meth:`Fences.wait_all`; a stream that already waited for a batch does not wait twice):
+  whatever the engine queues next sees the pages in place.
+
+On a backend without a device (numpy) nothing is tracked: copies run synchronously and
+every event is already complete, which is the same contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from kvcm_core.backend import Event, KernelBackend, Stream
+
+__all__ = ["Fences"]
+
+_PRUNE = 64  # tracked batches before completed ones are forgotten
+
+
+class Fences:
+    """Per-slot fences of one manager's stores (see module docstring)."""
+
+    def __init__(self, backend: KernelBackend) -> None:
+        self.backend = backend
+        self.enabled = bool(backend.capabilities.has_device)
+        self.seq = 0
+        #: Batches still tracked: sequence number -> (lane, event). A number no longer
+        #: here has completed.
+        self.events: dict[int, tuple[int, Event]] = {}
+        self.latest: dict[int, int] = {}  # lane -> its last batch
+        self._waited: dict[tuple[int, int], int] = {}  # (waiting lane, lane) -> batch
+        self._slots: dict[int, np.ndarray] = {}  # store index -> batch per slot
+        self._spare: list[Event] = []
+        self._known: dict[int, Stream] = {}
+        self.evict: Stream | None = None
+        self.onboard: Stream | None = None
+        #: The stream of the public call in progress (None: the default stream).
+        self.op_stream: Stream | None = None
+        self._op_mark: Event | None = None
+        self._op_waited: set[int] = set()
+        self.batches = 0  # copy batches issued (a statistic for tests and benchmarks)
+
+    # -- streams ------------------------------------------------------------------------
+
+    def streams(self) -> tuple[Stream, Stream]:
+        """The evict and onboard streams (created on first use)."""
+        if self.evict is None or self.onboard is None:
+            self.evict = self.backend.create_stream()
+            self.onboard = self.backend.create_stream()
+        return self.evict, self.onboard
+
+    def _stream(self, stream: Stream | None) -> Stream:
+        return self.backend.default_stream if stream is None else stream
+
+    def lane(self, stream: Stream) -> int:
+        """A stream's key (the object is kept, so its id is never reused meanwhile)."""
+        key = id(stream)
+        if key not in self._known:
+            self._known[key] = stream
+        return key
+
+    def begin(self, stream: Stream | None) -> None:
+        """A public call that may move pages starts: copy streams will wait for
+        ``stream``'s work queued so far before their first copy."""
+        self.op_stream = stream
+        self._op_mark = None
+        self._op_waited.clear()
+
+    def join_op(self, lane_stream: Stream) -> None:
+        """Make a copy stream wait (once per call) for the caller's stream."""
+        lane = self.lane(lane_stream)
+        if lane in self._op_waited:
+            return
+        op = self._stream(self.op_stream)
+        if self.lane(op) == lane:
+            return
+        if self._op_mark is None:
+            self._op_mark = self._new_event()
+            self._op_mark.record(op)
+        lane_stream.wait_event(self._op_mark)
+        self._op_waited.add(lane)
+
+    def end(self, stream: Stream | None) -> None:
+        """The public call returns: ``stream`` waits for every tracked copy batch."""
+        if self._op_mark is not None:
+            self._spare.append(self._op_mark)
+            self._op_mark = None
+        self._op_waited.clear()
+        self.op_stream = None
+        if self.events:
+            self.wait_all(stream)
+
+    # -- slots --------------------------------------------------------------------------
+
+    def of(self, store: Any) -> np.ndarray:
+        """The fence array of a store (one batch number per slot; 0: none)."""
+        arr = self._slots.get(store.index)
+        n = store.num_slots
+        if arr is None or len(arr) < n:
+            new = np.zeros(max(n, 1), dtype=np.int64)
+            if arr is not None:
+                new[: len(arr)] = arr
+            self._slots[store.index] = arr = new
+        return arr
+
+    def _pending(self, parts: Iterable[tuple[Any, np.ndarray]]) -> list[int]:
+        events = self.events
+        if not events:
+            return []
+        oldest = next(iter(events))  # numbers are inserted in increasing order
+        found: set[int] = set()
+        for store, slots in parts:
+            if not len(slots):
+                continue
+            f = self.of(store)[slots]
+            if f.max() >= oldest:
+                found.update(f[f >= oldest].tolist())
+        return [s for s in found if s in events]
+
+    def wait_device(self, stream: Stream, parts: Iterable[tuple[Any, np.ndarray]]) -> None:
+        """``stream`` waits for the batches that last touched these slots."""
+        me = self.lane(stream)
+        last: dict[int, int] = {}
+        for seq in self._pending(parts):
+            lane = self.events[seq][0]
+            if lane != me and seq > last.get(lane, 0):
+                last[lane] = seq
+        for lane, seq in last.items():
+            self._wait(stream, me, lane, seq)
+
+    def _wait(self, stream: Stream, me: int, lane: int, seq: int) -> None:
+        # Events of one lane complete in order: waiting for a later one covers earlier.
+        if self._waited.get((me, lane), 0) >= seq:
+            return
+        stream.wait_event(self.events[seq][1])
+        self._waited[(me, lane)] = seq
+
+    def wait_host(self, parts: Iterable[tuple[Any, np.ndarray]]) -> None:
+        """The host waits for the batches that last touched these slots."""
+        for seq in sorted(self._pending(parts)):
+            entry = self.events.get(seq)
+            if entry is not None:
+                entry[1].synchronize()
+
+    def wait_all(self, stream: Stream | None) -> None:
+        """``stream`` waits for every tracked batch (the last of each lane)."""
+        st = self._stream(stream)
+        me = self.lane(st)
+        # The most recent first (on the deferred test backend this runs the later lane
+        # first, so a batch that does not wait for an earlier one reads wrong bytes).
+        for lane, seq in sorted(self.latest.items(), key=lambda item: -item[1]):
+            if lane != me and seq in self.events:
+                self._wait(st, me, lane, seq)
+
+    def record(self, stream: Stream, parts: Iterable[tuple[Any, np.ndarray]]) -> int:
+        """A batch was queued on ``stream`` touching these slots: fence them."""
+        ev = self._new_event()
+        ev.record(stream)
+        self.seq += 1
+        lane = self.lane(stream)
+        self.events[self.seq] = (lane, ev)
+        self.latest[lane] = self.seq
+        for store, slots in parts:
+            if len(slots):
+                self.of(store)[slots] = self.seq
+        self.batches += 1
+        if len(self.events) > _PRUNE:
+            self.prune()
+        return self.seq
+
+    def order(self, store: Any, slots: np.ndarray) -> np.ndarray:
+        """``slots`` sorted by their fences (stable): a batch of the first ones then waits
+        only for the earliest copies that freed them."""
+        if not self.events or len(slots) < 2:
+            return slots
+        f = self.of(store)[slots]
+        return slots[np.argsort(f, kind="stable")]
+
+    # -- bookkeeping --------------------------------------------------------------------
+
+    def _new_event(self) -> Event:
+        return self._spare.pop() if self._spare else self.backend.create_event()
+
+    def prune(self) -> None:
+        """Forget completed batches (their events are reused)."""
+        for seq in sorted(self.events):
+            _lane, ev = self.events[seq]
+            if ev.query():
+                del self.events[seq]
+                self._spare.append(ev)
+
+    def synchronize(self) -> None:
+        """The host waits for every tracked batch; nothing is tracked afterwards."""
+        for seq in sorted(self.events):
+            self.events[seq][1].synchronize()
+        self._spare.extend(ev for _, ev in self.events.values())
+        self.events.clear()
+
+    def close(self) -> None:
+        self.synchronize()
+        self._spare.clear()
+        self._known.clear()
+        self.evict = self.onboard = None
