@@ -54,8 +54,10 @@ run() {  # run LOG TIMEOUT CMD...: tee into $OUT/LOG, keep the tail on stdout
 MANAGER_TESTS="tests/test_batch.py tests/test_page_table_version.py tests/test_prefix_reuse.py tests/test_manager_lifecycle.py tests/test_levels.py tests/test_reuse_policies.py tests/test_faults.py tests/test_manager_errors.py tests/test_manager_properties.py tests/test_swa_scratch.py tests/test_beams.py tests/test_engine_loop.py"
 step() {  # one named step; modes below are lists of steps
   case "$1" in
-    gpu_tests)
-      run tests_gpu.log 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider --tb=short ;;
+    gpu_tests)  # GPU_TESTS_K: a pytest -k filter; GPU_TESTS_LIMIT: seconds (default 240)
+      local k=(); [ -n "${GPU_TESTS_K:-}" ] && k=(-k "$GPU_TESTS_K")
+      run tests_gpu.log "${GPU_TESTS_LIMIT:-240}" "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+        --tb=short "${k[@]}" ;;
     conformance)
       run conformance.log 200 "$PY" -m pytest -q tests/test_conformance_kernels.py \
         tests/test_conformance_codecs.py tests/test_conformance_tiers.py \
