@@ -44,6 +44,7 @@ __all__ = [
     "HelpFormatter",
     "add_output_options",
     "check_out",
+    "device_backends",
     "parse_with_quick",
     "result_header",
     "result_path",
@@ -67,6 +68,15 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
                 or default is argparse.SUPPRESS or "%(default)" in text):
             return text
         return f"{text} (default: %(default)s)"
+
+
+def device_backends(pm: Any, names: str = "auto") -> list[str]:
+    """Kernel backends to measure: ``"auto"`` names every available backend with a device
+    (none on a machine without one), else the comma-separated ``names`` as given."""
+    if names == "auto":
+        return [n for n, s in pm.kernel_backends().items()
+                if s.capabilities.has_device and pm.availability_of(s)[0]]
+    return [n.strip() for n in names.split(",") if n.strip()]
 
 
 def add_output_options(parser: argparse.ArgumentParser, quick: str) -> None:

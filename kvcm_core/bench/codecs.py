@@ -43,6 +43,7 @@ from kvcm_core.backend import KernelBackend, PageRegion
 from kvcm_core.bench import (
     HelpFormatter,
     add_output_options,
+    device_backends,
     parse_with_quick,
     result_header,
     timed_calls,
@@ -301,8 +302,7 @@ def device_part(backend: KernelBackend, pm: Any, pages: int, page_bytes: int,
 
 def run_device(pm: Any, args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    names = [name for name, spec in pm.kernel_backends().items()
-             if spec.capabilities.has_device and pm.availability_of(spec)[0]]
+    names = device_backends(pm)
     pages = args.pages
     if not names:
         pages = min(args.pages, 64)

@@ -37,7 +37,14 @@ from typing import Any
 import numpy as np
 
 from kvcm_core.backend import BAD_PAGE_INDEX, Buffer, KernelBackend, MemoryKind, PageRegion
-from kvcm_core.bench import DEFAULT_OUT, HelpFormatter, check_out, result_path, timed_calls
+from kvcm_core.bench import (
+    DEFAULT_OUT,
+    HelpFormatter,
+    check_out,
+    device_backends,
+    result_path,
+    timed_calls,
+)
 from kvcm_core.plugins import get_plugin_manager
 from kvcm_core.units import parse_size
 
@@ -606,10 +613,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] | None = None) -> d
     """Run the benchmark for the parsed ``args``; returns the report (not yet written)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     pm = get_plugin_manager()
-    specs = pm.kernel_backends()
-    names = args.backend or [
-        n for n, s in specs.items() if s.capabilities.has_device and pm.availability_of(s)[0]
-    ]
+    names = args.backend or device_backends(pm)
     if not names:
         names = ["numpy"]
         log("no GPU backend is available here: measuring numpy on the host")

@@ -41,6 +41,7 @@ from typing import Any
 from kvcm_core.bench import (
     HelpFormatter,
     add_output_options,
+    device_backends,
     parse_with_quick,
     result_header,
     write_result,
@@ -336,11 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.copy_path:
         os.environ["KVCM_COPY_PATH"] = args.copy_path
     pm = get_plugin_manager()
-    if args.backends == "auto":
-        names = [n for n, s in pm.kernel_backends().items()
-                 if s.capabilities.has_device and pm.availability_of(s)[0]]
-    else:
-        names = [n.strip() for n in args.backends.split(",") if n.strip()]
+    names = device_backends(pm, args.backends)
     if not names:
         print("kvcm bench migrate: no kernel backend with a device is available (try "
               "--backends numpy for a tiny host run)", file=sys.stderr)

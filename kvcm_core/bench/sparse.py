@@ -38,6 +38,7 @@ from kvcm_core.bench import (
     DeviceGate,
     HelpFormatter,
     add_output_options,
+    device_backends,
     parse_with_quick,
     result_header,
     timed_calls,
@@ -279,11 +280,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parse_with_quick(_parser(), argv, QUICK)
     pm = get_plugin_manager()
-    if args.backends == "auto":
-        names = [n for n, s in pm.kernel_backends().items()
-                 if s.capabilities.has_device and pm.availability_of(s)[0]]
-    else:
-        names = [n.strip() for n in args.backends.split(",") if n.strip()]
+    names = device_backends(pm, args.backends)
     if not names:
         print("kvcm bench sparse: no kernel backend with a device is available (try "
               "--backends numpy for host times)", file=sys.stderr)
