@@ -36,7 +36,7 @@ from levels_helpers import (
 
 from kvcm_core import ConfigError, InvalidStateError, KVCacheManager, TierIOError
 from kvcm_core.config import DEFAULT_WRITE_QUEUE_DEPTH, KVCacheManagerConfig, LevelConfig
-from kvcm_core.level_io import DeadlinePool, IODeadlineError, LevelIO, WriteQueueFull
+from kvcm_core.level_io import DeadlinePool, IODeadlineError, LevelIO
 from kvcm_core.testing.engine import EngineLoop, Request
 from kvcm_core.testing.faults import FaultPlan
 
@@ -197,7 +197,7 @@ def test_while_a_level_is_stuck_its_io_fails_at_once_and_it_recovers_by_itself(b
     io = m.storage_levels.io[2]
     plan.slow_reads = {tier.reads + 1}
     t0 = time.monotonic()
-    with pytest.raises(TierIOError, match="missed its 0.1 s I/O deadline"):
+    with pytest.raises(TierIOError, match=r"missed its 0\.1 s I/O deadline"):
         a.resume()
     assert time.monotonic() - t0 < SLOW - 0.1
     assert io.stuck() is not None
@@ -223,7 +223,7 @@ def test_a_read_past_its_deadline_loses_the_blocks_and_resume_raises(build):
     a_toks = d.toks[id(a)]
     assert m.probe_reuse(None, a_toks[:25]) == 24
     plan.slow_reads = {tier.reads + 1}
-    with pytest.raises(TierIOError, match="missed its 0.1 s I/O deadline") as info:
+    with pytest.raises(TierIOError, match=r"missed its 0\.1 s I/O deadline") as info:
         a.resume()
     assert isinstance(info.value.__cause__, IODeadlineError)
     assert m.storage_levels.io[2].stats.read_misses == 1
@@ -393,7 +393,7 @@ def test_queued_background_writes_wake_the_thread_once_and_run_as_one_write(buil
     """Below half the queue, background writes wait for the level's thread without waking
     it; the next wake-up runs the queued writes of the pool as one write, and every block
     reads back intact."""
-    m, plan, tier = build([("gpu", 8), ("host", 4), ("faulty-disk", 40)], depth=8)
+    m, _plan, tier = build([("gpu", 8), ("host", 4), ("faulty-disk", 40)], depth=8)
     d = Driver(m)
     s, r = _cascade(m, d, n=6)
     io = m.storage_levels.io[2]
@@ -515,7 +515,7 @@ def test_a_resize_that_misses_its_deadline_is_refused_and_the_level_keeps_its_si
     """A pool resize sleeping past the deadline: ``resize`` returns False within about
     one deadline naming it, the level keeps its size once the late resize has been undone
     behind it, and every page on the disk reads back intact."""
-    m, plan, tier = build()
+    m, plan, _tier = build()
     d = Driver(m)
     a, b, c = _push_to_disk(d)
     before = m.get_storage_statistics(2).total
@@ -556,7 +556,7 @@ def test_a_resize_of_a_stuck_level_is_refused_at_once_and_changes_nothing(build)
 def test_shutdown_waits_one_deadline_then_lists_what_it_abandoned(build):
     m, plan, tier = build()
     d = Driver(m)
-    a, b, c = _push_to_disk(d)
+    a, _b, _c = _push_to_disk(d)
     directory = tier.inner.directory
     plan.slow_reads = {tier.reads + 1}
     with pytest.raises(TierIOError):
@@ -618,14 +618,14 @@ def test_level_io_runs_in_order_and_every_os_failure_is_a_tier_io_error():
 def test_level_io_past_its_deadline_refuses_at_once_until_the_late_call_returns():
     io = LevelIO(3, 0.05)
     gate = threading.Event()
-    with pytest.raises(IODeadlineError, match="level 3: read of 2 slots missed its 0.05 s") \
+    with pytest.raises(IODeadlineError, match=r"level 3: read of 2 slots missed its 0\.05 s") \
             as info:
         io.call(gate.wait, "read of 2 slots", "read")
     assert info.value.attempted and io.stats.read_misses == 1
     assert io.stuck().startswith("read of 2 slots")
     ran = []
     t0 = time.monotonic()
-    with pytest.raises(IODeadlineError, match="not attempted: .* stuck on read of 2") as info:
+    with pytest.raises(IODeadlineError, match=r"not attempted: .* stuck on read of 2") as info:
         io.call(lambda: ran.append(1), "write of 1 slots", "write")
     assert time.monotonic() - t0 < 0.04 and not info.value.attempted and not ran
     assert io.stats.fast_fails == 1 and io.stats.write_misses == 1
