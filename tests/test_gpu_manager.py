@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from kvcm_core import (
@@ -24,7 +23,7 @@ from kvcm_core import (
     SsmLayerConfig,
     get_plugin_manager,
 )
-from kvcm_core.testing.engine import EngineLoop, Request
+from kvcm_core.testing.engine import EngineLoop, Request, chat_requests
 from kvcm_core.tier import DevicePool
 
 P = ReusePolicy
@@ -59,18 +58,8 @@ def _config(backend: str, disk: Path) -> KVCacheManagerConfig:
 
 
 def _workload(seed: int = 0) -> list[Request]:
-    rng = np.random.default_rng(seed)
-    system = rng.integers(0, 50_000, 300).tolist()
-    sessions = [list(system) for _ in range(6)]
-    reqs = []
-    for turn in range(4):
-        for s in range(6):
-            msg = rng.integers(0, 50_000, int(rng.integers(10, 120))).tolist()
-            out = rng.integers(0, 50_000, int(rng.integers(5, 40))).tolist()
-            prompt = sessions[s] + msg
-            reqs.append(Request(f"{turn}-{s}", prompt + out, len(prompt)))
-            sessions[s] = prompt + out
-    return reqs
+    return chat_requests(seed, sessions=6, turns=4, system=300, message=(10, 120),
+                         reply=(5, 40))
 
 
 def _run(backend: str, disk: Path) -> tuple[KVCacheManager, EngineLoop, Any]:

@@ -25,7 +25,7 @@ from kvcm_core import (
     LevelConfig,
 )
 from kvcm_core.fences import Fences
-from kvcm_core.testing.engine import EngineLoop, Request
+from kvcm_core.testing.engine import EngineLoop, Request, chat_requests
 from kvcm_core.testing.fingerprint import FingerprintEngine, FingerprintMismatch, StepWork
 
 TPB = 16
@@ -62,18 +62,8 @@ def _manager(gpu: int, host: int, disk: Path | None = None, backend: str = "defe
 
 
 def _workload(seed: int = 0) -> list[Request]:
-    rng = np.random.default_rng(seed)
-    system = rng.integers(0, 50_000, 200).tolist()
-    sessions = [list(system) for _ in range(5)]
-    reqs = []
-    for turn in range(3):
-        for s in range(5):
-            msg = rng.integers(0, 50_000, int(rng.integers(10, 100))).tolist()
-            out = rng.integers(0, 50_000, int(rng.integers(5, 30))).tolist()
-            prompt = sessions[s] + msg
-            reqs.append(Request(f"{turn}-{s}", prompt + out, len(prompt)))
-            sessions[s] = prompt + out
-    return reqs
+    return chat_requests(seed, sessions=5, turns=3, system=200, message=(10, 100),
+                         reply=(5, 30))
 
 
 class _Rig:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
 from kvcm_core.batch import Batch
 from kvcm_core.cache import CacheStatus
@@ -23,7 +24,7 @@ from kvcm_core.testing.fingerprint import FingerprintEngine, StepWork
 from kvcm_core.testing.sparse_engine import SparseSteps
 from kvcm_core.types import ReuseScope
 
-__all__ = ["EngineLoop", "Request"]
+__all__ = ["EngineLoop", "Request", "chat_requests"]
 
 
 @attrs.define(eq=False)
@@ -393,3 +394,23 @@ def run_requests(manager: Any, requests: Sequence[Request], **kwargs: Any) -> En
     loop = EngineLoop(manager, **kwargs)
     loop.run(requests)
     return loop
+
+
+def chat_requests(seed: int, sessions: int, turns: int, system: int, message: tuple[int, int],
+                  reply: tuple[int, int]) -> list[Request]:
+    """A seeded multi-turn chat: ``sessions`` conversations sharing a ``system``-token
+    prompt; each turn appends a message (``message`` = [low, high) tokens) and a reply
+    (``reply``) to its conversation, so every request reuses its conversation so far.
+    Requests come turn by turn, one per session."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, 50_000, system).tolist()
+    history = [list(shared) for _ in range(sessions)]
+    reqs = []
+    for turn in range(turns):
+        for s in range(sessions):
+            msg = rng.integers(0, 50_000, int(rng.integers(*message))).tolist()
+            out = rng.integers(0, 50_000, int(rng.integers(*reply))).tolist()
+            prompt = history[s] + msg
+            reqs.append(Request(f"{turn}-{s}", prompt + out, len(prompt)))
+            history[s] = prompt + out
+    return reqs
