@@ -192,7 +192,7 @@ class LevelIO:
                         batch.append(q.popleft())
                 self._running = job
                 self._started = time.monotonic()
-            if len(batch) > 1:
+            if job.rows is not None:  # one write for the batch (of one or more)
                 self._write_merged(batch)
             else:
                 try:
@@ -211,8 +211,9 @@ class LevelIO:
                 self._cv.notify_all()
 
     def _write_merged(self, batch: list[_Job]) -> None:
-        """On the thread: the background writes ``batch`` (one pool) as one write; a
-        slot named twice gets its last write's rows."""
+        """On the thread: the background writes ``batch`` (one pool) as one write, in slot
+        order; a slot named twice gets its last write's rows. A failure marks every slot
+        of the batch bad."""
         pool = batch[0].rows[0]  # type: ignore[index]
         slots = np.concatenate([j.rows[1] for j in batch])  # type: ignore[index]
         rows = np.concatenate([j.rows[2] for j in batch])  # type: ignore[index]

@@ -158,10 +158,7 @@ def test_only_storage_levels_get_an_io_thread_and_none_turns_it_off(build, tmp_p
 def test_a_write_past_its_deadline_drops_the_blocks_instead_of_offloading_them(build):
     m, plan, tier = build([("gpu", 8), ("host", 4), ("faulty-disk", 16)])
     d = Driver(m)
-    s = d.write(tokens(16, 1))                             # held, stays on the GPU
-    r = [tokens(16, 100 + i) for i in range(3)]
-    d.write(r[0], chunk=16, suspend=False).close()
-    d.write(r[1], chunk=16, suspend=False).close()         # R0 -> host
+    s, r = _cascade(m, d, n=3, seed=100)                   # held S on the GPU, R0 on the host
     plan.slow_writes = {tier.writes + 1}
     m.get_and_reset_iteration_stats()
     # R1 -> host, R0 -> disk in one batch: that write sleeps past the deadline.
@@ -484,10 +481,7 @@ def test_a_full_write_queue_drops_cached_victims_at_once_and_nothing_waits(build
     I/O failure), and no step waits for the level."""
     m, plan, tier = build([("gpu", 8), ("host", 4), ("faulty-disk", 40)], depth=1)
     d = Driver(m)
-    s = d.write(tokens(16, 2))                             # held, stays on the GPU
-    r = [tokens(16, 200 + i) for i in range(5)]
-    d.write(r[0], chunk=16, suspend=False).close()
-    d.write(r[1], chunk=16, suspend=False).close()          # R0 -> host
+    s, r = _cascade(m, d, n=5, seed=200)                   # held S on the GPU, R0 on the host
     plan.slow_writes = {tier.writes + 1}
     m.get_and_reset_iteration_stats()
     _, took = _timed(lambda: d.write(r[2], chunk=16, suspend=False).close())  # R0 -> disk
