@@ -887,13 +887,13 @@ class CudaKernelBackend(KernelBackend):
     #: Working sets up to this many entries keep their stamps (v2) or sort their keys (v1)
     #: in shared memory; larger ones work in global memory.
     sparse_shared_limit = SPARSE_SHARED_LIMIT
-    #: The resolve kernel: ``"v3"`` (default: v2's ranking with fewer barriers, the row's
-    #: state in shared memory; past its shared memory it runs v2), ``"v4"`` (v3 with the
-    #: dedup in a shared hash; not yet measured), ``"v2"`` (ranks stamps in windows) or
-    #: ``"v1"`` (sorts every eviction key); the environment variable
-    #: ``KVCM_SPARSE_RESOLVE`` sets it. v3 is the default by the H200 figures of
-    #: benchmarks/results/h200-20261202-resolve2 (256 x 2048: 54.4 us median, v2 60.8).
-    sparse_resolve_version = "v3"
+    #: The resolve kernel: ``"v4"`` (default: v3 with the duplicates found in a hash table
+    #: in shared memory), ``"v3"`` (v2's ranking with fewer barriers, the row's state in
+    #: shared memory; past its shared memory v3 and v4 run v2), ``"v2"`` (ranks stamps in
+    #: windows) or ``"v1"`` (sorts every eviction key); the environment variable
+    #: ``KVCM_SPARSE_RESOLVE`` sets it. v4 is the default by the H200 figures of
+    #: benchmarks/results/h200-20261204-resolve3 (256 x 2048: 44.6 us median, v3 55.1).
+    sparse_resolve_version = "v4"
     #: v2: stamps a window ranks at once (``None``: the widest, 128 bits per thread) and the
     #: windows a row may take before it falls back to the sort (tests make both small).
     sparse_window: int | None = None

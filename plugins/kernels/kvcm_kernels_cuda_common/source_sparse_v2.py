@@ -1,5 +1,5 @@
-"""CUDA C of the second resolve kernel (``KVCM_SPARSE_RESOLVE=v2``; the default ``v3`` runs
-it for working sets past its shared memory).
+"""CUDA C of the second resolve kernel (``KVCM_SPARSE_RESOLVE=v2``; ``v3`` and the default ``v4``
+run it for working sets past its shared memory).
 
 Same rules and bytes as :mod:`kvcm_kernels_cuda_common.source_sparse`'s
 ``kvcm_sparse_resolve`` (the NumPy reference :mod:`kvcm_core.sparse.reference`), without

@@ -1,4 +1,4 @@
-"""CUDA C of the third resolve kernel (``KVCM_SPARSE_RESOLVE=v3``, the default).
+"""CUDA C of the third resolve kernel (``KVCM_SPARSE_RESOLVE=v3``) and its v4 form (the default).
 
 Same rules and bytes as the NumPy reference (:mod:`kvcm_core.sparse.reference`) and the
 first two kernels; the second kernel's ranking (free entries by index, then stamps a window
