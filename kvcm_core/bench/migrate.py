@@ -276,8 +276,9 @@ def swap(backend: str, args: argparse.Namespace, n: int, lim: dict[str, float]
         rig.close()
 
 
-def _profile(rig: _Rig, cache: Any, top: int = 14) -> list[str]:
-    """The functions that took most host time (own time) in one ``resume``."""
+def _profile(rig: _Rig, cache: Any, top: int = 30) -> list[str]:
+    """The functions that took most host time in one ``resume`` (own time, then with
+    what they call)."""
     import cProfile
     import io
     import pstats
@@ -289,10 +290,13 @@ def _profile(rig: _Rig, cache: Any, top: int = 14) -> list[str]:
     prof.disable()
     rig.be.synchronize()
     cache.suspend()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
-    lines = [ln for ln in text.getvalue().splitlines() if ln.strip()]
-    print("\n".join(lines[-top - 2:]))
+    lines = []
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(top)
+        part = [ln for ln in text.getvalue().splitlines() if ln.strip()]
+        print(f"-- by {order}\n" + "\n".join(part[-top - 2:]))
+        lines += part
     return lines
 
 
