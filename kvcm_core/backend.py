@@ -310,11 +310,11 @@ def check_copy_args(dst: PageRegion, src: PageRegion, page_bytes: int,
             )
     if len(pairs) == 0:
         return 0, 0
-    if int(np.minimum.reduce(pairs, axis=None)) < 0:
-        lo = pairs.min(axis=0).tolist()
+    lo = np.minimum.reduce(pairs, axis=0).tolist()
+    if lo[0] < 0 or lo[1] < 0:
         label, column = ("dst", 0) if lo[0] < 0 else ("src", 1)
         raise ValueError(f"{label} page index {lo[column]}: must be >= 0")
-    hi = [int(np.maximum.reduce(pairs[:, 0])), int(np.maximum.reduce(pairs[:, 1]))]
+    hi = np.maximum.reduce(pairs, axis=0).tolist()
     for label, region, column in (("dst", dst, 0), ("src", src, 1)):
         end = region.offset + hi[column] * region.stride + page_bytes
         if end > region.buffer.nbytes:

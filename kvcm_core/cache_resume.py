@@ -49,7 +49,7 @@ class ResumeMixin(CacheBase):
             self._require(CacheStatus.SUSPENDED)
         if self._status is CacheStatus.ACTIVE:
             return True
-        if optional_reuse_groups is None and self._resume_fast():
+        if optional_reuse_groups is None and self._resume_fast(stream):
             return True
         ctx = self._ctx
         L = self._levels
@@ -174,11 +174,15 @@ class ResumeMixin(CacheBase):
         self._status = CacheStatus.ACTIVE
         return True
 
-    def _resume_fast(self) -> bool:
+    def _resume_fast(self, stream: Stream | None) -> bool:
         """The common resume: one beam, full-attention pages only (no SSM, no window),
-        all of them on the GPU, nothing missing, no copy pending and no reuse choice to
-        make. Locks the pages and returns True; False leaves everything to the general
-        path (nothing changed)."""
+        none missing, no copy pending and no reuse choice to make; pages on colder levels
+        come back in one batch. Locks the pages and returns True; False leaves everything
+        to the general path (nothing changed then), or was refused (``last_refusal``).
+
+        Raises:
+            TierIOError, CorruptPageError: as :meth:`resume`.
+        """
         ctx = self._ctx
         if self._beams or self._pending or self._lost or ctx.ssm_groups or \
                 ctx.windowed_groups or (self._reuse_status and not self._optional_decided):
@@ -193,18 +197,55 @@ class ResumeMixin(CacheBase):
         a = self._arena
         L = self._levels
         pids = _arr(refs)
+        limit = ctx.config.max_util_for_resume
         if len(pids):
-            if np.count_nonzero(a.level[pids] != 0):
-                return False
-            limit = ctx.config.max_util_for_resume
-            mine = np.bincount(a.store[pids], minlength=len(L.stores[0]))
+            level = a.level[pids]
+            cold_n = np.count_nonzero(level)
+            if cold_n and (level < 0).any():
+                return False  # lost pages: the general path says so
+            warm = pids[level == 0] if cold_n else pids
+            cold = pids[level != 0] if cold_n else pids[:0]
+            mine = np.bincount(a.store[warm], minlength=len(L.stores[0]))
+            needs: dict[int, int] = {}
+            if cold_n:
+                per_pg = np.bincount(L.pool_groups_of(a.group[cold]))
+                needs = {pg: int(per_pg[pg]) for pg in np.flatnonzero(per_pg).tolist()}
             for store in L.stores[0]:
-                if store.num_locked + int(mine[store.pool_group]) > limit * store.num_slots:
-                    return False
-            L.change(pids, 1, -1)
+                used = store.num_locked + int(mine[store.pool_group]) + needs.get(
+                    store.pool_group, 0)
+                if used > limit * store.num_slots:
+                    if not cold_n:
+                        return False  # the general path refuses with the reason
+                    return self._refuse(over_resume_limit(store, used, limit))
+            # Lock what is on the GPU first, so making room cannot push it down.
+            L.change(warm, 1, -1)
+            if cold_n:
+                if not L.can_take(needs):
+                    L.change(warm, -1, 1)
+                    return self._refuse(level_shortage("resume", L, needs, {}))
+                try:
+                    for pg, n in needs.items():
+                        L.make_room(L.stores[0][pg], n)
+                except OutOfPagesError as exc:
+                    L.change(warm, -1, 1)
+                    return self._refuse(room_failed("resume", exc))
+                try:
+                    lost = pids[a.level[pids] < 0]
+                    if len(lost):  # found corrupt while making room moved it
+                        raise CorruptPageError("pages of this cache failed their frame "
+                                               "check while making room",
+                                               pages=tuple(lost.tolist()))
+                    L.onboard(cold, stream)
+                except TierIOError:
+                    self._fail_resume([])
+                    raise
+                except CorruptPageError as exc:
+                    self._fail_resume([])
+                    raise self._name_corrupt_block(exc) from exc
+                L.change(cold, 1, -1)
         else:
             for store in L.stores[0]:
-                if store.num_locked > ctx.config.max_util_for_resume * store.num_slots:
+                if store.num_locked > limit * store.num_slots:
                     return False
         self._optional_decided = True
         self._first_resume_done = True

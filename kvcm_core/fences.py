@@ -126,21 +126,42 @@ class Fences:
         events = self.events
         if not events:
             return []
-        oldest = next(iter(events))  # numbers are inserted in increasing order
         found: set[int] = set()
         for store, slots in parts:
-            if not len(slots):
-                continue
-            f = self.of(store)[slots]
-            if f.max() >= oldest:
-                found.update(f[f >= oldest].tolist())
-        return [s for s in found if s in events]
+            if len(slots):
+                found.update(self._tracked(self.of(store)[slots]))
+        return list(found)
+
+    def _tracked(self, values: np.ndarray) -> list[int]:
+        """The batches among fence ``values`` still tracked (distinct)."""
+        events = self.events
+        if not events or not len(values):
+            return []
+        oldest = next(iter(events))  # numbers are inserted in increasing order
+        top = int(values.max())
+        if top < oldest:
+            return []
+        if int(values.min()) == top:  # the usual batch: its slots share one fence
+            return [top] if top in events else []
+        live = values[values >= oldest]
+        return [v for v in np.unique(live).tolist() if v in events]
 
     def wait_device(self, stream: Stream, parts: Iterable[tuple[Any, np.ndarray]]) -> None:
         """``stream`` waits for the batches that last touched these slots."""
+        if self.events:
+            values = [self.of(store)[slots] for store, slots in parts if len(slots)]
+            if values:
+                self.wait_device_values(stream, np.concatenate(values))
+
+    def wait_device_values(self, stream: Stream, values: np.ndarray) -> None:
+        """``stream`` waits for the batches of fence ``values`` (read with :meth:`of`
+        before a move's own batches are recorded)."""
+        seqs = self._tracked(values)
+        if not seqs:
+            return
         me = self.lane(stream)
         last: dict[int, int] = {}
-        for seq in self._pending(parts):
+        for seq in seqs:
             lane = self.events[seq][0]
             if lane != me and seq > last.get(lane, 0):
                 last[lane] = seq
@@ -173,15 +194,21 @@ class Fences:
 
     def record(self, stream: Stream, parts: Iterable[tuple[Any, np.ndarray]]) -> int:
         """A batch was queued on ``stream`` touching these slots: fence them."""
+        seq = self.record_batch(stream)
+        for store, slots in parts:
+            if len(slots):
+                self.of(store)[slots] = seq
+        return seq
+
+    def record_batch(self, stream: Stream) -> int:
+        """A batch was queued on ``stream``: its number, whose event completes after it.
+        The caller fences the batch's slots with it (``of(store)[slots] = number``)."""
         ev = self._new_event()
         ev.record(stream)
         self.seq += 1
         lane = self.lane(stream)
         self.events[self.seq] = (lane, ev)
         self.latest[lane] = self.seq
-        for store, slots in parts:
-            if len(slots):
-                self.of(store)[slots] = self.seq
         self.batches += 1
         if len(self.events) > _PRUNE:
             self.prune()
@@ -201,12 +228,23 @@ class Fences:
         return self._spare.pop() if self._spare else self.backend.create_event()
 
     def prune(self) -> None:
-        """Forget completed batches (their events are reused)."""
-        for seq in sorted(self.events):
-            _lane, ev = self.events[seq]
-            if ev.query():
-                del self.events[seq]
-                self._spare.append(ev)
+        """Forget completed batches (their events are reused). The batches of one lane
+        complete in order: when a lane's last one has, all of them have (one query);
+        otherwise its batches are queried oldest first up to the first one still
+        running."""
+        lanes: dict[int, list[int]] = {}
+        for seq, (lane, _ev) in self.events.items():  # increasing numbers
+            lanes.setdefault(lane, []).append(seq)
+        events = self.events
+        for seqs in lanes.values():
+            done = len(seqs) if events[seqs[-1]][1].query() else 0
+            if not done:
+                for seq in seqs[:-1]:
+                    if not events[seq][1].query():
+                        break
+                    done += 1
+            for seq in seqs[:done]:
+                self._spare.append(events.pop(seq)[1])
 
     def synchronize(self) -> None:
         """The host waits for every tracked batch; nothing is tracked afterwards."""

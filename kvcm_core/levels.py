@@ -583,10 +583,10 @@ class Levels:
         if not len(pids):
             return
         a = self.arena
-        key = a.store[pids].astype(np.int64) * 1024 + np.asarray(
-            [self._pg_of[g] for g in a.group[pids].tolist()], dtype=np.int64)
-        for k in dict.fromkeys(key.tolist()):
-            batch = pids[key == k]
+        key = a.store[pids].astype(np.int64) * 1024 + self._pg_array[a.group[pids]]
+        uniform = bool((key == key[0]).all())  # the usual case: one source store
+        for k in [int(key[0])] if uniform else dict.fromkeys(key.tolist()):
+            batch = pids if uniform else pids[key == k]
             src = self.all_stores[k // 1024]
             failed = self._move(src, batch, self.stores[0][k % 1024], True, stream)
             lost = batch[a.store[batch] < 0]
@@ -1008,8 +1008,11 @@ def _in_runs(slots: np.ndarray, old: np.ndarray, per: int) -> np.ndarray:
     n = len(slots)
     if n < 2:
         return slots
-    out = np.array(slots, copy=True)
-    for lo in range(0, n, per):
-        hi = min(n, lo + per)
-        out[lo:hi][np.argsort(old[lo:hi], kind="stable")] = np.sort(out[lo:hi])
+    if n <= per:
+        out = np.empty_like(slots)
+        out[np.argsort(old, kind="stable")] = np.sort(slots)
+        return out
+    batch = np.arange(n) // per
+    out = np.empty_like(slots)
+    out[np.lexsort((old, batch))] = slots[np.lexsort((slots, batch))]
     return out

@@ -165,30 +165,38 @@ class Mover:
         f.join_op(stream)
         s = np.asarray(src_slots, dtype=np.int32)
         d = np.asarray(dst_slots, dtype=np.int32)
-        gpu_src = src.level == 0
+        n = len(s)
         per = max(1, chunk_pages)
-        for lo in range(0, len(s), per):
-            cs, cd = s[lo : lo + per], d[lo : lo + per]
-            o = np.argsort(cs, kind="stable")  # runs of adjacent pages: one descriptor each
-            cs, cd = cs[o], cd[o]
-            parts = ((src, cs), (dst, cd))
-            f.wait_device(stream, parts)
-            pairs = copy_pairs(cd, cs)
-            if gpu_src and dst.level == 0:
-                tasks = [CopyTask(r, r2, pool.slot_bytes, pairs) for r, r2, pool in zip(
-                    self._gpu_regions(dst), self._gpu_regions(src), src.pools, strict=True)]
-            elif gpu_src:
-                pool = dst.pools[0]
-                assert isinstance(pool, DevicePool)
-                tasks = _identity_tasks(layout, self._gpu_regions(src), pool.region, pairs,
-                                        True)
-            else:
-                pool = src.pools[0]
-                assert isinstance(pool, DevicePool)
-                tasks = _identity_tasks(layout, self._gpu_regions(dst), pool.region, pairs,
-                                        False)
-            self.backend.copy_pages_batch(tasks, stream)
-            f.record(stream, parts)
+        # Within each batch, pages in source-slot order: runs of adjacent pages become one
+        # descriptor each. One sort for the whole move.
+        o = np.lexsort((s, np.arange(n) // per)) if n > per else np.argsort(s, kind="stable")
+        s, d = s[o], d[o]
+        src_fence, dst_fence = f.of(src), f.of(dst)
+        # Fences before this move: its batches touch distinct slots, so each batch waits
+        # only for earlier moves' batches, read here once.
+        before = np.maximum(src_fence[s], dst_fence[d]) if f.events else None
+        if src.level == 0 and dst.level == 0:
+            make = [(r, r2, pool.slot_bytes) for r, r2, pool in zip(
+                self._gpu_regions(dst), self._gpu_regions(src), src.pools, strict=True)]
+        elif src.level == 0:
+            pool = dst.pools[0]
+            assert isinstance(pool, DevicePool)
+            make = _identity_parts(layout, self._gpu_regions(src), pool.region, True)
+        else:
+            pool = src.pools[0]
+            assert isinstance(pool, DevicePool)
+            make = _identity_parts(layout, self._gpu_regions(dst), pool.region, False)
+        seqs = np.empty(n, dtype=np.int64)
+        copy = self.backend.copy_pages_batch
+        for lo in range(0, n, per):
+            hi = min(n, lo + per)
+            if before is not None:
+                f.wait_device_values(stream, before[lo:hi])
+            pairs = copy_pairs(d[lo:hi], s[lo:hi])
+            copy([CopyTask(dr, sr, size, pairs) for dr, sr, size in make], stream)
+            seqs[lo:hi] = f.record_batch(stream)
+        src_fence[s] = seqs
+        dst_fence[d] = seqs
 
     # -- storage pools: frames applied here ------------------------------------------------
 
@@ -411,22 +419,28 @@ class _ScratchStore:
             at += size * count
 
 
-def _identity_tasks(layout: PageLayout, gpu: Sequence[PageRegion], cold: PageRegion,
-                    pairs: np.ndarray, encode: bool) -> list[CopyTask]:
+def _identity_parts(layout: PageLayout, gpu: Sequence[PageRegion], cold: PageRegion,
+                    encode: bool) -> list[tuple[PageRegion, PageRegion, int]]:
     """The copies of an identity codec (:attr:`PageCodec.identity`) between GPU pools
-    ``gpu`` and cold pages in ``cold``: pool ``k``'s slot is bytes ``[o_k, o_k + s_k)`` of
-    the cold page (``o_k`` the slot sizes before it). ``pairs``: ``(dst, src)`` page
-    indices, as every copy task takes them; ``encode``: GPU to cold."""
-    tasks = []
+    ``gpu`` and cold pages in ``cold``, as ``(dst, src, bytes)``: pool ``k``'s slot
+    is bytes ``[o_k, o_k + s_k)`` of the cold page (``o_k`` the slot sizes before it);
+    ``encode``: GPU to cold."""
+    parts = []
     start = 0
     for region, size in zip(gpu, layout.slot_sizes, strict=True):
         if size > 0:
             part = cold if start == 0 else PageRegion(cold.buffer, cold.offset + start,
                                                       cold.stride)
-            tasks.append(CopyTask(part, region, size, pairs) if encode else
-                         CopyTask(region, part, size, pairs))
+            parts.append((part, region, size) if encode else (region, part, size))
         start += size
-    return tasks
+    return parts
+
+
+def _identity_tasks(layout: PageLayout, gpu: Sequence[PageRegion], cold: PageRegion,
+                    pairs: np.ndarray, encode: bool) -> list[CopyTask]:
+    """:func:`_identity_parts` as copy tasks of ``pairs`` (``(dst, src)`` page indices)."""
+    return [CopyTask(dst, src, size, pairs)
+            for dst, src, size in _identity_parts(layout, gpu, cold, encode)]
 
 
 def _host_pages(region: PageRegion, page_bytes: int, count: int,

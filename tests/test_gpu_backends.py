@@ -126,6 +126,12 @@ def test_copy_engine_descriptors_merge_runs_of_adjacent_pages_in_order() -> None
         assert dsts.tolist() == [dst.ptr, dst.ptr + 9 * 64, dst.ptr + 3 * 64]
         assert srcs.tolist() == [src.ptr + 5 * 64, src.ptr + 64, src.ptr + 8 * 64]
 
+        run = CopyTask(PageRegion(dst, 0, 64), PageRegion(src, 0, 64), 64, pairs[:3])
+        dsts, srcs, sizes = _copy_descriptors([run, dense])  # one run, then the mixed task
+        assert sizes.tolist() == [3 * 64, 3 * 64, 64, 64]
+        assert dsts.tolist()[:2] == [dst.ptr, dst.ptr]
+        assert srcs.tolist()[:2] == [src.ptr + 5 * 64, src.ptr + 5 * 64]
+
         gapped = CopyTask(PageRegion(dst, 0, 80), PageRegion(src, 0, 64), 64, pairs[:3])
         _, _, sizes = _copy_descriptors([gapped])
         assert sizes.tolist() == [64, 64, 64]  # a gap between pages: one copy each

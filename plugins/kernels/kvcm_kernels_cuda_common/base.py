@@ -1125,17 +1125,25 @@ def _copy_descriptors(tasks: Sequence[CopyTask]) -> tuple[np.ndarray, np.ndarray
     """
     dsts, srcs, sizes = [], [], []
     for t in tasks:
-        d = t.pairs[:, 0].astype(np.int64)
-        s = t.pairs[:, 1].astype(np.int64)
-        length = np.ones(len(d), dtype=np.int64)
-        if len(d) > 1 and t.dst.stride == t.page_bytes and t.src.stride == t.page_bytes:
-            breaks = np.flatnonzero((np.diff(d) != 1) | (np.diff(s) != 1)) + 1
-            starts = np.concatenate(([0], breaks))
-            length = np.diff(np.append(starts, len(d)))
-            d, s = d[starts], s[starts]
+        p = t.pairs
+        if len(p) > 1 and t.dst.stride == t.page_bytes and t.src.stride == t.page_bytes:
+            breaks = np.flatnonzero((np.diff(p, axis=0) != 1).any(axis=1)) + 1
+            if len(breaks):
+                starts = np.concatenate(([0], breaks))
+                length = np.diff(np.append(starts, len(p))).astype(np.int64)
+                p = p[starts]
+            else:  # one run (the usual batch of a migration)
+                length = np.array([len(p)], dtype=np.int64)
+                p = p[:1]
+        else:
+            length = np.ones(len(p), dtype=np.int64)
+        d = p[:, 0].astype(np.int64)
+        s = p[:, 1].astype(np.int64)
         dsts.append(t.dst.buffer.ptr + t.dst.offset + d * t.dst.stride)
         srcs.append(t.src.buffer.ptr + t.src.offset + s * t.src.stride)
         sizes.append(length * t.page_bytes)
+    if len(tasks) == 1:
+        return dsts[0].astype(np.uint64), srcs[0].astype(np.uint64), sizes[0].astype(np.uint64)
     return (
         np.concatenate(dsts).astype(np.uint64),
         np.concatenate(srcs).astype(np.uint64),
