@@ -291,12 +291,17 @@ def _profile(rig: _Rig, cache: Any, top: int = 30) -> list[str]:
     rig.be.synchronize()
     cache.suspend()
     lines = []
-    for order in ("tottime", "cumulative"):
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(top)
-        part = [ln for ln in text.getvalue().splitlines() if ln.strip()]
-        print(f"-- by {order}\n" + "\n".join(part[-top - 2:]))
-        lines += part
+    f8 = pstats.f8  # the columns in microseconds (pstats prints whole milliseconds)
+    pstats.f8 = lambda x: f"{x * 1e6:8.1f}"  # type: ignore[attr-defined]
+    try:
+        for order in ("tottime", "cumulative"):
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats(order).print_stats(top)
+            part = [ln for ln in text.getvalue().splitlines() if ln.strip()]
+            print(f"-- by {order} (us)\n" + "\n".join(part[-top - 2:]))
+            lines += part
+    finally:
+        pstats.f8 = f8  # type: ignore[attr-defined]
     return lines
 
 
