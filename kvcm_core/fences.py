@@ -229,21 +229,21 @@ class Fences:
 
     def prune(self) -> None:
         """Forget completed batches (their events are reused). The batches of one lane
-        complete in order: when a lane's last one has, all of them have (one query);
-        otherwise its batches are queried oldest first up to the first one still
-        running."""
+        complete in order, so the completed ones of a lane are a prefix of its batches,
+        found by bisection (a few queries, whatever the number tracked)."""
         lanes: dict[int, list[int]] = {}
         for seq, (lane, _ev) in self.events.items():  # increasing numbers
             lanes.setdefault(lane, []).append(seq)
         events = self.events
         for seqs in lanes.values():
-            done = len(seqs) if events[seqs[-1]][1].query() else 0
-            if not done:
-                for seq in seqs[:-1]:
-                    if not events[seq][1].query():
-                        break
-                    done += 1
-            for seq in seqs[:done]:
+            lo, hi = 0, len(seqs)  # seqs[:lo] completed; seqs[hi:] not
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if events[seqs[mid]][1].query():
+                    lo = mid + 1
+                else:
+                    hi = mid
+            for seq in seqs[:lo]:
                 self._spare.append(events.pop(seq)[1])
 
     def synchronize(self) -> None:

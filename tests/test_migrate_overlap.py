@@ -234,3 +234,26 @@ def test_each_ordering_step_left_out_shows_as_wrong_pages(monkeypatch, tmp_path,
     with pytest.raises(FingerprintMismatch):
         _slot_reuse("deferred")
         _cascade(tmp_path, "deferred")
+
+
+def test_prune_forgets_exactly_the_completed_prefix_of_each_lane_with_few_queries():
+    """Batches of one stream complete in order: prune drops each lane's completed prefix,
+    keeps every batch still queued (its fence must still be waited for), and finds the
+    boundary by bisection rather than querying every tracked event."""
+    be = DeferredBackend()
+    fences = Fences(be)
+    a, b = be.create_stream(), be.create_stream()
+    on_a = [fences.record_batch(a) for _ in range(40)]
+    on_b = [fences.record_batch(b) for _ in range(9)]
+    fences.events[on_a[24]][1].synchronize()  # stream a ran up to its 25th batch
+    queries = []
+    for _, ev in fences.events.values():
+        query = ev.query
+        ev.query = lambda q=query: queries.append(1) or q()  # type: ignore[method-assign]
+    fences.prune()
+    assert sorted(fences.events) == on_a[25:] + on_b
+    assert len(queries) <= 2 * 7  # log2(40) + log2(9), rounded up, per lane
+    b.synchronize()
+    a.synchronize()
+    fences.prune()
+    assert not fences.events and fences.batches == 49

@@ -1127,14 +1127,15 @@ def _copy_descriptors(tasks: Sequence[CopyTask]) -> tuple[np.ndarray, np.ndarray
     for t in tasks:
         p = t.pairs
         if len(p) > 1 and t.dst.stride == t.page_bytes and t.src.stride == t.page_bytes:
-            breaks = np.flatnonzero((np.diff(p, axis=0) != 1).any(axis=1)) + 1
-            if len(breaks):
+            steps = p[1:] - p[:-1]
+            if (steps == 1).all():  # one run (the usual batch of a migration)
+                length = np.array([len(p)], dtype=np.int64)
+                p = p[:1]
+            else:
+                breaks = np.flatnonzero((steps != 1).any(axis=1)) + 1
                 starts = np.concatenate(([0], breaks))
                 length = np.diff(np.append(starts, len(p))).astype(np.int64)
                 p = p[starts]
-            else:  # one run (the usual batch of a migration)
-                length = np.array([len(p)], dtype=np.int64)
-                p = p[:1]
         else:
             length = np.ones(len(p), dtype=np.int64)
         d = p[:, 0].astype(np.int64)
