@@ -156,13 +156,41 @@ class Fences:
     def wait_device_values(self, stream: Stream, values: np.ndarray) -> None:
         """``stream`` waits for the batches of fence ``values`` (read with :meth:`of`
         before a move's own batches are recorded)."""
-        seqs = self._tracked(values)
+        self.wait_batches(stream, self._tracked(values))
+
+    def batch_waits(self, values: np.ndarray, starts: list[int]) -> list[list[int] | None]:
+        """For a move copied in batches starting at ``starts`` (positions in fence
+        ``values``, read before the move): the tracked batches each must wait for (None:
+        none). The usual batch's slots share one fence: one reduction for all batches."""
+        if not self.events or not len(values):
+            return [None] * len(starts)
+        oldest = next(iter(self.events))
+        tops = np.maximum.reduceat(values, starts).tolist()
+        lows = np.minimum.reduceat(values, starts).tolist()
+        out: list[list[int] | None] = []
+        for k, top in enumerate(tops):
+            if top < oldest:
+                out.append(None)
+            elif lows[k] == top:
+                out.append([top] if top in self.events else None)
+            else:
+                hi = starts[k + 1] if k + 1 < len(starts) else len(values)
+                out.append(self._tracked(values[starts[k]:hi]) or None)
+        return out
+
+    def wait_batches(self, stream: Stream, seqs: list[int]) -> None:
+        """``stream`` waits for batches ``seqs`` (only the last of each lane; one no longer
+        tracked has completed)."""
         if not seqs:
             return
         me = self.lane(stream)
         last: dict[int, int] = {}
+        events = self.events
         for seq in seqs:
-            lane = self.events[seq][0]
+            entry = events.get(seq)
+            if entry is None:
+                continue
+            lane = entry[0]
             if lane != me and seq > last.get(lane, 0):
                 last[lane] = seq
         for lane, seq in last.items():

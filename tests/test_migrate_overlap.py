@@ -226,7 +226,7 @@ def test_fingerprint_workload_over_three_levels_on_queued_streams_matches_numpy(
     _shutdown(nm)
 
 
-@pytest.mark.parametrize("step", ["end", "wait_device_values", "wait_host", "join_op"])
+@pytest.mark.parametrize("step", ["end", "wait_batches", "wait_host", "join_op"])
 def test_each_ordering_step_left_out_shows_as_wrong_pages(monkeypatch, tmp_path, step):
     # The deferred backend catches a missing event or host wait: with one step of
     # kvcm_core.fences doing nothing, a check reads slots before (or after) their copies.
