@@ -205,9 +205,9 @@ class Mover:
                 if waits is not None and waits[k] is not None:
                     f.wait_batches(stream, waits[k])
                 s0, d0 = firsts[k]
-                for dr, sr, size in make:
-                    copy_bytes(dr.buffer, dr.offset + d0 * size, sr.buffer,
-                               sr.offset + s0 * size, (hi - lo) * size, stream)
+                for dr, sr, size in make:  # pages back to back (stride == size), or one
+                    copy_bytes(dr.buffer, dr.offset + d0 * dr.stride, sr.buffer,
+                               sr.offset + s0 * sr.stride, (hi - lo) * size, stream)
                 seqs[lo:hi] = f.record_batch(stream)
         else:
             copy = self.backend.copy_pages_batch

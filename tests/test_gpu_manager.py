@@ -62,8 +62,8 @@ def _workload(seed: int = 0) -> list[Request]:
                          reply=(5, 40))
 
 
-def _run(backend: str, disk: Path) -> tuple[KVCacheManager, EngineLoop, Any]:
-    m = KVCacheManager(_config(backend, disk))
+def _run(backend: str, disk: Path, pm: Any = None) -> tuple[KVCacheManager, EngineLoop, Any]:
+    m = KVCacheManager(_config(backend, disk), plugin_manager=pm)
     loop = EngineLoop(m, chunk_tokens=96, max_batch=4, token_budget=256)
     loop.run(_workload(), on_step=lambda _: m.check_invariants())
     return m, loop, m.get_and_reset_iteration_stats()
@@ -93,7 +93,21 @@ def test_fingerprint_workload_on_gpu_backend_matches_the_numpy_reference(backend
     avail = spec.availability()
     if not avail:
         pytest.skip(f"{backend} unavailable: {avail.reason}")
-    gm, gloop, gstats = _run(backend, tmp_path / "gpu")
+    _check_matches_numpy(backend, tmp_path)
+
+
+def test_fingerprint_workload_on_queued_streams_matches_the_numpy_reference(tmp_path):
+    """The same workload on the deferred CPU backend (copies really queued on the copy
+    streams, run only when something waits for them): the GPU backends' asynchronous
+    migration paths, checked in CI (several buffers of different sizes per page, cold
+    pages of several parts, single-page moves)."""
+    from deferred_backend import deferred_plugin_manager
+
+    _check_matches_numpy("deferred", tmp_path, deferred_plugin_manager())
+
+
+def _check_matches_numpy(backend: str, tmp_path: Path, pm: Any = None) -> None:
+    gm, gloop, gstats = _run(backend, tmp_path / "gpu", pm)
     nm, nloop, nstats = _run("numpy", tmp_path / "numpy")
     assert gm.kernel_backend == backend
     # Every step was verified on both; the runs took the same decisions ...
