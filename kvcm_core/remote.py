@@ -49,8 +49,7 @@ from kvcm_core.backend import Buffer, KernelBackend
 from kvcm_core.codec import BlobCodec, PageCodec
 from kvcm_core.config import KVCacheManagerConfig, LevelConfig
 from kvcm_core.errors import ConfigError, CorruptPageError, OutOfPagesError, TierIOError
-from kvcm_core.frame import FRAME_MAGIC, FRAME_OVERHEAD, FRAME_VERSION, HEADER, \
-    layout_fingerprint
+from kvcm_core.frame import FRAME_MAGIC, FRAME_OVERHEAD, FRAME_VERSION, HEADER, layout_fingerprint
 from kvcm_core.matching import Match
 from kvcm_core.migration import Mover
 from kvcm_core.radix import block_keys, encode_tokens
@@ -651,7 +650,7 @@ class RemoteLevel:
                 self._busy = True
             try:
                 self._write(batch)
-            except Exception:  # noqa: BLE001 - a writer bug must not kill the thread
+            except Exception:  # a writer bug must not kill the thread
                 self.stats.write_failures += len(batch)
             finally:
                 with self._lock:
@@ -733,7 +732,7 @@ class RemoteLevel:
         for close in (self.tier.close, self._writers.close, self._mover.close):
             try:
                 close()
-            except Exception as exc:  # noqa: BLE001 - close the rest all the same
+            except Exception as exc:  # close the rest all the same
                 errors.append(f"{type(exc).__name__}: {exc}")
         if self._stage_buf is not None:
             self._stage_buf.free()
@@ -792,6 +791,6 @@ def build_remote(pm: KvcmPluginManager, level: LevelConfig, index: int,
         for tier in built:
             try:
                 tier.close()
-            except Exception:  # noqa: BLE001, S110 - the first error is the one to report
+            except Exception:  # the first error is the one to report
                 pass
         raise

@@ -37,7 +37,6 @@ from kvcm_core import CorruptPageError, InvalidStateError, OutOfPagesError, Tier
 from kvcm_core.testing.faults import FaultPlan
 from kvcm_core.testing.fingerprint import FingerprintMismatch
 
-
 # Writes of droppable victims go to a background queue by default, where a failure is met
 # later, at a read (tests/test_io_deadline.py covers that): these tests check what a
 # failed synchronous write does.

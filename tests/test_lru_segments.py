@@ -42,7 +42,7 @@ def test_runs_of_small_segments_pop_in_lru_order_skipping_dead_entries():
                     q[:] = [pg for pg in q if pg not in chosen]
             else:
                 policy.touch_many(np.asarray(chosen, dtype=np.int64))
-                for pr, q in order.items():
+                for q in order.values():
                     moved = [pg for pg in chosen if pg in q]
                     q[:] = [pg for pg in q if pg not in chosen] + moved
         else:

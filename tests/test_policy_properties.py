@@ -220,8 +220,8 @@ def test_a_snapshot_whose_node_went_while_making_room_for_it_is_not_published():
     # went with it, and the snapshot was published into the freed node (its id was then
     # handed to a new node while the page still pointed at it).
     ones = [1] * 28
-    work = [(ones[:19] + [2] + ones[:8], 1), (ones[:2], 1), (ones[:24], 1),
-            (ones[:19] + [2] + ones[:4], 1), (ones[:25], 1)]
+    work = [([*ones[:19], 2, *ones[:8]], 1), (ones[:2], 1), (ones[:24], 1),
+            ([*ones[:19], 2, *ones[:4]], 1), (ones[:25], 1)]
     m = make_manager([ssm(0, buf("b0", 16)), att(1, buf("b0", 0))], STACKS["gpu"], 9,
                      commit_min_snapshot=True)
     run_workload(m, work, seed=0, chunk=3, batch=1)

@@ -16,7 +16,7 @@ from redis_fixtures import fresh_server, lag_budget, need_binaries
 from kvcm_core.errors import ConfigError, TierIOError
 
 pytest.importorskip("redis", reason="the redis client package is not installed")
-from kvcm_tier_redis import RedisTier  # noqa: E402
+from kvcm_tier_redis import RedisTier
 
 
 def _keys(n: int) -> list[bytes]:
@@ -28,7 +28,7 @@ def _soon(seconds: float = 5.0) -> float:
     return time.monotonic() + seconds
 
 
-def _timed(call, budget: float):  # noqa: ANN001, ANN202 - test helper
+def _timed(call, budget: float):  # test helper
     """Run ``call(deadline)`` with ``budget`` seconds and assert it returned in time: by
     the deadline plus the slack of :func:`~redis_fixtures.lag_budget`, which grows with
     the scheduler lag measured during the call (on a loaded machine the test process
@@ -38,7 +38,7 @@ def _timed(call, budget: float):  # noqa: ANN001, ANN202 - test helper
     with lag_budget(budget) as timing:
         try:
             result.append(call(time.monotonic() + budget))
-        except BaseException as exc:  # noqa: BLE001 - re-raised after the timing check
+        except BaseException as exc:  # re-raised after the timing check
             error.append(exc)
     assert timing.elapsed < timing.limit, timing
     if error:

@@ -31,7 +31,7 @@ def _prompt(seed: int, blocks: int = 10) -> list[int]:
     return [seed * 100_000 + i for i in range(blocks * TPB)]
 
 
-def _admin(url: str):  # noqa: ANN202 - a redis client of the test's own
+def _admin(url: str):  # a redis client of the test's own
     return redis.Redis.from_url(url)
 
 

@@ -41,7 +41,7 @@ def test_the_server_the_run_started_is_stopped(tmp_path: Path, monkeypatch) -> N
     real = redis_server.RedisServer
 
     class Recorded(real):  # type: ignore[misc, valid-type]
-        def __init__(self, *a, **k) -> None:  # noqa: ANN002, ANN003
+        def __init__(self, *a, **k) -> None:
             super().__init__(*a, **k)
             started.append(self)
 

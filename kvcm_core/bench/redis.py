@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
 import shutil
 import statistics
@@ -34,8 +35,13 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from kvcm_core.bench import HelpFormatter, add_output_options, parse_with_quick, \
-    result_header, write_result
+from kvcm_core.bench import (
+    HelpFormatter,
+    add_output_options,
+    parse_with_quick,
+    result_header,
+    write_result,
+)
 from kvcm_core.errors import ConfigError
 
 __all__ = ["main"]
@@ -130,9 +136,11 @@ def main(argv: list[str] | None = None) -> int:
             n = max(args.pipeline, (args.total_mib << 20) // size)
             runs: dict[str, list[float]] = {}
             for rep in range(args.reps):
-                for who, run in (("redis-benchmark", lambda: _redis_benchmark(
-                        host, port, size, n, args.pipeline, admin)),
-                                 ("tier", lambda: _tier_run(tier, size, n, args.pipeline, rep))):
+                for who, run in (
+                        ("redis-benchmark", functools.partial(
+                            _redis_benchmark, host, port, size, n, args.pipeline, admin)),
+                        ("tier", functools.partial(_tier_run, tier, size, n, args.pipeline,
+                                                   rep))):
                     admin.flushdb()
                     for k, v in run().items():
                         runs.setdefault(f"{who} {k}", []).append(v)

@@ -33,8 +33,13 @@ import attrs
 from kvcm_core.config import KVCacheManagerConfig
 from kvcm_core.errors import ConfigError, PluginError
 from kvcm_core.manager import KVCacheManager
-from kvcm_core.simulate.runner import STALL_STEPS, SchedulerConfig, SchedulerStalled, \
-    infinite_bound, working_set
+from kvcm_core.simulate.runner import (
+    STALL_STEPS,
+    SchedulerConfig,
+    SchedulerStalled,
+    infinite_bound,
+    working_set,
+)
 from kvcm_core.simulate.workload import TraceRequest, generate_trace
 from kvcm_core.testing.engine import EngineLoop, Request
 

@@ -27,8 +27,8 @@ pytest.register_assert_rewrite(
 
 from kvcm_core.testing.conformance.codec import CodecConformance  # noqa: E402
 from kvcm_core.testing.conformance.eviction import EvictionPolicyConformance  # noqa: E402
-from kvcm_core.testing.conformance.keyed import KeyedTierConformance  # noqa: E402
 from kvcm_core.testing.conformance.kernels import KernelBackendConformance  # noqa: E402
+from kvcm_core.testing.conformance.keyed import KeyedTierConformance  # noqa: E402
 from kvcm_core.testing.conformance.sparse import SparseKernelConformance  # noqa: E402
 from kvcm_core.testing.conformance.tier import TierConformance  # noqa: E402
 

@@ -7,9 +7,9 @@ connection, cut into pipelines of at most ``pipeline_bytes`` of values, so a bat
 round trip per pipeline whatever its length. A standalone server over plain TCP is reached
 through the tier's own small RESP connection (values received into one reusable buffer and
 sliced out of it); a cluster and TLS (``rediss://``) go through the ``redis`` client
-package (with ``hiredis`` when installed). A Redis Cluster (``cluster = true``, reached through any node's URL) spreads the keys
-over its primaries; the client follows ``MOVED`` redirections and re-reads the topology
-after a failover.
+package (with ``hiredis`` when installed). A Redis Cluster (``cluster = true``, reached
+through any node's URL) spreads the keys over its primaries; the client follows ``MOVED``
+redirections and re-reads the topology after a failover.
 
 Deadlines: each call runs on the tier's I/O thread and the caller waits at most until the
 call's deadline. A call that runs past it, or that cannot reach the store, raises
@@ -375,7 +375,7 @@ class RedisTier(KeyedTier):
         if client is not None:
             try:
                 client.close()
-            except Exception:  # noqa: BLE001 - closing a broken client must not raise
+            except Exception:  # closing a broken client must not raise
                 pass
 
     def _call(self, what: str, fn: Callable[[Any], _T], deadline: float) -> _T:
