@@ -223,9 +223,6 @@ def _instrument(manager: KVCacheManager, loop: EngineLoop, timers: _Timers,
 
     def create_kv_cache(scope: Any = None, input_tokens: Any = (), id: Any = None,
                         priority_callback: Any = None) -> Any:
-        if isinstance(input_tokens, np.ndarray):
-            # PrefixTree.best_partial tests a token slice's truth value: give it a list.
-            input_tokens = input_tokens.tolist()
         t0 = _ns()
         cache = create(scope, input_tokens, id=id, priority_callback=priority_callback)
         dt = _ns() - t0
