@@ -49,8 +49,12 @@ class ResumeMixin(CacheBase):
             self._require(CacheStatus.SUSPENDED)
         if self._status is CacheStatus.ACTIVE:
             return True
-        if optional_reuse_groups is None and self._resume_fast(stream):
-            return True
+        if optional_reuse_groups is None:
+            done = self._resume_fast(stream)
+            if done is not None:
+                return done
+        if self._over_limit_early():
+            return False
         ctx = self._ctx
         L = self._levels
         a = self._arena
@@ -174,11 +178,12 @@ class ResumeMixin(CacheBase):
         self._status = CacheStatus.ACTIVE
         return True
 
-    def _resume_fast(self, stream: Stream | None) -> bool:
+    def _resume_fast(self, stream: Stream | None) -> bool | None:
         """The common resume: one beam, full-attention pages only (no SSM, no window),
         none missing, no copy pending and no reuse choice to make; pages on colder levels
-        come back in one batch. Locks the pages and returns True; False leaves everything
-        to the general path (nothing changed then), or was refused (``last_refusal``).
+        come back in one batch. Locks the pages and returns True; False: refused
+        (``last_refusal`` says why; nothing changed); None: not this case, nothing changed
+        (the general path decides).
 
         Raises:
             TierIOError, CorruptPageError: as :meth:`resume`.
@@ -186,13 +191,13 @@ class ResumeMixin(CacheBase):
         ctx = self._ctx
         if self._beams or self._pending or self._lost or ctx.ssm_groups or \
                 ctx.windowed_groups or (self._reuse_status and not self._optional_decided):
-            return False
+            return None
         nb = self.num_blocks
         refs: list[int] = []
         for g in ctx.attn_groups:
             pages_g = self._pages[g]
             if len(pages_g) != nb or -1 in pages_g:
-                return False
+                return None
             refs += pages_g
         a = self._arena
         L = self._levels
@@ -202,7 +207,7 @@ class ResumeMixin(CacheBase):
             level = a.level[pids]
             cold_n = np.count_nonzero(level)
             if cold_n and (level < 0).any():
-                return False  # lost pages: the general path says so
+                return None  # lost pages: the general path says so
             warm = pids[level == 0] if cold_n else pids
             cold = pids[level != 0] if cold_n else pids[:0]
             mine = np.bincount(a.store[warm], minlength=len(L.stores[0]))
@@ -214,8 +219,6 @@ class ResumeMixin(CacheBase):
                 used = store.num_locked + int(mine[store.pool_group]) + needs.get(
                     store.pool_group, 0)
                 if used > limit * store.num_slots:
-                    if not cold_n:
-                        return False  # the general path refuses with the reason
                     return self._refuse(over_resume_limit(store, used, limit))
             # Lock what is on the GPU first, so making room cannot push it down.
             L.change(warm, 1, -1)
@@ -246,12 +249,43 @@ class ResumeMixin(CacheBase):
         else:
             for store in L.stores[0]:
                 if store.num_locked > limit * store.num_slots:
-                    return False
+                    return None
         self._optional_decided = True
         self._first_resume_done = True
         self._changed()
         self._status = CacheStatus.ACTIVE
         return True
+
+    def _over_limit_early(self) -> bool:
+        """Refuse (True, ``last_refusal`` set) before any per-page work when the pages this
+        cache needs on level 0 alone would lock more of a pool group than
+        ``max_util_for_resume``: a scheduler that retries its preempted requests every
+        step pays a few microseconds per refusal. Every block a read needs (each attention
+        group's blocks outside its stale range, one page per SSM group) takes a level-0
+        page whatever else the resume decides (where the page is now, a reuse declined, a
+        pending copy, other beams only add to it), so the count is a lower bound of what
+        the general path counts and a refusal here is one it would make. False: go on."""
+        ctx = self._ctx
+        if self._lost:  # the general path reports the lost pages first
+            return False
+        L = self._levels
+        nb = self.num_blocks
+        per_pg: dict[int, int] = {}
+        for g in ctx.attn_groups:
+            start, stop = ctx.kinds[g].stale_range(self._history)
+            stale = max(0, min(stop, nb) - max(start, 0))
+            pg = L.pool_group_of(g)
+            per_pg[pg] = per_pg.get(pg, 0) + nb - stale
+        for g in ctx.ssm_groups:
+            pg = L.pool_group_of(g)
+            per_pg[pg] = per_pg.get(pg, 0) + 1
+        limit = ctx.config.max_util_for_resume
+        for store in L.stores[0]:
+            used = store.num_locked + per_pg.get(store.pool_group, 0)
+            if used > limit * store.num_slots:
+                self._refuse(over_resume_limit(store, used, limit))
+                return True
+        return False
 
     def _split_by_beam(self, wanted: list[int]) -> list[list[int]]:
         """The references of ``wanted`` pages (in that order), one unique list per beam."""
