@@ -197,27 +197,22 @@ class Mover:
         else:
             single = n == 1
         waits = f.batch_waits(before, starts) if before is not None else None
-        if single:
-            copy_bytes = self.backend.copy_bytes
-            firsts = list(zip(s[starts].tolist(), d[starts].tolist(), strict=True))
-            for k, lo in enumerate(starts):
-                hi = min(n, lo + per)
-                if waits is not None and waits[k] is not None:
-                    f.wait_batches(stream, waits[k])
+        firsts = list(zip(s[starts].tolist(), d[starts].tolist(), strict=True))
+        be = self.backend
+        for k, lo in enumerate(starts):
+            hi = min(n, lo + per)
+            if waits is not None and waits[k] is not None:
+                f.wait_batches(stream, waits[k])
+            if single:
                 s0, d0 = firsts[k]
                 for dr, sr, size in make:  # pages back to back (stride == size), or one
-                    copy_bytes(dr.buffer, dr.offset + d0 * dr.stride, sr.buffer,
-                               sr.offset + s0 * sr.stride, (hi - lo) * size, stream)
-                seqs[lo:hi] = f.record_batch(stream)
-        else:
-            copy = self.backend.copy_pages_batch
-            for k, lo in enumerate(starts):
-                hi = min(n, lo + per)
-                if waits is not None and waits[k] is not None:
-                    f.wait_batches(stream, waits[k])
+                    be.copy_bytes(dr.buffer, dr.offset + d0 * dr.stride, sr.buffer,
+                                  sr.offset + s0 * sr.stride, (hi - lo) * size, stream)
+            else:
                 pairs = copy_pairs(d[lo:hi], s[lo:hi])
-                copy([CopyTask(dr, sr, size, pairs) for dr, sr, size in make], stream)
-                seqs[lo:hi] = f.record_batch(stream)
+                be.copy_pages_batch([CopyTask(dr, sr, size, pairs) for dr, sr, size in make],
+                                    stream)
+            seqs[lo:hi] = f.record_batch(stream)
         src_fence[s] = seqs
         dst_fence[d] = seqs
 
