@@ -148,15 +148,7 @@ class Fences:
 
     def wait_device(self, stream: Stream, parts: Iterable[tuple[Any, np.ndarray]]) -> None:
         """``stream`` waits for the batches that last touched these slots."""
-        if self.events:
-            values = [self.of(store)[slots] for store, slots in parts if len(slots)]
-            if values:
-                self.wait_device_values(stream, np.concatenate(values))
-
-    def wait_device_values(self, stream: Stream, values: np.ndarray) -> None:
-        """``stream`` waits for the batches of fence ``values`` (read with :meth:`of`
-        before a move's own batches are recorded)."""
-        self.wait_batches(stream, self._tracked(values))
+        self.wait_batches(stream, self._pending(parts))
 
     def batch_waits(self, values: np.ndarray, starts: list[int]) -> list[list[int] | None]:
         """For a move copied in batches starting at ``starts`` (positions in fence
