@@ -238,14 +238,13 @@ class ResumeMixin(CacheBase):
                         raise CorruptPageError("pages of this cache failed their frame "
                                                "check while making room",
                                                pages=tuple(lost.tolist()))
-                    L.onboard(cold, stream)
+                    L.onboard(cold, stream, lock=True)  # arrivals locked on the way
                 except TierIOError:
                     self._fail_resume([])
                     raise
                 except CorruptPageError as exc:
                     self._fail_resume([])
                     raise self._name_corrupt_block(exc) from exc
-                L.change(cold, 1, -1)
         else:
             for store in L.stores[0]:
                 if store.num_locked > limit * store.num_slots:

@@ -258,6 +258,13 @@ class EvictionPolicy(abc.ABC):
                 nothing is changed.
         """
 
+    def remove_many_checked_by_caller(self, pages: np.ndarray) -> None:
+        """:meth:`remove_many` for a batch the core built: an int64 array of distinct page
+        ids in ``0..2**31-1``, every one present. A policy may skip its argument checks
+        here (the core never breaks these promises); the default runs
+        :meth:`remove_many`. The result must be the same as :meth:`remove_many`'s."""
+        self.remove_many(pages)
+
     @abc.abstractmethod
     def touch_many(self, pages: PageBatch) -> None:
         """Record a use of each page, in order: each becomes the most recently used page of

@@ -47,6 +47,7 @@ class Fences:
         #: here has completed.
         self.events: dict[int, tuple[int, Event]] = {}
         self.latest: dict[int, int] = {}  # lane -> its last batch
+        self._lanes: dict[int, list[int]] = {}  # lane -> its tracked batches, in order
         self._waited: dict[tuple[int, int], int] = {}  # (waiting lane, lane) -> batch
         self._slots: dict[int, np.ndarray] = {}  # store index -> batch per slot
         self._spare: list[Event] = []
@@ -229,6 +230,11 @@ class Fences:
         lane = self.lane(stream)
         self.events[self.seq] = (lane, ev)
         self.latest[lane] = self.seq
+        tracked = self._lanes.get(lane)
+        if tracked is None:
+            self._lanes[lane] = [self.seq]
+        else:
+            tracked.append(self.seq)
         self.batches += 1
         if len(self.events) > _PRUNE:
             self.prune()
@@ -249,22 +255,27 @@ class Fences:
 
     def prune(self) -> None:
         """Forget completed batches (their events are reused). The batches of one lane
-        complete in order, so the completed ones of a lane are a prefix of its batches,
-        found by bisection (a few queries, whatever the number tracked)."""
-        lanes: dict[int, list[int]] = {}
-        for seq, (lane, _ev) in self.events.items():  # increasing numbers
-            lanes.setdefault(lane, []).append(seq)
+        complete in order, so the completed ones of a lane are a prefix of its batches:
+        one query when the lane's last batch has completed (the usual case), else found
+        by bisection (a few queries, whatever the number tracked)."""
         events = self.events
-        for seqs in lanes.values():
-            lo, hi = 0, len(seqs)  # seqs[:lo] completed; seqs[hi:] not
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if events[seqs[mid]][1].query():
-                    lo = mid + 1
-                else:
-                    hi = mid
+        for seqs in self._lanes.values():
+            if not seqs:
+                continue
+            if events[seqs[-1]][1].query():
+                lo = len(seqs)
+            else:
+                lo, hi = 0, len(seqs) - 1  # seqs[:lo] completed; seqs[hi:] not
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if events[seqs[mid]][1].query():
+                        lo = mid + 1
+                    else:
+                        hi = mid
+            spare = self._spare
             for seq in seqs[:lo]:
-                self._spare.append(events.pop(seq)[1])
+                spare.append(events.pop(seq)[1])
+            del seqs[:lo]
 
     def synchronize(self) -> None:
         """The host waits for every tracked batch; nothing is tracked afterwards."""
@@ -272,9 +283,12 @@ class Fences:
             self.events[seq][1].synchronize()
         self._spare.extend(ev for _, ev in self.events.values())
         self.events.clear()
+        for seqs in self._lanes.values():
+            seqs.clear()
 
     def close(self) -> None:
         self.synchronize()
         self._spare.clear()
         self._known.clear()
+        self._lanes.clear()
         self.evict = self.onboard = None

@@ -40,7 +40,7 @@ from kvcm_core.frame import KEY_BYTES, FrameBook, FrameCheckFailed, LevelFrames,
 from kvcm_core.layout import StorageLayout
 from kvcm_core.level_io import LevelIO, WriteQueueFull
 from kvcm_core.lifecycle import LifeCycle
-from kvcm_core.migration import Mover
+from kvcm_core.migration import Mover, order_in_batches
 from kvcm_core.radix import NO_NODE, PrefixTree
 from kvcm_core.sparse.storage import SparseHostPool, level0_slots
 from kvcm_core.stats import IterationStats
@@ -458,11 +458,14 @@ class Levels:
     # -- moving -----------------------------------------------------------------------------------
 
     def _move(self, src: Store, pids: np.ndarray, dst: Store, queued: bool = True,
-              stream: Stream | None = None, droppable: bool = False) -> np.ndarray:
+              stream: Stream | None = None, droppable: bool = False,
+              lock: bool = False) -> np.ndarray:
         """Move pages of ``src`` into free slots of ``dst``; returns the pages that could
         not be moved (I/O failure: they stay where they were, out of the queues when
         ``queued`` is False). ``droppable``: the pages are known droppable (victims
-        popped from that queue), so they enter ``dst``'s droppable queue directly."""
+        popped from that queue), so they enter ``dst``'s droppable queue directly.
+        ``lock``: the pages are held and unlocked; those that arrive trade one hold for a
+        lock on the way (a resume's onboard: they never enter ``dst``'s queues)."""
         if not len(pids):
             return pids
         slots = dst.reserve_slots(len(pids))
@@ -477,11 +480,18 @@ class Levels:
         issue = mover.can_issue(src, dst)
         if issue and dst.level == 0:  # batch k takes the slots eviction batch k freed
             slots = mover.fences.order(dst, slots)
-        slots = _in_runs(slots, old, per)
+        if issue:
+            # Both sides ascending within each batch (see _in_runs); slots[i] is pids[i]'s.
+            o = order_in_batches(old, per)
+            ordered = slots[order_in_batches(slots, per)]
+            slots = np.empty_like(ordered)
+            slots[o] = ordered
+        else:
+            slots = _in_runs(slots, old, per)
         try:
             if issue:
                 # Issued, not waited for (kvcm_core.fences): slots freed here are fenced.
-                mover.issue(layout, src, old, dst, slots, per)
+                mover.issue(layout, src, old[o], dst, ordered, per)
             elif io is None:
                 self.mover.copy(layout, src, old, dst, slots, stream, keys)
             else:
@@ -506,6 +516,9 @@ class Levels:
             if not len(pids):
                 return pids
         src.vacate(pids, queued=queued, slots=old)
+        if lock:
+            a.locks[pids] += 1
+            a.holds[pids] -= 1
         dst.settle(pids, slots, droppable)
         self.epoch += 1
         self._count_moves(pids, src.level, dst.level)
@@ -571,8 +584,11 @@ class Levels:
         """Move unlocked pages (one store) to ``dst``, which has room. Returns failures."""
         return self._move(self.store_of(int(pids[0])), pids, dst, True, stream)
 
-    def onboard(self, pids: np.ndarray, stream: Stream | None = None) -> None:
-        """Move held pages of colder levels to level 0 (room must exist).
+    def onboard(self, pids: np.ndarray, stream: Stream | None = None,
+                lock: bool = False) -> None:
+        """Move held pages of colder levels to level 0 (room must exist). ``lock``: each
+        page that arrives trades one hold for a lock (what a resume does next anyway,
+        without passing through level 0's queues); pages that fail keep their hold.
 
         Raises:
             TierIOError: a page could not be read; it is forgotten (dropped from the tree,
@@ -588,7 +604,8 @@ class Levels:
         for k in [int(key[0])] if uniform else dict.fromkeys(key.tolist()):
             batch = pids if uniform else pids[key == k]
             src = self.all_stores[k // 1024]
-            failed = self._move(src, batch, self.stores[0][k % 1024], True, stream)
+            failed = self._move(src, batch, self.stores[0][k % 1024], True, stream,
+                                lock=lock)
             lost = batch[a.store[batch] < 0]
             if len(lost):
                 raise CorruptPageError(
@@ -878,8 +895,14 @@ class Levels:
         pages out of released slots. False, with nothing changed, when they cannot fit. A
         page whose move fails (storage read or write) is lost, as a failed read at resume
         loses it: dropped from the tree, its holders must recompute."""
-        stores = self.stores[level]
         self.resize_failure = None
+        try:
+            return self._resize_level(level, slots)
+        finally:
+            self.mover.forget_plans()  # pools may have been reallocated
+
+    def _resize_level(self, level: int, slots: list[int]) -> bool:
+        stores = self.stores[level]
         self.mover.fences.synchronize()  # pools may be reallocated: no copy in flight
         plans = []
         for store, new in zip(stores, slots, strict=True):
@@ -890,6 +913,7 @@ class Levels:
                 return False
             plans.append((store, new, short))
         for store, new, short in plans:
+            self.mover.fences.synchronize()  # copies of make_room below must not run late
             if new >= store.num_slots:
                 try:
                     store.grow(new)
@@ -920,6 +944,7 @@ class Levels:
                 store.relocate(pid, slot)
             if len(high):
                 self.epoch += 1
+            self.mover.fences.synchronize()
             try:
                 store.shrink(new)
             except TierIOError as exc:  # the pages moved stay valid
@@ -1005,14 +1030,8 @@ def _in_runs(slots: np.ndarray, old: np.ndarray, per: int) -> np.ndarray:
     ``per``, the batch's slots in ascending order go to its pages in ascending order of
     their source slots, so that pages adjacent on both sides are copied as one run (one
     copy descriptor instead of one per page)."""
-    n = len(slots)
-    if n < 2:
+    if len(slots) < 2:
         return slots
-    if n <= per:
-        out = np.empty_like(slots)
-        out[np.argsort(old, kind="stable")] = np.sort(slots)
-        return out
-    batch = np.arange(n) // per
     out = np.empty_like(slots)
-    out[np.lexsort((old, batch))] = slots[np.lexsort((slots, batch))]
+    out[order_in_batches(old, per)] = slots[order_in_batches(slots, per)]
     return out

@@ -26,7 +26,7 @@ to lossy adds one encoding's error, lossy to another lossy codec adds the second
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -60,6 +60,7 @@ class Mover:
         self._scratch: Buffer | None = None  # GPU pages of a transcode
         #: Slot fences of asynchronous copies (:mod:`kvcm_core.fences`).
         self.fences = Fences(backend)
+        self._plans: dict[tuple[int, int, int], Any] = {}  # see _parts
 
     def close(self) -> None:
         self.fences.close()
@@ -157,7 +158,13 @@ class Mover:
         """Queue the copy of blocks ``src_slots[i]`` into ``dst_slots[i]`` (see
         :meth:`can_issue`) and return: evictions on the evict stream, onboards on the
         onboard stream, in batches of ``chunk_pages`` pages, each waiting for the fences
-        of its slots and fencing them (:mod:`kvcm_core.fences`)."""
+        of its slots (:mod:`kvcm_core.fences`). Within each batch, ``src_slots`` must
+        ascend and ``dst_slots`` too (:func:`order_in_batches`): pages adjacent on both
+        sides are then one run, and a batch that is one run is one contiguous copy per
+        part. An eviction fences its slots batch by batch: the level-0 slots it frees are
+        what an onboard of the same call fills, batch for batch, so both directions
+        overlap. An onboard fences all of its slots with one event after its last batch
+        (their next users come after the call)."""
         f = self.fences
         evict, onboard = f.streams()
         stream = onboard if dst.level < src.level or (
@@ -167,54 +174,80 @@ class Mover:
         d = np.asarray(dst_slots, dtype=np.int32)
         n = len(s)
         per = max(1, chunk_pages)
-        # Within each batch, pages in source-slot order: runs of adjacent pages become one
-        # descriptor each. One sort for the whole move.
-        o = np.lexsort((s, np.arange(n) // per)) if n > per else np.argsort(s, kind="stable")
-        s, d = s[o], d[o]
         src_fence, dst_fence = f.of(src), f.of(dst)
         # Fences before this move: its batches touch distinct slots, so each batch waits
         # only for earlier moves' batches, read here once.
         before = np.maximum(src_fence[s], dst_fence[d]) if f.events else None
-        if src.level == 0 and dst.level == 0:
-            make = [(r, r2, pool.slot_bytes) for r, r2, pool in zip(
-                self._gpu_regions(dst), self._gpu_regions(src), src.pools, strict=True)]
-        elif src.level == 0:
-            pool = dst.pools[0]
-            assert isinstance(pool, DevicePool)
-            make = _identity_parts(layout, self._gpu_regions(src), pool.region, True)
-        else:
-            pool = src.pools[0]
-            assert isinstance(pool, DevicePool)
-            make = _identity_parts(layout, self._gpu_regions(dst), pool.region, False)
-        seqs = np.empty(n, dtype=np.int64)
-        starts = list(range(0, n, per))
-        if n > 1 and all(dr.stride == size and sr.stride == size for dr, sr, size in make):
-            # Adjacent on both sides within each batch: a batch is one run, copied as one
-            # contiguous range per part (a memcpy each, no descriptors).
-            step = (np.diff(s) == 1) & (np.diff(d) == 1)
-            single = np.count_nonzero(step) == n - len(starts) and not any(
-                step[lo - 1] for lo in starts[1:])
+        make = self._parts(layout, src, dst)
+        starts = np.arange(0, n, per)
+        lasts = np.minimum(starts + per, n) - 1
+        if make[0] and n > 1:
+            # Both sides ascend within a batch: it is one run when the source slots span
+            # exactly its length and every page keeps the same distance.
+            delta = d - s
+            single = bool(np.array_equal(s[lasts] - s[starts], lasts - starts) and
+                          np.array_equal(np.minimum.reduceat(delta, starts),
+                                         np.maximum.reduceat(delta, starts)))
         else:
             single = n == 1
-        waits = f.batch_waits(before, starts) if before is not None else None
+        bounds = starts.tolist()
+        waits = f.batch_waits(before, bounds) if before is not None else None
         firsts = list(zip(s[starts].tolist(), d[starts].tolist(), strict=True))
         be = self.backend
-        for k, lo in enumerate(starts):
+        each = stream is evict  # fence batch by batch (see above)
+        last = len(bounds) - 1
+        seqs: np.ndarray | int = np.empty(n, dtype=np.int64) if each else 0
+        waited = None
+        for k, lo in enumerate(bounds):
             hi = min(n, lo + per)
-            if waits is not None and waits[k] is not None:
-                f.wait_batches(stream, waits[k])
+            if waits is not None:
+                w = waits[k]
+                if w is not None and w != waited:
+                    f.wait_batches(stream, w)
+                    waited = w
             if single:
                 s0, d0 = firsts[k]
-                for dr, sr, size in make:  # pages back to back (stride == size), or one
+                for dr, sr, size in make[1]:  # pages back to back (stride == size)
                     be.copy_bytes(dr.buffer, dr.offset + d0 * dr.stride, sr.buffer,
                                   sr.offset + s0 * sr.stride, (hi - lo) * size, stream)
             else:
                 pairs = copy_pairs(d[lo:hi], s[lo:hi])
-                be.copy_pages_batch([CopyTask(dr, sr, size, pairs) for dr, sr, size in make],
-                                    stream)
-            seqs[lo:hi] = f.record_batch(stream)
+                be.copy_pages_batch([CopyTask(dr, sr, size, pairs)
+                                     for dr, sr, size in make[1]], stream)
+            if each:
+                seqs[lo:hi] = f.record_batch(stream)
+            elif k == last:
+                seqs = f.record_batch(stream)
         src_fence[s] = seqs
         dst_fence[d] = seqs
+
+    def forget_plans(self) -> None:
+        """Pools were reallocated (a level resized): forget the copies kept per pair of
+        stores."""
+        self._plans.clear()
+
+    def _parts(self, layout: PageLayout, src: Store, dst: Store
+               ) -> tuple[bool, list[tuple[PageRegion, PageRegion, int]]]:
+        """The copies of one page between two stores, as ``(dst, src, bytes)`` per part,
+        and whether every part's pages lie back to back on both sides (kept per pair of
+        stores and layout: pools and codecs do not change)."""
+        key = (id(layout), id(src), id(dst))
+        plan = self._plans.get(key)
+        if plan is None:
+            if src.level == 0 and dst.level == 0:
+                make = [(r, r2, pool.slot_bytes) for r, r2, pool in zip(
+                    self._gpu_regions(dst), self._gpu_regions(src), src.pools, strict=True)]
+            elif src.level == 0:
+                pool = dst.pools[0]
+                assert isinstance(pool, DevicePool)
+                make = _identity_parts(layout, self._gpu_regions(src), pool.region, True)
+            else:
+                pool = src.pools[0]
+                assert isinstance(pool, DevicePool)
+                make = _identity_parts(layout, self._gpu_regions(dst), pool.region, False)
+            packed = all(dr.stride == size and sr.stride == size for dr, sr, size in make)
+            plan = self._plans[key] = (packed, make, (layout, src, dst))
+        return plan[0], plan[1]
 
     # -- storage pools: frames applied here ------------------------------------------------
 
@@ -435,6 +468,22 @@ class _ScratchStore:
         for size in layout.slot_sizes:
             self.pools.append(_ScratchPool(buffer, at, size, count))
             at += size * count
+
+
+def order_in_batches(x: np.ndarray, per: int) -> np.ndarray:
+    """The permutation that sorts ``x`` within each batch of ``per`` (stable), batches in
+    place: one row sort for the whole batches, one sort for the last partial one."""
+    n = len(x)
+    if n <= per:
+        return np.argsort(x, kind="stable")
+    full = n - n % per
+    out = np.empty(n, dtype=np.intp)
+    rows = np.argsort(x[:full].reshape(-1, per), axis=1, kind="stable")
+    rows += np.arange(0, full, per)[:, None]
+    out[:full] = rows.ravel()
+    if full < n:
+        out[full:] = full + np.argsort(x[full:], kind="stable")
+    return out
 
 
 def _identity_parts(layout: PageLayout, gpu: Sequence[PageRegion], cold: PageRegion,

@@ -347,14 +347,14 @@ class Store:
         p = pids[free]
         held = a.holds[p] > 0
         if np.count_nonzero(held) == len(held):
-            self.held.remove_many(p)
+            self.held.remove_many_checked_by_caller(p)
             return
         if np.count_nonzero(held):
-            self.held.remove_many(p[held])
+            self.held.remove_many_checked_by_caller(p[held])
             p = p[~held]
         p = p[a.node[p] >= 0]
         if len(p):
-            self.droppable.remove_many(p)
+            self.droppable.remove_many_checked_by_caller(p)
 
     def _enter(self, pids: np.ndarray) -> None:
         """Pages whose counts just changed: into their queue, or freed."""

@@ -394,12 +394,13 @@ class EvictionPolicyConformance(ConformanceBase):
         machine = _machine(kvcm_plugin_spec.factory, kvcm_plugin_spec.capabilities)
         run_state_machine_as_test(machine, settings=_MACHINE_SETTINGS)
 
-    def test_insert_checked_by_caller_orders_exactly_like_insert_many(
+    def test_checked_by_caller_entry_points_order_exactly_like_the_checked_ones(
         self, kvcm_plugin_spec: Any
     ) -> None:
-        """The core's unchecked entry point gives the same order as ``insert_many`` for
-        the valid batches the core builds (ids absent and distinct, priorities in range),
-        interleaved with removals and partial pops."""
+        """The core's unchecked entry points give the same order as ``insert_many`` and
+        ``remove_many`` for the valid batches the core builds (ids distinct, absent for
+        an insert and present for a removal, priorities in range), interleaved with
+        partial pops."""
         rng = random.Random(7)
         max_p = kvcm_plugin_spec.capabilities.max_priority
         for trial in range(30):
@@ -422,9 +423,9 @@ class EvictionPolicyConformance(ConformanceBase):
                 b.insert_many_checked_by_caller(pages, prios)
                 live += pages.tolist()
                 if live and rng.random() < 0.3:
-                    gone = rng.sample(live, min(len(live), 5))
+                    gone = rng.sample(live, min(len(live), rng.choice([1, 5, 17, 40])))
                     a.remove_many(gone)
-                    b.remove_many(gone)
+                    b.remove_many_checked_by_caller(np.asarray(gone, dtype=np.int64))
                     live = [p for p in live if p not in gone]
                     free += gone
                 k = rng.randrange(0, 8)

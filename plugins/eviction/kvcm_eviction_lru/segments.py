@@ -341,6 +341,17 @@ class SegmentLruPolicy(EvictionPolicy):
         self._drop(inner)
         self._maybe_compact()
 
+    def remove_many_checked_by_caller(self, pages: np.ndarray) -> None:
+        """:meth:`remove_many` without its checks (the caller promises distinct present
+        ids below 2**31)."""
+        if not len(pages):
+            return
+        if int(pages.max()) >= _BIG:  # big ids are mapped: the general path
+            self.remove_many(pages)
+            return
+        self._drop(pages)
+        self._maybe_compact()
+
     def touch_many(self, pages: PageBatch) -> None:
         """Make ``pages`` the most recently used of their priorities, in order (a page
         named twice counts its last use).
