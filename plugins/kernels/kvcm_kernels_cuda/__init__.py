@@ -117,6 +117,19 @@ _BatchFn = ctypes.CFUNCTYPE(
     ctypes.c_void_p,  # CUstream
 )
 
+# The calls a migration makes per copy batch, through the driver's entry points as plain
+# C calls (cuda-python's wrappers cost a few microseconds more each: argument objects, a
+# result tuple and an enum per call). Handles are passed as integers.
+_FAST_CALLS = {
+    "cuMemcpyAsync": (4000, ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64,
+                                             ctypes.c_size_t, ctypes.c_void_p)),
+    "cuEventRecord": (2000, ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)),
+    "cuStreamWaitEvent": (3020, ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p,
+                                                 ctypes.c_void_p, ctypes.c_uint)),
+    "cuEventQuery": (2000, ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)),
+}
+_NOT_READY = 600  # CUDA_ERROR_NOT_READY
+
 
 class CudaDriverBackend(CudaKernelBackend):
     """kvcm's kernels on the CUDA driver API (see the module docstring).
@@ -158,6 +171,7 @@ class CudaDriverBackend(CudaKernelBackend):
         mode = self.options["memcpy_batch"]
         if mode not in ("auto", "entry_point", "bindings"):
             raise ValueError(f"memcpy_batch={mode!r}: must be 'auto', 'entry_point' or 'bindings'")
+        self._fast = self._fast_entry_points()
         self._batch_fn = None if mode == "bindings" else self._batch_entry_point()
         if mode == "entry_point" and self._batch_fn is None:
             raise CudaError("cuMemcpyBatchAsync is not offered by this driver")
@@ -202,16 +216,34 @@ class CudaDriverBackend(CudaKernelBackend):
             ),
         )
 
-    def _batch_entry_point(self) -> Any:
+    def _entry_point(self, name: str, version: int) -> int | None:
         d = self._drv
         try:
             flags = d.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
-            result = d.cuGetProcAddress(b"cuMemcpyBatchAsync", _BATCH_ABI_VERSION, flags)
+            result = d.cuGetProcAddress(name.encode(), version, flags)
         except Exception:
             return None
         if int(result[0]) != 0 or not result[1]:
             return None
-        return _BatchFn(int(result[1]))
+        return int(result[1])
+
+    def _fast_entry_points(self) -> dict[str, Any]:
+        """The per-batch calls of :data:`_FAST_CALLS` as ctypes functions (empty when the
+        driver does not offer one of them: cuda-python's wrappers are used instead)."""
+        out = {}
+        for name, (version, proto) in _FAST_CALLS.items():
+            address = self._entry_point(name, version)
+            if address is None:
+                return {}
+            out[name] = proto(address)
+        return out
+
+    def _fail(self, status: int, what: str) -> None:
+        raise CudaError(f"{what} failed: {self._drv.CUresult(status).name}")
+
+    def _batch_entry_point(self) -> Any:
+        address = self._entry_point("cuMemcpyBatchAsync", _BATCH_ABI_VERSION)
+        return None if address is None else _BatchFn(address)
 
     def _malloc(self, nbytes: int) -> tuple[int, Any]:
         self._enter()
@@ -246,7 +278,13 @@ class CudaDriverBackend(CudaKernelBackend):
             _ok(d.cuMemcpy(dst, src, nbytes), "cuMemcpy")
 
     def _memcpy_async(self, dst: int, src: int, nbytes: int, stream_native: Any) -> None:
-        _ok(self._drv.cuMemcpyAsync(dst, src, nbytes, stream_native), "cuMemcpyAsync")
+        fast = self._fast.get("cuMemcpyAsync")
+        if fast is None:
+            _ok(self._drv.cuMemcpyAsync(dst, src, nbytes, stream_native), "cuMemcpyAsync")
+            return
+        status = fast(dst, src, nbytes, int(stream_native))
+        if status:
+            self._fail(status, "cuMemcpyAsync")
 
     def _memcpy_batch(
         self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream_native: Any
@@ -303,7 +341,13 @@ class CudaDriverBackend(CudaKernelBackend):
         _ok(self._drv.cuStreamSynchronize(native), "cuStreamSynchronize")
 
     def _stream_wait_event(self, native: Any, event_native: Any) -> None:
-        _ok(self._drv.cuStreamWaitEvent(native, event_native, 0), "cuStreamWaitEvent")
+        fast = self._fast.get("cuStreamWaitEvent")
+        if fast is None:
+            _ok(self._drv.cuStreamWaitEvent(native, event_native, 0), "cuStreamWaitEvent")
+            return
+        status = fast(int(native), int(event_native), 0)
+        if status:
+            self._fail(status, "cuStreamWaitEvent")
 
     def _stream_is_capturing(self, native: Any) -> bool:
         status = _ok(self._drv.cuStreamIsCapturing(native), "cuStreamIsCapturing")
@@ -318,9 +362,23 @@ class CudaDriverBackend(CudaKernelBackend):
         return CudaEvent(self, _ok(self._drv.cuEventCreate(flags), "cuEventCreate"))
 
     def _event_record(self, native: Any, stream_native: Any) -> None:
-        _ok(self._drv.cuEventRecord(native, stream_native), "cuEventRecord")
+        fast = self._fast.get("cuEventRecord")
+        if fast is None:
+            _ok(self._drv.cuEventRecord(native, stream_native), "cuEventRecord")
+            return
+        status = fast(int(native), int(stream_native))
+        if status:
+            self._fail(status, "cuEventRecord")
 
     def _event_query(self, native: Any) -> bool:
+        fast = self._fast.get("cuEventQuery")
+        if fast is not None:
+            status = fast(int(native))
+            if status == _NOT_READY:
+                return False
+            if status:
+                self._fail(status, "cuEventQuery")
+            return True
         status = self._drv.cuEventQuery(native)[0]
         if status == self._drv.CUresult.CUDA_ERROR_NOT_READY:
             return False
