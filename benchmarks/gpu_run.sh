@@ -125,7 +125,7 @@ step() {  # one named step; modes below are lists of steps
           tests/test_manager_lifecycle.py tests/test_faults.py tests/test_io_deadline.py
       done ;;
     migrate_bench)  # issue 16: offload, swap, cascade against the limits, both backends
-      run migrate_bench.log 120 "$PY" -m kvcm_core.cli bench migrate --profile --out "$OUT" ;;
+      run migrate_bench.log 150 "$PY" -m kvcm_core.cli bench migrate --reps 15 --profile --out "$OUT" ;;
     migrate_simulate)  # issue 16: the manager's time per step in kvcm simulate
       run migrate_simulate.log 60 "$PY" -m kvcm_core.cli simulate --no-plots \
         --out "$OUT/simulate" ;;

@@ -24,7 +24,7 @@ every event is already complete, which is the same contract.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -177,8 +177,13 @@ class Fences:
         if not seqs:
             return
         me = self.lane(stream)
-        last: dict[int, int] = {}
         events = self.events
+        if len(seqs) == 1:  # the usual batch: one earlier batch of one lane
+            entry = events.get(seqs[0])
+            if entry is not None and entry[0] != me:
+                self._wait(stream, me, entry[0], seqs[0])
+            return
+        last: dict[int, int] = {}
         for seq in seqs:
             entry = events.get(seq)
             if entry is None:
@@ -239,6 +244,41 @@ class Fences:
         if len(self.events) > _PRUNE:
             self.prune()
         return self.seq
+
+    def run_batches(self, stream: Stream, nb: int, waits: list[list[int] | None] | None,
+                    copy: Callable[[int], None], each: bool) -> list[int]:
+        """Queue a move's ``nb`` batches on ``stream``: batch ``k`` waits for the batches
+        ``waits[k]`` (``waits`` or an item None: none), then ``copy(k)`` queues its
+        copies, then its event is recorded (``each``; else one event after the last
+        batch). Returns the number of each batch (the last one's for all when not
+        ``each``): :meth:`wait_batches` and :meth:`record_batch` in one loop, for the
+        many batches of a large move."""
+        me = self.lane(stream)
+        events = self.events
+        spare = self._spare
+        create = self.backend.create_event
+        tracked = self._lanes.setdefault(me, [])
+        out: list[int] = []
+        last_wait = None
+        for k in range(nb):
+            w = waits[k] if waits is not None else None
+            if w is not None and w != last_wait:
+                last_wait = w
+                self.wait_batches(stream, w)
+            copy(k)
+            if each or k == nb - 1:
+                ev = spare.pop() if spare else create()
+                ev.record(stream)
+                self.seq += 1
+                events[self.seq] = (me, ev)
+                tracked.append(self.seq)
+                self.batches += 1
+            out.append(self.seq)
+        if nb:
+            self.latest[me] = self.seq
+            if len(events) > _PRUNE:
+                self.prune()
+        return out
 
     def order(self, store: Any, slots: np.ndarray) -> np.ndarray:
         """``slots`` sorted by their fences (stable): a batch of the first ones then waits

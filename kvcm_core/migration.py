@@ -61,6 +61,7 @@ class Mover:
         #: Slot fences of asynchronous copies (:mod:`kvcm_core.fences`).
         self.fences = Fences(backend)
         self._plans: dict[tuple[int, int, int], Any] = {}  # see _parts
+        self._issuable: dict[tuple[int, int], Any] = {}  # see can_issue
 
     def close(self) -> None:
         self.fences.close()
@@ -144,6 +145,13 @@ class Mover:
         (GPU or pinned host memory, not sparse) and an identity codec between them."""
         if not self.fences.enabled or (src.level != 0 and dst.level != 0):
             return False
+        key = (id(src), id(dst))
+        known = self._issuable.get(key)
+        if known is None:
+            known = self._issuable[key] = (self._can_issue(src, dst), src, dst)
+        return known[0]
+
+    def _can_issue(self, src: Store, dst: Store) -> bool:
         for store in (src, dst):
             if store.frames is not None or not all(
                     type(p).__name__ != "SparseHostPool" and isinstance(p, DevicePool)
@@ -192,32 +200,28 @@ class Mover:
             single = n == 1
         bounds = starts.tolist()
         waits = f.batch_waits(before, bounds) if before is not None else None
-        firsts = list(zip(s[starts].tolist(), d[starts].tolist(), strict=True))
         be = self.backend
-        each = stream is evict  # fence batch by batch (see above)
-        last = len(bounds) - 1
-        seqs: np.ndarray | int = np.empty(n, dtype=np.int64) if each else 0
-        waited = None
-        for k, lo in enumerate(bounds):
-            hi = min(n, lo + per)
-            if waits is not None:
-                w = waits[k]
-                if w is not None and w != waited:
-                    f.wait_batches(stream, w)
-                    waited = w
-            if single:
+        parts = make[1]
+        if single:
+            firsts = list(zip(s[starts].tolist(), d[starts].tolist(), strict=True))
+            spans = [(min(n, lo + per) - lo) for lo in bounds]
+            copy_bytes = be.copy_bytes
+
+            def copy(k: int) -> None:  # pages back to back (stride == size): one range
                 s0, d0 = firsts[k]
-                for dr, sr, size in make[1]:  # pages back to back (stride == size)
-                    be.copy_bytes(dr.buffer, dr.offset + d0 * dr.stride, sr.buffer,
-                                  sr.offset + s0 * sr.stride, (hi - lo) * size, stream)
-            else:
-                pairs = copy_pairs(d[lo:hi], s[lo:hi])
-                be.copy_pages_batch([CopyTask(dr, sr, size, pairs)
-                                     for dr, sr, size in make[1]], stream)
-            if each:
-                seqs[lo:hi] = f.record_batch(stream)
-            elif k == last:
-                seqs = f.record_batch(stream)
+                for dr, sr, size in parts:
+                    copy_bytes(dr.buffer, dr.offset + d0 * dr.stride, sr.buffer,
+                               sr.offset + s0 * sr.stride, spans[k] * size, stream)
+        else:
+            def copy(k: int) -> None:
+                lo = bounds[k]
+                pairs = copy_pairs(d[lo:lo + per], s[lo:lo + per])
+                be.copy_pages_batch([CopyTask(dr, sr, size, pairs) for dr, sr, size in parts],
+                                    stream)
+        each = stream is evict  # fence batch by batch (see above)
+        numbers = f.run_batches(stream, len(bounds), waits, copy, each)
+        seqs: np.ndarray | int = np.repeat(np.asarray(numbers, dtype=np.int64), per)[:n] \
+            if each else numbers[-1]
         src_fence[s] = seqs
         dst_fence[d] = seqs
 
@@ -225,6 +229,7 @@ class Mover:
         """Pools were reallocated (a level resized): forget the copies kept per pair of
         stores."""
         self._plans.clear()
+        self._issuable.clear()
 
     def _parts(self, layout: PageLayout, src: Store, dst: Store
                ) -> tuple[bool, list[tuple[PageRegion, PageRegion, int]]]:
