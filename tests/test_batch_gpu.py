@@ -156,7 +156,9 @@ def test_a_reader_fence_keeps_pages_until_the_reading_kernel_is_done(
     out = cp.zeros(1, dtype=cp.int32)
     st = m.backend.create_stream()
     gated = cp.RawKernel(_GATED, "gated_read")
-    with cp.cuda.ExternalStream(st.handle):
+    external = cp.cuda.Stream.from_external(st) if hasattr(cp.cuda.Stream, "from_external") \
+        else cp.cuda.ExternalStream(st.handle)  # CuPy before 14
+    with external:
         gated((1,), (1,), (flag_mem.ptr, _cupy_view(cp, b.page_table(0), b), out))
     b.record_read(st)
     done = threading.Event()

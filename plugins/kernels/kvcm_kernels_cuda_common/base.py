@@ -207,6 +207,12 @@ class CudaStream(Stream):
     def handle(self) -> int:
         return self._handle
 
+    def __cuda_stream__(self) -> tuple[int, int]:
+        """The CUDA stream protocol (version 0, ``cudaStream_t`` as an int): libraries
+        that accept it (``cupy.cuda.Stream.from_external``, ``cuda.core``) run work on
+        this stream."""
+        return (0, self._handle)
+
     def synchronize(self) -> None:
         self._backend._stream_synchronize(self.native)
 
