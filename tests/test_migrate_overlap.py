@@ -257,3 +257,30 @@ def test_prune_forgets_exactly_the_completed_prefix_of_each_lane_with_few_querie
     a.synchronize()
     fences.prune()
     assert not fences.events and fences.batches == 49
+
+
+def test_moves_after_a_quota_resize_reallocates_the_host_pool_use_the_new_pool(backend):
+    """Moves keep their copy plans per pair of stores: a resize that reallocates a pool
+    must replace them (a stale plan would copy into the freed pool), and the resize's own
+    make-room copies must finish before the pool it shrinks is reallocated."""
+    m = _manager(gpu=4, host=12, backend=backend)
+    stream = m.backend.create_stream()
+    rig = _Rig(m, stream)
+    caches = [m.create_kv_cache() for _ in range(3)]
+    for i, cache in enumerate(caches):  # plans for GPU <-> host now kept
+        rig.fill(cache, 4, seed=40 + i)
+    block = 2 * 2 * _kv(backend)  # 2 layers, K and V
+    host_before = m.storage_levels.stores[1][0].pools[0].region.buffer
+    assert m.resize(1, 24 * block)  # grow: a new host pool, the pages copied over
+    assert m.storage_levels.stores[1][0].pools[0].region.buffer is not host_before
+    for cache in [*caches, *caches]:  # swaps through the new pool, every page checked
+        assert cache.resume(stream)
+        rig.check(cache)
+        cache.suspend()
+    assert m.resize(1, 12 * block)  # shrink again: pages in the released slots move
+    for cache in caches:
+        assert cache.resume(stream)
+        rig.check(cache)
+        cache.suspend()
+    m.check_invariants()
+    _shutdown(m)
