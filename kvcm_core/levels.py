@@ -40,7 +40,7 @@ from kvcm_core.frame import KEY_BYTES, FrameBook, FrameCheckFailed, LevelFrames,
 from kvcm_core.layout import StorageLayout
 from kvcm_core.level_io import LevelIO, WriteQueueFull
 from kvcm_core.lifecycle import LifeCycle
-from kvcm_core.migration import Mover, order_in_batches
+from kvcm_core.migration import Mover, order_in_batches, sort_in_batches
 from kvcm_core.radix import NO_NODE, PrefixTree
 from kvcm_core.sparse.storage import SparseHostPool, level0_slots
 from kvcm_core.stats import IterationStats
@@ -483,7 +483,7 @@ class Levels:
         if issue:
             # Both sides ascending within each batch (see _in_runs); slots[i] is pids[i]'s.
             o = order_in_batches(old, per)
-            ordered = slots[order_in_batches(slots, per)]
+            ordered = sort_in_batches(slots, per)
             slots = np.empty_like(ordered)
             slots[o] = ordered
         else:
@@ -1033,5 +1033,5 @@ def _in_runs(slots: np.ndarray, old: np.ndarray, per: int) -> np.ndarray:
     if len(slots) < 2:
         return slots
     out = np.empty_like(slots)
-    out[order_in_batches(old, per)] = slots[order_in_batches(slots, per)]
+    out[order_in_batches(old, per)] = sort_in_batches(slots, per)
     return out

@@ -187,31 +187,30 @@ class Mover:
         # only for earlier moves' batches, read here once.
         before = np.maximum(src_fence[s], dst_fence[d]) if f.events else None
         make = self._parts(layout, src, dst)
-        starts = np.arange(0, n, per)
-        lasts = np.minimum(starts + per, n) - 1
+        bounds = list(range(0, n, per))
+        nb = len(bounds)
+        ends = [*bounds[1:], n]
+        # First and last slot of each batch on both sides, in one gather each.
+        at = np.asarray([*bounds, *[e - 1 for e in ends]], dtype=np.intp)
+        sv, dv = s[at].tolist(), d[at].tolist()
         if make[0] and n > 1:
-            # Both sides ascend within a batch: it is one run when the source slots span
-            # exactly its length and every page keeps the same distance.
-            delta = d - s
-            single = bool(np.array_equal(s[lasts] - s[starts], lasts - starts) and
-                          np.array_equal(np.minimum.reduceat(delta, starts),
-                                         np.maximum.reduceat(delta, starts)))
+            # Both sides ascend within a batch (distinct slots): it is one run when each
+            # side's first and last slot span exactly its length.
+            single = all(sv[nb + k] - sv[k] == dv[nb + k] - dv[k] == ends[k] - 1 - bounds[k]
+                         for k in range(nb))
         else:
             single = n == 1
-        bounds = starts.tolist()
         waits = f.batch_waits(before, bounds) if before is not None else None
         be = self.backend
         parts = make[1]
         if single:
-            firsts = list(zip(s[starts].tolist(), d[starts].tolist(), strict=True))
-            spans = [(min(n, lo + per) - lo) for lo in bounds]
             copy_bytes = be.copy_bytes
 
             def copy(k: int) -> None:  # pages back to back (stride == size): one range
-                s0, d0 = firsts[k]
+                s0, d0, count = sv[k], dv[k], ends[k] - bounds[k]
                 for dr, sr, size in parts:
                     copy_bytes(dr.buffer, dr.offset + d0 * dr.stride, sr.buffer,
-                               sr.offset + s0 * sr.stride, spans[k] * size, stream)
+                               sr.offset + s0 * sr.stride, count * size, stream)
         else:
             def copy(k: int) -> None:
                 lo = bounds[k]
@@ -219,7 +218,7 @@ class Mover:
                 be.copy_pages_batch([CopyTask(dr, sr, size, pairs) for dr, sr, size in parts],
                                     stream)
         each = stream is evict  # fence batch by batch (see above)
-        numbers = f.run_batches(stream, len(bounds), waits, copy, each)
+        numbers = f.run_batches(stream, nb, waits, copy, each)
         seqs: np.ndarray | int = np.repeat(np.asarray(numbers, dtype=np.int64), per)[:n] \
             if each else numbers[-1]
         src_fence[s] = seqs
@@ -488,6 +487,20 @@ def order_in_batches(x: np.ndarray, per: int) -> np.ndarray:
     out[:full] = rows.ravel()
     if full < n:
         out[full:] = full + np.argsort(x[full:], kind="stable")
+    return out
+
+
+def sort_in_batches(x: np.ndarray, per: int) -> np.ndarray:
+    """``x`` sorted within each batch of ``per`` (batches in place): ``x`` permuted by
+    :func:`order_in_batches`, without the permutation."""
+    n = len(x)
+    if n <= per:
+        return np.sort(x)
+    full = n - n % per
+    out = np.empty_like(x)
+    out[:full] = np.sort(x[:full].reshape(-1, per), axis=1).ravel()
+    if full < n:
+        out[full:] = np.sort(x[full:])
     return out
 
 
