@@ -229,21 +229,10 @@ class Fences:
     def record_batch(self, stream: Stream) -> int:
         """A batch was queued on ``stream``: its number, whose event completes after it.
         The caller fences the batch's slots with it (``of(store)[slots] = number``)."""
-        ev = self._new_event()
-        ev.record(stream)
-        self.seq += 1
         lane = self.lane(stream)
-        self.events[self.seq] = (lane, ev)
-        self.latest[lane] = self.seq
-        tracked = self._lanes.get(lane)
-        if tracked is None:
-            self._lanes[lane] = [self.seq]
-        else:
-            tracked.append(self.seq)
-        self.batches += 1
-        if len(self.events) > _PRUNE:
-            self.prune()
-        return self.seq
+        seq = self._record(stream, lane, self._lanes.setdefault(lane, []))
+        self._recorded(lane)
+        return seq
 
     def run_batches(self, stream: Stream, nb: int, waits: list[list[int] | None] | None,
                     copy: Callable[[int], None], each: bool) -> list[int]:
@@ -254,9 +243,6 @@ class Fences:
         ``each``): :meth:`wait_batches` and :meth:`record_batch` in one loop, for the
         many batches of a large move."""
         me = self.lane(stream)
-        events = self.events
-        spare = self._spare
-        create = self.backend.create_event
         tracked = self._lanes.setdefault(me, [])
         out: list[int] = []
         last_wait = None
@@ -267,18 +253,29 @@ class Fences:
                 self.wait_batches(stream, w)
             copy(k)
             if each or k == nb - 1:
-                ev = spare.pop() if spare else create()
-                ev.record(stream)
-                self.seq += 1
-                events[self.seq] = (me, ev)
-                tracked.append(self.seq)
-                self.batches += 1
+                self._record(stream, me, tracked)
             out.append(self.seq)
         if nb:
-            self.latest[me] = self.seq
-            if len(events) > _PRUNE:
-                self.prune()
+            self._recorded(me)
         return out
+
+    def _record(self, stream: Stream, lane: int, tracked: list[int]) -> int:
+        """An event recorded on ``stream`` after its batch: the batch's new number,
+        tracked on ``lane`` (``tracked``: the lane's list)."""
+        ev = self._new_event()
+        ev.record(stream)
+        self.seq += 1
+        self.events[self.seq] = (lane, ev)
+        tracked.append(self.seq)
+        self.batches += 1
+        return self.seq
+
+    def _recorded(self, lane: int) -> None:
+        """Batches were recorded on ``lane``: its latest, and completed ones forgotten
+        once many are tracked."""
+        self.latest[lane] = self.seq
+        if len(self.events) > _PRUNE:
+            self.prune()
 
     def order(self, store: Any, slots: np.ndarray) -> np.ndarray:
         """``slots`` sorted by their fences (stable): a batch of the first ones then waits
