@@ -78,6 +78,10 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         self.scope = scope
         self._root_key = scope_root_key(scope)
         self._priority_cb = priority_callback
+        # commit's decode path applies: no history tables, no stale release, no SSM
+        # snapshot at commit, no remote level to tell.
+        self._plain_commit = not (ctx.history_tables or ctx.windowed_groups or ctx.ssm_groups
+                                  or ctx.remote is not None)
         end = match.length
         self._status = CacheStatus.SUSPENDED
         self._capacity = self._history = self._committed = end
@@ -333,6 +337,25 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         self._ctx.thread.check()
         if self._status is not CacheStatus.ACTIVE:
             self._require(CacheStatus.ACTIVE)
+        if (type(tokens) is tuple and len(tokens) == 1 and self._plain_commit
+                and type(tokens[0]) is int and -_I32 <= tokens[0] < _I32):
+            # The decode step of a model with nothing but full attention and no remote
+            # level: what the general path below does for it, without its branches.
+            log = self._tokens
+            end = log.n + 1
+            if end <= self._capacity:
+                log.extend_ints(tokens)
+                self._unwritten = False
+                if end > self._history:
+                    self._history = end
+                if self._commit_on:
+                    tpb = self._tpb
+                    full = end // tpb
+                    if self._published < full:
+                        self._publish_range(self._published, full)
+                    if self._published * tpb > self._committed:
+                        self._committed = self._published * tpb
+                return
         short = False
         if isinstance(tokens, np.ndarray):
             check_token_array(tokens)

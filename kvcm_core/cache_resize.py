@@ -41,7 +41,18 @@ class ResizeMixin(CacheBase):
         ``stream``: the engine's stream (None: the backend's default stream). Pages pushed
         down to make room are copied asynchronously on a device backend; ``stream`` is
         made to wait for those copies, so new pages written on it afterwards never
-        overwrite a slot before its old contents were read."""
+        overwrite a slot before its old contents were read. A resize within the current
+        last block (most decode steps) moves and allocates nothing, so ``stream`` is
+        given nothing to wait for."""
+        tpb = self._tpb
+        if (type(capacity) is int and history_length is None and self._status is _ACTIVE
+                and self._history <= capacity and self._scratch_free_path
+                and (capacity + tpb - 1) // tpb == (self._capacity + tpb - 1) // tpb):
+            # The decode fast path: same blocks, same history, nothing to allocate.
+            self._ctx.thread.check()
+            self._last_refusal = None
+            self._capacity = capacity
+            return True
         L = self._levels
         if not L.mover.fences.enabled:
             return self._resize(capacity, history_length)
@@ -57,13 +68,6 @@ class ResizeMixin(CacheBase):
         if self._status is not CacheStatus.ACTIVE:
             self._require(CacheStatus.ACTIVE)
         tpb = self._tpb
-        if (history_length is None and type(capacity) is int
-                and self._history <= capacity
-                and (capacity + tpb - 1) // tpb == (self._capacity + tpb - 1) // tpb
-                and self._scratch_free_path):
-            # The decode fast path: same blocks, same history, nothing to allocate.
-            self._capacity = capacity
-            return True
         if history_length is None and type(capacity) is int and self._grow_fast(capacity):
             return True
         ctx = self._ctx
