@@ -347,6 +347,13 @@ class Levels:
             self.arena.priority[pids] = priorities
         return pids
 
+    def take_one(self, group: int) -> int:
+        """One new level-0 page of ``group``, locked once (see :meth:`take`)."""
+        store = self.gpu_store(group)
+        if not store.num_free:
+            self.make_room(store, 1)
+        return store.take_one(group)
+
     # -- making room ------------------------------------------------------------------------------
 
     def room(self, store: Store, n: int) -> bool:

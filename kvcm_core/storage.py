@@ -257,19 +257,26 @@ class Store:
             raise OutOfPagesError(
                 f"level {self.level} pool group {self.pool_group}: {n} slots wanted, "
                 f"{self._free.count} free")
+        if n == 1:
+            return np.array([self.take_one(group, locks)], dtype=np.int64)
         a = self.arena
-        if n == 1:  # the decode step: scalar bookkeeping
-            slot = self._free.pop_one()
-            pid = a.alloc_one((self.index, slot, group, locks, 0, -1, DEFAULT_PRIORITY, 0,
-                               self.level))
-            self._pid[slot] = pid
-            return np.array([pid], dtype=np.int64)
         pids = a.alloc(n, (self.index, -1, group, locks, 0, -1, DEFAULT_PRIORITY, 0,
                            self.level))
         slots = self._free.pop(n)
         self._pid[slots] = pids
         a.slot[pids] = slots
         return pids
+
+    def take_one(self, group: int, locks: int = 1) -> int:
+        """One new page (see :meth:`take`): the decode step's scalar bookkeeping."""
+        if not self._free.count:
+            raise OutOfPagesError(
+                f"level {self.level} pool group {self.pool_group}: 1 slot wanted, 0 free")
+        slot = self._free.pop_one()
+        pid = self.arena.alloc_one((self.index, slot, group, locks, 0, -1, DEFAULT_PRIORITY,
+                                    0, self.level))
+        self._pid[slot] = pid
+        return pid
 
     def reserve_slots(self, n: int) -> np.ndarray:
         """Take ``n`` free slots for incoming pages (see :meth:`settle`)."""
