@@ -12,6 +12,7 @@ stale range at the endpoint (SINK_REQUIRED_ONLY: its sink blocks only).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -125,7 +126,7 @@ def match_prefix(
     if walk_groups and len(nodes):
         ok: Any
         if len(walk_groups) == 1:
-            ok = tree.pages[nodes, walk_groups[0]] >= 0
+            ok = tree.pages[:, walk_groups[0]][nodes] >= 0  # (a column view: one 1-D gather)
         else:
             ok = (tree.pages[nodes][:, walk_groups] >= 0).all(axis=1)
         if np.count_nonzero(ok) != len(ok):
@@ -158,6 +159,12 @@ def match_prefix(
     return Match(length, nodes[:nb], keys[: length // tpb], encoded, cursor)
 
 
+@functools.lru_cache(maxsize=64)
+def _block_dtype(step: int) -> np.dtype:
+    """The NumPy dtype of one block's bytes (``V{step}``)."""
+    return np.dtype(f"V{step}")
+
+
 def _walk(index: dict[bytes, int], running: Any, tokens: Sequence[Any] | np.ndarray,
           data: bytes, tpb: int, nfull: int, chunk: int, found: list[int],
           keys: list[bytes] | None, chunks: list[bytes]) -> int:
@@ -182,7 +189,7 @@ def _walk(index: dict[bytes, int], running: Any, tokens: Sequence[Any] | np.ndar
     get = index.get
     add = found.append
     step = 4 * tpb
-    vdt = np.dtype(f"V{step}")
+    vdt = _block_dtype(step)
     append = None if keys is None else keys.append
     b = 0
     cut = _FIRST_CUT

@@ -16,9 +16,9 @@ one sitting, on the same machine:
   100k and 1M other blocks cached, microseconds per matched block (tokens as a list and
   as an int32 array), beside the floor measured in the same run: the block-key rule alone
   (one running SHA-256 updated by each block, its digest, one dict lookup, on the same
-  index, the blocks cut beforehand). Each variant runs once untimed at each size before it
-  is timed (the first size is otherwise measured cold); the flatness figures are the
-  largest median over the sizes divided by the smallest (1 is flat).
+  index, the blocks cut beforehand). Each variant runs as many times untimed as timed at
+  each size first (the first size is otherwise measured cold); the flatness figures are
+  the largest median over the sizes divided by the smallest (1 is flat).
 
 The numpy backend is used (no device work is timed): this measures host overhead only.
 Results are written as JSON with the machine, versions and date, to a new file
@@ -257,9 +257,10 @@ def run_lookup_scaling(args: argparse.Namespace, tpb: int, seed: int) -> dict[st
 
 
 def _timed(reps: int, call: Any, inner: int = 20) -> list[float]:
-    """Nanoseconds per ``call()``, the mean of ``inner`` calls, ``reps`` times, after one
-    untimed round of ``inner`` calls (the first size would otherwise be timed cold)."""
-    for _ in range(inner):
+    """Nanoseconds per ``call()``, the mean of ``inner`` calls, ``reps`` times, after the
+    same number of calls untimed (the first size was otherwise timed cold: about twice
+    as slow, the bare floor too, in the 2026-12-04 sitting)."""
+    for _ in range(reps * inner):
         call()
     out = []
     for _ in range(reps):
