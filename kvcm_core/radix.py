@@ -287,7 +287,7 @@ class PrefixTree:
     def __init__(self, num_groups: int, tpb: int, capacity: int = 1024) -> None:
         self.num_groups = num_groups
         self.tpb = tpb
-        self.index: dict[bytes, int] = {}  # chain key (and scope root key) -> node
+        self.index: dict[bytes, int] = {}  # block key (and scope root key) -> node
         self.num_nodes = 0  # nodes below the roots
         self._roots: dict[bytes, int] = {}
         self._unlinked: list[int] = []  # parents that lost a child (collect looks at them)
@@ -317,7 +317,7 @@ class PrefixTree:
         self.tokens = np.zeros((cap, self.tpb), dtype=np.int32)
         self._flag = np.zeros(cap, dtype=np.bool_)  # scratch marks (always all False)
         self._aux = np.zeros(cap, dtype=np.bool_)  # node has an entry in a side table
-        self._keys = np.full(cap, None, dtype=object)  # chain key per node (None: partial)
+        self._keys = np.full(cap, None, dtype=object)  # block key per node (None: partial)
         self._free = IdStack(cap)
 
     @property
