@@ -92,6 +92,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         else:
             self._tokens = TokenLog(input_tokens[:end], len(input_tokens))
         self._keys: list[bytes] = list(match.keys)
+        self._cursor = match.cursor  # the key cursor after len(self._keys) blocks, or None
         self._nodes: list[int] = match.nodes[: end // tpb].tolist()
         self._published = end // tpb
         self._commit_on = ctx.publishes_anything

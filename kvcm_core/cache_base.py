@@ -44,6 +44,9 @@ class CacheBase:
     _version: int
     _tokens: TokenLog
     _keys: list[bytes]
+    #: Where the block-key rule stands after ``len(_keys)`` blocks (kvcm_core/radix.py:
+    #: the running hash, the last key once chained, or None: rebuilt when needed).
+    _cursor: Any
     _nodes: list[int]
     _published: int
     _commit_on: bool

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvcm_core.cache_base import CacheBase
-from kvcm_core.radix import NO_NODE, block_keys
+from kvcm_core.radix import NO_NODE, extend_keys, key_cursor
 
 __all__ = ["LEAF_BLOCK_PRIORITY", "PARTIAL_BLOCK_PRIORITY", "PublishMixin"]
 
@@ -42,13 +42,18 @@ class PublishMixin(CacheBase):
     def _block_key(self, block: int) -> bytes:
         keys = self._keys
         if len(keys) <= block:
-            # Hash every missing block up to ``block`` from one encoding of their tokens.
+            # Key every missing block up to ``block``, continuing from the cursor: the
+            # match's, or, after a match cut short or a rewind, one rebuilt from the known
+            # tokens (in one C call).
             b0 = len(keys)
             tpb = self._tpb
-            prev = keys[b0 - 1] if b0 else self._root_key
-            lo, hi = b0 * tpb, (block + 1) * tpb
-            keys.extend(block_keys(prev, self._tokens.items(lo, hi), tpb, 0, block + 1 - b0,
-                                   self._tokens.data(lo, hi)))
+            cursor = self._cursor
+            if cursor is None:
+                cursor = key_cursor(self._root_key, self._tokens.items(0, b0 * tpb), tpb, b0,
+                                    keys[-1] if b0 else None)
+            self._cursor = extend_keys(keys, self._root_key,
+                                       self._tokens.items(b0 * tpb, (block + 1) * tpb), tpb,
+                                       b0, cursor)
         return keys[block]
 
     def _publish_range(self, b0: int, b1: int) -> None:

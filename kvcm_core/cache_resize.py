@@ -169,7 +169,9 @@ class ResizeMixin(CacheBase):
                 pages_g[b] = pid
         if history < self._tokens.n:
             self._tokens.truncate(history)
-            del self._keys[history // tpb:]
+            if len(self._keys) > history // tpb:
+                del self._keys[history // tpb:]
+                self._cursor = None  # it is past the kept keys: rebuilt at the next commit
         # Tables are ``num_blocks`` long: a change of block count changes every table
         # (an SSM group's too, which takes no page per block).
         resized = -(-capacity // tpb) != -(-self._capacity // tpb)

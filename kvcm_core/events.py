@@ -28,7 +28,8 @@ class BlockEvent:
 
     Attributes:
         kind: stored, removed or moved.
-        block_key: the block's chain key (hex SHA-256).
+        block_key: the block's key (hex SHA-256 of the scope root and the block's whole
+            prefix: docs/semantics.md, "Block keys").
         parent_key: the parent block's key (hex), ``None`` at the root.
         group: cache group (life cycle) id.
         level: level the block is now on (moved/stored) or was removed from.

@@ -29,6 +29,7 @@ import google_crc32c
 import numpy as np
 
 from kvcm_core.errors import ConfigError, CorruptPageError
+from kvcm_core.radix import KEY_HASH
 from kvcm_core.records import CodecKind, Medium
 
 if TYPE_CHECKING:
@@ -102,7 +103,8 @@ def _crcs(rows: np.ndarray, body: int | None = None) -> np.ndarray:
 
 def layout_fingerprint(description: Any) -> bytes:
     """16-byte digest of what makes cold pages readable: layers, buffers, sizes, tokens
-    per block, hash algorithm and codec (``description`` is plain JSON-able data)."""
+    per block, the block-key rule (:data:`~kvcm_core.radix.KEY_HASH`) and codec
+    (``description`` is plain JSON-able data)."""
     text = json.dumps(description, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
@@ -193,7 +195,7 @@ def level_frames(config: KVCacheManagerConfig, pm: KvcmPluginManager,
         outer = blob_spec if blob_spec is not None else page
         fingerprint = layout_fingerprint({
             "layers": layers, "tokens_per_block": config.tokens_per_block,
-            "hash": "sha256", "codec": page.name,
+            "hash": KEY_HASH, "codec": page.name,
             "blob_codec": None if blob_spec is None else blob_spec.name})
         out.append(LevelFrames(FrameFormat(outer.capabilities.codec_id, fingerprint),
                                None if blob_spec is None else blob_spec.factory({})))

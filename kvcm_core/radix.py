@@ -1,13 +1,30 @@
-"""The prefix tree: hash-chained block keys and the nodes that hold committed pages.
+"""The prefix tree: block keys and the nodes that hold committed pages.
 
-Keys form a chain rooted in the :class:`~kvcm_core.types.ReuseScope`:
-``root = H(scope)``, ``key(block) = H(key(parent) || tokens)`` with H = SHA-256 and tokens
-as 4-byte little-endian ints (multimodal items as 32-byte digests). Matching compares
-digests only, so H must be cryptographic; keys are deterministic across processes.
+Block keys (the one place that knows the rule; docs/semantics.md "Block keys" states it
+for routers). With ``H`` = SHA-256, ``root = H(scope.encode())`` for the
+:class:`~kvcm_core.types.ReuseScope`, ``enc(i)`` the tokens of full block ``i`` as 4-byte
+little-endian ints (a block holding multimodal items, 32-byte digests: :func:`_encode_mm_block`)
+and ``f`` the first full block holding a multimodal item (none: infinity):
+
+- ``key(i) = H(root || enc(0) || ... || enc(i))`` for ``i < f`` (the running prefix hash:
+  one hashlib object updated by each block, its digest taken after each);
+- ``key(i) = H(key(i - 1) || enc(i))`` for ``i >= f`` (a chain; ``key(-1) = root``).
+
+Plain blocks have a fixed length (``4 * tokens_per_block`` bytes), so a running input
+determines the scope's root and blocks; a chained input starts with a digest and equals a
+running input only if that digest equals a scope root (a SHA-256 preimage or collision);
+plain and multimodal encodings differ in length. So a key identifies its block's whole
+prefix and scope. Matching compares digests only, so H must be cryptographic; keys are
+deterministic across processes.
+
+Continuing keys (a commit after a match, decode adding a block at a time) needs a *cursor*:
+the running hashlib object positioned after the blocks keyed so far, or, in the chained
+part, the last key (``bytes``). Without one (``None``) it is rebuilt from the tokens with
+one C call (:func:`key_cursor`).
 
 Each node is one block and holds, per life cycle, at most one committed page. Nodes are
 integer ids into arrays (parent, links, pages, tokens); full blocks are found by their
-chain key in one dict, partial blocks (fewer than ``tokens_per_block`` tokens) are leaves
+key in one dict, partial blocks (fewer than ``tokens_per_block`` tokens) are leaves
 found through their parent's child list.
 """
 
@@ -28,12 +45,29 @@ from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError
 from kvcm_core.idstack import IdStack, blank_rows, grown_rows
 from kvcm_core.types import ReuseScope
 
-__all__ = ["NO_NODE", "PrefixTree", "TokenSeq", "block_keys", "encode_tokens", "scope_root_key"]
+__all__ = ["KEY_HASH", "NO_NODE", "PrefixTree", "TokenSeq", "block_keys", "encode_tokens",
+           "extend_keys", "key_cursor", "scope_root_key"]
+
+#: The block-key rule's name where stored data depends on it (the layout fingerprint of
+#: framed levels and of the remote level): data keyed under another rule is never read.
+KEY_HASH = "sha256-prefix"
 
 TokenSeq = Sequence[Any] | np.ndarray
 _MM_MARK = b"\xffkvcm-mm\x00"
 _sha256 = hashlib.sha256
-_pack = struct.pack
+_PACKERS: dict[int, Callable[..., bytes]] = {}
+
+
+def _packer(n: int) -> Callable[..., bytes]:
+    """The ``pack`` of a compiled ``struct.Struct`` of ``n`` little-endian int32 (kept per
+    length: ``Struct.pack(*tokens)`` copies the tokens once, ``struct.pack(fmt, *tokens)``
+    twice)."""
+    pack = _PACKERS.get(n)
+    if pack is None:
+        if len(_PACKERS) >= 1024:
+            _PACKERS.clear()
+        pack = _PACKERS[n] = struct.Struct(f"<{n}i").pack
+    return pack
 
 
 @functools.lru_cache(maxsize=4096)
@@ -56,8 +90,8 @@ def encode_tokens(tokens: TokenSeq) -> tuple[bytes, bool]:
             raise InvalidArgumentError("token ids must fit a 32-bit signed int; got values in "
                              f"{int(tokens.min())}..{int(tokens.max())}")
         return tokens.astype("<i4", copy=False).tobytes(), False
-    try:  # the fastest encoding of a list of ints (about 5 ns a token, array's 13)
-        return _pack(f"<{len(tokens)}i", *tokens), False
+    try:  # the fastest encoding of a list of ints (about 6 ns a token, array's 17)
+        return _packer(len(tokens))(*tokens), False
     except struct.error:
         pass  # not all 32-bit ints: the array below tells digests from bad tokens
     try:
@@ -130,29 +164,96 @@ def _encode_mm_block(items: Sequence[int | bytes]) -> bytes:
     return _MM_MARK + bitmap.to_bytes(nbytes, "little") + b"".join(parts)
 
 
-def block_keys(
-    parent: bytes, tokens: TokenSeq, tpb: int, start_block: int, end_block: int,
-    data: bytes | None = None,
-) -> list[bytes]:
-    """Chain keys of full blocks ``[start_block, end_block)`` given the key before them."""
-    keys: list[bytes] = []
-    if data is None:
-        data, mm = encode_tokens(tokens)
-    else:
-        mm = False
+def _is_digest(item: Any) -> bool:
+    return isinstance(item, bytes | bytearray)
+
+
+def _plain_data(tokens: TokenSeq) -> tuple[Any, bool]:
+    """``tokens`` encoded for hashing (a buffer: bytes, or a contiguous int32 array hashed
+    in place on a little-endian machine) and whether they hold multimodal digests (then
+    the buffer is empty)."""
+    if np.little_endian and isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 \
+            and tokens.flags.c_contiguous:
+        return tokens, False
+    return encode_tokens(tokens)
+
+
+def key_cursor(root: bytes, tokens: TokenSeq, tpb: int, nblocks: int,
+               last: bytes | None = None) -> Any:
+    """The cursor after full blocks ``[0, nblocks)`` of ``tokens`` (the sequence from its
+    first token), rebuilt: without multimodal items among them, the running hash of
+    ``root`` and their encoding, in one C call; with some, the key of block
+    ``nblocks - 1`` (``last`` when the caller knows it, else computed)."""
+    h = _sha256(root)
+    if nblocks <= 0:
+        return h
+    data, mm = _plain_data(tokens[: nblocks * tpb])
     if not mm:
-        step = 4 * tpb
-        key = parent
-        append = keys.append
-        for off in range(start_block * step, end_block * step, step):
-            key = _sha256(key + data[off : off + step]).digest()
-            append(key)
-        return keys
-    key = parent
-    for b in range(start_block, end_block):
-        chunk = list(tokens[b * tpb : (b + 1) * tpb])
-        key = _sha256(key + _encode_mm_block(chunk)).digest()
-        keys.append(key)
+        h.update(data)
+        return h
+    if last is not None:
+        return last
+    return extend_keys([], root, tokens[: nblocks * tpb], tpb, 0, h)
+
+
+def extend_keys(out: list[bytes], root: bytes, tokens: TokenSeq, tpb: int, start: int,
+                cursor: Any) -> Any:
+    """Append to ``out`` the keys of the full blocks of ``tokens``, which are blocks
+    ``start``, ``start + 1``, ... of a sequence, and return the cursor after them.
+
+    ``cursor`` is where the rule stands after ``start`` blocks (from :func:`key_cursor`,
+    a match, or an earlier call): the running hashlib object (advanced in place: pass a
+    copy to keep it) or, once the chained part began, the key of block ``start - 1``."""
+    n = len(tokens) // tpb
+    if not n:
+        return cursor
+    data, mm = _plain_data(tokens if len(tokens) == n * tpb else tokens[: n * tpb])
+    append = out.append
+    if not mm:
+        if n == 1:  # the decode step: one block
+            if type(cursor) is bytes:
+                cursor = _sha256(cursor + bytes(data)).digest()
+                append(cursor)
+                return cursor
+            cursor.update(data)
+            append(cursor.digest())
+            return cursor
+        blocks = np.frombuffer(data, dtype=f"V{4 * tpb}").tolist()
+        if type(cursor) is bytes:
+            key = cursor
+            for block in blocks:
+                key = _sha256(key + block).digest()
+                append(key)
+            return key
+        update = cursor.update
+        digest = cursor.digest
+        for block in blocks:
+            update(block)
+            append(digest())
+        return cursor
+    # Multimodal items among them: block by block, the chain from the first such block on.
+    pack = _packer(tpb)
+    for j in range(n):
+        items = list(tokens[j * tpb : (j + 1) * tpb])
+        digests = any(map(_is_digest, items))
+        if type(cursor) is not bytes:
+            if not digests:
+                cursor.update(pack(*items))
+                append(cursor.digest())
+                continue
+            cursor = cursor.digest() if start + j else root  # the chain begins
+        cursor = _sha256(cursor + (_encode_mm_block(items) if digests else pack(*items))
+                         ).digest()
+        append(cursor)
+    return cursor
+
+
+def block_keys(root: bytes, tokens: TokenSeq, tpb: int, start: int, end: int) -> list[bytes]:
+    """Keys of full blocks ``[start, end)`` of ``tokens`` (the sequence from its first
+    token) under the scope root ``root`` (see module docstring)."""
+    keys: list[bytes] = []
+    extend_keys(keys, root, tokens[start * tpb : end * tpb], tpb, start,
+                key_cursor(root, tokens, tpb, start))
     return keys
 
 
@@ -170,7 +271,7 @@ _FREED = -2  # ordinal of a free node id
 
 
 class PrefixTree:
-    """The tree's nodes in arrays, full blocks indexed by chain key.
+    """The tree's nodes in arrays, full blocks indexed by block key.
 
     Node ``n`` has ``parent[n]`` (``-1`` for a scope root), ``ordinal[n]`` (block index,
     ``-1`` for a root), ``ntok[n]`` tokens (``tokens_per_block`` for full blocks, fewer for
@@ -186,7 +287,7 @@ class PrefixTree:
     def __init__(self, num_groups: int, tpb: int, capacity: int = 1024) -> None:
         self.num_groups = num_groups
         self.tpb = tpb
-        self.index: dict[bytes, int] = {}  # chain key (and scope root key) -> node
+        self.index: dict[bytes, int] = {}  # block key (and scope root key) -> node
         self.num_nodes = 0  # nodes below the roots
         self._roots: dict[bytes, int] = {}
         self._unlinked: list[int] = []  # parents that lost a child (collect looks at them)
@@ -216,7 +317,7 @@ class PrefixTree:
         self.tokens = np.zeros((cap, self.tpb), dtype=np.int32)
         self._flag = np.zeros(cap, dtype=np.bool_)  # scratch marks (always all False)
         self._aux = np.zeros(cap, dtype=np.bool_)  # node has an entry in a side table
-        self._keys = np.full(cap, None, dtype=object)  # chain key per node (None: partial)
+        self._keys = np.full(cap, None, dtype=object)  # block key per node (None: partial)
         self._free = IdStack(cap)
 
     @property

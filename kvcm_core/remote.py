@@ -23,9 +23,10 @@ slots: the manager's own levels stay as they are, and :class:`RemoteLevel` adds
   itself (``maxmemory``) is ordinary loss.
 
 Keys: ``<layout fingerprint>:<scope>:<cache group>:<block key>`` (hex) under the tier's own
-namespace. The fingerprint covers layers, buffers, sizes, tokens per block, the hash
-algorithm, the codecs and the frame version, so two models never read each other's pages;
-the scope part (and the block key chain, which starts at the scope's root) keeps tenants
+namespace. The fingerprint covers layers, buffers, sizes, tokens per block, the block-key
+rule (``sha256-prefix``, kvcm_core/radix.py), the codecs and the frame version, so two
+models never read each other's pages, nor pages keyed under an older rule; the scope part
+(and the block key, which hashes the scope's root with the whole prefix) keeps tenants
 apart. The frame's key field holds a digest of the cache group and block key, so a value
 stored under another key is detected.
 """
@@ -52,7 +53,7 @@ from kvcm_core.errors import ConfigError, CorruptPageError, OutOfPagesError, Tie
 from kvcm_core.frame import FRAME_MAGIC, FRAME_OVERHEAD, FRAME_VERSION, HEADER, layout_fingerprint
 from kvcm_core.matching import Match
 from kvcm_core.migration import Mover
-from kvcm_core.radix import block_keys, encode_tokens
+from kvcm_core.radix import KEY_HASH, encode_tokens, extend_keys, key_cursor
 from kvcm_core.records import CodecKind
 from kvcm_core.tier import DevicePool, KeyedTier
 
@@ -378,16 +379,15 @@ class RemoteLevel:
         if b0 >= nfull:
             return None
         b1 = min(nfull, b0 + self.options.max_blocks)
-        if len(match.keys) >= b0:
-            data, mm = encode_tokens(tokens[b0 * tpb : b1 * tpb])
-            prev = match.keys[b0 - 1] if b0 else root_key
-            keys = block_keys(prev, (), tpb, 0, b1 - b0, data) if not mm else []
-        else:  # a probe's match keeps no keys: hash from the root
-            data, mm = encode_tokens(tokens[: b1 * tpb])
-            keys = block_keys(root_key, (), tpb, 0, b1, data)[b0:] if not mm else []
-            data = data[b0 * tpb * 4 :]
+        data, mm = encode_tokens(tokens[b0 * tpb : b1 * tpb])
         if mm:  # multimodal prompts stay local (their blocks carry digests)
             return None
+        # The local match ended before the prompt's last full block, so its walk hashed
+        # past it (a miss or a cut) and left no cursor: the key state after b0 blocks is
+        # rebuilt from the prompt in one C call.
+        keys: list[bytes] = []
+        extend_keys(keys, root_key, tokens[b0 * tpb : b1 * tpb], tpb, b0,
+                    key_cursor(root_key, tokens, tpb, b0))
         tree = self._tree
         get = tree.index.get
         nodes = np.fromiter((get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
@@ -771,7 +771,7 @@ def build_remote(pm: KvcmPluginManager, level: LevelConfig, index: int,
         blob = outer.factory({})
     fingerprint = layout_fingerprint({
         "layers": config.to_dict()["layers"], "tokens_per_block": config.tokens_per_block,
-        "hash": "sha256", "codec": page.name, "blob_codec": level.blob_codec,
+        "hash": KEY_HASH, "codec": page.name, "blob_codec": level.blob_codec,
         "frame_version": FRAME_VERSION, "remote": 1})
     built: list[KeyedTier] = []
     try:

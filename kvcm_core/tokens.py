@@ -96,13 +96,6 @@ class TokenLog:
         self._flush()
         return self._buf[a : self._nbuf if b is None else min(b, self._nbuf)]
 
-    def data(self, a: int, b: int) -> bytes | None:
-        """Tokens ``[a, b)`` as 4-byte little-endian ints (None once digests appear)."""
-        if self._list is not None:
-            return None
-        self._flush()
-        return self._buf[a:b].tobytes()
-
     def rows(self, a: int, b: int, tpb: int) -> tuple[np.ndarray, bool]:
         """Blocks of tokens ``[a, b)`` as ``[n, tpb]`` int32 (digests by their 32-bit id),
         and whether any digest was among them."""

@@ -269,13 +269,12 @@ def tree_node(m: KVCacheManager, toks: Sequence[int], end: int,
     from kvcm_core.radix import NO_NODE, block_keys, scope_root_key
 
     tpb = m.tokens_per_block
-    key = scope_root_key(scope)
-    node = m.tree.roots().get(key, NO_NODE)
+    root_key = scope_root_key(scope)
+    node = m.tree.roots().get(root_key, NO_NODE)
     nfull = end // tpb
-    for b in range(nfull):
+    for key in block_keys(root_key, list(toks), tpb, 0, nfull):
         if node == NO_NODE:
             return None
-        key = block_keys(key, list(toks), tpb, b, b + 1)[0]
         node = m.tree.child(node, key)
     if node == NO_NODE:
         return None

@@ -1,12 +1,13 @@
 """The prefix lookup's full-block walk (kvcm_core/matching.py, docs/internals.md "The
 lookup walk"): hashing and the tree lookup fused in one loop over the prompt's blocks.
 
-The walk must find exactly the blocks the chain rule names (``key = SHA-256(parent key ||
-tokens as 4-byte little-endian ints)``), whatever form the tokens come in (list, tuple,
-int32 or int64 array), across the chunks it encodes the prompt in, stopping at the first
-block not cached without hashing the rest of the prompt; and ``probe_reuse`` must say
-exactly what ``create_kv_cache`` reuses. The reference below computes the chain with
-``int.to_bytes``, independently of the walk's NumPy and ``struct`` encodings.
+The walk must find exactly the blocks the key rule names (without multimodal items,
+``key(i) = SHA-256(scope root || tokens of blocks 0..i as 4-byte little-endian ints)``),
+whatever form the tokens come in (list, tuple, int32 or int64 array), across the chunks it
+encodes the prompt in, stopping at the first block not cached without hashing the rest of
+the prompt; and ``probe_reuse`` must say exactly what ``create_kv_cache`` reuses. The
+reference below computes each key from scratch with ``int.to_bytes``, independently of the
+walk's running hash and its NumPy and ``struct`` encodings.
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ TPB = 4
 
 
 def ref_keys(toks: Any, tpb: int = TPB, scope: ReuseScope | None = None) -> list[bytes]:
-    """The chain keys of the full blocks of ``toks``, computed one token at a time."""
-    key = hashlib.sha256((scope or ReuseScope()).encode()).digest()
+    """The keys of the full blocks of ``toks`` (int tokens), each the SHA-256 of the scope
+    root and the whole prefix up to its block's end, encoded one token at a time."""
+    root = hashlib.sha256((scope or ReuseScope()).encode()).digest()
     out = []
     for b in range(len(toks) // tpb):
-        block = b"".join(int(t).to_bytes(4, "little", signed=True)
-                         for t in toks[b * tpb:(b + 1) * tpb])
-        key = hashlib.sha256(key + block).digest()
-        out.append(key)
+        prefix = b"".join(int(t).to_bytes(4, "little", signed=True)
+                          for t in toks[:(b + 1) * tpb])
+        out.append(hashlib.sha256(root + prefix).digest())
     return out
 
 
@@ -71,10 +72,10 @@ def cached(managers):
     return m, base
 
 
-# -- the chain rule --------------------------------------------------------------------
+# -- the key rule ----------------------------------------------------------------------
 
 
-def test_walk_keys_equal_the_reference_chain_for_every_prefix_length(cached):
+def test_walk_keys_equal_the_reference_keys_for_every_prefix_length(cached):
     m, base = cached
     for n in range(len(base) + 1):
         got = walk(m, base[:n])
@@ -83,7 +84,7 @@ def test_walk_keys_equal_the_reference_chain_for_every_prefix_length(cached):
 
 
 @pytest.mark.parametrize("tpb", [1, 16, 32])
-def test_walk_keys_equal_the_reference_chain_at_other_block_sizes(managers, tpb):
+def test_walk_keys_equal_the_reference_keys_at_other_block_sizes(managers, tpb):
     m = managers(full_layers(tpb), slots=40, tpb=tpb)
     base = tokens(10 * tpb + tpb // 2, seed=tpb)
     store(m, base)
@@ -124,21 +125,39 @@ def test_walk_under_another_scope_finds_nothing(cached):
     assert m.probe_reuse(ReuseScope(salt="other"), base) == 0
 
 
+_SHA256 = hashlib.sha256  # the real one (the test below patches the module's)
+
+
+class _CountingHash:
+    """A SHA-256 object that records the length of every update and counts digests."""
+
+    def __init__(self, data: bytes, log: list[Any]) -> None:
+        self._h = _SHA256(data)
+        self._log = log
+        log.append(("new", len(data)))
+
+    def update(self, data: Any) -> None:
+        self._log.append(("update", len(memoryview(data).cast("B"))))
+        self._h.update(data)
+
+    def digest(self) -> bytes:
+        self._log.append(("digest", 0))
+        return self._h.digest()
+
+
 def test_walk_hashes_only_the_blocks_it_reaches(cached, monkeypatch):
-    """A prompt that misses at block k costs k + 1 hashes however long it is."""
+    """A prompt that misses at block k costs k + 1 block updates and digests of one
+    running hash (started from the scope root) however long it is."""
     m, base = cached
-    calls = []
-    real = hashlib.sha256
-
-    def counting(data: bytes = b"") -> Any:
-        calls.append(len(data))
-        return real(data)
-
-    monkeypatch.setattr(matching_mod.hashlib, "sha256", counting)
+    calls: list[Any] = []
+    monkeypatch.setattr(matching_mod.hashlib, "sha256",
+                        lambda data=b"": _CountingHash(data, calls))
     long_prompt = base[:20] + tokens(4000, seed=9)  # 5 cached blocks, then 1000 more
-    assert walk(m, long_prompt, probe=True).length == 20
-    assert len(calls) == 6
-    assert all(c == 32 + 4 * TPB for c in calls)  # parent key and one block each
+    for probe in (True, False):
+        calls.clear()
+        assert walk(m, long_prompt, probe=probe).length == 20
+        assert calls[0] == ("new", 32)  # one object, started from the root key
+        assert calls[1:] == [("update", 4 * TPB), ("digest", 0)] * 6  # one block each
 
 
 def test_probe_keeps_no_keys_nodes_or_tokens(cached):
@@ -164,10 +183,11 @@ def test_list_tuple_int32_and_int64_prompts_walk_the_same(cached):
 
 @pytest.mark.parametrize("form", ["list", "int32"])
 def test_walk_crosses_its_encoding_chunks(managers, form):
-    """Prompts longer than one encoding chunk (64 blocks for lists, 1024 for arrays) are
-    walked to the end, and a miss at or next to a chunk or batch boundary is found."""
+    """Prompts longer than two encoding chunks (64 blocks for lists, 1024 for arrays; up to
+    two are encoded at once) are walked to the end, and a miss at or next to a chunk or
+    batch boundary is found."""
     chunk = matching_mod._CHUNK if form == "list" else matching_mod._ARRAY_CHUNK
-    nblocks = chunk + 5
+    nblocks = 2 * chunk + 5
     m = managers(full_layers(), slots=nblocks + 8)
     base = tokens(nblocks * TPB, seed=4)
     store(m, base)
@@ -181,7 +201,9 @@ def test_walk_crosses_its_encoding_chunks(managers, form):
     assert full.data == np.asarray(base, dtype="<i4").tobytes()
     # Misses around the chunk boundary and around the walk's listing batches (16 blocks,
     # then 64 more, ...).
-    for miss in sorted({15, 16, 17, 79, 80, 81, chunk - 1, chunk, chunk + 1} & set(range(nblocks))):
+    edges = {15, 16, 17, 79, 80, 81, chunk - 1, chunk, chunk + 1, 2 * chunk - 1, 2 * chunk,
+             2 * chunk + 1}
+    for miss in sorted(edges & set(range(nblocks))):
         other = list(base)
         other[miss * TPB] += 1
         assert walk(m, as_form(other)).length == miss * TPB

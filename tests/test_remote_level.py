@@ -455,6 +455,29 @@ def test_keys_are_namespaced_by_layout_fingerprint_and_scope() -> None:
             assert len(by_layout[other.remote.fingerprint.hex().encode()]) == 1
 
 
+def test_pages_written_under_another_key_rule_are_never_read(monkeypatch) -> None:
+    """The layout fingerprint names the block-key rule (``sha256-prefix``): what a manager
+    of the former rule (recorded as ``sha256``) wrote lies under another namespace. (The
+    block keys themselves are this rule's here: the fingerprint alone keeps them apart.)"""
+    import kvcm_core.remote as remote_mod
+
+    with fresh_server() as server:
+        monkeypatch.setattr(remote_mod, "KEY_HASH", "sha256")
+        with KVCacheManager(config(server.url)) as old:
+            serve(old, PROMPT)
+            assert old.flush_remote(10.0)
+            old_layout = old.remote.fingerprint
+        monkeypatch.undo()
+        assert len(_remote_keys(server.url)) == 10
+        with KVCacheManager(config(server.url)) as new:
+            assert new.remote.fingerprint != old_layout
+            assert serve(new, PROMPT) == 0
+            assert new.get_remote_statistics().pulled_blocks == 0
+            assert new.flush_remote(10.0)
+        with KVCacheManager(config(server.url)) as again:
+            assert serve(again, PROMPT) == REUSABLE  # this rule's pages are shared
+
+
 def test_a_lookup_asks_for_at_most_max_blocks_past_the_local_match() -> None:
     with fresh_server() as server:
         with KVCacheManager(config(server.url)) as a, \

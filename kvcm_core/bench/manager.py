@@ -14,8 +14,11 @@ one sitting, on the same machine:
   the prompt (hashing and publishing the new blocks) is timed apart;
 - lookup scaling: ``probe_reuse`` of a prompt matching ``--lookup-match`` blocks with 10k,
   100k and 1M other blocks cached, microseconds per matched block (tokens as a list and
-  as an int32 array), beside the floor measured in the same run: the key chain alone
-  (SHA-256 of each block and one dict lookup, on the same index).
+  as an int32 array), beside the floor measured in the same run: the block-key rule alone
+  (one running SHA-256 updated by each block, its digest, one dict lookup, on the same
+  index, the blocks cut beforehand). Each variant runs as many times untimed as timed at
+  each size first (the first size is otherwise measured cold); the flatness figures are
+  the largest median over the sizes divided by the smallest (1 is flat).
 
 The numpy backend is used (no device work is timed): this measures host overhead only.
 Results are written as JSON with the machine, versions and date, to a new file
@@ -25,6 +28,7 @@ Results are written as JSON with the machine, versions and date, to a new file
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import hashlib
 import json
@@ -204,33 +208,23 @@ def run_lookup_scaling(args: argparse.Namespace, tpb: int, seed: int) -> dict[st
         probe = target + rand_tokens(rng, tpb)
         gc.collect()
         gc.freeze()
-        reps = []
-        for _ in range(args.lookup_reps):
-            t0 = ns()
-            for _ in range(20):
-                got = m.probe_reuse(None, probe)
-            reps.append((ns() - t0) / 20)
-        # The same probe with the tokens as an int32 array (what engines usually hold):
-        # no per-token conversion from Python ints.
         probe_arr = np.asarray(probe, dtype=np.int32)
-        reps_arr = []
-        for _ in range(args.lookup_reps):
-            t0 = ns()
-            for _ in range(20):
-                got_arr = m.probe_reuse(None, probe_arr)
-            reps_arr.append((ns() - t0) / 20)
-        # The floor of any lookup by this chain rule in CPython: SHA-256 of each block's
-        # key and tokens plus one dict lookup per block, on the same index, nothing else.
-        data = probe_arr.tobytes()
-        reps_bare = []
-        for _ in range(args.lookup_reps):
-            t0 = ns()
-            for _ in range(20):
-                found = _bare_chain_walk(m.tree.index, data, 4 * tpb)
-            reps_bare.append((ns() - t0) / 20)
+        # The floor of any lookup by this key rule in CPython: one running SHA-256 updated
+        # by each block, its digest and one dict lookup per block, on the same index,
+        # nothing else (the blocks are cut beforehand).
+        index = m.tree.index
+        blocks = np.frombuffer(probe_arr.tobytes(), dtype=f"V{4 * tpb}").tolist()
+        # Tokens as a list; as an int32 array (what engines usually hold: no per-token
+        # conversion from Python ints); the floor.
+        reps = _timed(args.lookup_reps, functools.partial(m.probe_reuse, None, probe))
+        reps_arr = _timed(args.lookup_reps, functools.partial(m.probe_reuse, None, probe_arr))
+        reps_bare = _timed(args.lookup_reps, functools.partial(_bare_walk, index, blocks))
+        got = m.probe_reuse(None, probe)
+        got_arr = m.probe_reuse(None, probe_arr)
+        found = _bare_walk(index, blocks)
         gc.unfreeze()
         if found != match_blocks:
-            raise RuntimeError(f"bare chain walk matched {found} blocks, expected {match_blocks}")
+            raise RuntimeError(f"bare walk matched {found} blocks, expected {match_blocks}")
         if got != match_blocks * tpb or got_arr != got:
             raise RuntimeError(f"probe matched {got}/{got_arr}, expected {match_blocks * tpb}")
         out[str(cached)] = {
@@ -239,33 +233,56 @@ def run_lookup_scaling(args: argparse.Namespace, tpb: int, seed: int) -> dict[st
             "us_per_matched_block_median": statistics.median(reps) / match_blocks / 1e3,
             "int32_array_us_per_matched_block_median":
                 statistics.median(reps_arr) / match_blocks / 1e3,
-            "bare_chain_us_per_matched_block_median":
+            "bare_us_per_matched_block_median":
                 statistics.median(reps_bare) / match_blocks / 1e3,
         }
-        out[str(cached)]["int32_array_ratio_to_bare_chain"] = (
+        out[str(cached)]["int32_array_ratio_to_bare"] = (
             out[str(cached)]["int32_array_us_per_matched_block_median"]
-            / out[str(cached)]["bare_chain_us_per_matched_block_median"])
+            / out[str(cached)]["bare_us_per_matched_block_median"])
         m.shutdown()
         del m
         gc.collect()
     sizes = [str(s) for s in args.lookup_sizes]
     if len(sizes) > 1:
-        out["ratio_largest_to_smallest_median"] = (
-            out[sizes[-1]]["us_per_matched_block_median"]
-            / out[sizes[0]]["us_per_matched_block_median"])
+        # Flatness: the largest median over the sizes divided by the smallest (>= 1; 1 is
+        # flat), whichever sizes they fall at.
+        for name, field in (("ratio_largest_to_smallest_median", "us_per_matched_block_median"),
+                            ("int32_array_ratio_largest_to_smallest_median",
+                             "int32_array_us_per_matched_block_median"),
+                            ("bare_ratio_largest_to_smallest_median",
+                             "bare_us_per_matched_block_median")):
+            medians = [out[s][field] for s in sizes]
+            out[name] = max(medians) / min(medians)
     return out
 
 
-def _bare_chain_walk(index: dict[bytes, int], data: bytes, step: int) -> int:
-    """Blocks of ``data`` (4-byte tokens, ``step`` bytes per block) found by walking the
-    default scope's key chain through ``index``: the lookup with nothing but hashing."""
-    key = scope_root_key(None)
-    sha = hashlib.sha256
+def _timed(reps: int, call: Any, inner: int = 20) -> list[float]:
+    """Nanoseconds per ``call()``, the mean of ``inner`` calls, ``reps`` times, after the
+    same number of calls untimed (the first size was otherwise timed cold: about twice
+    as slow, the bare floor too, in the 2026-12-04 sitting)."""
+    for _ in range(reps * inner):
+        call()
+    out = []
+    for _ in range(reps):
+        t0 = ns()
+        for _ in range(inner):
+            call()
+        out.append((ns() - t0) / inner)
+    return out
+
+
+def _bare_walk(index: dict[bytes, int], blocks: list[bytes]) -> int:
+    """Blocks (4-byte tokens each, cut beforehand) found by keying them with the default
+    scope's running prefix hash and looking each key up in ``index``: the lookup with
+    nothing but the key rule and the dict."""
+    h = hashlib.sha256(scope_root_key(None))
+    update = h.update
+    digest = h.digest
     get = index.get
     n = 0
-    for off in range(0, len(data) - step + 1, step):
-        key = sha(key + data[off : off + step]).digest()
-        if get(key) is None:
+    for block in blocks:
+        update(block)
+        if get(digest()) is None:
             break
         n += 1
     return n
