@@ -4,14 +4,14 @@ backoff (docs/semantics.md).
 The walk finds the longest run of full blocks whose keys (the running prefix hash of
 kvcm_core/radix.py) the tree's one index holds: the index is prefix-closed, so it gallops
 and bisects on membership (``_gallop``: a digest at about ``2 log2 k`` positions, not one
-per block), takes the nodes from the parent links up from the last one found and, for a
-cache, the keys from those nodes. Multimodal blocks (chained keys) are walked block by
-block. The nodes found are then checked at once (arrays) for the pages of the life cycles
-that constrain every block (full-attention REQUIRED), and the match ends at the first block
-one of them cannot serve. Pruning then checks candidate endpoints from the longest down:
-SSM life cycles need a snapshot exactly at the endpoint; windowed constraining life cycles
-need a page for every block outside their stale range at the endpoint (SINK_REQUIRED_ONLY:
-its sink blocks only).
+per block; the first and the last few blocks one by one), takes the nodes from the parent
+links up from the last one found and, for a cache, the keys from those nodes. Multimodal
+blocks (chained keys) are walked block by block. The nodes found are then checked at once
+(arrays) for the pages of the life cycles that constrain every block (full-attention
+REQUIRED), and the match ends at the first block one of them cannot serve. Pruning then
+checks candidate endpoints from the longest down: SSM life cycles need a snapshot exactly at
+the endpoint; windowed constraining life cycles need a page for every block outside their
+stale range at the endpoint (SINK_REQUIRED_ONLY: its sink blocks only).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ __all__ = ["Match", "match_prefix", "token_array"]
 _CHUNK = 64  # blocks encoded at a time during the walk
 _ARRAY_CHUNK = 1024  # the same for int32 arrays (encoding is one copy)
 _LINEAR = 4  # blocks walked one by one before the gallop (cheaper for short matches)
+_SCAN = 8  # the bisection ends with a walk block by block once this few blocks are left
 _EMPTY = np.empty(0, dtype=np.int64)
 _DONE, _MISS, _MM = 0, 1, 2  # how the walk ended: every full block found, a miss, digests
 
@@ -101,32 +102,41 @@ def match_prefix(
     if root is None:
         return Match(0, _EMPTY, [])
     nfull = n // tpb
-    nodes = _EMPTY  # the node of every block walked
-    cursor: Any = hashlib.sha256(root_key)  # the running hash, after len(nodes) blocks
+    found: list[int] = []  # the nodes of the blocks walked one by one from block 0
+    keys: list[bytes] | None = None if probe else []  # their keys (a probe keeps none)
+    walked = 0  # blocks found (len(found) or more)
+    last = NO_NODE  # the node of block walked - 1
+    cursor: Any = hashlib.sha256(root_key)  # the running hash, after `walked` blocks
     chunks: list[bytes] = []
     stop = _MM
     if not mm:
         chunks.append(data)
         stop, walked, last, cursor = _gallop(tree.index, cursor, tokens, data, tpb, nfull,
-                                             chunk, chunks)
-        if walked:  # the nodes of blocks 0..walked-1: the parent links up from the last
-            nodes = tree.path_to(last, walked)
-    if stop == _MM:  # multimodal digests from block len(nodes) on: block by block
+                                             chunk, chunks, found, keys)
+    if stop == _MM:  # multimodal digests from block `walked` on: block by block
         mm = True
+        if walked > len(found):  # the gallop went further: list its blocks first
+            nodes = tree.path_to(last, walked)
+            found = nodes.tolist()
+            keys = None if probe else tree.keys_at(nodes)
         get = tree.index.get
         stop = _DONE
-        more: list[int] = []
-        for b in range(len(nodes), nfull):
+        for b in range(walked, nfull):
             k: list[bytes] = []
             cursor = extend_keys(k, root_key, tokens[b * tpb : (b + 1) * tpb], tpb, b, cursor)
             nid = get(k[0])
             if nid is None:
                 stop = _MISS
                 break
-            more.append(nid)
-        if more:
-            nodes = np.concatenate([nodes, np.asarray(more, dtype=np.int64)])
-    nwalked = len(nodes)
+            found.append(nid)
+            if keys is not None:
+                keys.append(k[0])
+        walked = len(found)
+    listed = walked == len(found)  # else: the nodes up the parent links from the last
+    if listed:
+        nodes = np.fromiter(found, np.int64, walked) if walked else _EMPTY
+    else:
+        nodes = tree.path_to(last, walked)
     # The candidates' pages, checked once for all the blocks walked.
     if walk_groups and len(nodes):
         ok: Any
@@ -157,16 +167,20 @@ def match_prefix(
         length = _prune(tree, nodes, length, tpb, life_cycles, prune_groups)
     nb = -(-length // tpb)
     encoded = None if mm else (chunks[0] if len(chunks) == 1 else b"".join(chunks))
-    if probe or stop == _MISS or length // tpb != nwalked:
+    if probe or stop == _MISS or length // tpb != walked:
         cursor = None  # the hash went past the match: the cache rebuilds it if it commits
-    # The keys of the blocks matched, as the tree holds them (each node keeps its key).
-    keys = [] if probe or length < tpb else tree.keys_of(nodes[: length // tpb])
-    return Match(length, nodes[:nb], keys, encoded, cursor)  # type: ignore[arg-type]
+    if keys is None or length < tpb:
+        keys = []
+    elif listed:
+        keys = keys[: length // tpb]
+    else:  # the keys of the blocks galloped over, as the tree holds them
+        keys = tree.keys_at(nodes[: length // tpb])
+    return Match(length, nodes[:nb], keys, encoded, cursor)
 
 
 def _gallop(index: dict[bytes, int], h: Any, tokens: Sequence[Any] | np.ndarray,
-            data: bytes, tpb: int, nfull: int, chunk: int, chunks: list[bytes]
-            ) -> tuple[int, int, int, Any]:
+            data: bytes, tpb: int, nfull: int, chunk: int, chunks: list[bytes],
+            found: list[int], keys: list[bytes] | None) -> tuple[int, int, int, Any]:
     """The full-block walk over the running-hash part: the longest run of full blocks
     whose keys are cached, found by galloping then bisecting on index membership.
 
@@ -180,9 +194,16 @@ def _gallop(index: dict[bytes, int], h: Any, tokens: Sequence[Any] | np.ndarray,
     ``lo..p-1`` in one C call, takes its digest and looks it up: a hit moves ``lo`` to
     ``p`` (the copy becomes the state after ``lo`` blocks), a miss sets ``hi = p``. Probes
     go to twice ``lo`` blocks (8, 16, 32, ...), capped at the blocks encoded; after the
-    first miss, bisection between ``lo`` and ``hi``. For ``k >= 1`` blocks cached: at most
-    ``2 log2 k + 3`` digests instead of ``k + 1`` (one more for each chunk end the
-    match passes after the first two chunks), and at most ``3 k`` blocks hashed.
+    first miss, bisection between ``lo`` and ``hi`` until at most ``_SCAN`` blocks are
+    left, which are walked one by one (a probe costs about two such steps). For ``k >= 1``
+    blocks cached: at most ``2 log2 k + 3 + _SCAN`` digests instead of ``k + 1`` (one more
+    for each chunk end the match passes after the first two chunks), and at most ``3 k``
+    blocks hashed.
+
+    The blocks walked one by one from block 0 (the first ``_LINEAR``, and those walked
+    at the end when no probe hit) are listed as they go: their nodes appended to
+    ``found``, their keys to ``keys`` unless it is None (a probe); the caller takes the
+    other blocks' nodes from the parent links and keys from the nodes.
 
     ``data`` holds the first blocks' tokens encoded (4-byte little-endian); when ``lo``
     reaches its end, the next ``chunk`` blocks are encoded and appended to ``chunks``
@@ -196,31 +217,38 @@ def _gallop(index: dict[bytes, int], h: Any, tokens: Sequence[Any] | np.ndarray,
     get = index.get
     step = 4 * tpb
     buf = memoryview(data)
-    base = 0  # the block at the start of ``buf``
     enc = min(nfull, len(data) // step)  # blocks encoded
     lo = 0
     nid = NO_NODE
+    add = found.append
+    append = None if keys is None else keys.append
     update = h.update
     digest = h.digest
     for a in range(0, min(_LINEAR, enc) * step, step):  # the first blocks one by one
-        update(buf[a : a + step])
-        x = get(digest())
+        update(data[a : a + step])
+        key = digest()
+        x = get(key)
         if x is None:
             return _MISS, lo, nid, h  # (h is past block lo: no cursor after a miss)
+        add(x)
+        if append is not None:
+            append(key)
         lo += 1
         nid = x
+    at = lo * step  # where block lo starts in buf
     while True:
         while lo < enc:  # gallop
             p = 2 * lo or 1
             if p > enc:
                 p = enc
+            end = at + (p - lo) * step
             g = h.copy()
-            g.update(buf[(lo - base) * step : (p - base) * step])
+            g.update(buf[at:end])
             x = get(g.digest())
             if x is None:
                 hi = p
                 break
-            lo, nid, h = p, x, g
+            lo, nid, h, at = p, x, g, end
         else:
             if lo >= nfull:
                 return _DONE, lo, nid, h
@@ -229,19 +257,38 @@ def _gallop(index: dict[bytes, int], h: Any, tokens: Sequence[Any] | np.ndarray,
                 return _MM, lo, nid, h
             chunks.append(data)
             buf = memoryview(data)
-            base = lo
+            at = 0
             enc = min(nfull, lo + len(data) // step)
             continue
         break
-    while hi - lo > 1:  # bisect: block lo - 1 is cached, block hi - 1 is not
-        mid = (lo + hi) // 2
+    while hi - lo > _SCAN:  # bisect: block lo - 1 is cached, block hi - 1 is not
+        mid = (lo + hi) >> 1
+        end = at + (mid - lo) * step
         g = h.copy()
-        g.update(buf[(lo - base) * step : (mid - base) * step])
+        g.update(buf[at:end])
         x = get(g.digest())
         if x is None:
             hi = mid
         else:
-            lo, nid, h = mid, x, g
+            lo, nid, h, at = mid, x, g, end
+    # The last few blocks one by one, h updated in place (a miss leaves no cursor); listed
+    # when they follow the blocks listed.
+    listing = lo == len(found)
+    update = h.update
+    digest = h.digest
+    while lo < hi - 1:
+        update(data[at : at + step])
+        key = digest()
+        x = get(key)
+        if x is None:
+            break
+        if listing:
+            add(x)
+            if append is not None:
+                append(key)
+        lo += 1
+        nid = x
+        at += step
     return _MISS, lo, nid, h
 
 

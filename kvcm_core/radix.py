@@ -268,7 +268,7 @@ NO_NODE = -1
 _consume: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend  # an iterator, run in C
 _INDEX_FANOUT = 8  # children scanned directly before a first-token index is kept
 _FREED = -2  # ordinal of a free node id
-_RUN = 32  # PrefixTree.path_to guesses runs of consecutive ids on paths this long
+_RUN = 48  # PrefixTree.path_to guesses runs of consecutive ids on paths this long
 
 
 class PrefixTree:
@@ -392,6 +392,11 @@ class PrefixTree:
             for i in np.flatnonzero(nids < 0).tolist():
                 keys[i] = None
         return keys
+
+    def keys_at(self, nids: np.ndarray) -> list[bytes]:
+        """:meth:`key` of many nodes that are all full blocks or roots (such as a
+        :meth:`path_to`), in one gather; :meth:`keys_of` also takes ``NO_NODE``."""
+        return self._keys[nids].tolist()
 
     def path_to(self, nid: int, k: int) -> np.ndarray:
         """The nodes of blocks ``0..k-1`` of the path ending at ``nid`` (block ``k - 1``:

@@ -155,33 +155,54 @@ class _CountingHash:
 
 def _walk_digests(k: int, nfull: int) -> tuple[int, int]:
     """(digests, copies) of the walk when blocks ``0..k-1`` are cached and block ``k`` is
-    not (``k == nfull``: every full block is), the whole prompt encoded at once: the
-    first ``_LINEAR`` blocks one at a time (a digest each, no copy, up to the first
-    miss); then a gallop, each probe one copy and one digest: hits at twice as many
-    blocks each time, up to the largest power of two ``2**j <= k``; then one probe at
-    ``nfull`` (a hit) if ``k == nfull`` is no power of two, or, short of the end, one miss
-    at ``min(2**(j+1), nfull)`` and a bisection of the blocks in between."""
-    lin = matching_mod._LINEAR
-    if k < lin or nfull <= lin:
-        return min(k + 1, nfull), 0
-    j = k.bit_length() - 1
-    probes = j - (lin.bit_length() - 1)  # the gallop's hits after the one-by-one blocks
-    if k == nfull:
-        probes += k != 1 << j
-    else:
-        top = min(2 << j, nfull)  # the first miss
-        probes += 1 + (top - (1 << j) - 1).bit_length()
-    return lin + probes, probes
+    not (``k == nfull``: every full block is), the whole prompt encoded at once, from its
+    schedule: the first ``_LINEAR`` blocks one at a time (a digest each, up to the first
+    miss); a gallop to twice as many blocks each time (capped at ``nfull``) up to the
+    first miss, then a bisection down to ``_SCAN`` blocks, each probe one copy and one
+    digest; then the blocks left one at a time (a digest each, up to the first miss)."""
+    lin, scan = matching_mod._LINEAR, matching_mod._SCAN
+    digests = copies = lo = 0
+    for b in range(min(lin, nfull)):
+        digests += 1
+        if b >= k:
+            return digests, copies
+        lo += 1
+    hi = 0
+    while lo < nfull:  # a probe at p blocks hits when blocks 0..p-1 are all cached
+        p = min(2 * lo or 1, nfull)
+        digests += 1
+        copies += 1
+        if p > k:
+            hi = p
+            break
+        lo = p
+    if not hi:
+        return digests, copies
+    while hi - lo > scan:
+        mid = (lo + hi) // 2
+        digests += 1
+        copies += 1
+        if mid > k:
+            hi = mid
+        else:
+            lo = mid
+    while lo < hi - 1:
+        digests += 1
+        if lo >= k:
+            break
+        lo += 1
+    return digests, copies
 
 
-def test_walk_takes_at_most_2_log2_k_plus_3_digests_and_hashes_at_most_3k_blocks(
+def test_walk_takes_at_most_2_log2_k_plus_11_digests_and_hashes_at_most_3k_blocks(
         managers, monkeypatch):
-    """A prompt whose first ``k >= 1`` blocks are cached costs at most ``2 log2 k + 3``
-    digests: the first four blocks one at a time, then a gallop over 8, 16, 32, ...
-    blocks and a bisection, each probe a copy of one running hash (started once, from
-    the scope root) fed the blocks since the last hit in one update; and at most ``3 k``
-    blocks hashed in all, however long the prompt is."""
-    assert matching_mod._LINEAR == 4
+    """A prompt whose first ``k >= 1`` blocks are cached costs O(log k) digests, at most
+    ``2 log2 k + 3 + 8``: the first four blocks one at a time, then a gallop over 8, 16,
+    32, ... blocks and a bisection, each probe a copy of one running hash (started once,
+    from the scope root) fed the blocks since the last hit in one update, down to 8
+    blocks or fewer, walked one at a time; and at most ``3 k`` blocks hashed in all,
+    however long the prompt is."""
+    assert (matching_mod._LINEAR, matching_mod._SCAN) == (4, 8)
     m = managers(full_layers(), slots=160)
     base = tokens(130 * TPB, seed=3)
     store(m, base)
@@ -189,7 +210,7 @@ def test_walk_takes_at_most_2_log2_k_plus_3_digests_and_hashes_at_most_3k_blocks
     monkeypatch.setattr(matching_mod.hashlib, "sha256",
                         lambda data=b"": _CountingHash(data, calls))
     chunk = matching_mod._CHUNK
-    for k in (0, 1, 2, 3, 4, 5, 7, 8, 9, 31, 32, 33, 64, 100, 129, 130):
+    for k in (0, 1, 2, 3, 4, 5, 7, 8, 9, 20, 31, 32, 33, 47, 64, 100, 129, 130):
         # Then 1000 blocks not cached, 1 block, or nothing.
         for rest in (tokens(4000, seed=9), tokens(TPB, seed=9), []):
             prompt = base[: k * TPB] + rest
@@ -204,8 +225,8 @@ def test_walk_takes_at_most_2_log2_k_plus_3_digests_and_hashes_at_most_3k_blocks
                 copies = sum(1 for c in calls if c[0] == "copy")
                 if nfull <= 2 * chunk:  # encoded at once: no probe capped at a chunk's end
                     assert (digests, copies) == _walk_digests(k, nfull), (k, nfull)
-                assert digests <= max(1, 2 * k.bit_length() + 1), (k, nfull)
-                assert digests - copies == min(4, k + 1, nfull)
+                assert digests <= max(1, 2 * k.bit_length() + 1 + 8), (k, nfull)
+                assert copies <= 2 * k.bit_length(), (k, nfull)
                 hashed = sum(c[1] for c in calls[1:] if c[0] == "update") // (4 * TPB)
                 assert hashed <= 3 * max(k, 1), (k, nfull)
 
