@@ -1,9 +1,13 @@
 """Prefix matching: the full-block walk, partial matching, pruning to a fixed point and
 backoff (docs/semantics.md).
 
-The walk hashes the prompt block by block (the running prefix hash of kvcm_core/radix.py)
-and looks each block key up in the tree's one index; then the nodes found are checked at
-once (arrays) for the pages of the life cycles that constrain every block (full-attention
+The walk finds the longest run of full blocks whose keys (the running prefix hash of
+kvcm_core/radix.py) the tree's one index holds: the index is prefix-closed, so it gallops
+and bisects on membership (``_gallop``: a digest at about ``2 log2 k`` positions, not one
+per block; the first and the last few blocks one by one), takes the nodes from the parent
+links up from the last one found and, for a cache, the keys from those nodes. Multimodal
+blocks (chained keys) are walked block by block. The nodes found are then checked at once
+(arrays) for the pages of the life cycles that constrain every block (full-attention
 REQUIRED), and the match ends at the first block one of them cannot serve. Pruning then
 checks candidate endpoints from the longest down: SSM life cycles need a snapshot exactly at
 the endpoint; windowed constraining life cycles need a page for every block outside their
@@ -12,7 +16,6 @@ stale range at the endpoint (SINK_REQUIRED_ONLY: its sink blocks only).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -30,7 +33,8 @@ __all__ = ["Match", "match_prefix", "token_array"]
 
 _CHUNK = 64  # blocks encoded at a time during the walk
 _ARRAY_CHUNK = 1024  # the same for int32 arrays (encoding is one copy)
-_FIRST_CUT = 16  # blocks listed before the walk's first lookup (then 4x as many each time)
+_LINEAR = 4  # blocks walked one by one before the gallop (cheaper for short matches)
+_SCAN = 8  # the bisection ends with a walk block by block once this few blocks are left
 _EMPTY = np.empty(0, dtype=np.int64)
 _DONE, _MISS, _MM = 0, 1, 2  # how the walk ended: every full block found, a miss, digests
 
@@ -98,31 +102,42 @@ def match_prefix(
     if root is None:
         return Match(0, _EMPTY, [])
     nfull = n // tpb
-    keys: list[bytes] = []
-    found: list[int] = []  # node ids of the blocks walked
-    cursor: Any = hashlib.sha256(root_key)  # the running hash, after len(found) blocks
+    found: list[int] = []  # the nodes of the blocks walked one by one from block 0
+    keys: list[bytes] | None = None if probe else []  # their keys (a probe keeps none)
+    walked = 0  # blocks found (len(found) or more)
+    last = NO_NODE  # the node of block walked - 1
+    cursor: Any = hashlib.sha256(root_key)  # the running hash, after `walked` blocks
     chunks: list[bytes] = []
     stop = _MM
     if not mm:
         chunks.append(data)
-        stop = _walk(tree.index, cursor, tokens, data, tpb, nfull, chunk, found,
-                     None if probe else keys, chunks)
-    if stop == _MM:  # multimodal digests from block len(found) on: block by block
+        stop, walked, last, cursor = _gallop(tree.index, cursor, tokens, data, tpb, nfull,
+                                             chunk, chunks, found, keys)
+    if stop == _MM:  # multimodal digests from block `walked` on: block by block
         mm = True
+        if walked > len(found):  # the gallop went further: list its blocks first
+            nodes = tree.path_to(last, walked)
+            found = nodes.tolist()
+            keys = None if probe else tree.keys_at(nodes)
         get = tree.index.get
-        walked = keys if not probe else []
         stop = _DONE
-        for b in range(len(found), nfull):
+        for b in range(walked, nfull):
             k: list[bytes] = []
             cursor = extend_keys(k, root_key, tokens[b * tpb : (b + 1) * tpb], tpb, b, cursor)
             nid = get(k[0])
             if nid is None:
                 stop = _MISS
                 break
-            walked.append(k[0])
             found.append(nid)
+            if keys is not None:
+                keys.append(k[0])
+        walked = len(found)
+    listed = walked == len(found)  # else: the nodes up the parent links from the last
+    if listed:
+        nodes = np.fromiter(found, np.int64, walked) if walked else _EMPTY
+    else:
+        nodes = tree.path_to(last, walked)
     # The candidates' pages, checked once for all the blocks walked.
-    nodes = np.fromiter(found, np.int64, len(found)) if found else _EMPTY
     if walk_groups and len(nodes):
         ok: Any
         if len(walk_groups) == 1:
@@ -130,9 +145,7 @@ def match_prefix(
         else:
             ok = (tree.pages[nodes][:, walk_groups] >= 0).all(axis=1)
         if np.count_nonzero(ok) != len(ok):
-            cut = int(ok.argmin())
-            nodes = nodes[:cut]
-            del keys[cut:]
+            nodes = nodes[: int(ok.argmin())]
     length = len(nodes) * tpb
     if partial and length < n:
         parent = int(nodes[-1]) if len(nodes) else root
@@ -154,76 +167,129 @@ def match_prefix(
         length = _prune(tree, nodes, length, tpb, life_cycles, prune_groups)
     nb = -(-length // tpb)
     encoded = None if mm else (chunks[0] if len(chunks) == 1 else b"".join(chunks))
-    if probe or stop == _MISS or length // tpb != len(found):
+    if probe or stop == _MISS or length // tpb != walked:
         cursor = None  # the hash went past the match: the cache rebuilds it if it commits
-    return Match(length, nodes[:nb], keys[: length // tpb], encoded, cursor)
+    if keys is None or length < tpb:
+        keys = []
+    elif listed:
+        keys = keys[: length // tpb]
+    else:  # the keys of the blocks galloped over, as the tree holds them
+        keys = tree.keys_at(nodes[: length // tpb])
+    return Match(length, nodes[:nb], keys, encoded, cursor)
 
 
-@functools.lru_cache(maxsize=64)
-def _block_dtype(step: int) -> np.dtype:
-    """The NumPy dtype of one block's bytes (``V{step}``)."""
-    return np.dtype(f"V{step}")
+def _gallop(index: dict[bytes, int], h: Any, tokens: Sequence[Any] | np.ndarray,
+            data: bytes, tpb: int, nfull: int, chunk: int, chunks: list[bytes],
+            found: list[int], keys: list[bytes] | None) -> tuple[int, int, int, Any]:
+    """The full-block walk over the running-hash part: the longest run of full blocks
+    whose keys are cached, found by galloping then bisecting on index membership.
 
+    ``h`` is the running hash started as ``sha256(scope root)``. The index is
+    prefix-closed (a node exists only under its parent, and is removed only with its
+    subtree), so if block ``k``'s key is cached, so is every earlier block's: membership
+    is monotone in the block count, and a key is needed only where the search probes.
+    The first ``_LINEAR`` blocks are walked one by one (an update and a digest of ``h``
+    each: cheaper for short matches). Then a probe at ``p`` blocks (``p > lo``, ``lo`` the
+    blocks known cached) copies the hash state after ``lo`` blocks, feeds the copy blocks
+    ``lo..p-1`` in one C call, takes its digest and looks it up: a hit moves ``lo`` to
+    ``p`` (the copy becomes the state after ``lo`` blocks), a miss sets ``hi = p``. Probes
+    go to twice ``lo`` blocks (8, 16, 32, ...), capped at the blocks encoded; after the
+    first miss, bisection between ``lo`` and ``hi`` until at most ``_SCAN`` blocks are
+    left, which are walked one by one (a probe costs about two such steps). For ``k >= 1``
+    blocks cached: at most ``2 log2 k + 3 + _SCAN`` digests instead of ``k + 1`` (one more
+    for each chunk end the match passes after the first two chunks), and at most ``3 k``
+    blocks hashed.
 
-def _walk(index: dict[bytes, int], running: Any, tokens: Sequence[Any] | np.ndarray,
-          data: bytes, tpb: int, nfull: int, chunk: int, found: list[int],
-          keys: list[bytes] | None, chunks: list[bytes]) -> int:
-    """The full-block walk: advance the running hash ``running`` (a hashlib object
-    started as ``sha256(scope root)``) by each block, look its digest (the block's key)
-    up in ``index``, in one loop, until the first key not cached (or ``nfull`` blocks).
-    ``data`` holds the first blocks' tokens encoded (4-byte little-endian; a chunk or
-    more); later chunks of ``chunk`` blocks are encoded as the walk reaches them and
-    appended to ``chunks``. Appends
-    the node ids to ``found`` and, unless ``keys`` is None (a probe), the keys to
-    ``keys``. Returns ``_DONE`` (``running`` is then after the ``nfull`` blocks),
-    ``_MISS`` (after the block missed) or ``_MM`` (a later chunk holds multimodal digests:
-    ``running`` is after the blocks found, which the caller continues from).
+    The blocks walked one by one from block 0 (the first ``_LINEAR``, and those walked
+    at the end when no probe hit) are listed as they go: their nodes appended to
+    ``found``, their keys to ``keys`` unless it is None (a probe); the caller takes the
+    other blocks' nodes from the parent links and keys from the nodes.
 
-    Each chunk's bytes are cut into one ``bytes`` object per block by NumPy (a view as
-    ``V{4 * tpb}`` items, listed 16 blocks first, then four times as many each time, so
-    a miss early on a long prompt lists few): the loop body is then one update of the
-    running hash by the block, one digest, one dict lookup, one append; no slicing, no
-    index arithmetic, no new hash object."""
-    update = running.update
-    digest = running.digest
+    ``data`` holds the first blocks' tokens encoded (4-byte little-endian); when ``lo``
+    reaches its end, the next ``chunk`` blocks are encoded and appended to ``chunks``
+    (the chunks a block-by-block walk encodes: a short match never encodes a long prompt,
+    and a bad token or a multimodal digest further on is met exactly when it was). Returns
+    ``(stop, lo, nid, h)``: ``nid`` the node of block ``lo - 1`` (``NO_NODE`` when ``lo``
+    is 0); ``stop`` is ``_DONE`` (``lo == nfull``; ``h`` is the state after them), ``_MISS``
+    (block ``lo`` is not cached; ``h`` may be past it) or ``_MM`` (the next chunk holds
+    multimodal digests; ``h`` is the state after ``lo`` blocks, where the caller goes on
+    block by block)."""
     get = index.get
-    add = found.append
     step = 4 * tpb
-    vdt = _block_dtype(step)
+    buf = memoryview(data)
+    enc = min(nfull, len(data) // step)  # blocks encoded
+    lo = 0
+    nid = NO_NODE
+    add = found.append
     append = None if keys is None else keys.append
-    b = 0
-    cut = _FIRST_CUT
+    update = h.update
+    digest = h.digest
+    for a in range(0, min(_LINEAR, enc) * step, step):  # the first blocks one by one
+        update(data[a : a + step])
+        key = digest()
+        x = get(key)
+        if x is None:
+            return _MISS, lo, nid, h  # (h is past block lo: no cursor after a miss)
+        add(x)
+        if append is not None:
+            append(key)
+        lo += 1
+        nid = x
+    at = lo * step  # where block lo starts in buf
     while True:
-        nblk = min(nfull - b, len(data) // step)
-        view = np.frombuffer(data, dtype=vdt, count=nblk)
-        i = 0
-        while i < nblk:  # listed a growing batch at a time: a miss early lists few blocks
-            blocks = view[i : i + cut].tolist()
-            i += cut
-            cut *= 4
-            if append is None:  # a probe: the node ids only
-                for block in blocks:
-                    update(block)
-                    nid = get(digest())
-                    if nid is None:
-                        return _MISS
-                    add(nid)
-            else:
-                for block in blocks:
-                    update(block)
-                    key = digest()
-                    nid = get(key)
-                    if nid is None:
-                        return _MISS
-                    append(key)
-                    add(nid)
-        b += nblk
-        if b >= nfull:
-            return _DONE
-        data, mm = encode_tokens(tokens[b * tpb : min(nfull, b + chunk) * tpb])
-        if mm:
-            return _MM
-        chunks.append(data)
+        while lo < enc:  # gallop
+            p = 2 * lo or 1
+            if p > enc:
+                p = enc
+            end = at + (p - lo) * step
+            g = h.copy()
+            g.update(buf[at:end])
+            x = get(g.digest())
+            if x is None:
+                hi = p
+                break
+            lo, nid, h, at = p, x, g, end
+        else:
+            if lo >= nfull:
+                return _DONE, lo, nid, h
+            data, mm = encode_tokens(tokens[lo * tpb : min(nfull, lo + chunk) * tpb])
+            if mm:
+                return _MM, lo, nid, h
+            chunks.append(data)
+            buf = memoryview(data)
+            at = 0
+            enc = min(nfull, lo + len(data) // step)
+            continue
+        break
+    while hi - lo > _SCAN:  # bisect: block lo - 1 is cached, block hi - 1 is not
+        mid = (lo + hi) >> 1
+        end = at + (mid - lo) * step
+        g = h.copy()
+        g.update(buf[at:end])
+        x = get(g.digest())
+        if x is None:
+            hi = mid
+        else:
+            lo, nid, h, at = mid, x, g, end
+    # The last few blocks one by one, h updated in place (a miss leaves no cursor); listed
+    # when they follow the blocks listed.
+    listing = lo == len(found)
+    update = h.update
+    digest = h.digest
+    while lo < hi - 1:
+        update(data[at : at + step])
+        key = digest()
+        x = get(key)
+        if x is None:
+            break
+        if listing:
+            add(x)
+            if append is not None:
+                append(key)
+        lo += 1
+        nid = x
+        at += step
+    return _MISS, lo, nid, h
 
 
 def _feasible(tree: PrefixTree, nodes: np.ndarray, end: int, tpb: int,

@@ -1,13 +1,15 @@
 """The prefix lookup's full-block walk (kvcm_core/matching.py, docs/internals.md "The
-lookup walk"): hashing and the tree lookup fused in one loop over the prompt's blocks.
+lookup walk"): a gallop and a bisection on the tree's index, over the running hash.
 
 The walk must find exactly the blocks the key rule names (without multimodal items,
 ``key(i) = SHA-256(scope root || tokens of blocks 0..i as 4-byte little-endian ints)``),
 whatever form the tokens come in (list, tuple, int32 or int64 array), across the chunks it
-encodes the prompt in, stopping at the first block not cached without hashing the rest of
-the prompt; and ``probe_reuse`` must say exactly what ``create_kv_cache`` reuses. The
-reference below computes each key from scratch with ``int.to_bytes``, independently of the
-walk's running hash and its NumPy and ``struct`` encodings.
+encodes the prompt in, stopping at the first block not cached with O(log k) digests and
+without hashing the rest of the prompt; and ``probe_reuse`` must say exactly what
+``create_kv_cache`` reuses. The reference below computes each key from scratch with
+``int.to_bytes``, independently of the walk's running hash and its NumPy and ``struct``
+encodings; tests/test_gallop_walk.py compares the walk with the block-by-block walk it
+replaced.
 """
 
 from __future__ import annotations
@@ -129,12 +131,14 @@ _SHA256 = hashlib.sha256  # the real one (the test below patches the module's)
 
 
 class _CountingHash:
-    """A SHA-256 object that records the length of every update and counts digests."""
+    """A SHA-256 object that records the length of every update and counts digests and
+    copies (a copy shares the log)."""
 
-    def __init__(self, data: bytes, log: list[Any]) -> None:
-        self._h = _SHA256(data)
+    def __init__(self, data: bytes, log: list[Any], h: Any = None) -> None:
+        self._h = _SHA256(data) if h is None else h
         self._log = log
-        log.append(("new", len(data)))
+        if h is None:
+            log.append(("new", len(data)))
 
     def update(self, data: Any) -> None:
         self._log.append(("update", len(memoryview(data).cast("B"))))
@@ -144,20 +148,87 @@ class _CountingHash:
         self._log.append(("digest", 0))
         return self._h.digest()
 
+    def copy(self) -> _CountingHash:
+        self._log.append(("copy", 0))
+        return _CountingHash(b"", self._log, self._h.copy())
 
-def test_walk_hashes_only_the_blocks_it_reaches(cached, monkeypatch):
-    """A prompt that misses at block k costs k + 1 block updates and digests of one
-    running hash (started from the scope root) however long it is."""
-    m, base = cached
+
+def _walk_digests(k: int, nfull: int) -> tuple[int, int]:
+    """(digests, copies) of the walk when blocks ``0..k-1`` are cached and block ``k`` is
+    not (``k == nfull``: every full block is), the whole prompt encoded at once, from its
+    schedule: the first ``_LINEAR`` blocks one at a time (a digest each, up to the first
+    miss); a gallop to twice as many blocks each time (capped at ``nfull``) up to the
+    first miss, then a bisection down to ``_SCAN`` blocks, each probe one copy and one
+    digest; then the blocks left one at a time (a digest each, up to the first miss)."""
+    lin, scan = matching_mod._LINEAR, matching_mod._SCAN
+    digests = copies = lo = 0
+    for b in range(min(lin, nfull)):
+        digests += 1
+        if b >= k:
+            return digests, copies
+        lo += 1
+    hi = 0
+    while lo < nfull:  # a probe at p blocks hits when blocks 0..p-1 are all cached
+        p = min(2 * lo or 1, nfull)
+        digests += 1
+        copies += 1
+        if p > k:
+            hi = p
+            break
+        lo = p
+    if not hi:
+        return digests, copies
+    while hi - lo > scan:
+        mid = (lo + hi) // 2
+        digests += 1
+        copies += 1
+        if mid > k:
+            hi = mid
+        else:
+            lo = mid
+    while lo < hi - 1:
+        digests += 1
+        if lo >= k:
+            break
+        lo += 1
+    return digests, copies
+
+
+def test_walk_takes_at_most_2_log2_k_plus_11_digests_and_hashes_at_most_3k_blocks(
+        managers, monkeypatch):
+    """A prompt whose first ``k >= 1`` blocks are cached costs O(log k) digests, at most
+    ``2 log2 k + 3 + 8``: the first four blocks one at a time, then a gallop over 8, 16,
+    32, ... blocks and a bisection, each probe a copy of one running hash (started once,
+    from the scope root) fed the blocks since the last hit in one update, down to 8
+    blocks or fewer, walked one at a time; and at most ``3 k`` blocks hashed in all,
+    however long the prompt is."""
+    assert (matching_mod._LINEAR, matching_mod._SCAN) == (4, 8)
+    m = managers(full_layers(), slots=160)
+    base = tokens(130 * TPB, seed=3)
+    store(m, base)
     calls: list[Any] = []
     monkeypatch.setattr(matching_mod.hashlib, "sha256",
                         lambda data=b"": _CountingHash(data, calls))
-    long_prompt = base[:20] + tokens(4000, seed=9)  # 5 cached blocks, then 1000 more
-    for probe in (True, False):
-        calls.clear()
-        assert walk(m, long_prompt, probe=probe).length == 20
-        assert calls[0] == ("new", 32)  # one object, started from the root key
-        assert calls[1:] == [("update", 4 * TPB), ("digest", 0)] * 6  # one block each
+    chunk = matching_mod._CHUNK
+    for k in (0, 1, 2, 3, 4, 5, 7, 8, 9, 20, 31, 32, 33, 47, 64, 100, 129, 130):
+        # Then 1000 blocks not cached, 1 block, or nothing.
+        for rest in (tokens(4000, seed=9), tokens(TPB, seed=9), []):
+            prompt = base[: k * TPB] + rest
+            nfull = len(prompt) // TPB
+            if not nfull:
+                continue
+            for probe in (True, False):
+                calls.clear()
+                assert walk(m, prompt, probe=probe).length == k * TPB
+                assert calls[0] == ("new", 32)  # one object, started from the root key
+                digests = sum(1 for c in calls if c[0] == "digest")
+                copies = sum(1 for c in calls if c[0] == "copy")
+                if nfull <= 2 * chunk:  # encoded at once: no probe capped at a chunk's end
+                    assert (digests, copies) == _walk_digests(k, nfull), (k, nfull)
+                assert digests <= max(1, 2 * k.bit_length() + 1 + 8), (k, nfull)
+                assert copies <= 2 * k.bit_length(), (k, nfull)
+                hashed = sum(c[1] for c in calls[1:] if c[0] == "update") // (4 * TPB)
+                assert hashed <= 3 * max(k, 1), (k, nfull)
 
 
 def test_probe_keeps_no_keys_nodes_or_tokens(cached):
@@ -199,10 +270,10 @@ def test_walk_crosses_its_encoding_chunks(managers, form):
     assert full.length == len(base)
     assert full.keys == ref_keys(base)
     assert full.data == np.asarray(base, dtype="<i4").tobytes()
-    # Misses around the chunk boundary and around the walk's listing batches (16 blocks,
-    # then 64 more, ...).
-    edges = {15, 16, 17, 79, 80, 81, chunk - 1, chunk, chunk + 1, 2 * chunk - 1, 2 * chunk,
-             2 * chunk + 1}
+    # Misses around the chunk boundaries and the walk's probes (4 blocks one by one, then
+    # a gallop to 8, 16, 32, ... blocks).
+    edges = {3, 4, 5, 7, 8, 9, 15, 16, 17, 79, 80, 81, chunk - 1, chunk, chunk + 1,
+             2 * chunk - 1, 2 * chunk, 2 * chunk + 1}
     for miss in sorted(edges & set(range(nblocks))):
         other = list(base)
         other[miss * TPB] += 1
