@@ -382,7 +382,7 @@ class PrefixTree:
         return nid
 
     def key(self, nid: int) -> bytes | None:
-        """Chain key of a full block or root; ``None`` for a partial block."""
+        """Block key of a full block (or a scope root key); ``None`` for a partial block."""
         return self._keys[nid]
 
     def keys_of(self, nids: np.ndarray) -> list[bytes | None]:
