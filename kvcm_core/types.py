@@ -77,7 +77,8 @@ class ReuseScope:
             raise ArgumentTypeError(f"ReuseScope.salt={value!r}: must be a str, bytes, int or None")
 
     def encode(self) -> bytes:
-        """A canonical, unambiguous byte encoding (hashed into the scope root key, where every block key starts)."""
+        """A canonical, unambiguous byte encoding (hashed into the scope root key, where
+        every block key starts)."""
         parts = []
         for value in (self.lora_id, self.salt):
             if value is None:
