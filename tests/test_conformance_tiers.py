@@ -11,7 +11,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvcm_tier_disk import BLOB_CAPABILITIES, HEADER_BYTES, DiskTier, file_name
+from kvcm_tier_disk import _run_calls as disk_run_calls
+from kvcm_tier_disk import aio as disk_aio
 
 from kvcm_core.errors import ConfigError, TierIOError
 from kvcm_core.plugins import get_plugin_manager
@@ -45,6 +49,16 @@ class TestDictTier(TierConformance):
     def backdoor_read(self, pool: Pool, slot: int) -> bytes | None:
         assert isinstance(pool, DictPool)
         return pool.data.get(slot, bytes(pool.slot_bytes))
+
+
+class TestDiskOneCallPerRun(TierConformance):
+    """The disk tier with ``batch_syscalls`` off: its one-call-per-run path passes the
+    suite too (the default batches three or more runs into one system call)."""
+
+    plugin_name = "disk"
+
+    def tier_options(self, tmp_path: Path) -> dict[str, Any]:
+        return {**super().tier_options(tmp_path), "batch_syscalls": False}
 
 
 class TestFaultyDiskWithoutFaults(TierConformance):
@@ -201,6 +215,7 @@ def disk(tmp_path: Path) -> Iterator[DiskTier]:
         ({"io_threads": True}, "disk.options.io_threads"),
         ({"path": ""}, "disk.options.path"),
         ({"path": 17}, "disk.options.path"),
+        ({"batch_syscalls": 1}, "disk.options.batch_syscalls"),
     ],
 )
 def test_disk_bad_option_is_a_config_error_naming_it(options: dict, field: str) -> None:
@@ -379,3 +394,130 @@ def test_faulty_blob_pool_corrupts_the_planned_byte_of_a_blob(tmp_path):
         assert tier.injected == ["write 2 corrupted (slots [1])", "slot 0 corrupted"]
     finally:
         tier.close()
+
+
+# -- the disk tier's batched system calls (kvcm_tier_disk.aio) -----------------------------
+
+needs_aio = pytest.mark.skipif(not disk_aio.available(),
+                               reason="no Linux native AIO here (the tier makes one call per run)")
+
+
+@needs_aio
+@settings(max_examples=40, deadline=None)
+@given(slots=st.lists(st.integers(0, 63), min_size=1, max_size=40, unique=True),
+       seed=st.integers(0, 2**32 - 1))
+def test_disk_batched_writes_and_reads_store_the_same_bytes_as_one_call_per_run(
+        tmp_path_factory: pytest.TempPathFactory, slots: list[int], seed: int) -> None:
+    base = tmp_path_factory.mktemp("aio")
+    rows = np.random.default_rng(seed).integers(0, 256, (len(slots), 48), dtype=np.uint8)
+    files = []
+    for batch in (True, False):
+        tier = DiskTier(None, {"path": str(base / str(batch)), "batch_syscalls": batch})
+        try:
+            pool = tier.create_pool(48, 64, name="p")
+            pool.write(np.array(slots), rows).wait()
+            out = np.zeros_like(rows)
+            pool.read(np.array(slots[::-1]), out[::-1]).wait()  # reversed: sorted inside
+            np.testing.assert_array_equal(out, rows)
+            files.append(Path(pool.path).read_bytes())
+        finally:
+            tier.close()
+    assert files[0] == files[1]
+
+
+def _calls(rows: np.ndarray, offsets: list[int]) -> list[tuple[int, list[memoryview], int]]:
+    return [(off, [rows[i].data], rows.shape[1]) for i, off in enumerate(offsets)]
+
+
+@needs_aio
+def test_disk_batched_write_failure_is_a_tier_io_error_naming_the_errno(tmp_path: Path
+                                                                        ) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(bytes(4096))
+    fd = os.open(path, os.O_RDONLY)  # writes fail with EBADF
+    try:
+        rows = np.ones((4, 64), dtype=np.uint8)
+        with pytest.raises(TierIOError, match=r"Errno 9"):
+            disk_run_calls(fd, _calls(rows, [0, 256, 512, 1024]), True, "test", True)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == bytes(4096)
+
+
+@needs_aio
+def test_disk_batched_read_past_the_end_of_the_file_is_a_short_read(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 4)  # 1 KiB
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        rows = np.zeros((3, 64), dtype=np.uint8)
+        calls = _calls(rows, [0, 512, 1000])  # the last run ends past the end
+        with pytest.raises(TierIOError, match="short preadv: 24 of 64 bytes at offset 1000"):
+            disk_run_calls(fd, calls, False, "test", True)
+        np.testing.assert_array_equal(rows[0], np.arange(64))
+    finally:
+        os.close(fd)
+
+
+@needs_aio
+def test_disk_write_of_three_or_more_runs_is_one_batched_call_not_a_pwrite_each(
+        disk: DiskTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = disk.create_pool(64, 16, name="runs")
+    rows = np.arange(4 * 64, dtype=np.uint8).reshape(4, 64)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("one call per run was made")
+
+    for fn in ("pwrite", "pwritev", "preadv"):
+        monkeypatch.setattr(os, fn, refuse)
+    pool.write(np.array([1, 5, 9, 13]), rows).wait()  # four runs
+    out = np.zeros_like(rows)
+    pool.read(np.array([1, 5, 9, 13]), out).wait()
+    monkeypatch.undo()
+    np.testing.assert_array_equal(out, rows)
+
+
+@needs_aio
+def test_disk_batched_calls_of_several_buffers_write_and_read_them_in_order(
+        tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(bytes(8192))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        rows = np.random.default_rng(3).integers(0, 256, (6, 100), dtype=np.uint8)
+        calls = [(off, [rows[2 * i].data, rows[2 * i + 1].data], 200)
+                 for i, off in enumerate([0, 1000, 5000])]
+        assert disk_aio.run(fd, calls, True) == []
+        data = path.read_bytes()
+        for i, off in enumerate([0, 1000, 5000]):
+            assert data[off : off + 200] == rows[2 * i].tobytes() + rows[2 * i + 1].tobytes()
+        back = np.zeros_like(rows)
+        assert disk_aio.run(fd, [(off, [back[2 * i].data, back[2 * i + 1].data], 200)
+                                 for i, off in enumerate([0, 1000, 5000])], False) == []
+        np.testing.assert_array_equal(back, rows)
+    finally:
+        os.close(fd)
+
+
+@needs_aio
+def test_disk_batched_calls_work_in_a_forked_child(tmp_path: Path) -> None:
+    """AIO contexts are not inherited: a child gets its own."""
+    path = tmp_path / "f"
+    path.write_bytes(bytes(4096))
+    rows = np.full((3, 64), 7, dtype=np.uint8)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert disk_aio.run(fd, _calls(rows, [0, 1024, 2048]), True) == []  # a context
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 only if its batched write works
+            ok = False
+            try:
+                ok = disk_aio.run(fd, _calls(rows + 1, [256, 1280, 2304]), True) == []
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 0
+    data = path.read_bytes()
+    assert data[256:320] == bytes([8]) * 64 and data[0:64] == bytes([7]) * 64

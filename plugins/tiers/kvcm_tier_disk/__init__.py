@@ -23,6 +23,10 @@ Options:
         ``capabilities.blobs``.
     segment_bytes: size at which a blob-mode segment file is closed for writing and a
         new one started (int >= 4096, default 64 MiB).
+    batch_syscalls: submit a batch's runs of consecutive slots (three or more) with one
+        Linux native AIO system call instead of one ``pwrite``/``preadv`` each (bool,
+        default True; see :mod:`kvcm_tier_disk.aio`). Where the platform has no such call
+        or the kernel refuses it, the tier makes one call per run, as with False.
 
 Persistence: a pool created with the ``name`` of an existing pool file in ``path`` reopens
 it and keeps its data (resized to the requested slot count); a file written with another
@@ -68,6 +72,7 @@ from kvcm_core.backend import KernelBackend
 from kvcm_core.errors import ConfigError, InvalidStateError, TierIOError
 from kvcm_core.records import Availability, Medium, TierCapabilities, TierSpec
 from kvcm_core.tier import CompletedIO, IOHandle, StoragePool, Tier, check_slots, checked_rows
+from kvcm_tier_disk import aio
 from kvcm_tier_disk.blob import BlobDiskPool
 
 from .owner import (
@@ -115,8 +120,8 @@ def _availability() -> Availability:
     return Availability(True)
 
 
-def _parse_options(options: Mapping[str, Any]) -> tuple[str | None, int, str, int]:
-    known = ("path", "io_threads", "mode", "segment_bytes")
+def _parse_options(options: Mapping[str, Any]) -> tuple[str | None, int, str, int, bool]:
+    known = ("path", "io_threads", "mode", "segment_bytes", "batch_syscalls")
     for key in options:
         if key not in known:
             raise ConfigError(
@@ -136,7 +141,10 @@ def _parse_options(options: Mapping[str, Any]) -> tuple[str | None, int, str, in
     segment = options.get("segment_bytes", _DEFAULT_SEGMENT)
     if isinstance(segment, bool) or not isinstance(segment, int) or segment < 4096:
         raise ConfigError("disk.options.segment_bytes", segment, "must be an int >= 4096")
-    return path, threads, mode, segment
+    batch = options.get("batch_syscalls", True)
+    if not isinstance(batch, bool):
+        raise ConfigError("disk.options.batch_syscalls", batch, "must be a bool")
+    return path, threads, mode, segment, batch
 
 
 def file_name(name: str) -> str:
@@ -259,7 +267,8 @@ class DiskPool(StoragePool):
             return self._inline(fd, slots, rows, write=write, order=order)
         tasks = list(self._tasks(slots, rows, order))
         futures = [
-            self._tier._executor.submit(_run_calls, fd, calls, write, self._label())
+            self._tier._executor.submit(_run_calls, fd, calls, write, self._label(),
+                                        self._tier.batch_syscalls)
             for calls in tasks
         ]
         with self._lock:
@@ -283,7 +292,7 @@ class DiskPool(StoragePool):
                      for a, b, first in zip(starts, [*cuts, len(slots)],
                                             slots[starts].tolist(), strict=True)]
             try:
-                _run_calls(fd, calls, write, self._label())
+                _run_calls(fd, calls, write, self._label(), self._tier.batch_syscalls)
             except TierIOError as exc:
                 return CompletedIO(exc)
             return CompletedIO()
@@ -293,7 +302,7 @@ class DiskPool(StoragePool):
         staged = rows[order] if write else np.empty_like(rows)
         try:
             for task in self._tasks(ordered, staged, None):
-                _run_calls(fd, task, write, self._label())
+                _run_calls(fd, task, write, self._label(), self._tier.batch_syscalls)
         except TierIOError as exc:
             return CompletedIO(exc)
         if not write:
@@ -422,8 +431,24 @@ def _order(slots: np.ndarray) -> np.ndarray | None:
     return np.argsort(slots, kind="stable")
 
 
-def _run_calls(fd: int, calls: list[_Call], write: bool, label: str) -> None:
+def _run_calls(fd: int, calls: list[_Call], write: bool, label: str,
+               batch: bool = False) -> None:
+    """The calls of one batch (or task), in order; the first failure raises. ``batch``:
+    submit them in one system call where the platform allows (:mod:`kvcm_tier_disk.aio`)."""
     op = "pwritev" if write else "preadv"
+    if batch and len(calls) >= aio.MIN_CALLS:
+        failed = aio.run(fd, calls, write)
+        if failed is not None:
+            if failed:
+                i, done, nbytes = failed[0]
+                offset = calls[i][0]
+                if done < 0:
+                    raise TierIOError(f"{label}: {op} of {nbytes} bytes at offset {offset} "
+                                      f"failed: [Errno {-done}] {os.strerror(-done)}")
+                raise TierIOError(
+                    f"{label}: short {op}: {done} of {nbytes} bytes at offset {offset} "
+                    "(file truncated or disk full)")
+            return
     for offset, buffers, nbytes in calls:
         try:
             if write:  # one buffer: pwrite (half the cost of pwritev from Python)
@@ -475,7 +500,8 @@ class DiskTier(Tier):
 
     def __init__(self, backend: KernelBackend | None, options: Mapping[str, Any] | None = None):
         super().__init__(backend, options or {})  # type: ignore[arg-type]
-        path, threads, self.mode, self._segment_bytes = _parse_options(self.options)
+        path, threads, self.mode, self._segment_bytes, self.batch_syscalls = \
+            _parse_options(self.options)
         if self.mode == "blob":
             self.capabilities = BLOB_CAPABILITIES
         self._threads = threads

@@ -1,0 +1,182 @@
+"""Many positioned reads or writes in one system call: Linux native AIO (``io_submit``).
+
+A batch of a disk pool is one call per run of consecutive slots, and a batch of scattered
+slots is many runs. With ``pwrite`` per run, a thread pays one system call per run and,
+more costly when it is not the scheduler's thread, takes the GIL back after each. Here the
+whole batch is submitted with one ``io_submit`` and reaped with one ``io_getevents``, both
+made through ``ctypes``, which releases the GIL around each. On a file opened without
+``O_DIRECT`` the kernel does the copies inside ``io_submit`` (page cache), so this changes
+how many times Python calls the kernel, not what the kernel does.
+
+Used on Linux x86-64 and AArch64 (little-endian ``struct iocb``), for batches of at least
+:data:`MIN_CALLS` runs. Anywhere else, or when the kernel refuses ``io_setup`` (a seccomp
+filter, ``fs.aio-max-nr`` reached), :func:`run` returns False and the caller makes one
+call per run as before. Contexts are kept in a free list and reused: one per thread doing
+I/O at the same moment; a context whose wait failed is destroyed (the kernel then finishes
+or cancels its requests before the buffers are released), and a forked child starts with
+none (contexts are not inherited).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import sys
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["MIN_CALLS", "available", "run"]
+
+#: Batches of fewer runs use one ``pwrite``/``preadv`` per run (as cheap for one or two).
+MIN_CALLS = 3
+_NR_EVENTS = 256  # requests one context takes at once; larger batches go in slices
+
+# struct iocb (linux/aio_abi.h, 64 bytes, little-endian), struct io_event (32 bytes) and
+# struct iovec (16 bytes) are written as rows of u64 / i64 words.
+_PREAD, _PWRITE, _PREADV, _PWRITEV = 0, 1, 7, 8  # IOCB_CMD_*
+# (io_setup, io_destroy, io_submit, io_getevents) by machine
+_SYSCALLS = {"x86_64": (206, 207, 209, 208), "aarch64": (0, 1, 2, 4)}
+
+
+class _Kernel:
+    def __init__(self) -> None:
+        numbers = _SYSCALLS.get(platform.machine())
+        self.ok = sys.platform == "linux" and sys.byteorder == "little" and numbers is not None
+        if not self.ok:
+            return
+        assert numbers is not None
+        self.setup, self.destroy, self.submit, self.getevents = numbers
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.syscall = self.libc.syscall
+        self.syscall.restype = ctypes.c_long
+        self.free: list[int] = []
+        self.lock = threading.Lock()
+
+    def take(self) -> int | None:
+        with self.lock:
+            if self.free:
+                return self.free.pop()
+        ctx = ctypes.c_ulong(0)
+        if self.syscall(ctypes.c_long(self.setup), ctypes.c_long(_NR_EVENTS),
+                        ctypes.byref(ctx)) != 0:
+            self.ok = False  # refused (seccomp, aio-max-nr): per-run calls from now on
+            return None
+        return ctx.value
+
+    def give(self, ctx: int) -> None:
+        with self.lock:
+            self.free.append(ctx)
+
+    def drop(self, ctx: int) -> None:
+        """Destroy ``ctx``: the kernel waits for (or cancels) what it still has in flight,
+        so no request outlives the buffers it was given."""
+        self.syscall(ctypes.c_long(self.destroy), ctypes.c_ulong(ctx))
+
+    def forget(self) -> None:
+        """In a forked child: the parent's contexts are not the child's."""
+        self.free = []
+        self.lock = threading.Lock()
+
+
+_kernel = _Kernel()
+if _kernel.ok and hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_kernel.forget)
+
+
+def available() -> bool:
+    """Whether :func:`run` may still batch (False once the kernel refused a context)."""
+    return _kernel.ok
+
+
+def run(fd: int, calls: Sequence[tuple[int, list[memoryview], int]], write: bool
+        ) -> list[tuple[int, int, int]] | None:
+    """Submit ``calls`` (``(offset, buffers, nbytes)``, as the pool's per-run calls) on
+    ``fd`` and wait for all of them. Returns None when batching is not possible here (the
+    caller then makes the calls itself; nothing was done), else the calls that failed or
+    came up short: ``(index, result, nbytes)`` with ``result`` the byte count or
+    ``-errno``. An empty list: everything was read or written."""
+    if not _kernel.ok or len(calls) < MIN_CALLS:
+        return None
+    ctx = _kernel.take()
+    if ctx is None:
+        return None
+    try:
+        out = _run(ctx, fd, calls, write)
+    except BaseException:
+        _kernel.drop(ctx)  # requests may be in flight: wait for them, never reuse ctx
+        raise
+    _kernel.give(ctx)
+    return out
+
+
+def _run(ctx: int, fd: int, calls: Sequence[tuple[int, list[memoryview], int]],
+         write: bool) -> list[tuple[int, int, int]]:
+    k = _kernel
+    n = len(calls)
+    keep: list[object] = []  # what the kernel reads or writes: exported until reaped
+    # struct iocb as eight little-endian u64 words: [0] data (the bytes the call must
+    # move), [1] key and rw_flags (0), [2] opcode | reqprio << 16 | fildes << 32, [3] buf,
+    # [4] nbytes, [5] offset, [6] reserved (0), [7] flags and resfd (0).
+    cbs = np.zeros((n, 8), dtype=np.uint64)
+    cbs[:, 0] = [c[2] for c in calls]
+    cbs[:, 5] = [c[0] for c in calls]
+    if all(len(c[1]) == 1 for c in calls):  # one buffer per run: plain PREAD / PWRITE
+        cbs[:, 2] = (_PWRITE if write else _PREAD) | (fd << 32)
+        cbs[:, 3] = [_address(c[1][0], keep) for c in calls]
+        cbs[:, 4] = cbs[:, 0]
+    else:  # runs of several buffers: PREADV / PWRITEV over an iovec array
+        counts = [len(c[1]) for c in calls]
+        vecs = np.empty((sum(counts), 2), dtype=np.uint64)
+        vecs[:, 0] = [_address(b, keep) for c in calls for b in c[1]]
+        vecs[:, 1] = [b.nbytes for c in calls for b in c[1]]
+        keep.append(vecs)
+        cbs[:, 2] = (_PWRITEV if write else _PREADV) | (fd << 32)
+        cbs[:, 3] = np.uint64(vecs.ctypes.data) + np.cumsum(
+            [0, *counts[:-1]], dtype=np.uint64) * np.uint64(16)
+        cbs[:, 4] = counts
+    base = cbs.ctypes.data
+    ptrs = np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(64)
+    events = np.zeros((min(n, _NR_EVENTS), 4), dtype=np.int64)  # data, obj, res, res2
+    results = np.empty(n, dtype=np.int64)
+    done = 0
+    while done < n:
+        m = min(n - done, _NR_EVENTS)
+        got = k.syscall(ctypes.c_long(k.submit), ctypes.c_ulong(ctx), ctypes.c_long(m),
+                        ctypes.c_void_p(ptrs.ctypes.data + done * 8))
+        if got <= 0:  # nothing accepted: the rest fail with errno
+            results[done:] = -(ctypes.get_errno() or errno.EIO)
+            break
+        reaped = 0
+        while reaped < got:
+            r = k.syscall(ctypes.c_long(k.getevents), ctypes.c_ulong(ctx),
+                          ctypes.c_long(got - reaped), ctypes.c_long(got - reaped),
+                          ctypes.c_void_p(events.ctypes.data), None)
+            if r < 0:
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                raise OSError(err, os.strerror(err))
+            ev = events[:r]
+            results[(ev[:, 1] - base) // 64] = ev[:, 2]
+            reaped += r
+        done += got
+    want = cbs[:, 0].astype(np.int64)
+    bad = np.nonzero(results != want)[0]
+    del keep
+    return [(int(i), int(results[i]), int(want[i])) for i in bad.tolist()]
+
+
+def _address(buffer: memoryview, keep: list[object]) -> int:
+    """The address of ``buffer``'s first byte; what exports it is appended to ``keep``."""
+    try:
+        c = ctypes.c_char.from_buffer(buffer)
+        keep.append(c)
+        return ctypes.addressof(c)
+    except TypeError:  # a read-only buffer (a write's source)
+        arr = np.frombuffer(buffer, dtype=np.uint8)
+        keep.append(arr)
+        return int(arr.ctypes.data)
