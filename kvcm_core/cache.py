@@ -266,6 +266,10 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
                    prios: dict[int, int] | None = None) -> list[int]:
         if prios is None:
             prios = self._priorities(blocks)
+        if len(blocks) == 1 and not prios:  # the decode step's new block: an int id
+            self.stats.allocated_blocks += 1
+            self.stats.newly_allocated_blocks += 1
+            return [self._levels.take_one(group)]
         pr = np.asarray([prios[b] for b in blocks], dtype=np.int8) if prios else None
         pids = self._levels.take(group, len(blocks), pr)
         n = len(pids)

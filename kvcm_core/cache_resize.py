@@ -209,12 +209,7 @@ class ResizeMixin(CacheBase):
                 L.make_room(store, n)
             except OutOfPagesError as exc:
                 return self._refuse(room_failed("resize", exc))
-        if n == 1 and not prios:  # the decode step's new block
-            pages_g.append(L.take_one(g))
-            self.stats.allocated_blocks += 1  # type: ignore[attr-defined]
-            self.stats.newly_allocated_blocks += 1  # type: ignore[attr-defined]
-        else:
-            pages_g.extend(self._new_pages(g, range(old_nb, nb_new), prios))  # type: ignore[attr-defined]
+        pages_g.extend(self._new_pages(g, range(old_nb, nb_new), prios))  # type: ignore[attr-defined]
         self._capacity = capacity
         self._changed()
         return True

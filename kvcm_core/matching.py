@@ -236,15 +236,21 @@ def _gallop(index: dict[bytes, int], h: Any, tokens: Sequence[Any] | np.ndarray,
         lo += 1
         nid = x
     at = lo * step  # where block lo starts in buf
+
+    def probe(p: int) -> tuple[int | None, Any, int]:
+        """Whether block ``p - 1`` is cached: its node (or None), the hash past it, and
+        where block ``p`` starts in ``buf`` (blocks ``lo..p`` hashed in one call)."""
+        end = at + (p - lo) * step
+        g = h.copy()
+        g.update(buf[at:end])
+        return get(g.digest()), g, end
+
     while True:
         while lo < enc:  # gallop
             p = 2 * lo or 1
             if p > enc:
                 p = enc
-            end = at + (p - lo) * step
-            g = h.copy()
-            g.update(buf[at:end])
-            x = get(g.digest())
+            x, g, end = probe(p)
             if x is None:
                 hi = p
                 break
@@ -263,10 +269,7 @@ def _gallop(index: dict[bytes, int], h: Any, tokens: Sequence[Any] | np.ndarray,
         break
     while hi - lo > _SCAN:  # bisect: block lo - 1 is cached, block hi - 1 is not
         mid = (lo + hi) >> 1
-        end = at + (mid - lo) * step
-        g = h.copy()
-        g.update(buf[at:end])
-        x = get(g.digest())
+        x, g, end = probe(mid)
         if x is None:
             hi = mid
         else:
