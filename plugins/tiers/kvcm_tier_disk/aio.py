@@ -3,18 +3,21 @@
 A batch of a disk pool is one call per run of consecutive slots, and a batch of scattered
 slots is many runs. With ``pwrite`` per run, a thread pays one system call per run and,
 more costly when it is not the scheduler's thread, takes the GIL back after each. Here the
-whole batch is submitted with one ``io_submit`` and reaped with one ``io_getevents``, both
-made through ``ctypes``, which releases the GIL around each. On a file opened without
-``O_DIRECT`` the kernel does the copies inside ``io_submit`` (page cache), so this changes
-how many times Python calls the kernel, not what the kernel does.
+whole batch is submitted with one ``io_submit``, made through ``ctypes``, which releases
+the GIL around it. On a file opened without ``O_DIRECT`` the kernel does the copies inside
+``io_submit`` (page cache), so this changes how many times Python calls the kernel, not
+what the kernel does; the requests are then complete, and one ``io_getevents`` with a
+zero timeout (it never waits) reaps them without releasing the GIL. Requests still
+running are waited for by ``io_getevents`` with the GIL released.
 
 Used on Linux x86-64 and AArch64 (little-endian ``struct iocb``), for batches of at least
 :data:`MIN_CALLS` runs. Anywhere else, or when the kernel refuses ``io_setup`` (a seccomp
-filter, ``fs.aio-max-nr`` reached), :func:`run` returns False and the caller makes one
-call per run as before. Contexts are kept in a free list and reused: one per thread doing
-I/O at the same moment; a context whose wait failed is destroyed (the kernel then finishes
-or cancels its requests before the buffers are released), and a forked child starts with
-none (contexts are not inherited).
+filter, ``fs.aio-max-nr`` reached), :func:`run` (and :func:`run_runs`, which takes runs
+of one buffer as arrays) returns None and the caller makes one call per run as before.
+Contexts are kept in a free list and reused: one per thread doing I/O at the same moment;
+a context whose wait failed is destroyed (the kernel then finishes or cancels its
+requests before the buffers are released), and a forked child starts with none (contexts
+are not inherited).
 """
 
 from __future__ import annotations
