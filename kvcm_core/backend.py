@@ -310,11 +310,11 @@ def check_copy_args(dst: PageRegion, src: PageRegion, page_bytes: int,
             )
     if len(pairs) == 0:
         return 0, 0
-    lo = np.minimum.reduce(pairs, axis=0).tolist()
-    if lo[0] < 0 or lo[1] < 0:
+    if int(pairs.min()) < 0:  # one reduction over both columns; which one, only here
+        lo = pairs.min(axis=0).tolist()
         label, column = ("dst", 0) if lo[0] < 0 else ("src", 1)
         raise ValueError(f"{label} page index {lo[column]}: must be >= 0")
-    hi = np.maximum.reduce(pairs, axis=0).tolist()
+    hi = [int(pairs[:, 0].max()), int(pairs[:, 1].max())]  # faster than max(axis=0)
     for label, region, column in (("dst", dst, 0), ("src", src, 1)):
         end = region.offset + hi[column] * region.stride + page_bytes
         if end > region.buffer.nbytes:

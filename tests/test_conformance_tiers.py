@@ -478,6 +478,28 @@ def test_disk_write_of_three_or_more_runs_is_one_batched_call_not_a_pwrite_each(
 
 
 @needs_aio
+def test_disk_batched_read_of_a_pool_truncated_under_it_is_a_short_read(
+        disk: DiskTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs handed to the batched call as arrays (DiskPool._run_runs): a failure names
+    the run's offset, as the per-run calls do."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the runs went through per-run call tuples")
+
+    monkeypatch.setattr(disk_aio, "run", refuse)
+    pool = disk.create_pool(64, 16, name="cut")
+    rows = np.arange(4 * 64, dtype=np.uint8).reshape(4, 64)
+    slots = np.array([1, 5, 9, 13])  # four runs
+    pool.write(slots, rows).wait()
+    os.truncate(pool.path, HEADER_BYTES + 9 * 64 + 10)  # slot 9 keeps 10 bytes
+    out = np.zeros_like(rows)
+    with pytest.raises(TierIOError, match=rf"short preadv: 10 of 64 bytes at offset "
+                                          rf"{HEADER_BYTES + 9 * 64}"):
+        pool.read(slots, out).wait()
+    np.testing.assert_array_equal(out[:2], rows[:2])  # the runs before it were read
+
+
+@needs_aio
 def test_disk_batched_calls_of_several_buffers_write_and_read_them_in_order(
         tmp_path: Path) -> None:
     path = tmp_path / "f"

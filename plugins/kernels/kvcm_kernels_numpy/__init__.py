@@ -8,6 +8,7 @@ tested on machines without one.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -124,8 +125,14 @@ def _page_items(region: PageRegion, page_bytes: int, count: int) -> np.ndarray:
     """:func:`_page_view` with each page as one item (``void`` of ``page_bytes``): a
     fancy index then copies whole pages, not byte by byte."""
     base = region.buffer.host_view()
-    return np.ndarray((count,), dtype=np.dtype((np.void, page_bytes)), buffer=base,
+    return np.ndarray((count,), dtype=_page_item(page_bytes), buffer=base,
                       offset=region.offset, strides=(region.stride,))
+
+
+@functools.lru_cache(maxsize=64)
+def _page_item(page_bytes: int) -> np.dtype:
+    """The ``void`` dtype of one page (kept: making a dtype costs as much as the view)."""
+    return np.dtype((np.void, page_bytes))
 
 
 def _slot_maps(page_bytes: int, slots: int) -> tuple[np.ndarray, np.ndarray]:

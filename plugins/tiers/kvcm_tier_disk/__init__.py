@@ -61,7 +61,7 @@ import stat
 import struct
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -285,14 +285,8 @@ class DiskPool(StoragePool):
         if order is None and rows.flags.c_contiguous:
             # Slots in order, rows packed: one call per run of consecutive slots, straight
             # from the caller's rows (a batch this small never needs splitting).
-            cuts = (np.nonzero(slots[1:] != slots[:-1] + 1)[0] + 1).tolist()
-            starts = [0, *cuts]
-            sb, base = self.slot_bytes, self.data_offset
-            calls = [(base + first * sb, [rows[a:b].data], (b - a) * sb)
-                     for a, b, first in zip(starts, [*cuts, len(slots)],
-                                            slots[starts].tolist(), strict=True)]
             try:
-                _run_calls(fd, calls, write, self._label(), self._tier.batch_syscalls)
+                self._run_runs(fd, slots, rows, write)
             except TierIOError as exc:
                 return CompletedIO(exc)
             return CompletedIO()
@@ -308,6 +302,29 @@ class DiskPool(StoragePool):
         if not write:
             rows[order] = staged
         return CompletedIO()
+
+    def _run_runs(self, fd: int, slots: np.ndarray, rows: np.ndarray, write: bool) -> None:
+        """One call per run of consecutive ``slots`` (increasing), straight between the
+        file and the packed ``rows``; the first failure raises. A batched submission
+        (three runs or more) takes the runs as arrays: no Python code runs per run."""
+        n = len(slots)
+        cuts = np.flatnonzero(slots[1:] != slots[:-1] + 1) + 1  # where runs start, but 0
+        sb, base = self.slot_bytes, self.data_offset
+        batch = self._tier.batch_syscalls
+        if batch and len(cuts) + 1 >= aio.MIN_CALLS:
+            starts = np.concatenate(([0], cuts))
+            offsets = base + slots[starts] * sb
+            failed = aio.run_runs(fd, offsets, rows.ctypes.data + starts * sb,
+                                  (np.append(cuts, n) - starts) * sb, write)
+            if failed is not None:
+                _raise_batch_failure(failed, offsets, "pwritev" if write else "preadv",
+                                     self._label())
+                return
+        first = [0, *cuts.tolist()]
+        calls = [(base + slot * sb, [rows[a:b].data], (b - a) * sb)
+                 for a, b, slot in zip(first, [*first[1:], n], slots[first].tolist(),
+                                       strict=True)]
+        _run_calls(fd, calls, write, self._label(), batch)
 
     def _forget(self, future: cf.Future[None]) -> None:
         with self._lock:
@@ -439,15 +456,7 @@ def _run_calls(fd: int, calls: list[_Call], write: bool, label: str,
     if batch and len(calls) >= aio.MIN_CALLS:
         failed = aio.run(fd, calls, write)
         if failed is not None:
-            if failed:
-                i, done, nbytes = failed[0]
-                offset = calls[i][0]
-                if done < 0:
-                    raise TierIOError(f"{label}: {op} of {nbytes} bytes at offset {offset} "
-                                      f"failed: [Errno {-done}] {os.strerror(-done)}")
-                raise TierIOError(
-                    f"{label}: short {op}: {done} of {nbytes} bytes at offset {offset} "
-                    "(file truncated or disk full)")
+            _raise_batch_failure(failed, [c[0] for c in calls], op, label)
             return
     for offset, buffers, nbytes in calls:
         try:
@@ -465,6 +474,21 @@ def _run_calls(fd: int, calls: list[_Call], write: bool, label: str,
                 f"{label}: short {op}: {done} of {nbytes} bytes at offset {offset} "
                 "(file truncated or disk full)"
             )
+
+
+def _raise_batch_failure(failed: list[tuple[int, int, int]], offsets: Sequence[int] | np.ndarray,
+                         op: str, label: str) -> None:
+    """Raise for the first call of a batched submission that failed or came up short
+    (:func:`kvcm_tier_disk.aio.run`'s answer; nothing when it is empty)."""
+    if not failed:
+        return
+    i, done, nbytes = failed[0]
+    offset = int(offsets[i])
+    if done < 0:
+        raise TierIOError(f"{label}: {op} of {nbytes} bytes at offset {offset} "
+                          f"failed: [Errno {-done}] {os.strerror(-done)}")
+    raise TierIOError(f"{label}: short {op}: {done} of {nbytes} bytes at offset {offset} "
+                      "(file truncated or disk full)")
 
 
 def _check_count(num_slots: object) -> int:

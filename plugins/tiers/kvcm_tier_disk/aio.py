@@ -3,18 +3,21 @@
 A batch of a disk pool is one call per run of consecutive slots, and a batch of scattered
 slots is many runs. With ``pwrite`` per run, a thread pays one system call per run and,
 more costly when it is not the scheduler's thread, takes the GIL back after each. Here the
-whole batch is submitted with one ``io_submit`` and reaped with one ``io_getevents``, both
-made through ``ctypes``, which releases the GIL around each. On a file opened without
-``O_DIRECT`` the kernel does the copies inside ``io_submit`` (page cache), so this changes
-how many times Python calls the kernel, not what the kernel does.
+whole batch is submitted with one ``io_submit``, made through ``ctypes``, which releases
+the GIL around it. On a file opened without ``O_DIRECT`` the kernel does the copies inside
+``io_submit`` (page cache), so this changes how many times Python calls the kernel, not
+what the kernel does; the requests are then complete, and one ``io_getevents`` with a
+zero timeout (it never waits) reaps them without releasing the GIL. Requests still
+running are waited for by ``io_getevents`` with the GIL released.
 
 Used on Linux x86-64 and AArch64 (little-endian ``struct iocb``), for batches of at least
 :data:`MIN_CALLS` runs. Anywhere else, or when the kernel refuses ``io_setup`` (a seccomp
-filter, ``fs.aio-max-nr`` reached), :func:`run` returns False and the caller makes one
-call per run as before. Contexts are kept in a free list and reused: one per thread doing
-I/O at the same moment; a context whose wait failed is destroyed (the kernel then finishes
-or cancels its requests before the buffers are released), and a forked child starts with
-none (contexts are not inherited).
+filter, ``fs.aio-max-nr`` reached), :func:`run` (and :func:`run_runs`, which takes runs
+of one buffer as arrays) returns None and the caller makes one call per run as before.
+Contexts are kept in a free list and reused: one per thread doing I/O at the same moment;
+a context whose wait failed is destroyed (the kernel then finishes or cancels its
+requests before the buffers are released), and a forked child starts with none (contexts
+are not inherited).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["MIN_CALLS", "available", "run"]
+__all__ = ["MIN_CALLS", "available", "run", "run_runs"]
 
 #: Batches of fewer runs use one ``pwrite``/``preadv`` per run (as cheap for one or two).
 MIN_CALLS = 3
@@ -53,6 +56,10 @@ class _Kernel:
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.syscall = self.libc.syscall
         self.syscall.restype = ctypes.c_long
+        # The same call without releasing the GIL: only for calls that never wait.
+        self.syscall_held = ctypes.PyDLL(None, use_errno=True).syscall
+        self.syscall_held.restype = ctypes.c_long
+        self.no_wait = (ctypes.c_long * 2)()  # struct timespec {0, 0}
         self.free: list[int] = []
         self.lock = threading.Lock()
 
@@ -101,11 +108,66 @@ def run(fd: int, calls: Sequence[tuple[int, list[memoryview], int]], write: bool
     ``-errno``. An empty list: everything was read or written."""
     if not _kernel.ok or len(calls) < MIN_CALLS:
         return None
+    keep: list[object] = []  # what the kernel reads or writes: exported until reaped
+    offsets = [c[0] for c in calls]
+    sizes = [c[2] for c in calls]
+    if all(len(c[1]) == 1 for c in calls):  # one buffer per run: plain PREAD / PWRITE
+        return _submit(_plain_blocks(fd, offsets, [_address(c[1][0], keep) for c in calls],
+                                     sizes, write))
+    # Runs of several buffers: PREADV / PWRITEV over an iovec array.
+    counts = [len(c[1]) for c in calls]
+    vecs = np.empty((sum(counts), 2), dtype=np.uint64)
+    vecs[:, 0] = [_address(b, keep) for c in calls for b in c[1]]
+    vecs[:, 1] = [b.nbytes for c in calls for b in c[1]]
+    cbs = _blocks(fd, offsets, sizes, _PWRITEV if write else _PREADV)
+    cbs[:, 3] = np.uint64(vecs.ctypes.data) + np.cumsum(
+        [0, *counts[:-1]], dtype=np.uint64) * np.uint64(16)
+    cbs[:, 4] = counts
+    return _submit(cbs)
+
+
+def run_runs(fd: int, offsets: np.ndarray, addresses: np.ndarray, sizes: np.ndarray,
+             write: bool) -> list[tuple[int, int, int]] | None:
+    """:func:`run` of calls of one buffer each, given as arrays: ``sizes[i]`` bytes at
+    memory address ``addresses[i]`` (memory the caller keeps alive until this returns) to
+    or from file offset ``offsets[i]``; no Python code runs per call."""
+    if not _kernel.ok or len(offsets) < MIN_CALLS:
+        return None
+    return _submit(_plain_blocks(fd, offsets, addresses, sizes, write))
+
+
+def _blocks(fd: int, offsets: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray,
+            opcode: int) -> np.ndarray:
+    """The control blocks of calls at file ``offsets`` moving ``sizes`` bytes each, their
+    buffers (words 3 and 4) left for the caller to fill."""
+    # struct iocb as eight little-endian u64 words: [0] data (the bytes the call must
+    # move), [1] key and rw_flags (0), [2] opcode | reqprio << 16 | fildes << 32, [3] buf,
+    # [4] nbytes, [5] offset, [6] reserved (0), [7] flags and resfd (0).
+    cbs = np.zeros((len(offsets), 8), dtype=np.uint64)
+    cbs[:, 0] = sizes
+    cbs[:, 2] = opcode | (fd << 32)
+    cbs[:, 5] = offsets
+    return cbs
+
+
+def _plain_blocks(fd: int, offsets: Sequence[int] | np.ndarray,
+                  addresses: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray,
+                  write: bool) -> np.ndarray:
+    """The control blocks of one-buffer calls: plain ``PREAD`` / ``PWRITE``."""
+    cbs = _blocks(fd, offsets, sizes, _PWRITE if write else _PREAD)
+    cbs[:, 3] = addresses
+    cbs[:, 4] = cbs[:, 0]
+    return cbs
+
+
+def _submit(cbs: np.ndarray) -> list[tuple[int, int, int]] | None:
+    """Run the control blocks ``cbs`` on a context of the free list; None when the kernel
+    refuses one (nothing was done)."""
     ctx = _kernel.take()
     if ctx is None:
         return None
     try:
-        out = _run(ctx, fd, calls, write)
+        out = _run(ctx, cbs)
     except BaseException:
         _kernel.drop(ctx)  # requests may be in flight: wait for them, never reuse ctx
         raise
@@ -113,31 +175,9 @@ def run(fd: int, calls: Sequence[tuple[int, list[memoryview], int]], write: bool
     return out
 
 
-def _run(ctx: int, fd: int, calls: Sequence[tuple[int, list[memoryview], int]],
-         write: bool) -> list[tuple[int, int, int]]:
+def _run(ctx: int, cbs: np.ndarray) -> list[tuple[int, int, int]]:
     k = _kernel
-    n = len(calls)
-    keep: list[object] = []  # what the kernel reads or writes: exported until reaped
-    # struct iocb as eight little-endian u64 words: [0] data (the bytes the call must
-    # move), [1] key and rw_flags (0), [2] opcode | reqprio << 16 | fildes << 32, [3] buf,
-    # [4] nbytes, [5] offset, [6] reserved (0), [7] flags and resfd (0).
-    cbs = np.zeros((n, 8), dtype=np.uint64)
-    cbs[:, 0] = [c[2] for c in calls]
-    cbs[:, 5] = [c[0] for c in calls]
-    if all(len(c[1]) == 1 for c in calls):  # one buffer per run: plain PREAD / PWRITE
-        cbs[:, 2] = (_PWRITE if write else _PREAD) | (fd << 32)
-        cbs[:, 3] = [_address(c[1][0], keep) for c in calls]
-        cbs[:, 4] = cbs[:, 0]
-    else:  # runs of several buffers: PREADV / PWRITEV over an iovec array
-        counts = [len(c[1]) for c in calls]
-        vecs = np.empty((sum(counts), 2), dtype=np.uint64)
-        vecs[:, 0] = [_address(b, keep) for c in calls for b in c[1]]
-        vecs[:, 1] = [b.nbytes for c in calls for b in c[1]]
-        keep.append(vecs)
-        cbs[:, 2] = (_PWRITEV if write else _PREADV) | (fd << 32)
-        cbs[:, 3] = np.uint64(vecs.ctypes.data) + np.cumsum(
-            [0, *counts[:-1]], dtype=np.uint64) * np.uint64(16)
-        cbs[:, 4] = counts
+    n = len(cbs)
     base = cbs.ctypes.data
     ptrs = np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(64)
     events = np.zeros((min(n, _NR_EVENTS), 4), dtype=np.int64)  # data, obj, res, res2
@@ -152,9 +192,17 @@ def _run(ctx: int, fd: int, calls: Sequence[tuple[int, list[memoryview], int]],
             break
         reaped = 0
         while reaped < got:
-            r = k.syscall(ctypes.c_long(k.getevents), ctypes.c_ulong(ctx),
-                          ctypes.c_long(got - reaped), ctypes.c_long(got - reaped),
-                          ctypes.c_void_p(events.ctypes.data), None)
+            # On a file in the page cache the kernel finished the requests inside
+            # io_submit: reap them first with a zero timeout, which never waits, without
+            # handing the GIL over (taking it back from the scheduler's thread costs more
+            # than the call); wait, the GIL released, only for requests still running.
+            r = k.syscall_held(ctypes.c_long(k.getevents), ctypes.c_ulong(ctx),
+                               ctypes.c_long(0), ctypes.c_long(got - reaped),
+                               ctypes.c_void_p(events.ctypes.data), ctypes.byref(k.no_wait))
+            if r == 0:
+                r = k.syscall(ctypes.c_long(k.getevents), ctypes.c_ulong(ctx),
+                              ctypes.c_long(got - reaped), ctypes.c_long(got - reaped),
+                              ctypes.c_void_p(events.ctypes.data), None)
             if r < 0:
                 err = ctypes.get_errno()
                 if err == errno.EINTR:
@@ -166,7 +214,6 @@ def _run(ctx: int, fd: int, calls: Sequence[tuple[int, list[memoryview], int]],
         done += got
     want = cbs[:, 0].astype(np.int64)
     bad = np.nonzero(results != want)[0]
-    del keep
     return [(int(i), int(results[i]), int(want[i])) for i in bad.tolist()]
 
 
