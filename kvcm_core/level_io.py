@@ -18,7 +18,9 @@ batch and waits at most ``LevelConfig.io_deadline_s`` (default 5 s):
 
 Ordering makes late completions harmless: one thread per level runs operations in order,
 and nothing queues behind a stuck one, so a late write lands before any later operation
-of its slots. A late read lands in a private buffer that nobody reads; writes copy their
+of its slots. The one exception keeps that rule: a read goes ahead of the background
+writes at the end of the queue that write none of its slots (a resume waits for the
+blocks it reads, not for write-back of others). A late read lands in a private buffer that nobody reads; writes copy their
 rows first (the caller's staging is reused as soon as the call returns).
 
 Background writes (``LevelConfig.write_queue_depth``, 8 batches unless told otherwise)
@@ -112,7 +114,7 @@ class IOStats:
 
 
 class _Job:
-    __slots__ = ("done", "error", "fn", "kind", "rows", "submitted", "what")
+    __slots__ = ("done", "error", "fn", "kind", "rows", "submitted", "target", "what")
 
     def __init__(self, fn: Callable[[], None], what: str, kind: str) -> None:
         self.fn = fn
@@ -123,6 +125,8 @@ class _Job:
         self.error: BaseException | None = None
         #: A background write that can merge with its neighbours: (pool, slots, rows).
         self.rows: tuple[StoragePool, np.ndarray, np.ndarray] | None = None
+        #: The pool and slots a background write writes or a read reads (None: unknown).
+        self.target: tuple[object, np.ndarray] | None = None
 
 
 #: Background writes merged into one write at most (the thread's hand-over is paid once).
@@ -262,17 +266,38 @@ class LevelIO:
 
     def _submit(self, job: _Job, wake: bool = True) -> None:
         """Queue ``job``; ``wake`` False leaves an idle thread asleep (a background write
-        that the next wake-up runs with the others)."""
+        that the next wake-up runs with the others). A read with a known target goes ahead
+        of the background writes at the end of the queue that write none of its slots."""
         with self._cv:
             if self._stopped:
                 raise TierIOError(f"level {self.level}: I/O after shutdown ({job.what})")
             if self._thread is None:
                 self._start()
-            self._queue.append(job)
+            if job.kind == "read" and job.target is not None:
+                self._queue.insert(self._read_position(job.target), job)
+            else:
+                self._queue.append(job)
             if wake or self._go:
                 self._wake()
             else:
                 self._lazy += 1
+
+    def _read_position(self, target: tuple[object, np.ndarray]) -> int:
+        """(Holding ``_cv``.) Where a read of ``target`` joins the queue: before the
+        background writes at its end that write none of the slots it reads (the writes
+        of other pools, and of other slots of its pool), so that a resume does not wait
+        for write-back it does not need; behind everything else, in order."""
+        pool, slots = target
+        q = self._queue
+        at = len(q)
+        while at:
+            job = q[at - 1]
+            if job is None or job.kind != "bg-write" or job.target is None:
+                break
+            if job.target[0] is pool and np.intersect1d(job.target[1], slots).size:
+                break
+            at -= 1
+        return at
 
     def _wake(self) -> None:
         """(Holding ``_cv``.) Wake the thread; background writes that waited for it have
@@ -316,9 +341,11 @@ class LevelIO:
                               f"thread is stuck on {on}", attempted=False)
 
     def call(self, fn: Callable[[], None], what: str, kind: str,
-             until: float | None = None) -> None:
+             until: float | None = None,
+             reads: tuple[object, np.ndarray] | None = None) -> None:
         """Run ``fn`` on the level's thread, waiting at most the deadline (or until the
-        absolute monotonic time ``until``).
+        absolute monotonic time ``until``). ``reads``: the ``(pool, slots)`` a read
+        reads, so that it need not wait for queued background writes of other slots.
 
         Raises:
             TierIOError: ``fn`` failed (any exception, as a TierIOError), it missed its
@@ -332,6 +359,7 @@ class LevelIO:
         if kind != "admin":  # closes queue behind a stuck operation; the rest fail now
             self._fast_fail(what, kind)
         job = _Job(fn, what, kind)
+        job.target = reads
         self._submit(job)
         end = until if until is not None else job.submitted + self.deadline_s
         if not job.done.wait(max(0.0, end - time.monotonic())):
@@ -380,6 +408,7 @@ class LevelIO:
                 raise
 
         job = _Job(run, what, "bg-write")
+        job.target = (pool, slots)
         if rows is not None and isinstance(pool, StoragePool):
             job.rows = (pool, slots, rows)
         self._submit(job, wake=len(self._background) + 1 >= max(1, self.write_queue_depth // 2))
@@ -568,7 +597,7 @@ class DeadlinePool(StoragePool):
             inner.read(arr, private).wait()
 
         try:
-            io.call(run, self._what("read", arr), "read")
+            io.call(run, self._what("read", arr), "read", reads=(inner, arr))
         except TierIOError as exc:
             return CompletedIO(exc)
         dest[...] = private
@@ -623,7 +652,7 @@ class DeadlineBlobPool(DeadlinePool, BlobPool):
             inner.read_blobs(arr, private).wait()
 
         try:
-            io.call(run, self._what("read", arr), "read")
+            io.call(run, self._what("read", arr), "read", reads=(inner, arr))
         except TierIOError as exc:
             return CompletedIO(exc)
         out[:] = private

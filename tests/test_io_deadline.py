@@ -445,6 +445,71 @@ def test_merged_background_writes_keep_the_last_write_of_a_slot():
     io.close([("pool", pool.close)], time.monotonic() + 1.0)
 
 
+def _spied_pools(io: LevelIO, tier, n: int) -> tuple[list[DeadlinePool], list[int]]:
+    """``n`` pools of ``tier`` on ``io``; the list records ``tier.writes`` as each read of
+    any of them runs (how many writes ran before it)."""
+    seen: list[int] = []
+    pools = []
+    for k in range(n):
+        inner = tier.create_pool(16, 8, name=f"p{k}")
+        read = inner.read
+
+        def spy(slots, dest, read=read):
+            seen.append(tier.writes)
+            return read(slots, dest)
+
+        inner.read = spy
+        pools.append(DeadlinePool(io, inner))
+    return pools, seen
+
+
+def test_a_read_goes_ahead_of_queued_background_writes_of_other_slots():
+    """A resume's read does not wait for write-back it does not need: queued background
+    writes of other slots of its pool, or of another pool, run after it."""
+    from kvcm_core.testing.faults import FaultyTier
+    from kvcm_core.testing.reference import DictTier
+
+    tier = FaultyTier(DictTier(), FaultPlan())
+    io = LevelIO(2, deadline_s=1.0, write_queue_depth=8)
+    (pool, other), seen = _spied_pools(io, tier, 2)
+    pool.write(np.array([0, 1]), np.full((2, 16), 7, dtype=np.uint8)).wait()  # synchronous
+    with io.dropping(True):
+        pool.write(np.array([2, 3]), np.full((2, 16), 8, dtype=np.uint8)).wait()
+        other.write(np.array([0]), np.full((1, 16), 9, dtype=np.uint8)).wait()
+    assert io.background_in_flight == 2 and tier.writes == 1  # queued, the thread asleep
+    out = np.zeros((2, 16), dtype=np.uint8)
+    pool.read(np.array([1, 0]), out).wait()
+    assert seen == [1] and out[:, 0].tolist() == [7, 7]  # it ran before both writes
+    assert io.wait_idle(1.0) and tier.writes == 3  # then they ran (one write per pool)...
+    assert io.background_in_flight == 0
+    back = np.zeros((1, 16), dtype=np.uint8)
+    other.read(np.array([0]), back).wait()
+    assert back[0, 0] == 9  # ...and their data is there
+    io.close([("pools", lambda: (pool.close(), other.close()))], time.monotonic() + 1.0)
+
+
+def test_a_read_of_a_slot_with_a_queued_background_write_waits_and_sees_its_rows():
+    """Reads never overtake a queued write of a slot they read, nor anything queued
+    before that write: they see the rows written last."""
+    from kvcm_core.testing.faults import FaultyTier
+    from kvcm_core.testing.reference import DictTier
+
+    tier = FaultyTier(DictTier(), FaultPlan())
+    io = LevelIO(2, deadline_s=1.0, write_queue_depth=8)
+    (pool,), seen = _spied_pools(io, tier, 1)
+    with io.dropping(True):
+        pool.write(np.array([4]), np.full((1, 16), 1, dtype=np.uint8)).wait()
+        pool.write(np.array([5, 6]), np.full((2, 16), 2, dtype=np.uint8)).wait()
+        pool.write(np.array([7]), np.full((1, 16), 3, dtype=np.uint8)).wait()
+    assert tier.writes == 0
+    out = np.zeros((2, 16), dtype=np.uint8)
+    pool.read(np.array([6, 4]), out).wait()  # slot 6: the second write; slot 4: the first
+    assert out[:, 0].tolist() == [2, 1]
+    assert seen == [1]  # the first two writes ran as one merged write before the read
+    assert io.wait_idle(1.0) and tier.writes == 2  # the third (slot 7) after it
+    io.close([("pool", pool.close)], time.monotonic() + 1.0)
+
+
 def test_a_background_write_running_past_the_deadline_makes_the_level_refuse_at_once():
     """Nobody waits for a background write, yet once the thread has run it for longer
     than the deadline the level counts as stuck: the next read is refused at once rather
