@@ -20,8 +20,9 @@ Ordering makes late completions harmless: one thread per level runs operations i
 and nothing queues behind a stuck one, so a late write lands before any later operation
 of its slots. The one exception keeps that rule: a read goes ahead of the background
 writes at the end of the queue that write none of its slots (a resume waits for the
-blocks it reads, not for write-back of others). A late read lands in a private buffer that nobody reads; writes copy their
-rows first (the caller's staging is reused as soon as the call returns).
+blocks it reads, not for write-back of others). A late read lands in a private buffer
+that nobody reads; writes copy their rows first (the caller's staging is reused as soon
+as the call returns).
 
 Background writes (``LevelConfig.write_queue_depth``, 8 batches unless told otherwise)
 are for *droppable* pages, victims that are only cached copies (announced by
@@ -123,10 +124,11 @@ class _Job:
         self.submitted = time.monotonic()
         self.done = threading.Event()
         self.error: BaseException | None = None
-        #: A background write that can merge with its neighbours: (pool, slots, rows).
-        self.rows: tuple[StoragePool, np.ndarray, np.ndarray] | None = None
         #: The pool and slots a background write writes or a read reads (None: unknown).
-        self.target: tuple[object, np.ndarray] | None = None
+        self.target: tuple[Any, np.ndarray] | None = None
+        #: A background write's rows, when it can merge with its neighbours (a storage
+        #: pool's ``write(target slots, rows)``).
+        self.rows: np.ndarray | None = None
 
 
 #: Background writes merged into one write at most (the thread's hand-over is paid once).
@@ -191,8 +193,11 @@ class LevelIO:
                 batch = [job]
                 if job.rows is not None:  # queued writes of the same pool after it
                     q = self._queue
-                    while (q and len(batch) < _MERGE_JOBS and q[0] is not None
-                           and q[0].rows is not None and q[0].rows[0] is job.rows[0]):
+                    pool = job.target[0]  # type: ignore[index]
+                    while q and len(batch) < _MERGE_JOBS:
+                        nxt = q[0]
+                        if nxt is None or nxt.rows is None or nxt.target[0] is not pool:  # type: ignore[index]
+                            break
                         batch.append(q.popleft())
                 self._running = job
                 self._started = time.monotonic()
@@ -218,9 +223,9 @@ class LevelIO:
         """On the thread: the background writes ``batch`` (one pool) as one write, in slot
         order; a slot named twice gets its last write's rows. A failure marks every slot
         of the batch bad."""
-        pool = batch[0].rows[0]  # type: ignore[index]
-        slots = np.concatenate([j.rows[1] for j in batch])  # type: ignore[index]
-        rows = np.concatenate([j.rows[2] for j in batch])  # type: ignore[index]
+        pool = batch[0].target[0]  # type: ignore[index]
+        slots = np.concatenate([j.target[1] for j in batch])  # type: ignore[index]
+        rows = np.concatenate([j.rows for j in batch])  # type: ignore[misc]
         last, first = np.unique(slots[::-1], return_index=True)
         pick = len(slots) - 1 - first  # the last write of each slot, in slot order
         try:
@@ -410,7 +415,7 @@ class LevelIO:
         job = _Job(run, what, "bg-write")
         job.target = (pool, slots)
         if rows is not None and isinstance(pool, StoragePool):
-            job.rows = (pool, slots, rows)
+            job.rows = rows
         self._submit(job, wake=len(self._background) + 1 >= max(1, self.write_queue_depth // 2))
         self._background.append(job)
 

@@ -29,7 +29,7 @@ from kvcm_core.types import ReusePolicy
 if TYPE_CHECKING:
     from kvcm_core.lifecycle import LifeCycle
 
-__all__ = ["Match", "match_prefix", "token_array"]
+__all__ = ["Match", "match_prefix", "reusable_length", "token_array", "with_partial_block"]
 
 _CHUNK = 64  # blocks encoded at a time during the walk
 _ARRAY_CHUNK = 1024  # the same for int32 arrays (encoding is one copy)
@@ -148,23 +148,11 @@ def match_prefix(
             nodes = nodes[: int(ok.argmin())]
     length = len(nodes) * tpb
     if partial and length < n:
-        parent = int(nodes[-1]) if len(nodes) else root
-        limit = min(tpb, n - length)
-        tail: Any = token_array(tokens[length : length + limit])
-        if tail is None:  # multimodal digests: compared item by item
-            tail = list(tokens[length : length + limit])
-        best, plen = tree.best_partial(parent, tail)
-        if best != NO_NODE and all(tree.pages[best, g] >= 0 for g in walk_groups):
-            nodes = np.append(nodes, np.int64(best))
-            length += plen
+        nodes, length = with_partial_block(tree, root, tokens, nodes, tpb, walk_groups)
     if probe and not prune_groups and not backoff:
         return Match(length, _EMPTY, [])
-    length = _prune(tree, nodes, length, tpb, life_cycles, prune_groups)
-    if backoff and length:
-        length = max(0, length - backoff)
-        if not partial:
-            length = length // tpb * tpb  # no partial reuse: block-aligned endpoints only
-        length = _prune(tree, nodes, length, tpb, life_cycles, prune_groups)
+    length = reusable_length(tree, nodes, length, tpb, life_cycles, prune_groups, partial,
+                             backoff)
     nb = -(-length // tpb)
     encoded = None if mm else (chunks[0] if len(chunks) == 1 else b"".join(chunks))
     if probe or stop == _MISS or length // tpb != walked:
@@ -176,6 +164,39 @@ def match_prefix(
     else:  # the keys of the blocks galloped over, as the tree holds them
         keys = tree.keys_at(nodes[: length // tpb])
     return Match(length, nodes[:nb], keys, encoded, cursor)
+
+
+def with_partial_block(tree: PrefixTree, root: int, tokens: Sequence[Any] | np.ndarray,
+                       nodes: np.ndarray, tpb: int, walk_groups: Sequence[int]
+                       ) -> tuple[np.ndarray, int]:
+    """The matched full-block ``nodes`` (under scope root ``root``) and the tokens they
+    cover, with the partial block that shares the longest prefix with what follows
+    appended when one is cached with every walk group's page."""
+    length = len(nodes) * tpb
+    parent = int(nodes[-1]) if len(nodes) else root
+    limit = min(tpb, len(tokens) - length)
+    tail: Any = token_array(tokens[length : length + limit])
+    if tail is None:  # multimodal digests: compared item by item
+        tail = list(tokens[length : length + limit])
+    best, plen = tree.best_partial(parent, tail)
+    if best != NO_NODE and all(tree.pages[best, g] >= 0 for g in walk_groups):
+        return np.append(nodes, np.int64(best)), length + plen
+    return nodes, length
+
+
+def reusable_length(tree: PrefixTree, nodes: np.ndarray, length: int, tpb: int,
+                    life_cycles: Sequence[LifeCycle], prune_groups: Sequence[int],
+                    partial: bool, backoff: int) -> int:
+    """The tokens of a match of ``length`` (``nodes``) that can be reused: pruned where a
+    pruned group's life cycle cannot resume, then backed off by ``backoff`` tokens
+    (block-aligned without partial reuse) and pruned again."""
+    length = _prune(tree, nodes, length, tpb, life_cycles, prune_groups)
+    if backoff and length:
+        length = max(0, length - backoff)
+        if not partial:
+            length = length // tpb * tpb  # no partial reuse: block-aligned endpoints only
+        length = _prune(tree, nodes, length, tpb, life_cycles, prune_groups)
+    return length
 
 
 def _gallop(index: dict[bytes, int], h: Any, tokens: Sequence[Any] | np.ndarray,

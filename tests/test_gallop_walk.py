@@ -3,13 +3,14 @@ lookup walk") against the walk it replaced, over random trees.
 
 The reference below is main's block-by-block walk (before the gallop), kept verbatim but
 for names: it hashes every block in turn and looks each key up, and takes the nodes and
-keys from the index. The gallop finds the same run of cached blocks by index membership
-at about ``2 log2 k`` positions, takes the nodes from the parent links and the keys from
-the nodes; it must return exactly the same :class:`Match` (length, nodes, keys, encoded
-tokens and key cursor) on every input: trees with holes (pages evicted, nodes collected,
-node ids recycled), prompts matched not at all, partly, to a chunk's end or fully, a
-partial block after the full ones, walk groups missing pages, pruning and backoff,
-multimodal digests, a scope root absent, small encoding chunks.
+keys from the index (the steps after the walk, the partial block, pruning and backoff,
+call the product's own functions). The gallop finds the same run of cached blocks by
+index membership at about ``2 log2 k`` positions, takes the nodes from the parent links
+and the keys from the nodes; it must return exactly the same :class:`Match` (length,
+nodes, keys, encoded tokens and key cursor) on every input: trees with holes (pages
+evicted, nodes collected, node ids recycled), prompts matched not at all, partly, to a
+chunk's end or fully, a partial block after the full ones, walk groups missing pages,
+pruning and backoff, multimodal digests, a scope root absent, small encoding chunks.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from hypothesis import strategies as st
 
 from kvcm_core import ReuseScope
 from kvcm_core import matching as matching_mod
-from kvcm_core.matching import Match, match_prefix, token_array
-from kvcm_core.radix import NO_NODE, PrefixTree, encode_tokens, extend_keys, scope_root_key
+from kvcm_core.matching import Match, match_prefix, reusable_length, with_partial_block
+from kvcm_core.radix import PrefixTree, encode_tokens, extend_keys, scope_root_key
 
 _DONE, _MISS, _MM = 0, 1, 2
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -82,25 +83,13 @@ def linear_match_prefix(tree: PrefixTree, root_key: bytes, tokens: Sequence[Any]
             nodes = nodes[:cut]
             del keys[cut:]
     length = len(nodes) * tpb
+    # After the walk (the part under test), the same steps as match_prefix.
     if partial and length < n:
-        parent = int(nodes[-1]) if len(nodes) else root
-        limit = min(tpb, n - length)
-        tail: Any = token_array(tokens[length : length + limit])
-        if tail is None:
-            tail = list(tokens[length : length + limit])
-        best, plen = tree.best_partial(parent, tail)
-        if best != NO_NODE and all(tree.pages[best, g] >= 0 for g in walk_groups):
-            nodes = np.append(nodes, np.int64(best))
-            length += plen
+        nodes, length = with_partial_block(tree, root, tokens, nodes, tpb, walk_groups)
     if probe and not prune_groups and not backoff:
         return Match(length, _EMPTY, [])
-    prune = matching_mod._prune
-    length = prune(tree, nodes, length, tpb, life_cycles, prune_groups)
-    if backoff and length:
-        length = max(0, length - backoff)
-        if not partial:
-            length = length // tpb * tpb
-        length = prune(tree, nodes, length, tpb, life_cycles, prune_groups)
+    length = reusable_length(tree, nodes, length, tpb, life_cycles, prune_groups, partial,
+                             backoff)
     nb = -(-length // tpb)
     encoded = None if mm else (chunks[0] if len(chunks) == 1 else b"".join(chunks))
     if probe or stop == _MISS or length // tpb != len(found):
