@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -96,10 +97,12 @@ class IOStats:
         bad_reads: reads refused because a slot's background write had failed.
         queue_full_drops: writes of droppable pages not attempted because the background
             queue was full (those pages were dropped instead of offloaded).
+        direct_reads: reads served on the caller's thread from memory the storage
+            already held (:meth:`StoragePool.read_nowait`), with no hand-over.
     """
 
-    __slots__ = ("background_failures", "bad_reads", "fast_fails", "operations",
-                 "queue_full_drops", "read_misses", "write_misses")
+    __slots__ = ("background_failures", "bad_reads", "direct_reads", "fast_fails",
+                 "operations", "queue_full_drops", "read_misses", "write_misses")
 
     def __init__(self) -> None:
         self.operations = 0
@@ -109,6 +112,7 @@ class IOStats:
         self.background_failures = 0
         self.bad_reads = 0
         self.queue_full_drops = 0
+        self.direct_reads = 0
 
     def as_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -153,6 +157,7 @@ class LevelIO:
         self._cv = threading.Condition()
         self._queue: collections.deque[_Job | None] = collections.deque()
         self._running: _Job | None = None
+        self._batch: list[_Job] = []  # the jobs _running runs (merged writes: several)
         self._started = 0.0  # when the thread began ``_running``
         self._late: list[_Job] = []  # jobs past their deadline, not finished
         self._background: collections.deque[_Job] = collections.deque()
@@ -200,6 +205,7 @@ class LevelIO:
                             break
                         batch.append(q.popleft())
                 self._running = job
+                self._batch = batch
                 self._started = time.monotonic()
             if job.rows is not None:  # one write for the batch (of one or more)
                 self._write_merged(batch)
@@ -210,6 +216,7 @@ class LevelIO:
                     job.error = exc
             with self._cv:
                 self._running = None
+                self._batch = []
                 self.stats.operations += len(batch)
                 for done in batch:
                     if done in self._late:
@@ -439,6 +446,28 @@ class LevelIO:
 
         return run
 
+    def read_now(self, pool: StoragePool, slots: np.ndarray, dest: np.ndarray) -> bool:
+        """Try a read on the caller's thread (:meth:`StoragePool.read_nowait`: only what
+        cannot block): True when ``dest`` holds the rows. Declined (False) while the level
+        is stuck, while anything but background writes of other slots is queued or
+        running (so the read sees every write it must), or for a slot whose background
+        write failed (the thread's read refuses it)."""
+        if type(pool).read_nowait is StoragePool.read_nowait:
+            return False
+        key = id(pool)
+        with self._cv:
+            if self._stopped or self.stuck() is not None:
+                return False
+            for job in itertools.chain(self._batch, self._queue):
+                if job is None or not _other_slots(job, pool, slots):
+                    return False
+            if self._bad and any((key, s) in self._bad for s in slots.tolist()):
+                return False
+        if not pool.read_nowait(slots, dest):
+            return False
+        self.stats.direct_reads += 1
+        return True
+
     def check_readable(self, pool: Pool, slots: np.ndarray) -> None:
         """On the I/O thread, before a read: refuse slots whose background write failed."""
         if not self._bad:
@@ -528,6 +557,14 @@ class LevelIO:
         return DeadlinePool(self, pool)
 
 
+def _other_slots(job: _Job, pool: object, slots: np.ndarray) -> bool:
+    """Whether ``job`` is a background write that writes none of ``slots`` of ``pool``
+    (so a read of them need not wait for it)."""
+    if job.kind != "bg-write" or job.target is None:
+        return False
+    return job.target[0] is not pool or not np.intersect1d(job.target[1], slots).size
+
+
 def _run_inline(fn: Callable[[], None]) -> None:
     try:
         fn()
@@ -594,8 +631,10 @@ class DeadlinePool(StoragePool):
         arr = check_slots(self, slots)
         if not isinstance(dest, np.ndarray) or dest.shape != (len(arr), self.slot_bytes):
             return self.inner_pool.read(arr, dest)  # let the inner pool refuse it
-        private = np.empty_like(dest)  # a late read must not land in the caller's rows
         inner, io = self.inner_pool, self.io
+        if io.read_now(inner, arr, dest):
+            return CompletedIO()
+        private = np.empty_like(dest)  # a late read must not land in the caller's rows
 
         def run() -> None:
             io.check_readable(inner, arr)

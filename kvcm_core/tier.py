@@ -134,6 +134,14 @@ class StoragePool(Pool):
     def read(self, slots: np.ndarray, dest: np.ndarray) -> IOHandle:
         """Load ``slots[i]`` into ``dest[i]`` (``uint8 [n, slot_bytes]``, host memory)."""
 
+    def read_nowait(self, slots: np.ndarray, dest: np.ndarray) -> bool:
+        """Load ``slots[i]`` into ``dest[i]`` now, only if that cannot block (the data
+        is in memory, e.g. the page cache); True when every row was read. False: nothing
+        may be assumed of ``dest``, and the caller reads through :meth:`read`. A storage
+        level with an I/O thread tries this on the caller's thread first, which saves
+        the hand-over to the thread. Never raises for I/O; the default declines."""
+        return False
+
 
 class BlobPool(StoragePool):
     """A storage pool that stores each slot's bytes as a blob of its own size (at most

@@ -29,7 +29,9 @@ signatures in :mod:`kvcm_core.tier`:
   ``slot_bytes`` bytes round-trip (``b""`` for a slot never written), a larger blob or a
   repeated slot is refused before anything is written, ``stored_bytes`` never passes
   ``num_slots * slot_bytes`` however often slots are rewritten, ``resize`` keeps the kept
-  slots' blobs, and a persistent blob pool reads back after a reopen.
+  slots' blobs, and a persistent blob pool reads back after a reopen;
+- ``StoragePool.read_nowait`` either fills every row exactly as ``read`` would and returns
+  True, or returns False; it never raises (bad arguments and closed pools decline).
 
 Subclass to run it for one tier::
 
@@ -300,6 +302,33 @@ class TierConformance(ConformanceBase):
             self.check_stored(pool, slots, rows)
         finally:
             pool.close()
+
+    @_SETTINGS
+    @given(data=st.data(), slot_bytes=_slot_sizes, seed=_seeds)
+    def test_a_read_nowait_fills_every_row_as_read_would_or_declines(
+        self, tier: Tier, data: st.DataObject, slot_bytes: int, seed: int
+    ) -> None:
+        num_slots = data.draw(st.integers(1, _max_slots(slot_bytes)), label="num_slots")
+        chosen = data.draw(
+            st.lists(st.integers(0, num_slots - 1), min_size=1, unique=True), label="slots"
+        )
+        slots = np.array(chosen, dtype=np.int64)
+        rows = _random_rows(seed, len(slots), slot_bytes)
+        pool = self.new_pool(tier, slot_bytes, num_slots)
+        try:
+            if not isinstance(pool, StoragePool):
+                return
+            self.put(pool, slots, rows)
+            out = np.zeros_like(rows)
+            if pool.read_nowait(slots, out):
+                np.testing.assert_array_equal(out, rows)
+            for bad in (slots + num_slots, slots.astype(np.float64)):  # never raises
+                assert pool.read_nowait(bad, np.zeros_like(rows)) is False
+            assert pool.read_nowait(slots, np.zeros((len(slots), slot_bytes + 1),
+                                                    dtype=np.uint8)) is False
+        finally:
+            pool.close()
+        assert pool.read_nowait(slots, np.zeros_like(rows)) is False  # closed: declines
 
     def test_rewriting_a_slot_replaces_its_bytes_only(self, tier: Tier) -> None:
         pool = self.new_pool(tier, 333, 4)

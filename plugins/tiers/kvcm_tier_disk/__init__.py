@@ -112,6 +112,7 @@ _MAX_CALL_BYTES = 8 << 20
 _MAX_IOV = 1024
 _TASK_BYTES = 8 << 20
 _INLINE_BYTES = 256 << 10  # batches up to this size run on the caller's thread
+_NOWAIT_RUNS = 64  # read_nowait declines a read of more runs than this
 
 
 def _availability() -> Availability:
@@ -209,6 +210,7 @@ class DiskPool(StoragePool):
         self._fname = fname
         self._pending: set[cf.Future[None]] = set()
         self._lock = threading.Lock()
+        self._nowait = True  # read_nowait is worth trying (until the file system says no)
 
     def _label(self) -> str:
         return f"disk pool {self.name!r}" if self.name else "anonymous disk pool"
@@ -257,6 +259,42 @@ class DiskPool(StoragePool):
                 "writable array whose rows are contiguous"
             )
         return self._submit(fd, arr, rows, write=False, order=_order(arr))
+
+    def read_nowait(self, slots: np.ndarray, dest: np.ndarray) -> bool:
+        """Read from the page cache only (:func:`kvcm_tier_disk.aio.read_nowait`, one
+        call per run of consecutive slots, at most :data:`_NOWAIT_RUNS` runs): True when
+        every byte came back; False when any of it would need the device, when the file
+        system does not support it (then never tried again on this pool), or on any
+        error, bad arguments included (the caller's ordinary read reports it)."""
+        fd = self._fd
+        if fd is None or not self._nowait:
+            return False
+        n, sb = len(slots), self.slot_bytes
+        if not (isinstance(slots, np.ndarray) and slots.ndim == 1 and slots.dtype.kind in "iu"
+                and isinstance(dest, np.ndarray) and dest.dtype == np.uint8
+                and dest.shape == (n, sb) and dest.flags.c_contiguous
+                and dest.flags.writeable) or n == 0:
+            return False
+        first, last = int(slots[0]), int(slots[-1])
+        if n == 1 or (last - first == n - 1 and (n == 2 or bool(
+                (np.diff(slots) == 1).all()))):  # one run
+            if first < 0 or last >= self.num_slots:
+                return False
+            status = aio.read_nowait(fd, (self.data_offset + first * sb,),
+                                     (dest.ctypes.data,), (n * sb,))
+        else:
+            if int(slots.min()) < 0 or int(slots.max()) >= self.num_slots:
+                return False
+            cuts = np.flatnonzero(slots[1:] != slots[:-1] + 1) + 1
+            if len(cuts) >= _NOWAIT_RUNS:
+                return False
+            starts = np.concatenate(([0], cuts))
+            status = aio.read_nowait(fd, (self.data_offset + slots[starts] * sb).tolist(),
+                                     (dest.ctypes.data + starts * sb).tolist(),
+                                     ((np.append(cuts, n) - starts) * sb).tolist())
+        if status is None or status in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            self._nowait = False
+        return status == 0
 
     def _submit(self, fd: int, slots: np.ndarray, rows: np.ndarray, *, write: bool,
                 order: np.ndarray | None) -> IOHandle:

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["MIN_CALLS", "available", "run", "run_runs"]
+__all__ = ["MIN_CALLS", "available", "read_nowait", "run", "run_runs"]
 
 #: Batches of fewer runs use one ``pwrite``/``preadv`` per run (as cheap for one or two).
 MIN_CALLS = 3
@@ -41,8 +41,9 @@ _NR_EVENTS = 256  # requests one context takes at once; larger batches go in sli
 # struct iocb (linux/aio_abi.h, 64 bytes, little-endian), struct io_event (32 bytes) and
 # struct iovec (16 bytes) are written as rows of u64 / i64 words.
 _PREAD, _PWRITE, _PREADV, _PWRITEV = 0, 1, 7, 8  # IOCB_CMD_*
-# (io_setup, io_destroy, io_submit, io_getevents) by machine
-_SYSCALLS = {"x86_64": (206, 207, 209, 208), "aarch64": (0, 1, 2, 4)}
+# (io_setup, io_destroy, io_submit, io_getevents, preadv2) by machine
+_SYSCALLS = {"x86_64": (206, 207, 209, 208, 327), "aarch64": (0, 1, 2, 4, 286)}
+_RWF_NOWAIT = 0x8  # linux/fs.h: fail with EAGAIN rather than wait for the device
 
 
 class _Kernel:
@@ -52,7 +53,7 @@ class _Kernel:
         if not self.ok:
             return
         assert numbers is not None
-        self.setup, self.destroy, self.submit, self.getevents = numbers
+        self.setup, self.destroy, self.submit, self.getevents, self.preadv2 = numbers
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.syscall = self.libc.syscall
         self.syscall.restype = ctypes.c_long
@@ -134,6 +135,30 @@ def run_runs(fd: int, offsets: np.ndarray, addresses: np.ndarray, sizes: np.ndar
     if not _kernel.ok or len(offsets) < MIN_CALLS:
         return None
     return _submit(_plain_blocks(fd, offsets, addresses, sizes, write))
+
+
+def read_nowait(fd: int, offsets: Sequence[int], addresses: Sequence[int],
+                sizes: Sequence[int]) -> int | None:
+    """Read ``sizes[i]`` bytes at file offset ``offsets[i]`` into memory at
+    ``addresses[i]`` (kept alive by the caller) with ``preadv2(RWF_NOWAIT)``: only from
+    the page cache, so the call never waits for the device and is made without
+    releasing the GIL (a hand-over of the GIL to another thread and back costs more than
+    such a read). Returns 0 when every byte was read, ``EAGAIN`` when some would need the
+    device (or came up short), another errno when the call failed (``EOPNOTSUPP``: the
+    file system cannot do it); None when the platform has no such call."""
+    k = _kernel
+    if not k.ok:
+        return None
+    iov = (ctypes.c_uint64 * 2)()
+    call, nr, fdc, one = k.syscall_held, ctypes.c_long(k.preadv2), ctypes.c_long(fd), \
+        ctypes.c_long(1)
+    flags, zero, vec = ctypes.c_long(_RWF_NOWAIT), ctypes.c_long(0), ctypes.byref(iov)
+    for offset, address, size in zip(offsets, addresses, sizes, strict=True):
+        iov[0], iov[1] = address, size
+        got = call(nr, fdc, vec, one, ctypes.c_long(offset), zero, flags)
+        if got != size:
+            return (ctypes.get_errno() or errno.EIO) if got < 0 else errno.EAGAIN
+    return 0
 
 
 def _blocks(fd: int, offsets: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray,
