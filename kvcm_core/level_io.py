@@ -306,7 +306,7 @@ class LevelIO:
             job = q[at - 1]
             if job is None or job.kind != "bg-write" or job.target is None:
                 break
-            if job.target[0] is pool and np.intersect1d(job.target[1], slots).size:
+            if job.target[0] is pool and _overlap(job.target[1], slots):
                 break
             at -= 1
         return at
@@ -562,7 +562,15 @@ def _other_slots(job: _Job, pool: object, slots: np.ndarray) -> bool:
     (so a read of them need not wait for it)."""
     if job.kind != "bg-write" or job.target is None:
         return False
-    return job.target[0] is not pool or not np.intersect1d(job.target[1], slots).size
+    return job.target[0] is not pool or not _overlap(job.target[1], slots)
+
+
+def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether slot arrays ``a`` and ``b`` share a slot (a set test: at the sizes a
+    resume reads, NumPy's sorting set operations cost several times more)."""
+    if len(a) > len(b):
+        a, b = b, a
+    return not set(a.tolist()).isdisjoint(b.tolist())
 
 
 def _run_inline(fn: Callable[[], None]) -> None:
