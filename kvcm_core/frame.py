@@ -324,8 +324,13 @@ class FrameBook:
         n, width = frames.shape
         hb = HEADER.itemsize
         size = width - FRAME_OVERHEAD
-        head = np.ascontiguousarray(frames[:, :hb]).view(HEADER).reshape(n)
-        ok = self._header_ok(slots, head, np.full(n, size, dtype=np.uint32))
+        # The header each frame must have (as wrap wrote it), compared byte for byte.
+        seqs = self.seqs[slots]
+        want = np.empty((n, hb), dtype=np.uint8)
+        want[:] = self._template(size)
+        want[:, _KEY_AT : _KEY_AT + KEY_BYTES] = self.keys[slots]
+        want[:, _SEQ_AT : _SEQ_AT + 8] = seqs.astype("<u8").view(np.uint8).reshape(n, 8)
+        ok = (frames[:, :hb] == want).all(axis=1) & (seqs != 0)
         stored = np.ascontiguousarray(frames[:, hb + size :]).view("<u4").reshape(n)
         if np.count_nonzero(ok):
             ok &= _crcs(frames, hb + size) == stored
