@@ -60,6 +60,30 @@ def test_report_json_has_the_documented_keys(short_run: tuple[int, Path]) -> Non
         assert rep["gpu_only"]["levels"] == run["levels"][:1]
 
 
+def test_report_counts_each_storage_levels_io_and_the_gpu_only_run_has_none(
+        short_run: tuple[int, Path]) -> None:
+    _, out = short_run
+    rep = _report(out)
+    io = rep["run"]["storage_io"]
+    disk = [str(i) for i, lv in enumerate(rep["run"]["levels"]) if lv["tier"] == "disk"]
+    assert disk and sorted(io) == disk  # the embedded default: one disk level
+    assert {"operations", "direct_reads", "queue_full_drops", "read_misses",
+            "write_misses"} <= io[disk[0]].keys()
+    assert rep["gpu_only"]["storage_io"] == {}
+
+
+def test_a_run_that_reaches_the_disk_reports_its_reads_and_writes(tmp_path: Path) -> None:
+    out = tmp_path / "sim"
+    assert main(["--requests", "60", "--quiet", "--seed", "3", "--no-plots",
+                 "--no-compare", "--out", str(out)]) == 0
+    run = _report(out)["run"]
+    (stats,) = run["storage_io"].values()
+    assert stats["operations"] > 0  # writes (and any read not served directly)
+    assert stats["read_misses"] == stats["write_misses"] == stats["bad_reads"] == 0
+    assert run["bytes_moved"]["onboard_blocks"] > 0
+    assert stats["direct_reads"] <= run["bytes_moved"]["onboard_blocks"]
+
+
 def test_infinite_bound_is_at_least_every_measured_hit_rate(
         short_run: tuple[int, Path]) -> None:
     _, out = short_run

@@ -59,6 +59,7 @@ def _run_dict(res: RunResult) -> dict[str, Any]:
         "evictions": {"dropped_blocks": res.dropped_blocks,
                       "dropped_before_reuse": res.dropped_before_reuse},
         "preemptions": res.preemptions,
+        "storage_io": res.storage_io,
         "timing": {
             "manager_s": manager_ns / 1e9,
             "manager_us_per_step": percentiles(res.manager_ns_per_step, 1e-3),

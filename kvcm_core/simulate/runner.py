@@ -123,6 +123,9 @@ class RunResult:
     #: Sparse layers: hits and misses of the resolves (equal to an exact LRU's, checked
     #: every step) and the entries checked after fetches; empty without sparse layers.
     sparse: dict[str, int] = attrs.Factory(dict)
+    #: Per storage level with an I/O thread (level index as a string): its
+    #: :class:`~kvcm_core.level_io.IOStats` counters at the end of the run.
+    storage_io: dict[str, dict[str, int]] = attrs.Factory(dict)
     series: dict[str, Any] = attrs.Factory(dict)
 
     @property
@@ -454,6 +457,9 @@ def run_trace(
             res.sparse = {"hits": loop.sparse.hits, "misses": loop.sparse.misses,
                           "entries_checked": loop.sparse.checked_entries}
         res.series = series
+        res.storage_io = {str(level): io.stats.as_dict()
+                          for level, io in enumerate(manager.storage_levels.io)
+                          if io is not None}
         loop.close_all()
         manager.shutdown()
     return res
