@@ -10,6 +10,7 @@ thread's read.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -196,3 +197,32 @@ def _nowait_here(tmp_path) -> bool:
         return pool.read_nowait(np.array([0]), np.empty((1, SB), dtype=np.uint8))
     finally:
         tier.close()
+
+
+def test_a_file_system_without_page_cache_only_reads_is_read_through_the_thread():
+    """tmpfs refuses RWF_NOWAIT: the pool stops trying after the first refusal, and the
+    level's reads still return the right rows, through its thread."""
+    import shutil
+    import tempfile
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    base = tempfile.mkdtemp(prefix="kvcm-test-", dir="/dev/shm")
+    try:
+        tier = DiskTier(None, {"path": os.path.join(base, "d")})
+        inner = tier.create_pool(SB, 8)
+        rows = _rows(4, 20)
+        inner.write(np.arange(4), rows).wait()
+        if inner.read_nowait(np.array([0]), np.empty((1, SB), dtype=np.uint8)):
+            tier.close()
+            pytest.skip("this /dev/shm serves page-cache-only reads")
+        assert inner._nowait is False  # refused once: never tried again
+        io, pool = _level(inner)
+        out = np.zeros((2, SB), dtype=np.uint8)
+        pool.read(np.array([3, 1]), out).wait()
+        np.testing.assert_array_equal(out, rows[[3, 1]])
+        assert io.stats.direct_reads == 0 and io.stats.operations == 1
+        _close(io, pool)
+        tier.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

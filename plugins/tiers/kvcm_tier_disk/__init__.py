@@ -292,7 +292,8 @@ class DiskPool(StoragePool):
             status = aio.read_nowait(fd, (self.data_offset + slots[starts] * sb).tolist(),
                                      (dest.ctypes.data + starts * sb).tolist(),
                                      ((np.append(cuts, n) - starts) * sb).tolist())
-        if status is None or status in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+        if status is None or status in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS,
+                                        errno.EPERM):  # never here: stop trying
             self._nowait = False
         return status == 0
 

@@ -50,6 +50,8 @@ class _Kernel:
     def __init__(self) -> None:
         numbers = _SYSCALLS.get(platform.machine())
         self.ok = sys.platform == "linux" and sys.byteorder == "little" and numbers is not None
+        #: preadv2 may be called (a refused AIO context clears ``ok`` only).
+        self.nowait_ok = self.ok
         if not self.ok:
             return
         assert numbers is not None
@@ -147,7 +149,7 @@ def read_nowait(fd: int, offsets: Sequence[int], addresses: Sequence[int],
     device (or came up short), another errno when the call failed (``EOPNOTSUPP``: the
     file system cannot do it); None when the platform has no such call."""
     k = _kernel
-    if not k.ok:
+    if not k.nowait_ok:
         return None
     iov = (ctypes.c_uint64 * 2)()
     call, nr, fdc, one = k.syscall_held, ctypes.c_long(k.preadv2), ctypes.c_long(fd), \
