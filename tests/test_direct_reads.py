@@ -115,6 +115,29 @@ class _Switchable(StoragePool):
         self.inner.close()
 
 
+def test_a_read_of_a_slot_whose_background_write_is_running_waits_for_it(disk):
+    """The write being run (a merged batch) counts too: a direct read of its slot could
+    return the old rows or half of the new ones."""
+    _, inner = disk
+    sw = _Switchable(inner)
+    io = LevelIO(2, deadline_s=1.0, write_queue_depth=2)  # a write wakes the thread
+    pool = DeadlinePool(io, sw)
+    pool.write(np.array([2, 3]), _rows(2, 30)).wait()  # the old rows, on the file
+    newer = _rows(1, 31)
+    sw.block = threading.Event()
+    with io.dropping(True):
+        pool.write(np.array([2]), newer).wait()  # running, blocked before the file
+    threading.Timer(0.05, sw.block.set).start()
+    out = np.zeros((1, SB), dtype=np.uint8)
+    pool.read(np.array([2]), out).wait()
+    np.testing.assert_array_equal(out[0], newer[0])
+    assert io.stats.direct_reads == 0
+    other = np.zeros((1, SB), dtype=np.uint8)
+    pool.read(np.array([3]), other).wait()  # nothing running now: direct
+    assert io.stats.direct_reads == 1
+    _close(io, pool)
+
+
 def test_a_slot_whose_background_write_failed_is_never_read_directly(disk):
     _, inner = disk
     sw = _Switchable(inner)

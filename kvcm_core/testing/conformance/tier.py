@@ -322,8 +322,11 @@ class TierConformance(ConformanceBase):
             out = np.zeros_like(rows)
             if pool.read_nowait(slots, out):
                 np.testing.assert_array_equal(out, rows)
-            for bad in (slots + num_slots, slots.astype(np.float64)):  # never raises
-                assert pool.read_nowait(bad, np.zeros_like(rows)) is False
+            for bad in (slots + num_slots, slots.astype(np.float64), -1 - slots, None,
+                        3, np.array(3), list(chosen)):  # never raises
+                assert pool.read_nowait(bad, np.zeros_like(rows)) is False  # type: ignore[arg-type]
+            if pool.read_nowait(slots.astype(np.uint32), out):  # any integer type
+                np.testing.assert_array_equal(out, rows)
             assert pool.read_nowait(slots, np.zeros((len(slots), slot_bytes + 1),
                                                     dtype=np.uint8)) is False
         finally:

@@ -113,6 +113,7 @@ _MAX_IOV = 1024
 _TASK_BYTES = 8 << 20
 _INLINE_BYTES = 256 << 10  # batches up to this size run on the caller's thread
 _NOWAIT_RUNS = 64  # read_nowait declines a read of more runs than this
+_NOWAIT_BYTES = 1 << 20  # ... or of more bytes than this
 
 
 def _availability() -> Availability:
@@ -262,34 +263,37 @@ class DiskPool(StoragePool):
 
     def read_nowait(self, slots: np.ndarray, dest: np.ndarray) -> bool:
         """Read from the page cache only (:func:`kvcm_tier_disk.aio.read_nowait`, one
-        call per run of consecutive slots, at most :data:`_NOWAIT_RUNS` runs): True when
-        every byte came back; False when any of it would need the device, when the file
-        system does not support it (then never tried again on this pool), or on any
-        error, bad arguments included (the caller's ordinary read reports it)."""
+        call per run of consecutive slots): True when every byte came back; False when
+        any of it would need the device, when the file system does not support it (this
+        pool then stops trying), for a read of more than :data:`_NOWAIT_RUNS` runs or
+        :data:`_NOWAIT_BYTES` bytes (the thread's read releases the GIL while it copies),
+        or on any error, bad arguments included (the caller's ordinary read reports it)."""
         fd = self._fd
         if fd is None or not self._nowait:
             return False
-        n, sb = len(slots), self.slot_bytes
         if not (isinstance(slots, np.ndarray) and slots.ndim == 1 and slots.dtype.kind in "iu"
                 and isinstance(dest, np.ndarray) and dest.dtype == np.uint8
-                and dest.shape == (n, sb) and dest.flags.c_contiguous
-                and dest.flags.writeable) or n == 0:
+                and dest.flags.c_contiguous and dest.flags.writeable):
             return False
-        first, last = int(slots[0]), int(slots[-1])
+        n, sb = len(slots), self.slot_bytes
+        if dest.shape != (n, sb) or n == 0 or n * sb > _NOWAIT_BYTES:
+            return False
+        arr = slots.astype(np.int64, copy=False)  # file offsets never wrap
+        first, last = int(arr[0]), int(arr[-1])
         if n == 1 or (last - first == n - 1 and (n == 2 or bool(
-                (np.diff(slots) == 1).all()))):  # one run
+                (np.diff(arr) == 1).all()))):  # one run
             if first < 0 or last >= self.num_slots:
                 return False
             status = aio.read_nowait(fd, (self.data_offset + first * sb,),
                                      (dest.ctypes.data,), (n * sb,))
         else:
-            if int(slots.min()) < 0 or int(slots.max()) >= self.num_slots:
+            if int(arr.min()) < 0 or int(arr.max()) >= self.num_slots:
                 return False
-            cuts = np.flatnonzero(slots[1:] != slots[:-1] + 1) + 1
+            cuts = np.flatnonzero(arr[1:] != arr[:-1] + 1) + 1
             if len(cuts) >= _NOWAIT_RUNS:
                 return False
             starts = np.concatenate(([0], cuts))
-            status = aio.read_nowait(fd, (self.data_offset + slots[starts] * sb).tolist(),
+            status = aio.read_nowait(fd, (self.data_offset + arr[starts] * sb).tolist(),
                                      (dest.ctypes.data + starts * sb).tolist(),
                                      ((np.append(cuts, n) - starts) * sb).tolist())
         if status is None or status in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS,
