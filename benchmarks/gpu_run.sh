@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_run.sh codecs   # page codecs: benchmark against copy bandwidth
 #   bash benchmarks/gpu_run.sh quant    # quant codec kernels: variants bit for bit, sweep
 #   bash benchmarks/gpu_run.sh sparse_tests sparse_sweep   # resolve kernels: tests, sweep
+#   bash benchmarks/gpu_run.sh levels_sitting   # issue 9's levels replay on this host's CPU
 #   bash benchmarks/gpu_run.sh gpu_tests codecs_bench ...   # any list of the steps below
 # Results under $OUT (default ./out).
 set -uo pipefail
@@ -144,6 +145,22 @@ step() {  # one named step; modes below are lists of steps
         --selected ${KVCM_SWEEP_SELECTED:-2048 4096 8192} \
         --versions "${KVCM_SWEEP_VERSIONS:-v1,v2,v3,v4}"
       kill "$smi" 2>/dev/null ;;
+    levels_sitting)  # issue 9: the levels replay beside GPU-only on this host's CPU (the
+      # trace bench keeps pages in NumPy memory); three alternating rounds of 3 repetitions;
+      # sitting-cpu-2core-20261204-s14/summarize.py OUT prints the ratios. The trace is
+      # carried in .whl/: cp ../shared/traces/mooncake_synthetic.jsonl .whl/
+      local tr=${KVCM_TRACE:-.whl/mooncake_synthetic.jsonl} r
+      local c="--limit 1000 --block-size 64 --reps 3"
+      local lv="--gpu-tokens 500000 --host-tokens 1000000 --disk-tokens 3000000"
+      for r in 1 2 3; do
+        run "kvcm_levels_r$r.log" 90 "$PY" -m kvcm_core.cli bench trace "$tr" $c $lv \
+          --out "$OUT/kvcm_levels_r$r.json"
+        run "kvcm_gpu4.5M_r$r.log" 90 "$PY" -m kvcm_core.cli bench trace "$tr" $c \
+          --gpu-tokens 4500000 --out "$OUT/kvcm_gpu4.5M_r$r.json"
+        run "kvcm_levels_sync_r$r.log" 90 "$PY" \
+          benchmarks/results/sitting-cpu-2core-20261202-s10/no_io_thread.py "$tr" $c $lv \
+          --out "$OUT/kvcm_levels_sync_r$r.json"
+      done ;;
     *) echo "unknown step $1"; status=2 ;;
   esac
 }
