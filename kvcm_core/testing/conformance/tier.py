@@ -98,6 +98,15 @@ def _max_slots(slot_bytes: int, cap: int = 12) -> int:
     return max(1, min(cap, _BUDGET // slot_bytes))
 
 
+def _draw_slots(data: st.DataObject, slot_bytes: int) -> tuple[int, list[int]]:
+    """A pool size for ``slot_bytes`` and distinct slots of it (at least one)."""
+    num_slots = data.draw(st.integers(1, _max_slots(slot_bytes)), label="num_slots")
+    chosen = data.draw(
+        st.lists(st.integers(0, num_slots - 1), min_size=1, unique=True), label="slots"
+    )
+    return num_slots, chosen
+
+
 def _random_rows(seed: int, n: int, slot_bytes: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, slot_bytes), dtype=np.uint8)
 
@@ -290,10 +299,7 @@ class TierConformance(ConformanceBase):
     def test_bytes_round_trip_through_every_slot(
         self, tier: Tier, data: st.DataObject, slot_bytes: int, seed: int
     ) -> None:
-        num_slots = data.draw(st.integers(1, _max_slots(slot_bytes)), label="num_slots")
-        chosen = data.draw(
-            st.lists(st.integers(0, num_slots - 1), min_size=1, unique=True), label="slots"
-        )
+        num_slots, chosen = _draw_slots(data, slot_bytes)
         slots = np.array(chosen, dtype=np.int64)
         rows = _random_rows(seed, len(slots), slot_bytes)
         pool = self.new_pool(tier, slot_bytes, num_slots)
@@ -308,10 +314,7 @@ class TierConformance(ConformanceBase):
     def test_a_read_nowait_fills_every_row_as_read_would_or_declines(
         self, tier: Tier, data: st.DataObject, slot_bytes: int, seed: int
     ) -> None:
-        num_slots = data.draw(st.integers(1, _max_slots(slot_bytes)), label="num_slots")
-        chosen = data.draw(
-            st.lists(st.integers(0, num_slots - 1), min_size=1, unique=True), label="slots"
-        )
+        num_slots, chosen = _draw_slots(data, slot_bytes)
         slots = np.array(chosen, dtype=np.int64)
         rows = _random_rows(seed, len(slots), slot_bytes)
         pool = self.new_pool(tier, slot_bytes, num_slots)
