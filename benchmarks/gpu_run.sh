@@ -145,6 +145,11 @@ step() {  # one named step; modes below are lists of steps
         --selected ${KVCM_SWEEP_SELECTED:-2048 4096 8192} \
         --versions "${KVCM_SWEEP_VERSIONS:-v1,v2,v3,v4}"
       kill "$smi" 2>/dev/null ;;
+    simulate_profile)  # issue 16: where the slowest steps' manager time goes, per backend
+      for b in cuda cupy; do
+        KVCM_KERNEL_BACKEND=$b run "simulate_profile_$b.log" 120 "$PY" \
+          benchmarks/simulate_profile.py --out "$OUT/simulate-profile-$b"
+      done ;;
     levels_sitting)  # issue 9: the levels replay beside GPU-only on this host's CPU (the
       # trace bench keeps pages in NumPy memory); three alternating rounds of 3 repetitions;
       # sitting-cpu-2core-20261204-s14/summarize.py OUT prints the ratios. The trace is
