@@ -58,7 +58,15 @@ from typing import Any
 import numpy as np
 
 from kvcm_core.errors import TierIOError
-from kvcm_core.tier import BlobPool, CompletedIO, IOHandle, Pool, StoragePool, check_slots
+from kvcm_core.tier import (
+    BlobPool,
+    CompletedIO,
+    IOHandle,
+    Pool,
+    StoragePool,
+    WriteBehind,
+    check_slots,
+)
 
 __all__ = ["DeadlineBlobPool", "DeadlinePool", "IODeadlineError", "IOStats", "LevelIO",
            "WriteQueueFull"]
@@ -99,10 +107,13 @@ class IOStats:
             queue was full (those pages were dropped instead of offloaded).
         direct_reads: reads served on the caller's thread from memory the storage
             already held (:meth:`StoragePool.read_nowait`), with no hand-over.
+        direct_writes: background writes that ran on the tier's own threads
+            (:meth:`StoragePool.write_behind`) and succeeded, with no hand-over.
     """
 
-    __slots__ = ("background_failures", "bad_reads", "direct_reads", "fast_fails",
-                 "operations", "queue_full_drops", "read_misses", "write_misses")
+    __slots__ = ("background_failures", "bad_reads", "direct_reads", "direct_writes",
+                 "fast_fails", "operations", "queue_full_drops", "read_misses",
+                 "write_misses")
 
     def __init__(self) -> None:
         self.operations = 0
@@ -113,13 +124,15 @@ class IOStats:
         self.bad_reads = 0
         self.queue_full_drops = 0
         self.direct_reads = 0
+        self.direct_writes = 0
 
     def as_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
 class _Job:
-    __slots__ = ("done", "error", "fn", "kind", "rows", "submitted", "target", "what")
+    __slots__ = ("after", "done", "error", "fn", "handle", "kind", "rows", "seq", "submitted",
+                 "target", "what")
 
     def __init__(self, fn: Callable[[], None], what: str, kind: str) -> None:
         self.fn = fn
@@ -133,6 +146,20 @@ class _Job:
         #: A background write's rows, when it can merge with its neighbours (a storage
         #: pool's ``write(target slots, rows)``).
         self.rows: np.ndarray | None = None
+        #: A background write running on the tier's threads (``write_behind``), its
+        #: number among them (``seq``); a job for the level's thread waits for the
+        #: first ``after`` of those before it runs.
+        self.handle: WriteBehind | None = None
+        self.seq = -1
+        self.after = 0
+
+
+def _no_op() -> None:
+    pass
+
+
+#: Seconds between two looks at writes running on a tier's threads, when waiting for them.
+_POLL_S = 0.0002
 
 
 #: Background writes merged into one write at most (the thread's hand-over is paid once).
@@ -158,6 +185,9 @@ class LevelIO:
         self._queue: collections.deque[_Job | None] = collections.deque()
         self._running: _Job | None = None
         self._batch: list[_Job] = []  # the jobs _running runs (merged writes: several)
+        #: Background writes on the tier's threads, in submission order (see _Job.handle).
+        self._native: collections.deque[_Job] = collections.deque()
+        self._native_seq = 0
         self._started = 0.0  # when the thread began ``_running``
         self._late: list[_Job] = []  # jobs past their deadline, not finished
         self._background: collections.deque[_Job] = collections.deque()
@@ -207,6 +237,8 @@ class LevelIO:
                 self._running = job
                 self._batch = batch
                 self._started = time.monotonic()
+            # Writes already on the tier's threads go first: this job was queued after them.
+            self._await_native(max(j.after for j in batch))
             if job.rows is not None:  # one write for the batch (of one or more)
                 self._write_merged(batch)
             else:
@@ -270,6 +302,13 @@ class LevelIO:
             if self._late:
                 job = self._late[0]
                 return f"{job.what} ({time.monotonic() - job.submitted:.1f} s)"
+            if self.deadline_s is not None:
+                for job in self._native:
+                    took = time.monotonic() - job.submitted
+                    if took <= self.deadline_s:
+                        break
+                    if not self._native_done(job):
+                        return f"{job.what} (on the tier's threads {took:.1f} s)"
             job = self._running
             if job is None or self.deadline_s is None:
                 return None
@@ -285,6 +324,7 @@ class LevelIO:
                 raise TierIOError(f"level {self.level}: I/O after shutdown ({job.what})")
             if self._thread is None:
                 self._start()
+            job.after = self._native_seq
             if job.kind == "read" and job.target is not None:
                 self._queue.insert(self._read_position(job.target), job)
             else:
@@ -404,12 +444,14 @@ class LevelIO:
             with self._cv:
                 self._wake()
             left = oldest.submitted + (self.deadline_s or 0) - time.monotonic()
-            if not oldest.done.wait(max(0.0, left)):
+            if not self._wait(oldest, max(0.0, left)):
                 with self._cv:
                     if not oldest.done.is_set() and oldest not in self._late:
                         self._late.append(oldest)
                 self._fast_fail(what, "write")
             self._reap()
+        if rows is not None and self._write_behind(what, pool, slots, rows):
+            return
         written = self.clearing(fn, pool, slots)
 
         def run() -> None:
@@ -433,8 +475,89 @@ class LevelIO:
         return len(self._background)
 
     def _reap(self) -> None:
-        while self._background and self._background[0].done.is_set():
-            self._background.popleft()
+        bg = self._background
+        while bg and (bg[0].done.is_set() or
+                      (bg[0].handle is not None and self._native_done(bg[0]))):
+            bg.popleft()
+        if self._native and self._native[0].done.is_set():
+            with self._cv:
+                while self._native and self._native[0].done.is_set():
+                    self._native.popleft()
+
+    def _write_behind(self, what: str, pool: Pool, slots: np.ndarray, rows: np.ndarray
+                      ) -> bool:
+        """Start a background write on the tier's own threads (``write_behind``) when the
+        pool can and nothing queued for the level's thread touches its slots (a later
+        write must not land before an earlier one); whether it did."""
+        if not isinstance(pool, StoragePool) or \
+                type(pool).write_behind is StoragePool.write_behind:
+            return False
+        with self._cv:
+            if self._stopped:
+                return False
+            for job in itertools.chain(self._batch, self._queue):
+                if job is None or not _other_slots(job, pool, slots):
+                    return False
+        try:
+            handle = pool.write_behind(slots, rows)
+        except (TierIOError, OSError):
+            return False
+        if handle is None:
+            return False
+        job = _Job(_no_op, what, "bg-write")
+        job.target = (pool, slots)
+        job.handle = handle
+        with self._cv:
+            job.seq = self._native_seq
+            self._native_seq += 1
+            self._native.append(job)
+        self._background.append(job)
+        return True
+
+    def _native_done(self, job: _Job) -> bool:
+        """Whether a write on the tier's threads finished; the first look that sees it
+        finish records it (a failure marks its slots bad, as a failed background write
+        of the level's thread does)."""
+        if job.done.is_set():
+            return True
+        assert job.handle is not None and job.target is not None
+        if not job.handle.done():
+            return False
+        err = job.handle.error()
+        pool, slots = job.target
+        with self._cv:
+            if job.done.is_set():
+                return True
+            if err is None:
+                self._clear_bad(pool, slots)
+                self.stats.direct_writes += 1
+            else:
+                job.error = TierIOError(f"level {self.level}: {job.what} failed: {err}")
+                self._mark_bad(pool, slots, 1)
+            job.done.set()
+            self._cv.notify_all()
+        return True
+
+    def _await_native(self, after: int) -> None:
+        """(On the level's thread.) Wait until the writes on the tier's threads numbered
+        below ``after`` have finished."""
+        while True:
+            with self._cv:
+                pending = [j for j in self._native if j.seq < after and not j.done.is_set()]
+            if all(self._native_done(j) for j in pending):
+                return
+            time.sleep(_POLL_S)
+
+    def _wait(self, job: _Job, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for ``job``; whether it finished."""
+        if job.handle is None:
+            return job.done.wait(timeout)
+        end = time.monotonic() + timeout
+        while not self._native_done(job):
+            if time.monotonic() >= end:
+                return False
+            time.sleep(_POLL_S)
+        return True
 
     def clearing(self, fn: Callable[[], None], pool: Pool, slots: np.ndarray
                  ) -> Callable[[], None]:
@@ -460,6 +583,9 @@ class LevelIO:
                 return False
             for job in itertools.chain(self._batch, self._queue):
                 if job is None or not _other_slots(job, pool, slots):
+                    return False
+            for job in self._native:
+                if not _other_slots(job, pool, slots) and not self._native_done(job):
                     return False
             if self._bad and any((key, s) in self._bad for s in slots.tolist()):
                 return False
@@ -498,7 +624,7 @@ class LevelIO:
         them; the thread runs them when it can, then ends).
         """
         failures: list[str] = []
-        if self.deadline_s is None or self._thread is None:
+        if self.deadline_s is None or (self._thread is None and not self._native):
             for what, fn in closers:
                 try:
                     fn()
@@ -509,8 +635,11 @@ class LevelIO:
             return failures, []
         jobs = []
         with self._cv:
+            if self._thread is None:  # writes on the tier's threads only: the closers
+                self._start()         # wait for them on the level's thread
             for what, fn in closers:
                 job = _Job(fn, what, "admin")
+                job.after = self._native_seq
                 self._queue.append(job)
                 jobs.append(job)
             self._queue.append(None)  # the thread ends after the closers
@@ -527,6 +656,8 @@ class LevelIO:
                                  f"{now - running.submitted:.1f} s)")
             abandoned += [f"{self._name(j)} (queued)" for j in self._queue
                           if j is not None and not j.done.is_set()]
+            abandoned += [f"{self._name(j)} (on the tier's threads)" for j in self._native
+                          if not self._native_done(j)]
         for job in jobs:
             if job.done.is_set() and job.error is not None:
                 failures.append(f"{job.what}: {type(job.error).__name__}: {job.error}")
@@ -546,6 +677,11 @@ class LevelIO:
                 if left <= 0:
                     return False
                 self._cv.wait(left)
+            native = list(self._native)
+        for job in native:
+            if not self._wait(job, max(0.0, end - time.monotonic())):
+                return False
+        self._reap()
         return True
 
     def wrap(self, pool: Pool) -> Pool:

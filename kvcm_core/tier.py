@@ -28,6 +28,7 @@ __all__ = [
     "Pool",
     "StoragePool",
     "Tier",
+    "WriteBehind",
     "check_slots",
     "checked_rows",
 ]
@@ -120,6 +121,18 @@ class DevicePool(Pool):
         return self.buffer.ptr
 
 
+class WriteBehind(abc.ABC):
+    """A write started by :meth:`StoragePool.write_behind`, polled without blocking."""
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """Whether the write finished (successfully or not); never blocks."""
+
+    @abc.abstractmethod
+    def error(self) -> str | None:
+        """Once :meth:`done`: None when every byte was written, else what failed."""
+
+
 class StoragePool(Pool):
     """A pool reached through asynchronous I/O (files, remote stores)."""
 
@@ -133,6 +146,15 @@ class StoragePool(Pool):
     @abc.abstractmethod
     def read(self, slots: np.ndarray, dest: np.ndarray) -> IOHandle:
         """Load ``slots[i]`` into ``dest[i]`` (``uint8 [n, slot_bytes]``, host memory)."""
+
+    def write_behind(self, slots: np.ndarray, source: np.ndarray) -> WriteBehind | None:
+        """Start writing ``source[i]`` into ``slots[i]`` on threads that never take
+        Python's interpreter lock, and return at once; None when the pool cannot (the
+        caller then writes through :meth:`write`). ``source`` may be reused as soon as
+        this returns. A storage level with an I/O thread hands its background writes
+        here first, so that they do not compete with the scheduler for the interpreter
+        lock. Raises as :meth:`write` does for bad arguments; the default declines."""
+        return None
 
     def read_nowait(self, slots: np.ndarray, dest: np.ndarray) -> bool:
         """Load ``slots[i]`` into ``dest[i]`` now, only if that cannot block (the data

@@ -32,7 +32,9 @@ def _rows(n: int, seed: int) -> np.ndarray:
 
 @pytest.fixture
 def disk(tmp_path):
-    tier = DiskTier(None, {"path": str(tmp_path / "d")})
+    # Background writes through the level's thread (so that they stay queued): the
+    # tier's own threads (native_writes) are tested in test_native_writes.py.
+    tier = DiskTier(None, {"path": str(tmp_path / "d"), "native_writes": False})
     pool = tier.create_pool(SB, 16)
     rows = _rows(1, 0)
     pool.write(np.array([0]), rows).wait()

@@ -31,7 +31,10 @@ signatures in :mod:`kvcm_core.tier`:
   ``num_slots * slot_bytes`` however often slots are rewritten, ``resize`` keeps the kept
   slots' blobs, and a persistent blob pool reads back after a reopen;
 - ``StoragePool.read_nowait`` either fills every row exactly as ``read`` would and returns
-  True, or returns False; it never raises (bad arguments and closed pools decline).
+  True, or returns False; it never raises (bad arguments and closed pools decline);
+- ``StoragePool.write_behind`` returns None, or a handle that finishes with no error and
+  after which every row reads back (the caller may reuse its rows at once); it refuses a
+  slot out of range with ``ValueError``.
 
 Subclass to run it for one tier::
 
@@ -51,6 +54,7 @@ import errno
 import itertools
 import os
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -335,6 +339,34 @@ class TierConformance(ConformanceBase):
         finally:
             pool.close()
         assert pool.read_nowait(slots, np.zeros_like(rows)) is False  # closed: declines
+
+    @_SETTINGS
+    @given(data=st.data(), slot_bytes=_slot_sizes, seed=_seeds)
+    def test_a_write_behind_declines_or_lands_every_row(
+        self, tier: Tier, data: st.DataObject, slot_bytes: int, seed: int
+    ) -> None:
+        num_slots, chosen = _draw_slots(data, slot_bytes)
+        slots = np.array(chosen, dtype=np.int64)
+        rows = _random_rows(seed, len(slots), slot_bytes)
+        pool = self.new_pool(tier, slot_bytes, num_slots)
+        try:
+            if not isinstance(pool, StoragePool):
+                return
+            source = rows.copy()
+            handle = pool.write_behind(slots, source)
+            if handle is None:
+                return
+            source[:] = 0  # the caller may reuse its rows at once
+            end = time.monotonic() + 10.0
+            while not handle.done():
+                assert time.monotonic() < end, "write_behind never finished"
+                time.sleep(0.0005)
+            assert handle.error() is None
+            self.check_stored(pool, slots, rows)
+            with pytest.raises(ValueError):  # as write: out of range, nothing written
+                pool.write_behind(np.array([num_slots]), rows[:1])
+        finally:
+            pool.close()
 
     def test_rewriting_a_slot_replaces_its_bytes_only(self, tier: Tier) -> None:
         pool = self.new_pool(tier, 333, 4)

@@ -27,6 +27,10 @@ Options:
         Linux native AIO system call instead of one ``pwrite``/``preadv`` each (bool,
         default True; see :mod:`kvcm_tier_disk.aio`). Where the platform has no such call
         or the kernel refuses it, the tier makes one call per run, as with False.
+    native_writes: let a storage level's background writes run on glibc's own AIO threads
+        (:meth:`DiskPool.write_behind`), which never take Python's interpreter lock
+        (bool, default True; Linux x86-64 with glibc only, elsewhere the level's I/O
+        thread writes them as with False).
 
 Persistence: a pool created with the ``name`` of an existing pool file in ``path`` reopens
 it and keeps its data (resized to the requested slot count); a file written with another
@@ -61,6 +65,7 @@ import stat
 import struct
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -122,8 +127,9 @@ def _availability() -> Availability:
     return Availability(True)
 
 
-def _parse_options(options: Mapping[str, Any]) -> tuple[str | None, int, str, int, bool]:
-    known = ("path", "io_threads", "mode", "segment_bytes", "batch_syscalls")
+def _parse_options(options: Mapping[str, Any]
+                   ) -> tuple[str | None, int, str, int, bool, bool]:
+    known = ("path", "io_threads", "mode", "segment_bytes", "batch_syscalls", "native_writes")
     for key in options:
         if key not in known:
             raise ConfigError(
@@ -146,7 +152,10 @@ def _parse_options(options: Mapping[str, Any]) -> tuple[str | None, int, str, in
     batch = options.get("batch_syscalls", True)
     if not isinstance(batch, bool):
         raise ConfigError("disk.options.batch_syscalls", batch, "must be a bool")
-    return path, threads, mode, segment, batch
+    native = options.get("native_writes", True)
+    if not isinstance(native, bool):
+        raise ConfigError("disk.options.native_writes", native, "must be a bool")
+    return path, threads, mode, segment, batch, native
 
 
 def file_name(name: str) -> str:
@@ -212,6 +221,7 @@ class DiskPool(StoragePool):
         self._pending: set[cf.Future[None]] = set()
         self._lock = threading.Lock()
         self._nowait = True  # read_nowait is worth trying (until the file system says no)
+        self._natives: list[aio.NativeWrite] = []  # write_behind writes maybe in flight
 
     def _label(self) -> str:
         return f"disk pool {self.name!r}" if self.name else "anonymous disk pool"
@@ -260,6 +270,41 @@ class DiskPool(StoragePool):
                 "writable array whose rows are contiguous"
             )
         return self._submit(fd, arr, rows, write=False, order=_order(arr))
+
+    def write_behind(self, slots: np.ndarray, source: np.ndarray) -> aio.NativeWrite | None:
+        """Start writing ``source[i]`` into ``slots[i]`` on glibc's AIO threads and return
+        at once (:class:`kvcm_tier_disk.aio.NativeWrite`; the rows are copied in slot
+        order, one request per run of consecutive slots); None when the option
+        ``native_writes`` is off or the platform cannot.
+
+        Raises:
+            ValueError: as :meth:`write` (nothing is written).
+            InvalidStateError: the pool was closed.
+        """
+        if not self._tier.native_writes or not aio.native_available():
+            return None
+        fd = self._live_fd()
+        arr = check_slots(self, slots)
+        rows = checked_rows(self, source, len(arr), "source")
+        if not len(arr):
+            return None
+        order = _order(arr)
+        if order is not None:
+            arr = arr[order]
+            if np.count_nonzero(arr[1:] == arr[:-1]):
+                raise ValueError(f"slots={np.sort(arr).tolist()}: a write may name each slot "
+                                 "only once")
+            rows = rows[order]
+        rows = np.array(rows, dtype=np.uint8, order="C", copy=True)  # ours until written
+        n, sb = len(arr), self.slot_bytes
+        cuts = np.flatnonzero(arr[1:] != arr[:-1] + 1) + 1
+        starts = np.concatenate(([0], cuts))
+        write = aio.NativeWrite(fd, self.data_offset + arr[starts] * sb,
+                                rows.ctypes.data + starts * sb,
+                                (np.append(cuts, n) - starts) * sb, rows)
+        self._natives = [w for w in self._natives if not w.done()]
+        self._natives.append(write)  # close and resize wait for it
+        return write
 
     def read_nowait(self, slots: np.ndarray, dest: np.ndarray) -> bool:
         """Read from the page cache only (:func:`kvcm_tier_disk.aio.read_nowait`, one
@@ -435,6 +480,11 @@ class DiskPool(StoragePool):
         with self._lock:
             pending = list(self._pending)
         cf.wait(pending)
+        while self._natives:  # writes on glibc's threads: the file must outlive them
+            if self._natives[-1].done() and all(w.done() for w in self._natives):
+                self._natives.clear()
+                break
+            time.sleep(0.0005)
 
     # -- life cycle --------------------------------------------------------------------
 
@@ -567,8 +617,8 @@ class DiskTier(Tier):
 
     def __init__(self, backend: KernelBackend | None, options: Mapping[str, Any] | None = None):
         super().__init__(backend, options or {})  # type: ignore[arg-type]
-        path, threads, self.mode, self._segment_bytes, self.batch_syscalls = \
-            _parse_options(self.options)
+        path, threads, self.mode, self._segment_bytes, self.batch_syscalls, \
+            self.native_writes = _parse_options(self.options)
         if self.mode == "blob":
             self.capabilities = BLOB_CAPABILITIES
         self._threads = threads

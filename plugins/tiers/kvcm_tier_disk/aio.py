@@ -32,7 +32,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["MIN_CALLS", "available", "read_nowait", "run", "run_runs"]
+__all__ = ["MIN_CALLS", "NativeWrite", "available", "native_available", "read_nowait", "run",
+           "run_runs"]
 
 #: Batches of fewer runs use one ``pwrite``/``preadv`` per run (as cheap for one or two).
 MIN_CALLS = 3
@@ -161,6 +162,85 @@ def read_nowait(fd: int, offsets: Sequence[int], addresses: Sequence[int],
         if got != size:
             return (ctypes.get_errno() or errno.EIO) if got < 0 else errno.EAGAIN
     return 0
+
+
+# glibc's struct aiocb on x86-64 (168 bytes): the fields kvcm sets or reads.
+_AIOCB = np.dtype({"names": ["fildes", "opcode", "buf", "nbytes", "sigev_notify", "error",
+                             "ret", "offset"],
+                   "formats": ["<i4", "<i4", "<u8", "<u8", "<i4", "<i4", "<i8", "<i8"],
+                   "offsets": [0, 4, 16, 24, 44, 112, 120, 128], "itemsize": 168})
+_LIO_WRITE, _LIO_NOWAIT, _SIGEV_NONE = 1, 1, 1
+
+
+class _Posix:
+    """glibc's POSIX AIO (``lio_listio``), where kvcm knows its ``struct aiocb``."""
+
+    def __init__(self) -> None:
+        self.lio = None
+        if sys.platform != "linux" or platform.machine() != "x86_64":
+            return
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.gnu_get_libc_version  # noqa: B018 (glibc only: musl lays aiocb out otherwise)
+            self.lio = libc.lio_listio
+        except AttributeError:
+            return
+        self.lio.restype = ctypes.c_int
+
+
+_posix = _Posix()
+
+
+def native_available() -> bool:
+    """Whether :class:`NativeWrite` can be used here (Linux x86-64 with glibc)."""
+    return _posix.lio is not None
+
+
+class NativeWrite:
+    """Writes handed to glibc's own AIO threads (``lio_listio`` with ``LIO_NOWAIT``):
+    ``sizes[i]`` bytes at ``addresses[i]`` to file offset ``offsets[i]``, one request per
+    run. The call returns at once, and the writes run on threads that never take Python's
+    interpreter lock. ``keep`` (the rows) is held until the writes are done; a handle
+    still unfinished when dropped must be kept alive by its owner.
+
+    :meth:`done` reads each request's status from memory (no system call). A request
+    that glibc could not queue counts as failed."""
+
+    __slots__ = ("_cbs", "_keep", "_ptrs", "_refused")
+
+    def __init__(self, fd: int, offsets: np.ndarray, addresses: np.ndarray,
+                 sizes: np.ndarray, keep: object) -> None:
+        n = len(offsets)
+        cbs = np.zeros(n, dtype=_AIOCB)  # status 0, result 0: "failed" until glibc says
+        cbs["fildes"] = fd
+        cbs["opcode"] = _LIO_WRITE
+        cbs["sigev_notify"] = _SIGEV_NONE
+        cbs["buf"] = addresses
+        cbs["nbytes"] = sizes
+        cbs["offset"] = offsets
+        ptrs = np.uint64(cbs.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(168)
+        self._cbs, self._ptrs, self._keep = cbs, ptrs, keep
+        assert _posix.lio is not None
+        self._refused = 0
+        if _posix.lio(ctypes.c_int(_LIO_NOWAIT), ctypes.c_void_p(ptrs.ctypes.data),
+                      ctypes.c_int(n), None) != 0:
+            self._refused = ctypes.get_errno() or errno.EAGAIN  # some may still run
+
+    def done(self) -> bool:
+        """Whether every request finished (successfully or not)."""
+        return not np.count_nonzero(self._cbs["error"] == errno.EINPROGRESS)
+
+    def error(self) -> str | None:
+        """Once :meth:`done`: None when every byte was written, else what failed."""
+        cbs = self._cbs
+        bad = (cbs["error"] != 0) | (cbs["ret"] != cbs["nbytes"].astype(np.int64))
+        if not np.count_nonzero(bad) and not self._refused:
+            return None
+        i = int(np.flatnonzero(bad)[0]) if np.count_nonzero(bad) else 0
+        err = int(cbs["error"][i]) or self._refused
+        return (f"pwrite at offset {int(cbs['offset'][i])}: "
+                + (os.strerror(err) if err else
+                   f"{int(cbs['ret'][i])} of {int(cbs['nbytes'][i])} bytes"))
 
 
 def _blocks(fd: int, offsets: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray,
