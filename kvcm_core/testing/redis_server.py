@@ -50,7 +50,9 @@ def _free_ports(n: int, *, with_bus: bool) -> list[int]:
     rng = random.Random()
     ports: list[int] = []
     for _ in range(2000):
-        p = rng.randrange(20000, 55000)
+        # Below Linux's ephemeral range (32768 and up by default), bus ports included: a
+        # client socket of this or another process cannot take the port meanwhile.
+        p = rng.randrange(10000, 22000)
         if p in ports or (with_bus and p + 10000 in ports):
             continue
         if _port_free(p) and (not with_bus or _port_free(p + 10000)):
@@ -133,6 +135,21 @@ class _Servers:
             self.stop()
             raise
 
+    def _start_on_free_ports(self, n: int, extra: list[str], *, with_bus: bool) -> list[int]:
+        """:meth:`_start` on ``n`` free ports, again on others (up to three times) when
+        another process took one between the check and the server's bind."""
+        for attempt in range(3):
+            ports = _free_ports(n, with_bus=with_bus)
+            try:
+                self._start(ports, extra)
+                return ports
+            except RuntimeError as exc:
+                if "Address already in use" not in str(exc) or attempt == 2:
+                    raise
+                self.nodes = []
+                self._workdir.mkdir(parents=True, exist_ok=True)
+        raise AssertionError("unreachable")
+
     def cli(self, port: int, *args: str) -> str:
         """``redis-cli -p PORT ARGS...``'s output."""
         return _cli(self._cli, port, *args)
@@ -163,7 +180,7 @@ class RedisServer(_Servers):
         extra = ["--maxmemory", str(maxmemory)]
         if maxmemory:
             extra += ["--maxmemory-policy", "allkeys-lru"]
-        self._start(_free_ports(1, with_bus=False), extra)
+        self._start_on_free_ports(1, extra, with_bus=False)
         self.port = self.nodes[0].port
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
@@ -191,11 +208,10 @@ class RedisClusterServers(_Servers):
 
     def __init__(self, primaries: int = 3, node_timeout_ms: int = 1000) -> None:
         super().__init__()
-        ports = _free_ports(2 * primaries, with_bus=True)
         extra = ["--cluster-enabled", "yes", "--cluster-node-timeout", str(node_timeout_ms),
                  "--cluster-config-file", "nodes.conf",
                  "--cluster-require-full-coverage", "no", "--repl-diskless-sync-delay", "0"]
-        self._start(ports, extra)
+        ports = self._start_on_free_ports(2 * primaries, extra, with_bus=True)
         try:
             out = subprocess.run(
                 [self._cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
