@@ -498,6 +498,9 @@ class LevelIO:
             for job in itertools.chain(self._batch, self._queue):
                 if job is None or not _other_slots(job, pool, slots):
                     return False
+            for job in self._native:  # a slot written there again: through the thread,
+                if not _other_slots(job, pool, slots) and not self._native_done(job):
+                    return False      # which waits for the first write
         try:
             handle = pool.write_behind(slots, rows)
         except (TierIOError, OSError):

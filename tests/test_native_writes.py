@@ -280,3 +280,17 @@ def test_a_write_behind_queued_after_a_job_of_the_levels_thread_goes_through_it(
     pool.read(np.array([4]), out).wait()
     np.testing.assert_array_equal(out, rows)
     assert io.stats.direct_writes == 0  # written by the level's thread
+
+
+def test_a_slot_written_behind_again_before_the_first_write_finished_goes_in_order(held):
+    io, pool, hp = held
+    _behind(io, pool, [6], _rows(1, 20))  # held back on the tier's threads
+    last = _rows(1, 21)
+    _behind(io, pool, [6], last)  # the same slot: through the level's thread, after it
+    assert io.stats.direct_writes == 0
+    threading.Timer(0.05, hp.go.set).start()
+    assert io.wait_idle(2.0)
+    out = np.zeros((1, SB), dtype=np.uint8)
+    pool.read(np.array([6]), out).wait()
+    np.testing.assert_array_equal(out, last)
+    assert io.stats.direct_writes == 1  # the first; the second went through the thread

@@ -189,6 +189,10 @@ class _Posix:
 
 
 _posix = _Posix()
+if _posix.lio is not None and hasattr(os, "register_at_fork"):
+    # A forked child has none of the parent's AIO threads: it writes through its levels'
+    # I/O threads instead.
+    os.register_at_fork(after_in_child=lambda: setattr(_posix, "lio", None))
 
 
 def native_available() -> bool:
