@@ -158,8 +158,10 @@ def _no_op() -> None:
     pass
 
 
-#: Seconds between two looks at writes running on a tier's threads, when waiting for them.
+#: Seconds between two looks at writes running on a tier's threads, when waiting for them
+#: (doubling up to the second figure: each look takes the interpreter lock).
 _POLL_S = 0.0002
+_POLL_MAX_S = 0.005
 
 
 #: Background writes merged into one write at most (the thread's hand-over is paid once).
@@ -503,7 +505,7 @@ class LevelIO:
                     return False      # which waits for the first write
         try:
             handle = pool.write_behind(slots, rows)
-        except (TierIOError, OSError):
+        except Exception:  # the level's thread writes it, and reports, as before
             return False
         if handle is None:
             return False
@@ -531,6 +533,8 @@ class LevelIO:
         with self._cv:
             if job.done.is_set():
                 return True
+            if job in self._late:  # waited for in vain, finished now: no longer stuck
+                self._late.remove(job)
             if err is None:
                 self._clear_bad(pool, slots)
                 self.stats.direct_writes += 1
@@ -544,22 +548,27 @@ class LevelIO:
     def _await_native(self, after: int) -> None:
         """(On the level's thread.) Wait until the writes on the tier's threads numbered
         below ``after`` have finished."""
+        pause = _POLL_S
         while True:
             with self._cv:
                 pending = [j for j in self._native if j.seq < after and not j.done.is_set()]
             if all(self._native_done(j) for j in pending):
                 return
-            time.sleep(_POLL_S)
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_S)  # each look takes the GIL
 
     def _wait(self, job: _Job, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for ``job``; whether it finished."""
         if job.handle is None:
             return job.done.wait(timeout)
         end = time.monotonic() + timeout
+        pause = _POLL_S
         while not self._native_done(job):
-            if time.monotonic() >= end:
+            left = end - time.monotonic()
+            if left <= 0:
                 return False
-            time.sleep(_POLL_S)
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, _POLL_MAX_S)
         return True
 
     def clearing(self, fn: Callable[[], None], pool: Pool, slots: np.ndarray

@@ -183,9 +183,13 @@ class _Posix:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.gnu_get_libc_version  # noqa: B018 (glibc only: musl lays aiocb out otherwise)
             self.lio = libc.lio_listio
+            self.suspend = libc.aio_suspend
         except AttributeError:
+            self.lio = None
             return
         self.lio.restype = ctypes.c_int
+        self.suspend.restype = ctypes.c_int
+        self.no_wait = (ctypes.c_long * 2)()  # struct timespec {0, 0}
 
 
 _posix = _Posix()
@@ -210,7 +214,7 @@ class NativeWrite:
     :meth:`done` reads each request's status from memory (no system call). A request
     that glibc could not queue counts as failed."""
 
-    __slots__ = ("_cbs", "_keep", "_ptrs", "_refused")
+    __slots__ = ("_cbs", "_keep", "_ptrs", "_refused", "_settled")
 
     def __init__(self, fd: int, offsets: np.ndarray, addresses: np.ndarray,
                  sizes: np.ndarray, keep: object) -> None:
@@ -226,13 +230,24 @@ class NativeWrite:
         self._cbs, self._ptrs, self._keep = cbs, ptrs, keep
         assert _posix.lio is not None
         self._refused = 0
+        self._settled = False
         if _posix.lio(ctypes.c_int(_LIO_NOWAIT), ctypes.c_void_p(ptrs.ctypes.data),
                       ctypes.c_int(n), None) != 0:
             self._refused = ctypes.get_errno() or errno.EAGAIN  # some may still run
 
     def done(self) -> bool:
-        """Whether every request finished (successfully or not)."""
-        return not np.count_nonzero(self._cbs["error"] == errno.EINPROGRESS)
+        """Whether every request finished (successfully or not). The first time it is,
+        one ``aio_suspend`` with a zero timeout takes glibc's request lock, under which
+        its thread still reads the control block after setting its status: once that
+        returns, glibc is done with our memory and the handle may be dropped."""
+        if self._settled:
+            return True
+        if np.count_nonzero(self._cbs["error"] == errno.EINPROGRESS):
+            return False
+        _posix.suspend(ctypes.c_void_p(self._ptrs.ctypes.data), ctypes.c_int(len(self._ptrs)),
+                       ctypes.byref(_posix.no_wait))
+        self._settled = True
+        return True
 
     def error(self) -> str | None:
         """Once :meth:`done`: None when every byte was written, else what failed."""
