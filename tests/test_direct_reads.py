@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from kvcm_tier_disk import DiskTier
 from levels_helpers import Driver, assert_all_free, close_all, make_manager, page_levels, tokens
+from pool_helpers import PassThroughPool
 
 from kvcm_core import TierIOError
 from kvcm_core.level_io import DeadlinePool, IODeadlineError, LevelIO
@@ -87,13 +88,12 @@ def test_a_read_of_a_slot_with_a_queued_background_write_waits_and_sees_its_rows
     _close(io, pool)
 
 
-class _Switchable(StoragePool):
+class _Switchable(PassThroughPool):
     """A real disk pool whose writes can be made to fail or to block (the fault a test
     needs) while its reads, ``read_nowait`` included, are the disk pool's own."""
 
     def __init__(self, inner: StoragePool) -> None:
-        self.inner = inner
-        self.slot_bytes, self.num_slots = inner.slot_bytes, inner.num_slots
+        super().__init__(inner)
         self.fail = False
         self.block: threading.Event | None = None
 
@@ -103,18 +103,6 @@ class _Switchable(StoragePool):
         if self.fail:
             return CompletedIO(TierIOError("injected write failure"))
         return self.inner.write(slots, source)
-
-    def read(self, slots: np.ndarray, dest: np.ndarray) -> IOHandle:
-        return self.inner.read(slots, dest)
-
-    def read_nowait(self, slots: np.ndarray, dest: np.ndarray) -> bool:
-        return self.inner.read_nowait(slots, dest)
-
-    def resize(self, num_slots: int) -> None:
-        self.inner.resize(num_slots)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def test_a_read_of_a_slot_whose_background_write_is_running_waits_for_it(disk):

@@ -19,10 +19,11 @@ import time
 import numpy as np
 import pytest
 from kvcm_tier_disk import DiskTier, aio
+from pool_helpers import PassThroughPool
 
 from kvcm_core import InvalidStateError, TierIOError
 from kvcm_core.level_io import DeadlinePool, IODeadlineError, LevelIO
-from kvcm_core.tier import CompletedIO, IOHandle, StoragePool, WriteBehind
+from kvcm_core.tier import CompletedIO, StoragePool, WriteBehind
 
 SB = 64
 
@@ -146,32 +147,16 @@ class _Held(WriteBehind):
         return self.fail
 
 
-class _HeldPool(StoragePool):
+class _HeldPool(PassThroughPool):
     """A real disk pool whose writes behind are held until ``go`` is set."""
 
     def __init__(self, inner: StoragePool) -> None:
-        self.inner = inner
-        self.slot_bytes, self.num_slots = inner.slot_bytes, inner.num_slots
+        super().__init__(inner)
         self.go = threading.Event()
         self.fail: str | None = None
 
     def write_behind(self, slots: np.ndarray, source: np.ndarray) -> WriteBehind:
         return _Held(self.inner, slots, source, self.go, self.fail)
-
-    def write(self, slots: np.ndarray, source: np.ndarray) -> IOHandle:
-        return self.inner.write(slots, source)
-
-    def read(self, slots: np.ndarray, dest: np.ndarray) -> IOHandle:
-        return self.inner.read(slots, dest)
-
-    def read_nowait(self, slots: np.ndarray, dest: np.ndarray) -> bool:
-        return self.inner.read_nowait(slots, dest)
-
-    def resize(self, num_slots: int) -> None:
-        self.inner.resize(num_slots)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 @pytest.fixture

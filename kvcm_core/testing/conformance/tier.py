@@ -298,15 +298,21 @@ class TierConformance(ConformanceBase):
 
     # -- data ------------------------------------------------------------------------------
 
+    def _drawn(self, tier: Tier, data: st.DataObject, slot_bytes: int, seed: int
+               ) -> tuple[Pool, np.ndarray, np.ndarray]:
+        """A new pool of a drawn size, drawn distinct slots of it (int64) and random rows
+        for them."""
+        num_slots, chosen = _draw_slots(data, slot_bytes)
+        slots = np.array(chosen, dtype=np.int64)
+        rows = _random_rows(seed, len(slots), slot_bytes)
+        return self.new_pool(tier, slot_bytes, num_slots), slots, rows
+
     @_SETTINGS
     @given(data=st.data(), slot_bytes=_slot_sizes, seed=_seeds)
     def test_bytes_round_trip_through_every_slot(
         self, tier: Tier, data: st.DataObject, slot_bytes: int, seed: int
     ) -> None:
-        num_slots, chosen = _draw_slots(data, slot_bytes)
-        slots = np.array(chosen, dtype=np.int64)
-        rows = _random_rows(seed, len(slots), slot_bytes)
-        pool = self.new_pool(tier, slot_bytes, num_slots)
+        pool, slots, rows = self._drawn(tier, data, slot_bytes, seed)
         try:
             self.put(pool, slots, rows)
             self.check_stored(pool, slots, rows)
@@ -318,10 +324,7 @@ class TierConformance(ConformanceBase):
     def test_a_read_nowait_fills_every_row_as_read_would_or_declines(
         self, tier: Tier, data: st.DataObject, slot_bytes: int, seed: int
     ) -> None:
-        num_slots, chosen = _draw_slots(data, slot_bytes)
-        slots = np.array(chosen, dtype=np.int64)
-        rows = _random_rows(seed, len(slots), slot_bytes)
-        pool = self.new_pool(tier, slot_bytes, num_slots)
+        pool, slots, rows = self._drawn(tier, data, slot_bytes, seed)
         try:
             if not isinstance(pool, StoragePool):
                 return
@@ -329,8 +332,9 @@ class TierConformance(ConformanceBase):
             out = np.zeros_like(rows)
             if pool.read_nowait(slots, out):
                 np.testing.assert_array_equal(out, rows)
+            num_slots = pool.num_slots
             for bad in (slots + num_slots, slots.astype(np.float64), -1 - slots, None,
-                        3, np.array(3), list(chosen)):  # never raises
+                        3, np.array(3), slots.tolist()):  # never raises
                 assert pool.read_nowait(bad, np.zeros_like(rows)) is False  # type: ignore[arg-type]
             if pool.read_nowait(slots.astype(np.uint32), out):  # any integer type
                 np.testing.assert_array_equal(out, rows)
@@ -345,10 +349,7 @@ class TierConformance(ConformanceBase):
     def test_a_write_behind_declines_or_lands_every_row(
         self, tier: Tier, data: st.DataObject, slot_bytes: int, seed: int
     ) -> None:
-        num_slots, chosen = _draw_slots(data, slot_bytes)
-        slots = np.array(chosen, dtype=np.int64)
-        rows = _random_rows(seed, len(slots), slot_bytes)
-        pool = self.new_pool(tier, slot_bytes, num_slots)
+        pool, slots, rows = self._drawn(tier, data, slot_bytes, seed)
         try:
             if not isinstance(pool, StoragePool):
                 return
@@ -364,7 +365,7 @@ class TierConformance(ConformanceBase):
             assert handle.error() is None
             self.check_stored(pool, slots, rows)
             with pytest.raises(ValueError):  # as write: out of range, nothing written
-                pool.write_behind(np.array([num_slots]), rows[:1])
+                pool.write_behind(np.array([pool.num_slots]), rows[:1])
         finally:
             pool.close()
 
