@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import threading
 import time
@@ -428,13 +429,14 @@ class LevelIO:
 
     # -- background writes -------------------------------------------------------------------
 
-    def background(self, fn: Callable[[], None], what: str, pool: Pool,
+    def background(self, fn: Callable[[], None] | None, what: str, pool: Pool,
                    slots: np.ndarray, rows: np.ndarray | None = None) -> None:
-        """Queue a write (rows already copied) and return. With ``write_queue_depth``
-        writes in flight, a droppable write (see :meth:`dropping`) raises
-        :class:`WriteQueueFull` at once; any other waits for the oldest, within the
-        deadline. ``rows``: the write is ``pool.write(slots, rows)`` (it may merge with
-        the writes of the same pool queued beside it)."""
+        """Queue a write and return. With ``write_queue_depth`` writes in flight, a
+        droppable write (see :meth:`dropping`) raises :class:`WriteQueueFull` at once;
+        any other waits for the oldest, within the deadline. ``rows``: the write is
+        ``pool.write(slots, rows)`` (it may merge with the writes of the same pool queued
+        beside it); ``fn`` None: ``rows`` are the caller's, which this copies before
+        queueing them for the thread (a write behind copies them itself)."""
         self._fast_fail(what, "write")
         self._reap()
         if len(self._background) >= self.write_queue_depth and self.droppable:
@@ -454,6 +456,10 @@ class LevelIO:
             self._reap()
         if rows is not None and self._write_behind(what, pool, slots, rows):
             return
+        if fn is None:
+            assert rows is not None and isinstance(pool, StoragePool)
+            rows = np.array(rows, dtype=np.uint8, copy=True)  # the caller reuses its rows
+            fn = functools.partial(_write_rows, pool, slots, rows)
         written = self.clearing(fn, pool, slots)
 
         def run() -> None:
@@ -721,6 +727,10 @@ def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
     return not set(a.tolist()).isdisjoint(b.tolist())
 
 
+def _write_rows(pool: StoragePool, slots: np.ndarray, rows: np.ndarray) -> None:
+    _wait(pool.write(slots, rows))
+
+
 def _run_inline(fn: Callable[[], None]) -> None:
     try:
         fn()
@@ -766,18 +776,25 @@ class DeadlinePool(StoragePool):
 
     def write(self, slots: np.ndarray, source: np.ndarray) -> IOHandle:
         arr = check_slots(self, slots)
+        if self.io.write_queue_depth and self.io.droppable:
+            # The background path copies the rows only if its thread writes them (a
+            # write behind copies them itself).
+            return self._write(arr, None, source)
         rows = np.array(source, dtype=np.uint8, copy=True)  # the caller reuses its rows
         inner = self.inner_pool
         return self._write(arr, lambda: _wait(inner.write(arr, rows)), rows)
 
-    def _write(self, arr: np.ndarray, fn: Callable[[], None],
+    def _write(self, arr: np.ndarray, fn: Callable[[], None] | None,
                rows: np.ndarray | None = None) -> IOHandle:
+        """``fn`` None: a background write of ``rows``, the caller's (see
+        :meth:`LevelIO.background`)."""
         io = self.io
         what = self._what("write", arr)
         try:
             if io.write_queue_depth and io.droppable:
                 io.background(fn, what, self.inner_pool, arr, rows)
             else:
+                assert fn is not None
                 io.call(io.clearing(fn, self.inner_pool, arr), what, "write")
         except TierIOError as exc:
             return CompletedIO(exc)

@@ -286,7 +286,9 @@ def test_a_levels_background_writes_run_without_its_thread_and_read_back(tier):
     io = LevelIO(2, deadline_s=1.0, write_queue_depth=8)
     pool = DeadlinePool(io, tier.create_pool(SB, 16))
     rows = _rows(4, 22)
-    _behind(io, pool, [8, 1, 2, 3], rows)
+    source = rows.copy()
+    _behind(io, pool, [8, 1, 2, 3], source)
+    source[:] = 0  # the caller may reuse its rows at once
     assert io.wait_idle(2.0)
     assert io.stats.direct_writes == 1 and not io.thread_alive  # the thread never started
     out = np.zeros_like(rows)
@@ -300,7 +302,9 @@ def test_a_background_write_naming_a_slot_twice_keeps_its_last_row_as_before(tie
     io = LevelIO(2, deadline_s=1.0, write_queue_depth=8)
     pool = DeadlinePool(io, tier.create_pool(SB, 16))
     rows = _rows(2, 23)
-    _behind(io, pool, [5, 5], rows)  # write_behind refuses it: the level's thread writes
+    source = rows.copy()
+    _behind(io, pool, [5, 5], source)  # write_behind refuses it: the level's thread writes
+    source[:] = 0  # ... a copy: the caller may reuse its rows at once
     assert io.wait_idle(2.0) and io.stats.direct_writes == 0
     out = np.zeros((1, SB), dtype=np.uint8)
     pool.read(np.array([5]), out).wait()
