@@ -62,6 +62,45 @@ class ResizeMixin(CacheBase):
         finally:
             L.end(stream)
 
+    def pages_needed(self, capacity: int | None = None) -> dict[int, int]:
+        """The level-0 pages, per cache group, that ``resize(capacity)`` would take now
+        (``capacity`` None: the current one), and first ``resume`` for a suspended cache:
+        its pages on colder levels and the blocks it lacks. Groups that need none are
+        left out. Window groups count every new block (the pages their window releases
+        are not subtracted), so the figure is an upper bound there. What an engine sums
+        over a step's caches for :meth:`KVCacheManager.make_room`.
+
+        Raises:
+            InvalidStateError: the cache is closed.
+            InvalidArgumentError, ArgumentTypeError: ``capacity`` is not a count.
+        """
+        self._ctx.thread.check()
+        self._require(CacheStatus.ACTIVE, CacheStatus.SUSPENDED)
+        ctx = self._ctx
+        nb = self.num_blocks if capacity is None else \
+            -(-_check_count("capacity", capacity) // self._tpb)
+        out: dict[int, int] = {}
+        for g in ctx.attn_groups:
+            have = len(self._pages[g])
+            if nb > have:
+                out[g] = (nb - have) * self.beam_width
+        if self._status is CacheStatus.SUSPENDED:
+            a = self._arena
+            for g in ctx.attn_groups:
+                start, stop = ctx.kinds[g].stale_range(self._history)
+                missing = sum(1 for b, p in enumerate(self._pages[g][:nb])
+                              if p < 0 and not start <= b < stop)
+                if missing:
+                    out[g] = out.get(g, 0) + missing
+            for g in ctx.ssm_groups:
+                if self._ssm[g] < 0:
+                    out[g] = out.get(g, 0) + 1
+            pages = np.unique(np.asarray(self._all_pages(), dtype=np.int64))
+            cold = pages[a.level[pages] > 0] if len(pages) else pages
+            for g, n in zip(*np.unique(a.group[cold], return_counts=True), strict=True):
+                out[int(g)] = out.get(int(g), 0) + int(n)
+        return out
+
     def _resize(self, capacity: int, history_length: int | None) -> bool:
         self._ctx.thread.check()
         self._last_refusal = None

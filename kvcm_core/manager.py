@@ -18,12 +18,18 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvcm_core.backend import KernelBackend, PageRegion
+from kvcm_core.backend import KernelBackend, PageRegion, Stream
 from kvcm_core.cache import CacheStatus, KVCache
 from kvcm_core.codec import PageCodec
 from kvcm_core.config import KVCacheManagerConfig
 from kvcm_core.context import CacheContext
-from kvcm_core.errors import ArgumentTypeError, ConfigError, InvalidStateError
+from kvcm_core.errors import (
+    ArgumentTypeError,
+    ConfigError,
+    InvalidArgumentError,
+    InvalidStateError,
+    OutOfPagesError,
+)
 from kvcm_core.frame import level_frames
 from kvcm_core.kinds import make_kind
 from kvcm_core.layout import BufferAttr, PageIndexConverter, StorageLayout
@@ -510,6 +516,59 @@ class KVCacheManager:
             L.resize_failure or
             f"the pages in the slots given up cannot be placed (too few free slots left on "
             f"level {level}, and the colder levels cannot take the rest)")
+        return ok
+
+    def make_room(self, pages: Mapping[int, int], stream: Stream | None = None) -> bool:
+        """Free level-0 slots ahead of the calls that will take them: ``pages[cache
+        group]`` new level-0 pages (summed over the cache groups of one pool group, which
+        share its slots; :meth:`KVCache.pages_needed` says what a cache will take). The
+        pages pushed out go down (or are dropped at the last level) as a ``resume`` or
+        ``resize`` would push them, but in one batch per level for all the caches of an
+        engine step rather than one per call. Only unlocked pages move: pages of active
+        caches stay. A hint: returns whether that many slots are free now; where fewer
+        can be freed, it frees what it can and the calls that follow make room (or refuse)
+        as usual.
+
+        ``stream``: as for ``resize`` (the engine's stream waits for the copies of pages
+        pushed out before new pages written on it reuse their slots).
+
+        Raises:
+            ArgumentTypeError: ``pages`` is not a mapping of ints to ints.
+            InvalidArgumentError: an unknown cache group or a negative count.
+        """
+        self.thread_guard.check()
+        self._check_open()
+        if not isinstance(pages, Mapping):
+            raise ArgumentTypeError(f"pages={pages!r}: must be a mapping of cache group "
+                                    "to a number of pages")
+        L = self.storage_levels
+        per_pg: dict[int, int] = {}
+        for group, n in pages.items():
+            for name, v in (("cache group", group), ("count", n)):
+                if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                    raise ArgumentTypeError(f"pages: {name} {v!r} must be an int")
+            if not 0 <= group < self.num_cache_groups:
+                raise InvalidArgumentError(f"pages: cache group {group} must be in 0.."
+                                           f"{self.num_cache_groups - 1}")
+            if n < 0:
+                raise InvalidArgumentError(f"pages[{group}]={n}: must be >= 0")
+            pg = L.pool_group_of(int(group))
+            per_pg[pg] = per_pg.get(pg, 0) + int(n)
+        ok = True
+        L.begin(stream)
+        try:
+            for pg, n in per_pg.items():
+                store = L.stores[0][pg]
+                want = min(n, store.num_slots)
+                have = L.capacity(store, want)
+                ok &= have == n
+                if have > store.num_free:
+                    try:
+                        L.make_room(store, have)
+                    except OutOfPagesError:  # a write below failed: what moved stays
+                        ok = False
+        finally:
+            L.end(stream)
         return ok
 
     def check_invariants(self) -> None:

@@ -59,7 +59,7 @@ class SchedulerStalled(RuntimeError):
     says at which step, which requests were stuck, and the likely cause."""
 
 _ns = time.perf_counter_ns
-_TIMED_CACHE_CALLS = ("resume", "resize", "commit", "suspend", "close")
+_TIMED_CACHE_CALLS = ("resume", "resize", "commit", "suspend", "close", "pages_needed")
 
 
 @attrs.frozen(kw_only=True)
@@ -267,6 +267,8 @@ def _instrument(manager: KVCacheManager, loop: EngineLoop, timers: _Timers,
         return cache
 
     manager.create_kv_cache = create_kv_cache  # type: ignore[method-assign]
+    manager.make_room = timers.wrap(  # type: ignore[method-assign]
+        "make_room", manager.make_room, None)
     engine = loop.engine
     fp = [0]
 

@@ -98,11 +98,12 @@ class EngineLoop:
                  close_finished: bool = True, preempt_mode: str = "auto",
                  use_batch: bool = True, index_tables: bool = False,
                  recompute_lost: bool = False, sparse_seed: int = 0,
-                 stream: Any = None) -> None:
+                 stream: Any = None, room_ahead: bool = True) -> None:
         if preempt_mode not in ("auto", "suspend", "recompute"):
             raise ValueError(f"preempt_mode={preempt_mode!r}: must be auto, suspend or "
                              "recompute")
         self.preempt_mode = preempt_mode
+        self.make_room_ahead = room_ahead
         self.recompute_lost = recompute_lost
         self.manager = manager
         self.batch: Batch | None = None
@@ -221,6 +222,7 @@ class EngineLoop:
                 break
             self.waiting.popleft()
             self._run(req)
+        self.room_ahead()
         budget = self.token_budget
         work: list[StepWork] = []
         stepped: list[tuple[Request, int]] = []
@@ -303,6 +305,32 @@ class EngineLoop:
             self.waiting.appendleft(victim)
             report.recomputed.append(victim)
         return report
+
+    def room_ahead(self) -> None:
+        """Make room on level 0 once for the pages this step's chunks will take
+        (``KVCacheManager.make_room``), so the pages pushed out go down in one batch per
+        level instead of one per ``resize``; off with ``room_ahead=False``."""
+        if not self.make_room_ahead:
+            return
+        tpb = self.manager.config.tokens_per_block
+        budget = self.token_budget
+        total: dict[int, int] = {}
+        for req in self.running:
+            cache = req.cache
+            hist = cache.history_length
+            want = min(self.chunk_tokens, req.prompt_len - hist) if hist < req.prompt_len \
+                else 1
+            if budget is not None:
+                want = min(want, budget)
+                if want <= 0:
+                    break
+                budget -= want
+            cap = min(len(req.tokens), hist + want)
+            if -(-cap // tpb) > cache.num_blocks:
+                for g, n in cache.pages_needed(cap).items():
+                    total[g] = total.get(g, 0) + n
+        if total:
+            self.manager.make_room(total, self.stream)
 
     def _preempt(self, exclude: Request) -> Request | None:
         """Preempt the latest-arrived running request that arrived after ``exclude``
