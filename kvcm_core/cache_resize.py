@@ -67,7 +67,8 @@ class ResizeMixin(CacheBase):
         (``capacity`` None: the current one), and first ``resume`` for a suspended cache:
         its pages on colder levels and the blocks it lacks. Groups that need none are
         left out. Window groups count every new block (the pages their window releases
-        are not subtracted), so the figure is an upper bound there. What an engine sums
+        are not subtracted, nor the blocks SWA scratch pages stand in for), so the figure
+        is an upper bound there. What an engine sums
         over a step's caches for :meth:`KVCacheManager.make_room`.
 
         Raises:
@@ -88,7 +89,7 @@ class ResizeMixin(CacheBase):
             a = self._arena
             for g in ctx.attn_groups:
                 start, stop = ctx.kinds[g].stale_range(self._history)
-                missing = sum(1 for b, p in enumerate(self._pages[g][:nb])
+                missing = sum(1 for b, p in enumerate(self._pages[g][:self.num_blocks])
                               if p < 0 and not start <= b < stop)
                 if missing:
                     out[g] = out.get(g, 0) + missing

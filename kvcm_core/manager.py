@@ -525,9 +525,9 @@ class KVCacheManager:
         pages pushed out go down (or are dropped at the last level) as a ``resume`` or
         ``resize`` would push them, but in one batch per level for all the caches of an
         engine step rather than one per call. Only unlocked pages move: pages of active
-        caches stay. A hint: returns whether that many slots are free now; where fewer
-        can be freed, it frees what it can and the calls that follow make room (or refuse)
-        as usual.
+        caches stay. A hint: returns whether that many slots are free now. A pool group
+        where that much room cannot be made is left as it is (the calls that follow make
+        room, refuse or preempt as usual, rather than every unlocked page moving down).
 
         ``stream``: as for ``resize`` (the engine's stream waits for the copies of pages
         pushed out before new pages written on it reuse their slots).
@@ -559,14 +559,15 @@ class KVCacheManager:
         try:
             for pg, n in per_pg.items():
                 store = L.stores[0][pg]
-                want = min(n, store.num_slots)
-                have = L.capacity(store, want)
-                ok &= have == n
-                if have > store.num_free:
-                    try:
-                        L.make_room(store, have)
-                    except OutOfPagesError:  # a write below failed: what moved stays
-                        ok = False
+                if n <= store.num_free:
+                    continue
+                if not L.room(store, n):  # all or nothing: the calls that follow decide
+                    ok = False
+                    continue
+                try:
+                    L.make_room(store, n)
+                except OutOfPagesError:  # a write below failed: what moved stays
+                    ok = False
         finally:
             L.end(stream)
         return ok

@@ -91,8 +91,12 @@ def test_make_room_never_moves_pages_of_active_caches(tmp_path, cleanup):
     active = d.write(tokens(10 * TPB, 7), suspend=False)
     fill_gpu_with_cached_pages(m, d, 2, 3 * TPB, seed=20)
     mine = active.page_ids()
-    # More than every unlocked slot: refused in part, what can be freed is freed.
+    # More than every unlocked slot: refused, and nothing moves (all or nothing).
+    before = free_slots(m)
     assert not m.make_room({0: 16})
+    assert free_slots(m) == before
+    # Every unlocked slot: the cached pages go down, the active cache's pages stay.
+    assert m.make_room({0: 16 - len(mine)})
     assert free_slots(m)[0] == 16 - len(mine)
     assert active.page_ids() == mine
     assert set(page_levels(active)) == {0}

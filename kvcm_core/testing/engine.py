@@ -320,6 +320,8 @@ class EngineLoop:
             hist = cache.history_length
             want = min(self.chunk_tokens, req.prompt_len - hist) if hist < req.prompt_len \
                 else 1
+            if self.sparse is not None:
+                want = min(want, self.sparse.max_chunk)
             if budget is not None:
                 want = min(want, budget)
                 if want <= 0:
