@@ -40,3 +40,59 @@ def test_engine_loop_never_sacrifices_an_older_request_for_a_newer_one(policy):
     m.clear_reusable_blocks()
     stats = m.get_storage_statistics(0)
     assert stats.free == stats.total
+
+
+def _two_level_manager(levels: int) -> KVCacheManager:
+    tiers = [LevelConfig(tier="gpu", quota=16 * 64), LevelConfig(tier="host", quota=64 * 64)]
+    return KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=4,
+        layers=[AttentionLayerConfig(layer_id=0, buffers=[BufferConfig(role="kv", size=64)])],
+        levels=tiers[:levels], kernel_backend="numpy", max_util_for_resume=0.6))
+
+
+@pytest.mark.parametrize("levels", [1, 2])
+def test_a_refused_waiting_request_keeps_its_cache_only_when_a_colder_level_exists(levels):
+    # Below the GPU a refused request keeps its cache (its held pages can move down) and
+    # is retried with a resume, not a new create_kv_cache; on one level its claims are
+    # given back while it waits. Either way every request finishes with every page
+    # checked at every step.
+    m = _two_level_manager(levels)
+    created: list[object] = []
+    create = m.create_kv_cache
+
+    def counting_create(*args, **kwargs):
+        cache = create(*args, **kwargs)
+        created.append(cache)
+        return cache
+
+    m.create_kv_cache = counting_create  # type: ignore[method-assign]
+    rng = np.random.default_rng(1)
+    shared = rng.integers(0, 1000, 32).tolist()
+    loop = EngineLoop(m, chunk_tokens=16, max_batch=4)
+    loop.run([Request("warm", [*shared, 7], 33)], on_step=lambda _: m.check_invariants())
+    busy = Request("busy", rng.integers(0, 1000, 40).tolist(), 32)
+    loop.submit(busy)
+    for _ in range(2):  # 8 of the GPU's 16 pages locked: 8 more would pass 0.6 * 16
+        loop.step()
+    late = Request("late", [*shared, 1, 2, 3, 4], 36)
+    loop.submit(late)
+    loop.step()
+    assert late in loop.waiting, "the pressure must refuse the late request first"
+    if levels == 1:
+        assert late.cache is None
+    else:
+        kept = late.cache
+        assert kept is not None and kept.status.name == "SUSPENDED"
+        assert kept.history_length == 32  # its matched prefix, held while it waits
+        loop.step()
+        assert late.cache is kept or late in loop.running
+    loop.run(on_step=lambda _: m.check_invariants())
+    assert {r.id for r in loop.finished} == {"warm", "busy", "late"}
+    per_request = {c.id for c in created}
+    assert per_request == {"warm", "busy", "late"}
+    if levels == 2:
+        assert len(created) == 3  # never created again while it waited
+    else:
+        assert len(created) > 3
+    loop.close()
+    m.shutdown()

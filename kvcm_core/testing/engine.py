@@ -174,10 +174,16 @@ class EngineLoop:
             self._lost(req, report)
             return False
         if not resumed:
-            # Give the claims back while waiting: held claims of queued requests could fill
-            # the GPU (on one level they can never move). The prefix is matched again.
-            cache.close()
-            req.cache = None
+            if len(self.manager.stores) < 2:
+                # One level: give the claims back while waiting (held claims of queued
+                # requests could fill the GPU, where they can never move). The prefix is
+                # matched again next time.
+                cache.close()
+                req.cache = None
+            # Else the refused request keeps its cache while it waits at the head of the
+            # queue: its held pages can still move down the levels, and each retry is a
+            # refused resume (decided before any per-page work) instead of a
+            # create_kv_cache and a close every step.
             return False
         # Recompute what the cache got fresh although its history covers it.
         self.engine.recompute([StepWork(cache, req.tokens)])
