@@ -1,7 +1,7 @@
 """Where `kvcm simulate`'s slow steps spend the manager's time (issue 16's p99).
 
 Runs the embedded default (or the arguments given, as `kvcm simulate` takes them) with
-timers around the manager calls of each step, and around each move between levels made
+timers around the manager calls of each step (`create_kv_cache` included), and around each move between levels made
 inside a `resume`, then prints:
 - the manager's time per step (mean, p99) as this script measured it;
 - the slowest steps: time per call kind and how many calls;
@@ -25,6 +25,7 @@ import numpy as np
 
 import kvcm_core.cache_resume as cache_resume
 import kvcm_core.levels as levels
+import kvcm_core.manager as manager
 import kvcm_core.simulate.runner as runner
 from kvcm_core.cli import main
 
@@ -88,8 +89,21 @@ def _timed_move(self, src, pids, dst, *args, **kwargs):  # type: ignore[no-untyp
             moves_now.append((kind, len(pids), (time.perf_counter_ns() - t0) / 1e3))
 
 
+_create = manager.KVCacheManager.create_kv_cache
+
+
+def _timed_create(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    t0 = time.perf_counter_ns()
+    try:
+        return _create(self, *args, **kwargs)
+    finally:
+        current["create_kv_cache"] += time.perf_counter_ns() - t0
+        current["create_kv_cache#"] += 1
+
+
 def run(argv: list[str]) -> None:
     runner._Timers.wrap = _timed_wrap
+    manager.KVCacheManager.create_kv_cache = _timed_create
     runner._SimLoop.step = _timed_step
     cache_resume.ResumeMixin._resume = _timed_resume
     levels.Levels._move = _timed_move
