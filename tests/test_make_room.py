@@ -215,6 +215,48 @@ def test_resume_after_making_the_room_pages_needed_says_pushes_nothing_out(
     d.check(c)
 
 
+def test_pages_needed_of_a_suspended_cache_asked_for_less_still_counts_what_resume_fills(
+        tmp_path, cleanup):
+    # A capacity below the cache's length takes nothing more, but resume still brings
+    # every cold page up and fills every block the cache lacks (here a partially
+    # matched last block, copied at resume): the count never drops below that; a larger
+    # capacity adds exactly its new blocks (full attention: one page per block).
+    m = make_manager([("gpu", 16), ("host", 64)], tmp_path, layout="full",
+                     enable_partial_reuse=True)
+    cleanup(m)
+    d = Driver(m)
+    base = tokens(9 * TPB, 7)
+    d.write(base, suspend=False).close()
+    partial = d.create(base[:8 * TPB + 2] + tokens(3 * TPB, 8))
+    assert partial.history_length == 8 * TPB + 2
+    lacking = {g: 1 for g in range(m.num_cache_groups)}
+    assert partial.pages_needed() == lacking
+    assert partial.pages_needed(TPB) == lacking
+    free = free_slots(m)
+    assert partial.resume()
+    assert free_slots(m) == [f - 1 for f in free]  # the one block it lacked
+    d.run_to(partial)
+    partial.close()
+    c = d.write(tokens(8 * TPB, 3))
+    fill_gpu_with_cached_pages(m, d, 2, 8 * TPB, seed=30)
+    assert m.make_room({g: 16 for g in range(m.num_cache_groups)})
+    cold = sum(1 for lv in page_levels(c) if lv > 0)
+    assert cold > 0
+    now = c.pages_needed()
+    assert sum(now.values()) == cold
+    assert c.pages_needed(TPB) == now
+    assert c.pages_needed(8 * TPB) == now
+    more = c.pages_needed(10 * TPB)
+    assert more == {g: n + 2 for g, n in now.items()}
+    assert m.make_room(c.pages_needed(TPB))
+    m.get_and_reset_iteration_stats()
+    assert c.resume()
+    stats = m.get_and_reset_iteration_stats()
+    assert sum(g.offload_blocks + g.dropped_blocks for g in stats.groups) == 0
+    assert sum(g.onboard_blocks for g in stats.groups) == cold
+    d.check(c)
+
+
 @pytest.mark.parametrize("layout", ["full", "hybrid"])
 def test_engine_loop_making_room_ahead_keeps_every_byte_and_every_request(tmp_path, layout):
     # Shared prefixes under pressure on a small GPU level: the loop makes room once per
@@ -252,4 +294,4 @@ def test_engine_loop_making_room_ahead_keeps_every_byte_and_every_request(tmp_pa
     assert calls and all(all(n > 0 for n in c.values()) for c in calls)
     none, reused_without = run(False)
     assert not none
-    assert reused > 0 and reused >= 0.9 * reused_without
+    assert reused > 0 and reused >= reused_without
