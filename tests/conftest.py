@@ -315,6 +315,23 @@ def drop_page(m: KVCacheManager, pid: int | None) -> None:
 
 
 @pytest.fixture
+def cleanup() -> Iterator[Callable[[KVCacheManager], None]]:
+    """Collects managers built with ``levels_helpers.make_manager``; at the end closes the
+    caches still open, checks every slot of every level is free and shuts them down."""
+    from levels_helpers import assert_all_free as all_levels_free
+    from levels_helpers import close_all
+
+    made: list[KVCacheManager] = []
+    yield made.append
+    for m in made:
+        if m.is_shut_down:
+            continue
+        close_all(m)
+        all_levels_free(m)
+        m.shutdown()
+
+
+@pytest.fixture
 def managers() -> Iterator[Callable[..., KVCacheManager]]:
     """Builds managers (``make_manager`` arguments) and checks, at the end of the test,
     that closing every cache still open and clearing the tree frees every slot."""

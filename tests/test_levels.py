@@ -40,19 +40,6 @@ from kvcm_core import (
 )
 
 
-@pytest.fixture
-def cleanup():
-    """Collects managers; at the end closes what is open and checks every slot is free."""
-    made = []
-    yield made.append
-    for m in made:
-        if m.is_shut_down:
-            continue
-        close_all(m)
-        assert_all_free(m)
-        m.shutdown()
-
-
 def attn_pages(cache):
     """Attention pages of a cache (every group but SSM live states)."""
     m = cache.manager

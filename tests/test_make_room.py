@@ -28,16 +28,6 @@ from levels_helpers import (
 from kvcm_core import ArgumentTypeError, InvalidArgumentError, InvalidStateError
 
 
-@pytest.fixture
-def cleanup():
-    made = []
-    yield made.append
-    for m in made:
-        close_all(m)
-        assert_all_free(m)
-        m.shutdown()
-
-
 def free_slots(m):
     return [s.num_free for s in m.stores[0]]
 

@@ -68,18 +68,6 @@ from kvcm_core.testing.engine import EngineLoop, Request
 P = ReusePolicy
 
 
-@pytest.fixture
-def cleanup():
-    """Collects managers; at the end closes what is open, checks every slot is free and
-    shuts them down."""
-    made = []
-    yield made.append
-    for m in made:
-        if m.is_shut_down:
-            continue
-        close_all(m)
-        assert_all_free(m)
-        m.shutdown()
 
 
 def requests(n: int, rng: random.Random, *, first_id: int = 0, shared: Sequence[int] = (),
