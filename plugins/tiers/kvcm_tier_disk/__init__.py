@@ -284,24 +284,36 @@ class DiskPool(StoragePool):
         if not self._tier.native_writes or not aio.native_available():
             return None
         fd = self._live_fd()
-        arr = check_slots(self, slots)
-        rows = checked_rows(self, source, len(arr), "source")
-        if not len(arr):
-            return None
+        arr = np.asarray(slots, dtype=np.int64).reshape(-1)  # as check_slots converts them
+        n = len(arr)
         order = _order(arr)
-        if order is not None:
-            arr = arr[order]
-            if np.count_nonzero(arr[1:] == arr[:-1]):
-                raise ValueError(f"slots={np.sort(arr).tolist()}: a write may name each slot "
+        ordered = arr if order is None else arr[order]
+        if n and (ordered[0] < 0 or ordered[-1] >= self.num_slots):  # the sorted ends bound
+            check_slots(self, arr)  # them: check_slots' scan only to name the bad one
+        rows = checked_rows(self, source, n, "source")
+        if not n:
+            return None
+        if order is None:
+            rows = np.array(rows, order="C", copy=True)  # ours until written
+        else:
+            if np.count_nonzero(ordered[1:] == ordered[:-1]):
+                raise ValueError(f"slots={ordered.tolist()}: a write may name each slot "
                                  "only once")
-            rows = rows[order]
-        rows = np.array(rows, dtype=np.uint8, order="C", copy=True)  # ours until written
-        n, sb = len(arr), self.slot_bytes
-        cuts = np.flatnonzero(arr[1:] != arr[:-1] + 1) + 1
-        starts = np.concatenate(([0], cuts))
-        write = aio.NativeWrite(fd, self.data_offset + arr[starts] * sb,
-                                rows.ctypes.data + starts * sb,
-                                (np.append(cuts, n) - starts) * sb, rows)
+            rows = np.ascontiguousarray(rows[order])  # a copy (fancy indexing), in slot order
+        # One request per run of consecutive slots: a run starts where a slot does not
+        # follow the one before it.
+        first = np.empty(n, dtype=bool)
+        first[0] = True
+        np.not_equal(ordered[1:], ordered[:-1] + 1, out=first[1:])
+        starts = first.nonzero()[0]
+        sb = self.slot_bytes
+        at = starts * sb  # the runs' first bytes in rows
+        sizes = np.empty_like(at)
+        sizes[:-1] = at[1:]
+        sizes[-1] = n * sb
+        sizes -= at
+        write = aio.NativeWrite(fd, ordered[starts] * sb + self.data_offset,
+                                at + aio.data_address(rows), sizes, rows)
         self._natives = [w for w in self._natives if not w.done()]
         self._natives.append(write)  # close and resize wait for it
         return write
