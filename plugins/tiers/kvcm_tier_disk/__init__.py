@@ -293,10 +293,11 @@ class DiskPool(StoragePool):
         rows = checked_rows(self, source, n, "source")
         if not n:
             return None
+        step = ordered[1:] - ordered[:-1]  # (all in range: no overflow)
         if order is None:
             rows = np.array(rows, order="C", copy=True)  # ours until written
         else:
-            if np.count_nonzero(ordered[1:] == ordered[:-1]):
+            if not step.all():
                 raise ValueError(f"slots={ordered.tolist()}: a write may name each slot "
                                  "only once")
             rows = np.ascontiguousarray(rows[order])  # a copy (fancy indexing), in slot order
@@ -304,7 +305,7 @@ class DiskPool(StoragePool):
         # follow the one before it.
         first = np.empty(n, dtype=bool)
         first[0] = True
-        np.not_equal(ordered[1:], ordered[:-1] + 1, out=first[1:])
+        np.not_equal(step, 1, out=first[1:])
         starts = first.nonzero()[0]
         sb = self.slot_bytes
         at = starts * sb  # the runs' first bytes in rows
