@@ -80,6 +80,8 @@ def test_a_write_behind_refuses_bad_arguments_like_write(tier):
     pool = tier.create_pool(SB, 4)
     with pytest.raises(ValueError, match="only once"):
         pool.write_behind(np.array([1, 1]), _rows(2, 3))
+    with pytest.raises(ValueError, match="only once"):
+        pool.write_behind(np.array([0, 1, 1, 2]), _rows(4, 3))
     with pytest.raises(ValueError):
         pool.write_behind(np.array([4]), _rows(1, 3))
     with pytest.raises(ValueError):
@@ -103,7 +105,8 @@ def test_a_write_behind_refuses_an_out_of_range_slot_anywhere_in_any_order(tier)
 def test_writes_behind_of_any_slot_pattern_land_in_their_slots(tier):
     pool = tier.create_pool(SB, 64)
     patterns = [[0], [63], [5, 6, 7, 8], [9, 11, 13], [20, 21, 30, 31, 32, 40],
-                [50, 49, 48, 60, 2, 3], list(range(64))[::-1]]
+                [50, 49, 48, 60, 2, 3], list(range(64))[::-1],
+                [12, 11], [1, 3, 2, 4], [30, 32, 31, 33, 34]]  # a run's span, not in order
     for seed, slots in enumerate(patterns):
         rows = _rows(len(slots), 40 + seed)
         handle = pool.write_behind(np.array(slots), rows)

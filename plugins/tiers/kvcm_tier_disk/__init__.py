@@ -284,40 +284,49 @@ class DiskPool(StoragePool):
         if not self._tier.native_writes or not aio.native_available():
             return None
         fd = self._live_fd()
-        arr = np.asarray(slots, dtype=np.int64).reshape(-1)  # as check_slots converts them
-        n = len(arr)
-        order = _order(arr)
-        ordered = arr if order is None else arr[order]
-        if n and (ordered[0] < 0 or ordered[-1] >= self.num_slots):  # the sorted ends bound
-            check_slots(self, arr)  # them: check_slots' scan only to name the bad one
-        rows = checked_rows(self, source, n, "source")
+        arr = check_slots(self, slots)
+        rows = checked_rows(self, source, len(arr), "source")
+        n, sb = len(arr), self.slot_bytes
         if not n:
             return None
-        step = ordered[1:] - ordered[:-1]  # (all in range: no overflow)
-        if order is None:
+        step = arr[1:] - arr[:-1]  # (slots in range: no overflow)
+        if int(arr[-1]) - int(arr[0]) == n - 1 and (n == 1 or int(step.max()) == 1):
+            # One run of consecutive slots in slot order (most writes): one request.
             rows = np.array(rows, order="C", copy=True)  # ours until written
+            write = aio.NativeWrite(fd, [int(arr[0]) * sb + self.data_offset],
+                                    [aio.data_address(rows)], [n * sb], rows)
         else:
+            write = self._write_runs(fd, arr, step, rows)
+        self._natives = [w for w in self._natives if not w.done()]
+        self._natives.append(write)  # close and resize wait for it
+        return write
+
+    def _write_runs(self, fd: int, arr: np.ndarray, step: np.ndarray, rows: np.ndarray
+                    ) -> aio.NativeWrite:
+        """:meth:`write_behind` of slots ``arr`` (``step``: each minus the one before) that
+        are not one run in slot order: the rows are copied in slot order, and written with
+        one request per run of consecutive slots."""
+        n, sb = len(arr), self.slot_bytes
+        if step.min() <= 0:  # not in slot order
+            order = np.argsort(arr, kind="stable")
+            arr = arr[order]
+            step = arr[1:] - arr[:-1]
             if not step.all():
-                raise ValueError(f"slots={ordered.tolist()}: a write may name each slot "
-                                 "only once")
+                raise ValueError(f"slots={arr.tolist()}: a write may name each slot only once")
             rows = np.ascontiguousarray(rows[order])  # a copy (fancy indexing), in slot order
-        # One request per run of consecutive slots: a run starts where a slot does not
-        # follow the one before it.
-        first = np.empty(n, dtype=bool)
+        else:
+            rows = np.array(rows, order="C", copy=True)  # ours until written
+        first = np.empty(n, dtype=bool)  # a run starts where a slot does not follow the last
         first[0] = True
         np.not_equal(step, 1, out=first[1:])
         starts = first.nonzero()[0]
-        sb = self.slot_bytes
         at = starts * sb  # the runs' first bytes in rows
         sizes = np.empty_like(at)
         sizes[:-1] = at[1:]
         sizes[-1] = n * sb
         sizes -= at
-        write = aio.NativeWrite(fd, ordered[starts] * sb + self.data_offset,
-                                at + aio.data_address(rows), sizes, rows)
-        self._natives = [w for w in self._natives if not w.done()]
-        self._natives.append(write)  # close and resize wait for it
-        return write
+        return aio.NativeWrite(fd, arr[starts] * sb + self.data_offset,
+                               at + aio.data_address(rows), sizes, rows)
 
     def read_nowait(self, slots: np.ndarray, dest: np.ndarray) -> bool:
         """Read from the page cache only (:func:`kvcm_tier_disk.aio.read_nowait`, one

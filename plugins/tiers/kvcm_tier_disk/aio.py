@@ -231,8 +231,9 @@ class NativeWrite:
 
     __slots__ = ("_cbs", "_errors", "_keep", "_list", "_n", "_refused", "_settled")
 
-    def __init__(self, fd: int, offsets: np.ndarray, addresses: np.ndarray,
-                 sizes: np.ndarray, keep: object) -> None:
+    def __init__(self, fd: int, offsets: Sequence[int] | np.ndarray,
+                 addresses: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray,
+                 keep: object) -> None:
         n = len(offsets)
         # One zeroed allocation: the n control blocks (status 0, result 0: "failed" until
         # glibc says), then the n pointers to them that lio_listio and aio_suspend take.
