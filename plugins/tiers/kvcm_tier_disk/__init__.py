@@ -289,24 +289,26 @@ class DiskPool(StoragePool):
         n, sb = len(arr), self.slot_bytes
         if not n:
             return None
-        step = arr[1:] - arr[:-1]  # (slots in range: no overflow)
-        if int(arr[-1]) - int(arr[0]) == n - 1 and (n == 1 or int(step.max()) == 1):
-            # One run of consecutive slots in slot order (most writes): one request.
+        first = int(arr[0])
+        # One run of consecutive slots in slot order (most writes) is one request: the last
+        # slot is n - 1 past the first and no step is more than one, so every step is one
+        # (the slots are in range: their differences cannot overflow).
+        if int(arr[-1]) - first == n - 1 and (n <= 2 or int((arr[1:] - arr[:-1]).max()) == 1):
             rows = np.array(rows, order="C", copy=True)  # ours until written
-            write = aio.NativeWrite(fd, [int(arr[0]) * sb + self.data_offset],
+            write = aio.NativeWrite(fd, [first * sb + self.data_offset],
                                     [aio.data_address(rows)], [n * sb], rows)
         else:
-            write = self._write_runs(fd, arr, step, rows)
+            write = self._write_runs(fd, arr, rows)
         self._natives = [w for w in self._natives if not w.done()]
         self._natives.append(write)  # close and resize wait for it
         return write
 
-    def _write_runs(self, fd: int, arr: np.ndarray, step: np.ndarray, rows: np.ndarray
-                    ) -> aio.NativeWrite:
-        """:meth:`write_behind` of slots ``arr`` (``step``: each minus the one before) that
-        are not one run in slot order: the rows are copied in slot order, and written with
-        one request per run of consecutive slots."""
+    def _write_runs(self, fd: int, arr: np.ndarray, rows: np.ndarray) -> aio.NativeWrite:
+        """:meth:`write_behind` of checked slots ``arr`` (at least two) that are not one
+        run in slot order: the rows are copied in slot order, and written with one request
+        per run of consecutive slots."""
         n, sb = len(arr), self.slot_bytes
+        step = arr[1:] - arr[:-1]
         if step.min() <= 0:  # not in slot order
             order = np.argsort(arr, kind="stable")
             arr = arr[order]

@@ -229,7 +229,7 @@ class NativeWrite:
     :meth:`done` reads each request's status from memory (no system call). A request
     that glibc could not queue counts as failed."""
 
-    __slots__ = ("_cbs", "_errors", "_keep", "_list", "_n", "_refused", "_settled")
+    __slots__ = ("_errors", "_keep", "_list", "_n", "_refused", "_settled", "_words")
 
     def __init__(self, fd: int, offsets: Sequence[int] | np.ndarray,
                  addresses: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray,
@@ -237,20 +237,21 @@ class NativeWrite:
         n = len(offsets)
         # One zeroed allocation: the n control blocks (status 0, result 0: "failed" until
         # glibc says), then the n pointers to them that lio_listio and aio_suspend take.
-        words = np.zeros(n * (_AIOCB_WORDS + 1), dtype=np.uint64)
+        # A field of every block is one strided slice of it.
+        end = n * _AIOCB_WORDS
+        words = np.zeros(end + n, dtype=np.uint64)
         base = data_address(words)
-        cbs = words[:n * _AIOCB_WORDS].reshape(n, _AIOCB_WORDS)
-        cbs[:, _FILDES_OPCODE] = fd | _LIO_WRITE << 32
-        cbs[:, _BUF] = addresses
-        cbs[:, _NBYTES] = sizes
-        cbs[:, _SIGEVENT] = _SIGEV_NONE << 32
-        cbs[:, _OFFSET] = offsets
+        words[_FILDES_OPCODE:end:_AIOCB_WORDS] = fd | _LIO_WRITE << 32
+        words[_BUF:end:_AIOCB_WORDS] = addresses
+        words[_NBYTES:end:_AIOCB_WORDS] = sizes
+        words[_SIGEVENT:end:_AIOCB_WORDS] = _SIGEV_NONE << 32
+        words[_OFFSET:end:_AIOCB_WORDS] = offsets
         np.add(_CB_OFFSETS[:n] if n <= len(_CB_OFFSETS) else
                np.arange(n, dtype=np.uint64) * np.uint64(8 * _AIOCB_WORDS),
-               base, out=words[n * _AIOCB_WORDS:])
-        self._cbs, self._keep, self._n = cbs, keep, n
-        self._errors = cbs.view(np.int32)[:, 2 * _ERROR]
-        self._list = base + 8 * _AIOCB_WORDS * n
+               base, out=words[end:])
+        self._words, self._keep, self._n = words, keep, n
+        self._errors = words.view(np.int32)[2 * _ERROR:2 * end:2 * _AIOCB_WORDS]
+        self._list = base + 8 * end
         self._refused = 0
         self._settled = False
         assert _posix.lio is not None
@@ -272,16 +273,16 @@ class NativeWrite:
 
     def error(self) -> str | None:
         """Once :meth:`done`: None when every byte was written, else what failed."""
-        cbs = self._cbs
+        words, end = self._words, self._n * _AIOCB_WORDS
         errors = self._errors.tolist()
-        results = cbs[:, _RETURN].view(np.int64).tolist()
-        sizes = cbs[:, _NBYTES].tolist()
+        results = words[_RETURN:end:_AIOCB_WORDS].view(np.int64).tolist()
+        sizes = words[_NBYTES:end:_AIOCB_WORDS].tolist()
         if not self._refused and not any(errors) and results == sizes:
             return None
         bad = [i for i in range(self._n) if errors[i] or results[i] != sizes[i]]
         i = bad[0] if bad else 0
         err = errors[i] or self._refused
-        return (f"pwrite at offset {int(cbs[i, _OFFSET])}: "
+        return (f"pwrite at offset {int(words[i * _AIOCB_WORDS + _OFFSET])}: "
                 + (os.strerror(err) if err else f"{results[i]} of {sizes[i]} bytes"))
 
 
