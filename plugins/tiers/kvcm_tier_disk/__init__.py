@@ -318,10 +318,10 @@ class DiskPool(StoragePool):
             rows = np.ascontiguousarray(rows[order])  # a copy (fancy indexing), in slot order
         else:
             rows = np.array(rows, order="C", copy=True)  # ours until written
-        first = np.empty(n, dtype=bool)  # a run starts where a slot does not follow the last
-        first[0] = True
-        np.not_equal(step, 1, out=first[1:])
-        starts = first.nonzero()[0]
+        opens = np.empty(n, dtype=bool)  # a run starts where a slot does not follow the last
+        opens[0] = True
+        np.not_equal(step, 1, out=opens[1:])
+        starts = opens.nonzero()[0]
         at = starts * sb  # the runs' first bytes in rows
         sizes = np.empty_like(at)
         sizes[:-1] = at[1:]
