@@ -131,16 +131,36 @@ class IOStats:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
+class _Finished:
+    """The ``done`` of a write on the tier's threads (:attr:`_Job.handle`), set by the
+    first look that sees its handle finished. Nobody blocks on it (waiters poll the
+    handle: :meth:`LevelIO._wait`), so it is a flag, without the lock and condition that
+    a ``threading.Event`` costs to make and to set for every such write."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+
+
 class _Job:
     __slots__ = ("after", "done", "error", "fn", "handle", "kind", "rows", "seq", "submitted",
                  "target", "what")
 
-    def __init__(self, fn: Callable[[], None], what: str, kind: str) -> None:
+    def __init__(self, fn: Callable[[], None], what: str, kind: str,
+                 handle: WriteBehind | None = None) -> None:
         self.fn = fn
         self.what = what
         self.kind = kind  # "read", "write", "bg-write", "admin"
         self.submitted = time.monotonic()
-        self.done = threading.Event()
+        self.done: threading.Event | _Finished = threading.Event() if handle is None \
+            else _Finished()
         self.error: BaseException | None = None
         #: The pool and slots a background write writes or a read reads (None: unknown).
         self.target: tuple[Any, np.ndarray] | None = None
@@ -150,7 +170,7 @@ class _Job:
         #: A background write running on the tier's threads (``write_behind``), its
         #: number among them (``seq``); a job for the level's thread waits for the
         #: first ``after`` of those before it runs.
-        self.handle: WriteBehind | None = None
+        self.handle = handle
         self.seq = -1
         self.after = 0
 
@@ -515,9 +535,8 @@ class LevelIO:
             return False
         if handle is None:
             return False
-        job = _Job(_no_op, what, "bg-write")
+        job = _Job(_no_op, what, "bg-write", handle)
         job.target = (pool, slots)
-        job.handle = handle
         with self._cv:
             job.seq = self._native_seq
             self._native_seq += 1
@@ -547,8 +566,7 @@ class LevelIO:
             else:
                 job.error = TierIOError(f"level {self.level}: {job.what} failed: {err}")
                 self._mark_bad(pool, slots, 1)
-            job.done.set()
-            self._cv.notify_all()
+            job.done.set()  # (no notify: nobody waits on the condition for it, see _wait)
         return True
 
     def _await_native(self, after: int) -> None:

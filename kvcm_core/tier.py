@@ -41,7 +41,9 @@ def check_slots(pool: Pool, slots: np.ndarray) -> np.ndarray:
         IndexError is never raised to users: a ``ValueError`` names the slot and the range.
     """
     arr = np.asarray(slots, dtype=np.int64).reshape(-1)
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= pool.num_slots):
+    # One reduction for both bounds: read as uint64, a negative slot is larger than any
+    # pool (num_slots < 2**63).
+    if arr.size and int(arr.view(np.uint64).max()) >= pool.num_slots:
         bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
         raise InvalidArgumentError(
             f"slot {bad} out of range: pool has slots 0..{pool.num_slots - 1}")

@@ -12,6 +12,7 @@ thread goes through that thread, in order.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -79,6 +80,8 @@ def test_a_write_behind_refuses_bad_arguments_like_write(tier):
     pool = tier.create_pool(SB, 4)
     with pytest.raises(ValueError, match="only once"):
         pool.write_behind(np.array([1, 1]), _rows(2, 3))
+    with pytest.raises(ValueError, match="only once"):
+        pool.write_behind(np.array([0, 1, 1, 2]), _rows(4, 3))
     with pytest.raises(ValueError):
         pool.write_behind(np.array([4]), _rows(1, 3))
     with pytest.raises(ValueError):
@@ -89,6 +92,32 @@ def test_a_write_behind_refuses_bad_arguments_like_write(tier):
 
 
 @native
+def test_a_write_behind_refuses_an_out_of_range_slot_anywhere_in_any_order(tier):
+    pool = tier.create_pool(SB, 8)
+    for slots in ([3, -1, 5], [8, 0], [0, 2**63 - 1, -5, 5], [7, 6, 9, 1]):
+        with pytest.raises(ValueError, match="out of range") as raised:
+            pool.write_behind(np.array(slots, dtype=np.int64), _rows(len(slots), 3))
+        bad = min(slots) if min(slots) < 0 else max(slots)
+        assert f"slot {bad} " in str(raised.value)  # the same words as write's
+
+
+@native
+def test_writes_behind_of_any_slot_pattern_land_in_their_slots(tier):
+    pool = tier.create_pool(SB, 64)
+    patterns = [[0], [63], [5, 6, 7, 8], [9, 11, 13], [20, 21, 30, 31, 32, 40],
+                [50, 49, 48, 60, 2, 3], list(range(64))[::-1],
+                [12, 11], [1, 3, 2, 4], [30, 32, 31, 33, 34]]  # a run's span, not in order
+    for seed, slots in enumerate(patterns):
+        rows = _rows(len(slots), 40 + seed)
+        handle = pool.write_behind(np.array(slots), rows)
+        _finish(handle)
+        assert handle.error() is None
+        out = np.zeros_like(rows)
+        pool.read(np.array(slots), out).wait()
+        np.testing.assert_array_equal(out, rows)
+
+
+@native
 def test_a_write_behind_to_a_bad_descriptor_reports_its_failure(tier):
     pool = tier.create_pool(SB, 4)
     fd = pool._fd
@@ -96,9 +125,10 @@ def test_a_write_behind_to_a_bad_descriptor_reports_its_failure(tier):
     ro = os.open(os.devnull, os.O_RDONLY)
     os.dup2(ro, fd)  # the pool's descriptor now refuses writes
     try:
-        handle = pool.write_behind(np.array([1]), _rows(1, 4))
+        handle = pool.write_behind(np.array([1, 3]), _rows(2, 4))
         _finish(handle)
-        assert handle.error() is not None
+        assert handle.error() == (f"pwrite at offset {pool.data_offset + SB}: "
+                                  f"{os.strerror(errno.EBADF)}")
     finally:
         os.dup2(saved, fd)
         os.close(saved)

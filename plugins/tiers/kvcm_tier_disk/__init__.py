@@ -286,25 +286,49 @@ class DiskPool(StoragePool):
         fd = self._live_fd()
         arr = check_slots(self, slots)
         rows = checked_rows(self, source, len(arr), "source")
-        if not len(arr):
-            return None
-        order = _order(arr)
-        if order is not None:
-            arr = arr[order]
-            if np.count_nonzero(arr[1:] == arr[:-1]):
-                raise ValueError(f"slots={np.sort(arr).tolist()}: a write may name each slot "
-                                 "only once")
-            rows = rows[order]
-        rows = np.array(rows, dtype=np.uint8, order="C", copy=True)  # ours until written
         n, sb = len(arr), self.slot_bytes
-        cuts = np.flatnonzero(arr[1:] != arr[:-1] + 1) + 1
-        starts = np.concatenate(([0], cuts))
-        write = aio.NativeWrite(fd, self.data_offset + arr[starts] * sb,
-                                rows.ctypes.data + starts * sb,
-                                (np.append(cuts, n) - starts) * sb, rows)
+        if not n:
+            return None
+        first = int(arr[0])
+        # One run of consecutive slots in slot order (most writes) is one request: the last
+        # slot is n - 1 past the first and no step is more than one, so every step is one
+        # (the slots are in range: their differences cannot overflow).
+        if int(arr[-1]) - first == n - 1 and (n <= 2 or int((arr[1:] - arr[:-1]).max()) == 1):
+            rows = np.array(rows, order="C", copy=True)  # ours until written
+            write = aio.NativeWrite(fd, [first * sb + self.data_offset],
+                                    [aio.data_address(rows)], [n * sb], rows)
+        else:
+            write = self._write_runs(fd, arr, rows)
         self._natives = [w for w in self._natives if not w.done()]
         self._natives.append(write)  # close and resize wait for it
         return write
+
+    def _write_runs(self, fd: int, arr: np.ndarray, rows: np.ndarray) -> aio.NativeWrite:
+        """:meth:`write_behind` of checked slots ``arr`` (at least two) that are not one
+        run in slot order: the rows are copied in slot order, and written with one request
+        per run of consecutive slots."""
+        n, sb = len(arr), self.slot_bytes
+        step = arr[1:] - arr[:-1]
+        if step.min() <= 0:  # not in slot order
+            order = np.argsort(arr, kind="stable")
+            arr = arr[order]
+            step = arr[1:] - arr[:-1]
+            if not step.all():
+                raise ValueError(f"slots={arr.tolist()}: a write may name each slot only once")
+            rows = np.ascontiguousarray(rows[order])  # a copy (fancy indexing), in slot order
+        else:
+            rows = np.array(rows, order="C", copy=True)  # ours until written
+        opens = np.empty(n, dtype=bool)  # a run starts where a slot does not follow the last
+        opens[0] = True
+        np.not_equal(step, 1, out=opens[1:])
+        starts = opens.nonzero()[0]
+        at = starts * sb  # the runs' first bytes in rows
+        sizes = np.empty_like(at)
+        sizes[:-1] = at[1:]
+        sizes[-1] = n * sb
+        sizes -= at
+        return aio.NativeWrite(fd, arr[starts] * sb + self.data_offset,
+                               at + aio.data_address(rows), sizes, rows)
 
     def read_nowait(self, slots: np.ndarray, dest: np.ndarray) -> bool:
         """Read from the page cache only (:func:`kvcm_tier_disk.aio.read_nowait`, one

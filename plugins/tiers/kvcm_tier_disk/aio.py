@@ -32,8 +32,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["MIN_CALLS", "NativeWrite", "available", "native_available", "read_nowait", "run",
-           "run_runs"]
+__all__ = ["MIN_CALLS", "NativeWrite", "available", "data_address", "native_available",
+           "read_nowait", "run", "run_runs"]
 
 #: Batches of fewer runs use one ``pwrite``/``preadv`` per run (as cheap for one or two).
 MIN_CALLS = 3
@@ -164,12 +164,16 @@ def read_nowait(fd: int, offsets: Sequence[int], addresses: Sequence[int],
     return 0
 
 
-# glibc's struct aiocb on x86-64 (168 bytes): the fields kvcm sets or reads.
-_AIOCB = np.dtype({"names": ["fildes", "opcode", "buf", "nbytes", "sigev_notify", "error",
-                             "ret", "offset"],
-                   "formats": ["<i4", "<i4", "<u8", "<u8", "<i4", "<i4", "<i8", "<i8"],
-                   "offsets": [0, 4, 16, 24, 44, 112, 120, 128], "itemsize": 168})
+# glibc's struct aiocb on x86-64 (168 bytes) as 21 little-endian u64 words; the fields kvcm
+# sets or reads: [0] aio_fildes (i32) | aio_lio_opcode (i32) << 32, [2] aio_buf,
+# [3] aio_nbytes, [5] sigev_signo (i32) | sigev_notify (i32) << 32, [14] __error_code (i32,
+# the low half), [15] __return_value (i64), [16] aio_offset (i64).
+_AIOCB_WORDS = 21
+_FILDES_OPCODE, _BUF, _NBYTES, _SIGEVENT, _ERROR, _RETURN, _OFFSET = 0, 2, 3, 5, 14, 15, 16
 _LIO_WRITE, _LIO_NOWAIT, _SIGEV_NONE = 1, 1, 1
+#: Byte offsets of control blocks 0, 1, ... from the first (the list lio_listio takes is
+#: these plus the first one's address; larger batches compute their own).
+_CB_OFFSETS = np.arange(256, dtype=np.uint64) * np.uint64(8 * _AIOCB_WORDS)
 
 
 class _Posix:
@@ -187,9 +191,14 @@ class _Posix:
         except AttributeError:
             self.lio = None
             return
+        # Declared argument types: plain ints convert in C, cheaper than ctypes objects
+        # made in Python for each call.
         self.lio.restype = ctypes.c_int
+        self.lio.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         self.suspend.restype = ctypes.c_int
+        self.suspend.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         self.no_wait = (ctypes.c_long * 2)()  # struct timespec {0, 0}
+        self.no_wait_at = ctypes.addressof(self.no_wait)
 
 
 _posix = _Posix()
@@ -204,6 +213,12 @@ def native_available() -> bool:
     return _posix.lio is not None
 
 
+def data_address(array: np.ndarray) -> int:
+    """The address of a writable array's first byte (``array.ctypes.data`` builds a
+    Python object each time and costs about five times as much)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(array))
+
+
 class NativeWrite:
     """Writes handed to glibc's own AIO threads (``lio_listio`` with ``LIO_NOWAIT``):
     ``sizes[i]`` bytes at ``addresses[i]`` to file offset ``offsets[i]``, one request per
@@ -214,25 +229,33 @@ class NativeWrite:
     :meth:`done` reads each request's status from memory (no system call). A request
     that glibc could not queue counts as failed."""
 
-    __slots__ = ("_cbs", "_keep", "_ptrs", "_refused", "_settled")
+    __slots__ = ("_errors", "_keep", "_list", "_n", "_refused", "_settled", "_words")
 
-    def __init__(self, fd: int, offsets: np.ndarray, addresses: np.ndarray,
-                 sizes: np.ndarray, keep: object) -> None:
+    def __init__(self, fd: int, offsets: Sequence[int] | np.ndarray,
+                 addresses: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray,
+                 keep: object) -> None:
         n = len(offsets)
-        cbs = np.zeros(n, dtype=_AIOCB)  # status 0, result 0: "failed" until glibc says
-        cbs["fildes"] = fd
-        cbs["opcode"] = _LIO_WRITE
-        cbs["sigev_notify"] = _SIGEV_NONE
-        cbs["buf"] = addresses
-        cbs["nbytes"] = sizes
-        cbs["offset"] = offsets
-        ptrs = np.uint64(cbs.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(168)
-        self._cbs, self._ptrs, self._keep = cbs, ptrs, keep
-        assert _posix.lio is not None
+        # One zeroed allocation: the n control blocks (status 0, result 0: "failed" until
+        # glibc says), then the n pointers to them that lio_listio and aio_suspend take.
+        # A field of every block is one strided slice of it.
+        end = n * _AIOCB_WORDS
+        words = np.zeros(end + n, dtype=np.uint64)
+        base = data_address(words)
+        words[_FILDES_OPCODE:end:_AIOCB_WORDS] = fd | _LIO_WRITE << 32
+        words[_BUF:end:_AIOCB_WORDS] = addresses
+        words[_NBYTES:end:_AIOCB_WORDS] = sizes
+        words[_SIGEVENT:end:_AIOCB_WORDS] = _SIGEV_NONE << 32
+        words[_OFFSET:end:_AIOCB_WORDS] = offsets
+        np.add(_CB_OFFSETS[:n] if n <= len(_CB_OFFSETS) else
+               np.arange(n, dtype=np.uint64) * np.uint64(8 * _AIOCB_WORDS),
+               base, out=words[end:])
+        self._words, self._keep, self._n = words, keep, n
+        self._errors = words.view(np.int32)[2 * _ERROR:2 * end:2 * _AIOCB_WORDS]
+        self._list = base + 8 * end
         self._refused = 0
         self._settled = False
-        if _posix.lio(ctypes.c_int(_LIO_NOWAIT), ctypes.c_void_p(ptrs.ctypes.data),
-                      ctypes.c_int(n), None) != 0:
+        assert _posix.lio is not None
+        if _posix.lio(_LIO_NOWAIT, self._list, n, None) != 0:
             self._refused = ctypes.get_errno() or errno.EAGAIN  # some may still run
 
     def done(self) -> bool:
@@ -242,24 +265,25 @@ class NativeWrite:
         returns, glibc is done with our memory and the handle may be dropped."""
         if self._settled:
             return True
-        if np.count_nonzero(self._cbs["error"] == errno.EINPROGRESS):
+        if errno.EINPROGRESS in self._errors.tolist():  # a few requests: a list is cheaper
             return False
-        _posix.suspend(ctypes.c_void_p(self._ptrs.ctypes.data), ctypes.c_int(len(self._ptrs)),
-                       ctypes.byref(_posix.no_wait))
+        _posix.suspend(self._list, self._n, _posix.no_wait_at)
         self._settled = True
         return True
 
     def error(self) -> str | None:
         """Once :meth:`done`: None when every byte was written, else what failed."""
-        cbs = self._cbs
-        bad = (cbs["error"] != 0) | (cbs["ret"] != cbs["nbytes"].astype(np.int64))
-        if not np.count_nonzero(bad) and not self._refused:
+        words, end = self._words, self._n * _AIOCB_WORDS
+        errors = self._errors.tolist()
+        results = words[_RETURN:end:_AIOCB_WORDS].view(np.int64).tolist()
+        sizes = words[_NBYTES:end:_AIOCB_WORDS].tolist()
+        if not self._refused and not any(errors) and results == sizes:
             return None
-        i = int(np.flatnonzero(bad)[0]) if np.count_nonzero(bad) else 0
-        err = int(cbs["error"][i]) or self._refused
-        return (f"pwrite at offset {int(cbs['offset'][i])}: "
-                + (os.strerror(err) if err else
-                   f"{int(cbs['ret'][i])} of {int(cbs['nbytes'][i])} bytes"))
+        bad = [i for i in range(self._n) if errors[i] or results[i] != sizes[i]]
+        i = bad[0] if bad else 0
+        err = errors[i] or self._refused
+        return (f"pwrite at offset {int(words[i * _AIOCB_WORDS + _OFFSET])}: "
+                + (os.strerror(err) if err else f"{results[i]} of {sizes[i]} bytes"))
 
 
 def _blocks(fd: int, offsets: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray,
