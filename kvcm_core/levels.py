@@ -110,6 +110,10 @@ class Levels:
                        for g in range(ngroups)]
         self._pg_array = np.asarray(self._pg_of, dtype=np.int64)
         self.layouts: list[PageLayout] = [pg.page_layout() for pg in layout.pool_groups]
+        #: Per pool group, the pages of one asynchronous move batch by bytes (see _move).
+        self._batch_pages = [_MOVE_BATCH_BYTES // max(lay.page_bytes, 1)
+                             for lay in self.layouts]
+        self._move_bytes: dict[tuple[int, int], int] = {}  # (group, level) -> cold_bytes
         # Dropping a page of these invalidates the subtree below its block: every block of
         # full-attention constraining groups, the sink blocks of windowed ones.
         self._inval_all = np.array([not lc.is_ssm and lc.window is None and
@@ -477,13 +481,13 @@ class Levels:
             return pids
         slots = dst.reserve_slots(len(pids))
         a = self.arena
-        group = int(a.group[pids[0]])
-        layout = self.layouts[self._pg_of[group]]
+        pg = self._pg_of[int(a.group[pids[0]])]
+        layout = self.layouts[pg]
         keys = self.frame_keys(pids) if dst.frames is not None else None
         old = a.slot[pids]
         io = self.io[dst.level]
         mover = self.mover
-        per = max(-(-len(pids) // _MOVE_BATCHES), _MOVE_BATCH_BYTES // max(layout.page_bytes, 1))
+        per = max(-(-len(pids) // _MOVE_BATCHES), self._batch_pages[pg])
         issue = mover.can_issue(src, dst)
         if issue and dst.level == 0:  # batch k takes the slots eviction batch k freed
             slots = mover.fences.order(dst, slots)
@@ -570,10 +574,14 @@ class Levels:
             groups = self.arena.group[pids]
             g0 = int(groups[0])
             single = not np.count_nonzero(groups != g0)
+        level = max(from_level, to_level)
         for g in [g0] if single else np.unique(groups).tolist():
             n = len(pids) if single else int((groups == g).sum())
             gstats = self.stats.groups[g]
-            nbytes = n * self.cold_bytes(g, max(from_level, to_level))
+            size = self._move_bytes.get((g, level))
+            if size is None:
+                size = self._move_bytes[(g, level)] = self.cold_bytes(g, level)
+            nbytes = n * size
             if to_level > from_level:
                 gstats.offload_blocks += n
                 gstats.offload_bytes += nbytes

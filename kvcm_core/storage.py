@@ -348,6 +348,15 @@ class Store:
 
     def _leave(self, pids: np.ndarray) -> None:
         a = self.arena
+        if len(pids) == 1:  # the same rules on scalars
+            pid = pids[0]
+            if a.locks[pid] != 0:
+                return
+            if a.holds[pid] > 0:
+                self.held.remove_many_checked_by_caller(pids)
+            elif a.node[pid] >= 0:
+                self.droppable.remove_many_checked_by_caller(pids)
+            return
         free = a.locks[pids] == 0
         if not np.count_nonzero(free):
             return
@@ -366,6 +375,17 @@ class Store:
     def _enter(self, pids: np.ndarray) -> None:
         """Pages whose counts just changed: into their queue, or freed."""
         a = self.arena
+        if len(pids) == 1:  # the same rules on scalars
+            pid = pids[0]
+            if a.locks[pid] != 0:
+                return
+            if a.holds[pid] > 0:
+                self.held.insert_many_checked_by_caller(pids, int(a.priority[pid]))
+            elif a.node[pid] >= 0:
+                self.droppable.insert_many_checked_by_caller(pids, int(a.priority[pid]))
+            else:
+                self.free_pages(pids)
+            return
         free = a.locks[pids] == 0
         if not np.count_nonzero(free):
             return
@@ -537,7 +557,7 @@ def _insert(policy: EvictionPolicy, pids: np.ndarray, prios: np.ndarray) -> None
     """Insert pages in order: one int priority when they share one (the policies' fast
     path), else the priorities of each page."""
     p0 = int(prios[0])
-    if len(pids) == 1 or not np.count_nonzero(prios != p0):
+    if len(pids) == 1 or not _count(prios != p0):
         policy.insert_many_checked_by_caller(pids, p0)
     else:
         policy.insert_many_checked_by_caller(pids, prios.astype(np.int64))

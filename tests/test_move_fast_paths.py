@@ -1,0 +1,285 @@
+"""Fast paths of page moves (kernels/numpy, backend.check_copy_args, migration, frame,
+storage): each gives what the general path gives.
+
+A workload over three levels runs once with every fast path on and once with each turned
+off, and must leave the same pages in the same slots and queues, the same statistics and
+the same events; the smaller rules are checked one by one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import kvcm_kernels_numpy
+import numpy as np
+import pytest
+from levels_helpers import (
+    Driver,
+    Recorder,
+    SinkPlugin,
+    close_all,
+    make_manager,
+    snapshot,
+    tokens,
+)
+
+import kvcm_core.backend as backend_mod
+import kvcm_core.frame as frame_mod
+from kvcm_core import KvcmPluginManager
+from kvcm_core.backend import CopyTask, PageRegion, check_copy_args, copy_pairs
+from kvcm_core.frame import FrameBook, FrameFormat, layout_fingerprint
+from kvcm_core.migration import Mover
+from kvcm_core.storage import PageArena, Store
+from kvcm_core.tier import DevicePool
+
+
+def _fast_paths_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kvcm_kernels_numpy, "_FEW_PAIRS", 0)
+    monkeypatch.setattr(backend_mod, "_SMALL_PAIRS", 0)
+    monkeypatch.setattr(frame_mod, "_FEW_FRAMES", 0)
+    monkeypatch.setattr(Mover, "_direct_parts", lambda self, layout, src, dst: None)
+
+
+def _workload(tmp_path, layout: str) -> tuple:
+    """Requests written, suspended, resumed, reused and closed over GPU, host and disk
+    levels too small for them: what it leaves (state, statistics, events)."""
+    rec = Recorder()
+    pm = KvcmPluginManager()
+    pm.register(SinkPlugin(rec), name="recorder")
+    m = make_manager([("gpu", 10), ("host", 8), ("disk", 24)], tmp_path, layout=layout,
+                     pm=pm)
+    d = Driver(m)
+    prompts = [tokens(26, 40 + i % 3) for i in range(7)]
+    caches, states = [], []
+    try:
+        for i, p in enumerate(prompts):
+            c = d.write(p[: 12 + 2 * i] + tokens(5, 90 + i), chunk=3 + i % 4)
+            caches.append(c)
+            if i % 3 == 2:
+                d.resume_and_verify(*caches[-3:])
+            if i % 2:
+                caches.pop(0).close()
+            states.append(snapshot(m, *caches))
+        for c in caches:
+            c.prefetch(1)
+        d.resume_and_verify(*caches)
+        states.append(snapshot(m, *caches))
+        stats = m.get_and_reset_iteration_stats()
+        close_all(m)
+        states.append(snapshot(m))
+        m.storage_levels.flush_events()
+        events = [dataclasses.astuple(e) if dataclasses.is_dataclass(e) else repr(e)
+                  for e in rec.events]
+        return states, repr(stats), events
+    finally:
+        if not m.is_shut_down:
+            close_all(m)
+            m.shutdown()
+
+
+@pytest.mark.parametrize("layout", ["full", "hybrid"])
+def test_fast_paths_of_moves_leave_what_the_general_paths_leave(tmp_path, monkeypatch,
+                                                                 layout):
+    fast = _workload(tmp_path / "fast", layout)
+    with monkeypatch.context() as mp:
+        _fast_paths_off(mp)
+        general = _workload(tmp_path / "general", layout)
+    assert fast[1] == general[1]
+    assert fast[2] == general[2]
+    assert len(fast[2]) > 50  # the workload moved and dropped pages
+    assert fast[0] == general[0]
+
+
+# -- the numpy backend's copies ------------------------------------------------------------
+
+
+def _filled(be, nbytes: int, seed: int):
+    buf = be.alloc_device(nbytes)
+    buf.host_view()[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    return buf
+
+
+@pytest.mark.parametrize("same_buffer", [False, True])
+@pytest.mark.parametrize("n", [1, 2, 5, 8, 9, 40])
+def test_numpy_copy_of_a_few_pages_page_by_page_gives_the_bytes_of_gather_and_scatter(
+        monkeypatch, n, same_buffer):
+    rng = np.random.default_rng(n)
+    results = []
+    for few in (kvcm_kernels_numpy._FEW_PAIRS, 0):
+        monkeypatch.setattr(kvcm_kernels_numpy, "_FEW_PAIRS", few)
+        be = kvcm_kernels_numpy.NumpyBackend()
+        a, b = _filled(be, 4096, 1), _filled(be, 6000, 2)
+        src = PageRegion(a, 8, 48)  # pages of 40 bytes with gaps, at an offset
+        dst = PageRegion(a, 2000, 40) if same_buffer else PageRegion(b, 24, 40)
+        d = rng.permutation(40)[:n].astype(np.int32)
+        s = rng.permutation(40)[:n].astype(np.int32)
+        rng = np.random.default_rng(n)  # the same pairs for both paths
+        be.copy_pages_batch([CopyTask(dst, src, 40, copy_pairs(d, s))])
+        results.append((a.host_view().copy(), b.host_view().copy()))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+def test_numpy_copy_of_one_page_onto_itself_overlapping_is_a_move():
+    be = kvcm_kernels_numpy.NumpyBackend()
+    a = _filled(be, 256, 3)
+    before = a.host_view().copy()
+    region = PageRegion(a, 0, 10)  # pages of 32 bytes overlap their neighbours
+    be.copy_pages_batch([CopyTask(region, region, 32, copy_pairs(np.array([1]),
+                                                                   np.array([0])))])
+    want = before.copy()
+    want[10:42] = before[0:32]
+    np.testing.assert_array_equal(a.host_view(), want)
+
+
+def test_numpy_copy_keeps_no_page_view_of_a_freed_buffer():
+    be = kvcm_kernels_numpy.NumpyBackend()
+    a, b = _filled(be, 640, 4), _filled(be, 640, 5)
+    for few in (8, 0):
+        kvcm_kernels_numpy._FEW_PAIRS, keep = few, kvcm_kernels_numpy._FEW_PAIRS
+        try:
+            pairs = copy_pairs(np.arange(10), np.arange(10)[::-1])
+            be.copy_pages_batch([CopyTask(PageRegion(b, 0, 64), PageRegion(a, 0, 64), 64,
+                                          pairs)])
+            assert be._items or few  # the large copy kept its whole-buffer views
+        finally:
+            kvcm_kernels_numpy._FEW_PAIRS = keep
+    a.free()
+    assert all(kept[0] is not a for kept in be._items.values())
+    with pytest.raises(ValueError, match="freed"):
+        be.copy_pages_batch([CopyTask(PageRegion(b, 0, 64), PageRegion(a, 0, 64), 64,
+                                      copy_pairs(np.arange(10), np.arange(10)))])
+    with pytest.raises(ValueError, match="freed"):
+        be.copy_pages_batch([CopyTask(PageRegion(b, 0, 64), PageRegion(a, 0, 64), 64,
+                                      copy_pairs(np.arange(1), np.arange(1)))])
+    c = _filled(be, 640, 6)  # a new buffer, perhaps at the old address
+    be.copy_pages_batch([CopyTask(PageRegion(b, 0, 64), PageRegion(c, 0, 64), 64,
+                                  copy_pairs(np.arange(10), np.arange(10)))])
+    np.testing.assert_array_equal(b.host_view(), c.host_view())
+
+
+@pytest.mark.parametrize("n", [1, 3, 16, 17, 100])
+def test_check_copy_args_bounds_short_and_long_pair_arrays_alike(monkeypatch, n):
+    be = kvcm_kernels_numpy.NumpyBackend()
+    a, b = be.alloc_device(64 * 200), be.alloc_device(64 * 150 + 8)
+    dst, src = PageRegion(b, 8, 64), PageRegion(a, 0, 64)
+    rng = np.random.default_rng(n)
+    d = rng.permutation(150)[:n].astype(np.int32)
+    s = rng.permutation(200)[:n].astype(np.int32)
+    cases = [(d, s), (d, s + 199 - s.max()), (d + 149 - d.max(), s),
+             (d + 150 - d.max(), s), (d, s + 200 - s.max()), (d - 1 - d.min(), s),
+             (d, s - 1 - s.min()), (d - 5 - d.min(), s - 3 - s.min())]
+    for dd, ss in cases:
+        pairs = copy_pairs(dd, ss)
+        out = []
+        for small in (backend_mod._SMALL_PAIRS, 0):
+            monkeypatch.setattr(backend_mod, "_SMALL_PAIRS", small)
+            try:
+                out.append(check_copy_args(dst, src, 64, pairs))
+            except ValueError as exc:
+                out.append(str(exc))
+        assert out[0] == out[1]
+
+
+# -- frames ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 9])
+def test_frame_check_of_a_few_frames_matches_the_general_check(monkeypatch, n):
+    fmt = FrameFormat(codec_id=3, layout=layout_fingerprint({"x": 1}))
+    rng = np.random.default_rng(n)
+    book = FrameBook(fmt, 32, 24)
+    slots = rng.permutation(30)[:n]
+    keys = rng.integers(0, 256, (n, 32), dtype=np.uint8)
+    frames = book.wrap(slots, rng.integers(0, 256, (n, 24), dtype=np.uint8), keys)
+    trials = [(slots, frames)]
+    for bit in range(frames.shape[1] * 8):  # every bit of a frame, flipped
+        bad = frames.copy()
+        bad[bit % n, bit // 8] ^= np.uint8(1 << (bit % 8))
+        trials.append((slots, bad))
+    trials.append((np.where(slots == slots[0], 31, slots), frames))  # a slot never written
+    trials.append((slots[::-1].copy(), frames))  # frames read from each other's slots
+    for sl, fr in trials:
+        few = book.check(sl, fr)
+        monkeypatch.setattr(frame_mod, "_FEW_FRAMES", 0)
+        general = book.check(sl, fr)
+        monkeypatch.undo()
+        assert few.dtype == general.dtype == np.bool_
+        assert few.tolist() == general.tolist()
+    assert book.check(slots, frames).all()
+
+
+# -- copies between the GPU level and a device-accessible level ------------------------------
+
+
+def test_direct_copy_plan_follows_a_pool_that_moved(tmp_path, cleanup):
+    m = make_manager([("gpu", 8), ("host", 8)], tmp_path)
+    cleanup(m)
+    d = Driver(m)
+    a = d.write(tokens(24, 1))
+    b = d.write(tokens(24, 2))  # pushes A to the host level
+    host = m.stores[1][0]
+    pool = host.pools[0]
+    assert isinstance(pool, DevicePool)
+    before = pool.buffer
+    m.storage_levels.mover.forget_plans = lambda: None  # keep the plans over the resize
+    assert m.resize(1, m.levels[1].quota * 3)
+    assert pool.buffer is not before  # the host pool moved: a plan kept must not be used
+    d.resume_and_verify(a, b)
+    a.close()
+    b.close()
+
+
+# -- single pages in and out of the queues ---------------------------------------------------
+
+
+class _Pool:
+    slot_bytes = 8
+    num_slots = 8
+
+
+def _store() -> Store:
+    from kvcm_eviction_lru.segments import SegmentLruPolicy
+
+    return Store(0, 1, 0, [_Pool()], SegmentLruPolicy, False, PageArena())
+
+
+def _subject(store: Store, locks: int, holds: int, node: int) -> np.ndarray:
+    """Five pages: two held and queued, two droppable and queued, then the subject page
+    with these counts and a locked page (in no queue; a batch call ignores it)."""
+    pids = store.take(0, 6)
+    a = store.arena
+    a.locks[pids] = 0
+    a.holds[pids[:2]] = 1
+    store.held.insert_many(pids[:2])
+    a.node[pids[2:4]] = [11, 12]
+    store.droppable.insert_many(pids[2:4])
+    a.locks[pids[4]], a.holds[pids[4]], a.node[pids[4]] = locks, holds, node
+    a.priority[pids[4]] = 7
+    a.locks[pids[5]] = 1
+    return pids
+
+
+def _queues(store: Store, pid: int) -> tuple:
+    return (int(store.arena.store[pid]), store.held.pop_victims(9).tolist(),
+            store.droppable.pop_victims(9).tolist())
+
+
+@pytest.mark.parametrize("locks", [0, 1])
+@pytest.mark.parametrize("holds", [0, 2])
+@pytest.mark.parametrize("node", [-1, 5])
+def test_one_page_enters_and_leaves_the_queues_as_in_a_batch(locks, holds, node):
+    entered, left = [], []
+    for batch in (False, True):
+        store = _store()
+        pids = _subject(store, locks, holds, node)
+        store._enter(pids[4:] if batch else pids[4:5])
+        entered.append(_queues(store, int(pids[4])))
+        store = _store()
+        pids = _subject(store, locks, holds, node)
+        store._enter(pids[4:5])
+        store._leave(pids[4:] if batch else pids[4:5])
+        left.append(_queues(store, int(pids[4])))
+    assert entered[0] == entered[1]
+    assert left[0] == left[1]
+    assert len(left[0][1]) == 2 and len(left[0][2]) == 2  # only the subject left
