@@ -8,7 +8,6 @@ tested on machines without one.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import functools
 from collections.abc import Iterator, Sequence
 
@@ -34,8 +33,6 @@ from kvcm_core.scratch import ScratchDesc, convert_page_indices_reference
 from kvcm_core.sparse.reference import copy_reference, resolve_reference, resolve_views
 
 __all__ = ["NumpyBackend", "NumpyBuffer", "fingerprint_image"]
-
-_memmove = ctypes.memmove
 
 _ALIGN = 256
 _FEW_PAIRS = 8  # copies of up to this many pages run page by page (see NumpyBackend._copy)
@@ -192,6 +189,7 @@ class NumpyBackend(KernelBackend):
         #: buffer (:func:`_all_items`), kept while the buffer lives: a copy indexes them
         #: instead of making two views per call.
         self._items: dict[tuple[int, int, int, int], tuple[NumpyBuffer, np.ndarray]] = {}
+        self._views: dict[int, tuple[NumpyBuffer, memoryview]] = {}  # address -> its bytes
 
     # -- runtime -----------------------------------------------------------------------
 
@@ -207,6 +205,9 @@ class NumpyBackend(KernelBackend):
             if self._items:
                 for key in [k for k in self._items if k[0] == buf.ptr]:
                     del self._items[key]
+            kept = self._views.pop(buf.ptr, None)
+            if kept is not None:
+                kept[1].release()
 
     def _page_items(self, region: PageRegion, page_bytes: int, count: int) -> np.ndarray:
         """Pages ``0..count-1`` of ``region`` as items (at least that many): the kept
@@ -226,6 +227,18 @@ class NumpyBackend(KernelBackend):
         self._items[key] = (buf, items)
         return items
 
+    def _bytes(self, buf: Buffer) -> memoryview | None:
+        """The bytes of one of this backend's live buffers (kept while it lives), else
+        None."""
+        kept = self._views.get(buf.ptr)
+        if kept is not None and kept[0] is buf:
+            return kept[1]
+        if self._buffers.get(buf.ptr) is not buf:
+            return None
+        view = memoryview(buf.host_view())
+        self._views[buf.ptr] = (buf, view)
+        return view
+
     def _copy(self, task: CopyTask, counts: tuple[int, int]) -> None:
         """One checked copy: ``counts`` from :func:`check_copy_args`."""
         pairs = task.pairs
@@ -235,16 +248,18 @@ class NumpyBackend(KernelBackend):
         if n <= _FEW_PAIRS:
             src, dst = task.src, task.dst
             sb, db = src.buffer, dst.buffer
-            live = self._buffers
-            if (n == 1 or sb is not db) and live.get(sb.ptr) is sb and live.get(db.ptr) is db:
-                # Page by page in C, without views: the bytes the gather and scatter below
-                # give, as nothing is read after a write to it (one page, or two buffers).
-                size = task.page_bytes
-                s0, s_stride = sb.ptr + src.offset, src.stride
-                d0, d_stride = db.ptr + dst.offset, dst.stride
-                for d, s in pairs.tolist():
-                    _memmove(d0 + d * d_stride, s0 + s * s_stride, size)
-                return
+            if n == 1 or sb is not db:
+                sm, dm = self._bytes(sb), self._bytes(db)
+                if sm is not None and dm is not None:
+                    # Page by page, slices of the buffers' bytes: what the gather and
+                    # scatter below give, as nothing is read after a write to it (one
+                    # page, or two buffers; an overlapping slice copies like memmove).
+                    size = task.page_bytes
+                    s0, s_stride, d0, d_stride = src.offset, src.stride, dst.offset, dst.stride
+                    for d, s in pairs.tolist():
+                        at, fr = d0 + d * d_stride, s0 + s * s_stride
+                        dm[at : at + size] = sm[fr : fr + size]
+                    return
         src_view = self._page_items(task.src, task.page_bytes, counts[1])
         dst_view = self._page_items(task.dst, task.page_bytes, counts[0])
         dst_view[pairs[:, 0]] = src_view[pairs[:, 1]]  # gather first, then scatter
