@@ -280,6 +280,9 @@ class FrameBook:
         """Frames ``uint8 [n, payload + FRAME_OVERHEAD]`` of fixed-size ``payloads[i]``
         for ``slots[i]`` (block keys ``keys[i]``, 32 bytes each), recorded as written."""
         n, size = payloads.shape
+        if n <= _FEW_FRAMES and payloads.dtype == np.uint8 and keys.dtype == np.uint8 and \
+                keys.shape == (n, KEY_BYTES):
+            return self._wrap_few(slots, payloads, keys)
         out = np.empty((n, size + FRAME_OVERHEAD), dtype=np.uint8)
         hb = HEADER.itemsize
         # The shared header bytes, then each frame's key and sequence number in place.
@@ -296,6 +299,28 @@ class FrameBook:
         out[:, hb : body] = payloads
         out[:, body:] = _crcs(out, body).astype("<u4").view(np.uint8).reshape(n, _CRC_BYTES)
         return out
+
+    def _wrap_few(self, slots: np.ndarray, payloads: np.ndarray, keys: np.ndarray
+                  ) -> np.ndarray:
+        """:meth:`wrap` of a few pages, frame by frame as bytes (the same bytes and
+        records)."""
+        n, size = payloads.shape
+        head = self._template(size).tobytes()
+        before, between, after = head[:_KEY_AT], head[_KEY_AT + KEY_BYTES : _SEQ_AT], \
+            head[_SEQ_AT + 8 :]
+        seq = self._next_seq
+        self._next_seq += n
+        book_keys, book_seqs = self.keys, self.seqs
+        out = bytearray()
+        for i, slot in enumerate(slots.tolist()):  # recorded in order, as _record does
+            key = keys[i]
+            book_keys[slot] = key
+            book_seqs[slot] = seq + i
+            frame = b"".join((before, key.tobytes(), between, (seq + i).to_bytes(8, "little"),
+                              after, payloads[i].tobytes()))
+            out += frame
+            out += _crc_value(frame).to_bytes(_CRC_BYTES, "little")
+        return np.frombuffer(out, dtype=np.uint8).reshape(n, size + FRAME_OVERHEAD)
 
     def wrap_blobs(self, slots: np.ndarray, payloads: Sequence[bytes],
                    keys: np.ndarray) -> list[bytes]:

@@ -537,6 +537,12 @@ class Levels:
 
     def frame_keys(self, pids: np.ndarray) -> np.ndarray:
         """The 32-byte block keys (``uint8 [n, 32]``) that frames of these pages carry."""
+        if len(pids) == 1:  # the same key, on scalars
+            pid = int(pids[0])
+            nid = int(self.arena.node[pid])
+            key = self.tree.key(nid) if nid >= 0 else None
+            return np.frombuffer(key if key is not None else page_key(None, pid),
+                                 dtype=np.uint8).reshape(1, KEY_BYTES)
         keys = self.tree.keys_of(self.arena.node[pids])
         if None in keys:  # partial or uncommitted blocks: a key from the page id
             i = keys.index(None)
@@ -614,9 +620,15 @@ class Levels:
         if not len(pids):
             return
         a = self.arena
-        key = a.store[pids].astype(np.int64) * 1024 + self._pg_array[a.group[pids]]
-        uniform = bool((key == key[0]).all())  # the usual case: one source store
-        for k in [int(key[0])] if uniform else dict.fromkeys(key.tolist()):
+        if len(pids) == 1:  # the same key, on scalars
+            pid = pids[0]
+            keys: Any = [int(a.store[pid]) * 1024 + self._pg_of[int(a.group[pid])]]
+            uniform = True
+        else:
+            key = a.store[pids].astype(np.int64) * 1024 + self._pg_array[a.group[pids]]
+            uniform = bool((key == key[0]).all())  # the usual case: one source store
+            keys = [int(key[0])] if uniform else dict.fromkeys(key.tolist())
+        for k in keys:
             batch = pids if uniform else pids[key == k]
             src = self.all_stores[k // 1024]
             failed = self._move(src, batch, self.stores[0][k % 1024], True, stream,

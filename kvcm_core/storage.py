@@ -43,6 +43,9 @@ except ImportError:  # pragma: no cover - NumPy 1.x
     _count = np.count_nonzero
 
 NO_PAGE = -1
+#: Calls on one page take scalar paths (the same rules without array operations; a test
+#: turns them off to compare).
+_ONE_BY_ONE = True
 
 
 class PageState(enum.Enum):
@@ -289,10 +292,17 @@ class Store:
         """Pages that arrived in reserved ``slots`` (moved from another store);
         ``droppable``: the caller knows they are all droppable."""
         a = self.arena
-        self._pid[slots] = pids
-        a.store[pids] = self.index
-        a.slot[pids] = slots
-        a.level[pids] = self.level
+        if len(pids) == 1 and _ONE_BY_ONE:  # the same on scalars
+            pid, slot = pids[0], slots[0]
+            self._pid[slot] = pid
+            a.store[pid] = self.index
+            a.slot[pid] = slot
+            a.level[pid] = self.level
+        else:
+            self._pid[slots] = pids
+            a.store[pids] = self.index
+            a.slot[pids] = slots
+            a.level[pids] = self.level
         if droppable:
             _insert(self.droppable, pids, a.priority[pids])
         else:
@@ -307,7 +317,10 @@ class Store:
             self._leave(pids)
         if slots is None:
             slots = self.arena.slot[pids]
-        self._pid[slots] = NO_PAGE
+        if len(slots) == 1 and _ONE_BY_ONE:
+            self._pid[slots[0]] = NO_PAGE
+        else:
+            self._pid[slots] = NO_PAGE
         self._give_back(slots)
 
     def requeue(self, pids: np.ndarray) -> None:
@@ -348,7 +361,7 @@ class Store:
 
     def _leave(self, pids: np.ndarray) -> None:
         a = self.arena
-        if len(pids) == 1:  # the same rules on scalars
+        if len(pids) == 1 and _ONE_BY_ONE:  # the same rules on scalars
             pid = pids[0]
             if a.locks[pid] != 0:
                 return
@@ -375,7 +388,7 @@ class Store:
     def _enter(self, pids: np.ndarray) -> None:
         """Pages whose counts just changed: into their queue, or freed."""
         a = self.arena
-        if len(pids) == 1:  # the same rules on scalars
+        if len(pids) == 1 and _ONE_BY_ONE:  # the same rules on scalars
             pid = pids[0]
             if a.locks[pid] != 0:
                 return

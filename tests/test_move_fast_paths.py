@@ -13,6 +13,7 @@ import dataclasses
 import kvcm_kernels_numpy
 import numpy as np
 import pytest
+from kvcm_codec_raw import RawCodec
 from levels_helpers import (
     Driver,
     Recorder,
@@ -25,6 +26,8 @@ from levels_helpers import (
 
 import kvcm_core.backend as backend_mod
 import kvcm_core.frame as frame_mod
+import kvcm_core.migration as migration_mod
+import kvcm_core.storage as storage_mod
 from kvcm_core import KvcmPluginManager
 from kvcm_core.backend import CopyTask, PageRegion, check_copy_args, copy_pairs
 from kvcm_core.frame import FrameBook, FrameFormat, layout_fingerprint
@@ -38,6 +41,10 @@ def _fast_paths_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(backend_mod, "_SMALL_PAIRS", 0)
     monkeypatch.setattr(frame_mod, "_FEW_FRAMES", 0)
     monkeypatch.setattr(Mover, "_direct_parts", lambda self, layout, src, dst: None)
+    monkeypatch.setattr(storage_mod, "_ONE_BY_ONE", False)
+    monkeypatch.setattr(migration_mod, "_ONE_BY_ONE", False)
+    # Copies through the codec's encode and decode rather than the core's own copies.
+    monkeypatch.setattr(RawCodec, "identity", False)
 
 
 def _workload(tmp_path, layout: str) -> tuple:
@@ -46,7 +53,7 @@ def _workload(tmp_path, layout: str) -> tuple:
     rec = Recorder()
     pm = KvcmPluginManager()
     pm.register(SinkPlugin(rec), name="recorder")
-    m = make_manager([("gpu", 10), ("host", 8), ("disk", 24)], tmp_path, layout=layout,
+    m = make_manager([("gpu", 10), ("host", 8), ("disk", 16)], tmp_path, layout=layout,
                      pm=pm)
     d = Driver(m)
     prompts = [tokens(26, 40 + i % 3) for i in range(7)]
@@ -70,7 +77,7 @@ def _workload(tmp_path, layout: str) -> tuple:
         m.storage_levels.flush_events()
         events = [dataclasses.astuple(e) if dataclasses.is_dataclass(e) else repr(e)
                   for e in rec.events]
-        return states, repr(stats), events
+        return states, stats, events
     finally:
         if not m.is_shut_down:
             close_all(m)
@@ -87,6 +94,8 @@ def test_fast_paths_of_moves_leave_what_the_general_paths_leave(tmp_path, monkey
     assert fast[1] == general[1]
     assert fast[2] == general[2]
     assert len(fast[2]) > 50  # the workload moved and dropped pages
+    assert sum(g.dropped_blocks for g in fast[1].groups) > 0
+    assert sum(g.onboard_blocks for g in fast[1].groups) > 0
     assert fast[0] == general[0]
 
 
@@ -135,17 +144,12 @@ def test_numpy_copy_of_one_page_onto_itself_overlapping_is_a_move():
 def test_numpy_copy_keeps_no_page_view_of_a_freed_buffer():
     be = kvcm_kernels_numpy.NumpyBackend()
     a, b = _filled(be, 640, 4), _filled(be, 640, 5)
-    for few in (8, 0):
-        kvcm_kernels_numpy._FEW_PAIRS, keep = few, kvcm_kernels_numpy._FEW_PAIRS
-        try:
-            pairs = copy_pairs(np.arange(10), np.arange(10)[::-1])
-            be.copy_pages_batch([CopyTask(PageRegion(b, 0, 64), PageRegion(a, 0, 64), 64,
-                                          pairs)])
-            assert be._items or few  # the large copy kept its whole-buffer views
-        finally:
-            kvcm_kernels_numpy._FEW_PAIRS = keep
+    for n in (3, 10):  # page by page (the buffers' bytes kept), gather and scatter (items)
+        pairs = copy_pairs(np.arange(n), np.arange(n)[::-1])
+        be.copy_pages_batch([CopyTask(PageRegion(b, 0, 64), PageRegion(a, 0, 64), 64, pairs)])
+    assert be._items and be._views
     a.free()
-    assert all(kept[0] is not a for kept in be._items.values())
+    assert all(kept[0] is not a for kept in [*be._items.values(), *be._views.values()])
     with pytest.raises(ValueError, match="freed"):
         be.copy_pages_batch([CopyTask(PageRegion(b, 0, 64), PageRegion(a, 0, 64), 64,
                                       copy_pairs(np.arange(10), np.arange(10)))])
@@ -283,3 +287,43 @@ def test_one_page_enters_and_leaves_the_queues_as_in_a_batch(locks, holds, node)
     assert entered[0] == entered[1]
     assert left[0] == left[1]
     assert len(left[0][1]) == 2 and len(left[0][2]) == 2  # only the subject left
+
+
+@pytest.mark.parametrize("slots", [[3], [4, 1], [6, 6], [0, 5, 2, 7, 1, 3, 4, 9], list(range(9))])
+def test_frame_wrap_of_a_few_pages_gives_the_bytes_and_records_of_the_general_wrap(
+        monkeypatch, slots):
+    fmt = FrameFormat(codec_id=5, layout=layout_fingerprint({"y": 2}))
+    rng = np.random.default_rng(len(slots))
+    sl = np.asarray(slots, dtype=np.int64)
+    payloads = rng.integers(0, 256, (len(sl), 40), dtype=np.uint8)
+    keys = rng.integers(0, 256, (len(sl), 32), dtype=np.uint8)
+    out = []
+    for few in (frame_mod._FEW_FRAMES, 0):
+        monkeypatch.setattr(frame_mod, "_FEW_FRAMES", few)
+        book = FrameBook(fmt, 12, 40)
+        book.wrap(np.array([2]), payloads[:1], keys[:1])  # an earlier write
+        frames = book.wrap(sl, payloads, keys)
+        assert frames.dtype == np.uint8 and frames.flags.writeable
+        out.append((frames.tolist(), book.keys.tolist(), book.seqs.tolist(), book._next_seq,
+                    book.check(sl[-1:], frames[-1:]).tolist()))
+    assert out[0] == out[1]
+
+
+def test_frame_key_of_one_page_is_its_key_in_a_batch(tmp_path, cleanup):
+    m = make_manager([("gpu", 8), ("host", 6), ("disk", 20)], tmp_path)
+    cleanup(m)
+    d = Driver(m)
+    for i in range(4):  # committed blocks and a partial tail each; two left suspended
+        c = d.write(tokens(21, 60 + i))
+        if i < 2:
+            c.close()
+    lv = m.storage_levels
+    pids = [p for level in m.stores for s in level for p in s.pages().tolist()]
+    nodes = lv.arena.node[pids]
+    kinds = {"uncommitted" if n < 0 else "partial" if lv.tree.key(int(n)) is None
+             else "full" for n in nodes.tolist()}
+    assert kinds == {"uncommitted", "partial", "full"}
+    for p in pids:
+        one = lv.frame_keys(np.array([p], dtype=np.int64))
+        both = lv.frame_keys(np.array([p, pids[0]], dtype=np.int64))
+        assert one.shape == (1, 32) and one.tobytes() == both[:1].tobytes()
