@@ -67,6 +67,7 @@ _KEY_AT = HEADER.fields["key"][1]
 _KEY_ITEM = np.dtype((np.void, KEY_BYTES))
 _SEQ_AT = HEADER.fields["seq"][1]
 _FEW_FRAMES = 8  # reads of up to this many frames are checked frame by frame
+_FEW_WRAPS = 4  # writes of up to this many pages are framed page by page
 
 
 def _crc(data: Any) -> int:
@@ -280,7 +281,7 @@ class FrameBook:
         """Frames ``uint8 [n, payload + FRAME_OVERHEAD]`` of fixed-size ``payloads[i]``
         for ``slots[i]`` (block keys ``keys[i]``, 32 bytes each), recorded as written."""
         n, size = payloads.shape
-        if n <= _FEW_FRAMES and payloads.dtype == np.uint8 and keys.dtype == np.uint8 and \
+        if n <= _FEW_WRAPS and payloads.dtype == np.uint8 and keys.dtype == np.uint8 and \
                 keys.shape == (n, KEY_BYTES):
             return self._wrap_few(slots, payloads, keys)
         out = np.empty((n, size + FRAME_OVERHEAD), dtype=np.uint8)

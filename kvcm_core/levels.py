@@ -1056,9 +1056,15 @@ def _in_runs(slots: np.ndarray, old: np.ndarray, per: int) -> np.ndarray:
     """Destination slots for pages leaving source slots ``old``: within each batch of
     ``per``, the batch's slots in ascending order go to its pages in ascending order of
     their source slots, so that pages adjacent on both sides are copied as one run (one
-    copy descriptor instead of one per page)."""
-    if len(slots) < 2:
+    copy descriptor instead of one per page). ``slots`` (the caller's own) may be sorted
+    in place."""
+    n = len(slots)
+    if n < 2:
         return slots
     out = np.empty_like(slots)
+    if n <= per:  # one batch: order_in_batches and sort_in_batches, without their copies
+        slots.sort()
+        out[old.argsort(kind="stable")] = slots
+        return out
     out[order_in_batches(old, per)] = sort_in_batches(slots, per)
     return out

@@ -25,6 +25,7 @@ to lossy adds one encoding's error, lossy to another lossy codec adds the second
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -449,18 +450,18 @@ class Mover:
         if isinstance(sp, DevicePool) and isinstance(dp, DevicePool):
             be.copy_pages(dp.region, sp.region, cold, copy_pairs(d, s), stream)
             return
-        if isinstance(sp, DevicePool) and sp.region.buffer.host_ptr is not None:
+        region = sp.region if isinstance(sp, DevicePool) else None
+        if region is not None and region.buffer.host_ptr is not None:
             # Host-visible pages (pinned host) to storage: one gather, in storage order.
             if len(s) == 1 and _ONE_BY_ONE:  # one page: its bytes, sliced
-                region = sp.region
                 at = region.offset + int(s[0]) * region.stride
                 if at + cold > region.buffer.nbytes:
                     _host_pages(region, cold, int(s[0]) + 1)  # raises, naming the page
                 row = region.buffer.host_view()[at : at + cold].reshape(1, cold).copy()
                 self._put(dst, d.copy(), row, keys)
                 return
-            order = np.argsort(d, kind="stable")
-            items = _host_pages(sp.region, cold, int(s.max()) + 1, whole=True)
+            order = d.argsort(kind="stable")
+            items = _host_pages(region, cold, int(s.max()) + 1, whole=True)
             rows = items[s[order]].view(np.uint8).reshape(len(s), cold)
             self._put(dst, d[order], rows, None if keys is None else keys[order])
             return
@@ -468,7 +469,7 @@ class Mover:
             rows = np.empty((len(s), cold), dtype=np.uint8)
             self._get(src, s, rows, ok)
             _host_pages(dp.region, cold, int(d.max()) + 1, whole=True)[d] = \
-                rows.view(np.dtype((np.void, cold))).reshape(len(d))
+                rows.view(_page_item(cold)).reshape(len(d))
             return
         for lo, hi in self._chunks(len(s), cold):
             k = hi - lo
@@ -600,10 +601,16 @@ def _host_pages(region: PageRegion, page_bytes: int, count: int,
                          f"{region.buffer.nbytes} bytes")
     base = region.buffer.host_view()
     if whole:
-        return np.ndarray((count,), dtype=np.dtype((np.void, page_bytes)), buffer=base,
+        return np.ndarray((count,), dtype=_page_item(page_bytes), buffer=base,
                           offset=region.offset, strides=(region.stride,))
     return np.ndarray((count, page_bytes), dtype=np.uint8, buffer=base, offset=region.offset,
                       strides=(region.stride, 1))
+
+
+@functools.lru_cache(maxsize=64)
+def _page_item(page_bytes: int) -> np.dtype:
+    """The ``void`` dtype of one page (kept: making a dtype costs as much as the view)."""
+    return np.dtype((np.void, page_bytes))
 
 
 def _unframe_blob(book: FrameBook, slot: int, blob: bytes, size: int) -> bytes | None:

@@ -371,14 +371,14 @@ class Store:
                 self.droppable.remove_many_checked_by_caller(pids)
             return
         free = a.locks[pids] == 0
-        if not np.count_nonzero(free):
+        if not _count(free):
             return
         p = pids[free]
         held = a.holds[p] > 0
-        if np.count_nonzero(held) == len(held):
+        if _count(held) == len(held):
             self.held.remove_many_checked_by_caller(p)
             return
-        if np.count_nonzero(held):
+        if _count(held):
             self.held.remove_many_checked_by_caller(p[held])
             p = p[~held]
         p = p[a.node[p] >= 0]
@@ -400,11 +400,11 @@ class Store:
                 self.free_pages(pids)
             return
         free = a.locks[pids] == 0
-        if not np.count_nonzero(free):
+        if not _count(free):
             return
         p = pids[free]
         held = a.holds[p] > 0
-        if np.count_nonzero(held):
+        if _count(held):
             h = p[held]
             _insert(self.held, h, a.priority[h])
             p = p[~held]
@@ -412,7 +412,7 @@ class Store:
         d = p[committed]
         if len(d):
             _insert(self.droppable, d, a.priority[d])
-        if np.count_nonzero(committed) != len(committed):
+        if _count(committed) != len(committed):
             self.free_pages(p[~committed])
 
     def change(self, pids: np.ndarray, dlocks: int, dholds: int) -> None:

@@ -40,6 +40,7 @@ def _fast_paths_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kvcm_kernels_numpy, "_FEW_PAIRS", 0)
     monkeypatch.setattr(backend_mod, "_SMALL_PAIRS", 0)
     monkeypatch.setattr(frame_mod, "_FEW_FRAMES", 0)
+    monkeypatch.setattr(frame_mod, "_FEW_WRAPS", 0)
     monkeypatch.setattr(Mover, "_direct_parts", lambda self, layout, src, dst: None)
     monkeypatch.setattr(storage_mod, "_ONE_BY_ONE", False)
     monkeypatch.setattr(migration_mod, "_ONE_BY_ONE", False)
@@ -298,8 +299,8 @@ def test_frame_wrap_of_a_few_pages_gives_the_bytes_and_records_of_the_general_wr
     payloads = rng.integers(0, 256, (len(sl), 40), dtype=np.uint8)
     keys = rng.integers(0, 256, (len(sl), 32), dtype=np.uint8)
     out = []
-    for few in (frame_mod._FEW_FRAMES, 0):
-        monkeypatch.setattr(frame_mod, "_FEW_FRAMES", few)
+    for few in (8, 0):
+        monkeypatch.setattr(frame_mod, "_FEW_WRAPS", few)
         book = FrameBook(fmt, 12, 40)
         book.wrap(np.array([2]), payloads[:1], keys[:1])  # an earlier write
         frames = book.wrap(sl, payloads, keys)
@@ -327,3 +328,17 @@ def test_frame_key_of_one_page_is_its_key_in_a_batch(tmp_path, cleanup):
         one = lv.frame_keys(np.array([p], dtype=np.int64))
         both = lv.frame_keys(np.array([p, pids[0]], dtype=np.int64))
         assert one.shape == (1, 32) and one.tobytes() == both[:1].tobytes()
+
+
+@pytest.mark.parametrize("n", [2, 3, 10, 64])
+def test_move_slots_of_one_batch_pair_ascending_sources_with_ascending_slots(n):
+    from kvcm_core.levels import _in_runs
+    from kvcm_core.migration import order_in_batches, sort_in_batches
+
+    rng = np.random.default_rng(n)
+    for per in (n, n + 5, max(1, n // 3)):
+        old = rng.permutation(500)[:n].astype(np.int32)
+        slots = rng.permutation(300)[:n].astype(np.int64)
+        want = np.empty_like(slots)
+        want[order_in_batches(old, per)] = sort_in_batches(slots, per)
+        assert _in_runs(slots.copy(), old, per).tolist() == want.tolist()
