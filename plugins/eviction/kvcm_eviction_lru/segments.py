@@ -447,6 +447,16 @@ class SegmentLruPolicy(EvictionPolicy):
                         self._live[p] -= len(took)
                         self._count -= len(took)
                         continue
+                if len(seg) == 1:  # one page (a close's leaf block, say): on scalars
+                    queue.popleft()
+                    self._entries -= 1
+                    if stamp[seg[0]] == serial:
+                        stamp[seg[0]] = 0
+                        out.append(seg)
+                        need -= 1
+                        self._live[p] -= 1
+                        self._count -= 1
+                    continue
                 live = seg[stamp[seg] == serial]
                 self._entries -= len(seg)
                 if len(live) <= need:
