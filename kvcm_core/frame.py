@@ -351,7 +351,7 @@ class FrameBook:
         n, width = frames.shape
         hb = HEADER.itemsize
         size = width - FRAME_OVERHEAD
-        if n <= _FEW_FRAMES and size >= 0:
+        if n <= _FEW_FRAMES and size >= 0 and frames.dtype == np.uint8:
             return self._check_few(slots, frames, size)
         # The header each frame must have (as wrap wrote it), compared byte for byte.
         seqs = self.seqs[slots]
