@@ -530,7 +530,7 @@ class Levels:
         if lock:
             a.locks[pids] += 1
             a.holds[pids] -= 1
-        dst.settle(pids, slots, droppable)
+        dst.settle(pids, slots, droppable, locked=lock)  # locked: _enter would pass them
         self.epoch += 1
         self._count_moves(pids, src.level, dst.level)
         return pids[:0]

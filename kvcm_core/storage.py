@@ -288,9 +288,11 @@ class Store:
     def unreserve_slots(self, slots: np.ndarray) -> None:
         self._give_back(slots)
 
-    def settle(self, pids: np.ndarray, slots: np.ndarray, droppable: bool = False) -> None:
+    def settle(self, pids: np.ndarray, slots: np.ndarray, droppable: bool = False,
+               locked: bool = False) -> None:
         """Pages that arrived in reserved ``slots`` (moved from another store);
-        ``droppable``: the caller knows they are all droppable."""
+        ``droppable``: the caller knows they are all droppable; ``locked``: the caller
+        knows they are all locked (they enter no queue)."""
         a = self.arena
         if len(pids) == 1 and _ONE_BY_ONE:  # the same on scalars
             pid, slot = pids[0], slots[0]
@@ -305,7 +307,7 @@ class Store:
             a.level[pids] = self.level
         if droppable:
             _insert(self.droppable, pids, a.priority[pids])
-        else:
+        elif not locked:
             self._enter(pids)
 
     def vacate(self, pids: np.ndarray, queued: bool = True,

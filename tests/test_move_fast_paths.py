@@ -342,3 +342,23 @@ def test_move_slots_of_one_batch_pair_ascending_sources_with_ascending_slots(n):
         want = np.empty_like(slots)
         want[order_in_batches(old, per)] = sort_in_batches(slots, per)
         assert _in_runs(slots.copy(), old, per).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_settling_locked_pages_without_the_queue_rules_leaves_what_the_rules_leave(n):
+    out = []
+    for locked in (False, True):
+        src = _store()
+        dst = Store(1, 2, 0, [_Pool()], type(src.held), False, src.arena)
+        pids = src.take(0, n + 2)
+        a = src.arena
+        a.node[pids] = np.arange(n + 2) + 3
+        a.holds[pids] = 1  # held, then locked by the move (a resume's onboard)
+        src.vacate(pids[:n], queued=False)
+        slots = dst.reserve_slots(n)
+        a.locks[pids[:n]] += 1
+        dst.settle(pids[:n], slots, locked=locked)
+        out.append((len(dst.held), len(dst.droppable), a.store[pids].tolist(),
+                    a.slot[pids].tolist(), [dst.page_at(s) for s in range(8)]))
+    assert out[0] == out[1]
+    assert out[0][0] == out[0][1] == 0
