@@ -373,14 +373,16 @@ class Store:
                 self.droppable.remove_many_checked_by_caller(pids)
             return
         free = a.locks[pids] == 0
-        if not _count(free):
+        nfree = _count(free)
+        if not nfree:
             return
-        p = pids[free]
+        p = pids if nfree == len(pids) else pids[free]
         held = a.holds[p] > 0
-        if _count(held) == len(held):
+        nheld = _count(held)
+        if nheld == len(held):
             self.held.remove_many_checked_by_caller(p)
             return
-        if _count(held):
+        if nheld:
             self.held.remove_many_checked_by_caller(p[held])
             p = p[~held]
         p = p[a.node[p] >= 0]
@@ -402,11 +404,16 @@ class Store:
                 self.free_pages(pids)
             return
         free = a.locks[pids] == 0
-        if not _count(free):
+        nfree = _count(free)
+        if not nfree:
             return
-        p = pids[free]
+        p = pids if nfree == len(pids) else pids[free]
         held = a.holds[p] > 0
-        if _count(held):
+        nheld = _count(held)
+        if nheld == len(held):  # all held: none is left for the rest
+            _insert(self.held, p, a.priority[p])
+            return
+        if nheld:
             h = p[held]
             _insert(self.held, h, a.priority[h])
             p = p[~held]
