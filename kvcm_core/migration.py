@@ -126,20 +126,22 @@ class Mover:
         n = len(src_slots)
         if n == 0:
             return
+        # What _copy_gpu copies between the GPU level and a device-accessible store with
+        # an identity codec, without its lookups (neither side framed: no keys).
+        direct = self._direct_parts(layout, src, dst) \
+            if (src.level == 0) is not (dst.level == 0) else None
+        if direct is not None and not self.fences.events:
+            self._copy_direct(direct, src_slots, dst_slots, stream)
+            return
         s = np.asarray(src_slots, dtype=np.int32)
         d = np.asarray(dst_slots, dtype=np.int32)
         if keys is None and src.frames is not None:
             keys = src.frames.keys[s]  # a copy: taken before any write to a frame book
         if self.fences.events:  # asynchronous copies may still touch these slots
             self.fences.wait_host(((src, s), (dst, d)))
-        if (src.level == 0) is not (dst.level == 0):
-            parts = self._direct_parts(layout, src, dst)
-            if parts is not None:  # what _copy_gpu copies there, without its lookups
-                pairs = copy_pairs(d, s)
-                self.backend.copy_pages_batch(
-                    [CopyTask(dr, sr, size, pairs) for dr, sr, size in parts], stream)
-                (stream or self.backend.default_stream).synchronize()
-                return
+        if direct is not None:
+            self._copy_direct(direct, s, d, stream)
+            return
         ok = np.ones(n, dtype=bool)
         if src.level == 0 or dst.level == 0:
             self._copy_gpu(layout, src, s, dst, d, stream, keys, ok)
@@ -154,6 +156,15 @@ class Mover:
             raise FrameCheckFailed(
                 f"{len(bad)} cold pages read from level {src.level} failed their frame "
                 f"check (slots {s[bad].tolist()[:8]})", bad)
+
+    def _copy_direct(self, parts: list[tuple[PageRegion, PageRegion, int]],
+                     s: Sequence[int] | np.ndarray, d: Sequence[int] | np.ndarray,
+                     stream: Stream | None) -> None:
+        """Copy blocks ``s[i]`` into ``d[i]`` by :meth:`_direct_parts`, and wait."""
+        pairs = copy_pairs(d, s)  # int32 pairs, as copy_pairs of the int32 slots
+        self.backend.copy_pages_batch(
+            [CopyTask(dr, sr, size, pairs) for dr, sr, size in parts], stream)
+        (stream or self.backend.default_stream).synchronize()
 
     # -- asynchronous copies (GPU <-> device-accessible pools) ------------------------------
 
