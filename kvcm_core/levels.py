@@ -45,6 +45,11 @@ from kvcm_core.radix import NO_NODE, PrefixTree
 from kvcm_core.sparse.storage import SparseHostPool, level0_slots
 from kvcm_core.stats import IterationStats
 from kvcm_core.storage import PageArena, StorageStatistics, Store, group_by_store
+
+try:  # NumPy's C count itself (np.count_nonzero adds a dispatch)
+    from numpy._core.multiarray import count_nonzero as _count
+except ImportError:  # pragma: no cover - NumPy 1.x
+    _count = np.count_nonzero
 from kvcm_core.tier import DevicePool, Tier
 from kvcm_core.types import CacheGroupId, pool_reuse_policy
 
@@ -626,15 +631,16 @@ class Levels:
             uniform = True
         else:
             key = a.store[pids].astype(np.int64) * 1024 + self._pg_array[a.group[pids]]
-            uniform = bool((key == key[0]).all())  # the usual case: one source store
+            uniform = not _count(key != key[0])  # the usual case: one source store
             keys = [int(key[0])] if uniform else dict.fromkeys(key.tolist())
         for k in keys:
             batch = pids if uniform else pids[key == k]
             src = self.all_stores[k // 1024]
             failed = self._move(src, batch, self.stores[0][k % 1024], True, stream,
                                 lock=lock)
-            lost = batch[a.store[batch] < 0]
-            if len(lost):
+            gone = a.store[batch] < 0
+            if _count(gone):
+                lost = batch[gone]
                 raise CorruptPageError(
                     f"{len(lost)} pages read from level {src.level} failed their frame "
                     "check; they are dropped from the prefix tree and must be recomputed",
