@@ -45,6 +45,11 @@ from kvcm_core.radix import NO_NODE, PrefixTree
 from kvcm_core.sparse.storage import SparseHostPool, level0_slots
 from kvcm_core.stats import IterationStats
 from kvcm_core.storage import PageArena, StorageStatistics, Store, group_by_store
+
+try:  # NumPy's C count itself (np.count_nonzero adds a dispatch)
+    from numpy._core.multiarray import count_nonzero as _count
+except ImportError:  # pragma: no cover - NumPy 1.x
+    _count = np.count_nonzero
 from kvcm_core.tier import DevicePool, Tier
 from kvcm_core.types import CacheGroupId, pool_reuse_policy
 
@@ -110,6 +115,10 @@ class Levels:
                        for g in range(ngroups)]
         self._pg_array = np.asarray(self._pg_of, dtype=np.int64)
         self.layouts: list[PageLayout] = [pg.page_layout() for pg in layout.pool_groups]
+        #: Per pool group, the pages of one asynchronous move batch by bytes (see _move).
+        self._batch_pages = [_MOVE_BATCH_BYTES // max(lay.page_bytes, 1)
+                             for lay in self.layouts]
+        self._move_bytes: dict[tuple[int, int], int] = {}  # (group, level) -> cold_bytes
         # Dropping a page of these invalidates the subtree below its block: every block of
         # full-attention constraining groups, the sink blocks of windowed ones.
         self._inval_all = np.array([not lc.is_ssm and lc.window is None and
@@ -477,13 +486,13 @@ class Levels:
             return pids
         slots = dst.reserve_slots(len(pids))
         a = self.arena
-        group = int(a.group[pids[0]])
-        layout = self.layouts[self._pg_of[group]]
+        pg = self._pg_of[int(a.group[pids[0]])]
+        layout = self.layouts[pg]
         keys = self.frame_keys(pids) if dst.frames is not None else None
         old = a.slot[pids]
         io = self.io[dst.level]
         mover = self.mover
-        per = max(-(-len(pids) // _MOVE_BATCHES), _MOVE_BATCH_BYTES // max(layout.page_bytes, 1))
+        per = max(-(-len(pids) // _MOVE_BATCHES), self._batch_pages[pg])
         issue = mover.can_issue(src, dst)
         if issue and dst.level == 0:  # batch k takes the slots eviction batch k freed
             slots = mover.fences.order(dst, slots)
@@ -526,13 +535,19 @@ class Levels:
         if lock:
             a.locks[pids] += 1
             a.holds[pids] -= 1
-        dst.settle(pids, slots, droppable)
+        dst.settle(pids, slots, droppable, locked=lock)  # locked: _enter would pass them
         self.epoch += 1
         self._count_moves(pids, src.level, dst.level)
         return pids[:0]
 
     def frame_keys(self, pids: np.ndarray) -> np.ndarray:
         """The 32-byte block keys (``uint8 [n, 32]``) that frames of these pages carry."""
+        if len(pids) == 1:  # the same key, on scalars
+            pid = int(pids[0])
+            nid = int(self.arena.node[pid])
+            key = self.tree.key(nid) if nid >= 0 else None
+            return np.frombuffer(key if key is not None else page_key(None, pid),
+                                 dtype=np.uint8).reshape(1, KEY_BYTES)
         keys = self.tree.keys_of(self.arena.node[pids])
         if None in keys:  # partial or uncommitted blocks: a key from the page id
             i = keys.index(None)
@@ -570,10 +585,14 @@ class Levels:
             groups = self.arena.group[pids]
             g0 = int(groups[0])
             single = not np.count_nonzero(groups != g0)
+        level = max(from_level, to_level)
         for g in [g0] if single else np.unique(groups).tolist():
             n = len(pids) if single else int((groups == g).sum())
             gstats = self.stats.groups[g]
-            nbytes = n * self.cold_bytes(g, max(from_level, to_level))
+            size = self._move_bytes.get((g, level))
+            if size is None:
+                size = self._move_bytes[(g, level)] = self.cold_bytes(g, level)
+            nbytes = n * size
             if to_level > from_level:
                 gstats.offload_blocks += n
                 gstats.offload_bytes += nbytes
@@ -606,15 +625,22 @@ class Levels:
         if not len(pids):
             return
         a = self.arena
-        key = a.store[pids].astype(np.int64) * 1024 + self._pg_array[a.group[pids]]
-        uniform = bool((key == key[0]).all())  # the usual case: one source store
-        for k in [int(key[0])] if uniform else dict.fromkeys(key.tolist()):
+        if len(pids) == 1:  # the same key, on scalars
+            pid = pids[0]
+            keys: Any = [int(a.store[pid]) * 1024 + self._pg_of[int(a.group[pid])]]
+            uniform = True
+        else:
+            key = a.store[pids].astype(np.int64) * 1024 + self._pg_array[a.group[pids]]
+            uniform = not _count(key != key[0])  # the usual case: one source store
+            keys = [int(key[0])] if uniform else dict.fromkeys(key.tolist())
+        for k in keys:
             batch = pids if uniform else pids[key == k]
             src = self.all_stores[k // 1024]
             failed = self._move(src, batch, self.stores[0][k % 1024], True, stream,
                                 lock=lock)
-            lost = batch[a.store[batch] < 0]
-            if len(lost):
+            gone = a.store[batch] < 0
+            if _count(gone):
+                lost = batch[gone]
                 raise CorruptPageError(
                     f"{len(lost)} pages read from level {src.level} failed their frame "
                     "check; they are dropped from the prefix tree and must be recomputed",
@@ -1036,9 +1062,15 @@ def _in_runs(slots: np.ndarray, old: np.ndarray, per: int) -> np.ndarray:
     """Destination slots for pages leaving source slots ``old``: within each batch of
     ``per``, the batch's slots in ascending order go to its pages in ascending order of
     their source slots, so that pages adjacent on both sides are copied as one run (one
-    copy descriptor instead of one per page)."""
-    if len(slots) < 2:
+    copy descriptor instead of one per page). ``slots`` (the caller's own) may be sorted
+    in place."""
+    n = len(slots)
+    if n < 2:
         return slots
     out = np.empty_like(slots)
+    if n <= per:  # one batch: order_in_batches and sort_in_batches, without their copies
+        slots.sort()
+        out[old.argsort(kind="stable")] = slots
+        return out
     out[order_in_batches(old, per)] = sort_in_batches(slots, per)
     return out

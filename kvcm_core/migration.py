@@ -25,6 +25,7 @@ to lossy adds one encoding's error, lossy to another lossy codec adds the second
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +43,15 @@ if TYPE_CHECKING:
 
 __all__ = ["Mover"]
 
+try:  # NumPy's C count itself (np.count_nonzero adds a dispatch)
+    from numpy._core.multiarray import count_nonzero as _count
+except ImportError:  # pragma: no cover - NumPy 1.x
+    _count = np.count_nonzero
+
 _STAGING_LIMIT = 64 << 20  # bytes of pinned staging per chunk
+#: A page written alone from pinned host memory to storage is sliced out rather than
+#: gathered (a test turns it off to compare).
+_ONE_BY_ONE = True
 
 
 class Mover:
@@ -62,6 +71,7 @@ class Mover:
         self.fences = Fences(backend)
         self._plans: dict[tuple[int, int, int], Any] = {}  # see _parts
         self._issuable: dict[tuple[int, int], Any] = {}  # see can_issue
+        self._direct: dict[tuple[int, int, int], Any] = {}  # see _direct_parts
 
     def close(self) -> None:
         self.fences.close()
@@ -116,12 +126,22 @@ class Mover:
         n = len(src_slots)
         if n == 0:
             return
+        # What _copy_gpu copies between the GPU level and a device-accessible store with
+        # an identity codec, without its lookups (neither side framed: no keys).
+        direct = self._direct_parts(layout, src, dst) \
+            if (src.level == 0) is not (dst.level == 0) else None
+        if direct is not None and not self.fences.events:
+            self._copy_direct(direct, src_slots, dst_slots, stream)
+            return
         s = np.asarray(src_slots, dtype=np.int32)
         d = np.asarray(dst_slots, dtype=np.int32)
         if keys is None and src.frames is not None:
             keys = src.frames.keys[s]  # a copy: taken before any write to a frame book
         if self.fences.events:  # asynchronous copies may still touch these slots
             self.fences.wait_host(((src, s), (dst, d)))
+        if direct is not None:
+            self._copy_direct(direct, s, d, stream)
+            return
         ok = np.ones(n, dtype=bool)
         if src.level == 0 or dst.level == 0:
             self._copy_gpu(layout, src, s, dst, d, stream, keys, ok)
@@ -131,11 +151,20 @@ class Mover:
             self._copy_cold(src, s, dst, d, stream, keys, ok)
         # The source slot may be reused as soon as we return: finish the copy first.
         (stream or self.backend.default_stream).synchronize()
-        if not ok.all():
+        if _count(ok) != n:
             bad = np.flatnonzero(~ok)
             raise FrameCheckFailed(
                 f"{len(bad)} cold pages read from level {src.level} failed their frame "
                 f"check (slots {s[bad].tolist()[:8]})", bad)
+
+    def _copy_direct(self, parts: list[tuple[PageRegion, PageRegion, int]],
+                     s: Sequence[int] | np.ndarray, d: Sequence[int] | np.ndarray,
+                     stream: Stream | None) -> None:
+        """Copy blocks ``s[i]`` into ``d[i]`` by :meth:`_direct_parts`, and wait."""
+        pairs = copy_pairs(d, s)  # int32 pairs, as copy_pairs of the int32 slots
+        self.backend.copy_pages_batch(
+            [CopyTask(dr, sr, size, pairs) for dr, sr, size in parts], stream)
+        (stream or self.backend.default_stream).synchronize()
 
     # -- asynchronous copies (GPU <-> device-accessible pools) ------------------------------
 
@@ -229,6 +258,35 @@ class Mover:
         stores."""
         self._plans.clear()
         self._issuable.clear()
+        self._direct.clear()
+
+    def _direct_parts(self, layout: PageLayout, src: Store, dst: Store
+                      ) -> list[tuple[PageRegion, PageRegion, int]] | None:
+        """The copies of one page, as ``(dst, src, bytes)`` per part, of a copy that
+        :meth:`_copy_gpu` makes with an identity codec between the GPU level and a
+        device-accessible store (exactly one of ``src`` and ``dst`` on level 0); None for
+        any other copy. Kept per pair of stores and layout, and used while every pool
+        of both stores still has the buffer it had (a resize may move a pool)."""
+        key = (id(layout), id(src), id(dst))
+        plan = self._direct.get(key)
+        if plan is not None:
+            pools, buffers, parts = plan[0], plan[1], plan[2]
+            if parts is None:
+                return None
+            for pool, buffer in zip(pools, buffers, strict=True):
+                if pool.buffer is not buffer:
+                    break
+            else:
+                return parts
+        gpu, cold = (src, dst) if src.level == 0 else (dst, src)
+        pool = cold.pools[0]
+        if not isinstance(pool, DevicePool) or not self.codec_of(cold.level).identity:
+            self._direct[key] = ((), (), None, (layout, src, dst))
+            return None
+        parts = _identity_parts(layout, self._gpu_regions(gpu), pool.region, gpu is src)
+        pools = [*gpu.pools, pool]
+        self._direct[key] = (pools, [p.buffer for p in pools], parts, (layout, src, dst))
+        return parts
 
     def _parts(self, layout: PageLayout, src: Store, dst: Store
                ) -> tuple[bool, list[tuple[PageRegion, PageRegion, int]]]:
@@ -302,7 +360,7 @@ class Mover:
         good = book.check(slots, frames)
         head = HEADER.itemsize
         out[...] = frames[:, head : head + out.shape[1]]
-        if not good.all():
+        if _count(good) != len(good):
             out[~good] = 0  # never hand damaged bytes on, even to a slot given back
             ok &= good
 
@@ -358,9 +416,14 @@ class Mover:
             staging = self._stage((hi - lo) * cold)
             view = staging.host_view()[: (hi - lo) * cold].reshape(hi - lo, cold)
             self._get(src, s[lo:hi], view, ok[lo:hi])
-            codec.decode(be, layout, PageRegion(staging, 0, cold),
-                         np.arange(hi - lo, dtype=np.int32), self._gpu_regions(dst), d[lo:hi],
-                         stream)
+            rows = np.arange(hi - lo, dtype=np.int32)
+            if codec.identity:  # pinned staging: the copies decode makes (PageCodec.identity)
+                be.copy_pages_batch(_identity_tasks(layout, self._gpu_regions(dst),
+                                                    PageRegion(staging, 0, cold),
+                                                    copy_pairs(d[lo:hi], rows), False), stream)
+            else:
+                codec.decode(be, layout, PageRegion(staging, 0, cold), rows,
+                             self._gpu_regions(dst), d[lo:hi], stream)
             (stream or be.default_stream).synchronize()
 
     # -- cold <-> cold ---------------------------------------------------------------------
@@ -398,10 +461,18 @@ class Mover:
         if isinstance(sp, DevicePool) and isinstance(dp, DevicePool):
             be.copy_pages(dp.region, sp.region, cold, copy_pairs(d, s), stream)
             return
-        if isinstance(sp, DevicePool) and sp.region.buffer.host_ptr is not None:
+        region = sp.region if isinstance(sp, DevicePool) else None
+        if region is not None and region.buffer.host_ptr is not None:
             # Host-visible pages (pinned host) to storage: one gather, in storage order.
-            order = np.argsort(d, kind="stable")
-            items = _host_pages(sp.region, cold, int(s.max()) + 1, whole=True)
+            if len(s) == 1 and _ONE_BY_ONE:  # one page: its bytes, sliced
+                at = region.offset + int(s[0]) * region.stride
+                if at + cold > region.buffer.nbytes:
+                    _host_pages(region, cold, int(s[0]) + 1)  # raises, naming the page
+                row = region.buffer.host_view()[at : at + cold].reshape(1, cold).copy()
+                self._put(dst, d.copy(), row, keys)
+                return
+            order = d.argsort(kind="stable")
+            items = _host_pages(region, cold, int(s.max()) + 1, whole=True)
             rows = items[s[order]].view(np.uint8).reshape(len(s), cold)
             self._put(dst, d[order], rows, None if keys is None else keys[order])
             return
@@ -409,7 +480,7 @@ class Mover:
             rows = np.empty((len(s), cold), dtype=np.uint8)
             self._get(src, s, rows, ok)
             _host_pages(dp.region, cold, int(d.max()) + 1, whole=True)[d] = \
-                rows.view(np.dtype((np.void, cold))).reshape(len(d))
+                rows.view(_page_item(cold)).reshape(len(d))
             return
         for lo, hi in self._chunks(len(s), cold):
             k = hi - lo
@@ -476,17 +547,18 @@ class _ScratchStore:
 
 def order_in_batches(x: np.ndarray, per: int) -> np.ndarray:
     """The permutation that sorts ``x`` within each batch of ``per`` (stable), batches in
-    place: one row sort for the whole batches, one sort for the last partial one."""
+    place: one row sort for the whole batches, one sort for the last partial one (array
+    methods: ``np.argsort`` adds a dispatch of about a microsecond)."""
     n = len(x)
     if n <= per:
-        return np.argsort(x, kind="stable")
+        return x.argsort(kind="stable")
     full = n - n % per
     out = np.empty(n, dtype=np.intp)
-    rows = np.argsort(x[:full].reshape(-1, per), axis=1, kind="stable")
+    rows = x[:full].reshape(-1, per).argsort(axis=1, kind="stable")
     rows += np.arange(0, full, per)[:, None]
     out[:full] = rows.ravel()
     if full < n:
-        out[full:] = full + np.argsort(x[full:], kind="stable")
+        out[full:] = full + x[full:].argsort(kind="stable")
     return out
 
 
@@ -494,13 +566,14 @@ def sort_in_batches(x: np.ndarray, per: int) -> np.ndarray:
     """``x`` sorted within each batch of ``per`` (batches in place): ``x`` permuted by
     :func:`order_in_batches`, without the permutation."""
     n = len(x)
+    out = x.copy()
     if n <= per:
-        return np.sort(x)
+        out.sort()
+        return out
     full = n - n % per
-    out = np.empty_like(x)
-    out[:full] = np.sort(x[:full].reshape(-1, per), axis=1).ravel()
+    out[:full].reshape(-1, per).sort(axis=1)
     if full < n:
-        out[full:] = np.sort(x[full:])
+        out[full:].sort()
     return out
 
 
@@ -539,10 +612,16 @@ def _host_pages(region: PageRegion, page_bytes: int, count: int,
                          f"{region.buffer.nbytes} bytes")
     base = region.buffer.host_view()
     if whole:
-        return np.ndarray((count,), dtype=np.dtype((np.void, page_bytes)), buffer=base,
+        return np.ndarray((count,), dtype=_page_item(page_bytes), buffer=base,
                           offset=region.offset, strides=(region.stride,))
     return np.ndarray((count, page_bytes), dtype=np.uint8, buffer=base, offset=region.offset,
                       strides=(region.stride, 1))
+
+
+@functools.lru_cache(maxsize=64)
+def _page_item(page_bytes: int) -> np.dtype:
+    """The ``void`` dtype of one page (kept: making a dtype costs as much as the view)."""
+    return np.dtype((np.void, page_bytes))
 
 
 def _unframe_blob(book: FrameBook, slot: int, blob: bytes, size: int) -> bytes | None:

@@ -43,6 +43,9 @@ except ImportError:  # pragma: no cover - NumPy 1.x
     _count = np.count_nonzero
 
 NO_PAGE = -1
+#: Calls on one page take scalar paths (the same rules without array operations; a test
+#: turns them off to compare).
+_ONE_BY_ONE = True
 
 
 class PageState(enum.Enum):
@@ -285,17 +288,26 @@ class Store:
     def unreserve_slots(self, slots: np.ndarray) -> None:
         self._give_back(slots)
 
-    def settle(self, pids: np.ndarray, slots: np.ndarray, droppable: bool = False) -> None:
+    def settle(self, pids: np.ndarray, slots: np.ndarray, droppable: bool = False,
+               locked: bool = False) -> None:
         """Pages that arrived in reserved ``slots`` (moved from another store);
-        ``droppable``: the caller knows they are all droppable."""
+        ``droppable``: the caller knows they are all droppable; ``locked``: the caller
+        knows they are all locked (they enter no queue)."""
         a = self.arena
-        self._pid[slots] = pids
-        a.store[pids] = self.index
-        a.slot[pids] = slots
-        a.level[pids] = self.level
+        if len(pids) == 1 and _ONE_BY_ONE:  # the same on scalars
+            pid, slot = pids[0], slots[0]
+            self._pid[slot] = pid
+            a.store[pid] = self.index
+            a.slot[pid] = slot
+            a.level[pid] = self.level
+        else:
+            self._pid[slots] = pids
+            a.store[pids] = self.index
+            a.slot[pids] = slots
+            a.level[pids] = self.level
         if droppable:
             _insert(self.droppable, pids, a.priority[pids])
-        else:
+        elif not locked:
             self._enter(pids)
 
     def vacate(self, pids: np.ndarray, queued: bool = True,
@@ -307,7 +319,10 @@ class Store:
             self._leave(pids)
         if slots is None:
             slots = self.arena.slot[pids]
-        self._pid[slots] = NO_PAGE
+        if len(slots) == 1 and _ONE_BY_ONE:
+            self._pid[slots[0]] = NO_PAGE
+        else:
+            self._pid[slots] = NO_PAGE
         self._give_back(slots)
 
     def requeue(self, pids: np.ndarray) -> None:
@@ -348,15 +363,26 @@ class Store:
 
     def _leave(self, pids: np.ndarray) -> None:
         a = self.arena
-        free = a.locks[pids] == 0
-        if not np.count_nonzero(free):
+        if len(pids) == 1 and _ONE_BY_ONE:  # the same rules on scalars
+            pid = pids[0]
+            if a.locks[pid] != 0:
+                return
+            if a.holds[pid] > 0:
+                self.held.remove_many_checked_by_caller(pids)
+            elif a.node[pid] >= 0:
+                self.droppable.remove_many_checked_by_caller(pids)
             return
-        p = pids[free]
+        free = a.locks[pids] == 0
+        nfree = _count(free)
+        if not nfree:
+            return
+        p = pids if nfree == len(pids) else pids[free]
         held = a.holds[p] > 0
-        if np.count_nonzero(held) == len(held):
+        nheld = _count(held)
+        if nheld == len(held):
             self.held.remove_many_checked_by_caller(p)
             return
-        if np.count_nonzero(held):
+        if nheld:
             self.held.remove_many_checked_by_caller(p[held])
             p = p[~held]
         p = p[a.node[p] >= 0]
@@ -366,12 +392,28 @@ class Store:
     def _enter(self, pids: np.ndarray) -> None:
         """Pages whose counts just changed: into their queue, or freed."""
         a = self.arena
-        free = a.locks[pids] == 0
-        if not np.count_nonzero(free):
+        if len(pids) == 1 and _ONE_BY_ONE:  # the same rules on scalars
+            pid = pids[0]
+            if a.locks[pid] != 0:
+                return
+            if a.holds[pid] > 0:
+                self.held.insert_many_checked_by_caller(pids, int(a.priority[pid]))
+            elif a.node[pid] >= 0:
+                self.droppable.insert_many_checked_by_caller(pids, int(a.priority[pid]))
+            else:
+                self.free_pages(pids)
             return
-        p = pids[free]
+        free = a.locks[pids] == 0
+        nfree = _count(free)
+        if not nfree:
+            return
+        p = pids if nfree == len(pids) else pids[free]
         held = a.holds[p] > 0
-        if np.count_nonzero(held):
+        nheld = _count(held)
+        if nheld == len(held):  # all held: none is left for the rest
+            _insert(self.held, p, a.priority[p])
+            return
+        if nheld:
             h = p[held]
             _insert(self.held, h, a.priority[h])
             p = p[~held]
@@ -379,7 +421,7 @@ class Store:
         d = p[committed]
         if len(d):
             _insert(self.droppable, d, a.priority[d])
-        if np.count_nonzero(committed) != len(committed):
+        if _count(committed) != len(committed):
             self.free_pages(p[~committed])
 
     def change(self, pids: np.ndarray, dlocks: int, dholds: int) -> None:
@@ -537,7 +579,7 @@ def _insert(policy: EvictionPolicy, pids: np.ndarray, prios: np.ndarray) -> None
     """Insert pages in order: one int priority when they share one (the policies' fast
     path), else the priorities of each page."""
     p0 = int(prios[0])
-    if len(pids) == 1 or not np.count_nonzero(prios != p0):
+    if len(pids) == 1 or not _count(prios != p0):
         policy.insert_many_checked_by_caller(pids, p0)
     else:
         policy.insert_many_checked_by_caller(pids, prios.astype(np.int64))

@@ -52,3 +52,32 @@ def test_runs_of_small_segments_pop_in_lru_order_skipping_dead_entries():
         assert len(policy) == sum(len(q) for q in order.values())
     assert policy.pop_victims(10**6).tolist() == _reference_pop(order, 10**6)
     assert len(policy) == 0
+
+
+def test_one_page_checked_by_caller_calls_keep_the_state_and_order_of_the_batch_calls():
+    # insert/remove_many_checked_by_caller of one page run on scalars: the same queues,
+    # counts and victims as insert_many/remove_many of that page.
+    rng = random.Random(11)
+    fast, general = SegmentLruPolicy(), SegmentLruPolicy()
+    present: list[int] = []
+    for step in range(600):
+        if present and rng.random() < 0.4:
+            page = present.pop(rng.randrange(len(present)))
+            fast.remove_many_checked_by_caller(np.array([page], dtype=np.int64))
+            general.remove_many(np.array([page], dtype=np.int64))
+        else:
+            page = rng.choice([rng.randrange(3000), (1 << 22) + rng.randrange(50)])
+            if page in present:
+                continue
+            prio = rng.choice([0, 1, 35, 100])
+            arg = prio if rng.random() < 0.5 else np.array([prio], dtype=np.int64)
+            fast.insert_many_checked_by_caller(np.array([page], dtype=np.int64), arg)
+            general.insert_many(np.array([page], dtype=np.int64), prio)
+            present.append(page)
+        if step % 97 == 0:
+            k = rng.randrange(1, 8)
+            got = fast.pop_victims(k).tolist()
+            assert got == general.pop_victims(k).tolist()
+            present = [p for p in present if p not in got]
+        assert len(fast) == len(general)
+    assert fast.pop_victims(10_000).tolist() == general.pop_victims(10_000).tolist()

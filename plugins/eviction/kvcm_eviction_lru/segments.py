@@ -288,6 +288,17 @@ class SegmentLruPolicy(EvictionPolicy):
             return
         if hi >= len(self._stamp):
             self._fit(pages)
+        if n == 1:  # _append of one page, on scalars
+            p = priorities if type(priorities) is int else int(priorities[0])
+            self._serial += 1
+            self._stamp[hi] = self._serial
+            self._prio[hi] = p
+            self._queues[p].append((self._serial, pages.copy()))
+            self._live[p] += 1
+            self._mask |= 1 << p
+            self._entries += 1
+            self._count += 1
+            return
         if type(priorities) is int:
             self._append(pages, priorities)
         else:
@@ -344,8 +355,22 @@ class SegmentLruPolicy(EvictionPolicy):
     def remove_many_checked_by_caller(self, pages: np.ndarray) -> None:
         """:meth:`remove_many` without its checks (the caller promises distinct present
         ids below 2**31)."""
-        if not len(pages):
+        n = len(pages)
+        if not n:
             return
+        if n == 1:  # _drop of one page, on scalars
+            page = int(pages[0])
+            if page < _BIG:
+                p = int(self._prio[page])
+                self._live[p] -= 1
+                if not self._live[p]:
+                    self._mask &= ~(1 << p)
+                    self._entries -= sum(len(s) for _, s in self._queues[p])
+                    self._queues[p].clear()
+                self._stamp[page] = 0
+                self._count -= 1
+                self._maybe_compact()
+                return
         if int(pages.max()) >= _BIG:  # big ids are mapped: the general path
             self.remove_many(pages)
             return
@@ -422,6 +447,16 @@ class SegmentLruPolicy(EvictionPolicy):
                         self._live[p] -= len(took)
                         self._count -= len(took)
                         continue
+                if len(seg) == 1:  # one page (a close's leaf block, say): on scalars
+                    queue.popleft()
+                    self._entries -= 1
+                    if stamp[seg[0]] == serial:
+                        stamp[seg[0]] = 0
+                        out.append(seg)
+                        need -= 1
+                        self._live[p] -= 1
+                        self._count -= 1
+                    continue
                 live = seg[stamp[seg] == serial]
                 self._entries -= len(seg)
                 if len(live) <= need:

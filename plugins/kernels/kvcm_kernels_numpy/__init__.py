@@ -35,6 +35,8 @@ from kvcm_core.sparse.reference import copy_reference, resolve_reference, resolv
 __all__ = ["NumpyBackend", "NumpyBuffer", "fingerprint_image"]
 
 _ALIGN = 256
+_FEW_PAIRS = 8  # copies of up to this many pages run page by page (see NumpyBackend._copy)
+_KEPT_VIEWS = 256  # whole-buffer page views kept at most (see NumpyBackend._page_items)
 CAPABILITIES = KernelBackendCapabilities(has_device=False, host_mapped=True)
 
 
@@ -111,22 +113,22 @@ def _page_view(region: PageRegion, page_bytes: int, count: int) -> np.ndarray:
                       strides=(stride, 1))
 
 
-def _copy(task: CopyTask, counts: tuple[int, int]) -> None:
-    """One checked copy: ``counts`` from :func:`check_copy_args`."""
-    pairs = task.pairs
-    if len(pairs) == 0:
-        return
-    src_view = _page_items(task.src, task.page_bytes, counts[1])
-    dst_view = _page_items(task.dst, task.page_bytes, counts[0])
-    dst_view[pairs[:, 0]] = src_view[pairs[:, 1]]  # gather first, then scatter
-
-
 def _page_items(region: PageRegion, page_bytes: int, count: int) -> np.ndarray:
     """:func:`_page_view` with each page as one item (``void`` of ``page_bytes``): a
     fancy index then copies whole pages, not byte by byte."""
     base = region.buffer.host_view()
     return np.ndarray((count,), dtype=_page_item(page_bytes), buffer=base,
                       offset=region.offset, strides=(region.stride,))
+
+
+def _all_items(region: PageRegion, page_bytes: int) -> np.ndarray | None:
+    """:func:`_page_items` of every whole page of the region's buffer (None: a region
+    with a zero stride, or without one whole page)."""
+    stride = region.stride
+    room = region.buffer.nbytes - region.offset - page_bytes
+    if stride <= 0 or room < 0:
+        return None
+    return _page_items(region, page_bytes, room // stride + 1)
 
 
 @functools.lru_cache(maxsize=64)
@@ -183,6 +185,11 @@ class NumpyBackend(KernelBackend):
         self._stream = NumpyStream()
         self._starts: list[int] = []
         self._buffers: dict[int, NumpyBuffer] = {}
+        #: (buffer address, offset, stride, page bytes) -> the page items of the whole
+        #: buffer (:func:`_all_items`), kept while the buffer lives: a copy indexes them
+        #: instead of making two views per call.
+        self._items: dict[tuple[int, int, int, int], tuple[NumpyBuffer, np.ndarray]] = {}
+        self._views: dict[int, tuple[NumpyBuffer, memoryview]] = {}  # address -> its bytes
 
     # -- runtime -----------------------------------------------------------------------
 
@@ -195,6 +202,67 @@ class NumpyBackend(KernelBackend):
         if buf.nbytes and self._buffers.get(buf.ptr) is buf:
             del self._buffers[buf.ptr]
             self._starts.pop(bisect.bisect_left(self._starts, buf.ptr))
+            if self._items:
+                for key in [k for k in self._items if k[0] == buf.ptr]:
+                    del self._items[key]
+            kept = self._views.pop(buf.ptr, None)
+            if kept is not None:
+                kept[1].release()
+
+    def _page_items(self, region: PageRegion, page_bytes: int, count: int) -> np.ndarray:
+        """Pages ``0..count-1`` of ``region`` as items (at least that many): the kept
+        items of the whole buffer where it is one of this backend's live buffers."""
+        buf = region.buffer
+        key = (buf.ptr, region.offset, region.stride, page_bytes)
+        kept = self._items.get(key)
+        if kept is not None and kept[0] is buf:
+            return kept[1]
+        if self._buffers.get(buf.ptr) is not buf:  # not ours (or freed): nothing kept
+            return _page_items(region, page_bytes, count)
+        items = _all_items(region, page_bytes)
+        if items is None:
+            return _page_items(region, page_bytes, count)
+        if len(self._items) >= _KEPT_VIEWS:
+            self._items.clear()
+        self._items[key] = (buf, items)
+        return items
+
+    def _bytes(self, buf: Buffer) -> memoryview | None:
+        """The bytes of one of this backend's live buffers (kept while it lives), else
+        None."""
+        kept = self._views.get(buf.ptr)
+        if kept is not None and kept[0] is buf:
+            return kept[1]
+        if self._buffers.get(buf.ptr) is not buf:
+            return None
+        view = memoryview(buf.host_view())
+        self._views[buf.ptr] = (buf, view)
+        return view
+
+    def _copy(self, task: CopyTask, counts: tuple[int, int]) -> None:
+        """One checked copy: ``counts`` from :func:`check_copy_args`."""
+        pairs = task.pairs
+        n = len(pairs)
+        if n == 0:
+            return
+        if n <= _FEW_PAIRS:
+            src, dst = task.src, task.dst
+            sb, db = src.buffer, dst.buffer
+            if n == 1 or sb is not db:
+                sm, dm = self._bytes(sb), self._bytes(db)
+                if sm is not None and dm is not None:
+                    # Page by page, slices of the buffers' bytes: what the gather and
+                    # scatter below give, as nothing is read after a write to it (one
+                    # page, or two buffers; an overlapping slice copies like memmove).
+                    size = task.page_bytes
+                    s0, s_stride, d0, d_stride = src.offset, src.stride, dst.offset, dst.stride
+                    for d, s in pairs.tolist():
+                        at, fr = d0 + d * d_stride, s0 + s * s_stride
+                        dm[at : at + size] = sm[fr : fr + size]
+                    return
+        src_view = self._page_items(task.src, task.page_bytes, counts[1])
+        dst_view = self._page_items(task.dst, task.page_bytes, counts[0])
+        dst_view[pairs[:, 0]] = src_view[pairs[:, 1]]  # gather first, then scatter
 
     def _resolve(self, address: int, nbytes: int) -> tuple[NumpyBuffer, int]:
         """The live buffer holding ``[address, address + nbytes)`` and the offset in it."""
@@ -246,12 +314,17 @@ class NumpyBackend(KernelBackend):
         pairs: np.ndarray,
         stream: Stream | None = None,
     ) -> None:
-        _copy(CopyTask(dst, src, page_bytes, pairs), check_copy_args(dst, src, page_bytes, pairs))
+        self._copy(CopyTask(dst, src, page_bytes, pairs),
+                   check_copy_args(dst, src, page_bytes, pairs))
 
     def copy_pages_batch(self, tasks: Sequence[CopyTask], stream: Stream | None = None) -> None:
+        if len(tasks) == 1:
+            task = tasks[0]
+            self._copy(task, check_copy_args(task.dst, task.src, task.page_bytes, task.pairs))
+            return
         counts = [check_copy_args(t.dst, t.src, t.page_bytes, t.pairs) for t in tasks]
         for task, n in zip(tasks, counts, strict=True):  # all checked before any runs
-            _copy(task, n)
+            self._copy(task, n)
 
     def convert_page_indices(
         self,
