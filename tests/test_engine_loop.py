@@ -3,8 +3,12 @@ that fits the GPU one request at a time, whatever the pressure and the policies.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcm_core import (
     AttentionLayerConfig,
@@ -15,6 +19,9 @@ from kvcm_core import (
     ReusePolicy,
 )
 from kvcm_core.testing.engine import EngineLoop, Request
+
+#: Examples per property (``KVCM_PROPERTY_EXAMPLES`` raises it for a longer soak).
+PROPERTY_EXAMPLES = int(os.environ.get("KVCM_PROPERTY_EXAMPLES", "30"))
 
 
 def _manager(policy: ReusePolicy, slots: int) -> KVCacheManager:
@@ -94,5 +101,47 @@ def test_a_refused_waiting_request_keeps_its_cache_only_when_a_colder_level_exis
         assert len(created) == 3  # never created again while it waited
     else:
         assert len(created) > 3
+    loop.close()
+    m.shutdown()
+
+
+def _shared_prefix_workload(seed: int, gpu: int, host: int, preempt: str):
+    """40 requests over 4 shared prompt prefixes, a small GPU and a smaller host level:
+    held pages fill the host, so suspending frees nothing and the loop stalls often."""
+    m = KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=4,
+        layers=[AttentionLayerConfig(layer_id=0, buffers=[BufferConfig(role="kv", size=64)])],
+        levels=[LevelConfig(tier="gpu", quota=gpu * 64),
+                LevelConfig(tier="host", quota=host * 64)],
+        kernel_backend="numpy", max_util_for_resume=0.97))
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(0, 1000, int(rng.integers(8, 40))).tolist() for _ in range(4)]
+    reqs = []
+    for i in range(40):
+        prefix = prefixes[int(rng.integers(0, 4))]
+        asked = rng.integers(0, 1000, int(rng.integers(1, 12))).tolist()
+        answer = rng.integers(0, 1000, int(rng.integers(1, 12))).tolist()
+        reqs.append(Request(i, prefix + asked + answer, len(prefix) + len(asked)))
+    return m, EngineLoop(m, chunk_tokens=8, max_batch=6, preempt_mode=preempt), reqs
+
+
+@given(seed=st.integers(0, 10_000), sizes=st.sampled_from([(18, 6), (20, 8), (24, 8)]),
+       preempt=st.sampled_from(["auto", "recompute"]))
+@settings(max_examples=PROPERTY_EXAMPLES, deadline=None)
+def test_only_the_head_of_the_queue_keeps_a_refused_cache_and_stalls_end(seed, sizes, preempt):
+    # A refused request keeps its cache only while it is first in line (it is the only
+    # one retried): a request put in front of it (a stall's recompute, a lost resume, a
+    # recompute preemption) makes it give its claims back. And a stall's recomputed
+    # request is not admitted again before the oldest suspended one steps, else the same
+    # preemptions could repeat for ever. Both livelocked such workloads before.
+    m, loop, reqs = _shared_prefix_workload(seed, *sizes, preempt)
+
+    def check(_):
+        m.check_invariants()
+        kept = [i for i, r in enumerate(loop.waiting) if r.cache is not None]
+        assert kept in ([], [0]), f"waiting requests holding a cache at {kept}"
+
+    done = loop.run(reqs, max_steps=5000, on_step=check)
+    assert sorted(r.id for r in done) == list(range(40))
     loop.close()
     m.shutdown()

@@ -343,6 +343,7 @@ def _steady_round(m: KVCacheManager, rng: random.Random, shared: Sequence[int],
         r.scope = scope_of(i)
         loop.submit(r)
     loop.run()
+    loop.close()  # frees the loop's batch buffers, as an engine that stops a run does
     assert m.num_open_caches == 0
     m.get_and_reset_iteration_stats()
 

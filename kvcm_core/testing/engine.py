@@ -104,6 +104,8 @@ class EngineLoop:
                              "recompute")
         self.preempt_mode = preempt_mode
         self.make_room_ahead = room_ahead
+        # The oldest suspended request at the last stall: no admission until it steps.
+        self._first_after_stall: Request | None = None
         self.recompute_lost = recompute_lost
         self.manager = manager
         self.batch: Batch | None = None
@@ -215,14 +217,17 @@ class EngineLoop:
                     raise
                 self.suspended.popleft()
                 self._lost(req, report)
-                self.waiting.appendleft(req)
+                self._queue_first(req)
                 continue
             if not resumed:
                 break
             self.suspended.popleft()
             self._run(req)
             report.resumed.append(req)
-        while self.waiting and not self.suspended and len(self.running) < self.max_batch:
+        if self._first_after_stall is not None and self._first_after_stall.cache is None:
+            self._first_after_stall = None  # recomputed since: it waits like the others
+        while self.waiting and not self.suspended and len(self.running) < self.max_batch \
+                and self._first_after_stall is None:
             req = self.waiting[0]
             if not self._admit(req, report):
                 break
@@ -301,15 +306,25 @@ class EngineLoop:
                     req.cache.close()
                 self.finished.append(req)
                 report.finished.append(req)
+        if self._first_after_stall is not None and any(
+                r is self._first_after_stall for r, _ in stepped):
+            self._first_after_stall = None
         if not (report.stepped or report.finished) and self.suspended:
             # Stalled: the suspended requests' pages could not move out of the GPU (colder
-            # levels full of held pages). Give the youngest one's pages back: recompute it.
+            # levels full of held pages). Give the youngest one's pages back (recompute
+            # it), and a waiting request's kept cache too. No waiting request is admitted
+            # until the oldest suspended one gets a chunk: the recomputed one, admitted
+            # again at once, could repeat the same preemptions for ever.
+            for req in self.waiting:
+                self._release_kept(req)
             victim = max(self.suspended, key=lambda r: r.arrival)
             self.suspended.remove(victim)
             victim.cache.close()
             victim.cache = None
             self.waiting.appendleft(victim)
             report.recomputed.append(victim)
+            self._first_after_stall = min(self.suspended, key=lambda r: r.arrival) \
+                if self.suspended else None
         return report
 
     def room_ahead(self) -> None:
@@ -373,7 +388,22 @@ class EngineLoop:
         else:
             req.cache.close()
             req.cache = None
-            self.waiting.appendleft(req)
+            self._queue_first(req)
+
+    def _queue_first(self, req: Request) -> None:
+        """Put ``req`` at the head of the waiting queue. Only the head may keep the cache
+        of a refused admission (it is the only one retried): the request it displaces
+        gives its claims back, else they could stay held behind it for ever."""
+        if self.waiting:
+            self._release_kept(self.waiting[0])
+        self.waiting.appendleft(req)
+
+    @staticmethod
+    def _release_kept(req: Request) -> None:
+        """Close the cache a waiting request kept after a refused admission (if any)."""
+        if req.cache is not None:
+            req.cache.close()
+            req.cache = None
 
     def _run(self, req: Request) -> None:
         self.running.append(req)
