@@ -81,3 +81,37 @@ def test_one_page_checked_by_caller_calls_keep_the_state_and_order_of_the_batch_
             present = [p for p in present if p not in got]
         assert len(fast) == len(general)
     assert fast.pop_victims(10_000).tolist() == general.pop_victims(10_000).tolist()
+
+
+def test_mixed_priority_batches_from_the_manager_keep_exact_lru_order_per_priority():
+    # The manager's moves insert victims with a priority each, in runs ([0.., 1.., 35..]
+    # and every other shape): one copy shared by the runs' segments must order, pop and
+    # compact exactly like one insert per page.
+    rng = random.Random(11)
+    policy = SegmentLruPolicy()
+    order: dict[int, list[int]] = {}
+    next_id = 0
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.5:
+            n = rng.randint(1, 40)
+            pages = np.arange(next_id, next_id + n, dtype=np.int64)
+            next_id += n
+            prios = np.sort(np.asarray([rng.choice([0, 1, 35, 35, 50]) for _ in range(n)]))
+            if rng.random() < 0.3:
+                rng.shuffle(prios)  # runs in any order, a priority in several runs
+            policy.insert_many_checked_by_caller(pages, prios.astype(np.int64))
+            for pg, pr in zip(pages.tolist(), prios.tolist(), strict=True):
+                order.setdefault(pr, []).append(pg)
+        elif op < 0.7:
+            live = [pg for q in order.values() for pg in q]
+            if live:
+                chosen = rng.sample(live, min(len(live), rng.randint(1, 20)))
+                policy.remove_many_checked_by_caller(np.asarray(chosen, dtype=np.int64))
+                for q in order.values():
+                    q[:] = [pg for pg in q if pg not in chosen]
+        else:
+            k = rng.randint(1, 60)
+            assert policy.pop_victims(k).tolist() == _reference_pop(order, k)
+        assert len(policy) == sum(len(q) for q in order.values())
+    assert policy.pop_victims(10**6).tolist() == _reference_pop(order, 10**6)

@@ -302,7 +302,35 @@ class SegmentLruPolicy(EvictionPolicy):
         if type(priorities) is int:
             self._append(pages, priorities)
         else:
-            self._append(pages, _runs(priorities))
+            self._append_mixed(pages, priorities)
+
+    def _append_mixed(self, arr: np.ndarray, pr: np.ndarray) -> None:
+        """:meth:`_append` of distinct absent pages with a priority each (int64): the
+        same segments (one per run of equal priority, in order), built with one copy
+        and one scatter per array whatever the number of runs; the segments are
+        disjoint views of that copy, which no one else holds."""
+        n = len(arr)
+        cuts = np.flatnonzero(pr[1:] != pr[:-1])
+        if not len(cuts):
+            self._append(arr, int(pr[0]))
+            return
+        cuts += 1
+        starts = [0, *cuts.tolist()]
+        stops = [*starts[1:], n]
+        values = pr[starts].tolist()
+        first = self._serial + 1
+        self._serial += len(starts)
+        seg = arr.copy()
+        self._stamp[seg] = np.repeat(np.arange(first, self._serial + 1, dtype=np.int64),
+                                     np.subtract(stops, starts))
+        self._prio[seg] = pr
+        queues, live = self._queues, self._live
+        for i, (p, a, b) in enumerate(zip(values, starts, stops, strict=True)):
+            queues[p].append((first + i, seg[a:b]))
+            live[p] += b - a
+            self._mask |= 1 << p
+        self._entries += n
+        self._count += n
 
     def _insert_small(self, arr: np.ndarray, priorities: PriorityBatch) -> bool:
         """:meth:`insert_many` of a few small page ids with plain Python checks (NumPy's
