@@ -538,9 +538,11 @@ class LevelIO:
             for job in itertools.chain(self._batch, self._queue):
                 if job is None or not _other_slots(job, pool, slots):
                     return False
-            for job in self._native:  # a slot written there again: through the thread,
-                if not _other_slots(job, pool, slots) and not self._native_done(job):
-                    return False      # which waits for the first write
+            # A slot written there again: through the thread, which waits for the first
+            # write. (Finished first: a set test of the slots costs more than that look.)
+            for job in self._native:
+                if not self._native_done(job) and not _other_slots(job, pool, slots):
+                    return False
         trusting = getattr(pool, "_write_behind_checked", None) if checked is not None \
             else None
         try:
@@ -635,8 +637,8 @@ class LevelIO:
             for job in itertools.chain(self._batch, self._queue):
                 if job is None or not _other_slots(job, pool, slots):
                     return False
-            for job in self._native:
-                if not _other_slots(job, pool, slots) and not self._native_done(job):
+            for job in self._native:  # (finished first: cheaper than the set test)
+                if not self._native_done(job) and not _other_slots(job, pool, slots):
                     return False
             if self._bad and any((key, s) in self._bad for s in slots.tolist()):
                 return False

@@ -360,11 +360,13 @@ class DiskPool(StoragePool):
 
     def read_nowait(self, slots: np.ndarray, dest: np.ndarray) -> bool:
         """Read from the page cache only (:func:`kvcm_tier_disk.aio.read_nowait`, one
-        call per run of consecutive slots): True when every byte came back; False when
-        any of it would need the device, when the file system does not support it (this
-        pool then stops trying), for a read of more than :data:`_NOWAIT_RUNS` runs or
-        :data:`_NOWAIT_BYTES` bytes (the thread's read releases the GIL while it copies),
-        or on any error, bad arguments included (the caller's ordinary read reports it)."""
+        call per run of consecutive slots, in slot order as :meth:`read` does; slots not
+        in order are read into a copy in slot order, then moved to their rows): True when
+        every byte came back; False when any of it would need the device, when the file
+        system does not support it (this pool then stops trying), for a read of more than
+        :data:`_NOWAIT_RUNS` runs or :data:`_NOWAIT_BYTES` bytes (the thread's read
+        releases the GIL while it copies), or on any error, bad arguments included (the
+        caller's ordinary read reports it)."""
         fd = self._fd
         if fd is None or not self._nowait:
             return False
@@ -386,13 +388,21 @@ class DiskPool(StoragePool):
         else:
             if int(arr.min()) < 0 or int(arr.max()) >= self.num_slots:
                 return False
-            cuts = np.flatnonzero(arr[1:] != arr[:-1] + 1) + 1
+            order = None
+            if np.count_nonzero(arr[1:] <= arr[:-1]):  # not in slot order: sort them
+                order = arr.argsort(kind="stable")
+                arr = arr.take(order)
+            cuts = (arr[1:] != arr[:-1] + 1).nonzero()[0] + 1
             if len(cuts) >= _NOWAIT_RUNS:
                 return False
+            into = dest if order is None else np.empty_like(dest)
             starts = np.concatenate(([0], cuts))
             status = aio.read_nowait(fd, (self.data_offset + arr[starts] * sb).tolist(),
-                                     (dest.ctypes.data + starts * sb).tolist(),
+                                     (aio.data_address(into) + starts * sb).tolist(),
                                      ((np.append(cuts, n) - starts) * sb).tolist())
+            if status == 0 and order is not None:  # row i of the copy is dest[order[i]]
+                item = np.dtype((np.void, sb))
+                dest.view(item)[:, 0].put(order, into.view(item)[:, 0])
         if status is None or status in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS,
                                         errno.EPERM):  # never here: stop trying
             self._nowait = False
