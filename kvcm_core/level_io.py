@@ -543,11 +543,13 @@ class LevelIO:
             for job in self._native:
                 if not self._native_done(job) and not _other_slots(job, pool, slots):
                     return False
-        trusting = getattr(pool, "_write_behind_checked", None) if checked is not None \
+        # Looked up on the class: a wrapper forwarding attributes to an inner pool (as
+        # DeadlinePool does) must not lead past its own write_behind.
+        trusting = getattr(type(pool), "_write_behind_checked", None) if checked is not None \
             else None
         try:
             handle = pool.write_behind(slots, rows) if trusting is None else \
-                trusting(slots, rows, checked)
+                trusting(pool, slots, rows, checked)
         except Exception:  # the level's thread writes it, and reports, as before
             return False
         if handle is None:

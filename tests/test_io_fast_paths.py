@@ -292,3 +292,28 @@ def test_the_kept_view_of_host_pages_follows_a_pool_that_moved(tmp_path, cleanup
     d.resume_and_verify(*caches)  # every page read back as written
     for cache in caches:
         cache.close()
+
+
+@native
+def test_a_wrapper_forwarding_attributes_keeps_its_own_write_behind(tier):
+    calls = []
+
+    class Forwarding(DeadlinePool):  # forwards unknown attributes to the disk pool
+        def write_behind(self, slots, source):
+            calls.append(np.asarray(slots).tolist())
+            return self.inner_pool.write_behind(slots, source)
+
+    inner_io = LevelIO(3, deadline_s=None)
+    wrapped = Forwarding(inner_io, tier.create_pool(SB, 16))
+    assert callable(wrapped._write_behind_checked)  # reachable through __getattr__ ...
+    io = LevelIO(2, deadline_s=1.0, write_queue_depth=8)
+    pool = DeadlinePool(io, wrapped)
+    rows = _rows(2, 18)
+    with io.dropping(True):
+        pool.write(np.array([6, 7]), rows).wait()
+    assert io.wait_idle(2.0) and io.stats.direct_writes == 1
+    assert calls == [[6, 7]]  # ... but the level went through the wrapper's write_behind
+    out = np.zeros_like(rows)
+    pool.read(np.array([6, 7]), out).wait()
+    np.testing.assert_array_equal(out, rows)
+    io.close([("pool", pool.close)], time.monotonic() + 1.0)
