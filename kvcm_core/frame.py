@@ -76,31 +76,25 @@ def _crc(data: Any) -> int:
 
 
 _crc_value = google_crc32c.value
-_SLICES: dict[tuple[int, int], list[slice]] = {}  # (row width, body) -> slices
 _LITTLE = sys.byteorder == "little"
-
-
-def _row_slices(n: int, width: int, body: int) -> list[slice]:
-    """The slices of the first ``body`` bytes of each row of ``width`` bytes in their flat
-    copy, for at least ``n`` rows (one list per row shape, grown to the largest batch
-    met; slices past the data give empty bytes and are never read)."""
-    have = _SLICES.get((width, body))
-    if have is None or len(have) < n:
-        if len(_SLICES) > 16:
-            _SLICES.clear()
-        have = _SLICES[(width, body)] = [slice(o, o + body)
-                                         for o in range(0, max(n, 256) * width, width)]
-    return have
+_ITEMS: dict[int, np.dtype] = {}  # bytes -> the void dtype of that many bytes
 
 
 def _crcs(rows: np.ndarray, body: int | None = None) -> np.ndarray:
     """CRC-32C of the first ``body`` bytes (all: None) of each row of a 2-D ``uint8``
-    array (``uint32 [n]``): one copy of the whole rows into bytes, then one C call per row
-    on a slice of it (no NumPy view, no Python frame per row)."""
+    array (``uint32 [n]``): NumPy makes the ``bytes`` of every row in one C loop (the rows
+    seen as ``void`` items of ``body`` bytes, listed), then one C call per row on them (no
+    NumPy view, slice or Python frame per row). A ``void`` item lists as all of its bytes,
+    trailing zeros included, so every CRC covers exactly ``body`` bytes."""
     n, width = rows.shape
-    flat = np.ascontiguousarray(rows).tobytes()
-    slices = _row_slices(n, width, width if body is None else body)
-    return np.fromiter(map(_crc_value, map(flat.__getitem__, slices)), np.uint32, n)
+    size = width if body is None else body
+    item = _ITEMS.get(size)
+    if item is None:
+        item = _ITEMS[size] = np.dtype((np.void, size))
+    part = rows[:, :size]
+    if part.strides[1] != 1:  # a void view needs each row's bytes adjacent
+        part = np.ascontiguousarray(part)
+    return np.fromiter(map(_crc_value, part.view(item)[:, 0].tolist()), np.uint32, n)
 
 
 def layout_fingerprint(description: Any) -> bytes:
@@ -225,6 +219,7 @@ class FrameBook:
         self.seqs = np.zeros(num_slots, dtype=np.uint64)  # 0: never written
         self._next_seq = 1
         self._templates: dict[int, np.ndarray] = {}  # payload size -> shared header bytes
+        self._parts: dict[int, tuple[bytes, bytes, bytes]] = {}  # see _template_parts
 
     # -- slots ---------------------------------------------------------------------------
 
@@ -245,8 +240,10 @@ class FrameBook:
         n = len(slots)
         seqs = np.arange(self._next_seq, self._next_seq + n, dtype=np.uint64)
         self._next_seq += n
-        if keys.dtype == np.uint8 and keys.flags.c_contiguous:  # a key per item, not a byte
-            self.keys.view(_KEY_ITEM)[slots, 0] = keys.view(_KEY_ITEM)[:, 0]
+        if keys.dtype == np.uint8 and keys.flags.c_contiguous and len(keys) == n:
+            # A key per item, not a byte; put: the fancy assignment (the same index rules,
+            # one key per slot) without its per-item overhead.
+            self.keys.view(_KEY_ITEM)[:, 0].put(slots, keys.view(_KEY_ITEM)[:, 0])
         else:
             self.keys[slots] = keys
         self.seqs[slots] = seqs
@@ -277,6 +274,16 @@ class FrameBook:
             head = self._templates[size] = head.view(np.uint8)
         return head
 
+    def _template_parts(self, size: int) -> tuple[bytes, bytes, bytes]:
+        """:meth:`_template` as bytes, cut around the key and the sequence number: the
+        header bytes before the key, between key and sequence number, and after it."""
+        parts = self._parts.get(size)
+        if parts is None:
+            head = self._template(size).tobytes()
+            parts = self._parts[size] = (head[:_KEY_AT], head[_KEY_AT + KEY_BYTES : _SEQ_AT],
+                                         head[_SEQ_AT + 8 :])
+        return parts
+
     def wrap(self, slots: np.ndarray, payloads: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """Frames ``uint8 [n, payload + FRAME_OVERHEAD]`` of fixed-size ``payloads[i]``
         for ``slots[i]`` (block keys ``keys[i]``, 32 bytes each), recorded as written."""
@@ -306,9 +313,7 @@ class FrameBook:
         """:meth:`wrap` of a few pages, frame by frame as bytes (the same bytes and
         records)."""
         n, size = payloads.shape
-        head = self._template(size).tobytes()
-        before, between, after = head[:_KEY_AT], head[_KEY_AT + KEY_BYTES : _SEQ_AT], \
-            head[_SEQ_AT + 8 :]
+        before, between, after = self._template_parts(size)
         seq = self._next_seq
         self._next_seq += n
         book_keys, book_seqs = self.keys, self.seqs
@@ -357,7 +362,7 @@ class FrameBook:
         seqs = self.seqs[slots]
         want = np.empty((n, hb), dtype=np.uint8)
         want[:] = self._template(size)
-        want[:, _KEY_AT : _KEY_AT + KEY_BYTES] = self.keys[slots]
+        want[:, _KEY_AT : _KEY_AT + KEY_BYTES] = self.keys.take(slots, axis=0)  # keys[slots]
         want[:, _SEQ_AT : _SEQ_AT + 8] = seqs.astype("<u8").view(np.uint8).reshape(n, 8)
         ok = (frames[:, :hb] == want).all(axis=1) & (seqs != 0)
         stored = np.ascontiguousarray(frames[:, hb + size :]).view("<u4").reshape(n)
@@ -371,9 +376,7 @@ class FrameBook:
         and the same CRC-32C."""
         hb = HEADER.itemsize
         body = hb + size
-        head = self._template(size).tobytes()
-        before, between, after = head[:_KEY_AT], head[_KEY_AT + KEY_BYTES : _SEQ_AT], \
-            head[_SEQ_AT + 8 :]
+        before, between, after = self._template_parts(size)
         keys, seqs = self.keys, self.seqs
         ok = np.zeros(len(frames), dtype=bool)
         for i, slot in enumerate(slots.tolist()):

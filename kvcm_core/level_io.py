@@ -204,7 +204,10 @@ class LevelIO:
         self.deadline_s = deadline_s
         self.write_queue_depth = write_queue_depth if deadline_s is not None else 0
         self.stats = IOStats()
-        self._cv = threading.Condition()
+        # The condition's own lock: ``with self._lock`` is ``with self._cv`` (waits and
+        # notifies still go through the condition) without its Python-level __enter__.
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
         self._queue: collections.deque[_Job | None] = collections.deque()
         self._running: _Job | None = None
         self._batch: list[_Job] = []  # the jobs _running runs (merged writes: several)
@@ -242,7 +245,7 @@ class LevelIO:
 
     def _loop(self) -> None:
         while True:
-            with self._cv:
+            with self._lock:
                 while not (self._queue and self._go):
                     self._cv.wait()
                 job = self._queue.popleft()
@@ -269,7 +272,7 @@ class LevelIO:
                     job.fn()
                 except BaseException as exc:  # handed to the waiter, never lost
                     job.error = exc
-            with self._cv:
+            with self._lock:
                 self._running = None
                 self._batch = []
                 self.stats.operations += len(batch)
@@ -301,14 +304,14 @@ class LevelIO:
 
     def _mark_bad(self, pool: Pool, slots: np.ndarray, failures: int) -> None:
         key = id(pool)
-        with self._cv:
+        with self._lock:
             self._bad.update((key, int(s)) for s in slots.tolist())
             self.stats.background_failures += failures
 
     def _clear_bad(self, pool: Pool, slots: np.ndarray) -> None:
         if self._bad:
             key = id(pool)
-            with self._cv:
+            with self._lock:
                 self._bad.difference_update((key, int(s)) for s in slots.tolist())
 
     @property
@@ -321,7 +324,7 @@ class LevelIO:
         """What the level is stuck on (an operation past its deadline: one somebody waited
         for in vain, or one the thread has been running for longer than the deadline, a
         background write for example), or None."""
-        with self._cv:
+        with self._lock:
             if self._late:
                 job = self._late[0]
                 return f"{job.what} ({time.monotonic() - job.submitted:.1f} s)"
@@ -342,7 +345,7 @@ class LevelIO:
         """Queue ``job``; ``wake`` False leaves an idle thread asleep (a background write
         that the next wake-up runs with the others). A read with a known target goes ahead
         of the background writes at the end of the queue that write none of its slots."""
-        with self._cv:
+        with self._lock:
             if self._stopped:
                 raise TierIOError(f"level {self.level}: I/O after shutdown ({job.what})")
             if self._thread is None:
@@ -389,7 +392,7 @@ class LevelIO:
     def _miss(self, job: _Job) -> IODeadlineError | None:
         """``job`` is past its deadline: None if it finished meanwhile, else the error
         (the job is recorded as late: the level is stuck until it returns)."""
-        with self._cv:
+        with self._lock:
             if job.done.is_set():
                 return None
             self._late.append(job)
@@ -450,13 +453,16 @@ class LevelIO:
     # -- background writes -------------------------------------------------------------------
 
     def background(self, fn: Callable[[], None] | None, what: str, pool: Pool,
-                   slots: np.ndarray, rows: np.ndarray | None = None) -> None:
+                   slots: np.ndarray, rows: np.ndarray | None = None,
+                   checked: int | None = None) -> None:
         """Queue a write and return. With ``write_queue_depth`` writes in flight, a
         droppable write (see :meth:`dropping`) raises :class:`WriteQueueFull` at once;
         any other waits for the oldest, within the deadline. ``rows``: the write is
         ``pool.write(slots, rows)`` (it may merge with the writes of the same pool queued
         beside it); ``fn`` None: ``rows`` are the caller's, which this copies before
-        queueing them for the thread (a write behind copies them itself)."""
+        queueing them for the thread (a write behind copies them itself). ``checked``:
+        the caller checked ``slots`` with ``check_slots`` against a pool of that many
+        slots (see :meth:`_write_behind`)."""
         self._fast_fail(what, "write")
         self._reap()
         if len(self._background) >= self.write_queue_depth and self.droppable:
@@ -465,16 +471,16 @@ class LevelIO:
                                  f"{len(self._background)} background writes in flight")
         if len(self._background) >= self.write_queue_depth:
             oldest = self._background[0]
-            with self._cv:
+            with self._lock:
                 self._wake()
             left = oldest.submitted + (self.deadline_s or 0) - time.monotonic()
             if not self._wait(oldest, max(0.0, left)):
-                with self._cv:
+                with self._lock:
                     if not oldest.done.is_set() and oldest not in self._late:
                         self._late.append(oldest)
                 self._fast_fail(what, "write")
             self._reap()
-        if rows is not None and self._write_behind(what, pool, slots, rows):
+        if rows is not None and self._write_behind(what, pool, slots, rows, checked):
             return
         if fn is None:
             assert rows is not None and isinstance(pool, StoragePool)
@@ -508,36 +514,49 @@ class LevelIO:
                       (bg[0].handle is not None and self._native_done(bg[0]))):
             bg.popleft()
         if self._native and self._native[0].done.is_set():
-            with self._cv:
+            with self._lock:
                 while self._native and self._native[0].done.is_set():
                     self._native.popleft()
 
-    def _write_behind(self, what: str, pool: Pool, slots: np.ndarray, rows: np.ndarray
-                      ) -> bool:
+    def _write_behind(self, what: str, pool: Pool, slots: np.ndarray, rows: np.ndarray,
+                      checked: int | None = None) -> bool:
         """Start a background write on the tier's own threads (``write_behind``) when the
         pool can and nothing queued for the level's thread touches its slots (a later
-        write must not land before an earlier one); whether it did."""
+        write must not land before an earlier one); whether it did.
+
+        ``checked``: ``slots`` are ``check_slots``' result for a pool of that many slots
+        (:meth:`DeadlinePool.write` checked them). A pool that offers
+        ``_write_behind_checked(slots, rows, checked)`` (the disk tier) is then given them
+        through it, and skips that O(n) check where it would test the same thing; any
+        other pool gets ``write_behind``, which checks everything."""
         if not isinstance(pool, StoragePool) or \
                 type(pool).write_behind is StoragePool.write_behind:
             return False
-        with self._cv:
+        with self._lock:
             if self._stopped:
                 return False
             for job in itertools.chain(self._batch, self._queue):
                 if job is None or not _other_slots(job, pool, slots):
                     return False
-            for job in self._native:  # a slot written there again: through the thread,
-                if not _other_slots(job, pool, slots) and not self._native_done(job):
-                    return False      # which waits for the first write
+            # A slot written there again: through the thread, which waits for the first
+            # write. (Finished first: a set test of the slots costs more than that look.)
+            for job in self._native:
+                if not self._native_done(job) and not _other_slots(job, pool, slots):
+                    return False
+        # Looked up on the class: a wrapper forwarding attributes to an inner pool (as
+        # DeadlinePool does) must not lead past its own write_behind.
+        trusting = getattr(type(pool), "_write_behind_checked", None) if checked is not None \
+            else None
         try:
-            handle = pool.write_behind(slots, rows)
+            handle = pool.write_behind(slots, rows) if trusting is None else \
+                trusting(pool, slots, rows, checked)
         except Exception:  # the level's thread writes it, and reports, as before
             return False
         if handle is None:
             return False
         job = _Job(_no_op, what, "bg-write", handle)
         job.target = (pool, slots)
-        with self._cv:
+        with self._lock:
             job.seq = self._native_seq
             self._native_seq += 1
             self._native.append(job)
@@ -555,7 +574,7 @@ class LevelIO:
             return False
         err = job.handle.error()
         pool, slots = job.target
-        with self._cv:
+        with self._lock:
             if job.done.is_set():
                 return True
             if job in self._late:  # waited for in vain, finished now: no longer stuck
@@ -574,7 +593,7 @@ class LevelIO:
         below ``after`` have finished."""
         pause = _POLL_S
         while True:
-            with self._cv:
+            with self._lock:
                 pending = [j for j in self._native if j.seq < after and not j.done.is_set()]
             if all(self._native_done(j) for j in pending):
                 return
@@ -614,14 +633,14 @@ class LevelIO:
         if type(pool).read_nowait is StoragePool.read_nowait:
             return False
         key = id(pool)
-        with self._cv:
+        with self._lock:
             if self._stopped or self.stuck() is not None:
                 return False
             for job in itertools.chain(self._batch, self._queue):
                 if job is None or not _other_slots(job, pool, slots):
                     return False
-            for job in self._native:
-                if not _other_slots(job, pool, slots) and not self._native_done(job):
+            for job in self._native:  # (finished first: cheaper than the set test)
+                if not self._native_done(job) and not _other_slots(job, pool, slots):
                     return False
             if self._bad and any((key, s) in self._bad for s in slots.tolist()):
                 return False
@@ -635,7 +654,7 @@ class LevelIO:
         if not self._bad:
             return
         key = id(pool)
-        with self._cv:
+        with self._lock:
             bad = [int(s) for s in slots.tolist() if (key, int(s)) in self._bad]
             if bad:
                 self.stats.bad_reads += 1
@@ -646,7 +665,7 @@ class LevelIO:
     def forget_slots(self, pool: Pool) -> None:
         """Drop the bad marks of ``pool`` (it was closed)."""
         key = id(pool)
-        with self._cv:
+        with self._lock:
             self._bad = {b for b in self._bad if b[0] != key}
 
     # -- shutdown ----------------------------------------------------------------------------
@@ -666,11 +685,11 @@ class LevelIO:
                     fn()
                 except Exception as exc:  # one failure must not leave the rest open
                     failures.append(f"{what}: {type(exc).__name__}: {exc}")
-            with self._cv:
+            with self._lock:
                 self._stopped = True
             return failures, []
         jobs = []
-        with self._cv:
+        with self._lock:
             if self._thread is None:  # writes on the tier's threads only: the closers
                 self._start()         # wait for them on the level's thread
             for what, fn in closers:
@@ -684,7 +703,7 @@ class LevelIO:
         for job in jobs:
             job.done.wait(max(0.0, until - time.monotonic()))
         abandoned = []
-        with self._cv:
+        with self._lock:
             now = time.monotonic()
             running = self._running
             if running is not None and not running.done.is_set():
@@ -706,7 +725,7 @@ class LevelIO:
         """Wait up to ``timeout`` seconds until nothing is queued or running; whether it
         is idle."""
         end = time.monotonic() + timeout
-        with self._cv:
+        with self._lock:
             self._wake()
             while self._queue or self._running is not None:
                 left = end - time.monotonic()
@@ -796,21 +815,22 @@ class DeadlinePool(StoragePool):
         arr = check_slots(self, slots)
         if self.io.write_queue_depth and self.io.droppable:
             # The background path copies the rows only if its thread writes them (a
-            # write behind copies them itself).
-            return self._write(arr, None, source)
+            # write behind copies them itself). ``arr`` is check_slots' result for
+            # num_slots slots: the inner pool need not check it again.
+            return self._write(arr, None, source, self.num_slots)
         rows = np.array(source, dtype=np.uint8, copy=True)  # the caller reuses its rows
         inner = self.inner_pool
         return self._write(arr, lambda: _wait(inner.write(arr, rows)), rows)
 
     def _write(self, arr: np.ndarray, fn: Callable[[], None] | None,
-               rows: np.ndarray | None = None) -> IOHandle:
+               rows: np.ndarray | None = None, checked: int | None = None) -> IOHandle:
         """``fn`` None: a background write of ``rows``, the caller's (see
-        :meth:`LevelIO.background`)."""
+        :meth:`LevelIO.background`, and there ``checked``)."""
         io = self.io
         what = self._what("write", arr)
         try:
             if io.write_queue_depth and io.droppable:
-                io.background(fn, what, self.inner_pool, arr, rows)
+                io.background(fn, what, self.inner_pool, arr, rows, checked)
             else:
                 assert fn is not None
                 io.call(io.clearing(fn, self.inner_pool, arr), what, "write")

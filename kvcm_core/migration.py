@@ -72,9 +72,11 @@ class Mover:
         self._plans: dict[tuple[int, int, int], Any] = {}  # see _parts
         self._issuable: dict[tuple[int, int], Any] = {}  # see can_issue
         self._direct: dict[tuple[int, int, int], Any] = {}  # see _direct_parts
+        self._host: dict[int, Any] = {}  # see _host_items
 
     def close(self) -> None:
         self.fences.close()
+        self._host.clear()
         for buf in (self._staging, self._scratch):
             if buf is not None:
                 buf.free()
@@ -136,7 +138,8 @@ class Mover:
         s = np.asarray(src_slots, dtype=np.int32)
         d = np.asarray(dst_slots, dtype=np.int32)
         if keys is None and src.frames is not None:
-            keys = src.frames.keys[s]  # a copy: taken before any write to a frame book
+            # A copy (take: keys[s], whole rows at once), taken before any write to a book.
+            keys = src.frames.keys.take(s, axis=0)
         if self.fences.events:  # asynchronous copies may still touch these slots
             self.fences.wait_host(((src, s), (dst, d)))
         if direct is not None:
@@ -259,6 +262,7 @@ class Mover:
         self._plans.clear()
         self._issuable.clear()
         self._direct.clear()
+        self._host.clear()
 
     def _direct_parts(self, layout: PageLayout, src: Store, dst: Store
                       ) -> list[tuple[PageRegion, PageRegion, int]] | None:
@@ -472,9 +476,17 @@ class Mover:
                 self._put(dst, d.copy(), row, keys)
                 return
             order = d.argsort(kind="stable")
-            items = _host_pages(region, cold, int(s.max()) + 1, whole=True)
-            rows = items[s[order]].view(np.uint8).reshape(len(s), cold)
-            self._put(dst, d[order], rows, None if keys is None else keys[order])
+            top = int(s.max())
+            items = self._host_items(region, cold)
+            # The first top + 1 pages: _host_pages(region, cold, top + 1, whole=True), which
+            # refuses (the same way) a count the kept view cannot give.
+            items = items[: top + 1] if 0 <= top < len(items) else \
+                _host_pages(region, cold, top + 1, whole=True)
+            # take: fancy indexing's result (the same index rules and errors), by whole
+            # rows; NumPy's fancy indexing copies a narrow row (a key) item by item.
+            rows = items.take(s.take(order)).view(np.uint8).reshape(len(s), cold)
+            self._put(dst, d.take(order), rows,
+                      None if keys is None else keys.take(order, axis=0))
             return
         if isinstance(dp, DevicePool) and dp.region.buffer.host_ptr is not None:
             rows = np.empty((len(s), cold), dtype=np.uint8)
@@ -500,6 +512,25 @@ class Mover:
                 (stream or be.default_stream).synchronize()
             else:
                 self._put(dst, d[lo:hi], view, None if keys is None else keys[lo:hi])
+
+    def _host_items(self, region: PageRegion, page_bytes: int) -> np.ndarray:
+        """Every whole page of host-visible ``region``: :func:`_host_pages` (``whole``) of
+        as many pages as fit, kept per buffer while its host view and the region's
+        layout stay the same (a view costs as much as the gather of a small batch)."""
+        buffer = region.buffer
+        base = buffer.host_view()  # each time: a freed buffer still refuses here
+        layout = (region.offset, region.stride, page_bytes)
+        kept = self._host.get(id(buffer))
+        if kept is not None and kept[0] is base and kept[1] == layout:
+            return kept[2]
+        count = max(0, (buffer.nbytes - region.offset - page_bytes) // region.stride + 1) \
+            if region.stride > 0 else 0  # (none kept: _host_pages answers for such a region)
+        items = _host_pages(region, page_bytes, count, whole=True) if count else \
+            np.empty(0, dtype=_page_item(page_bytes))
+        if len(self._host) >= 16:
+            self._host.clear()
+        self._host[id(buffer)] = (base, layout, items, buffer)  # (buffer: its id stays its)
+        return items
 
     @staticmethod
     def _chunks(n: int, page: int) -> list[tuple[int, int]]:

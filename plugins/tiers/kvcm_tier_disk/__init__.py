@@ -285,58 +285,88 @@ class DiskPool(StoragePool):
             return None
         fd = self._live_fd()
         arr = check_slots(self, slots)
-        rows = checked_rows(self, source, len(arr), "source")
-        n, sb = len(arr), self.slot_bytes
+        return self._behind(fd, arr, checked_rows(self, source, len(arr), "source"))
+
+    def _write_behind_checked(self, slots: np.ndarray, source: np.ndarray, bound: int
+                              ) -> aio.NativeWrite | None:
+        """:meth:`write_behind` for a storage level (:mod:`kvcm_core.level_io`) whose
+        ``DeadlinePool.write`` has already checked ``slots`` as ``check_slots`` does: an
+        ``int64 [n]`` array (its result) of slots in ``[0, bound)``. That O(n) check is not
+        made again while ``bound <= num_slots`` (every slot is then in range here too,
+        exactly what it would test); the O(1) checks (pool open, rows' type and shape) still
+        are. Otherwise (a smaller pool, or a subclass's own ``write_behind``) this is
+        :meth:`write_behind`, every check included."""
+        if bound > self.num_slots or type(self).write_behind is not DiskPool.write_behind:
+            return self.write_behind(slots, source)
+        if not self._tier.native_writes or not aio.native_available():
+            return None
+        fd = self._live_fd()
+        return self._behind(fd, slots, checked_rows(self, source, len(slots), "source"))
+
+    def _behind(self, fd: int, arr: np.ndarray, rows: np.ndarray) -> aio.NativeWrite | None:
+        """:meth:`write_behind` of checked slots (``int64 [n]``, in range) and rows."""
+        n = len(arr)
         if not n:
             return None
-        first = int(arr[0])
-        # One run of consecutive slots in slot order (most writes) is one request: the last
-        # slot is n - 1 past the first and no step is more than one, so every step is one
-        # (the slots are in range: their differences cannot overflow).
-        if int(arr[-1]) - first == n - 1 and (n <= 2 or int((arr[1:] - arr[:-1]).max()) == 1):
-            rows = np.array(rows, order="C", copy=True)  # ours until written
-            write = aio.NativeWrite(fd, [first * sb + self.data_offset],
-                                    [aio.data_address(rows)], [n * sb], rows)
+        if n == 1:
+            write = self._write_runs(fd, arr, np.array(rows, order="C", copy=True), arr[:0])
         else:
-            write = self._write_runs(fd, arr, rows)
+            step = arr[1:] - arr[:-1]  # slots in range: their differences cannot overflow
+            # A run ends where the next slot is not next (the method: np.flatnonzero is
+            # Python code around it).
+            ends = (step != 1).nonzero()[0]
+            if len(ends) and step[ends].min() <= 0:  # not in slot order (or repeated)
+                write = self._write_unordered(fd, arr, rows)
+            else:  # in slot order; no step (one run, most writes) or only steps > 1 in ends
+                write = self._write_runs(fd, arr, np.array(rows, order="C", copy=True), ends)
         self._natives = [w for w in self._natives if not w.done()]
         self._natives.append(write)  # close and resize wait for it
         return write
 
-    def _write_runs(self, fd: int, arr: np.ndarray, rows: np.ndarray) -> aio.NativeWrite:
-        """:meth:`write_behind` of checked slots ``arr`` (at least two) that are not one
-        run in slot order: the rows are copied in slot order, and written with one request
-        per run of consecutive slots."""
-        n, sb = len(arr), self.slot_bytes
+    def _write_unordered(self, fd: int, arr: np.ndarray, rows: np.ndarray
+                         ) -> aio.NativeWrite:
+        """:meth:`write_behind` of checked slots ``arr`` that are not in slot order: the
+        rows copied in slot order, then one request per run of consecutive slots."""
+        order = np.argsort(arr, kind="stable")
+        arr = arr[order]
         step = arr[1:] - arr[:-1]
-        if step.min() <= 0:  # not in slot order
-            order = np.argsort(arr, kind="stable")
-            arr = arr[order]
-            step = arr[1:] - arr[:-1]
-            if not step.all():
-                raise ValueError(f"slots={arr.tolist()}: a write may name each slot only once")
-            rows = np.ascontiguousarray(rows[order])  # a copy (fancy indexing), in slot order
-        else:
-            rows = np.array(rows, order="C", copy=True)  # ours until written
-        opens = np.empty(n, dtype=bool)  # a run starts where a slot does not follow the last
-        opens[0] = True
-        np.not_equal(step, 1, out=opens[1:])
-        starts = opens.nonzero()[0]
+        if not step.all():
+            raise ValueError(f"slots={arr.tolist()}: a write may name each slot only once")
+        rows = np.ascontiguousarray(rows[order])  # a copy (fancy indexing), in slot order
+        return self._write_runs(fd, arr, rows, (step != 1).nonzero()[0])
+
+    def _write_runs(self, fd: int, arr: np.ndarray, rows: np.ndarray, ends: np.ndarray
+                    ) -> aio.NativeWrite:
+        """One request per run of consecutive slots of ``arr`` (increasing; the rows, ours
+        and packed, in the same order); ``ends``: the index of each run's last slot but
+        the last run's (none: one run, one request)."""
+        n, sb = len(arr), self.slot_bytes
+        if not len(ends):
+            return aio.NativeWrite(fd, [int(arr[0]) * sb + self.data_offset],
+                                   [aio.data_address(rows)], [n * sb], rows)
+        starts = np.empty(len(ends) + 1, dtype=np.int64)  # each run's first row
+        starts[0] = 0
+        np.add(ends, 1, out=starts[1:])
         at = starts * sb  # the runs' first bytes in rows
         sizes = np.empty_like(at)
         sizes[:-1] = at[1:]
         sizes[-1] = n * sb
         sizes -= at
-        return aio.NativeWrite(fd, arr[starts] * sb + self.data_offset,
-                               at + aio.data_address(rows), sizes, rows)
+        offsets = arr[starts]
+        offsets *= sb
+        offsets += self.data_offset
+        at += aio.data_address(rows)
+        return aio.NativeWrite(fd, offsets, at, sizes, rows)
 
     def read_nowait(self, slots: np.ndarray, dest: np.ndarray) -> bool:
         """Read from the page cache only (:func:`kvcm_tier_disk.aio.read_nowait`, one
-        call per run of consecutive slots): True when every byte came back; False when
-        any of it would need the device, when the file system does not support it (this
-        pool then stops trying), for a read of more than :data:`_NOWAIT_RUNS` runs or
-        :data:`_NOWAIT_BYTES` bytes (the thread's read releases the GIL while it copies),
-        or on any error, bad arguments included (the caller's ordinary read reports it)."""
+        call per run of consecutive slots, in slot order as :meth:`read` does; slots not
+        in order are read into a copy in slot order, then moved to their rows): True when
+        every byte came back; False when any of it would need the device, when the file
+        system does not support it (this pool then stops trying), for a read of more than
+        :data:`_NOWAIT_RUNS` runs or :data:`_NOWAIT_BYTES` bytes (the thread's read
+        releases the GIL while it copies), or on any error, bad arguments included (the
+        caller's ordinary read reports it)."""
         fd = self._fd
         if fd is None or not self._nowait:
             return False
@@ -358,13 +388,21 @@ class DiskPool(StoragePool):
         else:
             if int(arr.min()) < 0 or int(arr.max()) >= self.num_slots:
                 return False
-            cuts = np.flatnonzero(arr[1:] != arr[:-1] + 1) + 1
+            order = None
+            if np.count_nonzero(arr[1:] <= arr[:-1]):  # not in slot order: sort them
+                order = arr.argsort(kind="stable")
+                arr = arr.take(order)
+            cuts = (arr[1:] != arr[:-1] + 1).nonzero()[0] + 1
             if len(cuts) >= _NOWAIT_RUNS:
                 return False
+            into = dest if order is None else np.empty_like(dest)
             starts = np.concatenate(([0], cuts))
             status = aio.read_nowait(fd, (self.data_offset + arr[starts] * sb).tolist(),
-                                     (dest.ctypes.data + starts * sb).tolist(),
+                                     (aio.data_address(into) + starts * sb).tolist(),
                                      ((np.append(cuts, n) - starts) * sb).tolist())
+            if status == 0 and order is not None:  # row i of the copy is dest[order[i]]
+                item = np.dtype((np.void, sb))
+                dest.view(item)[:, 0].put(order, into.view(item)[:, 0])
         if status is None or status in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS,
                                         errno.EPERM):  # never here: stop trying
             self._nowait = False
