@@ -180,7 +180,7 @@ class Mover:
         key = (id(src), id(dst))
         known = self._issuable.get(key)
         if known is None:
-            known = self._issuable[key] = (self._can_issue(src, dst), src, dst)
+            known = _bounded(self._issuable)[key] = (self._can_issue(src, dst), src, dst)
         return known[0]
 
     def _can_issue(self, src: Store, dst: Store) -> bool:
@@ -285,11 +285,12 @@ class Mover:
         gpu, cold = (src, dst) if src.level == 0 else (dst, src)
         pool = cold.pools[0]
         if not isinstance(pool, DevicePool) or not self.codec_of(cold.level).identity:
-            self._direct[key] = ((), (), None, (layout, src, dst))
+            _bounded(self._direct)[key] = ((), (), None, (layout, src, dst))
             return None
         parts = _identity_parts(layout, self._gpu_regions(gpu), pool.region, gpu is src)
         pools = [*gpu.pools, pool]
-        self._direct[key] = (pools, [p.buffer for p in pools], parts, (layout, src, dst))
+        _bounded(self._direct)[key] = (pools, [p.buffer for p in pools], parts,
+                                       (layout, src, dst))
         return parts
 
     def _parts(self, layout: PageLayout, src: Store, dst: Store
@@ -312,7 +313,7 @@ class Mover:
                 assert isinstance(pool, DevicePool)
                 make = _identity_parts(layout, self._gpu_regions(dst), pool.region, False)
             packed = all(dr.stride == size and sr.stride == size for dr, sr, size in make)
-            plan = self._plans[key] = (packed, make, (layout, src, dst))
+            plan = _bounded(self._plans)[key] = (packed, make, (layout, src, dst))
         return plan[0], plan[1]
 
     # -- storage pools: frames applied here ------------------------------------------------
@@ -574,6 +575,19 @@ class _ScratchStore:
         for size in layout.slot_sizes:
             self.pools.append(_ScratchPool(buffer, at, size, count))
             at += size * count
+
+
+#: Plans kept per pair of stores at most: the manager's own stores make a few dozen pairs;
+#: a caller that copies through a new store object each time (the remote level's staging
+#: store) would otherwise grow a plan cache, and the stores it holds, without end.
+_PLANS_KEPT = 64
+
+
+def _bounded(plans: dict[Any, Any]) -> dict[Any, Any]:
+    """``plans``, emptied first when it holds :data:`_PLANS_KEPT` entries."""
+    if len(plans) >= _PLANS_KEPT:
+        plans.clear()
+    return plans
 
 
 def order_in_batches(x: np.ndarray, per: int) -> np.ndarray:

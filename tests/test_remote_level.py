@@ -109,6 +109,23 @@ def test_probe_with_remote_equals_what_create_then_reuses(partial: bool) -> None
                 cache.close()
 
 
+def test_finished_transfers_leave_nothing_behind_in_the_copy_plans() -> None:
+    # Every push and pull copies through a staging store made for that transfer; the
+    # copy plans kept per pair of stores must not keep those stores (and their plans)
+    # alive, transfer after transfer.
+    import gc
+
+    from kvcm_core.remote import _Stage
+
+    with fresh_server() as server, KVCacheManager(config(server.url)) as m:
+        for i in range(150):
+            serve(m, _prompt(1000 + i, blocks=4), answer=2, rid=i)
+        assert m.flush_remote(10.0)
+        gc.collect()
+        alive = sum(1 for o in gc.get_objects() if type(o) is _Stage)
+        assert alive <= 64, f"{alive} staging stores of finished transfers still alive"
+
+
 def test_probe_without_remote_makes_no_round_trip() -> None:
     with fresh_server() as server, KVCacheManager(config(server.url)) as m:
         before = m.get_remote_statistics()
