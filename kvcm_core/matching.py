@@ -147,15 +147,15 @@ def match_prefix(
         if np.count_nonzero(ok) != len(ok):
             nodes = nodes[: int(ok.argmin())]
     length = len(nodes) * tpb
-    encoded = None if mm else (chunks[0] if len(chunks) == 1 else b"".join(chunks))
-    if partial and length < n:
+    if partial and length < n:  # (the tokens encoded in one chunk are read, not joined)
         nodes, length = with_partial_block(tree, root, tokens, nodes, tpb, walk_groups,
-                                           encoded)
+                                           None if mm or len(chunks) != 1 else chunks[0])
     if probe and not prune_groups and not backoff:
         return Match(length, _EMPTY, [])
     length = reusable_length(tree, nodes, length, tpb, life_cycles, prune_groups, partial,
                              backoff)
     nb = -(-length // tpb)
+    encoded = None if mm else (chunks[0] if len(chunks) == 1 else b"".join(chunks))
     if probe or stop == _MISS or length // tpb != walked:
         cursor = None  # the hash went past the match: the cache rebuilds it if it commits
     if keys is None or length < tpb:

@@ -208,9 +208,9 @@ def test_matching_equals_the_previous_partial_block_and_pruning(layout, tpb, ste
         m.shutdown()
 
 
-def test_partial_tail_read_from_a_later_chunk():
-    """A prompt longer than two encoding chunks: the walk's chunks are joined, and the
-    partial block's tail is read from them (or encoded again when they stop short)."""
+def test_partial_tail_with_several_chunks():
+    """Prompts longer than two encoding chunks (the walk encodes several: the partial
+    block's tail is encoded again) and shorter ones (read from the one chunk)."""
     m = make_gpu_manager(full_layers(2), slots=400, tpb=2)
     saved = matching_mod._CHUNK, matching_mod._ARRAY_CHUNK
     matching_mod._CHUNK, matching_mod._ARRAY_CHUNK = 3, 5
