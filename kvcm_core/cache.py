@@ -117,6 +117,13 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         missed = max(0, -(-len(input_tokens) // tpb) - nb)
         partial_block = end // tpb if end % tpb else -1
         a = self._arena
+        # Every attention group's pages are claimed in one Levels.claim, in group order:
+        # the same Store.change calls in the same order as one claim per group (a page
+        # belongs to one group's stores, so Levels.change's batches per store, in
+        # first-seen order, are each group's batches in turn; a claim only moves pages
+        # between a store's queues, so what the loop reads meanwhile does not change).
+        claims: list[np.ndarray] = []
+        counted: list[np.ndarray] = []  # claimed pages of the groups counted now
         for g in ctx.attn_groups:
             kind = ctx.kinds[g]
             self._released_to[g] = kind.stale_range(end)[1]
@@ -132,13 +139,26 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
                 claimed = _arr([p for p in pages_g if p >= 0]) if nfull < len(pages_g) \
                     else _arr(pages_g)
             if len(claimed):
-                L.claim(claimed)
-                a.reused[claimed] = True
+                claims.append(claimed)
             if kind.lc.policy is not ReusePolicy.OPTIONAL:  # OPTIONAL: counted once chosen
-                self._count_reuse(g, claimed, nfull)
+                if len(claimed):
+                    counted.append(claimed)
+                gs = stats.groups[g]
+                gs.reused_full_blocks += nfull
+                gs.reused_partial_blocks += len(claimed) - nfull
                 reused += len(claimed)
-                stats.groups[g].missed_blocks += missed
+                gs.missed_blocks += missed
             self._pages[g] = pages_g
+        if claims:
+            everything = claims[0] if len(claims) == 1 else np.concatenate(claims)
+            L.claim(everything)
+            a.reused[everything] = True
+        if counted:  # _count_reuse's count by level, for all those groups at once
+            by_level = np.bincount(a.level[counted[0] if len(counted) == 1
+                                           else np.concatenate(counted)],
+                                   minlength=len(stats.reused_blocks_by_level))
+            for lv, n in enumerate(by_level.tolist()):
+                stats.reused_blocks_by_level[lv] += n
         for g in ctx.ssm_groups:
             snap = ctx.kinds[g].claim(self._tree, match.nodes, end)
             if snap:

@@ -147,8 +147,9 @@ def match_prefix(
         if np.count_nonzero(ok) != len(ok):
             nodes = nodes[: int(ok.argmin())]
     length = len(nodes) * tpb
-    if partial and length < n:
-        nodes, length = with_partial_block(tree, root, tokens, nodes, tpb, walk_groups)
+    if partial and length < n:  # (the tokens encoded in one chunk are read, not joined)
+        nodes, length = with_partial_block(tree, root, tokens, nodes, tpb, walk_groups,
+                                           None if mm or len(chunks) != 1 else chunks[0])
     if probe and not prune_groups and not backoff:
         return Match(length, _EMPTY, [])
     length = reusable_length(tree, nodes, length, tpb, life_cycles, prune_groups, partial,
@@ -167,20 +168,33 @@ def match_prefix(
 
 
 def with_partial_block(tree: PrefixTree, root: int, tokens: Sequence[Any] | np.ndarray,
-                       nodes: np.ndarray, tpb: int, walk_groups: Sequence[int]
-                       ) -> tuple[np.ndarray, int]:
+                       nodes: np.ndarray, tpb: int, walk_groups: Sequence[int],
+                       encoded: bytes | None = None) -> tuple[np.ndarray, int]:
     """The matched full-block ``nodes`` (under scope root ``root``) and the tokens they
     cover, with the partial block that shares the longest prefix with what follows
-    appended when one is cached with every walk group's page."""
+    appended when one is cached with every walk group's page.
+
+    ``encoded``: the first tokens of ``tokens`` as :func:`encode_tokens` wrote them (the
+    walk's encoded chunks), or None; when it covers the tail, the tail is read from it
+    rather than encoded again (the same int32 values: those tokens encoded without a
+    multimodal digest, so ``token_array`` of the slice gives exactly these)."""
     length = len(nodes) * tpb
     parent = int(nodes[-1]) if len(nodes) else root
     limit = min(tpb, len(tokens) - length)
-    tail: Any = token_array(tokens[length : length + limit])
-    if tail is None:  # multimodal digests: compared item by item
-        tail = list(tokens[length : length + limit])
+    tail: Any
+    if encoded is not None and len(encoded) >= 4 * (length + limit):
+        tail = np.frombuffer(encoded, dtype="<i4", count=limit, offset=4 * length)
+    else:
+        tail = token_array(tokens[length : length + limit])
+        if tail is None:  # multimodal digests: compared item by item
+            tail = list(tokens[length : length + limit])
     best, plen = tree.best_partial(parent, tail)
     if best != NO_NODE and all(tree.pages[best, g] >= 0 for g in walk_groups):
-        return np.append(nodes, np.int64(best)), length + plen
+        # np.append(nodes, best), without its ravels (nodes is a 1-D int64 array).
+        out = np.empty(len(nodes) + 1, dtype=np.int64)
+        out[:-1] = nodes
+        out[-1] = best
+        return out, length + plen
     return nodes, length
 
 
@@ -328,13 +342,21 @@ def _feasible(tree: PrefixTree, nodes: np.ndarray, end: int, tpb: int,
             if tree.pages[node, g] < 0 or tree.end(node) != end:
                 return False
             continue
-        start, stop = lc.stale_range(end, tpb)
-        need = np.r_[0:start, stop:nb]
-        if lc.policy is ReusePolicy.SINK_REQUIRED_ONLY:
-            need = need[need < lc.num_sink_blocks]
-        elif lc.policy is not ReusePolicy.REQUIRED:
+        # The blocks needed are [0, start) and [stop, nb) (SINK_REQUIRED_ONLY: those of
+        # them below the sinks), checked as two slices rather than one index array
+        # (np.r_): the same blocks, as 0 <= start <= nb.
+        if lc.policy is ReusePolicy.REQUIRED:
+            hi = nb
+        elif lc.policy is ReusePolicy.SINK_REQUIRED_ONLY:
+            hi = min(nb, lc.num_sink_blocks)
+        else:
             continue
-        if len(need) and (tree.pages[nodes[need], g] < 0).any():
+        head, tail = lc.stale_range(end, tpb)
+        head = min(head, hi)
+        col = tree.pages[:, g]
+        if head and np.count_nonzero(col[nodes[:head]] < 0):
+            return False
+        if tail < hi and np.count_nonzero(col[nodes[tail:hi]] < 0):
             return False
     return True
 
