@@ -26,8 +26,10 @@ def test_the_soak_injects_faults_reuses_blocks_and_recomputes_lost_ones() -> Non
 
 def test_the_soak_replays_exactly_from_its_seed() -> None:
     """Slow faults make what happens while the disk level is stuck depend on timing; every
-    other kind replays exactly."""
-    a, b = (run_soak(SoakConfig(steps=150, seed=11, slow_rate=0)) for _ in range(2))
+    other kind replays exactly. (A deadline far past any step: on a loaded machine an
+    ordinary disk operation can miss the soak's 0.1 s one, which is timing too.)"""
+    a, b = (run_soak(SoakConfig(steps=150, seed=11, slow_rate=0, io_deadline_s=30.0,
+                                slow_s=60.0)) for _ in range(2))
     assert (a.requests, a.finished, a.tokens, a.faults, a.recomputes) == (
         b.requests, b.finished, b.tokens, b.faults, b.recomputes)
 
