@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvcm_core import (
@@ -127,11 +127,13 @@ def _shared_prefix_workload(seed: int, gpu: int, host: int, preempt: str):
 
 @given(seed=st.integers(0, 10_000), sizes=st.sampled_from([(18, 6), (20, 8), (24, 8)]),
        preempt=st.sampled_from(["auto", "recompute"]))
+@example(seed=9771, sizes=(18, 6), preempt="recompute")  # a kept cache blocked growth
 @settings(max_examples=PROPERTY_EXAMPLES, deadline=None)
 def test_only_the_head_of_the_queue_keeps_a_refused_cache_and_stalls_end(seed, sizes, preempt):
     # A refused request keeps its cache only while it is first in line (it is the only
     # one retried): a request put in front of it (a stall's recompute, a lost resume, a
-    # recompute preemption) makes it give its claims back. And a stall's recomputed
+    # recompute preemption) makes it give its claims back, and so does a running request
+    # that cannot grow (the kept claims may hold the pages it needs). A stall's recomputed
     # request is not admitted again before the oldest suspended one steps, else the same
     # preemptions could repeat for ever. Both livelocked such workloads before.
     m, loop, reqs = _shared_prefix_workload(seed, *sizes, preempt)

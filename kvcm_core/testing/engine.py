@@ -255,6 +255,8 @@ class EngineLoop:
                     continue
             cap = min(len(req.tokens), hist + want)
             while not cache.resize(cap, stream=self.stream):
+                if self._release_kept_head():
+                    continue  # a waiting request's kept claims went first: try again
                 victim = self._preempt(exclude=req)
                 if victim is None:
                     break
@@ -397,6 +399,15 @@ class EngineLoop:
         if self.waiting:
             self._release_kept(self.waiting[0])
         self.waiting.appendleft(req)
+
+    def _release_kept_head(self) -> bool:
+        """Close the head of the queue's kept cache, if it has one: a running request
+        that cannot grow comes before a waiting one's claims (they could hold the very
+        pages it needs, on the GPU and below it). Whether one was closed."""
+        if self.waiting and self.waiting[0].cache is not None:
+            self._release_kept(self.waiting[0])
+            return True
+        return False
 
     @staticmethod
     def _release_kept(req: Request) -> None:
