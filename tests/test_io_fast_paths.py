@@ -21,29 +21,14 @@ import google_crc32c
 import kvcm_tier_disk
 import numpy as np
 import pytest
-from kvcm_tier_disk import DiskPool, DiskTier, aio
+from disk_helpers import SB, native, seeded_rows, wait_written
+from kvcm_tier_disk import DiskPool, DiskTier
 from levels_helpers import Driver, make_manager, tokens
 
 from kvcm_core import InvalidArgumentError, InvalidStateError, TierIOError
 from kvcm_core.frame import FrameBook, FrameFormat, _crcs
 from kvcm_core.level_io import DeadlinePool, LevelIO
 from kvcm_core.tier import DevicePool, check_slots
-
-SB = 64  # slot bytes
-
-native = pytest.mark.skipif(not aio.native_available(),
-                            reason="glibc's AIO on x86-64 Linux only")
-
-
-def _rows(n: int, seed: int, width: int = SB) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (n, width), dtype=np.uint8)
-
-
-def _finish(handle, timeout: float = 5.0) -> None:
-    end = time.monotonic() + timeout
-    while not handle.done():
-        assert time.monotonic() < end, "a write on the tier's threads never finished"
-        time.sleep(0.0005)
 
 
 @pytest.fixture
@@ -69,21 +54,21 @@ def level(tier):
 def test_a_levels_write_refuses_bad_slots_at_the_call(level, droppable, slots):
     io, pool = level
     with io.dropping(droppable), pytest.raises(InvalidArgumentError, match="out of range"):
-        pool.write(np.array(slots, dtype=np.int64), _rows(len(slots), 1))
+        pool.write(np.array(slots, dtype=np.int64), seeded_rows(len(slots), 1))
     assert io.background_in_flight == 0 and io.stats.operations == 0  # nothing queued
 
 
 def test_a_levels_synchronous_write_refuses_bad_rows(level):
     _, pool = level
     with pytest.raises(ValueError, match=r"must be \(2, 64\)"):
-        pool.write(np.array([1, 2]), _rows(2, 2, SB - 1)).wait()
+        pool.write(np.array([1, 2]), seeded_rows(2, 2, SB - 1)).wait()
 
 
 def test_a_levels_background_write_of_bad_rows_never_lands_and_its_slots_read_as_lost(level):
     io, pool = level
-    pool.write(np.array([1]), _rows(1, 3)).wait()  # good rows first
+    pool.write(np.array([1]), seeded_rows(1, 3)).wait()  # good rows first
     with io.dropping(True):  # as before: the pool refuses them where they are written
-        pool.write(np.array([1, 2]), _rows(2, 4, SB - 1)).wait()
+        pool.write(np.array([1, 2]), seeded_rows(2, 4, SB - 1)).wait()
     assert io.wait_idle(1.0)
     assert io.stats.background_failures == 1 and io.stats.direct_writes == 0
     with pytest.raises(TierIOError, match="background write failed"):
@@ -112,7 +97,7 @@ def test_the_levels_background_write_checks_its_slots_once(level, monkeypatch):
 
     monkeypatch.setattr(kvcm_tier_disk, "check_slots", counted)
     monkeypatch.setattr("kvcm_core.level_io.check_slots", counted)
-    rows = _rows(5, 5)
+    rows = seeded_rows(5, 5)
     with io.dropping(True):
         pool.write(np.array([9, 3, 4, 5, 12]), rows).wait()
     assert io.wait_idle(2.0) and io.stats.direct_writes == 1
@@ -126,22 +111,22 @@ def test_the_levels_background_write_checks_its_slots_once(level, monkeypatch):
 def test_write_behind_called_directly_checks_everything(tier):
     pool = tier.create_pool(SB, 8)
     with pytest.raises(InvalidArgumentError, match="slot 8 out of range"):
-        pool.write_behind(np.array([1, 8]), _rows(2, 6))
+        pool.write_behind(np.array([1, 8]), seeded_rows(2, 6))
     with pytest.raises(ValueError, match="only once"):
-        pool.write_behind(np.array([2, 1, 2]), _rows(3, 6))
+        pool.write_behind(np.array([2, 1, 2]), seeded_rows(3, 6))
     with pytest.raises(ValueError, match="uint8"):
-        pool.write_behind(np.array([1]), _rows(1, 6).astype(np.int16))
+        pool.write_behind(np.array([1]), seeded_rows(1, 6).astype(np.int16))
     pool.close()
     with pytest.raises(InvalidStateError):
-        pool.write_behind(np.array([0]), _rows(1, 6))
+        pool.write_behind(np.array([0]), seeded_rows(1, 6))
 
 
 @native
 def test_the_checked_entry_checks_slots_again_unless_the_check_covers_the_pool(tier):
     pool = tier.create_pool(SB, 16)
-    rows = _rows(2, 7)
+    rows = seeded_rows(2, 7)
     handle = pool._write_behind_checked(check_slots(pool, np.array([14, 15])), rows, 16)
-    _finish(handle)
+    wait_written(handle)
     assert handle.error() is None
     out = np.zeros_like(rows)
     pool.read(np.array([14, 15]), out).wait()
@@ -152,7 +137,7 @@ def test_the_checked_entry_checks_slots_again_unless_the_check_covers_the_pool(t
     with pytest.raises(ValueError, match=r"must be \(2, 64\)"):  # rows: always checked
         pool._write_behind_checked(np.array([3, 4], dtype=np.int64), rows[:, 1:], 8)
     with pytest.raises(ValueError, match="only once"):  # repeats: always checked
-        pool._write_behind_checked(np.array([4, 3, 4], dtype=np.int64), _rows(3, 7), 8)
+        pool._write_behind_checked(np.array([4, 3, 4], dtype=np.int64), seeded_rows(3, 7), 8)
     pool.close()
     with pytest.raises(InvalidStateError):
         pool._write_behind_checked(np.array([0], dtype=np.int64), rows[:1], 8)
@@ -169,8 +154,8 @@ def test_the_checked_entry_goes_through_a_subclass_own_write_behind(tier):
 
     pool = tier.create_pool(SB, 8)
     pool.__class__ = Counting
-    handle = pool._write_behind_checked(np.array([1, 2], dtype=np.int64), _rows(2, 8), 8)
-    _finish(handle)
+    handle = pool._write_behind_checked(np.array([1, 2], dtype=np.int64), seeded_rows(2, 8), 8)
+    wait_written(handle)
     assert calls == [[1, 2]] and handle.error() is None
 
 
@@ -183,8 +168,8 @@ def test_a_failed_write_behind_of_one_or_more_requests_names_its_first_offset(ti
     ro = os.open(os.devnull, os.O_RDONLY)
     os.dup2(ro, fd)  # the pool's descriptor now refuses writes
     try:
-        handle = pool.write_behind(np.array(slots), _rows(len(slots), 9))
-        _finish(handle)
+        handle = pool.write_behind(np.array(slots), seeded_rows(len(slots), 9))
+        wait_written(handle)
         assert handle.error() == (f"pwrite at offset {pool.data_offset + slots[0] * SB}: "
                                   f"{os.strerror(errno.EBADF)}")
     finally:
@@ -200,7 +185,7 @@ def test_a_failed_write_behind_of_one_or_more_requests_names_its_first_offset(ti
 def cached(tmp_path):
     tier = DiskTier(None, {"path": str(tmp_path / "c"), "native_writes": False})
     pool = tier.create_pool(SB, 512)
-    rows = _rows(512, 10)
+    rows = seeded_rows(512, 10)
     pool.write(np.arange(512), rows).wait()
     if not pool.read_nowait(np.array([0]), np.empty((1, SB), dtype=np.uint8)):
         tier.close()
@@ -247,7 +232,7 @@ def test_a_levels_read_of_unordered_slots_runs_on_the_callers_thread(cached):
 @pytest.mark.parametrize(("n", "width", "body"), [(0, 200, 196), (1, 72, 68), (5, 136, 132),
                                                   (300, 200, None), (9, 100, 100)])
 def test_crcs_of_many_rows_are_one_crc_per_row(n, width, body):
-    rows = _rows(n, 14, width)
+    rows = seeded_rows(n, 14, width)
     if n:
         rows[:, -12:] = 0  # trailing zeros count
     size = width if body is None else body
@@ -262,12 +247,12 @@ def test_crcs_of_many_rows_are_one_crc_per_row(n, width, body):
 def test_frame_records_of_a_wrap_are_its_keys_and_sequence_numbers():
     book = FrameBook(FrameFormat(1, bytes(16)), 64, 8)
     slots = np.array([40, 3, 17, 9, 60, 2], dtype=np.int32)
-    keys = _rows(6, 15, 32)
-    frames = book.wrap(slots, _rows(6, 16, 8), keys)
+    keys = seeded_rows(6, 15, 32)
+    frames = book.wrap(slots, seeded_rows(6, 16, 8), keys)
     np.testing.assert_array_equal(book.keys[slots], keys)
     assert book.seqs[slots].tolist() == list(range(1, 7))
     assert book.check(slots, frames).all()
-    one = book.wrap(np.array([5, 6, 7, 8, 10]), _rows(5, 17, 8), keys[:1])  # one key, 5 pages
+    one = book.wrap(np.array([5, 6, 7, 8, 10]), seeded_rows(5, 17, 8), keys[:1])  # one key, 5 pages
     np.testing.assert_array_equal(book.keys[[5, 6, 7, 8, 10]], np.repeat(keys[:1], 5, 0))
     assert book.check(np.array([5, 6, 7, 8, 10]), one).all()
 
@@ -308,7 +293,7 @@ def test_a_wrapper_forwarding_attributes_keeps_its_own_write_behind(tier):
     assert callable(wrapped._write_behind_checked)  # reachable through __getattr__ ...
     io = LevelIO(2, deadline_s=1.0, write_queue_depth=8)
     pool = DeadlinePool(io, wrapped)
-    rows = _rows(2, 18)
+    rows = seeded_rows(2, 18)
     with io.dropping(True):
         pool.write(np.array([6, 7]), rows).wait()
     assert io.wait_idle(2.0) and io.stats.direct_writes == 1

@@ -19,28 +19,13 @@ import time
 
 import numpy as np
 import pytest
-from kvcm_tier_disk import DiskTier, aio
+from disk_helpers import SB, native, seeded_rows, wait_written
+from kvcm_tier_disk import DiskTier
 from pool_helpers import PassThroughPool
 
 from kvcm_core import InvalidStateError, TierIOError
 from kvcm_core.level_io import DeadlinePool, IODeadlineError, LevelIO
 from kvcm_core.tier import CompletedIO, StoragePool, WriteBehind
-
-SB = 64
-
-native = pytest.mark.skipif(not aio.native_available(),
-                            reason="glibc's AIO on x86-64 Linux only")
-
-
-def _rows(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (n, SB), dtype=np.uint8)
-
-
-def _finish(handle: WriteBehind, timeout: float = 5.0) -> None:
-    end = time.monotonic() + timeout
-    while not handle.done():
-        assert time.monotonic() < end, "a write on the tier's threads never finished"
-        time.sleep(0.0005)
 
 
 @pytest.fixture
@@ -49,18 +34,17 @@ def tier(tmp_path):
     yield t
     t.close()
 
-
 # -- the disk tier's write_behind ----------------------------------------------------------
 
 
 @native
 def test_a_write_behind_lands_and_reads_back_in_any_slot_order(tier):
     pool = tier.create_pool(SB, 32)
-    rows = _rows(6, 1)
+    rows = seeded_rows(6, 1)
     slots = np.array([9, 3, 4, 5, 20, 0])
     handle = pool.write_behind(slots, rows)
     assert handle is not None
-    _finish(handle)
+    wait_written(handle)
     assert handle.error() is None
     out = np.zeros_like(rows)
     pool.read(slots, out).wait()
@@ -70,7 +54,7 @@ def test_a_write_behind_lands_and_reads_back_in_any_slot_order(tier):
 def test_native_writes_off_or_unavailable_declines(tmp_path):
     t = DiskTier(None, {"path": str(tmp_path / "d"), "native_writes": False})
     try:
-        assert t.create_pool(SB, 4).write_behind(np.array([0]), _rows(1, 2)) is None
+        assert t.create_pool(SB, 4).write_behind(np.array([0]), seeded_rows(1, 2)) is None
     finally:
         t.close()
 
@@ -79,16 +63,16 @@ def test_native_writes_off_or_unavailable_declines(tmp_path):
 def test_a_write_behind_refuses_bad_arguments_like_write(tier):
     pool = tier.create_pool(SB, 4)
     with pytest.raises(ValueError, match="only once"):
-        pool.write_behind(np.array([1, 1]), _rows(2, 3))
+        pool.write_behind(np.array([1, 1]), seeded_rows(2, 3))
     with pytest.raises(ValueError, match="only once"):
-        pool.write_behind(np.array([0, 1, 1, 2]), _rows(4, 3))
+        pool.write_behind(np.array([0, 1, 1, 2]), seeded_rows(4, 3))
     with pytest.raises(ValueError):
-        pool.write_behind(np.array([4]), _rows(1, 3))
+        pool.write_behind(np.array([4]), seeded_rows(1, 3))
     with pytest.raises(ValueError):
         pool.write_behind(np.array([0]), np.zeros((1, SB + 1), dtype=np.uint8))
     pool.close()
     with pytest.raises(InvalidStateError):
-        pool.write_behind(np.array([0]), _rows(1, 3))
+        pool.write_behind(np.array([0]), seeded_rows(1, 3))
 
 
 @native
@@ -96,7 +80,7 @@ def test_a_write_behind_refuses_an_out_of_range_slot_anywhere_in_any_order(tier)
     pool = tier.create_pool(SB, 8)
     for slots in ([3, -1, 5], [8, 0], [0, 2**63 - 1, -5, 5], [7, 6, 9, 1]):
         with pytest.raises(ValueError, match="out of range") as raised:
-            pool.write_behind(np.array(slots, dtype=np.int64), _rows(len(slots), 3))
+            pool.write_behind(np.array(slots, dtype=np.int64), seeded_rows(len(slots), 3))
         bad = min(slots) if min(slots) < 0 else max(slots)
         assert f"slot {bad} " in str(raised.value)  # the same words as write's
 
@@ -108,9 +92,9 @@ def test_writes_behind_of_any_slot_pattern_land_in_their_slots(tier):
                 [50, 49, 48, 60, 2, 3], list(range(64))[::-1],
                 [12, 11], [1, 3, 2, 4], [30, 32, 31, 33, 34]]  # a run's span, not in order
     for seed, slots in enumerate(patterns):
-        rows = _rows(len(slots), 40 + seed)
+        rows = seeded_rows(len(slots), 40 + seed)
         handle = pool.write_behind(np.array(slots), rows)
-        _finish(handle)
+        wait_written(handle)
         assert handle.error() is None
         out = np.zeros_like(rows)
         pool.read(np.array(slots), out).wait()
@@ -125,8 +109,8 @@ def test_a_write_behind_to_a_bad_descriptor_reports_its_failure(tier):
     ro = os.open(os.devnull, os.O_RDONLY)
     os.dup2(ro, fd)  # the pool's descriptor now refuses writes
     try:
-        handle = pool.write_behind(np.array([1, 3]), _rows(2, 4))
-        _finish(handle)
+        handle = pool.write_behind(np.array([1, 3]), seeded_rows(2, 4))
+        wait_written(handle)
         assert handle.error() == (f"pwrite at offset {pool.data_offset + SB}: "
                                   f"{os.strerror(errno.EBADF)}")
     finally:
@@ -139,7 +123,7 @@ def test_a_write_behind_to_a_bad_descriptor_reports_its_failure(tier):
 def test_closing_a_pool_waits_for_its_writes_behind(tmp_path):
     path = str(tmp_path / "d")
     t = DiskTier(None, {"path": path})
-    rows = _rows(200, 5)
+    rows = seeded_rows(200, 5)
     pool = t.create_pool(SB, 256, name="kept")
     pool.write_behind(np.arange(200), rows)
     pool.close()  # at once: the file must still receive every row
@@ -207,8 +191,8 @@ def _behind(io: LevelIO, pool: DeadlinePool, slots, rows) -> None:
 
 def test_a_read_of_a_slot_written_behind_waits_for_the_write(held):
     io, pool, hp = held
-    pool.write(np.array([2]), _rows(1, 10)).wait()  # synchronous: the old rows
-    newer = _rows(1, 11)
+    pool.write(np.array([2]), seeded_rows(1, 10)).wait()  # synchronous: the old rows
+    newer = seeded_rows(1, 11)
     _behind(io, pool, [2], newer)
     assert io.background_in_flight == 1 and io.stats.operations == 1
     threading.Timer(0.05, hp.go.set).start()
@@ -220,8 +204,8 @@ def test_a_read_of_a_slot_written_behind_waits_for_the_write(held):
 
 def test_a_synchronous_write_of_the_same_slot_lands_after_the_write_behind(held):
     io, pool, hp = held
-    _behind(io, pool, [5], _rows(1, 12))
-    last = _rows(1, 13)
+    _behind(io, pool, [5], seeded_rows(1, 12))
+    last = seeded_rows(1, 13)
     threading.Timer(0.05, hp.go.set).start()
     pool.write(np.array([5]), last).wait()  # held pages: on the level's thread, after it
     out = np.zeros((1, SB), dtype=np.uint8)
@@ -231,9 +215,9 @@ def test_a_synchronous_write_of_the_same_slot_lands_after_the_write_behind(held)
 
 def test_a_failed_write_behind_makes_its_slots_lost_never_old(held):
     io, pool, hp = held
-    pool.write(np.array([7]), _rows(1, 14)).wait()
+    pool.write(np.array([7]), seeded_rows(1, 14)).wait()
     hp.fail = "injected"
-    _behind(io, pool, [7], _rows(1, 15))
+    _behind(io, pool, [7], seeded_rows(1, 15))
     hp.go.set()
     assert io.wait_idle(1.0)
     assert io.stats.background_failures == 1 and io.stats.direct_writes == 0
@@ -246,9 +230,9 @@ def test_a_write_behind_past_the_deadline_makes_the_level_stuck_until_it_finishe
     hp = _HeldPool(inner)
     io = LevelIO(2, deadline_s=0.05, write_queue_depth=8)
     pool = DeadlinePool(io, hp)
-    rows = _rows(1, 16)
+    rows = seeded_rows(1, 16)
     pool.write(np.array([0]), rows).wait()
-    _behind(io, pool, [9], _rows(1, 17))
+    _behind(io, pool, [9], seeded_rows(1, 17))
     time.sleep(0.1)
     assert io.stuck() is not None
     t0 = time.monotonic()
@@ -268,7 +252,7 @@ def test_shutdown_lists_an_unfinished_write_behind_and_closes_the_pool_after_it(
     hp = _HeldPool(inner)
     io = LevelIO(2, deadline_s=0.05, write_queue_depth=8)
     pool = DeadlinePool(io, hp)
-    _behind(io, pool, [3], _rows(1, 18))  # the level's thread never started
+    _behind(io, pool, [3], seeded_rows(1, 18))  # the level's thread never started
     closed = threading.Event()
 
     def close() -> None:
@@ -286,7 +270,7 @@ def test_a_write_behind_queued_after_a_job_of_the_levels_thread_goes_through_it(
     io, pool, _ = held
     gate = threading.Event()
     io.call_later(gate.wait, "a slow job")  # the level's thread is busy, then queued
-    rows = _rows(1, 19)
+    rows = seeded_rows(1, 19)
     _behind(io, pool, [4], rows)  # must not overtake the queued job
     assert io.stats.direct_writes == 0 and io.background_in_flight == 1
     gate.set()
@@ -299,8 +283,8 @@ def test_a_write_behind_queued_after_a_job_of_the_levels_thread_goes_through_it(
 
 def test_a_slot_written_behind_again_before_the_first_write_finished_goes_in_order(held):
     io, pool, hp = held
-    _behind(io, pool, [6], _rows(1, 20))  # held back on the tier's threads
-    last = _rows(1, 21)
+    _behind(io, pool, [6], seeded_rows(1, 20))  # held back on the tier's threads
+    last = seeded_rows(1, 21)
     _behind(io, pool, [6], last)  # the same slot: through the level's thread, after it
     assert io.stats.direct_writes == 0
     threading.Timer(0.05, hp.go.set).start()
@@ -315,7 +299,7 @@ def test_a_slot_written_behind_again_before_the_first_write_finished_goes_in_ord
 def test_a_levels_background_writes_run_without_its_thread_and_read_back(tier):
     io = LevelIO(2, deadline_s=1.0, write_queue_depth=8)
     pool = DeadlinePool(io, tier.create_pool(SB, 16))
-    rows = _rows(4, 22)
+    rows = seeded_rows(4, 22)
     source = rows.copy()
     _behind(io, pool, [8, 1, 2, 3], source)
     source[:] = 0  # the caller may reuse its rows at once
@@ -331,7 +315,7 @@ def test_a_levels_background_writes_run_without_its_thread_and_read_back(tier):
 def test_a_background_write_naming_a_slot_twice_keeps_its_last_row_as_before(tier):
     io = LevelIO(2, deadline_s=1.0, write_queue_depth=8)
     pool = DeadlinePool(io, tier.create_pool(SB, 16))
-    rows = _rows(2, 23)
+    rows = seeded_rows(2, 23)
     source = rows.copy()
     _behind(io, pool, [5, 5], source)  # write_behind refuses it: the level's thread writes
     source[:] = 0  # ... a copy: the caller may reuse its rows at once
