@@ -153,12 +153,8 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             everything = claims[0] if len(claims) == 1 else np.concatenate(claims)
             L.claim(everything)
             a.reused[everything] = True
-        if counted:  # _count_reuse's count by level, for all those groups at once
-            by_level = np.bincount(a.level[counted[0] if len(counted) == 1
-                                           else np.concatenate(counted)],
-                                   minlength=len(stats.reused_blocks_by_level))
-            for lv, n in enumerate(by_level.tolist()):
-                stats.reused_blocks_by_level[lv] += n
+        if counted:  # the count by level, for all those groups at once
+            self._count_by_level(counted[0] if len(counted) == 1 else np.concatenate(counted))
         for g in ctx.ssm_groups:
             snap = ctx.kinds[g].claim(self._tree, match.nodes, end)
             if snap:
@@ -176,12 +172,16 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
     def _count_reuse(self, g: int, claimed: np.ndarray, nfull: int) -> None:
         stats = self._levels.stats
         if len(claimed):
-            by_level = np.bincount(self._arena.level[claimed],
-                                   minlength=len(stats.reused_blocks_by_level))
-            for lv, n in enumerate(by_level.tolist()):
-                stats.reused_blocks_by_level[lv] += n
+            self._count_by_level(claimed)
         stats.groups[g].reused_full_blocks += nfull
         stats.groups[g].reused_partial_blocks += len(claimed) - nfull
+
+    def _count_by_level(self, claimed: np.ndarray) -> None:
+        """Reused blocks by the level they were found on (``claimed``: not empty)."""
+        counts = self._levels.stats.reused_blocks_by_level
+        by_level = np.bincount(self._arena.level[claimed], minlength=len(counts))
+        for lv, n in enumerate(by_level.tolist()):
+            counts[lv] += n
 
     # -- properties ---------------------------------------------------------------------------
 
