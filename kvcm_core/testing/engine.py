@@ -317,13 +317,12 @@ class EngineLoop:
             # it), and a waiting request's kept cache too. No waiting request is admitted
             # until the oldest suspended one gets a chunk: the recomputed one, admitted
             # again at once, could repeat the same preemptions for ever.
-            for req in self.waiting:
-                self._release_kept(req)
+            self._release_kept_head()
             victim = max(self.suspended, key=lambda r: r.arrival)
             self.suspended.remove(victim)
             victim.cache.close()
             victim.cache = None
-            self.waiting.appendleft(victim)
+            self._queue_first(victim)
             report.recomputed.append(victim)
             self._first_after_stall = min(self.suspended, key=lambda r: r.arrival) \
                 if self.suspended else None
