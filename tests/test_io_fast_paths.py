@@ -2,8 +2,9 @@
 tier, ``frame``, ``migration``): each keeps the checks and the results of the general path.
 
 The rules checked here: a storage level's ``write`` and ``read`` still refuse bad slots and
-rows at the call, background or not; the disk pool's ``write_behind`` called directly
-checks everything, and the level's own entry (``_write_behind_checked``) skips only the
+rows at the call, background or not; the level's own entry into the disk pool
+(``_write_behind_checked``; ``write_behind`` called directly checks everything, see
+``test_native_writes.py``) skips only the
 slot check its caller made, only while that check covers the pool, and only for the disk
 pool's own ``write_behind``; a write behind of one request reports its failure like one of
 several; page-cache reads of slots in any order (repeats included) give the thread's rows;
@@ -105,20 +106,6 @@ def test_the_levels_background_write_checks_its_slots_once(level, monkeypatch):
     out = np.zeros_like(rows)
     pool.read(np.array([9, 3, 4, 5, 12]), out).wait()
     np.testing.assert_array_equal(out, rows)
-
-
-@native
-def test_write_behind_called_directly_checks_everything(tier):
-    pool = tier.create_pool(SB, 8)
-    with pytest.raises(InvalidArgumentError, match="slot 8 out of range"):
-        pool.write_behind(np.array([1, 8]), seeded_rows(2, 6))
-    with pytest.raises(ValueError, match="only once"):
-        pool.write_behind(np.array([2, 1, 2]), seeded_rows(3, 6))
-    with pytest.raises(ValueError, match="uint8"):
-        pool.write_behind(np.array([1]), seeded_rows(1, 6).astype(np.int16))
-    pool.close()
-    with pytest.raises(InvalidStateError):
-        pool.write_behind(np.array([0]), seeded_rows(1, 6))
 
 
 @native

@@ -70,6 +70,8 @@ def test_a_write_behind_refuses_bad_arguments_like_write(tier):
         pool.write_behind(np.array([4]), seeded_rows(1, 3))
     with pytest.raises(ValueError):
         pool.write_behind(np.array([0]), np.zeros((1, SB + 1), dtype=np.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        pool.write_behind(np.array([1]), seeded_rows(1, 3).astype(np.int16))
     pool.close()
     with pytest.raises(InvalidStateError):
         pool.write_behind(np.array([0]), seeded_rows(1, 3))
