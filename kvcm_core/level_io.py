@@ -39,6 +39,13 @@ read of them fails (the blocks are lost, never wrong KV; they were droppable) un
 are written again. Writes of held pages (a suspended request's, which must not be lost)
 stay synchronous within the deadline: a failure leaves them where they were.
 
+Held writes (``LevelConfig.write_combine_bytes``, 1 MiB unless told otherwise): a
+background write smaller than that is held back (its rows copied) and started with the
+next ones of its pool once that many bytes are held, as one write, so that the hand-over
+is paid once for many small writes. Whatever must run after a held write writes it first:
+a read of one of its slots, any write that is not held, a resize, a close,
+:meth:`LevelIO.wait_idle` (see :meth:`LevelIO.flush_held`).
+
 Shutdown (:meth:`LevelIO.close_pools`): every pool and the tier are closed on the level's
 thread, all within one deadline; operations still unfinished then are abandoned (their
 thread closes the files once they return) and listed in the ``TierIOError`` that
@@ -110,10 +117,12 @@ class IOStats:
             already held (:meth:`StoragePool.read_nowait`), with no hand-over.
         direct_writes: background writes that ran on the tier's own threads
             (:meth:`StoragePool.write_behind`) and succeeded, with no hand-over.
+        held_writes: background writes held back and written together with the next
+            ones of their pool (``LevelConfig.write_combine_bytes``).
     """
 
     __slots__ = ("background_failures", "bad_reads", "direct_reads", "direct_writes",
-                 "fast_fails", "operations", "queue_full_drops", "read_misses",
+                 "fast_fails", "held_writes", "operations", "queue_full_drops", "read_misses",
                  "write_misses")
 
     def __init__(self) -> None:
@@ -126,6 +135,7 @@ class IOStats:
         self.queue_full_drops = 0
         self.direct_reads = 0
         self.direct_writes = 0
+        self.held_writes = 0
 
     def as_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -188,6 +198,25 @@ _POLL_MAX_S = 0.005
 #: Background writes merged into one write at most (the thread's hand-over is paid once).
 _MERGE_JOBS = 16
 
+#: Background writes of one pool held back at most (see :meth:`LevelIO.flush_held`).
+_HOLD_WRITES = 64
+
+
+class _Held:
+    """Background writes of one pool held back, to be written as one: their slots and
+    (private) rows in order, and which slots they write (``mask``, for the reads that
+    must see them)."""
+
+    __slots__ = ("checked", "mask", "nbytes", "pool", "rows", "slots")
+
+    def __init__(self, pool: StoragePool, checked: int, mask: np.ndarray) -> None:
+        self.pool = pool
+        self.checked = checked  # the slots are check_slots' result for this many slots
+        self.slots: list[np.ndarray] = []
+        self.rows: list[np.ndarray] = []
+        self.nbytes = 0
+        self.mask = mask  # all False (kept per pool: cleared again at each write)
+
 
 class LevelIO:
     """The I/O thread of storage level ``level`` (see module docstring).
@@ -196,13 +225,20 @@ class LevelIO:
         level: the level index (names the thread and messages).
         deadline_s: seconds an operation may take (None: run on the caller's thread).
         write_queue_depth: background write batches in flight at most (0: none).
+        combine_bytes: background writes of a pool smaller than this are held back, up
+            to this many bytes in all, and written as one (0: each on its own; see
+            :meth:`flush_held`).
     """
 
-    def __init__(self, level: int, deadline_s: float | None, write_queue_depth: int = 0
-                 ) -> None:
+    def __init__(self, level: int, deadline_s: float | None, write_queue_depth: int = 0,
+                 combine_bytes: int = 0) -> None:
         self.level = level
         self.deadline_s = deadline_s
         self.write_queue_depth = write_queue_depth if deadline_s is not None else 0
+        self.combine_bytes = combine_bytes if self.write_queue_depth else 0
+        self._held: dict[int, _Held] = {}  # id(pool) -> its held writes
+        self._held_bytes = 0
+        self._masks: dict[int, np.ndarray] = {}  # id(pool) -> _Held.mask
         self.stats = IOStats()
         # The condition's own lock: ``with self._lock`` is ``with self._cv`` (waits and
         # notifies still go through the condition) without its Python-level __enter__.
@@ -434,6 +470,8 @@ class LevelIO:
             return
         if self._stopped:
             raise TierIOError(f"level {self.level}: I/O after shutdown ({what})")
+        if self._held:
+            self._flush_for(reads)
         if kind != "admin":  # closes queue behind a stuck operation; the rest fail now
             self._fast_fail(what, kind)
         job = _Job(fn, what, kind)
@@ -448,6 +486,7 @@ class LevelIO:
 
     def call_later(self, fn: Callable[[], None], what: str) -> None:
         """Queue ``fn`` on the thread without waiting (its failure is ignored)."""
+        self.flush_held()
         self._submit(_Job(fn, what, "admin"))
 
     # -- background writes -------------------------------------------------------------------
@@ -462,9 +501,17 @@ class LevelIO:
         beside it); ``fn`` None: ``rows`` are the caller's, which this copies before
         queueing them for the thread (a write behind copies them itself). ``checked``:
         the caller checked ``slots`` with ``check_slots`` against a pool of that many
-        slots (see :meth:`_write_behind`)."""
+        slots (see :meth:`_write_behind`). A write of such rows smaller than
+        ``combine_bytes`` is held back (:meth:`flush_held`); any other first writes what
+        is held (it must land after it)."""
         self._fast_fail(what, "write")
-        self._reap()
+        hold = fn is None and checked is not None and isinstance(rows, np.ndarray) and \
+            rows.nbytes < self.combine_bytes and rows.dtype == np.uint8 and \
+            rows.shape == (len(slots), getattr(pool, "slot_bytes", -1))
+        if self._held and not hold:
+            self.flush_held()
+        if not hold or len(self._background) >= self.write_queue_depth:
+            self._reap()  # (a held write needs the count only when it may be full)
         if len(self._background) >= self.write_queue_depth and self.droppable:
             self.stats.queue_full_drops += 1
             raise WriteQueueFull(f"level {self.level}: {what} not attempted: "
@@ -480,6 +527,17 @@ class LevelIO:
                         self._late.append(oldest)
                 self._fast_fail(what, "write")
             self._reap()
+        if hold:
+            assert isinstance(rows, np.ndarray) and checked is not None
+            self._hold(pool, slots, rows, checked)  # type: ignore[arg-type]
+            return
+        self._queue_write(fn, what, pool, slots, rows, checked)
+
+    def _queue_write(self, fn: Callable[[], None] | None, what: str, pool: Pool,
+                     slots: np.ndarray, rows: np.ndarray | None, checked: int | None
+                     ) -> None:
+        """:meth:`background` once there is room: on the tier's threads, or queued for
+        the level's."""
         if rows is not None and self._write_behind(what, pool, slots, rows, checked):
             return
         if fn is None:
@@ -501,6 +559,67 @@ class LevelIO:
             job.rows = rows
         self._submit(job, wake=len(self._background) + 1 >= max(1, self.write_queue_depth // 2))
         self._background.append(job)
+
+    def _hold(self, pool: StoragePool, slots: np.ndarray, rows: np.ndarray, checked: int
+              ) -> None:
+        """Hold a background write back (copies of its slots and rows); write what is
+        held once ``combine_bytes`` or :data:`_HOLD_WRITES` writes of a pool are."""
+        held = self._held.get(id(pool))
+        if held is not None and held.checked != checked:  # the pool changed size
+            self.flush_held()
+            held = None
+        if held is None:
+            mask = self._masks.get(id(pool))
+            if mask is None or len(mask) != checked:
+                mask = self._masks[id(pool)] = np.zeros(checked, dtype=bool)
+            held = self._held[id(pool)] = _Held(pool, checked, mask)
+        held.slots.append(np.array(slots, dtype=np.int64))
+        held.rows.append(np.array(rows, dtype=np.uint8))  # the caller reuses its rows
+        held.mask[slots] = True
+        held.nbytes += rows.nbytes
+        self._held_bytes += rows.nbytes
+        self.stats.held_writes += 1
+        if self._held_bytes >= self.combine_bytes or len(held.slots) >= _HOLD_WRITES:
+            self.flush_held()
+
+    def flush_held(self) -> None:
+        """Start the writes held back, each pool's as one background write (a slot held
+        twice gets its last rows). They are background writes of droppable pages that
+        passed the queue's check when they were held: holding them turns many small
+        writes (a hand-over each, to the tier's threads or the level's) into one.
+
+        Everything else the level does sees held writes as written: an operation that
+        must run after them writes them first (a read of a held slot, any write that is
+        not held, a resize, a close, :meth:`wait_idle`). A held write that cannot be
+        started marks its slots bad, as a failed background write does."""
+        while self._held:
+            _, held = self._held.popitem()
+            self._held_bytes -= held.nbytes
+            for written in held.slots:
+                held.mask[written] = False
+            slots, rows = held.slots[0], held.rows[0]
+            if len(held.slots) > 1:
+                slots = np.concatenate(held.slots)
+                rows = np.concatenate(held.rows)
+                last, first = np.unique(slots[::-1], return_index=True)
+                slots, rows = last, rows[len(slots) - 1 - first]
+            try:
+                self._queue_write(None, f"write of {len(slots)} slots", held.pool, slots, rows,
+                                  held.checked)
+            except TierIOError:  # (stopped) the blocks are lost, never wrong KV
+                self._mark_bad(held.pool, slots, 1)
+
+    def _flush_for(self, reads: tuple[object, np.ndarray] | None) -> None:
+        """Write what is held before an operation: unless it is a read (``reads``: its
+        pool and slots, ``check_slots``' result) of slots that no held write writes."""
+        if reads is not None:
+            pool, slots = reads
+            held = self._held.get(id(pool))
+            if held is None or not len(slots):
+                return
+            if int(slots.max()) < len(held.mask) and not held.mask[slots].any():
+                return
+        self.flush_held()
 
     @property
     def background_in_flight(self) -> int:
@@ -632,6 +751,8 @@ class LevelIO:
         write failed (the thread's read refuses it)."""
         if type(pool).read_nowait is StoragePool.read_nowait:
             return False
+        if self._held:
+            self._flush_for((pool, slots))
         key = id(pool)
         with self._lock:
             if self._stopped or self.stuck() is not None:
@@ -663,8 +784,12 @@ class LevelIO:
                               "(their background write failed)")
 
     def forget_slots(self, pool: Pool) -> None:
-        """Drop the bad marks of ``pool`` (it was closed)."""
+        """Drop the bad marks and the held writes of ``pool`` (it is being closed)."""
         key = id(pool)
+        held = self._held.pop(key, None)
+        if held is not None:
+            self._held_bytes -= held.nbytes
+        self._masks.pop(key, None)
         with self._lock:
             self._bad = {b for b in self._bad if b[0] != key}
 
@@ -679,6 +804,7 @@ class LevelIO:
         them; the thread runs them when it can, then ends).
         """
         failures: list[str] = []
+        self.flush_held()
         if self.deadline_s is None or (self._thread is None and not self._native):
             for what, fn in closers:
                 try:
@@ -725,6 +851,7 @@ class LevelIO:
         """Wait up to ``timeout`` seconds until nothing is queued or running; whether it
         is idle."""
         end = time.monotonic() + timeout
+        self.flush_held()
         with self._lock:
             self._wake()
             while self._queue or self._running is not None:

@@ -156,7 +156,8 @@ class Levels:
         for li in range(1, nlevels):
             self.stores.append([])
             lc = config.levels[li]
-            io = LevelIO(li, lc.io_deadline_s, lc.background_write_depth)
+            io = LevelIO(li, lc.io_deadline_s, lc.background_write_depth,
+                         lc.background_combine_bytes)
             for ci, n in enumerate(self.cold_slots(li, lc.quota)):
                 # Unnamed: kvcm does not persist its tree, so cold files are private to
                 # this manager (two managers never share a file).

@@ -45,9 +45,12 @@ SLOW = 0.6
 
 
 def _manager(tmp_path, plan, tiers=(("gpu", 8), ("host", 8), ("faulty-disk", 40)), *,
-             deadline=DEADLINE, depth=0):
+             deadline=DEADLINE, depth=0, combine=0):
+    # combine: write_combine_bytes (0 here, so the queue's own behaviour is what a test
+    # sees, unless it asks for held writes).
     levels = make_levels("full", list(tiers), tmp_path)
-    levels = [attrs.evolve(lc, io_deadline_s=deadline, write_queue_depth=depth)
+    levels = [attrs.evolve(lc, io_deadline_s=deadline, write_queue_depth=depth,
+                           write_combine_bytes=combine)
               if "disk" in lc.tier else lc for lc in levels]
     cfg = KVCacheManagerConfig(tokens_per_block=TPB, layers=LAYOUTS["full"](), levels=levels,
                                kernel_backend=os.environ.get("KVCM_TEST_BACKEND", "numpy"),

@@ -1,0 +1,251 @@
+"""Held background writes (``LevelConfig.write_combine_bytes``): a storage level holds
+small background writes of a pool back and writes them as one, and nothing reads or writes
+around them: a read of a held slot, any write that is not held, ``wait_idle`` and a close
+write what is held first; a failed held write leaves its slots unreadable, never stale.
+
+The pools are the reference tier's behind :class:`~kvcm_core.testing.faults.FaultyTier`
+(which counts and fails writes); the levels' fingerprint-verified cascades in
+``test_levels.py`` run with held writes on, as every level with background writes does by
+default.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from disk_helpers import SB, native, seeded_rows
+from kvcm_tier_disk import DiskTier
+
+from kvcm_core import ConfigError, TierIOError
+from kvcm_core.config import DEFAULT_WRITE_COMBINE_BYTES, LevelConfig
+from kvcm_core.level_io import DeadlinePool, LevelIO, WriteQueueFull
+from kvcm_core.testing.faults import FaultPlan, FaultyTier
+from kvcm_core.testing.reference import DictTier
+
+ROW = 16  # bytes a slot
+
+
+def _rows(value: int, n: int = 1) -> np.ndarray:
+    return np.full((n, ROW), value, dtype=np.uint8)
+
+
+def _level(combine: int, depth: int = 8, plan: FaultPlan | None = None
+           ) -> tuple[FaultyTier, LevelIO, list[int]]:
+    """A tier, a level's I/O with held writes up to ``combine`` bytes, and a list that
+    records how many tier writes had run as each read runs."""
+    tier = FaultyTier(DictTier(), plan or FaultPlan())
+    return tier, LevelIO(2, deadline_s=1.0, write_queue_depth=depth, combine_bytes=combine), []
+
+
+def _pool(tier: FaultyTier, io: LevelIO, seen: list[int], name: str = "p") -> DeadlinePool:
+    inner = tier.create_pool(ROW, 8, name=name)
+    read = inner.read
+
+    def spy(slots, dest):
+        seen.append(tier.writes)
+        return read(slots, dest)
+
+    inner.read = spy  # type: ignore[method-assign]
+    return DeadlinePool(io, inner)
+
+
+def _read(pool: DeadlinePool, slots: list[int]) -> list[int]:
+    out = np.zeros((len(slots), ROW), dtype=np.uint8)
+    pool.read(np.array(slots), out).wait()
+    return out[:, 0].tolist()
+
+
+def _close(io: LevelIO, *pools: DeadlinePool) -> None:
+    failures, abandoned = io.close([("pools", lambda: [p.close() for p in pools])],
+                                   time.monotonic() + 1.0)
+    assert failures == [] and abandoned == []
+
+
+def test_small_background_writes_are_held_until_the_limit_then_written_as_one():
+    """Writes below the limit wait, copied (the caller reuses its rows); reaching the limit
+    writes the pool's held writes as one write in which a slot held twice has its last
+    rows."""
+    tier, io, seen = _level(combine=6 * ROW)
+    pool = _pool(tier, io, seen)
+    mine = _rows(1, 2)
+    with io.dropping(True):
+        pool.write(np.array([0, 1]), mine).wait()
+        mine[:] = 9  # the caller's rows, reused at once: the held copy is unchanged
+        pool.write(np.array([2, 3]), _rows(2, 2)).wait()
+        assert tier.writes == 0 and io.background_in_flight == 0
+        assert io.stats.held_writes == 2
+        pool.write(np.array([1, 4]), _rows(3, 2)).wait()  # 96 bytes held: written
+    assert io.wait_idle(1.0) and tier.writes == 1 and io.stats.held_writes == 3
+    assert _read(pool, [0, 1, 2, 3, 4]) == [1, 3, 2, 2, 3]
+    _close(io, pool)
+
+
+def test_a_write_as_large_as_the_limit_is_not_held():
+    tier, io, seen = _level(combine=2 * ROW)
+    pool = _pool(tier, io, seen)
+    with io.dropping(True):
+        pool.write(np.array([0, 1]), _rows(5, 2)).wait()
+    assert io.stats.held_writes == 0 and io.background_in_flight == 1
+    assert io.wait_idle(1.0) and tier.writes == 1 and _read(pool, [1]) == [5]
+    _close(io, pool)
+
+
+def test_a_read_of_a_held_slot_writes_what_is_held_first_and_sees_its_rows():
+    """A read of slots nobody holds runs at once, leaving the held writes held; a read of
+    a held slot writes them first and sees their rows."""
+    tier, io, seen = _level(combine=1 << 20)
+    pool = _pool(tier, io, seen)
+    pool.write(np.array([0]), _rows(7)).wait()  # not droppable: written now
+    with io.dropping(True):
+        pool.write(np.array([4]), _rows(1)).wait()
+        pool.write(np.array([5, 6]), _rows(2, 2)).wait()
+    assert tier.writes == 1
+    assert _read(pool, [0]) == [7] and seen == [1]
+    assert tier.writes == 1 and io.stats.held_writes == 2  # still held
+    assert _read(pool, [6, 4]) == [2, 1]
+    assert seen == [1, 2]  # the held writes ran (as one) before that read
+    _close(io, pool)
+
+
+def test_a_read_of_another_pools_slots_leaves_held_writes_held():
+    tier, io, seen = _level(combine=1 << 20)
+    pool, other = _pool(tier, io, seen, "p"), _pool(tier, io, seen, "q")
+    other.write(np.array([3]), _rows(4)).wait()
+    with io.dropping(True):
+        pool.write(np.array([3]), _rows(8)).wait()
+    assert _read(other, [3]) == [4] and tier.writes == 1  # pool's write still held
+    assert io.wait_idle(1.0) and tier.writes == 2 and _read(pool, [3]) == [8]
+    _close(io, pool, other)
+
+
+def test_a_write_that_is_not_held_lands_after_the_held_writes_of_its_slots():
+    """A held write of a slot followed by a write that is not held (a held page's,
+    written before the step goes on): the later rows are the ones that stay."""
+    tier, io, seen = _level(combine=1 << 20)
+    pool = _pool(tier, io, seen)
+    with io.dropping(True):
+        pool.write(np.array([3, 2]), _rows(1, 2)).wait()
+    pool.write(np.array([3]), _rows(2)).wait()
+    assert tier.writes == 2
+    assert io.wait_idle(1.0) and _read(pool, [3, 2]) == [2, 1]
+    _close(io, pool)
+
+
+def test_wait_idle_and_close_write_what_is_held():
+    tier, io, seen = _level(combine=1 << 20)
+    pool = _pool(tier, io, seen)
+    with io.dropping(True):
+        pool.write(np.array([1]), _rows(1)).wait()
+    assert io.wait_idle(1.0) and tier.writes == 1
+    with io.dropping(True):
+        pool.write(np.array([2]), _rows(2)).wait()
+    writes_at_close: list[int] = []
+    failures, abandoned = io.close(
+        [("pool", lambda: (writes_at_close.append(tier.writes), pool.close()))],
+        time.monotonic() + 1.0)
+    assert failures == [] and abandoned == []
+    assert writes_at_close == [2]  # written before the pool was closed
+
+
+def test_closing_a_pool_drops_its_held_writes_and_their_bytes():
+    """A pool closed with held writes: they are never written (its file is gone), and
+    their bytes no longer count towards the limit of the pools still open."""
+    tier, io, seen = _level(combine=3 * ROW)
+    pool, other = _pool(tier, io, seen, "p"), _pool(tier, io, seen, "q")
+    with io.dropping(True):
+        pool.write(np.array([0, 1]), _rows(1, 2)).wait()
+    pool.close()
+    with io.dropping(True):
+        other.write(np.array([0, 1]), _rows(2, 2)).wait()  # 32 bytes: held, not written
+    assert io.wait_idle(1.0) is True and tier.writes == 1  # only other's, at wait_idle
+    assert _read(other, [1]) == [2]
+    _close(io, other)
+
+
+def test_a_held_write_that_fails_leaves_its_slots_unreadable_until_written_again():
+    plan = FaultPlan()
+    tier, io, seen = _level(combine=1 << 20, plan=plan)
+    pool = _pool(tier, io, seen)
+    plan.fail_writes = {tier.writes + 1}
+    with io.dropping(True):
+        pool.write(np.array([3]), _rows(1)).wait()
+        pool.write(np.array([4]), _rows(2)).wait()
+    assert io.wait_idle(1.0) and io.stats.background_failures == 1
+    for slot in (3, 4):
+        with pytest.raises(TierIOError, match="background write failed"):
+            _read(pool, [slot])
+    pool.write(np.array([3]), _rows(5)).wait()  # written again
+    assert _read(pool, [3]) == [5]
+    _close(io, pool)
+
+
+def test_a_full_write_queue_still_refuses_a_write_that_would_be_held():
+    """The queue's bound holds for held writes too: with ``write_queue_depth`` writes in
+    flight, a droppable write is refused at once (its victims are dropped), not held."""
+    plan = FaultPlan(slow_s=0.3)
+    tier, io, seen = _level(combine=4 * ROW, depth=1, plan=plan)
+    pool = _pool(tier, io, seen)
+    plan.slow_writes = {tier.writes + 1}
+    with io.dropping(True):
+        pool.write(np.array([0, 1, 2, 3]), _rows(1, 4)).wait()  # at the limit: in flight
+        with pytest.raises(WriteQueueFull):
+            pool.write(np.array([5]), _rows(2)).wait()
+    assert io.stats.queue_full_drops == 1 and io.stats.held_writes == 0
+    assert io.wait_idle(2.0) and _read(pool, [0]) == [1]
+    _close(io, pool)
+
+
+@native
+def test_a_disk_levels_read_from_the_page_cache_sees_its_held_writes(tmp_path):
+    """The disk tier reads on the caller's thread from the page cache when nothing it must
+    wait for is queued: held writes of the slots it reads are written first, so it reads
+    their rows, a slot held twice its last ones, and never the older bytes on file."""
+    tier = DiskTier(None, {"path": str(tmp_path / "d")})
+    inner = tier.create_pool(SB, 64)
+    io = LevelIO(2, deadline_s=1.0, write_queue_depth=8, combine_bytes=1 << 20)
+    pool = DeadlinePool(io, inner)
+    old = seeded_rows(64, 1)
+    pool.write(np.arange(64), old).wait()  # not droppable: on file now
+    if not inner.read_nowait(np.array([0]), np.empty((1, SB), dtype=np.uint8)):
+        _close(io, pool)
+        tier.close()
+        pytest.skip("this file system has no page-cache-only reads (RWF_NOWAIT)")
+    new = seeded_rows(4, 2)
+    with io.dropping(True):
+        pool.write(np.array([9, 3]), new[:2]).wait()
+        pool.write(np.array([3, 40]), new[2:]).wait()  # slot 3 again
+    assert io.stats.held_writes == 2
+    out = np.zeros((3, SB), dtype=np.uint8)
+    pool.read(np.array([40, 3, 9]), out).wait()
+    np.testing.assert_array_equal(out, new[[3, 2, 0]])
+    assert io.wait_idle(2.0) and io.stats.direct_writes >= 1
+    pool.read(np.array([3, 4]), out[:2]).wait()
+    np.testing.assert_array_equal(out[:2], np.stack([new[2], old[4]]))
+    _close(io, pool)
+    tier.close()
+
+
+def test_held_writes_default_to_one_mib_where_there_are_background_writes():
+    assert LevelConfig(tier="disk", quota=1 << 20).background_combine_bytes == \
+        DEFAULT_WRITE_COMBINE_BYTES == 1 << 20
+    assert LevelConfig(tier="disk", quota=1 << 20, io_deadline_s=None
+                       ).background_combine_bytes == 0
+    assert LevelConfig(tier="disk", quota=1 << 20, write_queue_depth=0
+                       ).background_combine_bytes == 0
+    assert LevelConfig(tier="disk", quota=1 << 20, write_combine_bytes=0
+                       ).background_combine_bytes == 0
+
+
+@pytest.mark.parametrize("kw", [
+    {"write_combine_bytes": -1},
+    {"write_combine_bytes": 1.5},
+    {"write_combine_bytes": "1MiB"},
+    {"write_queue_depth": 0, "write_combine_bytes": 4096},
+    {"io_deadline_s": None, "write_combine_bytes": 4096},
+])
+def test_a_bad_write_combine_bytes_is_refused_naming_the_field(kw):
+    with pytest.raises(ConfigError) as info:
+        LevelConfig(tier="disk", quota=1 << 20, **kw)
+    assert info.value.field == "LevelConfig.write_combine_bytes"
