@@ -504,19 +504,27 @@ class LevelIO:
         slots (see :meth:`_write_behind`). A write of such rows smaller than
         ``combine_bytes`` is held back (:meth:`flush_held`); any other first writes what
         is held (it must land after it)."""
+        if self._stopped:
+            raise TierIOError(f"level {self.level}: I/O after shutdown ({what})")
         self._fast_fail(what, "write")
-        hold = fn is None and checked is not None and isinstance(rows, np.ndarray) and \
+        hold = self.droppable and fn is None and checked is not None and \
+            isinstance(rows, np.ndarray) and \
             rows.nbytes < self.combine_bytes and rows.dtype == np.uint8 and \
             rows.shape == (len(slots), getattr(pool, "slot_bytes", -1))
         if self._held and not hold:
             self.flush_held()
-        if not hold or len(self._background) >= self.write_queue_depth:
+        # The batches this write adds: one, or (held) one per pool holding writes once it
+        # is held; they count against the queue as if in flight.
+        adds = len(self._held) + (id(pool) not in self._held) if hold else 1
+        depth = self.write_queue_depth
+        if not hold or len(self._background) + adds > depth:
             self._reap()  # (a held write needs the count only when it may be full)
-        if len(self._background) >= self.write_queue_depth and self.droppable:
+        if len(self._background) + adds > depth and self.droppable:
             self.stats.queue_full_drops += 1
             raise WriteQueueFull(f"level {self.level}: {what} not attempted: "
-                                 f"{len(self._background)} background writes in flight")
-        if len(self._background) >= self.write_queue_depth:
+                                 f"{len(self._background) + len(self._held)} background "
+                                 "writes in flight or held")
+        if len(self._background) + adds > depth:
             oldest = self._background[0]
             with self._lock:
                 self._wake()
@@ -784,7 +792,9 @@ class LevelIO:
                               "(their background write failed)")
 
     def forget_slots(self, pool: Pool) -> None:
-        """Drop the bad marks and the held writes of ``pool`` (it is being closed)."""
+        """Drop the bad marks and the held writes of ``pool`` (it is being closed). (Held
+        writes are the scheduler thread's: a pool closed by :meth:`close`, on the level's
+        thread, has none left.)"""
         key = id(pool)
         held = self._held.pop(key, None)
         if held is not None:

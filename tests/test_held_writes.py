@@ -227,6 +227,37 @@ def test_a_disk_levels_read_from_the_page_cache_sees_its_held_writes(tmp_path):
     tier.close()
 
 
+def test_held_writes_of_several_pools_count_against_the_write_queue():
+    """Each pool holding writes is a batch to come: with ``write_queue_depth`` of them in
+    flight or held, a droppable write for yet another pool is refused, so no flush ever
+    puts more than ``write_queue_depth`` batches in flight."""
+    plan = FaultPlan(slow_s=0.3, slow_all=True)
+    tier, io, seen = _level(combine=5 * ROW, depth=2, plan=plan)
+    pools = [_pool(tier, io, seen, f"p{k}") for k in range(3)]
+    with io.dropping(True):
+        pools[0].write(np.array([0]), _rows(1)).wait()
+        pools[1].write(np.array([0]), _rows(2)).wait()
+        pools[0].write(np.array([1]), _rows(3)).wait()  # a pool already holding: taken
+        with pytest.raises(WriteQueueFull):
+            pools[2].write(np.array([0]), _rows(4)).wait()
+        assert io.stats.held_writes == 3 and io.stats.queue_full_drops == 1
+        pools[1].write(np.array([1, 2]), _rows(5, 2)).wait()  # 5 rows: both pools written
+        assert io.background_in_flight == 2
+    plan.slow_all = False
+    assert io.wait_idle(2.0)
+    assert _read(pools[0], [0, 1]) == [1, 3] and _read(pools[1], [0, 1]) == [2, 5]
+    _close(io, *pools)
+
+
+def test_a_write_after_the_level_is_closed_fails_instead_of_being_held():
+    tier, io, seen = _level(combine=1 << 20)
+    pool = _pool(tier, io, seen)
+    _close(io)
+    with io.dropping(True), pytest.raises(TierIOError, match="after shutdown"):
+        pool.write(np.array([1]), _rows(1)).wait()
+    assert io.stats.held_writes == 0
+
+
 def test_held_writes_default_to_one_mib_where_there_are_background_writes():
     assert LevelConfig(tier="disk", quota=1 << 20).background_combine_bytes == \
         DEFAULT_WRITE_COMBINE_BYTES == 1 << 20
