@@ -423,10 +423,12 @@ class LevelConfig:
             out as one write: one hand-over to the I/O threads instead of one per
             eviction, which is most of a small write's cost. ``None`` (the default):
             :data:`DEFAULT_WRITE_COMBINE_BYTES` (1 MiB) where there are background
-            writes, ``0`` elsewhere; ``0``: each write on its own. A read of a held
-            block, any other write, a resize or a close writes what is held first, so
-            nothing reads stale bytes. The held bytes are host memory on top of the
-            levels' quotas. ``N > 0`` needs background writes.
+            writes, ``0`` elsewhere; ``0``: each write on its own. A read of held
+            blocks only is served from the held rows; a read of held and other blocks,
+            any other write, a resize or a close writes what is held first, so nothing
+            reads stale bytes. The held rows are host memory on top of the levels'
+            quotas (a buffer of twice this per pool). ``N > 0`` needs background
+            writes.
     """
 
     tier: str = attrs.field(validator=_plugin_name())

@@ -42,9 +42,10 @@ stay synchronous within the deadline: a failure leaves them where they were.
 Held writes (``LevelConfig.write_combine_bytes``, 1 MiB unless told otherwise): a
 background write smaller than that is held back (its rows copied) and started with the
 next ones of its pool once that many bytes are held, as one write, so that the hand-over
-is paid once for many small writes. Whatever must run after a held write writes it first:
-a read of one of its slots, any write that is not held, a resize, a close,
-:meth:`LevelIO.wait_idle` (see :meth:`LevelIO.flush_held`).
+is paid once for many small writes. A read of held slots only is served from the held
+rows; whatever else must run after a held write writes it first: a read of held and other
+slots, any write that is not held, a resize, a close, :meth:`LevelIO.wait_idle` (see
+:meth:`LevelIO.flush_held`).
 
 Shutdown (:meth:`LevelIO.close_pools`): every pool and the tier are closed on the level's
 thread, all within one deadline; operations still unfinished then are abandoned (their
@@ -119,11 +120,12 @@ class IOStats:
             (:meth:`StoragePool.write_behind`) and succeeded, with no hand-over.
         held_writes: background writes held back and written together with the next
             ones of their pool (``LevelConfig.write_combine_bytes``).
+        held_reads: reads served from the rows of held writes.
     """
 
     __slots__ = ("background_failures", "bad_reads", "direct_reads", "direct_writes",
-                 "fast_fails", "held_writes", "operations", "queue_full_drops", "read_misses",
-                 "write_misses")
+                 "fast_fails", "held_reads", "held_writes", "operations", "queue_full_drops",
+                 "read_misses", "write_misses")
 
     def __init__(self) -> None:
         self.operations = 0
@@ -136,6 +138,7 @@ class IOStats:
         self.direct_reads = 0
         self.direct_writes = 0
         self.held_writes = 0
+        self.held_reads = 0
 
     def as_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -203,19 +206,22 @@ _HOLD_WRITES = 64
 
 
 class _Held:
-    """Background writes of one pool held back, to be written as one: their slots and
-    (private) rows in order, and which slots they write (``mask``, for the reads that
-    must see them)."""
+    """Background writes of one pool held back, to be written as one. Their rows are
+    copied, in order, into ``buf`` (rows ``[0, n)``), ``slots[i]`` is the slot of row
+    ``i``, and ``where[slot]`` the row of the slot's last held write (-1: none), so that a
+    read of held slots is served from ``buf`` and a slot held twice is written once, with
+    its last rows. Kept per pool from one write to the next."""
 
-    __slots__ = ("checked", "mask", "nbytes", "pool", "rows", "slots")
+    __slots__ = ("buf", "checked", "n", "pool", "slots", "where", "writes")
 
-    def __init__(self, pool: StoragePool, checked: int, mask: np.ndarray) -> None:
+    def __init__(self, pool: StoragePool, checked: int, rows: int, width: int) -> None:
         self.pool = pool
         self.checked = checked  # the slots are check_slots' result for this many slots
-        self.slots: list[np.ndarray] = []
-        self.rows: list[np.ndarray] = []
-        self.nbytes = 0
-        self.mask = mask  # all False (kept per pool: cleared again at each write)
+        self.buf = np.empty((rows, width), dtype=np.uint8)
+        self.slots = np.empty(rows, dtype=np.int64)
+        self.where = np.full(checked, -1, dtype=np.int32)
+        self.n = 0
+        self.writes = 0  # held writes in buf
 
 
 class LevelIO:
@@ -236,9 +242,9 @@ class LevelIO:
         self.deadline_s = deadline_s
         self.write_queue_depth = write_queue_depth if deadline_s is not None else 0
         self.combine_bytes = combine_bytes if self.write_queue_depth else 0
-        self._held: dict[int, _Held] = {}  # id(pool) -> its held writes
+        self._holders: dict[int, _Held] = {}  # id(pool) -> its _Held, kept
+        self._held: dict[int, _Held] = {}  # those holding writes now
         self._held_bytes = 0
-        self._masks: dict[int, np.ndarray] = {}  # id(pool) -> _Held.mask
         self.stats = IOStats()
         # The condition's own lock: ``with self._lock`` is ``with self._cv`` (waits and
         # notifies still go through the condition) without its Python-level __enter__.
@@ -570,52 +576,62 @@ class LevelIO:
 
     def _hold(self, pool: StoragePool, slots: np.ndarray, rows: np.ndarray, checked: int
               ) -> None:
-        """Hold a background write back (copies of its slots and rows); write what is
-        held once ``combine_bytes`` or :data:`_HOLD_WRITES` writes of a pool are."""
-        held = self._held.get(id(pool))
-        if held is not None and held.checked != checked:  # the pool changed size
-            self.flush_held()
-            held = None
-        if held is None:
-            mask = self._masks.get(id(pool))
-            if mask is None or len(mask) != checked:
-                mask = self._masks[id(pool)] = np.zeros(checked, dtype=bool)
-            held = self._held[id(pool)] = _Held(pool, checked, mask)
-        held.slots.append(np.array(slots, dtype=np.int64))
-        held.rows.append(np.array(rows, dtype=np.uint8))  # the caller reuses its rows
-        held.mask[slots] = True
-        held.nbytes += rows.nbytes
+        """Hold a background write back (its rows copied); write what is held once
+        ``combine_bytes``, or :data:`_HOLD_WRITES` writes of a pool, are."""
+        k, width = rows.shape
+        held = self._holders.get(id(pool))
+        if held is None or held.checked != checked or held.buf.shape[1] != width:
+            if held is not None and held.n:  # the pool changed size: write the old first
+                self._flush_one(held)
+            # Room for twice the limit: a write under the limit always fits after a flush.
+            cap = max(2 * self.combine_bytes // max(width, 1), k)
+            held = self._holders[id(pool)] = _Held(pool, checked, cap, width)
+        if held.n + k > len(held.buf):
+            self._flush_one(held)
+        n = held.n
+        held.buf[n : n + k] = rows  # the caller reuses its rows
+        held.slots[n : n + k] = slots
+        held.where[slots] = np.arange(n, n + k, dtype=np.int32)
+        held.n = n + k
+        held.writes += 1
+        self._held[id(pool)] = held
         self._held_bytes += rows.nbytes
         self.stats.held_writes += 1
-        if self._held_bytes >= self.combine_bytes or len(held.slots) >= _HOLD_WRITES:
+        if self._held_bytes >= self.combine_bytes or held.writes >= _HOLD_WRITES:
             self.flush_held()
 
     def flush_held(self) -> None:
-        """Start the writes held back, each pool's as one background write (a slot held
-        twice gets its last rows). They are background writes of droppable pages that
-        passed the queue's check when they were held: holding them turns many small
-        writes (a hand-over each, to the tier's threads or the level's) into one.
+        """Start the writes held back, each pool's as one background write, in slot order
+        (a slot held twice gets its last rows). They are background writes of droppable
+        pages that passed the queue's check when they were held: holding them turns many
+        small writes (a hand-over each, to the tier's threads or the level's) into one.
 
-        Everything else the level does sees held writes as written: an operation that
-        must run after them writes them first (a read of a held slot, any write that is
+        Everything else the level does sees held writes as written: a read of held slots
+        only is served from the held rows (:meth:`read_held`); an operation that must run
+        after them writes them first (a read of held and other slots, any write that is
         not held, a resize, a close, :meth:`wait_idle`). A held write that cannot be
         started marks its slots bad, as a failed background write does."""
         while self._held:
-            _, held = self._held.popitem()
-            self._held_bytes -= held.nbytes
-            for written in held.slots:
-                held.mask[written] = False
-            slots, rows = held.slots[0], held.rows[0]
-            if len(held.slots) > 1:
-                slots = np.concatenate(held.slots)
-                rows = np.concatenate(held.rows)
-                last, first = np.unique(slots[::-1], return_index=True)
-                slots, rows = last, rows[len(slots) - 1 - first]
-            try:
-                self._queue_write(None, f"write of {len(slots)} slots", held.pool, slots, rows,
-                                  held.checked)
-            except TierIOError:  # (stopped) the blocks are lost, never wrong KV
-                self._mark_bad(held.pool, slots, 1)
+            self._flush_one(next(iter(self._held.values())))
+
+    def _flush_one(self, held: _Held) -> None:
+        n = held.n
+        written = held.slots[:n]
+        last = held.where[written] == np.arange(n, dtype=np.int32)  # each slot's last rows
+        rows_at = np.flatnonzero(last)
+        order = np.argsort(written[rows_at], kind="stable")
+        rows_at = rows_at[order]
+        slots = written[rows_at]
+        rows = held.buf[rows_at]  # a copy: buf takes the next writes at once
+        held.where[written] = -1
+        held.n = held.writes = 0
+        del self._held[id(held.pool)]
+        self._held_bytes -= n * held.buf.shape[1]
+        try:
+            self._queue_write(None, f"write of {len(slots)} slots", held.pool, slots, rows,
+                              held.checked)
+        except TierIOError:  # (stopped) the blocks are lost, never wrong KV
+            self._mark_bad(held.pool, slots, 1)
 
     def _flush_for(self, reads: tuple[object, np.ndarray] | None) -> None:
         """Write what is held before an operation: unless it is a read (``reads``: its
@@ -625,9 +641,23 @@ class LevelIO:
             held = self._held.get(id(pool))
             if held is None or not len(slots):
                 return
-            if int(slots.max()) < len(held.mask) and not held.mask[slots].any():
+            if int(slots.max()) < len(held.where) and not (held.where[slots] >= 0).any():
                 return
         self.flush_held()
+
+    def read_held(self, pool: Pool, slots: np.ndarray, dest: np.ndarray) -> bool:
+        """A read of ``slots`` (``check_slots``' result) of ``pool`` served from the held
+        rows when every slot is held (True: ``dest`` holds their last held rows); False
+        otherwise (the level's read then writes what is held first if it must)."""
+        held = self._held.get(id(pool))
+        if held is None or not len(slots) or int(slots.max()) >= len(held.where):
+            return False
+        at = held.where[slots]
+        if int(at.min()) < 0:
+            return False
+        dest[...] = held.buf[at]
+        self.stats.held_reads += 1
+        return True
 
     @property
     def background_in_flight(self) -> int:
@@ -796,10 +826,10 @@ class LevelIO:
         writes are the scheduler thread's: a pool closed by :meth:`close`, on the level's
         thread, has none left.)"""
         key = id(pool)
+        self._holders.pop(key, None)
         held = self._held.pop(key, None)
         if held is not None:
-            self._held_bytes -= held.nbytes
-        self._masks.pop(key, None)
+            self._held_bytes -= held.n * held.buf.shape[1]
         with self._lock:
             self._bad = {b for b in self._bad if b[0] != key}
 
@@ -980,7 +1010,7 @@ class DeadlinePool(StoragePool):
         if not isinstance(dest, np.ndarray) or dest.shape != (len(arr), self.slot_bytes):
             return self.inner_pool.read(arr, dest)  # let the inner pool refuse it
         inner, io = self.inner_pool, self.io
-        if io.read_now(inner, arr, dest):
+        if io.read_held(inner, arr, dest) or io.read_now(inner, arr, dest):
             return CompletedIO()
         private = np.empty_like(dest)  # a late read must not land in the caller's rows
 

@@ -375,6 +375,8 @@ def test_droppable_pages_found_corrupt_in_a_cascade_are_dropped_with_what_is_bel
         prompts = [tokens(32, 20 + i) for i in range(3)]
         d.write(prompts[0], chunk=32, suspend=False).close()  # R0 on the GPU
         d.write(prompts[1], chunk=32, suspend=False).close()  # R0 -> disk
+        # Written out (a held write would be read back from memory, intact).
+        assert m.storage_levels.io[1].wait_idle(5.0)
         if corrupt == "first":  # only block 0's frame is damaged
             first = int(m.tree.pages[chain(m, prompts[0])[0], 0])
             L = m.storage_levels

@@ -92,20 +92,49 @@ def test_a_write_as_large_as_the_limit_is_not_held():
     _close(io, pool)
 
 
-def test_a_read_of_a_held_slot_writes_what_is_held_first_and_sees_its_rows():
+def test_a_read_of_held_slots_only_is_served_from_the_held_rows():
     """A read of slots nobody holds runs at once, leaving the held writes held; a read of
-    a held slot writes them first and sees their rows."""
+    held slots only is served from their last held rows, with no I/O, still held."""
     tier, io, seen = _level(combine=1 << 20)
     pool = _pool(tier, io, seen)
     pool.write(np.array([0]), _rows(7)).wait()  # not droppable: written now
     with io.dropping(True):
         pool.write(np.array([4]), _rows(1)).wait()
         pool.write(np.array([5, 6]), _rows(2, 2)).wait()
+        pool.write(np.array([6]), _rows(3)).wait()  # slot 6 again
     assert tier.writes == 1
     assert _read(pool, [0]) == [7] and seen == [1]
-    assert tier.writes == 1 and io.stats.held_writes == 2  # still held
-    assert _read(pool, [6, 4]) == [2, 1]
-    assert seen == [1, 2]  # the held writes ran (as one) before that read
+    assert tier.writes == 1 and io.stats.held_writes == 3  # still held
+    assert _read(pool, [6, 4, 5, 6]) == [3, 1, 2, 3]
+    assert seen == [1] and tier.writes == 1 and io.stats.held_reads == 1  # no I/O
+    assert io.wait_idle(1.0) and tier.writes == 2  # then written as one
+    assert _read(pool, [4, 5, 6]) == [1, 2, 3] and seen == [1, 2]
+    _close(io, pool)
+
+
+def test_a_slot_written_out_reads_from_the_pool_while_other_writes_are_held():
+    """Held rows are reused once written out: a slot whose held write has gone out is read
+    from the pool, not from the rows another write now holds."""
+    tier, io, seen = _level(combine=1 << 20)
+    pool = _pool(tier, io, seen)
+    with io.dropping(True):
+        pool.write(np.array([1]), _rows(1)).wait()
+    assert io.wait_idle(1.0) and tier.writes == 1
+    with io.dropping(True):
+        pool.write(np.array([2]), _rows(2)).wait()  # held in the rows slot 1's write used
+    assert _read(pool, [1]) == [1] and seen == [1]
+    assert _read(pool, [2]) == [2] and seen == [1]
+    _close(io, pool)
+
+
+def test_a_read_of_held_and_other_slots_writes_what_is_held_first():
+    tier, io, seen = _level(combine=1 << 20)
+    pool = _pool(tier, io, seen)
+    pool.write(np.array([0, 1]), _rows(7, 2)).wait()  # not droppable: written now
+    with io.dropping(True):
+        pool.write(np.array([1]), _rows(8)).wait()
+    assert _read(pool, [0, 1]) == [7, 8]
+    assert seen == [2] and io.stats.held_reads == 0  # the held write ran before the read
     _close(io, pool)
 
 
@@ -200,8 +229,9 @@ def test_a_full_write_queue_still_refuses_a_write_that_would_be_held():
 @native
 def test_a_disk_levels_read_from_the_page_cache_sees_its_held_writes(tmp_path):
     """The disk tier reads on the caller's thread from the page cache when nothing it must
-    wait for is queued: held writes of the slots it reads are written first, so it reads
-    their rows, a slot held twice its last ones, and never the older bytes on file."""
+    wait for is queued. A read of held slots only gets their held rows; one of held and
+    other slots writes what is held first: either way a slot held twice reads as its last
+    rows, never as the older bytes on file."""
     tier = DiskTier(None, {"path": str(tmp_path / "d")})
     inner = tier.create_pool(SB, 64)
     io = LevelIO(2, deadline_s=1.0, write_queue_depth=8, combine_bytes=1 << 20)
@@ -218,11 +248,14 @@ def test_a_disk_levels_read_from_the_page_cache_sees_its_held_writes(tmp_path):
         pool.write(np.array([3, 40]), new[2:]).wait()  # slot 3 again
     assert io.stats.held_writes == 2
     out = np.zeros((3, SB), dtype=np.uint8)
-    pool.read(np.array([40, 3, 9]), out).wait()
+    pool.read(np.array([40, 3, 9]), out).wait()  # all held: from the held rows
     np.testing.assert_array_equal(out, new[[3, 2, 0]])
-    assert io.wait_idle(2.0) and io.stats.direct_writes >= 1
-    pool.read(np.array([3, 4]), out[:2]).wait()
+    assert io.stats.held_reads == 1 and io.stats.direct_reads == 0
+    pool.read(np.array([3, 4]), out[:2]).wait()  # held and not: written first
     np.testing.assert_array_equal(out[:2], np.stack([new[2], old[4]]))
+    assert io.wait_idle(2.0) and io.stats.direct_writes >= 1
+    pool.read(np.array([9, 40, 5]), out).wait()
+    np.testing.assert_array_equal(out, np.stack([new[0], new[3], old[5]]))
     _close(io, pool)
     tier.close()
 

@@ -191,7 +191,8 @@ def test_a_storage_failure_during_the_run_exits_3_naming_it(tmp_path, capsys, re
             yield spec
 
     register(Faults(), "faults")
-    cfg = _config(tmp_path, **{'tier = "disk"': 'tier = "faulty-disk"'})
+    # Writes not held: a read of a held page is served from its held rows, not the disk.
+    cfg = _config(tmp_path, **{'tier = "disk"': 'tier = "faulty-disk"\nwrite_combine_bytes = 0'})
     code = main(["--config", cfg, "--requests", "40", "--seed", "3", "--quiet",
                  "--no-plots", "--no-compare", "--out", str(tmp_path)])
     assert code == 3
