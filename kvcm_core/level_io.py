@@ -622,7 +622,7 @@ class LevelIO:
         order = np.argsort(written[rows_at], kind="stable")
         rows_at = rows_at[order]
         slots = written[rows_at]
-        rows = held.buf[rows_at]  # a copy: buf takes the next writes at once
+        rows = held.buf.take(rows_at, axis=0)  # a copy (whole rows): buf is reused at once
         held.where[written] = -1
         held.n = held.writes = 0
         del self._held[id(held.pool)]
