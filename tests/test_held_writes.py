@@ -11,11 +11,14 @@ default.
 
 from __future__ import annotations
 
+import tempfile
 import time
 
 import numpy as np
 import pytest
 from disk_helpers import SB, native, seeded_rows
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from kvcm_tier_disk import DiskTier
 
 from kvcm_core import ConfigError, TierIOError
@@ -289,6 +292,87 @@ def test_a_write_after_the_level_is_closed_fails_instead_of_being_held():
     with io.dropping(True), pytest.raises(TierIOError, match="after shutdown"):
         pool.write(np.array([1]), _rows(1)).wait()
     assert io.stats.held_writes == 0
+
+
+_SLOTS = 8
+# Mostly droppable writes and reads of a few slots, so that writes are held, slots are
+# held twice, and reads meet held, written and refused slots; now and then a write that
+# is not held, or wait_idle (which writes what is held).
+_OPS = st.lists(st.tuples(
+    st.sampled_from(["held"] * 4 + ["read"] * 4 + ["sync"] + ["idle"] * 2),
+    st.integers(0, 1),
+    st.lists(st.integers(0, _SLOTS - 1), min_size=1, max_size=4, unique=True)),
+    min_size=1, max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=_OPS, combine_rows=st.sampled_from([2, 3, 6, 1 << 14]),
+       depth=st.integers(1, 4), disk=st.booleans())
+# A slot's held rows reused by another slot once written out; a slot held twice; a read of
+# held and written slots from the page cache; a write too large to hold after a held one;
+# a slot held twice written out through glibc's AIO.
+@example(ops=[("held", 0, [1]), ("idle", 0, [0]), ("held", 0, [2]), ("read", 0, [1])],
+         combine_rows=1 << 14, depth=2, disk=False)
+@example(ops=[("held", 0, [1]), ("held", 0, [1, 2]), ("read", 0, [1])],
+         combine_rows=1 << 14, depth=2, disk=False)
+@example(ops=[("sync", 0, [1]), ("held", 0, [1]), ("read", 0, [1, 3])],
+         combine_rows=1 << 14, depth=2, disk=True)
+@example(ops=[("held", 0, [1]), ("held", 0, [1, 2, 3]), ("read", 0, [1])],
+         combine_rows=2, depth=4, disk=False)
+@example(ops=[("held", 0, [1]), ("held", 0, [1]), ("idle", 0, [0]), ("read", 0, [1])],
+         combine_rows=1 << 14, depth=2, disk=True)
+def test_every_read_returns_the_last_rows_written_to_each_slot(ops, combine_rows, depth,
+                                                                disk):
+    """Random mixes of droppable (held) writes, writes that are not held, reads and
+    ``wait_idle`` over two pools of one level, on the reference tier (the level's thread)
+    or the disk tier (glibc's AIO and page-cache reads where available): every read
+    returns each slot's last written rows. A droppable write refused by a full queue
+    leaves its slots unknown (their pages are dropped, never read)."""
+    width = SB if disk else ROW
+    with tempfile.TemporaryDirectory() as where:
+        tier = DiskTier(None, {"path": where}) if disk else DictTier()
+        io = LevelIO(2, deadline_s=5.0, write_queue_depth=depth,
+                     combine_bytes=combine_rows * width)
+        pools = [DeadlinePool(io, tier.create_pool(width, _SLOTS)) for _ in range(2)]
+        last: list[dict[int, int]] = [{}, {}]  # slot -> value (absent: unknown)
+        value = 0
+        try:
+            for kind, k, slots in ops:
+                arr = np.array(slots, dtype=np.int64)
+                if kind == "idle":
+                    assert io.wait_idle(5.0)
+                elif kind == "read":
+                    out = np.zeros((len(arr), width), dtype=np.uint8)
+                    pools[k].read(arr, out).wait()
+                    got = out[:, :8].copy().view(np.uint64)[:, 0].tolist()
+                    for slot, v in zip(slots, got, strict=True):
+                        if slot in last[k]:
+                            assert v == last[k][slot], (kind, k, slot)
+                else:
+                    rows = np.zeros((len(arr), width), dtype=np.uint8)
+                    vals = np.arange(value + 1, value + 1 + len(arr), dtype=np.uint64)
+                    value += len(arr)
+                    rows[:, :8] = vals.view(np.uint8).reshape(len(arr), 8)
+                    with io.dropping(kind == "held"):
+                        try:
+                            pools[k].write(arr, rows).wait()
+                        except WriteQueueFull:
+                            for slot in slots:
+                                last[k].pop(slot, None)
+                            continue
+                    last[k].update(zip(slots, vals.tolist(), strict=True))
+            assert io.wait_idle(5.0)
+            for k, pool in enumerate(pools):  # and once everything has landed
+                known = sorted(last[k])
+                if known:
+                    out = np.zeros((len(known), width), dtype=np.uint8)
+                    pool.read(np.array(known), out).wait()
+                    assert out[:, :8].copy().view(np.uint64)[:, 0].tolist() == \
+                        [last[k][s] for s in known]
+        finally:
+            _close(io, *pools)
+            if disk:
+                tier.close()
 
 
 def test_held_writes_default_to_one_mib_where_there_are_background_writes():
