@@ -425,8 +425,8 @@ class LevelConfig:
             :data:`DEFAULT_WRITE_COMBINE_BYTES` (1 MiB) where there are background
             writes, ``0`` elsewhere; ``0``: each write on its own. A read of held
             blocks only is served from the held rows; a read of held and other blocks,
-            any other write, a resize or a close writes what is held first, so nothing
-            reads stale bytes. The held rows are host memory on top of the levels'
+            any write that is not held, a resize or a close writes what is held first,
+            so nothing reads stale bytes. The held rows are host memory on top of the levels'
             quotas (a buffer of twice this per pool). ``N > 0`` needs background
             writes.
     """

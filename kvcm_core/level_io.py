@@ -15,6 +15,7 @@ batch and waits at most ``LevelConfig.io_deadline_s`` (default 5 s):
   frozen file system), every new operation of that level fails at once, without waiting,
   so a level that hangs costs at most one deadline, once; requests that never touch it
   are not delayed at all. The level recovers by itself when the stuck operation returns.
+  (A read of held rows, below, needs no I/O and is still served.)
 
 Ordering makes late completions harmless: one thread per level runs operations in order,
 and nothing queues behind a stuck one, so a late write lands before any later operation
@@ -508,12 +509,12 @@ class LevelIO:
         queueing them for the thread (a write behind copies them itself). ``checked``:
         the caller checked ``slots`` with ``check_slots`` against a pool of that many
         slots (see :meth:`_write_behind`). A write of such rows smaller than
-        ``combine_bytes`` is held back (:meth:`flush_held`); any other first writes what
-        is held (it must land after it)."""
+        ``combine_bytes`` of a droppable write is held back (:meth:`flush_held`); any
+        other write first writes what is held (it must land after it)."""
         if self._stopped:
             raise TierIOError(f"level {self.level}: I/O after shutdown ({what})")
         self._fast_fail(what, "write")
-        hold = self.droppable and fn is None and checked is not None and \
+        hold = self.droppable and fn is None and checked is not None and len(slots) and \
             isinstance(rows, np.ndarray) and \
             rows.nbytes < self.combine_bytes and rows.dtype == np.uint8 and \
             rows.shape == (len(slots), getattr(pool, "slot_bytes", -1))
@@ -630,8 +631,10 @@ class LevelIO:
         try:
             self._queue_write(None, f"write of {len(slots)} slots", held.pool, slots, rows,
                               held.checked)
-        except TierIOError:  # (stopped) the blocks are lost, never wrong KV
-            self._mark_bad(held.pool, slots, 1)
+        except BaseException as exc:  # the held rows are gone: their blocks are lost,
+            self._mark_bad(held.pool, slots, 1)  # never read as the older bytes
+            if not isinstance(exc, TierIOError):  # (stopped: as any write now)
+                raise
 
     def _flush_for(self, reads: tuple[object, np.ndarray] | None) -> None:
         """Write what is held before an operation: unless it is a read (``reads``: its

@@ -1,7 +1,8 @@
 """Held background writes (``LevelConfig.write_combine_bytes``): a storage level holds
 small background writes of a pool back and writes them as one, and nothing reads or writes
-around them: a read of a held slot, any write that is not held, ``wait_idle`` and a close
-write what is held first; a failed held write leaves its slots unreadable, never stale.
+around them: a read of held slots only is served from the held rows; a read of held and
+other slots, any write that is not held, ``wait_idle`` and a close write what is held
+first; a failed held write leaves its slots unreadable, never stale.
 
 The pools are the reference tier's behind :class:`~kvcm_core.testing.faults.FaultyTier`
 (which counts and fails writes); the levels' fingerprint-verified cascades in
@@ -210,6 +211,27 @@ def test_a_held_write_that_fails_leaves_its_slots_unreadable_until_written_again
             _read(pool, [slot])
     pool.write(np.array([3]), _rows(5)).wait()  # written again
     assert _read(pool, [3]) == [5]
+    _close(io, pool)
+
+
+def test_a_held_write_that_cannot_be_started_leaves_its_slots_unreadable(monkeypatch):
+    """Held rows that could not be handed on (no memory for the write, say) are gone: their
+    slots read as lost, never as the older bytes still in the pool."""
+    tier, io, seen = _level(combine=1 << 20)
+    pool = _pool(tier, io, seen)
+    pool.write(np.array([2]), _rows(1)).wait()  # older bytes in the pool
+    with io.dropping(True):
+        pool.write(np.array([2]), _rows(2)).wait()
+
+    def broken(*args, **kwargs):
+        raise MemoryError("no room for the write")
+
+    monkeypatch.setattr(io, "_queue_write", broken)
+    with pytest.raises(MemoryError):
+        io.flush_held()
+    monkeypatch.undo()
+    with pytest.raises(TierIOError, match="background write failed"):
+        _read(pool, [2])
     _close(io, pool)
 
 

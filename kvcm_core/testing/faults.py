@@ -76,7 +76,9 @@ class FaultPlan:
     """Which operations of a :class:`FaultyTier` misbehave. Mutable: change it mid-test.
 
     Ordinals count ``write`` (or ``read``) calls over all storage pools of the tier,
-    starting at 1.
+    starting at 1. A level's held writes (``LevelConfig.write_combine_bytes``) reach the
+    tier only when they go out, and a read of held rows never reaches it: a test of read
+    faults either waits for the write-back (``wait_idle``) or turns holding off.
 
     Attributes:
         fail_writes: ordinals of writes that fail.
