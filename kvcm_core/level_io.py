@@ -508,13 +508,13 @@ class LevelIO:
         beside it); ``fn`` None: ``rows`` are the caller's, which this copies before
         queueing them for the thread (a write behind copies them itself). ``checked``:
         the caller checked ``slots`` with ``check_slots`` against a pool of that many
-        slots (see :meth:`_write_behind`). A write of such rows smaller than
-        ``combine_bytes`` of a droppable write is held back (:meth:`flush_held`); any
-        other write first writes what is held (it must land after it)."""
+        slots (see :meth:`_write_behind`). A droppable write of such rows, smaller than
+        ``combine_bytes``, is held back (:meth:`flush_held`); any other write first
+        writes what is held (it must land after it)."""
         if self._stopped:
             raise TierIOError(f"level {self.level}: I/O after shutdown ({what})")
         self._fast_fail(what, "write")
-        hold = self.droppable and fn is None and checked is not None and len(slots) and \
+        hold = self.droppable and fn is None and checked is not None and len(slots) > 0 and \
             isinstance(rows, np.ndarray) and \
             rows.nbytes < self.combine_bytes and rows.dtype == np.uint8 and \
             rows.shape == (len(slots), getattr(pool, "slot_bytes", -1))
@@ -579,9 +579,9 @@ class LevelIO:
               ) -> None:
         """Hold a background write back (its rows copied); write what is held once
         ``combine_bytes``, or :data:`_HOLD_WRITES` writes of a pool, are."""
-        k, width = rows.shape
+        k, width = rows.shape  # (width: the pool's slot_bytes, as background checked)
         held = self._holders.get(id(pool))
-        if held is None or held.checked != checked or held.buf.shape[1] != width:
+        if held is None or held.checked != checked:
             if held is not None and held.n:  # the pool changed size: write the old first
                 self._flush_one(held)
             # Room for twice the limit: a write under the limit always fits after a flush.
