@@ -418,17 +418,17 @@ class LevelConfig:
             level), while held pages (a suspended request's) wait for the oldest write,
             within the deadline. ``0``: each write completes before the step goes on.
             ``N > 0`` needs ``io_deadline_s``.
-        write_combine_bytes: background writes smaller than this are held back (their
-            rows copied) until this many bytes are held, then a pool's held writes go
-            out as one write: one hand-over to the I/O threads instead of one per
-            eviction, which is most of a small write's cost. ``None`` (the default):
-            :data:`DEFAULT_WRITE_COMBINE_BYTES` (1 MiB) where there are background
-            writes, ``0`` elsewhere; ``0``: each write on its own. A read of held
-            blocks only is served from the held rows; a read of held and other blocks,
-            any write that is not held, a resize or a close writes what is held first,
-            so nothing reads stale bytes. The held rows are host memory on top of the levels'
-            quotas (a buffer of twice this per pool). ``N > 0`` needs background
-            writes.
+        write_combine_bytes: background writes (of droppable pages) smaller than this
+            are held back, their rows copied, until this many bytes are held; then each
+            pool's held writes go out as one write: one hand-over to the I/O threads
+            instead of one per eviction, which is most of a small write's cost. ``None``
+            (the default): :data:`DEFAULT_WRITE_COMBINE_BYTES` (1 MiB) where there are
+            background writes, ``0`` elsewhere; ``0``: each write on its own. A read of
+            held blocks only is served from the held rows; a read of held and other
+            blocks, any write that is not held, a resize or a close writes what is held
+            first, so nothing reads stale bytes. The held rows are host memory on top of
+            the levels' quotas (a buffer of twice this per pool). ``N > 0`` needs
+            background writes.
     """
 
     tier: str = attrs.field(validator=_plugin_name())
