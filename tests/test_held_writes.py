@@ -55,6 +55,13 @@ def _pool(tier: FaultyTier, io: LevelIO, seen: list[int], name: str = "p") -> De
     return DeadlinePool(io, inner)
 
 
+def _held_write(io: LevelIO, pool: DeadlinePool, slots: list[int], value: int,
+                n: int = 1) -> None:
+    """A droppable write (the kind that is held) of ``n`` rows of ``value``."""
+    with io.dropping(True):
+        pool.write(np.array(slots), _rows(value, n)).wait()
+
+
 def _read(pool: DeadlinePool, slots: list[int]) -> list[int]:
     out = np.zeros((len(slots), ROW), dtype=np.uint8)
     pool.read(np.array(slots), out).wait()
@@ -89,8 +96,7 @@ def test_small_background_writes_are_held_until_the_limit_then_written_as_one():
 def test_a_write_as_large_as_the_limit_is_not_held():
     tier, io, seen = _level(combine=2 * ROW)
     pool = _pool(tier, io, seen)
-    with io.dropping(True):
-        pool.write(np.array([0, 1]), _rows(5, 2)).wait()
+    _held_write(io, pool, [0, 1], 5, 2)
     assert io.stats.held_writes == 0 and io.background_in_flight == 1
     assert io.wait_idle(1.0) and tier.writes == 1 and _read(pool, [1]) == [5]
     _close(io, pool)
@@ -121,11 +127,9 @@ def test_a_slot_written_out_reads_from_the_pool_while_other_writes_are_held():
     from the pool, not from the rows another write now holds."""
     tier, io, seen = _level(combine=1 << 20)
     pool = _pool(tier, io, seen)
-    with io.dropping(True):
-        pool.write(np.array([1]), _rows(1)).wait()
+    _held_write(io, pool, [1], 1)
     assert io.wait_idle(1.0) and tier.writes == 1
-    with io.dropping(True):
-        pool.write(np.array([2]), _rows(2)).wait()  # held in the rows slot 1's write used
+    _held_write(io, pool, [2], 2)  # held in the rows slot 1's write used
     assert _read(pool, [1]) == [1] and seen == [1]
     assert _read(pool, [2]) == [2] and seen == [1]
     _close(io, pool)
@@ -135,8 +139,7 @@ def test_a_read_of_held_and_other_slots_writes_what_is_held_first():
     tier, io, seen = _level(combine=1 << 20)
     pool = _pool(tier, io, seen)
     pool.write(np.array([0, 1]), _rows(7, 2)).wait()  # not droppable: written now
-    with io.dropping(True):
-        pool.write(np.array([1]), _rows(8)).wait()
+    _held_write(io, pool, [1], 8)
     assert _read(pool, [0, 1]) == [7, 8]
     assert seen == [2] and io.stats.held_reads == 0  # the held write ran before the read
     _close(io, pool)
@@ -146,8 +149,7 @@ def test_a_read_of_another_pools_slots_leaves_held_writes_held():
     tier, io, seen = _level(combine=1 << 20)
     pool, other = _pool(tier, io, seen, "p"), _pool(tier, io, seen, "q")
     other.write(np.array([3]), _rows(4)).wait()
-    with io.dropping(True):
-        pool.write(np.array([3]), _rows(8)).wait()
+    _held_write(io, pool, [3], 8)
     assert _read(other, [3]) == [4] and tier.writes == 1  # pool's write still held
     assert io.wait_idle(1.0) and tier.writes == 2 and _read(pool, [3]) == [8]
     _close(io, pool, other)
@@ -158,8 +160,7 @@ def test_a_write_that_is_not_held_lands_after_the_held_writes_of_its_slots():
     written before the step goes on): the later rows are the ones that stay."""
     tier, io, seen = _level(combine=1 << 20)
     pool = _pool(tier, io, seen)
-    with io.dropping(True):
-        pool.write(np.array([3, 2]), _rows(1, 2)).wait()
+    _held_write(io, pool, [3, 2], 1, 2)
     pool.write(np.array([3]), _rows(2)).wait()
     assert tier.writes == 2
     assert io.wait_idle(1.0) and _read(pool, [3, 2]) == [2, 1]
@@ -169,11 +170,9 @@ def test_a_write_that_is_not_held_lands_after_the_held_writes_of_its_slots():
 def test_wait_idle_and_close_write_what_is_held():
     tier, io, seen = _level(combine=1 << 20)
     pool = _pool(tier, io, seen)
-    with io.dropping(True):
-        pool.write(np.array([1]), _rows(1)).wait()
+    _held_write(io, pool, [1], 1)
     assert io.wait_idle(1.0) and tier.writes == 1
-    with io.dropping(True):
-        pool.write(np.array([2]), _rows(2)).wait()
+    _held_write(io, pool, [2], 2)
     writes_at_close: list[int] = []
     failures, abandoned = io.close(
         [("pool", lambda: (writes_at_close.append(tier.writes), pool.close()))],
@@ -187,11 +186,9 @@ def test_closing_a_pool_drops_its_held_writes_and_their_bytes():
     their bytes no longer count towards the limit of the pools still open."""
     tier, io, seen = _level(combine=3 * ROW)
     pool, other = _pool(tier, io, seen, "p"), _pool(tier, io, seen, "q")
-    with io.dropping(True):
-        pool.write(np.array([0, 1]), _rows(1, 2)).wait()
+    _held_write(io, pool, [0, 1], 1, 2)
     pool.close()
-    with io.dropping(True):
-        other.write(np.array([0, 1]), _rows(2, 2)).wait()  # 32 bytes: held, not written
+    _held_write(io, other, [0, 1], 2, 2)  # 32 bytes: held, not written
     assert io.wait_idle(1.0) is True and tier.writes == 1  # only other's, at wait_idle
     assert _read(other, [1]) == [2]
     _close(io, other)
@@ -220,8 +217,7 @@ def test_a_held_write_that_cannot_be_started_leaves_its_slots_unreadable(monkeyp
     tier, io, seen = _level(combine=1 << 20)
     pool = _pool(tier, io, seen)
     pool.write(np.array([2]), _rows(1)).wait()  # older bytes in the pool
-    with io.dropping(True):
-        pool.write(np.array([2]), _rows(2)).wait()
+    _held_write(io, pool, [2], 2)
 
     def broken(*args, **kwargs):
         raise MemoryError("no room for the write")
