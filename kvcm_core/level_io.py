@@ -549,15 +549,17 @@ class LevelIO:
         self._queue_write(fn, what, pool, slots, rows, checked)
 
     def _queue_write(self, fn: Callable[[], None] | None, what: str, pool: Pool,
-                     slots: np.ndarray, rows: np.ndarray | None, checked: int | None
-                     ) -> None:
+                     slots: np.ndarray, rows: np.ndarray | None, checked: int | None,
+                     owned: bool = False) -> None:
         """:meth:`background` once there is room: on the tier's threads, or queued for
-        the level's."""
+        the level's. ``owned``: ``rows`` are a private copy no one else writes (a flush
+        of held rows), kept as they are rather than copied again."""
         if rows is not None and self._write_behind(what, pool, slots, rows, checked):
             return
         if fn is None:
             assert rows is not None and isinstance(pool, StoragePool)
-            rows = np.array(rows, dtype=np.uint8, copy=True)  # the caller reuses its rows
+            if not owned:  # the caller reuses its rows
+                rows = np.array(rows, dtype=np.uint8, copy=True)
             fn = functools.partial(_write_rows, pool, slots, rows)
         written = self.clearing(fn, pool, slots)
 
@@ -630,7 +632,7 @@ class LevelIO:
         self._held_bytes -= n * held.buf.shape[1]
         try:
             self._queue_write(None, f"write of {len(slots)} slots", held.pool, slots, rows,
-                              held.checked)
+                              held.checked, owned=True)
         except BaseException as exc:  # the held rows are gone: their blocks are lost,
             self._mark_bad(held.pool, slots, 1)  # never read as the older bytes
             if not isinstance(exc, TierIOError):  # (stopped: as any write now)
@@ -1010,7 +1012,8 @@ class DeadlinePool(StoragePool):
 
     def read(self, slots: np.ndarray, dest: np.ndarray) -> IOHandle:
         arr = check_slots(self, slots)
-        if not isinstance(dest, np.ndarray) or dest.shape != (len(arr), self.slot_bytes):
+        if not isinstance(dest, np.ndarray) or dest.dtype != np.uint8 or \
+                dest.shape != (len(arr), self.slot_bytes):
             return self.inner_pool.read(arr, dest)  # let the inner pool refuse it
         inner, io = self.inner_pool, self.io
         if io.read_held(inner, arr, dest) or io.read_now(inner, arr, dest):

@@ -122,6 +122,24 @@ def test_a_read_of_held_slots_only_is_served_from_the_held_rows():
     _close(io, pool)
 
 
+def test_a_read_into_rows_that_are_not_bytes_is_refused_whether_held_or_written():
+    """The destination's type is checked before the held rows are looked at: a read of
+    held slots refuses a ``float32`` destination as the read of written slots does,
+    leaving the destination untouched and the write held."""
+    tier, io, seen = _level(combine=1 << 20)
+    pool = _pool(tier, io, seen)
+    _held_write(io, pool, [3], 200)
+    for written in (False, True):
+        if written:
+            assert io.wait_idle(1.0) and tier.writes == 1
+        dest = np.zeros((1, ROW), dtype=np.float32)
+        with pytest.raises(ValueError, match="uint8"):
+            pool.read(np.array([3]), dest).wait()
+        assert not dest.any() and io.stats.held_reads == 0
+    assert _read(pool, [3]) == [200]
+    _close(io, pool)
+
+
 def test_a_slot_written_out_reads_from_the_pool_while_other_writes_are_held():
     """Held rows are reused once written out: a slot whose held write has gone out is read
     from the pool, not from the rows another write now holds."""
