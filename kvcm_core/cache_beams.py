@@ -8,8 +8,13 @@ import attrs
 import numpy as np
 
 from kvcm_core.cache_base import CacheBase, CacheStatus
-from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError, InvalidStateError
-from kvcm_core.refusals import level_shortage
+from kvcm_core.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    InvalidStateError,
+    OutOfPagesError,
+)
+from kvcm_core.refusals import level_shortage, room_failed
 
 __all__ = ["BeamsMixin"]
 
@@ -118,6 +123,10 @@ class BeamsMixin(CacheBase):
         prios = self._priorities([b for own in plan.values() for b in own])  # type: ignore[attr-defined]
         if not L.can_take(needs):
             return self._refuse(level_shortage("set_beam_width", L, needs))
+        try:  # all the room first: a failed write then leaves the cache as it was
+            L.make_room_for(needs)
+        except OutOfPagesError as exc:
+            return self._refuse(room_failed("set_beam_width", exc))
         ngroups = len(ctx.life_cycles)
         for _ in range(new):
             beam = _Beam(hist, [], [-1] * ngroups)

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvcm_core.cache_base import CacheBase
+from kvcm_core.errors import OutOfPagesError
 from kvcm_core.radix import NO_NODE, extend_keys, key_cursor
 
 __all__ = ["LEAF_BLOCK_PRIORITY", "PARTIAL_BLOCK_PRIORITY", "PublishMixin"]
@@ -157,7 +158,10 @@ class PublishMixin(CacheBase):
                 continue
             if not L.can_take({L.pool_group_of(g): 1}):
                 continue
-            snap = L.take(g, 1)
+            try:
+                snap = L.take(g, 1)
+            except OutOfPagesError:  # a write of held pages below failed: no snapshot
+                continue
             if not self._tree.live(np.asarray([nid]))[0]:
                 # Making room evicted the node's last page and the node went with it.
                 self._unlock(snap)

@@ -128,10 +128,10 @@ class ResumeMixin(CacheBase):
             return self._refuse(reason)
         self._apply_declines(declined)
         try:
-            for pg, n in needs.items():
-                L.make_room(L.stores[0][pg], n)
+            L.make_room_for(needs)
         except OutOfPagesError as exc:
-            # A write to a colder level failed while making room: give up for now.
+            # A write to a colder level failed while making room, or another pool group
+            # took the colder room this one counted on: give up for now.
             for refs_b in reversed(warm_by_beam):
                 L.change(_arr(refs_b), -1, 1)
             return self._refuse(room_failed("resume", exc))

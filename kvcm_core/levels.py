@@ -347,6 +347,20 @@ class Levels:
                 return False
         return True
 
+    def make_room_for(self, needs: Mapping[int, int]) -> None:
+        """Make room on level 0 for ``needs[pool group]`` new slots, in every pool group,
+        before the caller changes anything: pool groups can share a colder store, so room
+        that :meth:`can_take` counted for one may be used by another's.
+
+        Raises:
+            OutOfPagesError: a pool group's room could not be made (pages that moved down
+                meanwhile stay there, valid and cached).
+        """
+        for pg, n in needs.items():
+            store = self.stores[0][pg]
+            if n > store.num_free:
+                self.make_room(store, n)
+
     def take(self, group: int, n: int, priorities: np.ndarray | None = None) -> np.ndarray:
         """``n`` new level-0 pages of ``group``, locked once, making room as needed."""
         store = self.gpu_store(group)
@@ -722,10 +736,13 @@ class Levels:
         self.stats.groups[group].intra_device_copies += len(dst)
 
     def prefetch(self, pids: np.ndarray, level: int) -> int:
-        """Move pages up to ``level`` where room exists without pushing held pages."""
+        """Move pages up to ``level`` where room exists without pushing held pages of
+        that level: droppable pages there make way as in any eviction (down where a
+        colder level takes them, else dropped)."""
         a = self.arena
         moved = 0
         for s, batch in group_by_store(a, pids):
+            batch = batch[a.store[batch] == s]  # room made for an earlier batch moves pages
             by_dst: dict[int, list[int]] = {}
             for pid in batch.tolist():
                 g = int(a.group[pid])
@@ -737,10 +754,15 @@ class Levels:
                 if not len(take):
                     continue
                 if len(take) > dst.num_free:
-                    victims = np.asarray(dst.droppable.pop_victims(
-                        len(take) - dst.num_free), dtype=np.int64)
-                    self.drop(dst, victims)
+                    try:
+                        self.make_room(dst, len(take))  # droppable victims only: n fits
+                    except OutOfPagesError:
+                        pass  # a write below failed: what room there is will do
+                    # Making room below may have moved or dropped pages of this batch.
+                    take = take[a.store[take] == s]
                 take = take[: dst.num_free]
+                if not len(take):
+                    continue
                 self._move(self.all_stores[s], take, dst)
                 moved += int(np.count_nonzero(a.store[take] == dst.index))
         return moved
@@ -946,8 +968,19 @@ class Levels:
             if short > 0 and not self.room(store, store.num_free + short):
                 return False
             plans.append((store, new, short))
-        for store, new, short in plans:
-            self.mover.fences.synchronize()  # copies of make_room below must not run late
+        # All the room first, then the sizes: pool groups can share a colder store, so a
+        # later store may find the room the plan counted on taken by an earlier one. Then
+        # nothing is resized (pages that moved down stay there, valid).
+        for store, _, short in plans:
+            if short > 0:
+                if not self.room(store, store.num_free + short):
+                    return False
+                try:
+                    self.make_room(store, store.num_free + short)
+                except OutOfPagesError:
+                    return False  # a write failed; pages that moved stay valid
+        self.mover.fences.synchronize()  # copies of make_room must not run late
+        for store, new, _ in plans:
             if new >= store.num_slots:
                 try:
                     store.grow(new)
@@ -955,11 +988,6 @@ class Levels:
                     self.resize_failure = f"the pool kept its size: {exc}"
                     return False
                 continue
-            if short > 0:
-                try:
-                    self.make_room(store, store.num_free + short)
-                except OutOfPagesError:
-                    return False  # a write failed; pages that moved stay valid
             high = store.high_pages(new)
             low = np.sort(store.free_slots()[store.free_slots() < new])[: len(high)]
             a = self.arena
