@@ -1025,9 +1025,13 @@ class Levels:
 
     # -- checks and shutdown ----------------------------------------------------------------------
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, refs: Sequence[int] | None = None) -> None:
         """Accounting identity per store, no slot owned twice, queue membership consistent
-        with page states, tree and pages pointing at each other."""
+        with page states, tree and pages pointing at each other; with ``refs`` (every page
+        reference of every owner, one entry per lock or hold), each live page's locks plus
+        holds equal its references (a leaked lock is a slot lost for good)."""
+        if refs is not None:
+            self._check_owners(refs)
         a = self.arena
         tree = self.tree
         for level, stores in enumerate(self.stores):
@@ -1042,6 +1046,16 @@ class Levels:
                 c = nodes >= 0
                 if c.any() and (tree.pages[nodes[c], a.group[pids[c]]] != pids[c]).any():
                     raise AssertionError(f"L{level}: a committed page not in its node")
+
+    def _check_owners(self, refs: Sequence[int]) -> None:
+        a = self.arena
+        n = a.capacity
+        want = np.bincount(np.asarray(refs, dtype=np.int64), minlength=n)[:n]
+        have = a.locks[:n].astype(np.int64) + a.holds[:n]
+        bad = np.flatnonzero((want != have) & (a.level[:n] >= 0))
+        if len(bad):
+            raise AssertionError("locks + holds != references of open caches: " + "; ".join(
+                f"{a.describe(int(p))}: {int(want[p])} references" for p in bad[:5]))
 
     def close(self) -> None:
         """Close every pool, tier and the mover, each even when an earlier one failed.

@@ -575,8 +575,12 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Check internal invariants (tests and debugging): accounting identity per pool
         group, no slot owned twice, queue membership consistent with page states, tree and
-        pages pointing at each other."""
-        self.storage_levels.check_invariants()
+        pages pointing at each other, and every lock or hold one reference of an open
+        cache (its pages, beams, pending claims and scratch slots)."""
+        caches = list(self._open.values())
+        refs = [p for c in caches for p in c.page_ids()]
+        refs += [p for c in caches for g in self.scratch_groups for p in c.scratch_page_ids(g)]
+        self.storage_levels.check_invariants(refs)
 
 
 builtins_id = id
