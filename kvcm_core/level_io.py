@@ -849,7 +849,12 @@ class LevelIO:
         them; the thread runs them when it can, then ends).
         """
         failures: list[str] = []
-        self.flush_held()
+        while self._held:  # each pool's held writes, whatever another pool's raised
+            try:
+                self._flush_one(next(iter(self._held.values())))
+            except Exception as exc:  # its slots are marked bad; the closers still run
+                failures.append(f"level {self.level}: held writes: "
+                                f"{type(exc).__name__}: {exc}")
         if self.deadline_s is None or (self._thread is None and not self._native):
             for what, fn in closers:
                 try:

@@ -249,6 +249,33 @@ def test_a_held_write_that_cannot_be_started_leaves_its_slots_unreadable(monkeyp
     _close(io, pool)
 
 
+def test_close_reports_held_writes_that_cannot_be_started_and_still_closes_every_pool(
+        monkeypatch):
+    """A close whose held writes cannot be handed on (no memory, say) names that failure
+    and goes on: the other pool's held writes are written and every closer runs."""
+    tier, io, seen = _level(combine=1 << 20)
+    first, second = _pool(tier, io, seen, "a"), _pool(tier, io, seen, "b")
+    _held_write(io, first, [1], 1)
+    _held_write(io, second, [2], 2)
+    queue_write = io._queue_write
+    calls = []
+
+    def broken_once(*args, **kwargs):
+        calls.append(args[2])
+        if len(calls) == 1:
+            raise MemoryError("no room for the write")
+        return queue_write(*args, **kwargs)
+
+    monkeypatch.setattr(io, "_queue_write", broken_once)
+    closed = []
+    failures, abandoned = io.close(
+        [("pools", lambda: [closed.append(p.close()) for p in (first, second)])],
+        time.monotonic() + 1.0)
+    assert len(calls) == 2 and abandoned == [] and len(closed) == 2
+    assert len(failures) == 1 and "held writes: MemoryError" in failures[0]
+    assert tier.writes == 1  # the other pool's held write went out before the closers
+
+
 def test_a_full_write_queue_still_refuses_a_write_that_would_be_held():
     """The queue's bound holds for held writes too: with ``write_queue_depth`` writes in
     flight, a droppable write is refused at once (its victims are dropped), not held."""
