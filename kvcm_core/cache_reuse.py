@@ -4,14 +4,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 
 from kvcm_core.cache_base import CacheBase, CacheStatus
-from kvcm_core.errors import InvalidArgumentError
+from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError
 from kvcm_core.types import ReusePolicy
 
 __all__ = ["CacheStatus", "ReuseMixin", "ReuseStatus"]
@@ -102,6 +102,10 @@ class ReuseMixin(CacheBase):
         """Validate the OPTIONAL choice; return the claims to give up ``(group, block,
         page)`` (block -1: a pending copy or SSM snapshot). Raises ValueError, with nothing
         changed, for a REQUIRED, unknown or incomplete group."""
+        if selected is not None and (isinstance(selected, str | bytes) or
+                                     not isinstance(selected, Iterable)):
+            raise ArgumentTypeError(f"optional_reuse_groups={selected!r}: must be a sequence of "
+                                    "cache group ids, or None")
         ngroups = len(self._ctx.life_cycles)
         optional = {g for g, st in self._reuse_status.items()
                     if st.policy is ReusePolicy.OPTIONAL}

@@ -8,6 +8,8 @@ need the installed plugins (tier media, codec names) are checked when the manage
 from __future__ import annotations
 
 import math
+import numbers
+import os
 import re
 import tomllib
 from collections.abc import Callable, Mapping
@@ -46,6 +48,14 @@ def _where(inst: object, attr: attrs.Attribute[Any]) -> str:
     if isinstance(inst, KVCacheManagerConfig):
         return attr.name
     return f"{type(inst).__name__}.{attr.name}"
+
+
+def _plain_int(value: Any) -> Any:
+    """An integer of another type (a NumPy integer: engines compute sizes with NumPy) as an
+    int; anything else as given, for the validator to judge (a bool stays a bool)."""
+    if not isinstance(value, int) and isinstance(value, numbers.Integral):
+        return int(value)
+    return value
 
 
 def _int(minimum: int | None = None, *, optional: bool = False) -> Callable[..., None]:
@@ -190,7 +200,7 @@ class BufferConfig:
     )
     is_sparse: bool = attrs.field(default=False, validator=_bool)
     dtype: str = attrs.field(default="bytes", validator=_dtype)
-    group_size: int = attrs.field(default=128, validator=_int(1))
+    group_size: int = attrs.field(converter=_plain_int, default=128, validator=_int(1))
     exact: bool | None = attrs.field(default=None, validator=_optional_bool)
 
     def __attrs_post_init__(self) -> None:
@@ -227,9 +237,9 @@ class SparseConfig:
         selection_id: layers with the same id share one selection; ``None`` never shares.
     """
 
-    unit_tokens: int = attrs.field(validator=_pow2)
-    num_selected: int = attrs.field(validator=_int(1))
-    working_set_units: int = attrs.field(validator=_int(1))
+    unit_tokens: int = attrs.field(converter=_plain_int, validator=_pow2)
+    num_selected: int = attrs.field(converter=_plain_int, validator=_int(1))
+    working_set_units: int = attrs.field(converter=_plain_int, validator=_int(1))
     selection_id: str | int | None = attrs.field(default=None, validator=_selection_id)
 
     def __attrs_post_init__(self) -> None:
@@ -272,10 +282,11 @@ class AttentionLayerConfig:
         sparse: sparse attention settings, or ``None``.
     """
 
-    layer_id: int = attrs.field(validator=_int(0))
+    layer_id: int = attrs.field(converter=_plain_int, validator=_int(0))
     buffers: tuple[BufferConfig, ...] = attrs.field(converter=_tuple, validator=_buffers)
-    sliding_window_size: int | None = attrs.field(default=None, validator=_int(1, optional=True))
-    num_sink_tokens: int = attrs.field(default=0, validator=_int(0))
+    sliding_window_size: int | None = attrs.field(converter=_plain_int, default=None,
+                                                  validator=_int(1, optional=True))
+    num_sink_tokens: int = attrs.field(converter=_plain_int, default=0, validator=_int(0))
     reuse_policy: ReusePolicy = attrs.field(
         default=ReusePolicy.REQUIRED, converter=_to_policy, validator=_policy(optional=False)
     )
@@ -325,7 +336,7 @@ class AttentionLayerConfig:
 class SsmLayerConfig:
     """A recurrent-state layer (Mamba-style): one state page per request and beam."""
 
-    layer_id: int = attrs.field(validator=_int(0))
+    layer_id: int = attrs.field(converter=_plain_int, validator=_int(0))
     buffers: tuple[BufferConfig, ...] = attrs.field(converter=_tuple, validator=_buffers)
     reuse_policy: ReusePolicy = attrs.field(
         default=ReusePolicy.REQUIRED, converter=_to_policy, validator=_policy(optional=False)
@@ -477,8 +488,8 @@ class SwaScratchConfig:
         max_scratch_slots: scratch slots a request may use at once.
     """
 
-    scratch_pages_per_block: int = attrs.field(validator=_pow2)
-    max_scratch_slots: int = attrs.field(default=4, validator=_int(1))
+    scratch_pages_per_block: int = attrs.field(converter=_plain_int, validator=_pow2)
+    max_scratch_slots: int = attrs.field(converter=_plain_int, default=4, validator=_int(1))
 
 
 def _layers(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -541,17 +552,17 @@ class KVCacheManagerConfig:
             than the one driving the manager (see ``KVCacheManager.bind_thread``).
     """
 
-    tokens_per_block: int = attrs.field(validator=_pow2)
+    tokens_per_block: int = attrs.field(converter=_plain_int, validator=_pow2)
     layers: tuple[LayerConfig, ...] = attrs.field(converter=_tuple, validator=_layers)
     levels: tuple[LevelConfig, ...] = attrs.field(converter=_tuple, validator=_levels)
     kernel_backend: str = attrs.field(default="auto", validator=_plugin_name())
     eviction_policy: str = attrs.field(default="lru", validator=_plugin_name())
     max_util_for_resume: float = attrs.field(default=0.97, validator=_unit_interval)
     enable_partial_reuse: bool = attrs.field(default=True, validator=_bool)
-    reuse_match_backoff: int = attrs.field(default=0, validator=_int(0))
+    reuse_match_backoff: int = attrs.field(converter=_plain_int, default=0, validator=_int(0))
     commit_min_snapshot: bool = attrs.field(default=False, validator=_bool)
-    max_rewind_len: int = attrs.field(default=0, validator=_int(0))
-    max_beam_width: int = attrs.field(default=1, validator=_int(1))
+    max_rewind_len: int = attrs.field(converter=_plain_int, default=0, validator=_int(0))
+    max_beam_width: int = attrs.field(converter=_plain_int, default=1, validator=_int(1))
     swa_scratch: SwaScratchConfig | None = attrs.field(default=None)
     sparse_host_quota: int | None = attrs.field(
         default=None, converter=_sparse_quota, validator=_size(1, optional=True)
@@ -715,6 +726,8 @@ class KVCacheManagerConfig:
         Raises:
             ConfigError: the file cannot be read, is not TOML, or breaks a rule.
         """
+        if not isinstance(path, str | os.PathLike):
+            raise ConfigError("toml", path, "must be a path to a TOML file (a str or Path)")
         try:
             with open(path, "rb") as fh:
                 data = tomllib.load(fh)

@@ -151,13 +151,15 @@ class StorageLayout:
 
     def split_quota(
         self, quota: int, ratios: Sequence[float] | None, level: int = 0,
-        groups: Sequence[int] | None = None,
+        groups: Sequence[int] | None = None, field: str | None = None,
     ) -> list[int]:
         """Slots per pool group for a level quota.
 
         By default every life cycle gets the same number of slots (the share of a pool group
         is its bytes per slot times its number of life cycles); ``ratios`` override the
         shares, one per pool group. ``groups`` splits among those pool groups only.
+        ``field``: the configuration field a quota too small is blamed on (default: the
+        level's quota).
         """
         pgs = self.pool_groups if groups is None else [self.pool_groups[g] for g in groups]
         weights: list[float]
@@ -176,7 +178,7 @@ class StorageLayout:
         for pg, n in zip(pgs, slots, strict=True):
             if n < 1:
                 raise ConfigError(
-                    f"levels[{level}].quota", quota,
+                    field or f"levels[{level}].quota", quota,
                     f"too small: pool group {pg.id} ({pg.page_bytes} bytes per block) gets "
                     "no slot",
                 )

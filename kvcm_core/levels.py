@@ -16,6 +16,7 @@ them, skipping a level too small for them), and :meth:`Levels.make_room` then fr
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -131,9 +132,12 @@ class Levels:
         slots = level0_slots(layout, config)
         for pg, n in zip(layout.pool_groups, slots, strict=True):
             # Sparse pools: level 0, but in pinned host memory under their own quota.
-            pools = [SparseHostPool(backend, size, n, f"L0-pg{pg.id}-sparse{k}") if pg.sparse
-                     else tiers[0].create_pool(size, n, name=f"L0-pg{pg.id}-pool{k}")
-                     for k, size in enumerate(pg.slot_sizes)]
+            pools = [_allocate(
+                functools.partial(SparseHostPool, backend, size, n, f"L0-pg{pg.id}-sparse{k}"),
+                "sparse_host_quota", config.sparse_host_quota) if pg.sparse else _allocate(
+                functools.partial(tiers[0].create_pool, size, n, name=f"L0-pg{pg.id}-pool{k}"),
+                "levels[0].quota", config.levels[0].quota)
+                for k, size in enumerate(pg.slot_sizes)]
             self._add_store(0, pg.id, pools, make_policy, nlevels == 1)
         # Cold grouping: (pool policy, cold page size), independent of the GPU grouping;
         # where cold levels' codecs give different sizes, (pool policy, size on level 1,
@@ -162,7 +166,9 @@ class Levels:
                 # Unnamed: kvcm does not persist its tree, so cold files are private to
                 # this manager (two managers never share a file).
                 cold = self.cold_size(ci, li)
-                pool = tiers[li].create_pool(self.slot_bytes(li, cold), n)
+                pool = _allocate(functools.partial(
+                    tiers[li].create_pool, self.slot_bytes(li, cold), n),
+                    f"levels[{li}].quota", lc.quota)
                 wrapped = io.wrap(pool)
                 if wrapped is not pool:
                     self.io[li] = io
@@ -1099,6 +1105,16 @@ class Levels:
         if failures:
             raise TierIOError(f"shutdown could not release {len(failures)} resources "
                               f"(the rest is released): {'; '.join(failures)}")
+
+
+def _allocate(make: Callable[[], Any], field: str, quota: int | None) -> Any:
+    """A pool, or a ConfigError naming the quota a pool of that size cannot have (no
+    memory for it, or more than an array can index)."""
+    try:
+        return make()
+    except (MemoryError, OverflowError, ValueError) as exc:
+        raise ConfigError(field, quota, f"cannot be allocated ({type(exc).__name__}: "
+                          f"{exc})") from exc
 
 
 def _in_runs(slots: np.ndarray, old: np.ndarray, per: int) -> np.ndarray:

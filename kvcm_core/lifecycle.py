@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import attrs
+import numpy as np
 
 from kvcm_core.config import AttentionLayerConfig, KVCacheManagerConfig, SsmLayerConfig
-from kvcm_core.errors import ConfigError
+from kvcm_core.errors import ArgumentTypeError, ConfigError
 from kvcm_core.types import CacheGroupId, ReusePolicy
 
 __all__ = ["BufferKey", "LifeCycle", "LifeCycleRegistry"]
@@ -157,12 +158,16 @@ class LifeCycleRegistry:
         return {k: e.group for k, e in self._buffers.items()}
 
     def get_buffer_group_id(self, layer_id: int, role: str) -> CacheGroupId:
+        layer_id = _layer_id(layer_id)
+        if not isinstance(role, str):
+            raise ArgumentTypeError(f"role={role!r}: must be a buffer role (a str)")
         entry = self._buffers.get((layer_id, role))
         if entry is None:
             raise KeyErrorAsConfig.buffer(layer_id, role, self._buffers)
         return entry.group
 
     def get_layer_group_id(self, layer_id: int) -> CacheGroupId:
+        layer_id = _layer_id(layer_id)
         groups = self._layer_groups.get(layer_id)
         if not groups:
             raise ConfigError(
@@ -199,3 +204,10 @@ class KeyErrorAsConfig:
         else:
             rule = f"no layer {layer_id} with buffers of size > 0"
         return ConfigError("(layer_id, role)", (layer_id, role), rule)
+
+
+def _layer_id(layer_id: object) -> int:
+    """A layer id argument as an int (NumPy integers too), or the typed error naming it."""
+    if isinstance(layer_id, bool) or not isinstance(layer_id, int | np.integer):
+        raise ArgumentTypeError(f"layer_id={layer_id!r}: must be an int")
+    return int(layer_id)

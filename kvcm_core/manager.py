@@ -491,7 +491,10 @@ class KVCacheManager:
         self.thread_guard.check()
         self._check_open()
         nlevels = len(self.config.levels)
-        if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level < nlevels:
+        if isinstance(level, bool) or not isinstance(level, int | np.integer):
+            raise ConfigError("level", level, f"must be an int in 0..{nlevels - 1}")
+        level = int(level)
+        if not 0 <= level < nlevels:
             raise ConfigError("level", level, f"must be in 0..{nlevels - 1}")
         quota = parse_size(quota, "quota")
         active = [c.id for c in self._open.values() if c.status is CacheStatus.ACTIVE]

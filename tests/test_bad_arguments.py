@@ -117,3 +117,106 @@ def test_public_calls_raise_only_typed_kvcm_errors_for_bad_arguments(call, error
         call(m, c)
     assert m.num_open_caches == 1 and c.capacity == 4, "a refused call changed something"
     c.close()
+
+
+# -- found by a first-use review: each call below raised a bare Python error or named the
+# -- wrong field
+
+def _one_layer(**kw):
+    from kvcm_core import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
+    levels = kw.pop("levels", [LevelConfig(tier="gpu", quota="4MiB")])
+    layers = kw.pop("layers", [AttentionLayerConfig(
+        layer_id=0, buffers=[BufferConfig(role="key", size=4096)])])
+    return KVCacheManagerConfig(tokens_per_block=16, layers=layers, levels=levels, **kw)
+
+
+@pytest.mark.parametrize("ratios", [[1], [1, 1, 1]], ids=["short", "long"])
+def test_pool_group_ratios_need_exactly_one_ratio_per_pool_group(ratios) -> None:
+    from kvcm_core import AttentionLayerConfig, BufferConfig, ConfigError, KVCacheManager
+    layers = [AttentionLayerConfig(layer_id=0, buffers=[BufferConfig(role="key", size=4096)]),
+              AttentionLayerConfig(layer_id=1, sliding_window_size=64,
+                                   buffers=[BufferConfig(role="key", size=1024)])]
+    with pytest.raises(ConfigError, match=r"one ratio per pool group \(2") as info:
+        KVCacheManager(_one_layer(layers=layers, pool_group_ratios=ratios))
+    assert info.value.field == "pool_group_ratios"
+
+
+def test_a_sparse_host_quota_too_small_for_one_slot_is_blamed_on_that_field() -> None:
+    from kvcm_core import AttentionLayerConfig, BufferConfig, ConfigError, KVCacheManager
+    from kvcm_core.config import SparseConfig
+    layer = AttentionLayerConfig(
+        layer_id=0, buffers=[BufferConfig(role="k", size=64, is_sparse=True)],
+        sparse=SparseConfig(unit_tokens=4, num_selected=1, working_set_units=2))
+    with pytest.raises(ConfigError, match="too small") as info:
+        KVCacheManager(_one_layer(layers=[layer], sparse_host_quota=10))
+    assert info.value.field == "sparse_host_quota"
+
+
+@pytest.mark.parametrize("quota", ["64TiB", 10**30], ids=["no-memory", "past-any-array"])
+def test_a_quota_no_pool_can_have_is_a_config_error_naming_the_level(quota) -> None:
+    from kvcm_core import ConfigError, KVCacheManager, LevelConfig
+    levels = [LevelConfig(tier="gpu", quota="4MiB"), LevelConfig(tier="host", quota=quota)]
+    with pytest.raises(ConfigError, match="cannot be allocated") as info:
+        KVCacheManager(_one_layer(levels=levels))
+    assert info.value.field == "levels[1].quota"
+
+
+@pytest.mark.parametrize("groups", [5, "0"], ids=["int", "str"])
+def test_optional_reuse_groups_must_be_a_sequence_and_a_bad_one_changes_nothing(groups):
+    from kvcm_core import KVCacheManager
+    m = KVCacheManager(_one_layer())
+    c = m.create_kv_cache(None, list(range(40)))
+    with pytest.raises(ArgumentTypeError, match=r"optional_reuse_groups=.*must be a sequence"):
+        c.resume(None, groups)
+    assert c.status.name == "SUSPENDED" and c.resume()
+    c.close()
+    m.shutdown()
+
+
+@pytest.mark.parametrize("layer_id", ["0", 0.0, True], ids=["str", "float", "bool"])
+def test_layer_ids_of_another_type_are_argument_type_errors_not_unknown_layers(layer_id):
+    from kvcm_core import KVCacheManager
+    m = KVCacheManager(_one_layer())
+    with pytest.raises(ArgumentTypeError, match=f"layer_id={layer_id!r}: must be an int"):
+        m.get_layer_group_id(layer_id)
+    with pytest.raises(ArgumentTypeError, match="must be an int"):
+        m.get_buffer_group_id(layer_id, "key")
+    with pytest.raises(ArgumentTypeError, match="role=0: must be a buffer role"):
+        m.get_buffer_group_id(0, 0)
+    assert m.get_layer_group_id(np.int32(0)) == m.get_buffer_group_id(np.int64(0), "key") == 0
+    m.shutdown()
+
+
+def test_a_level_given_as_a_numpy_integer_is_taken_and_a_float_level_is_refused() -> None:
+    from kvcm_core import ConfigError, KVCacheManager, LevelConfig
+    m = KVCacheManager(_one_layer(levels=[LevelConfig(tier="gpu", quota="4MiB"),
+                                          LevelConfig(tier="host", quota="4MiB")]))
+    assert m.resize(np.int64(1), "8MiB")
+    assert m.get_storage_statistics(1).total_bytes == 8 << 20
+    with pytest.raises(ConfigError, match=r"level=1.0: must be an int in 0..1"):
+        m.resize(1.0, "8MiB")
+    m.shutdown()
+
+
+def test_numpy_integers_in_the_configuration_are_taken_as_ints_and_bools_still_refused():
+    from kvcm_core import (
+        AttentionLayerConfig,
+        BufferConfig,
+        ConfigError,
+        KVCacheManagerConfig,
+        LevelConfig,
+    )
+    layer = AttentionLayerConfig(layer_id=np.int32(0), sliding_window_size=np.int64(64),
+                                 buffers=[BufferConfig(role="k", size=np.int64(16))])
+    cfg = KVCacheManagerConfig(tokens_per_block=np.int64(16), layers=[layer],
+                               levels=[LevelConfig(tier="gpu", quota="1MiB")])
+    assert type(cfg.tokens_per_block) is int and cfg.tokens_per_block == 16
+    assert type(cfg.layers[0].layer_id) is int and type(cfg.layers[0].sliding_window_size) is int
+    with pytest.raises(ConfigError, match="must be an int"):
+        AttentionLayerConfig(layer_id=True, buffers=[BufferConfig(role="k", size=16)])
+
+
+def test_reading_a_configuration_from_something_not_a_path_is_a_config_error() -> None:
+    from kvcm_core import ConfigError, KVCacheManagerConfig
+    with pytest.raises(ConfigError, match="toml=None: must be a path"):
+        KVCacheManagerConfig.from_toml(None)

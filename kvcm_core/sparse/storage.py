@@ -75,6 +75,9 @@ def level0_slots(layout: StorageLayout, config: KVCacheManagerConfig,
     the groups within each share."""
     out: list[int] = [0] * len(layout.pool_groups)
     ratios = config.pool_group_ratios
+    if ratios is not None and len(ratios) != len(out):
+        raise ConfigError("pool_group_ratios", tuple(ratios),
+                          f"needs one ratio per pool group ({len(out)}: see pool_group_descs)")
     for sparse, total in ((False, config.levels[0].quota if quota is None else quota),
                           (True, config.sparse_host_quota)):
         ids = [pg.id for pg in layout.pool_groups if pg.sparse is sparse]
@@ -83,6 +86,8 @@ def level0_slots(layout: StorageLayout, config: KVCacheManagerConfig,
         if total is None:
             raise ConfigError("sparse_host_quota", None, "sparse buffers need a host quota")
         sub: Any = None if ratios is None else [ratios[i] for i in ids]
-        for pg, n in zip(ids, layout.split_quota(total, sub, groups=ids), strict=True):
+        field = "sparse_host_quota" if sparse else None
+        for pg, n in zip(ids, layout.split_quota(total, sub, groups=ids, field=field),
+                         strict=True):
             out[pg] = n
     return out
