@@ -73,6 +73,32 @@ def test_an_existing_result_file_is_refused_before_running(name: str, tmp_path: 
     assert old.read_text() == '{"kept": true}'
 
 
+def _unwritable_outs(tmp_path: Path) -> dict[str, tuple[str, str]]:
+    """``--out`` values no result can be written to, and what the refusal says."""
+    plain = tmp_path / "notes.txt"
+    plain.write_text("kept")
+    outs = {"existing non-JSON file": (str(plain), "is an existing file, not a folder"),
+            "a file as a folder": (str(plain / "r.json"), f"{plain} is not a folder")}
+    if Path("/proc").is_dir():  # no file can be made in /proc, even by root
+        outs["/proc"] = ("/proc/kvcm-bench.json", "no file can be made in /proc")
+    return outs
+
+
+@pytest.mark.parametrize("name", ["manager", "mixed", "batch", "kernels", "eviction"])
+def test_an_out_path_that_cannot_be_written_is_refused_before_running(name: str,
+                                                                      tmp_path: Path,
+                                                                      capsys) -> None:
+    for what, (out, why) in _unwritable_outs(tmp_path).items():
+        code = cli.main(["bench", name, *_quick_args(name, tmp_path), "--quick", "--out",
+                         out])
+        captured = capsys.readouterr()
+        assert code == 2, what
+        assert captured.out == "", what  # nothing ran
+        assert f"--out={out!r}" in captured.err and why in captured.err, captured.err
+        assert "Traceback" not in captured.err
+    assert (tmp_path / "notes.txt").read_text() == "kept"
+
+
 def test_result_path_never_names_an_existing_file(tmp_path: Path) -> None:
     first = result_path(str(tmp_path), "host_overhead", "s2")
     assert first.name.startswith("host_overhead-") and first.name.endswith("-s2.json")
