@@ -1,5 +1,6 @@
 """Terminal output shared by the ``kvcm`` commands: consoles that never wrap or cut a
-table when the output is piped, and a clean end when the reader of a pipe goes away.
+table when the output is piped, and a clean end when the reader of a pipe goes away; and
+the argparse ``type=`` of their whole-number options (:func:`int_at_least`).
 
 On a terminal a console takes the terminal's width. Piped into a file or another program
 (``kvcm simulate > out.txt``, ``kvcm plugins | grep cuda``) there is no width to respect:
@@ -9,13 +10,15 @@ room enough for every table row to stay on one line.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
 
-__all__ = ["PIPE_WIDTH", "make_console", "silence_stdout"]
+__all__ = ["PIPE_WIDTH", "int_at_least", "make_console", "silence_stdout"]
 
 #: Columns a console gets when its output is not a terminal: wider than any table kvcm
 #: prints, so no row wraps (lines are not padded to it).
@@ -41,3 +44,21 @@ def silence_stdout() -> None:
         os.close(devnull)
     except (OSError, ValueError):  # no real file descriptor (e.g. captured output)
         pass
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type=``: a whole number ``>= low``. Anything else is a usage error (exit
+    status 2) naming the option (argparse adds it), the value and the rule, before any
+    work: ``argument --reps: 0: must be an int >= 1``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: must be an int >= {low}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value}: must be an int >= {low}")
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse

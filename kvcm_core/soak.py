@@ -83,6 +83,11 @@ def _rate(instance: Any, attribute: attrs.Attribute[float], value: float) -> Non
         raise ConfigError(f"soak.{attribute.name}", value, "must be a number in [0, 1]")
 
 
+def _seed(instance: Any, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"soak.{attribute.name}", value, "must be an int >= 0")
+
+
 def _seconds(instance: Any, attribute: attrs.Attribute[float], value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 60:
         raise ConfigError(f"soak.{attribute.name}", value, "must be seconds in (0, 60]")
@@ -112,7 +117,7 @@ class SoakConfig:
     """
 
     steps: int = attrs.field(default=1000, validator=attrs.validators.ge(0))
-    seed: int = 0
+    seed: int = attrs.field(default=0, validator=_seed)
     write_fault_rate: float = attrs.field(default=0.05, validator=_rate)
     read_fault_rate: float = attrs.field(default=0.05, validator=_rate)
     corrupt_rate: float = attrs.field(default=0.02, validator=_rate)
@@ -387,7 +392,7 @@ def _parser() -> argparse.ArgumentParser:
         "every step fingerprint-verified and invariant-"
         "checked. Exit 1 on any wrong KV or broken invariant.")
     p.add_argument("--steps", type=int, default=1000, help="engine steps (default 1000)")
-    p.add_argument("--seed", type=int, default=0, help="workload and fault seed")
+    p.add_argument("--seed", type=int, default=0, help="workload and fault seed, an int >= 0")
     p.add_argument("--write-fault-rate", type=float, default=0.05,
                    help="chance per step of a failed disk write (default 0.05)")
     p.add_argument("--read-fault-rate", type=float, default=0.05,

@@ -73,6 +73,83 @@ def test_an_existing_result_file_is_refused_before_running(name: str, tmp_path: 
     assert old.read_text() == '{"kept": true}'
 
 
+def _unwritable_outs(tmp_path: Path) -> dict[str, tuple[str, str]]:
+    """``--out`` values no result can be written to, and what the refusal says."""
+    plain = tmp_path / "notes.txt"
+    plain.write_text("kept")
+    outs = {"existing non-JSON file": (str(plain), "is an existing file, not a folder"),
+            "a file as a folder": (str(plain / "r.json"), f"{plain} is not a folder")}
+    if Path("/proc").is_dir():  # no file can be made in /proc, even by root
+        outs["/proc"] = ("/proc/kvcm-bench.json", "no file can be made in /proc")
+    return outs
+
+
+@pytest.mark.parametrize("name", ["manager", "mixed", "batch", "kernels", "eviction"])
+def test_an_out_path_that_cannot_be_written_is_refused_before_running(name: str,
+                                                                      tmp_path: Path,
+                                                                      capsys) -> None:
+    for what, (out, why) in _unwritable_outs(tmp_path).items():
+        code = cli.main(["bench", name, *_quick_args(name, tmp_path), "--quick", "--out",
+                         out])
+        captured = capsys.readouterr()
+        assert code == 2, what
+        assert captured.out == "", what  # nothing ran
+        assert f"--out={out!r}" in captured.err and why in captured.err, captured.err
+        assert "Traceback" not in captured.err
+    assert (tmp_path / "notes.txt").read_text() == "kept"
+
+
+@pytest.mark.parametrize(("name", "args", "message"), [
+    ("manager", ["--decode-batch", "0"], "argument --decode-batch: 0: must be an int >= 1"),
+    ("manager", ["--reps", "0"], "argument --reps: 0: must be an int >= 1"),
+    ("manager", ["--cpu", "99999"], "argument --cpu: 99999: not a CPU this process may run on"),
+    ("manager", ["--prefix-len", "8"], "--prefix-len 8 with --prefill-len 1024: the shared "
+                                       "prefix and the rest of each prompt must each hold"),
+    ("kernels", ["--reps", "0"], "argument --reps: 0: must be an int >= 1"),
+    ("kernels", ["--page-sizes", "0"], "argument --page-sizes: '0': must be a size >= 1 byte"),
+    ("kernels", ["--page-sizes", "abc"], "argument --page-sizes='abc': must be a byte count"),
+    ("kernels", ["--options", "notjson"], "argument --options: 'notjson': not JSON"),
+    ("kernels", ["--batches", "0"], "argument --batches: 0: must be an int >= 1"),
+    ("kernels", ["--batches", "1,-5"], "argument --batches: -5: must be an int >= 1"),
+    ("kernels", ["--directions", "h2x"], "argument --directions: unknown direction(s)"),
+    ("batch", ["--reps", "0"], "argument --reps: 0: must be an int >= 1"),
+    ("batch", ["--steps", "0"], "argument --steps: 0: must be an int >= 1"),
+])
+def test_a_bench_argument_that_cannot_work_is_a_usage_error_before_running(
+        name: str, args: list[str], message: str, tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", name, *_quick_args(name, tmp_path), "--quick", *args, "--out",
+                  str(tmp_path / "out")])
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err, captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert not (tmp_path / "out").exists()
+
+
+def test_too_few_manager_slots_is_one_line_naming_num_blocks(tmp_path: Path, capsys) -> None:
+    code = cli.main(["bench", "manager", "--quick", "--num-blocks", "10", "--lookup-sizes",
+                     "1", "--out", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--num-blocks=10: too few GPU slots for the decode part" in err
+    assert "Traceback" not in err
+
+
+def test_options_given_explicitly_still_apply_with_quick_in_bench_kernels(tmp_path: Path
+                                                                         ) -> None:
+    from kvcm_core.bench import kernels
+
+    base = ["--quick", "--out", str(tmp_path)]
+    args = kernels._parse_args([*base, "--page-sizes", "8KiB", "--batches", "7", "--reps",
+                                "1"])
+    assert (args.page_sizes, args.batches, args.reps) == ([8192], [7], 1)
+    args = kernels._parse_args([*base, "--batches", "7"])  # the others: the quick defaults
+    assert (args.page_sizes, args.batches, args.reps) == ([4096, 65536, 1 << 20], [7], 3)
+    args = kernels._parse_args(["--out", str(tmp_path)])
+    assert args.reps == 7 and len(args.page_sizes) == 5
+
+
 def test_result_path_never_names_an_existing_file(tmp_path: Path) -> None:
     first = result_path(str(tmp_path), "host_overhead", "s2")
     assert first.name.startswith("host_overhead-") and first.name.endswith("-s2.json")

@@ -132,6 +132,55 @@ def test_level_0_that_holds_the_largest_request_passes_the_check(tmp_path):
     assert main(["--config", cfg, *QUICK, "--out", str(tmp_path)]) == 0
 
 
+@pytest.mark.parametrize("replace", [{"seed = 0": "seed = -1"},
+                                     {"vocab = 32000": "vocab = 9999999999999"}])
+def test_a_negative_seed_or_a_vocab_past_int32_in_the_file_exits_2_naming_the_field(
+        tmp_path, capsys, replace):
+    cfg = _config(tmp_path, **replace)
+    args = [a for a in QUICK if a not in ("--seed", "3")]
+    assert main(["--config", cfg, *args, "--out", str(tmp_path / "out")]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert ("simulate.seed=-1: must be an int >= 0" in line
+            or "simulate.vocab=9999999999999: must be an int in [1, 2**31]" in line), line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("option", "value"), [("--seed", "-1"), ("--corrupt-at", "-1"),
+                                               ("--seed", "abc")])
+def test_a_negative_seed_or_corrupt_at_option_is_a_usage_error_naming_it(
+        tmp_path, capsys, option, value):
+    with pytest.raises(SystemExit) as info:
+        main([*QUICK, option, value, "--out", str(tmp_path / "out")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: {value if value != 'abc' else repr(value)}: must be an int " \
+           ">= 0" in err, err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("knob", "bad", "low"), [
+    ("chunk_tokens", 0, 1), ("max_batch", 0, 1), ("token_budget", 0, 1), ("samples", 0, 1),
+    ("invariants_every", -1, 0)])
+def test_a_scheduler_knob_that_cannot_work_exits_2_with_must_be_at_least(
+        tmp_path, capsys, knob, bad, low):
+    line_of = {"chunk_tokens": "chunk_tokens = 256", "max_batch": "max_batch = 16",
+               "token_budget": "token_budget = 1024", "samples": "samples = 200",
+               "invariants_every": "invariants_every = 100"}
+    cfg = _config(tmp_path, **{line_of[knob]: f"{knob} = {bad}"})
+    assert main(["--config", cfg, *QUICK, "--out", str(tmp_path / "out")]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"configuration error: simulate.{knob}={bad}: must be an int >= {low}" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_corrupt_at_past_the_runs_end_corrupts_nothing_and_exits_2_saying_so(tmp_path,
+                                                                              capsys):
+    assert main([*QUICK, "--corrupt-at", "999999", "--out", str(tmp_path)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "--corrupt-at 999999: nothing was corrupted" in line
+    assert "the run ended after" in line and "before step 999999" in line
+
+
 # -- warnings -----------------------------------------------------------------------------------
 
 

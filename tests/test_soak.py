@@ -87,6 +87,14 @@ def test_a_bad_soak_argument_exits_2(capsys) -> None:
     assert "read_fault_rate" in capsys.readouterr().err
 
 
+def test_a_negative_soak_seed_exits_2_naming_the_field(capsys) -> None:
+    with pytest.raises(ConfigError, match=r"soak\.seed=-1: must be an int >= 0"):
+        SoakConfig(seed=-1)
+    assert main(["soak", "--steps", "5", "--seed", "-1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "soak.seed=-1: must be an int >= 0" in err and "Traceback" not in err
+
+
 def test_the_soak_catches_wrong_kv_and_exits_1(monkeypatch, capsys) -> None:
     """The oracle is live: flipping a byte of every GPU page mid-run is reported as wrong
     KV (and a failing run exits 1)."""

@@ -21,7 +21,9 @@ Each module has ``main(argv) -> int`` and ``_parser()``, takes ``--quick`` for a
 JSON (machine, versions, date) to a new file: ``--out DIR`` (default
 ``benchmarks/results``) gets ``NAME-YYYYmmdd-HHMMSS[-TAG].json`` (UTC), ``--out FILE.json``
 that very file. A result file is never overwritten: an existing ``--out FILE.json`` is
-refused before the benchmark runs, and two runs in the same second get ``-2``, ``-3`` ...
+refused before the benchmark runs, as is an ``--out`` that cannot be written (an existing
+file that is not ``.json``, a folder where no file can be made), and two runs in the same
+second get ``-2``, ``-3`` ...
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
@@ -105,14 +108,37 @@ def parse_with_quick(parser: argparse.ArgumentParser, argv: Sequence[str] | None
 
 
 def check_out(out: str) -> None:
-    """Refuse, before any work, an ``--out FILE.json`` that exists.
+    """Refuse, before any work, an ``--out`` no result could be written to: an existing
+    ``FILE.json``, an existing file for a folder, or a path under which no file can be made
+    (its nearest existing folder is a file, or not writable).
 
     Raises:
-        ConfigError: the file exists (a result is never overwritten).
+        ConfigError: the file exists (a result is never overwritten), or ``out`` cannot be
+            written.
     """
-    if out.endswith(".json") and os.path.exists(out):
-        raise ConfigError("--out", out, "exists: a benchmark never overwrites a result; "
-                                        "name a new file, or a folder for a timestamped one")
+    path = Path(out)
+    if out.endswith(".json"):
+        if os.path.lexists(out):
+            raise ConfigError("--out", out, "exists: a benchmark never overwrites a result; "
+                                            "name a new file, or a folder for a timestamped "
+                                            "one")
+        folder = path.parent
+    else:
+        if path.exists() and not path.is_dir():
+            raise ConfigError("--out", out, "is an existing file, not a folder: name a "
+                                            "folder for a timestamped result, or a new "
+                                            "FILE.json")
+        folder = path
+    while not folder.exists() and folder != folder.parent:  # the folders made on writing
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ConfigError("--out", out, f"cannot be written: {folder} is not a folder")
+    try:  # a file made and removed at once: permissions, read-only or pseudo file systems
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise ConfigError("--out", out, f"cannot be written: no file can be made in "
+                                        f"{folder} ({exc.strerror})") from None
 
 
 def result_path(out: str, name: str, tag: str = "", suffixes: Sequence[str] = (".json",)

@@ -44,6 +44,7 @@ from kvcm_core.bench import (
     write_result,
 )
 from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
+from kvcm_core.console import int_at_least
 from kvcm_core.manager import KVCacheManager
 from kvcm_core.plugins import get_plugin_manager
 
@@ -210,21 +211,25 @@ def _agg(runs: list[dict[str, float]], fn: Any) -> dict[str, float]:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvcm bench batch", description=__doc__,
                                  formatter_class=HelpFormatter)
-    ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32],
+    ap.add_argument("--block-sizes", type=int_at_least(1), nargs="+", default=[16, 32],
                     help="tokens per block of the host part; each is measured in turn")
-    ap.add_argument("--rows", type=int, default=256, help="decoding rows (host part)")
-    ap.add_argument("--context", type=int, default=2048, help="tokens of each row's context")
-    ap.add_argument("--steps", type=int, default=128, help="decode steps timed")
-    ap.add_argument("--reps", type=int, default=5, help="timed repetitions of the host part")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
+    ap.add_argument("--rows", type=int_at_least(1), default=256, help="decoding rows (host part)")
+    ap.add_argument("--context", type=int_at_least(1), default=2048,
+                    help="tokens of each row's context")
+    ap.add_argument("--steps", type=int_at_least(1), default=128, help="decode steps timed")
+    ap.add_argument("--reps", type=int_at_least(1), default=5,
+                    help="timed repetitions of the host part")
+    ap.add_argument("--warmup", type=int_at_least(0), default=1, help="untimed repetitions first")
     ap.add_argument("--seed", type=int, default=0, help="seed of the token generator")
     ap.add_argument("--device", choices=["auto", "none"], default="auto",
                     help="run the device part on every available CUDA backend (auto) or not")
-    ap.add_argument("--device-rows", type=int, default=256, help="rows of the device part")
-    ap.add_argument("--device-blocks", type=int, default=2048,
+    ap.add_argument("--device-rows", type=int_at_least(1), default=256,
+                    help="rows of the device part")
+    ap.add_argument("--device-blocks", type=int_at_least(1), default=2048,
                     help="blocks per row of the device part")
-    ap.add_argument("--tables", type=int, default=4, help="registered index tables")
-    ap.add_argument("--device-reps", type=int, default=9, help="timed publishes per case")
+    ap.add_argument("--tables", type=int_at_least(1), default=4, help="registered index tables")
+    ap.add_argument("--device-reps", type=int_at_least(1), default=9,
+                    help="timed publishes per case")
     add_output_options(ap, "one block size, 32 rows, short contexts, one repetition")
     return ap
 

@@ -40,11 +40,13 @@ from kvcm_core.backend import BAD_PAGE_INDEX, Buffer, KernelBackend, MemoryKind,
 from kvcm_core.bench import (
     DEFAULT_OUT,
     HelpFormatter,
-    check_out,
     device_backends,
+    parse_with_quick,
     result_path,
     timed_calls,
 )
+from kvcm_core.console import int_at_least
+from kvcm_core.errors import ConfigError
 from kvcm_core.plugins import get_plugin_manager
 from kvcm_core.units import parse_size
 
@@ -106,11 +108,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-bytes", default="1GiB", help="largest copy of one call; bigger batches are skipped"
     )
-    p.add_argument("--reps", type=int, default=7, help="timed repetitions")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls first")
+    p.add_argument("--reps", type=int_at_least(1), default=7, help="timed repetitions")
+    p.add_argument("--warmup", type=int_at_least(0), default=2, help="untimed calls first")
     p.add_argument(
         "--naive-pages",
-        type=int,
+        type=int_at_least(1),
         default=2048,
         help="pages of the one-memcpy-per-page baseline",
     )
@@ -118,7 +120,8 @@ def _parser() -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         help="a short run to try the benchmark: 4KiB,64KiB,1MiB pages, batches 1,256,4096, "
-        "3 reps (instead of the defaults of those options)",
+        "3 reps (instead of the defaults of those options); options given explicitly still "
+        "apply",
     )
     p.add_argument(
         "--options",
@@ -132,7 +135,8 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated block sizes: also time the gather kernel (copy_path='sm') "
         "with each, side by side, at the largest batch of every page size",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the random page indices")
+    p.add_argument("--seed", type=int_at_least(0), default=0,
+                   help="seed of the random page indices")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR|FILE.json",
                    help="where the results go: a folder gets new timestamped files, a path "
                         "ending in .json is that file (the PNG beside it); an existing file "
@@ -659,23 +663,53 @@ def run(args: argparse.Namespace, log: Callable[[str], None] | None = None) -> d
     return report
 
 
+#: What ``--quick`` changes (options given explicitly still apply).
+QUICK = {"page_sizes": "4KiB,64KiB,1MiB", "batches": "1,256,4096", "reps": 3}
+
+
 def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    args = _parser().parse_args(list(argv))
-    check_out(args.out)
-    if args.quick:
-        args.page_sizes, args.batches, args.reps = "4KiB,64KiB,1MiB", "1,256,4096", 3
-    args.page_sizes = [parse_size(x) for x in args.page_sizes.split(",") if x]
-    args.batches = [int(x) for x in args.batches.split(",") if x]
+    """Parse and check ``argv``; a bad value is a usage error (exit 2) naming the option,
+    the value and the rule, before any work."""
+    parser = _parser()
+    args = parse_with_quick(parser, list(argv), QUICK)
+
+    def counts(option: str, text: str, low: int = 1) -> list[int]:
+        parse = int_at_least(low)
+        try:
+            return [parse(x) for x in text.split(",") if x.strip()]
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"argument {option}: {exc} (a comma-separated list)")
+
+    def size(option: str, text: str) -> int:
+        try:
+            value = parse_size(text, option)
+        except ConfigError as exc:
+            parser.error(f"argument {exc}")
+        if value < 1:
+            parser.error(f"argument {option}: {text!r}: must be a size >= 1 byte")
+        return value
+
+    args.page_sizes = [size("--page-sizes", x) for x in args.page_sizes.split(",") if x]
+    args.batches = counts("--batches", args.batches)
+    if not args.page_sizes or not args.batches:
+        parser.error("--page-sizes and --batches need at least one value each")
     args.directions = [d for d in args.directions.split(",") if d]
     bad = [d for d in args.directions if d not in DIRECTIONS]
-    if bad:
-        raise SystemExit(f"unknown direction(s) {bad}; known: {', '.join(DIRECTIONS)}")
-    args.sweep_threads = [int(x) for x in args.sweep_threads.split(",") if x]
-    args.options = json.loads(args.options)
+    if bad or not args.directions:
+        parser.error(f"argument --directions: unknown direction(s) {bad}; known: "
+                     f"{', '.join(DIRECTIONS)}")
+    args.sweep_threads = counts("--sweep-threads", args.sweep_threads)
+    try:
+        args.options = json.loads(args.options)
+    except json.JSONDecodeError as exc:
+        parser.error(f"argument --options: {args.options!r}: not JSON ({exc})")
     if not isinstance(args.options, dict):
-        raise SystemExit(f"--options must be a JSON object, not {args.options!r}")
-    args.pool_bytes = parse_size(args.pool)
-    args.max_bytes = min(parse_size(args.max_bytes), args.pool_bytes)
+        parser.error(f"argument --options: must be a JSON object, not {args.options!r}")
+    args.pool_bytes = size("--pool", args.pool)
+    args.max_bytes = min(size("--max-bytes", args.max_bytes), args.pool_bytes)
+    if max(args.page_sizes) > args.max_bytes:
+        parser.error(f"argument --page-sizes: {max(args.page_sizes)} bytes: larger than the "
+                     f"largest copy ({args.max_bytes} bytes: --max-bytes, at most --pool)")
     return args
 
 

@@ -50,6 +50,8 @@ from kvcm_core.bench import (
     write_result,
 )
 from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
+from kvcm_core.console import int_at_least
+from kvcm_core.errors import ConfigError
 from kvcm_core.manager import KVCacheManager
 from kvcm_core.radix import scope_root_key
 
@@ -73,6 +75,11 @@ def rand_tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(n)]
 
 
+def _too_few_slots(args: argparse.Namespace, part: str, lower: str) -> ConfigError:
+    return ConfigError("--num-blocks", args.num_blocks,
+                       f"too few GPU slots for the {part} part: raise it, or lower {lower}")
+
+
 def run_decode(args: argparse.Namespace, tpb: int, seed: int) -> dict[str, float]:
     rng = random.Random(seed)
     batch, ctx, steps = args.decode_batch, args.decode_context, args.decode_steps
@@ -81,8 +88,8 @@ def run_decode(args: argparse.Namespace, tpb: int, seed: int) -> dict[str, float
     for i in range(batch):
         prompt = rand_tokens(rng, ctx)
         c = m.create_kv_cache(None, prompt[:-1], id=i)
-        assert c.resume()
-        assert c.resize(ctx)
+        if not (c.resume() and c.resize(ctx)):
+            raise _too_few_slots(args, "decode", "--decode-batch or --decode-context")
         c.commit(prompt[c.history_length:])
         caches.append(c)
     out = [[rng.randrange(VOCAB) for _ in range(batch)] for _ in range(steps)]
@@ -97,7 +104,8 @@ def run_decode(args: argparse.Namespace, tpb: int, seed: int) -> dict[str, float
         t0 = ns()
         for c, tok in zip(caches, toks, strict=True):
             if not c.resize(c.capacity + 1):
-                raise RuntimeError("out of blocks in decode")
+                raise _too_few_slots(args, "decode", "--decode-batch, --decode-context or "
+                                                     "--decode-steps")
             c.commit((tok,))
         t1 = ns()
         for c in caches:
@@ -137,7 +145,7 @@ def run_prefill(args: argparse.Namespace, tpb: int, seed: int) -> dict[str, floa
         c = m.create_kv_cache(None, p, id=i)
         t1 = ns()
         if not (c.resume() and c.resize(length)):
-            raise RuntimeError("out of blocks in prefill")
+            raise _too_few_slots(args, "prefill", "--prefill-requests or --prefill-len")
         t2 = ns()
         c.commit(p[c.history_length:])
         t3 = ns()
@@ -301,39 +309,62 @@ QUICK = {"block_sizes": [16], "num_blocks": 16384, "decode_batch": 32, "decode_c
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvcm bench manager", description=__doc__,
                                  formatter_class=HelpFormatter)
-    ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32],
+    ap.add_argument("--block-sizes", type=int_at_least(1), nargs="+", default=[16, 32],
                     help="tokens per block; each size is measured in turn")
-    ap.add_argument("--num-blocks", type=int, default=131072,
-                    help="GPU slots of the decode and prefill managers")
-    ap.add_argument("--decode-batch", type=int, default=256,
+    ap.add_argument("--num-blocks", type=int_at_least(1), default=131072,
+                    help="GPU slots of the decode and prefill managers (too few: an error "
+                         "naming the part they ran out in)")
+    ap.add_argument("--decode-batch", type=int_at_least(1), default=256,
                     help="requests running in each decode step")
-    ap.add_argument("--decode-context", type=int, default=2048,
+    ap.add_argument("--decode-context", type=int_at_least(1), default=2048,
                     help="tokens of each decoding request's context")
-    ap.add_argument("--decode-steps", type=int, default=128, help="decode steps timed")
-    ap.add_argument("--prefill-requests", type=int, default=512,
-                    help="requests of the prefill (prefix reuse) part")
-    ap.add_argument("--prefill-len", type=int, default=4096,
+    ap.add_argument("--decode-steps", type=int_at_least(1), default=128, help="decode steps timed")
+    ap.add_argument("--prefill-requests", type=int_at_least(2), default=512,
+                    help="requests of the prefill (prefix reuse) part, at least 2 (the "
+                         "first one warms the cache)")
+    ap.add_argument("--prefill-len", type=int_at_least(2), default=4096,
                     help="prompt tokens of each prefill request")
-    ap.add_argument("--prefix-len", type=int, default=2048,
-                    help="tokens every prefill prompt shares")
-    ap.add_argument("--lookup-sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000],
+    ap.add_argument("--prefix-len", type=int_at_least(1), default=2048,
+                    help="tokens every prefill prompt shares: at least the largest block "
+                         "size, and a block less than --prefill-len")
+    ap.add_argument("--lookup-sizes", type=int_at_least(1), nargs="+",
+                    default=[10_000, 100_000, 1_000_000],
                     help="other blocks cached while timing probe_reuse (one run per size)")
-    ap.add_argument("--lookup-match", type=int, default=64,
+    ap.add_argument("--lookup-match", type=int_at_least(1), default=64,
                     help="blocks the probed prompt matches")
-    ap.add_argument("--lookup-reps", type=int, default=7, help="repetitions of each lookup")
-    ap.add_argument("--reps", type=int, default=5, help="timed repetitions of decode+prefill")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
+    ap.add_argument("--lookup-reps", type=int_at_least(1), default=7,
+                    help="repetitions of each lookup")
+    ap.add_argument("--reps", type=int_at_least(1), default=5,
+                    help="timed repetitions of decode+prefill")
+    ap.add_argument("--warmup", type=int_at_least(0), default=1, help="untimed repetitions first")
     ap.add_argument("--seed", type=int, default=0, help="seed of the token generator")
-    ap.add_argument("--cpu", type=int, default=-1,
-                    help="pin to this CPU (-1: the last one; -2: no pinning)")
+    ap.add_argument("--cpu", type=int_at_least(-2), default=-1,
+                    help="pin to this CPU, one this process may run on (-1: the last "
+                         "one; -2: no pinning)")
     add_output_options(ap, "block size 16, 16384 slots, 32 x 512-token decode for 16 "
                            "steps, 64 prefill requests, lookups over 1k and 10k blocks, "
                            "one repetition and no warmup")
     return ap
 
 
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any work, lengths and a CPU the benchmark cannot run with (exit 2)."""
+    tpb = max(args.block_sizes)
+    if args.prefix_len < tpb or args.prefill_len - args.prefix_len < tpb:
+        parser.error(f"--prefix-len {args.prefix_len} with --prefill-len {args.prefill_len}: "
+                     f"the shared prefix and the rest of each prompt must each hold a block "
+                     f"of the largest block size ({tpb} tokens)")
+    if args.cpu >= 0 and hasattr(os, "sched_getaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        if args.cpu not in cpus:
+            parser.error(f"argument --cpu: {args.cpu}: not a CPU this process may run on "
+                         f"({', '.join(map(str, cpus))}; -1: the last one; -2: no pinning)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_with_quick(_parser(), argv, QUICK)
+    parser = _parser()
+    args = parse_with_quick(parser, argv, QUICK)
+    _check(parser, args)
     pinned = None
     if args.cpu != -2 and hasattr(os, "sched_setaffinity"):
         cpus = sorted(os.sched_getaffinity(0))

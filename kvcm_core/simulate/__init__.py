@@ -32,7 +32,8 @@ level 0 holds the largest request on its own, and warns (on stderr) when it rais
 Exit status: 0 when every step verified; 1 when verification failed (a fingerprint
 mismatch or a broken manager invariant); 2 on a bad command line or configuration, found
 before running (bad flag, bad TOML, unknown or unavailable plugin, level 0 too small for
-the largest request); 3 when the run failed for another reason (the scheduler stalled, a
+the largest request), or a ``--corrupt-at STEP`` that corrupted nothing (the run ended
+before STEP); 3 when the run failed for another reason (the scheduler stalled, a
 storage tier failed, an internal error), with the likely cause. Every failure is one line
 on stderr (``--debug`` adds the traceback) and, once the run started, ``report.json`` with
 ``verification.ok = false`` and the traceback.
@@ -57,7 +58,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvcm_core.config import KVCacheManagerConfig
-from kvcm_core.console import make_console
+from kvcm_core.console import int_at_least, make_console
 from kvcm_core.errors import (
     ConfigError,
     CorruptPageError,
@@ -93,6 +94,9 @@ TRACE_VERIFY_EVERY = 8
 
 _SIM_KEYS = ("seed", "level_fractions", "workload", *(a.name for a in attrs.fields(
     SchedulerConfig)))
+#: The least value of a scheduler knob where it is not 1 (``invariants_every = 0``: the
+#: invariant check only at the end).
+_SIM_MIN = {"invariants_every": 0}
 
 
 @attrs.frozen(kw_only=True)
@@ -141,8 +145,8 @@ def load_config(path: str | Path | None = None, preset: str = "default") -> Simu
             raise ConfigError(f"simulate.{key}", sim[key],
                               f"unknown key; allowed: {', '.join(sorted(_SIM_KEYS))}")
     seed = sim.pop("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError("simulate.seed", seed, "must be an int")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError("simulate.seed", seed, "must be an int >= 0")
     fractions = sim.pop("level_fractions", None)
     if fractions is not None:
         if not isinstance(fractions, list) or not all(
@@ -153,8 +157,9 @@ def load_config(path: str | Path | None = None, preset: str = "default") -> Simu
         fractions = tuple(float(f) for f in fractions)
     workload = WorkloadConfig.from_dict(sim.pop("workload", {}))
     for key, value in sim.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"simulate.{key}", value, "must be an int >= 0")
+        low = _SIM_MIN.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"simulate.{key}", value, f"must be an int >= {low}")
     sched = SchedulerConfig(**sim)
     KVCacheManagerConfig.from_dict(data["kvcm"])  # report errors now, by their place
     return SimulateConfig(seed=seed, workload=workload, scheduler=sched,
@@ -189,11 +194,12 @@ def _manager_config(sim: SimulateConfig, ws: dict[str, int], gpu_only: bool,
 
 def corrupt_after(at_step: int) -> StepHook:
     """A step hook that inverts the first byte of a running request's first committed page
-    after step ``at_step`` (a self-test: the next check must fail)."""
-    done = [False]
+    after step ``at_step`` (a self-test: the next check must fail). Its ``corrupted`` list
+    holds the step it did so at (empty while it has not)."""
+    done: list[int] = []
 
     def hook(manager: KVCacheManager, loop: Any, step: int) -> None:
-        if done[0] or step < at_step:
+        if done or step < at_step:
             return
         tpb = manager.tokens_per_block
         layer = next(lay for lay in manager.config.layers
@@ -211,9 +217,10 @@ def corrupt_after(at_step: int) -> StepHook:
             start = region.offset + slot * region.stride
             byte = manager.backend.read(region.buffer, start, 1)
             manager.backend.write(region.buffer, start, byte ^ 0xFF)
-            done[0] = True
+            done.append(step)
             return
 
+    hook.corrupted = done  # type: ignore[attr-defined]
     return hook
 
 
@@ -234,7 +241,8 @@ def _parser() -> argparse.ArgumentParser:
                           "that drifts step to step) or two-engine (two managers serving "
                           "alternate turns, sharing a Redis level on a redis-server the run "
                           "starts; compared with local levels only and the GPU only)")
-    p.add_argument("--seed", type=int, help="workload seed (overrides [simulate] seed)")
+    p.add_argument("--seed", type=int_at_least(0),
+                   help="workload seed, an int >= 0 (overrides [simulate] seed)")
     p.add_argument("--requests", type=int, metavar="N", help="requests in the trace")
     p.add_argument("--duration", type=int, metavar="STEPS",
                    help="start sessions only during the first STEPS steps")
@@ -246,9 +254,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="run with level 0 only (no comparison run is then needed)")
     p.add_argument("--no-compare", action="store_true",
                    help="skip the GPU-only comparison run")
-    p.add_argument("--corrupt-at", type=int, metavar="STEP",
-                   help="self-test: flip a byte of a committed page after STEP; the run "
-                        "must then fail verification (exit 1)")
+    p.add_argument("--corrupt-at", type=int_at_least(0), metavar="STEP",
+                   help="self-test: flip a byte of a committed page after STEP (>= 0); the "
+                        "run must then fail verification (exit 1). A STEP the run ends "
+                        "before (or after which no running request has a committed page) "
+                        "corrupts nothing: an error, exit 2")
     p.add_argument("--trace", metavar="FILE",
                    help="replay a Mooncake-format trace (JSON lines: timestamp, "
                         "input_length, output_length, hash_ids) instead of the seeded "
@@ -357,6 +367,15 @@ def _classify(exc: BaseException) -> tuple[int, str]:
         return 2, f"configuration error: {what}"
     return 3, (f"internal error: {what}; likely cause: a bug in kvcm or in a plugin "
                "(report it with the traceback: --debug, or report.json)")
+
+
+def _corrupt_at_missed(at_step: int, steps: int) -> str:
+    """The error of a ``--corrupt-at`` self-test that corrupted nothing."""
+    why = (f"the run ended after {steps} steps, before step {at_step}" if at_step >= steps
+           else f"no running request had a committed page from step {at_step} to the "
+                f"run's end (step {steps})")
+    return (f"--corrupt-at {at_step}: nothing was corrupted, the self-test did not run: "
+            f"{why}; choose an earlier STEP")
 
 
 def _fail(err: Console, message: str, code: int, tb: str | None, debug: bool) -> int:
@@ -502,6 +521,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if progress is not None:
             progress.stop()
+    if error is None and hook is not None and main_res is not None and \
+            not hook.corrupted:  # type: ignore[attr-defined]
+        code, error = 2, _corrupt_at_missed(args.corrupt_at, main_res.steps)
+        meta["exit_status"] = code
     meta["wall_s"] = time.perf_counter() - t0
     report = build_report(meta=meta, workload=summary, main=main_res, gpu_only=gpu_res,
                           bound=bound, error=error)

@@ -58,6 +58,12 @@ def _positive_int(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
         raise ConfigError(f"simulate.{attr.name}", value, "must be an int >= 1")
 
 
+def _vocab(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**31:
+        raise ConfigError(f"simulate.{attr.name}", value,
+                          "must be an int in [1, 2**31] (token ids are int32)")
+
+
 def _mix(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, Mapping) or not value:
         raise ConfigError("simulate.mix", value, f"must be a table of weights for {KINDS}")
@@ -127,7 +133,7 @@ class WorkloadConfig:
     oneoff_tokens: tuple[int, int] = attrs.field(default=(100, 600), converter=_to_range,
                                                  validator=_range)
     arrival_rate: float = attrs.field(default=0.5)
-    vocab: int = attrs.field(default=32000, validator=_positive_int)
+    vocab: int = attrs.field(default=32000, validator=_vocab)
     duration: int | None = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:
