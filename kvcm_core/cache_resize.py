@@ -298,9 +298,11 @@ class ResizeMixin(CacheBase):
 
     def _release_stale(self) -> None:
         ctx = self._ctx
-        self._scratch_live = False  # history moved: this step's scratch pages are spent
+        # History moved: this step's scratch pages are spent, and ``scratch()`` turns to
+        # None (a change of the tables even when no page is released).
+        changed = self._scratch_shown()
+        self._scratch_live = False
         keep = max(0, self._history - ctx.config.max_rewind_len)
-        changed = False
         for g in ctx.windowed_groups:
             start, stop = ctx.kinds[g].stale_range(keep)
             lo = max(start, self._released_to[g])
