@@ -220,16 +220,25 @@ class Batch:
         self._dirty.add(row)
         return row
 
-    def remove_kv_cache(self, cache: Any) -> int:
+    def remove_kv_cache(self, cache: Any, stream: Stream | None = None) -> int:
         """Empty the row of ``cache`` (its table row becomes ``BAD_PAGE_INDEX`` at the next
         publish); waits for the last :meth:`record_read` fence first, so the cache's pages
         can be released right after. Returns the row it had.
 
+        A sparse row's units that its history crossed since the last
+        :meth:`flush_sparse_units` are written back to their host pages first, on
+        ``stream`` (publishing first when the row changed since the last publish), so no
+        written KV is lost when the cache is closed.
+
         Raises:
             InvalidArgumentError: the cache is not seated in this batch.
+            InvalidStateError, InvalidArgumentError: the publish or flush that removal needs
+                was refused (the row stays seated).
         """
         self._thread.check()
         row = self._member_row(cache)
+        if self._sparse is not None:
+            self._flush_rows([row], stream)
         self._wait_readers()
         if self._sparse is not None:
             self._sparse.leave(row)
@@ -240,7 +249,12 @@ class Batch:
         return row
 
     def move(self, cache: Any, row: int) -> None:
-        """Move a member to the empty ``row`` (its old row empties)."""
+        """Move a member to the empty ``row`` (its old row empties).
+
+        Raises:
+            InvalidStateError: a sparse resolve awaits its fetches (its miss list is indexed
+                by row): call ``fetch_resolved_pages`` for every layer of the group first.
+        """
         self._thread.check()
         old = self._member_row(cache)
         row = self._row_arg(row)
@@ -248,6 +262,8 @@ class Batch:
             return
         if self._rows[row] is not None:
             raise InvalidArgumentError(f"row={row}: taken by cache {self._rows[row].id!r}")
+        if self._sparse is not None:
+            self._sparse.check_fetched("move")
         self._rows[row], self._rows[old] = cache, None
         self._scratch[row], self._scratch[old] = self._scratch[old], {}
         if self._sparse is not None:
@@ -282,16 +298,19 @@ class Batch:
         registered index tables) in one batched copy on ``stream``, then record the ready
         event. Returns the rows uploaded.
 
+        A refused publish changes nothing: every check runs before any state moves.
+
         Raises:
             InvalidStateError: ``stream`` is capturing a CUDA graph (the upload would be
-                captured, not run), or the batch is closed.
+                captured, not run), the batch is closed, a sparse row took beams, or seats
+                changed while a sparse resolve awaits its fetches.
+            InvalidArgumentError: a member grew past ``max_blocks_per_row`` or
+                ``max_beam_width``, or a sparse row has too many units in flight.
         """
         self._thread.check()
         self._check_open()
-        if self.backend.is_capturing(stream):
-            raise InvalidStateError("publish during CUDA graph capture: publish before "
-                                    "capturing (the tables' addresses never change)")
-        # Sparse rows are checked before any work is queued; they pin after the upload.
+        self._check_publish(stream)
+        # Sparse rows are checked before anything changes; they pin after the upload.
         sparse_moved = self._sparse is not None and self._sparse.prepare(self._rows)
         restage = self._dirty
         rows = np.asarray(sorted(restage | self._patched), dtype=np.int32)
@@ -311,6 +330,19 @@ class Batch:
         event.record(stream)
         self._ready = event
         return len(rows)
+
+    def _check_publish(self, stream: Stream | None, skip: Sequence[int] = ()) -> None:
+        """Refuse what :meth:`publish` would refuse, changing nothing (``skip``: rows that
+        :meth:`resize` checks itself)."""
+        if self.backend.is_capturing(stream):
+            raise InvalidStateError("publish during CUDA graph capture: publish before "
+                                    "capturing (the tables' addresses never change)")
+        for r in self._dirty.difference(skip):
+            cache = self._rows[r]
+            if cache is not None:
+                self._check_fits(cache, cache.num_blocks, cache.beam_width)
+        if self._sparse is not None:
+            self._sparse.check(self._rows, skip)
 
     def wait_ready(self, stream: Stream | None = None) -> None:
         """Make ``stream`` wait for the last publish.
@@ -345,9 +377,14 @@ class Batch:
         back on its own (``cache.resize``); the result is one bool per row (``True`` for
         rows left unchanged).
 
+        Every argument (and what the closing publish would refuse) is checked before any
+        row changes. Pages pushed down to make room are ordered against ``stream`` as in
+        ``cache.resize(..., stream=stream)``.
+
         Raises:
-            InvalidArgumentError: a wrong length, or more new tokens than
-                ``max_total_input_tokens``.
+            InvalidArgumentError: a wrong length, more new tokens than
+                ``max_total_input_tokens``, or a row's capacity or history that its
+                ``cache.resize`` refuses (nothing changed).
         """
         self._thread.check()
         self._check_open()
@@ -357,20 +394,20 @@ class Batch:
         rows = self._rows
         if hist is not None and max(hist) == -1:
             hist = None
-        if self.max_total_input_tokens is not None:
-            live = [r for r, c in enumerate(rows) if c is not None and caps[r] != -1]
-            self._check_new_tokens(live, caps, hist)
+        live = [r for r, c in enumerate(rows) if c is not None and caps[r] != -1]
+        self._check_new_tokens(live, caps, hist)
         if self._sparse is not None:
             self._check_sparse_resize(caps, hist)
+        for r in live:
+            rows[r].check_resize(caps[r], None if hist is None or hist[r] == -1 else hist[r])
+        # Rows resized here get their own checks; the others must let the publish through.
+        self._check_publish(stream, [r for r in live if caps[r] <= self._max_tokens])
         # (A member that releases pages waits for the reader fence itself: cache._unlock.)
         out = [True] * self.max_rows
-        if hist is None:
-            rest = self._grow_together(caps)
-        else:
-            rest = [r for r, c in enumerate(rows) if c is not None and caps[r] != -1]
+        rest = self._grow_together(caps, stream) if hist is None else live
         for r in rest:
             h = None if hist is None or hist[r] == -1 else hist[r]
-            out[r] = caps[r] <= self._max_tokens and rows[r].resize(caps[r], h)
+            out[r] = caps[r] <= self._max_tokens and rows[r].resize(caps[r], h, stream)
         self.publish(stream)
         return out
 
@@ -387,7 +424,7 @@ class Batch:
                 f"capacities: {new} new tokens in one step exceed max_total_input_tokens"
                 f"={self.max_total_input_tokens}")
 
-    def _grow_together(self, caps: list[int]) -> list[int]:
+    def _grow_together(self, caps: list[int], stream: Stream | None) -> list[int]:
         """The batched path of :meth:`resize` (histories unchanged): rows whose blocks stay
         are done by their caches at once; rows of plain growth of a one-group cache get
         their pages from one allocation, staged in place. Returns the rows left for
@@ -411,10 +448,13 @@ class Batch:
         total = sum(n for _, n in grow)
         if not self._levels.room(store, total):
             return sorted(rest + [r for r, _ in grow])  # each row then fails on its own
+        self._levels.begin(stream)  # pages pushed down are ordered against ``stream``
         try:
             pids = self._levels.take(0, total)
         except OutOfPagesError:  # a write to a colder level failed: row by row instead
             return sorted(rest + [r for r, _ in grow])
+        finally:
+            self._levels.end(stream)
         slots = self._levels.arena.slot[pids]
         pl = pids.tolist()
         dirty, rows, tpb = self._dirty, self._rows, self._tpb
@@ -532,6 +572,16 @@ class Batch:
         if len(self.dirty_rows()):
             self.publish(stream)
         return arena.flush(self._rows, self._device_tables(), stream)
+
+    def _flush_rows(self, rows: list[int], stream: Stream | None) -> None:
+        """Write back the crossed units of ``rows`` before they leave (remove, close)."""
+        assert self._sparse is not None
+        rows = [r for r in rows if self._sparse.unflushed(r, self._rows[r])]
+        if not rows:
+            return
+        if not self._patched.isdisjoint(rows) or not self._dirty.isdisjoint(rows):
+            self.publish(stream)  # units go to the pages the rows hold now
+        self._sparse.flush(self._rows, self._device_tables(), stream, only=rows)
 
     def _device_tables(self) -> list[tuple[Buffer, int]]:
         """Each cache group's device page table and its int32 elements per row."""
@@ -667,10 +717,13 @@ class Batch:
         return self._view(ix.table)
 
     def close(self) -> None:
-        """Empty every row and free the tables (idempotent)."""
+        """Empty every row and free the tables (idempotent). Sparse rows' crossed units
+        are written back first, as :meth:`remove_kv_cache` does."""
         self._thread.check()
         if self._closed:
             return
+        if self._sparse is not None:  # no written unit is lost (see remove_kv_cache)
+            self._flush_rows([r for r, c in enumerate(self._rows) if c is not None], None)
         for cache in self._rows:
             if cache is not None:
                 self.remove_kv_cache(cache)
@@ -702,8 +755,7 @@ class Batch:
                 t.staging[r] = BAD_PAGE_INDEX
                 c.staging[r] = 0
             return
-        width = cache.beam_width
-        self._check_fits(cache, cache.num_blocks, width)
+        width = cache.beam_width  # fits: checked by _check_publish
         scratch = {}
         for g in range(self.num_groups):
             rows = self._tables[g].staging[r]

@@ -122,19 +122,7 @@ class ResizeMixin(CacheBase):
                     f"{nb_new - len(self._pages[g])} more pages: cache group {g} needs "
                     f"{nb_new} blocks and level 0 holds {L.gpu_store(g).num_slots} slots in "
                     "all")
-        if history_length is None:
-            history = self._history
-        else:
-            history = _check_count("history_length", history_length)
-            lo = max(self._committed, self._capacity - ctx.config.max_rewind_len)
-            if not lo <= history <= self._capacity:
-                raise InvalidArgumentError(
-                    f"history_length={history}: must be in [{lo}, {self._capacity}] "
-                    f"(>= num_committed_tokens and old capacity - max_rewind_len, "
-                    f"<= old capacity)")
-        if capacity < history:
-            raise InvalidArgumentError(
-                f"capacity={capacity}: must be >= history_length ({history})")
+        history = self._resize_history(capacity, history_length)
         keep = max(0, history - ctx.config.max_rewind_len)
         releases: list[tuple[int, int]] = []
         grow: dict[int, list[int]] = {}
@@ -229,6 +217,36 @@ class ResizeMixin(CacheBase):
             self._changed()
         return True
 
+    def check_resize(self, capacity: int, history_length: int | None = None) -> None:
+        """Raise what ``resize(capacity, history_length)`` raises for its arguments, changing
+        nothing (:meth:`Batch.resize <kvcm_core.batch.Batch.resize>` checks every row
+        before it resizes any).
+
+        Raises:
+            InvalidStateError: the cache is not ACTIVE.
+            InvalidArgumentError, ArgumentTypeError: a bad capacity or history length.
+        """
+        self._ctx.thread.check()
+        self._require(CacheStatus.ACTIVE)
+        self._resize_history(_check_count("capacity", capacity), history_length)
+
+    def _resize_history(self, capacity: int, history_length: int | None) -> int:
+        """The history a resize to ``capacity`` leaves (checked)."""
+        if history_length is None:
+            history = self._history
+        else:
+            history = _check_count("history_length", history_length)
+            lo = max(self._committed, self._capacity - self._ctx.config.max_rewind_len)
+            if not lo <= history <= self._capacity:
+                raise InvalidArgumentError(
+                    f"history_length={history}: must be in [{lo}, {self._capacity}] "
+                    f"(>= num_committed_tokens and old capacity - max_rewind_len, "
+                    f"<= old capacity)")
+        if capacity < history:
+            raise InvalidArgumentError(
+                f"capacity={capacity}: must be >= history_length ({history})")
+        return history
+
     def _grow_fast(self, capacity: int) -> bool:
         """Growth of a one-group full-attention cache with one beam and no scratch (the
         prefill step): take the new pages at once. False: the general path decides."""
@@ -298,9 +316,11 @@ class ResizeMixin(CacheBase):
 
     def _release_stale(self) -> None:
         ctx = self._ctx
-        self._scratch_live = False  # history moved: this step's scratch pages are spent
+        # History moved: this step's scratch pages are spent, and ``scratch()`` turns to
+        # None (a change of the tables even when no page is released).
+        changed = self._scratch_shown()
+        self._scratch_live = False
         keep = max(0, self._history - ctx.config.max_rewind_len)
-        changed = False
         for g in ctx.windowed_groups:
             start, stop = ctx.kinds[g].stale_range(keep)
             lo = max(start, self._released_to[g])

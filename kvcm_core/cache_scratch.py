@@ -110,6 +110,7 @@ class ScratchMixin(CacheBase):
                        history: int) -> None:
         """Carry out :meth:`_plan_scratch` (after resize checked that level 0 has room)."""
         L = self._levels
+        shown = self._scratch_shown()
         changed = False
         for g, (begin, end, take, drop, fill) in plan.items():
             slots = self._scratch_slots.setdefault(g, [])
@@ -128,8 +129,13 @@ class ScratchMixin(CacheBase):
                     self._recompute.setdefault(g, []).append(b)
                     self._unwritten = True
         self._scratch_live = True
-        if changed:
+        if changed or shown != self._scratch_shown():  # scratch() turned on
             self._changed()
+
+    def _scratch_shown(self) -> bool:
+        """Whether :meth:`scratch` names scratch blocks for some group now (a change of it
+        is a change of the page tables the engine reads)."""
+        return self._scratch_live and any(e > b for b, e in self._scratch_range.values())
 
     def _drop_scratch(self) -> None:
         """Release every scratch slot (suspend, close)."""

@@ -7,7 +7,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import TPB, full_layers, hybrid_layers, make_manager, tokens, windowed_layers
+from conftest import (
+    TPB,
+    bytes_per_slot_round,
+    full_layers,
+    hybrid_layers,
+    make_manager,
+    tokens,
+    windowed_layers,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,6 +27,8 @@ from kvcm_core import (
     InvalidArgumentError,
     InvalidStateError,
     KVCacheManager,
+    KVCacheManagerConfig,
+    LevelConfig,
 )
 from kvcm_core.testing.engine import EngineLoop, Request
 
@@ -460,3 +470,65 @@ def test_a_seated_cache_waits_for_the_batchs_readers_before_it_releases_pages(
         assert c.resize(44)
     assert waits and waits[0] == free_before, "waited before any page was released"
     assert m.stores[0][0].num_free > free_before or release != "shrink"
+
+
+# -- Batch.resize: checked before anything changes, ordered on the caller's stream ---------
+
+
+@pytest.mark.parametrize("layers", [full_layers(), hybrid_layers()], ids=["fast", "per_row"])
+def test_batch_resize_refuses_a_bad_row_before_changing_any_row(layers: list[Any]) -> None:
+    m = make_manager(layers)
+    b = Batch(m, max_rows=2, max_blocks_per_row=16)
+    toks = tokens(20, seed=4)
+    caches = []
+    for _ in range(2):
+        c = _active(m, [], cap=20)
+        c.commit(toks)
+        b.add_kv_cache(c)
+        caches.append(c)
+    b.publish()
+    before = [(c.capacity, c.page_table_version) for c in caches]
+    free = [s.num_free for s in m.stores[0]]
+    with pytest.raises(InvalidArgumentError, match="must be >= history_length"):
+        b.resize(np.array([30, 10]))  # row 1: capacity below its history
+    with pytest.raises(InvalidArgumentError, match="history_length=25"):
+        b.resize(np.array([30, 30]), np.array([-1, 25]))  # row 1: history past capacity
+    assert [(c.capacity, c.page_table_version) for c in caches] == before
+    assert [s.num_free for s in m.stores[0]] == free
+    assert b.dirty_rows().tolist() == []
+    b.wait_ready()
+    assert_batch_matches_members(b, m)
+
+
+@pytest.mark.parametrize("layers", [full_layers(), hybrid_layers()], ids=["fast", "per_row"])
+def test_batch_resize_orders_pages_pushed_down_against_the_callers_stream(
+        layers: list[Any], monkeypatch: Any) -> None:
+    unit = bytes_per_slot_round(layers)
+    m = KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=TPB, layers=layers, kernel_backend="numpy",
+        levels=[LevelConfig(tier="gpu", quota=12 * unit + unit // 2),
+                LevelConfig(tier="host", quota=1 << 16)]))
+    L = m.storage_levels
+    monkeypatch.setattr(L.mover.fences, "enabled", True)  # on a device backend, always
+    calls: list[tuple[str, Any]] = []
+    for name in ("begin", "end", "make_room"):
+        orig = getattr(L, name)
+        monkeypatch.setattr(L, name, lambda *a, _n=name, _f=orig: (
+            calls.append((_n, a[0] if _n != "make_room" else None)), _f(*a))[1])
+    toks = tokens(120, seed=6)
+    filler = _active(m, [], cap=40)  # level 0 full of pages that can move down
+    filler.commit(toks[:40])
+    filler.suspend()
+    b = Batch(m, max_rows=1, max_blocks_per_row=16)
+    c = _active(m, [], cap=4)
+    c.commit(toks[100:104])
+    b.add_kv_cache(c)
+    b.publish()
+    stream = m.backend.create_stream()
+    calls.clear()
+    assert b.resize(np.array([40]), stream=stream) == [True]
+    names = [n for n, _ in calls]
+    assert "make_room" in names, "the test must push pages down"
+    assert names[0] == "begin" and names[-1] == "end"
+    assert all(s is stream for n, s in calls if n != "make_room")
+    assert_batch_matches_members(b, m)

@@ -537,3 +537,84 @@ def test_fetches_follow_sparse_pools_that_moved_when_the_manager_resized() -> No
     np.testing.assert_array_equal(_entry(b, 0, 0, "k", int(emap[0, 0])),
                                   _host_unit(m, cache, 0, "k", 3))
     b.close()
+
+
+# -- refusals change nothing; seats and written units (review 20c) -----------------------
+
+
+def test_a_refused_publish_changes_nothing_so_the_next_one_pins_every_rows_in_flight_units(
+        ) -> None:
+    m = _manager()
+    b = Batch(m, max_rows=2, max_blocks_per_row=4)
+    a, big = _cache(m, 16, seed=1), _cache(m, 60, seed=2)
+    b.add_kv_cache(a)
+    b.add_kv_cache(big)
+    b.publish()
+    assert a.resize(20)  # unit 4 in flight
+    assert big.resize(68)  # 5 blocks: more than the rows hold
+    with pytest.raises(InvalidArgumentError, match="max_blocks_per_row=4"):
+        b.publish()
+    assert b.dirty_rows().tolist() == [0, 1]
+    b.remove_kv_cache(big)
+    b.publish()
+    wmap = np.array(b.prepare_sparse_write_indices(0))[0]
+    assert wmap[0] >= 0  # unit 4 has its entry: the marks and pins went up
+    b.close()
+    big.close()
+
+
+@pytest.mark.parametrize("leave", ["remove", "close"])
+def test_leaving_the_batch_writes_back_units_history_crossed_since_the_last_flush(
+        leave: str) -> None:
+    m = _manager()
+    b = Batch(m, max_rows=2, max_blocks_per_row=8)
+    toks = [int(x) for x in np.random.default_rng(0).integers(1, 30000, 40)]
+    cache = m.create_kv_cache(None, toks[:16])
+    assert cache.resume() and cache.resize(16) and cache.resize(16, 16)
+    b.add_kv_cache(cache)
+    b.publish()
+    b.resize(np.array([20, -1]))  # tokens 16..19 in flight: unit 4
+    wmap = np.array(b.prepare_sparse_write_indices(0))[0]
+    rng = np.random.default_rng(5)
+    written = {}
+    for layer, role in SPARSE_BUFFERS:
+        data = rng.integers(0, 256, _entry(b, 0, layer, role, 0).size, dtype=np.uint8)
+        _entry(b, 0, layer, role, int(wmap[0]))[:] = data
+        written[(layer, role)] = data
+    cache.commit(toks[:20])  # history 20: unit 4 crossed, not flushed
+    assert cache.history_length == 20
+    if leave == "remove":
+        b.remove_kv_cache(cache)
+    else:
+        b.close()
+    for (layer, role), data in written.items():
+        np.testing.assert_array_equal(_host_unit(m, cache, layer, role, 4), data)
+    cache.close()
+    b.close()
+
+
+def test_seats_cannot_change_while_a_resolve_awaits_its_fetches() -> None:
+    m, b, cache = _filled(3, 64)
+    sel = np.full((3, 4), -1, np.int32)
+    sel[0] = [5, 6, 9, 10]
+    b.resolve_sparse_selection(0, sel)
+    with pytest.raises(InvalidStateError, match="awaits fetch_resolved_pages"):
+        b.move(cache, 2)
+    assert b.row_of(cache) == 0
+    other = _cache(m, 8, seed=3)
+    b.add_kv_cache(other)  # a seat change: the publish waits for the fetches
+    with pytest.raises(InvalidStateError, match="awaits fetch_resolved_pages"):
+        b.publish()
+    b.fetch_resolved_pages(0)
+    b.fetch_resolved_pages(1)
+    b.publish()
+    b.move(cache, 2)
+    b.publish()
+    entries = np.array(b.resolve_sparse_selection(0, np.roll(sel, 2, axis=0)))[2]
+    b.fetch_resolved_pages(0)
+    b.fetch_resolved_pages(1)
+    for unit, e in zip([5, 6, 9, 10], entries.tolist(), strict=True):
+        for layer, role in SPARSE_BUFFERS:
+            np.testing.assert_array_equal(_entry(b, 2, layer, role, e),
+                                          _host_unit(m, cache, layer, role, unit))
+    b.close()

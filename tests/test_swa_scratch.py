@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from kvcm_core import (
     AttentionLayerConfig,
+    Batch,
     BufferConfig,
     ConfigError,
     KVCacheManager,
@@ -608,3 +609,34 @@ def test_a_commit_short_of_the_chunk_lists_lost_scratch_blocks_for_recompute(
     table = cache.get_base_page_indices(g)
     assert all(table[b] != BAD_PAGE_INDEX for b in lost)
     assert_invariants(m)
+
+
+@pytest.mark.parametrize("commit_to", [41, 42], ids=["one_token", "two_tokens"])
+def test_scratch_turning_off_at_a_commit_inside_a_block_moves_the_version_and_the_batch_row(
+        managers: Any, commit_to: int) -> None:
+    # A commit that stays inside a block releases no page, but scratch() turns to None:
+    # the batch's row must be rebuilt, or its index tables keep naming scratch sub-pages.
+    from test_batch import assert_batch_matches_members
+
+    m = managers(swa_model(), swa_scratch=scratch_cfg())
+    g = windowed_group(m)
+    b = Batch(m, max_rows=1, max_blocks_per_row=32)
+    for layer in m.config.layers:
+        b.register_index_table(layer.layer_id, "k")
+    d = Driver(m)
+    toks = tokens(200, seed=21)
+    cache = d.create(toks)
+    assert cache.resume()
+    b.add_kv_cache(cache)
+    prefill(d, cache, 40, 40)
+    assert b.resize(np.array([120])) == [True]
+    assert cache.scratch(g) is not None
+    d.engine.step([StepWork(cache, toks)])
+    version = cache.page_table_version
+    cache.commit(toks[40:commit_to])
+    assert cache.scratch(g) is None
+    assert cache.page_table_version != version
+    assert b.dirty_rows().tolist() == [0]
+    b.publish()
+    assert_batch_matches_members(b, m)
+    b.remove_kv_cache(cache)

@@ -173,18 +173,47 @@ class SparseArena:
                     f"{g.working_set_units - g.num_selected} of selection {g.key[1]!r}; "
                     "flush, or write fewer tokens per step")
 
-    def prepare(self, members: Sequence[Any]) -> bool:
-        """Before a publish queues anything: take every row's capacity into its marks,
-        refusing beams and too many units in flight. Returns whether anything moved."""
-        changed = bool(self._fresh)
+    def check(self, members: Sequence[Any], skip: Sequence[int] = ()) -> None:
+        """Refuse what :meth:`prepare` refuses, changing nothing (``skip``: rows whose new
+        capacity the caller checks itself).
+
+        Raises:
+            InvalidStateError: a row took beams, or seats changed while a resolve awaits
+                its fetches.
+            InvalidArgumentError: too many units in flight.
+        """
+        if self._seats_moved:
+            self.check_fetched("publish after rows were seated, moved or removed")
         for row, cache in enumerate(members):
             if cache is None:
                 continue
             self.check_beams(cache)
-            lease = self.lease(row)
             cap = cache.capacity
-            if cap != self._caps[lease]:
+            if row not in skip and cap != self._caps[self.lease(row)]:
                 self.check_in_flight(cache, row, cap)
+
+    def check_fetched(self, action: str) -> None:
+        """Refuse ``action`` (a change of seats) while a resolve awaits its fetches: its
+        miss list is indexed by row, and a fetch after the seats moved would leave
+        entries marked resident that were never fetched.
+
+        Raises:
+            InvalidStateError: a group's layers have not fetched its miss list.
+        """
+        for g in self.groups:
+            if g.pending:
+                raise InvalidStateError(
+                    f"{action} while selection {g.key[1]!r} awaits fetch_resolved_pages of "
+                    f"layers {sorted(g.pending)}: fetch first (the miss list is by row)")
+
+    def prepare(self, members: Sequence[Any]) -> bool:
+        """Before a publish queues anything: take every row's capacity into its marks,
+        refusing (with nothing changed) beams, too many units in flight and seats changed
+        under a pending fetch. Returns whether anything moved."""
+        self.check(members)
+        changed = bool(self._fresh)
+        for row, cache in enumerate(members):
+            if cache is not None and cache.capacity != self._caps[self.lease(row)]:
                 changed = True
         if changed:
             for row, cache in enumerate(members):
@@ -378,18 +407,25 @@ class SparseArena:
                     f"row {row}: history moved from {mark} to {cache.history_length} and "
                     "was not flushed: call flush_sparse_units first")
 
+    def unflushed(self, row: int, cache: Any) -> bool:
+        """Whether ``row`` has units its history crossed since the last flush."""
+        h0, c0 = (int(x) for x in self.marks.host[self.lease(row)])
+        return min(cache.history_length, c0) > h0
+
     def flush(self, members: Sequence[Any], page_tables: Sequence[tuple[Buffer, int]],
-              stream: Stream | None) -> int:
+              stream: Stream | None, only: Sequence[int] | None = None) -> int:
         """Write back every unit that crossed the history mark; returns the units written
-        (per group, summed).
+        (per group, summed). ``only``: just these rows, which are leaving the batch (no
+        pins follow: the other rows' marks stay; no write-back bound: the copy goes by
+        per-row ranges, and refusing would lose the units).
 
         Raises:
             InvalidArgumentError: a group's units exceed its write-back bound (nothing is
-                written).
+                written; not with ``only``).
         """
         spans = []  # (row, lease, old history, new history, old capacity)
         for row, cache in enumerate(members):
-            if cache is None:
+            if cache is None or (only is not None and row not in only):
                 continue
             lease = self.lease(row)
             h0, c0 = (int(x) for x in self.marks.host[lease])
@@ -402,7 +438,7 @@ class SparseArena:
                 if end > h0:
                     r[row] = (h0 // g.unit_tokens, -(-end // g.unit_tokens))
             total = int((r[:, 1] - r[:, 0]).sum())
-            if total > g.write_back_units:
+            if only is None and total > g.write_back_units:
                 raise InvalidArgumentError(
                     f"flush of {total} units for selection {g.key[1]!r} exceeds the write-"
                     f"back bound of {g.write_back_units} units (from max_total_input_tokens"
@@ -416,7 +452,8 @@ class SparseArena:
         for _, lease, _, h1, _ in spans:
             self.marks.host[lease][0] = h1
         self.marks.upload(stream)
-        self._pin(page_tables, stream)  # the write maps follow the new history
+        if only is None:
+            self._pin(page_tables, stream)  # the write maps follow the new history
         return written
 
     def _flush_group(self, g: SelectionGroup, ranges: np.ndarray,
