@@ -331,17 +331,23 @@ class Batch:
         self._ready = event
         return len(rows)
 
-    def _check_publish(self, stream: Stream | None, skip: Sequence[int] = ()) -> None:
-        """Refuse what :meth:`publish` would refuse, changing nothing (``skip``: rows that
-        :meth:`resize` checks itself)."""
+    def _check_publish(self, stream: Stream | None, caps: Sequence[int] | None = None
+                       ) -> None:
+        """Refuse what :meth:`publish` would refuse, changing nothing (``caps``: the new
+        capacities of a :meth:`resize`, whose rows' blocks it checks itself)."""
         if self.backend.is_capturing(stream):
             raise InvalidStateError("publish during CUDA graph capture: publish before "
                                     "capturing (the tables' addresses never change)")
-        for r in self._dirty.difference(skip):
+        limit = self._max_tokens
+        for r in self._dirty:
             cache = self._rows[r]
-            if cache is not None:
-                self._check_fits(cache, cache.num_blocks, cache.beam_width)
+            if cache is not None:  # a resized row's blocks are its resize's to check
+                resized = caps is not None and -1 != caps[r] <= limit
+                self._check_fits(cache, 0 if resized else cache.num_blocks,
+                                 cache.beam_width)
         if self._sparse is not None:
+            skip = () if caps is None else [r for r, c in enumerate(self._rows) if
+                                            c is not None and -1 != caps[r] <= limit]
             self._sparse.check(self._rows, skip)
 
     def wait_ready(self, stream: Stream | None = None) -> None:
@@ -378,7 +384,9 @@ class Batch:
         rows left unchanged).
 
         Every argument (and what the closing publish would refuse) is checked before any
-        row changes. Pages pushed down to make room are ordered against ``stream`` as in
+        row's pages or table change (a row whose block count stays may already hold its
+        new capacity: that much is decided row by row, in the same pass that sizes the
+        batch's allocation). Pages pushed down to make room are ordered against ``stream`` as in
         ``cache.resize(..., stream=stream)``.
 
         Raises:
@@ -394,17 +402,21 @@ class Batch:
         rows = self._rows
         if hist is not None and max(hist) == -1:
             hist = None
-        live = [r for r, c in enumerate(rows) if c is not None and caps[r] != -1]
-        self._check_new_tokens(live, caps, hist)
+        if self.max_total_input_tokens is not None:
+            live = [r for r, c in enumerate(rows) if c is not None and caps[r] != -1]
+            self._check_new_tokens(live, caps, hist)
         if self._sparse is not None:
             self._check_sparse_resize(caps, hist)
-        for r in live:
-            rows[r].check_resize(caps[r], None if hist is None or hist[r] == -1 else hist[r])
-        # Rows resized here get their own checks; the others must let the publish through.
-        self._check_publish(stream, [r for r in live if caps[r] <= self._max_tokens])
+        if hist is not None:  # (without histories _grow_together checks what it must)
+            for r, c in enumerate(rows):
+                if c is not None and caps[r] != -1:
+                    c.check_resize(caps[r], None if hist[r] == -1 else hist[r])
+        # Rows resized here get their own block checks; the rest must let the publish through.
+        self._check_publish(stream, caps)
         # (A member that releases pages waits for the reader fence itself: cache._unlock.)
         out = [True] * self.max_rows
-        rest = self._grow_together(caps, stream) if hist is None else live
+        rest = self._grow_together(caps, stream) if hist is None else \
+            [r for r, c in enumerate(rows) if c is not None and caps[r] != -1]
         for r in rest:
             h = None if hist is None or hist[r] == -1 else hist[r]
             out[r] = caps[r] <= self._max_tokens and rows[r].resize(caps[r], h, stream)
@@ -442,6 +454,9 @@ class Batch:
                     grow.append((r, n))
                 else:
                     rest.append(r)
+        for r in rest:  # before any pages move: a bad row raises what its resize would
+            if caps[r] <= limit:  # (a row whose blocks stay has only its capacity moved)
+                self._rows[r].check_resize(caps[r])
         if not grow:
             return rest
         store = self._levels.gpu_store(0)

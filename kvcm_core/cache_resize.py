@@ -165,16 +165,16 @@ class ResizeMixin(CacheBase):
                 # Make the room before releasing anything where that alone suffices: a
                 # failed write while making room then leaves this cache untouched.
                 store = L.stores[0][pg]
-                if n <= store.num_free:
-                    continue
-                if L.room(store, n):
+                if n > store.num_free and L.room(store, n):
                     try:
                         L.make_room(store, n)
                     except OutOfPagesError as exc:
                         return self._refuse(room_failed("resize", exc))
-                elif not L.room(store, n - extra.get(pg, 0)):
-                    # Another pool group's room took the colder room this one counted on
-                    # (pool groups can share a colder store).
+            for pg, n in needs.items():
+                # Pool groups can share a colder store: the room made for one may have
+                # taken the colder room another (that needs its releases) counted on.
+                store = L.stores[0][pg]
+                if n > store.num_free and not L.room(store, n - extra.get(pg, 0)):
                     return self._refuse(level_shortage("resize", L, needs, extra))
         if releases:
             for pages, _ in reversed(self._beam_views()):

@@ -742,9 +742,9 @@ class Levels:
         self.stats.groups[group].intra_device_copies += len(dst)
 
     def prefetch(self, pids: np.ndarray, level: int) -> int:
-        """Move pages up to ``level`` where room exists without pushing held pages of
-        that level: droppable pages there make way as in any eviction (down where a
-        colder level takes them, else dropped)."""
+        """Move pages up to ``level`` where room exists without pushing held pages
+        anywhere: droppable pages there make way, moving into free slots of the next
+        colder level (the most recently used first) and dropped where there are none."""
         a = self.arena
         moved = 0
         for s, batch in group_by_store(a, pids):
@@ -760,11 +760,8 @@ class Levels:
                 if not len(take):
                     continue
                 if len(take) > dst.num_free:
-                    try:
-                        self.make_room(dst, len(take))  # droppable victims only: n fits
-                    except OutOfPagesError:
-                        pass  # a write below failed: what room there is will do
-                    # Making room below may have moved or dropped pages of this batch.
+                    self._make_way(dst, len(take) - dst.num_free)
+                    # Dropping a victim may have taken pages of this batch along.
                     take = take[a.store[take] == s]
                 take = take[: dst.num_free]
                 if not len(take):
@@ -772,6 +769,20 @@ class Levels:
                 self._move(self.all_stores[s], take, dst)
                 moved += int(np.count_nonzero(a.store[take] == dst.index))
         return moved
+
+    def _make_way(self, store: Store, k: int) -> None:
+        """Free ``k`` slots of ``store`` from its droppable pages without a cascade: the
+        most recently used go to free slots of the next colder store, the rest (and those
+        whose move fails) are dropped."""
+        victims = np.asarray(store.droppable.pop_victims(k), dtype=np.int64)
+        below = store.below
+        if below is not None and below.num_free and len(victims):
+            cut = max(0, len(victims) - below.num_free)
+            failed = self._move(store, victims[cut:], below, queued=False, droppable=True)
+            victims = np.concatenate([victims[:cut], failed])
+        victims = victims[self.arena.store[victims] == store.index]
+        if len(victims):
+            self.drop(store, victims)
 
     # -- dropping ---------------------------------------------------------------------------------
 

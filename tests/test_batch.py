@@ -500,6 +500,27 @@ def test_batch_resize_refuses_a_bad_row_before_changing_any_row(layers: list[Any
     assert_batch_matches_members(b, m)
 
 
+def test_batch_resize_refuses_a_row_whose_beam_width_grew_behind_the_batch_first() -> None:
+    """A member widened past ``max_beam_width`` by a direct ``set_beam_width`` makes the
+    resize refuse before any row changes (its row is resized here, so only its blocks
+    are left to the resize's own check: its beams are not)."""
+    m = make_manager(full_layers(), max_beam_width=2)
+    b = Batch(m, max_rows=2, max_blocks_per_row=16, max_beam_width=1)
+    toks = tokens(8, seed=5)
+    caches = []
+    for _ in range(2):
+        c = _active(m, [], cap=8)
+        c.commit(toks)
+        b.add_kv_cache(c)
+        caches.append(c)
+    b.publish()
+    assert caches[1].set_beam_width(2)  # behind the batch's back
+    before = [(c.capacity, c.num_blocks) for c in caches]
+    with pytest.raises(InvalidArgumentError, match="beam width 2"):
+        b.resize(np.array([12, 12]))
+    assert [(c.capacity, c.num_blocks) for c in caches] == before
+
+
 @pytest.mark.parametrize("layers", [full_layers(), hybrid_layers()], ids=["fast", "per_row"])
 def test_batch_resize_orders_pages_pushed_down_against_the_callers_stream(
         layers: list[Any], monkeypatch: Any) -> None:

@@ -5,7 +5,7 @@ was) instead of raising or half-applying when that room cannot be made after all
 - a write of held pages to a colder level can fail while the room is being made.
 Pages that moved down meanwhile stay there, valid and cached; every surviving page is
 checked with the fingerprint engine, and locks and holds are checked against their
-owners (``check_invariants`` does not count owners).
+owners (by ``check_invariants`` and, where a refusal must change nothing, directly).
 """
 
 from __future__ import annotations
@@ -196,4 +196,29 @@ def test_check_invariants_names_a_lock_that_no_open_cache_accounts_for(tmp_path:
     arena.holds[pid] -= 1
     m.check_invariants()
     a.close()
+    assert_all_free(m)
+
+
+def test_prefetch_pushes_no_held_page_down_at_any_level(tmp_path: Path):
+    """The GPU's droppable pages make way for a prefetch by moving into the host's free
+    slots only: a host full of another suspended request's held pages keeps them (no
+    cascade to disk inside a prefetch), and the victims with no free slot below are
+    dropped."""
+    m = make_manager([("gpu", 8), ("host", 8), ("disk", 40)], tmp_path)
+    d = Driver(m)
+    a = d.write(tokens(32, 1), chunk=8)
+    b = d.write(tokens(32, 2), chunk=8)
+    c = d.write(tokens(32, 3), chunk=8, suspend=False)
+    c.close()  # c's blocks: droppable on the GPU
+    b_levels = page_levels(b)
+    assert 1 in b_levels and any(lv > 0 for lv in page_levels(a))
+    m.get_and_reset_iteration_stats()
+    moved = a.prefetch(0)
+    stats = m.get_and_reset_iteration_stats().groups[0]
+    assert moved > 0 and page_levels(b) == b_levels
+    assert stats.dropped_blocks == moved and stats.offload_blocks == 0  # the host was full
+    assert_invariants(m)
+    d.resume_and_verify(a, b)
+    a.close()
+    b.close()
     assert_all_free(m)

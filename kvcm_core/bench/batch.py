@@ -227,7 +227,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="rows of the device part")
     ap.add_argument("--device-blocks", type=int_at_least(1), default=2048,
                     help="blocks per row of the device part")
-    ap.add_argument("--tables", type=int_at_least(1), default=4, help="registered index tables")
+    ap.add_argument("--tables", type=int_at_least(0), default=4, help="registered index tables")
     ap.add_argument("--device-reps", type=int_at_least(1), default=9,
                     help="timed publishes per case")
     add_output_options(ap, "one block size, 32 rows, short contexts, one repetition")
