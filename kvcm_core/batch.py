@@ -311,7 +311,8 @@ class Batch:
         self._check_open()
         self._check_publish(stream)
         # Sparse rows are checked before anything changes; they pin after the upload.
-        sparse_moved = self._sparse is not None and self._sparse.prepare(self._rows)
+        sparse_moved = self._sparse is not None and self._sparse.prepare(self._rows,
+                                                                         checked=True)
         restage = self._dirty
         rows = np.asarray(sorted(restage | self._patched), dtype=np.int32)
         if len(rows):

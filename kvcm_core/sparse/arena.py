@@ -206,11 +206,13 @@ class SparseArena:
                     f"{action} while selection {g.key[1]!r} awaits fetch_resolved_pages of "
                     f"layers {sorted(g.pending)}: fetch first (the miss list is by row)")
 
-    def prepare(self, members: Sequence[Any]) -> bool:
+    def prepare(self, members: Sequence[Any], checked: bool = False) -> bool:
         """Before a publish queues anything: take every row's capacity into its marks,
         refusing (with nothing changed) beams, too many units in flight and seats changed
-        under a pending fetch. Returns whether anything moved."""
-        self.check(members)
+        under a pending fetch (``checked``: the caller ran :meth:`check` on these members
+        just before, with nothing changed since). Returns whether anything moved."""
+        if not checked:
+            self.check(members)
         changed = bool(self._fresh)
         for row, cache in enumerate(members):
             if cache is not None and cache.capacity != self._caps[self.lease(row)]:
