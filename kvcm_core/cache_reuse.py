@@ -94,9 +94,13 @@ class ReuseMixin(CacheBase):
         """Blocks (``-1``: the SSM state) whose pages were given fresh at the first resume
         although history covers them: the engine must recompute or reconstruct them
         (declined OPTIONAL groups, missing SINK_REQUIRED_ONLY window pages, PRIVATE
-        state)."""
+        state). The list is kept for the cache's life (a later resume returns it again),
+        less the blocks that have no page any more (gone stale out of a window: they show
+        ``BAD_PAGE_INDEX`` and need nothing)."""
         self._check_group(group)
-        return list(self._recompute.get(group, ()))
+        pages = self._pages[group]
+        return [b for b in self._recompute.get(group, ())
+                if b < 0 or (b < len(pages) and pages[b] >= 0)]
 
     def _decide_optional(self, selected: Sequence[int] | None) -> list[tuple[int, int, int]]:
         """Validate the OPTIONAL choice; return the claims to give up ``(group, block,

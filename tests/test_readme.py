@@ -77,11 +77,48 @@ def test_readme_quick_start_is_two_commands() -> None:
     assert "kvcm simulate" in commands[0] and "python -m pytest" in commands[1]
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/semantics.md", "docs/plugins.md",
-                                 "docs/internals.md", "benchmarks/README.md"])
+@pytest.mark.parametrize("doc", ["README.md", "benchmarks/README.md",
+                                 *sorted(f"docs/{p.name}" for p in
+                                         (README.parent / "docs").glob("*.md"))])
 def test_readme_and_docs_stand_on_the_repository_alone(doc: str) -> None:
     """Rule: no pointer to files outside the repository (the specification's pages)."""
     text = (README.parent / doc).read_text()
     found = re.findall(r"(?:\.\./|/work/)shared|\bshared/\w|\b(?:concepts|api|quality|"
                        r"architecture|scenarios)\.md", text)
     assert not found, found
+
+
+def test_the_engine_pages_model_declaration_runs_and_its_window_rule_holds() -> None:
+    """docs/engine.md: its configuration is valid as written, and a window of W keeps the
+    sink blocks and the blocks from (H + 1 - W) // tokens_per_block on, as it says."""
+    doc = README.parent / "docs" / "engine.md"
+    block = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)[0]
+    namespace: dict[str, object] = {}
+    exec(compile(block, str(doc), "exec"), namespace)
+    assert namespace["config"].layers[1].sliding_window_size == 4096
+    from kvcm_core import (
+        AttentionLayerConfig,
+        BufferConfig,
+        KVCacheManager,
+        KVCacheManagerConfig,
+        LevelConfig,
+    )
+    tpb, window, sinks = 16, 40, 5
+    cfg = KVCacheManagerConfig(
+        tokens_per_block=tpb, kernel_backend="numpy",
+        layers=[AttentionLayerConfig(layer_id=0, sliding_window_size=window,
+                                     num_sink_tokens=sinks,
+                                     buffers=[BufferConfig(role="key", size=64)])],
+        levels=[LevelConfig(tier="gpu", quota="1MiB")])
+    with KVCacheManager(cfg) as m:
+        cache = m.create_kv_cache(None, [])
+        assert cache.resume()
+        for history in range(1, 120):
+            assert cache.resize(history)
+            cache.commit([history])
+            table = cache.get_base_page_indices(0).tolist()
+            sink_blocks = -(-sinks // tpb)
+            first = max(sink_blocks, (history + 1 - window) // tpb)
+            kept = [b for b, p in enumerate(table) if p >= 0]
+            assert kept == [b for b in range(len(table)) if b < sink_blocks or b >= first]
+        cache.close()

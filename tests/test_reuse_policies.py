@@ -339,10 +339,15 @@ def test_reuse_status_is_exact_for_incomplete_optional_groups():
     for g in (full_opt, win_opt, ssm_opt):
         with pytest.raises(ValueError, match="incomplete"):
             c.resume(optional_reuse_groups=[g])
-    d.run_to(c, optional=[])
+    assert d.resume(c, optional=[])
     assert c.recompute_blocks(full_opt) == list(range(6))
     assert c.recompute_blocks(win_opt) == [0, 4, 5]
     assert c.recompute_blocks(ssm_opt) == [-1]
+    d.run_to(c)
+    # Block 4 left the window as history moved on: it has no page, so nothing to redo.
+    assert c.get_base_page_indices(win_opt)[4] < 0
+    assert c.recompute_blocks(win_opt) == [0, 5]
+    assert c.recompute_blocks(full_opt) == list(range(6))
     c.close()
     assert_all_free(m)
 
