@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcm_core.backend import Stream
 from kvcm_core.cache_base import CacheStatus
 from kvcm_core.cache_beams import BeamsMixin
 from kvcm_core.cache_publish import PublishMixin
@@ -356,9 +357,12 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         self._levels.begin(None)  # nobody waits here: the next resume does
         return self._levels.prefetch(_arr(pages), level)
 
-    def commit(self, tokens: Sequence[Any] | np.ndarray) -> None:
+    def commit(self, tokens: Sequence[Any] | np.ndarray, stream: Stream | None = None) -> None:
         """Give the tokens at positions ``[T, T + len(tokens))`` (``T``: tokens known so
-        far); history advances to at least their end and full blocks are published."""
+        far); history advances to at least their end and full blocks are published.
+        ``stream``: where the KV of these tokens was written; a shared remote level reads
+        the pages of the blocks published here after the work queued on it (the host waits
+        for it), otherwise it is not used."""
         self._ctx.thread.check()
         if self._status is not CacheStatus.ACTIVE:
             self._require(CacheStatus.ACTIVE)
@@ -419,7 +423,8 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
                 b0 = self._published
                 self._publish_range(b0, full)
                 if ctx.remote is not None and self._published > b0:
-                    ctx.remote.committed(self._root_key, self._nodes[b0 : self._published])
+                    ctx.remote.committed(self._root_key, self._nodes[b0 : self._published],
+                                         stream)
             if self._published * tpb > self._committed:
                 self._committed = self._published * tpb
             if (ctx.config.commit_min_snapshot and ctx.ssm_groups and end % tpb == 0

@@ -46,7 +46,7 @@ import attrs
 import google_crc32c
 import numpy as np
 
-from kvcm_core.backend import Buffer, KernelBackend
+from kvcm_core.backend import Buffer, KernelBackend, Stream
 from kvcm_core.codec import BlobCodec, PageCodec
 from kvcm_core.config import KVCacheManagerConfig, LevelConfig
 from kvcm_core.errors import ConfigError, CorruptPageError, OutOfPagesError, TierIOError
@@ -574,9 +574,11 @@ class RemoteLevel:
             rows[k] = np.frombuffer(payload, dtype=np.uint8)
         fkeys = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(n, 32)
         layout = L.layouts[L.pool_group_of(group)]
+        slots = L.arena.slot[pids]
+        self._after_level_copies(store, slots)
         try:
             self._mover.copy(layout, stage, np.arange(n), store,  # type: ignore[arg-type]
-                             L.arena.slot[pids], keys=fkeys)
+                             slots, keys=fkeys)
         except (TierIOError, CorruptPageError):
             store.change(pids, 0, 0)  # unreferenced and uncommitted: freed
             L.stats.io_failures += 1
@@ -585,10 +587,21 @@ class RemoteLevel:
         L.change(pids, 0, 1)
         return pids
 
+    def _after_level_copies(self, store: Store, slots: np.ndarray) -> None:
+        """The host waits for the levels' asynchronous copies that last touched these
+        slots (an eviction still reading a slot now reused, an onboard still filling a
+        page): this level copies with a mover of its own, which does not know them."""
+        fences = self._levels.mover.fences
+        if fences.events:
+            fences.wait_host(((store, np.asarray(slots, dtype=np.int32)),))
+
     # -- writes ----------------------------------------------------------------------------
 
-    def committed(self, root_key: bytes, nodes: Sequence[int]) -> None:
-        """A cache published ``nodes`` (full blocks): queue their GPU pages for writing."""
+    def committed(self, root_key: bytes, nodes: Sequence[int], stream: Stream | None = None
+                  ) -> None:
+        """A cache published ``nodes`` (full blocks): queue their GPU pages for writing,
+        read after the work queued on ``stream`` (where the engine wrote them) and after
+        the levels' own copies of those slots."""
         if self._closing or not len(nodes):
             return
         L = self._levels
@@ -626,8 +639,10 @@ class RemoteLevel:
             pids = np.asarray([p for p, _, _ in items], dtype=np.int64)
             cold = self._codec.cold_page_size(layout)
             stage = self._stage(cold, len(items))
-            self._mover.copy(layout, store, a.slot[pids], stage,  # type: ignore[arg-type]
-                             np.arange(len(items)))
+            slots = a.slot[pids]
+            self._after_level_copies(store, slots)
+            self._mover.copy(layout, store, slots, stage,  # type: ignore[arg-type]
+                             np.arange(len(items)), stream)
             rows = stage.rows(len(items))
             batch += [(rkey, fkey, rows[k].tobytes())
                       for k, (_, rkey, fkey) in enumerate(items)]

@@ -54,11 +54,41 @@ def _timed(call, budget: float):  # test helper
     ({"url": "redis://127.0.0.1:1", "connect_timeout_s": 0}, "redis.options.connect_timeout_s"),
     ({"url": "redis://127.0.0.1:1", "pipeline_bytes": 0}, "redis.options.pipeline_bytes"),
     ({"url": "redis://127.0.0.1:1", "colour": "red"}, "redis.options.colour"),
+    ({"url": "redis://127.0.0.1:99999/0"}, "redis.options.url"),  # port out of range
+    ({"url": "redis://127.0.0.1:notaport/0"}, "redis.options.url"),
+    ({"url": "redis://[::1/0"}, "redis.options.url"),  # a broken IPv6 host
 ])
 def test_bad_options_raise_config_error_naming_the_option(options: dict, field: str) -> None:
     with pytest.raises(ConfigError) as info:
         RedisTier(None, options)
     assert info.value.field == field
+
+
+def test_a_connection_is_kept_when_the_process_has_more_than_1024_files_open() -> None:
+    """Inference servers hold many descriptors: a connection whose descriptor is past
+    1024 is still checked for staleness (no reconnection per call)."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"the open-files limit ({hard}) is below 2048")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        with fresh_server() as server:
+            tier = RedisTier(None, {"url": server.url})
+            try:
+                admin = __import__("redis").Redis.from_url(server.url)
+                before = admin.info("stats")["total_connections_received"]
+                for key in _keys(50):
+                    tier.put_many([key], [b"x" * 64], deadline=_soon())
+                opened = admin.info("stats")["total_connections_received"] - before - 1
+                assert opened <= 1, f"{opened} connections for 50 calls"
+            finally:
+                tier.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_namespaces_keep_two_deployments_apart() -> None:

@@ -517,3 +517,34 @@ def test_blocks_read_from_the_remote_level_are_not_written_back() -> None:
             st = b.get_remote_statistics()
             assert st.pulled_blocks == 10
             assert st.writes_queued == 2  # only the blocks b computed itself
+
+
+# -- ordering: the shared level reads pages after the engine wrote them ---------------------
+
+
+def test_a_commit_on_the_engines_stream_stores_the_kv_written_there_not_older_bytes() -> None:
+    """On a backend whose streams are real queues (the deferred test backend), an engine
+    writes a prompt's KV on its own stream and commits at once, without waiting. The
+    shared level reads the published pages after that stream's work, so another
+    manager that pulls the prefix reads exactly the KV written (checked by the
+    fingerprint engine); read on another stream, it would store the pages' old bytes."""
+    from deferred_backend import deferred_plugin_manager
+
+    from kvcm_core.testing.fingerprint import FingerprintEngine, StepWork
+
+    with fresh_server() as server:
+        cfg = KVCacheManagerConfig.from_dict({**config(server.url).to_dict(),
+                                              "kernel_backend": "deferred"})
+        with KVCacheManager(cfg, plugin_manager=deferred_plugin_manager()) as writer:
+            stream = writer.backend.create_stream()
+            engine = FingerprintEngine(writer)
+            engine.stream = stream
+            cache = writer.create_kv_cache(None, [])
+            assert cache.resume(stream) and cache.resize(len(PROMPT), stream=stream)
+            engine.write([StepWork(cache, PROMPT)])  # queued on the engine's stream
+            cache.commit(PROMPT, stream)
+            assert writer.flush_remote(30.0)
+            assert writer.get_remote_statistics().written == 10
+            cache.close()
+        with KVCacheManager(config(server.url)) as reader:
+            assert serve(reader, PROMPT) == REUSABLE  # every pulled page checked

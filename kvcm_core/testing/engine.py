@@ -124,7 +124,7 @@ class EngineLoop:
                             if buf.size:
                                 self.batch.register_index_table(layer.layer_id, buf.role)
         self.engine = FingerprintEngine(manager, self.batch)
-        #: The engine's stream: given to resume and resize, and the fingerprint kernels
+        #: The engine's stream: given to resume, resize and commit, and the fingerprint kernels
         #: run on it (None: the backend's default stream).
         self.stream = stream
         self.engine.stream = stream
@@ -295,7 +295,7 @@ class EngineLoop:
         for req, cap in stepped:
             cache = req.cache
             known = cache.history_length
-            cache.commit(req.tokens[known:cap])
+            cache.commit(req.tokens[known:cap], self.stream)
             report.stepped += 1
             report.tokens += cap - known
         if self.sparse is not None and stepped:

@@ -189,9 +189,10 @@ class _Plain:
         """Whether the idle connection can no longer be used: between batches nothing may
         be readable, so anything readable is the server's end of it (a restart, a
         timeout)."""
-        try:
-            return bool(select.select([self._sock], [], [], 0)[0]) or \
-                self._have != self._pos
+        try:  # poll, not select: select refuses descriptors past 1024 (busy servers)
+            poller = select.poll()
+            poller.register(self._sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+            return bool(poller.poll(0)) or self._have != self._pos
         except (OSError, ValueError):
             return True
 
@@ -300,7 +301,10 @@ class RedisTier(KeyedTier):
         self._redis = redis
         self._client: Any = None
         self._plain: _Plain | None = None  # standalone server over plain TCP
-        parsed = redis.connection.parse_url(self._opts["url"])
+        try:
+            parsed = redis.connection.parse_url(self._opts["url"])
+        except ValueError as exc:  # a port out of range or not a number, a broken host
+            raise ConfigError("redis.options.url", self._opts["url"], str(exc)) from exc
         self._raw_url = None if self._opts["cluster"] or "connection_class" in parsed \
             or "path" in parsed else parsed
         self._nodes: list[tuple[str, int]] = []  # cluster nodes seen (to reconnect through)
