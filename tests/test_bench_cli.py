@@ -114,6 +114,18 @@ def test_an_out_path_that_cannot_be_written_is_refused_before_running(name: str,
     ("kernels", ["--directions", "h2x"], "argument --directions: unknown direction(s)"),
     ("batch", ["--reps", "0"], "argument --reps: 0: must be an int >= 1"),
     ("batch", ["--steps", "0"], "argument --steps: 0: must be an int >= 1"),
+    ("mixed", ["--sessions", "0"], "argument --sessions: 0: must be an int >= 1"),
+    ("mixed", ["--turns", "0"], "argument --turns: 0: must be an int >= 1"),
+    ("mixed", ["--batch", "0"], "argument --batch: 0: must be an int >= 1"),
+    ("mixed", ["--tokens-per-block", "0"], "argument --tokens-per-block: 0: must be an int >= 1"),
+    ("mixed", ["--chunk", "0"], "argument --chunk: 0: must be an int >= 1"),
+    ("mixed", ["--question-len", "15"], "argument --question-len: 15: must be an int >= 16"),
+    ("mixed", ["--output-len", "-1"], "argument --output-len: -1: must be an int >= 0"),
+    ("mixed", ["--gpu-blocks", "0"], "argument --gpu-blocks: 0: must be an int >= 1"),
+    ("mixed", ["--companion-margin", "nan"],
+     "argument --companion-margin: nan: must be a finite number > 0"),
+    ("mixed", ["--companion-margin", "0.001"],
+     "argument --companion-margin: 0.001: leaves the companion no GPU slot"),
 ])
 def test_a_bench_argument_that_cannot_work_is_a_usage_error_before_running(
         name: str, args: list[str], message: str, tmp_path: Path, capsys) -> None:
@@ -134,6 +146,16 @@ def test_too_few_manager_slots_is_one_line_naming_num_blocks(tmp_path: Path, cap
     err = capsys.readouterr().err
     assert "--num-blocks=10: too few GPU slots for the decode part" in err
     assert "Traceback" not in err
+
+
+def test_a_mixed_workload_the_gpu_slots_cannot_hold_is_one_line_naming_gpu_blocks(
+        tmp_path: Path, capsys) -> None:
+    code = cli.main(["bench", "mixed", "--quick", "--gpu-blocks", "10", "--out",
+                     str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--gpu-blocks=10: with --companion-margin 1.3: too few GPU slots" in err
+    assert "Traceback" not in err and not list(tmp_path.iterdir())
 
 
 def test_options_given_explicitly_still_apply_with_quick_in_bench_kernels(tmp_path: Path
