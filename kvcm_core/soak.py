@@ -38,6 +38,7 @@ command line.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 import time
@@ -83,9 +84,15 @@ def _rate(instance: Any, attribute: attrs.Attribute[float], value: float) -> Non
         raise ConfigError(f"soak.{attribute.name}", value, "must be a number in [0, 1]")
 
 
-def _seed(instance: Any, attribute: attrs.Attribute[int], value: int) -> None:
+def _count(instance: Any, attribute: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(f"soak.{attribute.name}", value, "must be an int >= 0")
+
+
+def _arrivals(instance: Any, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            math.isfinite(value) and value >= 0):
+        raise ConfigError(f"soak.{attribute.name}", value, "must be a finite number >= 0")
 
 
 def _seconds(instance: Any, attribute: attrs.Attribute[float], value: float) -> None:
@@ -116,18 +123,18 @@ class SoakConfig:
             disk level's quota at random (0: never).
     """
 
-    steps: int = attrs.field(default=1000, validator=attrs.validators.ge(0))
-    seed: int = attrs.field(default=0, validator=_seed)
+    steps: int = attrs.field(default=1000, validator=_count)
+    seed: int = attrs.field(default=0, validator=_count)
     write_fault_rate: float = attrs.field(default=0.05, validator=_rate)
     read_fault_rate: float = attrs.field(default=0.05, validator=_rate)
     corrupt_rate: float = attrs.field(default=0.02, validator=_rate)
     slow_rate: float = attrs.field(default=0.002, validator=_rate)
     io_deadline_s: float = attrs.field(default=0.1, validator=_seconds)
     slow_s: float = attrs.field(default=0.25, validator=_seconds)
-    write_queue_depth: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    arrival_rate: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
-    probe_every: int = attrs.field(default=5, validator=attrs.validators.ge(0))
-    resize_every: int = attrs.field(default=100, validator=attrs.validators.ge(0))
+    write_queue_depth: int = attrs.field(default=0, validator=_count)
+    arrival_rate: float = attrs.field(default=0.5, validator=_arrivals)
+    probe_every: int = attrs.field(default=5, validator=_count)
+    resize_every: int = attrs.field(default=100, validator=_count)
 
     def __attrs_post_init__(self) -> None:
         if self.slow_s <= self.io_deadline_s:

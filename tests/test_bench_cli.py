@@ -114,6 +114,42 @@ def test_an_out_path_that_cannot_be_written_is_refused_before_running(name: str,
     ("kernels", ["--directions", "h2x"], "argument --directions: unknown direction(s)"),
     ("batch", ["--reps", "0"], "argument --reps: 0: must be an int >= 1"),
     ("batch", ["--steps", "0"], "argument --steps: 0: must be an int >= 1"),
+    ("mixed", ["--sessions", "0"], "argument --sessions: 0: must be an int >= 1"),
+    ("mixed", ["--turns", "0"], "argument --turns: 0: must be an int >= 1"),
+    ("mixed", ["--batch", "0"], "argument --batch: 0: must be an int >= 1"),
+    ("mixed", ["--tokens-per-block", "0"], "argument --tokens-per-block: 0: must be an int >= 1"),
+    ("mixed", ["--chunk", "0"], "argument --chunk: 0: must be an int >= 1"),
+    ("mixed", ["--question-len", "15"], "argument --question-len: 15: must be an int >= 16"),
+    ("mixed", ["--output-len", "-1"], "argument --output-len: -1: must be an int >= 0"),
+    ("mixed", ["--gpu-blocks", "0"], "argument --gpu-blocks: 0: must be an int >= 1"),
+    ("mixed", ["--companion-margin", "nan"],
+     "argument --companion-margin: nan: must be a finite number > 0"),
+    ("mixed", ["--companion-margin", "0.001"],
+     "argument --companion-margin: 0.001: leaves the companion no GPU slot"),
+    ("eviction", ["--batches", "0"], "argument --batches: 0: must be an int >= 1"),
+    ("eviction", ["--base", "-5"], "argument --base: -5: must be an int >= 0"),
+    ("eviction", ["--pages", "0"], "argument --pages: 0: must be an int >= 1"),
+    ("eviction", ["--repeat", "0"], "argument --repeat: 0: must be an int >= 1"),
+    ("eviction", ["--pages", "100000000000"], "past the policies' limit 2147483647"),
+    ("codecs", ["--pages", "0"], "argument --pages: 0: must be an int >= 1"),
+    ("codecs", ["--reps", "0"], "argument --reps: 0: must be an int >= 1"),
+    ("codecs", ["--cpu-pages", "-1"], "argument --cpu-pages: -1: must be an int >= 1"),
+    ("codecs", ["--requests", "0"], "argument --requests: 0: must be an int >= 1"),
+    ("codecs", ["--page-bytes", "300"], "argument --page-bytes: 300: must be a multiple of 256"),
+    ("codecs", ["--configs", "/nonexistent"], "argument --configs: '/nonexistent': not a "
+                                              "folder"),
+    ("sparse", ["--rows", "0"], "argument --rows: 0: must be an int >= 1"),
+    ("sparse", ["--steps", "0"], "argument --steps: 0: must be an int >= 1"),
+    ("sparse", ["--unit-kib", "0"], "argument --unit-kib: 0: must be an int >= 1"),
+    ("sparse", ["--missed-mib", "0"], "argument --missed-mib: 0: must be an int >= 1"),
+    ("sparse", ["--selected", "8192"], "--selected 8192 with --working-set 4096: a row's "
+                                       "selection must fit its working set"),
+    ("redis", ["--sizes", "0"], "argument --sizes: 0: must be an int >= 1"),
+    ("redis", ["--sizes", "abc"], "argument --sizes: 'abc': must be an int >= 1"),
+    ("redis", ["--sizes", ","], "argument --sizes: ',': needs at least one size"),
+    ("redis", ["--pipeline", "0"], "argument --pipeline: 0: must be an int >= 1"),
+    ("redis", ["--reps", "0"], "argument --reps: 0: must be an int >= 1"),
+    ("redis", ["--total-mib", "0"], "argument --total-mib: 0: must be an int >= 1"),
 ])
 def test_a_bench_argument_that_cannot_work_is_a_usage_error_before_running(
         name: str, args: list[str], message: str, tmp_path: Path, capsys) -> None:
@@ -134,6 +170,34 @@ def test_too_few_manager_slots_is_one_line_naming_num_blocks(tmp_path: Path, cap
     err = capsys.readouterr().err
     assert "--num-blocks=10: too few GPU slots for the decode part" in err
     assert "Traceback" not in err
+
+
+def test_a_mixed_workload_the_gpu_slots_cannot_hold_is_one_line_naming_gpu_blocks(
+        tmp_path: Path, capsys) -> None:
+    code = cli.main(["bench", "mixed", "--quick", "--gpu-blocks", "10", "--out",
+                     str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--gpu-blocks=10: with --companion-margin 1.3: too few GPU slots" in err
+    assert "Traceback" not in err and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("name", "args", "message"), [
+    ("sparse", ["--backends", "numpy,nosuch"], "unknown kernel backend 'nosuch'"),
+    ("migrate", ["--backends", "numpy,nosuch"], "unknown kernel backend 'nosuch'"),
+    ("redis", ["--url", "redis://127.0.0.1:1"],
+     "--url='redis://127.0.0.1:1': no Redis server answers there"),
+    ("redis", ["--url", "notaurl"], "--url='notaurl': no Redis server answers there"),
+])
+def test_a_backend_or_server_that_cannot_be_used_is_one_line_before_any_work(
+        name: str, args: list[str], message: str, tmp_path: Path, capsys) -> None:
+    code = cli.main(["bench", name, *_quick_args(name, tmp_path), "--quick", *args, "--out",
+                     str(tmp_path / "out")])
+    assert code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err, captured.err
+    assert "Traceback" not in captured.err and captured.out == ""  # numpy did not run first
+    assert not (tmp_path / "out").exists()
 
 
 def test_options_given_explicitly_still_apply_with_quick_in_bench_kernels(tmp_path: Path

@@ -95,6 +95,27 @@ def test_a_negative_soak_seed_exits_2_naming_the_field(capsys) -> None:
     assert "soak.seed=-1: must be an int >= 0" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(("option", "field"), [
+    ("--steps", "steps"), ("--seed", "seed"), ("--write-queue-depth", "write_queue_depth")])
+def test_a_negative_soak_count_exits_2_naming_the_field_and_the_rule(option, field,
+                                                                    capsys) -> None:
+    assert main(["soak", "--steps", "5", option, "-1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"kvcm soak: soak.{field}=-1: must be an int >= 0" in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("field", "value", "rule"), [
+    ("steps", -1, "must be an int >= 0"), ("steps", 1.5, "must be an int >= 0"),
+    ("probe_every", -1, "must be an int >= 0"), ("resize_every", True, "must be an int >= 0"),
+    ("arrival_rate", -0.5, "must be a finite number >= 0"),
+    ("arrival_rate", float("nan"), "must be a finite number >= 0")])
+def test_a_bad_soak_count_or_arrival_rate_is_a_config_error_naming_the_field(
+        field, value, rule) -> None:
+    with pytest.raises(ConfigError, match=f"soak.{field}={value}: {rule}"):
+        SoakConfig(**{field: value})
+
+
 def test_the_soak_catches_wrong_kv_and_exits_1(monkeypatch, capsys) -> None:
     """The oracle is live: flipping a byte of every GPU page mid-run is reported as wrong
     KV (and a failing run exits 1)."""

@@ -75,11 +75,19 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def device_backends(pm: Any, names: str = "auto") -> list[str]:
     """Kernel backends to measure: ``"auto"`` names every available backend with a device
-    (none on a machine without one), else the comma-separated ``names`` as given."""
+    (none on a machine without one), else the comma-separated ``names`` as given.
+
+    Raises:
+        PluginError: a name is unknown or its backend unavailable here (every name is
+            checked before any is measured).
+    """
     if names == "auto":
         return [n for n, s in pm.kernel_backends().items()
                 if s.capabilities.has_device and pm.availability_of(s)[0]]
-    return [n.strip() for n in names.split(",") if n.strip()]
+    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    for name in chosen:
+        pm.select_kernel_backend(name)
+    return chosen
 
 
 def add_output_options(parser: argparse.ArgumentParser, quick: str) -> None:

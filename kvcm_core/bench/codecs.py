@@ -50,6 +50,7 @@ from kvcm_core.bench import (
     write_result,
 )
 from kvcm_core.codec import BufferPlace, PageLayout
+from kvcm_core.console import int_at_least
 from kvcm_core.records import CodecKind
 from kvcm_core.testing.values import from_bytes, to_bytes
 
@@ -69,6 +70,7 @@ SIMULATIONS = (
     ("fp8 host only", "simulate-fp8-host.toml", None),
 )
 _SAMPLE = 8  # pages whose decoded values are checked against the bound
+_GROUP_BYTES = 256  # one group of 128 bf16 values
 
 #: What ``--quick`` changes.
 QUICK = {"pages": 256, "reps": 3, "cpu_pages": 256, "requests": 20}
@@ -77,15 +79,18 @@ QUICK = {"pages": 256, "reps": 3, "cpu_pages": 256, "requests": 20}
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcm bench codecs", description=__doc__,
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--pages", type=int, default=4096, help="pages per device call")
-    parser.add_argument("--page-bytes", type=int, default=16384,
-                        help="bytes of one GPU page (bf16 values, groups of 128)")
-    parser.add_argument("--reps", type=int, default=20, help="timed calls per measurement")
-    parser.add_argument("--cpu-pages", type=int, default=2048,
+    parser.add_argument("--pages", type=int_at_least(1), default=4096,
+                        help="pages per device call")
+    parser.add_argument("--page-bytes", type=int_at_least(_GROUP_BYTES), default=16384,
+                        help=f"bytes of one GPU page (bf16 values, groups of 128: a multiple "
+                             f"of {_GROUP_BYTES})")
+    parser.add_argument("--reps", type=int_at_least(1), default=20,
+                        help="timed calls per measurement")
+    parser.add_argument("--cpu-pages", type=int_at_least(1), default=2048,
                         help="pages each blob codec encodes and decodes")
     parser.add_argument("--configs", default="benchmarks/codecs",
                         help="folder of the simulate configurations")
-    parser.add_argument("--requests", type=int, default=300,
+    parser.add_argument("--requests", type=int_at_least(1), default=300,
                         help="requests of each simulated workload")
     parser.add_argument("--skip", nargs="*", default=[], choices=["device", "cpu", "simulate"],
                         help="parts not to run")
@@ -427,7 +432,14 @@ def run_simulate(pm: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the parts not skipped, print a line per result and write the JSON."""
-    args = parse_with_quick(_parser(), argv, QUICK)
+    parser = _parser()
+    args = parse_with_quick(parser, argv, QUICK)
+    if args.page_bytes % _GROUP_BYTES:
+        parser.error(f"argument --page-bytes: {args.page_bytes}: must be a multiple of "
+                     f"{_GROUP_BYTES} (groups of 128 bf16 values)")
+    if "simulate" not in args.skip and not Path(args.configs).is_dir():
+        parser.error(f"argument --configs: {args.configs!r}: not a folder (the simulate "
+                     f"configurations; --skip simulate runs without them)")
 
     from kvcm_core.plugins import get_plugin_manager
 

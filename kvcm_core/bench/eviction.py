@@ -33,10 +33,13 @@ from kvcm_core.bench import (
     result_header,
     write_result,
 )
+from kvcm_core.console import int_at_least
 from kvcm_core.eviction import DEFAULT_PRIORITY, MAX_PRIORITY, check_priority
 
 __all__ = ["main"]
 
+#: The largest page id a policy takes (``0..2**31-1``: :mod:`kvcm_core.eviction`).
+MAX_PAGE_ID = 2**31 - 1
 OPS = ("insert_many", "touch_many", "remove_many", "pop_victims")
 
 
@@ -190,12 +193,13 @@ QUICK = {"batches": [1, 256], "base": 10_000, "pages": 2_000, "repeat": 1}
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcm bench eviction", description=__doc__,
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 256],
+    parser.add_argument("--batches", type=int_at_least(1), nargs="+", default=[1, 16, 256],
                         help="pages per call; each batch size is measured in turn")
-    parser.add_argument("--base", type=int, default=100_000,
+    parser.add_argument("--base", type=int_at_least(0), default=100_000,
                         help="pages held by the policy before each run")
-    parser.add_argument("--pages", type=int, default=20_000, help="pages per operation per run")
-    parser.add_argument("--repeat", type=int, default=5,
+    parser.add_argument("--pages", type=int_at_least(1), default=20_000,
+                        help="pages per operation per run")
+    parser.add_argument("--repeat", type=int_at_least(1), default=5,
                         help="timed runs (after one untimed); the best is reported")
     parser.add_argument("--mixed", action="store_true",
                         help="spread each insertion batch over four priorities")
@@ -206,7 +210,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, print a table (ns per page, best of the repeats) and write it."""
-    args = parse_with_quick(_parser(), argv, QUICK)
+    parser = _parser()
+    args = parse_with_quick(parser, argv, QUICK)
+    for b in args.batches:  # page ids: 0..2**31-1 (the eviction policy contract)
+        last = args.base + (args.repeat + 1) * max(8, args.pages // b) * b - 1
+        if last > MAX_PAGE_ID:
+            parser.error(f"--base {args.base}, --pages {args.pages}, --repeat {args.repeat} "
+                         f"and batches of {b}: page ids up to {last}, past the policies' "
+                         f"limit {MAX_PAGE_ID}")
 
     from kvcm_core.plugins import get_plugin_manager
 

@@ -19,6 +19,7 @@ prefix hit rate (reused tokens / looked-up tokens) of both runs on the same trac
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import sys
 import time
@@ -32,6 +33,8 @@ from kvcm_core.bench import (
     write_result,
 )
 from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
+from kvcm_core.console import int_at_least
+from kvcm_core.errors import ConfigError
 from kvcm_core.manager import KVCacheManager
 from kvcm_core.testing.engine import EngineLoop, Request
 from kvcm_core.types import ReusePolicy
@@ -86,7 +89,18 @@ def run(policy: ReusePolicy, args: argparse.Namespace, label: str = "") -> dict[
     t0 = time.perf_counter()
     for i, (tokens, prompt_len) in enumerate(make_trace(args)):
         loop.submit(Request(i, tokens, prompt_len))
-    loop.run()
+    try:
+        loop.run()
+    except RuntimeError as exc:  # the loop stalled: no request fits what the pools hold
+        if not str(exc).startswith("engine loop"):
+            raise
+        loop.close_all()
+        m.shutdown()
+        raise ConfigError("--gpu-blocks", args.gpu_blocks,
+                          f"with --companion-margin {args.companion_margin}: too few GPU "
+                          f"slots for this workload, the {label or policy.name} run stalled "
+                          f"({exc}): raise either, or lower --batch, --chunk or the "
+                          f"lengths") from None
     stats = m.get_and_reset_iteration_stats()
     m.check_invariants()
     elapsed = time.perf_counter() - t0
@@ -113,33 +127,51 @@ QUICK = {"sessions": 4, "turns": 3, "gpu_blocks": 512}
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvcm bench mixed", description=__doc__,
                                  formatter_class=HelpFormatter)
-    ap.add_argument("--layers", type=int, default=2, help="model layers")
-    ap.add_argument("--page-bytes", type=int, default=256,
+    ap.add_argument("--layers", type=int_at_least(1), default=2, help="model layers")
+    ap.add_argument("--page-bytes", type=int_at_least(1), default=256,
                     help="bytes per page of each layer's low-precision buffer (the "
                          "companion's pages are twice that)")
-    ap.add_argument("--tokens-per-block", type=int, default=16, help="tokens per block")
-    ap.add_argument("--window", type=int, default=64,
+    ap.add_argument("--tokens-per-block", type=int_at_least(1), default=16,
+                    help="tokens per block (a power of two)")
+    ap.add_argument("--window", type=int_at_least(1), default=64,
                     help="sink tokens and window tokens of the high-precision companion")
-    ap.add_argument("--prefix-len", type=int, default=256,
+    ap.add_argument("--prefix-len", type=int_at_least(0), default=256,
                     help="tokens of the prompt every session shares")
-    ap.add_argument("--question-len", type=int, default=128,
+    ap.add_argument("--question-len", type=int_at_least(16), default=128,
                     help="most tokens of each new message (16 up to this)")
-    ap.add_argument("--output-len", type=int, default=32, help="tokens of each answer")
-    ap.add_argument("--sessions", type=int, default=16, help="chat sessions")
-    ap.add_argument("--turns", type=int, default=6, help="turns per session")
-    ap.add_argument("--batch", type=int, default=4, help="sessions running at once")
-    ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens)")
-    ap.add_argument("--gpu-blocks", type=int, default=2048,
-                    help="GPU slots of the low-precision pool")
+    ap.add_argument("--output-len", type=int_at_least(0), default=32,
+                    help="tokens of each answer")
+    ap.add_argument("--sessions", type=int_at_least(1), default=16, help="chat sessions")
+    ap.add_argument("--turns", type=int_at_least(1), default=6, help="turns per session")
+    ap.add_argument("--batch", type=int_at_least(1), default=4, help="sessions running at once")
+    ap.add_argument("--chunk", type=int_at_least(1), default=256, help="prefill chunk (tokens)")
+    ap.add_argument("--gpu-blocks", type=int_at_least(1), default=2048,
+                    help="GPU slots of the low-precision pool (too few for the workload: an "
+                         "error naming it)")
     ap.add_argument("--companion-margin", type=float, default=1.3,
-                    help="companion slots = running batch's need x this")
+                    help="companion slots = running batch's need x this (a number > 0)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the token generator")
     add_output_options(ap, "4 sessions of 3 turns over 512 GPU slots")
     return ap
 
 
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any work, a margin the companion's pool cannot be sized by (exit 2)."""
+    margin = args.companion_margin
+    if not (math.isfinite(margin) and margin > 0):
+        parser.error(f"argument --companion-margin: {margin}: must be a finite number > 0")
+    tpb = args.tokens_per_block
+    per_request = 2 * (-(-args.window // tpb)) + args.chunk // tpb + 2
+    if int(args.batch * per_request * margin) < 1:
+        parser.error(f"argument --companion-margin: {margin}: leaves the companion no GPU "
+                     f"slot (--batch {args.batch} x {per_request} slots a request x "
+                     f"{margin} < 1)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_with_quick(_parser(), argv, QUICK)
+    parser = _parser()
+    args = parse_with_quick(parser, argv, QUICK)
+    _check(parser, args)
     results = [run(p, args) for p in (ReusePolicy.REQUIRED, ReusePolicy.SINK_REQUIRED_ONLY)]
     unbounded = argparse.Namespace(**{**vars(args), "gpu_blocks": args.gpu_blocks * 64,
                                       "companion_margin": args.companion_margin * 64})

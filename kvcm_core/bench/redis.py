@@ -42,6 +42,7 @@ from kvcm_core.bench import (
     result_header,
     write_result,
 )
+from kvcm_core.console import int_at_least
 from kvcm_core.errors import ConfigError
 
 __all__ = ["main"]
@@ -52,10 +53,11 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter)
     p.add_argument("--url", default="", help="a server to use (flushed!); default: start one")
     p.add_argument("--sizes", default="16384,65536", help="value sizes in bytes, comma-separated")
-    p.add_argument("--total-mib", type=int, default=256,
+    p.add_argument("--total-mib", type=int_at_least(1), default=256,
                    help="MiB of values per size and run (N = total / size)")
-    p.add_argument("--pipeline", type=int, default=64, help="values per batch / pipeline")
-    p.add_argument("--reps", type=int, default=5, help="alternating runs per size")
+    p.add_argument("--pipeline", type=int_at_least(1), default=64,
+                   help="values per batch / pipeline")
+    p.add_argument("--reps", type=int_at_least(1), default=5, help="alternating runs per size")
     add_output_options(p, "32 MiB per size, 1 rep")
     return p
 
@@ -117,11 +119,27 @@ def _tier_run(tier: Any, size: int, n: int, pipeline: int, seed: int) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_with_quick(_parser(), argv, {"total_mib": 32, "reps": 1})
+    parser = _parser()
+    args = parse_with_quick(parser, argv, {"total_mib": 32, "reps": 1})
+    size = int_at_least(1)
+    try:
+        sizes = [size(s) for s in args.sizes.split(",") if s.strip()]
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"argument --sizes: {exc} (a comma-separated list)")
+    if not sizes:
+        parser.error(f"argument --sizes: {args.sizes!r}: needs at least one size")
+    import redis
+
     from kvcm_core.plugins import get_plugin_manager
     from kvcm_core.testing.redis_server import RedisServer
 
-    sizes = [int(s) for s in args.sizes.split(",") if s]
+    if args.url:  # a server that does not answer: one line naming --url, before any work
+        try:
+            with redis.Redis.from_url(args.url) as probe:
+                probe.ping()
+        except (redis.RedisError, ValueError) as exc:
+            raise ConfigError("--url", args.url, f"no Redis server answers there "
+                                                 f"({type(exc).__name__}: {exc})") from None
     server = None if args.url else RedisServer()
     url = args.url or server.url  # type: ignore[union-attr]
     parsed = urlparse(url)
@@ -129,8 +147,6 @@ def main(argv: list[str] | None = None) -> int:
     tier = get_plugin_manager().tier("redis").factory(None, {"url": url})
     results = []
     try:
-        import redis
-
         admin = redis.Redis.from_url(url)
         for size in sizes:
             n = max(args.pipeline, (args.total_mib << 20) // size)

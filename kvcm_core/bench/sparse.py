@@ -44,6 +44,7 @@ from kvcm_core.bench import (
     timed_calls,
     write_result,
 )
+from kvcm_core.console import int_at_least
 from kvcm_core.plugins import get_plugin_manager
 from kvcm_core.testing.sparse_oracle import ResolveRig, device_array, drifting_topk
 
@@ -264,21 +265,32 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--backends", default="auto",
                     help="comma-separated kernel backends, or auto: every available one "
                          "with a device")
-    ap.add_argument("--rows", type=int, nargs="+", default=[64, 256], help="rows resolved")
-    ap.add_argument("--selected", type=int, default=2048, help="units selected per row")
-    ap.add_argument("--working-set", type=int, default=4096, help="entries per row")
-    ap.add_argument("--steps", type=int, default=20, help="timed resolves per case")
-    ap.add_argument("--reps", type=int, default=9, help="timed repetitions of each copy")
-    ap.add_argument("--unit-kib", type=int, nargs="+", default=[1, 4, 16],
+    ap.add_argument("--rows", type=int_at_least(1), nargs="+", default=[64, 256],
+                    help="rows resolved")
+    ap.add_argument("--selected", type=int_at_least(1), default=2048,
+                    help="units selected per row (at most --working-set)")
+    ap.add_argument("--working-set", type=int_at_least(1), default=4096,
+                    help="entries per row")
+    ap.add_argument("--steps", type=int_at_least(1), default=20,
+                    help="timed resolves per case")
+    ap.add_argument("--reps", type=int_at_least(1), default=9,
+                    help="timed repetitions of each copy")
+    ap.add_argument("--unit-kib", type=int_at_least(1), nargs="+", default=[1, 4, 16],
                     help="unit sizes of the copies")
-    ap.add_argument("--missed-mib", type=int, default=256, help="bytes each copy moves")
-    ap.add_argument("--trace-steps", type=int, default=50, help="steps of the hit trace")
+    ap.add_argument("--missed-mib", type=int_at_least(1), default=256,
+                    help="bytes each copy moves")
+    ap.add_argument("--trace-steps", type=int_at_least(1), default=50,
+                    help="steps of the hit trace")
     add_output_options(ap, "8 rows x 256 selected, small copies, few steps")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_with_quick(_parser(), argv, QUICK)
+    parser = _parser()
+    args = parse_with_quick(parser, argv, QUICK)
+    if args.selected > args.working_set:
+        parser.error(f"--selected {args.selected} with --working-set {args.working_set}: a "
+                     f"row's selection must fit its working set")
     pm = get_plugin_manager()
     names = device_backends(pm, args.backends)
     if not names:
