@@ -148,15 +148,17 @@ def _check_length(got: int, n: int) -> None:
 def page_list(pages: PageBatch) -> list[int]:
     """``pages`` as a list of Python ints.
 
-    A list is returned as it is (its items must be Python ints: nothing is copied or
-    checked); a 1-D integer NumPy array through ``tolist()``; another sequence (tuple,
-    range) through ``list()``.
+    A list of Python ints is returned as it is (nothing is copied); a 1-D integer NumPy
+    array through ``tolist()``; another sequence (tuple, range) through ``list()``. Items
+    must be ints (NumPy integers are converted): a float, a string or a bool is refused,
+    never truncated or parsed.
 
     Raises:
-        ValueError: an array that is not 1-D or not of an integer dtype.
+        ValueError: an array that is not 1-D or not of an integer dtype, or an item that
+            is not an int.
     """
     if type(pages) is list:
-        return pages
+        return _ints(pages)
     if isinstance(pages, np.ndarray):
         if pages.ndim != 1 or pages.dtype.kind not in "iu":
             raise InvalidArgumentError(
@@ -167,7 +169,16 @@ def page_list(pages: PageBatch) -> list[int]:
     if isinstance(pages, str | bytes) or not isinstance(pages, Sequence):
         raise InvalidArgumentError(f"pages: must be a sequence of ints or a 1-D integer array, got "
                          f"{type(pages).__name__}")
-    return list(pages)
+    return _ints(list(pages))
+
+
+def _ints(pages: list[Any]) -> list[int]:
+    if not pages or set(map(type, pages)) == _INT_ONLY:
+        return pages
+    for p in pages:
+        if isinstance(p, bool) or not isinstance(p, int | np.integer):
+            raise InvalidArgumentError(f"page {p!r}: pages must be ints")
+    return [int(p) for p in pages]
 
 
 def check_no_options(name: str, options: Mapping[str, Any] | None) -> None:

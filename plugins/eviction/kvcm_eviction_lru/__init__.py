@@ -152,8 +152,7 @@ class LruPolicy(EvictionPolicy):
             ValueError: a page is present or repeated, or a priority is invalid; nothing
                 is changed.
         """
-        if type(pages) is not list:
-            pages = page_list(pages)
+        pages = page_list(pages)
         if type(priorities) is int and 0 <= priorities <= MAX_PRIORITY:
             prio: int | list[int] = priorities
         else:
@@ -185,8 +184,7 @@ class LruPolicy(EvictionPolicy):
         Raises:
             ValueError: naming the first absent (or repeated) page; nothing is changed.
         """
-        if type(pages) is not list:
-            pages = page_list(pages)
+        pages = page_list(pages)
         if len(pages) == 1:
             page = pages[0]
             try:
@@ -209,8 +207,7 @@ class LruPolicy(EvictionPolicy):
         Raises:
             ValueError: naming the first absent page; nothing is changed.
         """
-        if type(pages) is not list:
-            pages = page_list(pages)
+        pages = page_list(pages)
         if len(pages) == 1:
             page = pages[0]
             try:
@@ -272,8 +269,7 @@ class LruPolicy(EvictionPolicy):
         Raises:
             ValueError: a page is absent or a priority is invalid; nothing is changed.
         """
-        if type(pages) is not list:
-            pages = page_list(pages)
+        pages = page_list(pages)
         prio = check_priorities(priorities, len(pages))
         if not pages:
             return

@@ -61,7 +61,7 @@ def _as_pages(pages: PageBatch) -> np.ndarray:
         raise ValueError(f"pages: must be ints, got {pages!r:.80}") from None
     if arr.ndim != 1:
         raise ValueError(f"pages: must be a flat sequence of ints, got shape {arr.shape}")
-    if type(pages) is list and pages and set(map(type, pages)) != _INT_ONLY:
+    if len(arr) and set(map(type, pages)) != _INT_ONLY:  # a float or str is not a page
         for p in pages:
             if isinstance(p, bool) or not isinstance(p, int | np.integer):
                 raise ValueError(f"page {p!r}: pages must be ints")
