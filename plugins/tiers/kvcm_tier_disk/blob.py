@@ -13,10 +13,17 @@ write would pass it, every segment with dead bytes is compacted first. Record an
 headers (8 and 64 bytes) are the tier's own bookkeeping and are not counted.
 
 Reopening a named pool rebuilds the index by reading its segments in order (the last
-record of a slot wins; a shrink appends tombstones). A record cut short by a truncated file
-ends the scan of its segment; a blob whose file was truncated under it reads back short
-(kvcm's frame check rejects it). I/O runs on the caller's thread; errors surface through
-the returned handle as :class:`~kvcm_core.errors.TierIOError`.
+record of a slot wins; a shrink, and a reopen with fewer slots, append tombstones, which
+compaction carries forward while an older segment might still hold the slot). A record cut
+short by a truncated file ends the scan of its segment; a blob whose file was truncated
+under it reads back short (kvcm's frame check rejects it). I/O runs on the caller's thread;
+errors surface through the returned handle as :class:`~kvcm_core.errors.TierIOError`.
+
+A failed write leaves memory and segments agreeing, so a reopen reads what a read did: an
+append cut short is cut off the file again (nothing past a segment's recorded end
+survives); each slot of a failed write holds its old blob, nothing (a write that had to
+compact for its quota lets an old blob go with its segment), or its new blob when only the
+compaction after the write failed.
 """
 
 from __future__ import annotations
@@ -71,11 +78,22 @@ class BlobDiskPool(BlobPool):
         self._seg = np.full(num_slots, -1, dtype=np.int64)
         self._off = np.zeros(num_slots, dtype=np.int64)
         self._len = np.zeros(num_slots, dtype=np.int64)
+        self._tombs: dict[int, set[int]] = {}  # segment id -> slots with a tombstone in it
         self._active = 0
         self._closed = False
-        for seg in self._existing_segments():
-            self._scan(seg)
-        self._new_segment()
+        beyond: set[int] = set()  # slots past num_slots whose last record holds a blob
+        try:
+            for seg in self._existing_segments():
+                self._scan(seg, beyond)
+            self._new_segment()
+            if beyond:  # reopened with fewer slots: drop those blobs for good, as a shrink
+                self._write_tombstones(sorted(beyond))
+            if self.stored_bytes > num_slots * slot_bytes:
+                self._compact(list(self._fds), rotate=True)
+        except BaseException:
+            for fd in self._fds.values():
+                os.close(fd)
+            raise
 
     # -- segments ------------------------------------------------------------------------
 
@@ -91,23 +109,31 @@ class BlobDiskPool(BlobPool):
 
     def _open_segment(self, seg: int) -> tuple[int, bool]:
         fd, created = self._tier._open_file(self._seg_name(seg), self._label)
-        self._fds[seg] = fd
         if created:
             header = _SEG_HEADER.pack(_SEG_MAGIC, _SEG_VERSION, SEGMENT_HEADER_BYTES,
                                       self.slot_bytes).ljust(SEGMENT_HEADER_BYTES, b"\0")
-            if os.pwrite(fd, header, 0) != SEGMENT_HEADER_BYTES:
-                raise TierIOError(f"{self._label}: short write of a segment header")
+            try:
+                if os.pwrite(fd, header, 0) != SEGMENT_HEADER_BYTES:
+                    raise TierIOError(f"{self._label}: short write of a segment header")
+            except OSError:  # no half-made segment for a later write or a reopen
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(self._seg_name(seg), dir_fd=self._tier._live_dir_fd())
+                raise
+        self._fds[seg] = fd
         self._size[seg] = max(os.fstat(fd).st_size, SEGMENT_HEADER_BYTES)
         self._stored.setdefault(seg, 0)
         self._live.setdefault(seg, 0)
         return fd, created
 
     def _new_segment(self) -> None:
-        self._active = max(self._fds, default=0) + 1
-        self._open_segment(self._active)
+        seg = max(self._fds, default=0) + 1
+        self._open_segment(seg)
+        self._active = seg
 
-    def _scan(self, seg: int) -> None:
-        """Rebuild the index from one existing segment (reopen)."""
+    def _scan(self, seg: int, beyond: set[int]) -> None:
+        """Rebuild the index from one existing segment (reopen); ``beyond`` collects the
+        slots past ``num_slots`` whose last record so far holds a blob."""
         fd, _ = self._open_segment(seg)
         raw = os.pread(fd, self._size[seg], 0)
         if len(raw) < SEGMENT_HEADER_BYTES:  # created, header never written: empty
@@ -127,10 +153,16 @@ class BlobDiskPool(BlobPool):
             dead = length == _TOMBSTONE
             if not dead and at + length > len(raw):
                 break  # cut short: the file was truncated
+            if dead:
+                self._tombs.setdefault(seg, set()).add(slot)
             if slot < self.num_slots:
                 self._unlink_slot(slot)
                 if not dead:
                     self._point(slot, seg, at, length)
+            elif dead:
+                beyond.discard(slot)
+            else:
+                beyond.add(slot)
             if not dead:
                 self._stored[seg] += length
                 at += length
@@ -202,9 +234,8 @@ class BlobDiskPool(BlobPool):
         pool may pass its quota by them until the old segment is deleted)."""
         total = sum(len(b) for b in blobs)
         if quota and self.stored_bytes + total > self.num_slots * self.slot_bytes:
-            for slot in slots.tolist():  # their old blobs are dead once these land
-                self._unlink_slot(slot)
-            self._compact(list(self._fds), rotate=True)
+            # their old blobs are dead once these land: not moved, gone with their segments
+            self._compact(list(self._fds), rotate=True, dropping=slots)
         if quota and self.stored_bytes + total > self.num_slots * self.slot_bytes:
             raise TierIOError(f"{self._label}: {total} bytes do not fit its quota of "
                               f"{self.num_slots * self.slot_bytes} stored bytes")
@@ -215,17 +246,37 @@ class BlobDiskPool(BlobPool):
             parts += [_RECORD.pack(slot, len(blob)), bytes(blob)]
             places.append((slot, at + _RECORD.size, len(blob)))
             at += _RECORD.size + len(blob)
-        data = b"".join(parts)
-        done = os.pwrite(self._fds[seg], data, self._size[seg])
-        if done != len(data):
-            raise TierIOError(f"{self._label}: short write: {done} of {len(data)} bytes")
-        self._size[seg] = at
+        self._write_at_end(b"".join(parts))
         self._stored[seg] += total
         for slot, offset, length in places:
             self._unlink_slot(slot)
             self._point(slot, seg, offset, length)
-        if at >= self._segment_bytes:
-            self._new_segment()
+        if at >= self._segment_bytes:  # the records landed: a failure here is retried
+            with contextlib.suppress(OSError):  # by the next append, not this one's
+                self._new_segment()
+
+    def _write_at_end(self, data: bytes) -> None:
+        """Append ``data`` to the active segment. A short or failed write is cut off the
+        file again, so no record of it survives past the segment's recorded end (the next
+        write lands there; a reopen would read on through what is left)."""
+        seg = self._active
+        fd, end = self._fds[seg], self._size[seg]
+        try:
+            done = os.pwrite(fd, data, end)
+            if done != len(data):
+                raise TierIOError(f"{self._label}: short write: {done} of {len(data)} bytes")
+        except OSError:
+            try:
+                os.ftruncate(fd, end)
+            except OSError:  # cannot cut it: write on in a fresh segment
+                self._new_segment()
+            raise
+        self._size[seg] = end + len(data)
+
+    def _write_tombstones(self, slots: list[int]) -> None:
+        """Append a tombstone for each of ``slots`` to the active segment."""
+        self._write_at_end(b"".join(_RECORD.pack(s, _TOMBSTONE) for s in slots))
+        self._tombs.setdefault(self._active, set()).update(slots)
 
     def read_blobs(self, slots: np.ndarray, out: list[bytes]) -> IOHandle:
         """Load the blob of ``slots[i]`` into ``out[i]`` (``b""``: never written; a blob
@@ -261,23 +312,37 @@ class BlobDiskPool(BlobPool):
         if mostly_dead:
             self._compact(mostly_dead, rotate=False)
 
-    def _compact(self, segments: list[int], *, rotate: bool) -> None:
+    def _compact(self, segments: list[int], *, rotate: bool,
+                 dropping: np.ndarray | None = None) -> None:
         """Move the live blobs of ``segments`` to the active segment (a fresh one first
-        when ``rotate``) and delete those segment files."""
+        when ``rotate``) and delete those segment files, oldest first. Their tombstones
+        of slots now empty move too while an older segment remains (it may hold such a
+        slot's record). The blobs of ``dropping`` (slots about to be rewritten; only when
+        compacting every segment, so none older remains) are not moved: each such slot
+        empties as its segment goes, so memory and disk agree if this stops part way."""
         if rotate:
             self._new_segment()
-        segments = [s for s in segments if s != self._active]
-        for seg in segments:
-            moving = np.flatnonzero(self._seg == seg)
+        drop = np.zeros(self.num_slots, dtype=bool)
+        if dropping is not None:
+            drop[dropping] = True
+        for seg in sorted(s for s in segments if s != self._active):
+            here = self._seg == seg
+            carry = [s for s in sorted(self._tombs.get(seg, ()))
+                     if s >= self.num_slots or self._seg[s] < 0]
+            if carry and min(self._fds) < seg:
+                self._write_tombstones(carry)
+            moving = np.flatnonzero(here & ~drop)
             if len(moving):
                 blobs = [self._read_one(int(s)) for s in moving.tolist()]
                 self._append(moving, blobs, quota=False)
+            for slot in np.flatnonzero(here & drop).tolist():
+                self._unlink_slot(slot)
             self._drop_segment(seg)
 
     def _drop_segment(self, seg: int) -> None:
         fd = self._fds.pop(seg)
         os.close(fd)
-        for table in (self._size, self._stored, self._live):
+        for table in (self._size, self._stored, self._live, self._tombs):
             table.pop(seg, None)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._seg_name(seg), dir_fd=self._tier._live_dir_fd())
@@ -297,12 +362,10 @@ class BlobDiskPool(BlobPool):
         if num_slots < old:
             dropped = np.flatnonzero(self._seg[num_slots:] >= 0) + num_slots
             if len(dropped):
-                data = b"".join(_RECORD.pack(int(s), _TOMBSTONE) for s in dropped.tolist())
                 try:
-                    os.pwrite(self._fds[self._active], data, self._size[self._active])
+                    self._write_tombstones(dropped.tolist())
                 except OSError as exc:
                     raise TierIOError(f"{self._label}: resize failed: {exc}") from exc
-                self._size[self._active] += len(data)
                 for slot in dropped.tolist():
                     self._unlink_slot(slot)
             self._seg, self._off, self._len = (a[:num_slots].copy()
