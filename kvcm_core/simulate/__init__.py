@@ -30,7 +30,8 @@ level 0 holds the largest request on its own, and warns (on stderr) when it rais
 0's quota for that or when a level's quota dwarfs the working set.
 
 Exit status: 0 when every step verified; 1 when verification failed (a fingerprint
-mismatch or a broken manager invariant); 2 on a bad command line or configuration, found
+mismatch or a broken manager invariant), or a ``--corrupt-at`` self-test corrupted a page
+that no check detected; 2 on a bad command line or configuration, found
 before running (bad flag, bad TOML, unknown or unavailable plugin, level 0 too small for
 the largest request), or a ``--corrupt-at STEP`` that corrupted nothing (the run ended
 before STEP); 3 when the run failed for another reason (the scheduler stalled, a
@@ -195,12 +196,13 @@ def _manager_config(sim: SimulateConfig, ws: dict[str, int], gpu_only: bool,
 def corrupt_after(at_step: int) -> StepHook:
     """A step hook that inverts the first byte of a running request's first committed page
     after step ``at_step`` (a self-test: the next check must fail). Its ``corrupted`` list
-    holds the step it did so at (empty while it has not)."""
+    holds the step it did so at (empty while it has not); it returns the corrupted cache
+    (so that sampled verification checks every page next), else None."""
     done: list[int] = []
 
-    def hook(manager: KVCacheManager, loop: Any, step: int) -> None:
+    def hook(manager: KVCacheManager, loop: Any, step: int) -> Any:
         if done or step < at_step:
-            return
+            return None
         tpb = manager.tokens_per_block
         layer = next(lay for lay in manager.config.layers
                      if getattr(lay, "sliding_window_size", 0) is None)
@@ -218,7 +220,8 @@ def corrupt_after(at_step: int) -> StepHook:
             byte = manager.backend.read(region.buffer, start, 1)
             manager.backend.write(region.buffer, start, byte ^ 0xFF)
             done.append(step)
-            return
+            return cache
+        return None
 
     hook.corrupted = done  # type: ignore[attr-defined]
     return hook
@@ -256,7 +259,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="skip the GPU-only comparison run")
     p.add_argument("--corrupt-at", type=int_at_least(0), metavar="STEP",
                    help="self-test: flip a byte of a committed page after STEP (>= 0); the "
-                        "run must then fail verification (exit 1). A STEP the run ends "
+                        "run must then fail verification (exit 1). With sampled "
+                        "verification every check after the corruption is full until one "
+                        "covers the corrupted request; a corruption no check detected also "
+                        "fails (exit 1). report.json's meta.self_test records the step it "
+                        "was injected at and whether it was detected. A STEP the run ends "
                         "before (or after which no running request has a committed page) "
                         "corrupts nothing: an error, exit 2")
     p.add_argument("--trace", metavar="FILE",
@@ -376,6 +383,12 @@ def _corrupt_at_missed(at_step: int, steps: int) -> str:
                 f"run's end (step {steps})")
     return (f"--corrupt-at {at_step}: nothing was corrupted, the self-test did not run: "
             f"{why}; choose an earlier STEP")
+
+
+def _corrupt_undetected(at_step: int, step: int) -> str:
+    """The error of a ``--corrupt-at`` self-test whose corruption no check detected."""
+    return (f"verification failed: --corrupt-at {at_step} corrupted a page after step "
+            f"{step} and no check detected it: the self-test did not prove detection")
 
 
 def _fail(err: Console, message: str, code: int, tb: str | None, debug: bool) -> int:
@@ -521,10 +534,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if progress is not None:
             progress.stop()
-    if error is None and hook is not None and main_res is not None and \
-            not hook.corrupted:  # type: ignore[attr-defined]
-        code, error = 2, _corrupt_at_missed(args.corrupt_at, main_res.steps)
-        meta["exit_status"] = code
+    if hook is not None:
+        corrupted = hook.corrupted  # type: ignore[attr-defined]
+        detected = bool(corrupted) and code == 1
+        meta["self_test"] = {"corrupt_at": args.corrupt_at, "injected": bool(corrupted),
+                             "injected_at_step": corrupted[0] if corrupted else None,
+                             "detected": detected}
+        if error is None and main_res is not None and not corrupted:
+            code, error = 2, _corrupt_at_missed(args.corrupt_at, main_res.steps)
+            meta["exit_status"] = code
+        elif error is None and corrupted:
+            # A corruption no check found: the self-test proved nothing; never exit 0.
+            code, error = 1, _corrupt_undetected(args.corrupt_at, corrupted[0])
+            meta["exit_status"] = code
     meta["wall_s"] = time.perf_counter() - t0
     report = build_report(meta=meta, workload=summary, main=main_res, gpu_only=gpu_res,
                           bound=bound, error=error)

@@ -15,9 +15,10 @@ Verification is full by default (``verify_every=1``): every page every step. For
 too large for that, ``verify_every=N`` samples it (:class:`_Sampler`): every page of every
 running request is checked at every ``N``-th step, and each request's pages at its first
 step after it was admitted or resumed (where a wrong reuse or a lost migration shows
-first); the records are still written at every step, so a page corrupted in between is
-caught at the next full check while its request runs. The manager's invariant check then
-runs every ``invariants_every * N`` steps (and at the end).
+first); after a self-test corrupted a page (``--corrupt-at``) every check is full until
+one has covered the corrupted request; the records are still written at every step, so a
+page corrupted in between is caught at the next full check while its request runs. The
+manager's invariant check then runs every ``invariants_every * N`` steps (and at the end).
 
 The infinite-cache bound replays the requests, in the order the measured run created their
 caches, through a second manager whose only level holds the whole working set (nothing is
@@ -166,6 +167,9 @@ class _Sampler:
     def __init__(self, every: int) -> None:
         self.every = every
         self.full = True
+        #: A cache whose page a self-test corrupted: every check is full until one has
+        #: covered it (or it closed), so that the corruption is always looked at.
+        self.pending: Any = None
         self.fresh: set[int] = set()
         self.full_steps = 0
         self.fresh_checks = 0
@@ -182,6 +186,8 @@ class _Sampler:
                 self.fresh.discard(id(w.cache))
             if self.full:
                 self.full_steps += 1
+                if self.pending is not None and any(w.cache is self.pending for w in work):
+                    self.pending = None
                 check(work)
             elif fresh:
                 check(fresh)
@@ -310,7 +316,10 @@ class _SimLoop(EngineLoop):
         return None
 
 
-StepHook = Callable[[KVCacheManager, EngineLoop, int], None]
+#: Called after every step with ``(manager, loop, step)``; returns the cache whose pages it
+#: corrupted (a self-test), else None: sampled verification then checks every page until a
+#: check has covered that cache.
+StepHook = Callable[[KVCacheManager, EngineLoop, int], Any]
 Progress = Callable[[RunResult, StepReport | None], None]
 
 
@@ -337,7 +346,9 @@ def run_trace(
             (every page every ``N``-th step, each request at its first step after it was
             admitted or resumed, the invariant check every ``invariants_every * N``
             steps; see the module docstring).
-        on_step: called after every step with ``(manager, loop, step)`` (fault injection).
+        on_step: called after every step with ``(manager, loop, step)`` (fault injection);
+            it returns the cache whose pages it corrupted, if any: with sampled
+            verification the next checks are then full until one covers that cache.
         progress: called after every step with the partial result and the step's report.
 
     Raises:
@@ -390,7 +401,11 @@ def run_trace(
             timers.step_ns = 0
             look0, hit0 = res.lookup_tokens, res.hit_tokens
             if sampler is not None:
-                sampler.full = res.steps % sampler.every == 0
+                if sampler.pending is not None and \
+                        sampler.pending.status is CacheStatus.CLOSED:
+                    sampler.pending = None  # closed unchecked: main reports it undetected
+                sampler.full = sampler.pending is not None or \
+                    res.steps % sampler.every == 0
             report = loop.step()
             if check and report.stepped:
                 res.steps_checked += 1
@@ -421,7 +436,9 @@ def run_trace(
                                            or report.finished):
                 raise _stalled(config, sched, loop, step, idle)
             if on_step is not None:
-                on_step(manager, loop, step)
+                corrupted = on_step(manager, loop, step)
+                if corrupted is not None and sampler is not None:
+                    sampler.pending = corrupted
             if every and (res.steps + 1) % every == 0:
                 manager.check_invariants()
                 res.invariant_checks += 1
