@@ -243,7 +243,10 @@ def _parser() -> argparse.ArgumentParser:
                           "sparse (sparse-attention layers with one shared top-k selection "
                           "that drifts step to step) or two-engine (two managers serving "
                           "alternate turns, sharing a Redis level on a redis-server the run "
-                          "starts; compared with local levels only and the GPU only)")
+                          "starts; compared with local levels only and the GPU only; it "
+                          "verifies every page at every step and refuses, exit 2, "
+                          "--corrupt-at, --verify-every, --gpu-only, --no-compare, "
+                          "--duration and --trace)")
     p.add_argument("--seed", type=int_at_least(0),
                    help="workload seed, an int >= 0 (overrides [simulate] seed)")
     p.add_argument("--requests", type=int, metavar="N", help="requests in the trace")
@@ -404,6 +407,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     console = make_console()  # piped: wide enough that the table never wraps
     err = make_console(stderr=True)
+    if args.preset == "two-engine" and args.config is None:
+        if args.trace is not None or args.gpu_only or args.corrupt_at is not None or \
+                args.duration is not None or args.verify_every is not None or \
+                args.no_compare:
+            return _usage("--preset two-engine takes --seed, --requests, --out, --quiet, "
+                          "--no-plots and --debug only (it refuses --corrupt-at, "
+                          "--verify-every, --gpu-only, --no-compare, --duration and "
+                          "--trace: it always verifies every page at every step)")
     if args.verify_every is None:
         args.verify_every = TRACE_VERIFY_EVERY if args.trace is not None else 1
     if args.verify_every < 1:
@@ -420,10 +431,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _usage("--requests and --duration apply to the seeded workload; with "
                           "--trace use --trace-limit")
     if args.preset == "two-engine" and args.config is None:
-        if args.trace is not None or args.gpu_only or args.corrupt_at is not None or \
-                args.duration is not None:
-            return _usage("--preset two-engine takes --seed, --requests, --out and --quiet "
-                          "only")
         from kvcm_core.simulate.two_engine import run_two_engine
 
         return run_two_engine(args, Path(args.out), console, err)
