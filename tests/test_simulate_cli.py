@@ -335,3 +335,45 @@ def test_plot_legends_cover_no_data_and_every_line_looks_different(tmp_path, fig
             assert len(looks) == len(set(looks)), looks
     finally:
         plt.close(fig)
+
+
+# -- step units: one definition for the table, --corrupt-at and a failure's message ---------
+
+def _gapped_trace(tmp_path: Path) -> str:
+    """Three requests with long idle stretches (seconds of trace time) between them."""
+    import json
+
+    recs = [{"timestamp": t, "input_length": 700, "output_length": 40, "hash_ids": [i, 9]}
+            for i, t in enumerate((0, 8000, 16000))]
+    path = tmp_path / "gapped.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return str(path)
+
+
+def test_corrupt_at_counts_the_steps_the_summary_counts_and_the_failure_names_its_step(
+        tmp_path: Path, capsys) -> None:
+    import json
+
+    trace = _gapped_trace(tmp_path)
+    base = ["--trace", trace, "--verify-every", "1", "--quiet", "--no-plots", "--no-compare"]
+    assert main([*base, "--out", str(tmp_path / "ok")]) == 0
+    steps = json.loads((tmp_path / "ok" / "report.json").read_text())["run"]["steps"]
+    # Idle stretches are not steps: a STEP past the summary's count corrupts nothing.
+    capsys.readouterr()
+    assert main([*base, "--corrupt-at", str(steps), "--out", str(tmp_path / "past")]) == 2
+    assert f"the run ended after {steps} steps" in _one_line(capsys.readouterr().err)
+    # One inside the last request's life is caught at the next step, which the message names.
+    at = steps - 10
+    assert main([*base, "--corrupt-at", str(at), "--out", str(tmp_path / "bad")]) == 1
+    line = _one_line(capsys.readouterr().err)
+    assert f"verification failed at step {at + 1}: FingerprintMismatch" in line
+    rep = json.loads((tmp_path / "bad" / "report.json").read_text())
+    assert rep["meta"]["self_test"]["injected_at_step"] == at
+    assert f"at step {at + 1}" in rep["verification"]["error"]
+
+
+def test_help_defines_the_step_units(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "idle stretches waiting for the next arrival are skipped and not counted" in text

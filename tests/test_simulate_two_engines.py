@@ -108,7 +108,7 @@ def test_a_wrong_page_in_a_two_engine_run_fails_verification_with_exit_1_and_a_r
     assert hook.corrupted  # type: ignore[attr-defined]
     err = capsys.readouterr().err
     assert code == 1, err
-    assert "verification failed: FingerprintMismatch" in err
+    assert "verification failed at step " in err and "FingerprintMismatch" in err
     assert "Traceback" not in err
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["verification"]["ok"] is False

@@ -25,6 +25,11 @@ prompt contains; every request is its own session in one reuse scope; ``--trace-
 keeps the first ``N`` requests. ``--verify-every N`` samples the fingerprint check (see
 :mod:`kvcm_core.simulate.runner`); the report names the verification mode.
 
+Steps, everywhere (the table's and report's ``steps``, ``--corrupt-at STEP``, the step a
+failure names, the progress bar and the plots' x axis), are the engine steps that ran,
+numbered from 0 (:data:`~kvcm_core.simulate.runner.STEP_UNITS`): a stretch with no request
+in the system, waiting for a trace's next arrival, is skipped and not counted.
+
 Before running, :mod:`kvcm_core.simulate.preflight` checks every plugin name and that
 level 0 holds the largest request on its own, and warns (on stderr) when it raised level
 0's quota for that or when a level's quota dwarfs the working set.
@@ -77,6 +82,7 @@ from kvcm_core.simulate.preflight import (
 )
 from kvcm_core.simulate.report import build_report, print_report, write_json, write_plots
 from kvcm_core.simulate.runner import (
+    STEP_UNITS,
     RunResult,
     SchedulerConfig,
     SchedulerStalled,
@@ -261,7 +267,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-compare", action="store_true",
                    help="skip the GPU-only comparison run")
     p.add_argument("--corrupt-at", type=int_at_least(0), metavar="STEP",
-                   help="self-test: flip a byte of a committed page after STEP (>= 0); the "
+                   help="self-test: flip a byte of a committed page after step STEP (>= 0; "
+                        "steps, here, in the table and in a failure's message, are "
+                        f"{STEP_UNITS}: a run of N steps has steps 0 .. N-1); the "
                         "run must then fail verification (exit 1). With sampled "
                         "verification every check after the corruption is full until one "
                         "covers the corrupted request; a corruption no check detected also "
@@ -360,10 +368,13 @@ def _classify(exc: BaseException) -> tuple[int, str]:
     from kvcm_core.testing.fingerprint import FingerprintMismatch
 
     what = f"{type(exc).__name__}: {exc}"
+    # The runner names where it failed: "step N" (STEP_UNITS) or "the end of the run".
+    where = getattr(exc, "kvcm_step", None)
+    at = f" at {where}" if where is not None else ""
     if isinstance(exc, FingerprintMismatch):
-        return 1, f"verification failed: {what}"
+        return 1, f"verification failed{at}: {what}"
     if isinstance(exc, AssertionError):
-        return 1, f"verification failed: a manager invariant broke: {what}"
+        return 1, f"verification failed{at}: a manager invariant broke: {what}"
     if isinstance(exc, SchedulerStalled):
         return 3, f"the scheduler stalled: {exc}"
     if isinstance(exc, TierIOError | CorruptPageError):
@@ -381,7 +392,8 @@ def _classify(exc: BaseException) -> tuple[int, str]:
 
 def _corrupt_at_missed(at_step: int, steps: int) -> str:
     """The error of a ``--corrupt-at`` self-test that corrupted nothing."""
-    why = (f"the run ended after {steps} steps, before step {at_step}" if at_step >= steps
+    why = (f"the run ended after {steps} steps (0 .. {steps - 1}), before step {at_step}"
+           if at_step >= steps
            else f"no running request had a committed page from step {at_step} to the "
                 f"run's end (step {steps})")
     return (f"--corrupt-at {at_step}: nothing was corrupted, the self-test did not run: "
@@ -391,7 +403,8 @@ def _corrupt_at_missed(at_step: int, steps: int) -> str:
 def _corrupt_undetected(at_step: int, step: int) -> str:
     """The error of a ``--corrupt-at`` self-test whose corruption no check detected."""
     return (f"verification failed: --corrupt-at {at_step} corrupted a page after step "
-            f"{step} and no check detected it: the self-test did not prove detection")
+            f"{step} and no check detected it by the run's end: the self-test did not prove "
+            "detection")
 
 
 def _fail(err: Console, message: str, code: int, tb: str | None, debug: bool) -> int:

@@ -47,8 +47,15 @@ from kvcm_core.manager import KVCacheManager
 from kvcm_core.simulate.workload import TraceRequest, kinds_of
 from kvcm_core.testing.engine import EngineLoop, Request, StepReport
 
-__all__ = ["STALL_STEPS", "RunResult", "SchedulerConfig", "SchedulerStalled", "infinite_bound",
-           "run_trace", "working_set"]
+__all__ = ["STALL_STEPS", "STEP_UNITS", "RunResult", "SchedulerConfig", "SchedulerStalled",
+           "infinite_bound", "run_trace", "working_set"]
+
+#: The step units of ``kvcm simulate`` everywhere (the table's and report's ``steps``,
+#: ``--corrupt-at``, the step a failure names, the plots' x axis): engine steps that ran,
+#: numbered from 0. A stretch with no request in the system (waiting for a trace's next
+#: arrival) is skipped and not counted; a run of ``steps = N`` has steps 0 .. N - 1.
+STEP_UNITS = ("engine steps that ran, numbered from 0; idle stretches waiting for the "
+              "next arrival are skipped and not counted")
 
 #: A run in which no request was given a token or finished for this many steps in a row
 #: has stalled (requests resumed and preempted again, over and over).
@@ -384,9 +391,10 @@ def run_trace(
                               "evictable": [[] for _ in range(nlevels)]}
     window = [0, 0, 0]  # lookup tokens, hit tokens, manager ns since the last sample
     sample_every = max(1, int(trace_span_estimate(trace, sched) / max(1, sched.samples)))
-    step = 0
+    step = 0  # the trace's clock: arrivals; it jumps over idle gaps (see STEP_UNITS)
     idle = 0  # steps in a row in which no request advanced
     t_start = time.perf_counter()
+    at_end = False
     try:
         while True:
             while ready and ready[0][0] <= step:
@@ -434,16 +442,16 @@ def run_trace(
             idle = 0 if (report.stepped or report.finished) else idle + 1
             if idle >= STALL_STEPS or not (report.stepped or report.resumed
                                            or report.finished):
-                raise _stalled(config, sched, loop, step, idle)
+                raise _stalled(config, sched, loop, res.steps, idle)
             if on_step is not None:
-                corrupted = on_step(manager, loop, step)
+                corrupted = on_step(manager, loop, res.steps)
                 if corrupted is not None and sampler is not None:
                     sampler.pending = corrupted
             if every and (res.steps + 1) % every == 0:
                 manager.check_invariants()
                 res.invariant_checks += 1
             if res.steps % sample_every == 0:
-                series["step"].append(step)
+                series["step"].append(res.steps)
                 series["hit_rate"].append(window[1] / window[0] if window[0] else None)
                 series["cumulative_hit_rate"].append(res.hit_rate)
                 series["running"].append(len(loop.running))
@@ -458,8 +466,14 @@ def run_trace(
             step += 1
             if progress is not None:
                 progress(res, report)
+        at_end = True
         manager.check_invariants()
         res.invariant_checks += 1
+    except Exception as exc:
+        # The failure names its step (STEP_UNITS), or the end-of-run check.
+        where = "the end of the run" if at_end else f"step {res.steps}"
+        exc.kvcm_step = where  # type: ignore[attr-defined]
+        raise
     finally:
         res.wall_s = time.perf_counter() - t_start
         res.manager_ns = {k: list(v) for k, v in timers.calls.items()}

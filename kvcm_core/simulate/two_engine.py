@@ -129,6 +129,7 @@ def run_engines(config: KVCacheManagerConfig, trace: list[TraceRequest],
     managers: list[KVCacheManager] = []
     loops: list[_Loop] = []
     t0 = time.perf_counter()
+    at_end = False
     try:
         for e in range(engines):
             managers.append(KVCacheManager(config))
@@ -176,16 +177,22 @@ def run_engines(config: KVCacheManagerConfig, trace: list[TraceRequest],
                     res.reused_blocks_by_level[lv] += n
             idle = 0 if progressed else idle + 1
             if idle >= STALL_STEPS:
-                raise SchedulerStalled(f"step {step}: no engine advanced for {idle} steps")
+                raise SchedulerStalled(f"step {res.steps}: no engine advanced for {idle} steps")
             if every and (res.steps + 1) % every == 0:
                 for m in managers:
                     m.check_invariants()
             res.steps += 1
             step += 1
+        at_end = True
         for m in managers:
             m.check_invariants()
             if remote:
                 res.remote.append(attrs.asdict(m.get_remote_statistics()))
+    except Exception as exc:
+        # Named in the failure's message, in the single-engine run's step units.
+        exc.kvcm_step = ("the end of the run" if at_end  # type: ignore[attr-defined]
+                         else f"step {res.steps} of the {label} run")
+        raise
     finally:
         res.wall_s = time.perf_counter() - t0
         res.pages_checked = sum(loop.engine.checked_pages for loop in loops)
