@@ -150,6 +150,17 @@ def test_a_corruption_no_check_detects_fails_the_run_saying_so(
     assert rep["meta"]["self_test"]["detected"] is False
 
 
+def test_manager_time_per_step_counts_the_batch_calls_the_engine_makes_every_step(
+        short_run: tuple[int, Path]) -> None:
+    _, out = short_run
+    timing = _report(out)["run"]["timing"]
+    calls = timing["manager_calls"]
+    for name in ("batch.publish", "batch.add_kv_cache", "batch.remove_kv_cache"):
+        assert calls[name]["calls"] > 0 and calls[name]["total_s"] > 0, name
+    # Every timed call is in the manager's total (and so in its time per step).
+    assert timing["manager_s"] == pytest.approx(sum(c["total_s"] for c in calls.values()))
+
+
 def test_gpu_only_flag_runs_level_zero_alone(tmp_path: Path) -> None:
     code = main([*SHORT, "--requests", "10", "--gpu-only", "--no-plots", "--out",
                  str(tmp_path)])

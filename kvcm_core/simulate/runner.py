@@ -7,8 +7,9 @@ tests use) step by step: requests are submitted when they arrive (a session's ne
 every step, and the manager's counters are read after every step.
 
 Manager time is measured by wrapping, on the instances, the manager's ``create_kv_cache``
-and each cache's ``resume``, ``resize``, ``commit``, ``suspend``, ``close`` and
-``get_base_page_indices`` (the page tables the engine reads); the fingerprint engine's
+and ``make_room``, each cache's ``resume``, ``resize``, ``commit``, ``suspend``, ``close``,
+``pages_needed`` and ``get_base_page_indices`` (the page tables the engine reads), and the
+engine's batch's ``publish``, ``add_kv_cache`` and ``remove_kv_cache``; the fingerprint engine's
 ``check`` and ``write`` are timed apart, less the page-table reads they make.
 
 Verification is full by default (``verify_every=1``): every page every step. For traces
@@ -211,7 +212,10 @@ class _Timers:
         self.table_ns = 0  # page-table reads (made from inside the fingerprint engine)
         self.per_request: dict[str, int] = defaultdict(int)
 
-    def wrap(self, name: str, fn: Callable[..., Any], owner: str | None) -> Callable[..., Any]:
+    def wrap(self, name: str, fn: Callable[..., Any], owner: str | None,
+             owner_of: Callable[..., str] | None = None) -> Callable[..., Any]:
+        """``fn`` timed as the manager call ``name``; its time also goes to the request
+        ``owner`` (or the one ``owner_of(*args)`` names), if any."""
         slot = self.calls[name]
         per_request = self.per_request
 
@@ -226,8 +230,9 @@ class _Timers:
                 self.step_ns += dt
                 if name == "page_tables":
                     self.table_ns += dt
-                if owner is not None:
-                    per_request[owner] += dt
+                who = owner if owner_of is None else owner_of(*args, **kwargs)
+                if who is not None:
+                    per_request[who] += dt
 
         return timed
 
@@ -282,6 +287,15 @@ def _instrument(manager: KVCacheManager, loop: EngineLoop, timers: _Timers,
     manager.create_kv_cache = create_kv_cache  # type: ignore[method-assign]
     manager.make_room = timers.wrap(  # type: ignore[method-assign]
         "make_room", manager.make_room, None)
+    batch = loop.batch
+    if batch is not None:
+        # The engine's batch is kvcm API the engine calls every step: publishing the page
+        # tables (all running requests together), seating and unseating a request.
+        batch.publish = timers.wrap(  # type: ignore[method-assign]
+            "batch.publish", batch.publish, None)
+        for name in ("add_kv_cache", "remove_kv_cache"):
+            setattr(batch, name, timers.wrap(f"batch.{name}", getattr(batch, name), None,
+                                             owner_of=lambda cache, *_a, **_k: str(cache.id)))
     engine = loop.engine
     fp = [0]
 
