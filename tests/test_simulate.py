@@ -161,6 +161,22 @@ def test_manager_time_per_step_counts_the_batch_calls_the_engine_makes_every_ste
     assert timing["manager_s"] == pytest.approx(sum(c["total_s"] for c in calls.values()))
 
 
+def test_lookups_after_a_preemption_are_counted_apart_from_admission_retries(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # GPU only: every preemption recomputes, and a refused admission gives its cache back.
+    assert main(["--requests", "60", "--seed", "0", "--gpu-only", "--no-plots",
+                 "--out", str(tmp_path)]) == 0
+    run = _report(tmp_path)["run"]
+    again = run["relookups"]
+    assert "recompute_lookups" not in run
+    assert run["preemptions"] > 0
+    assert again["after_preemption"]["lookups"] == run["preemptions"]
+    assert again["admission_retries"]["lookups"] > 0
+    legend = " ".join(capsys.readouterr().out.split())
+    assert "at each request's first lookup" in legend
+    assert "not the prefill the run saved" in legend
+
+
 def test_gpu_only_flag_runs_level_zero_alone(tmp_path: Path) -> None:
     code = main([*SHORT, "--requests", "10", "--gpu-only", "--no-plots", "--out",
                  str(tmp_path)])

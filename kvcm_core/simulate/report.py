@@ -45,10 +45,18 @@ def _run_dict(res: RunResult) -> dict[str, Any]:
             "lookup_tokens": res.lookup_tokens,
             "hit_tokens": res.hit_tokens,
         },
-        "recompute_lookups": {
-            "lookups": res.relookups,
-            "lookup_tokens": res.relookup_tokens,
-            "hit_tokens": res.relookup_hit_tokens,
+        # Lookups again of a request, apart from the hit rate (first lookups only).
+        "relookups": {
+            "after_preemption": {
+                "description": "the request ran, was preempted by recompute (or lost cold "
+                               "pages) and looked up its prompt again",
+                "lookups": res.relookups, "lookup_tokens": res.relookup_tokens,
+                "hit_tokens": res.relookup_hit_tokens},
+            "admission_retries": {
+                "description": "the request's admission was refused before it ran (no "
+                               "room) and retried with a new lookup",
+                "lookups": res.retry_lookups, "lookup_tokens": res.retry_lookup_tokens,
+                "hit_tokens": res.retry_hit_tokens},
         },
         "reused_blocks_by_level": reused,
         "bytes_moved": {
@@ -131,7 +139,9 @@ def _bytes(n: int) -> str:
 TABLE_LEGEND = (
     "legend: hit rate = prompt tokens reused / prompt tokens looked up, at each request's "
     "first lookup (a lookup again after a preemption or a refused admission is not "
-    "counted: report.json's relookups); / bound = that over the infinite-cache hit rate "
+    "counted: report.json's run.relookups), so it is the prompt share a request found "
+    "cached on arrival, not the prefill the run saved; / bound = that over the "
+    "infinite-cache hit rate "
     "(column 'infinite': one unbounded cache replaying the run's requests in order); "
     "trace infinite = the trace file's own bound in file order; from Ln = the part reused "
     "from pages found on level n; evicted = blocks evicted from every level, never reused "

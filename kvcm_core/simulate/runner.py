@@ -113,9 +113,16 @@ class RunResult:
     finished: int = 0
     creation_order: list[str] = attrs.Factory(list)
     first_lookup: set[str] = attrs.Factory(set)
+    #: Lookups again of a request whose earlier cache ran (resumed) and was then closed:
+    #: preempted by recompute, or its cold pages lost (each [lookups, tokens, hit tokens]).
     relookups: int = 0
     relookup_tokens: int = 0
     relookup_hit_tokens: int = 0
+    #: Lookups again of a request whose earlier cache never ran: its admission was
+    #: refused (no room) and the cache given back while it waited, then retried.
+    retry_lookups: int = 0
+    retry_lookup_tokens: int = 0
+    retry_hit_tokens: int = 0
     all_lookup_tokens: int = 0
     all_hit_tokens: int = 0
     by_kind: dict[str, list[int]] = attrs.Factory(dict)  # kind -> [lookup, hit]
@@ -241,6 +248,7 @@ def _instrument(manager: KVCacheManager, loop: EngineLoop, timers: _Timers,
                 res: RunResult, kinds: dict[str, str], sampler: _Sampler | None = None) -> None:
     """Time manager calls by wrapping them on the instances (EngineLoop is unchanged)."""
     create = manager.create_kv_cache
+    ran: dict[str, bool] = {}  # request -> whether its current cache has resumed
 
     def create_kv_cache(scope: Any = None, input_tokens: Any = (), id: Any = None,
                         priority_callback: Any = None) -> Any:
@@ -255,10 +263,17 @@ def _instrument(manager: KVCacheManager, loop: EngineLoop, timers: _Timers,
         timers.per_request[rid] += dt
         n, hit = len(input_tokens), cache.history_length
         if rid in res.first_lookup:
-            # A request preempted by recompute looks up again: counted apart.
-            res.relookups += 1
-            res.relookup_tokens += n
-            res.relookup_hit_tokens += hit
+            # A lookup again, counted apart from the hit rate: after the request ran and
+            # was preempted by recompute (or lost cold pages), or a retry of an admission
+            # refused before it ever ran.
+            if ran.get(rid):
+                res.relookups += 1
+                res.relookup_tokens += n
+                res.relookup_hit_tokens += hit
+            else:
+                res.retry_lookups += 1
+                res.retry_lookup_tokens += n
+                res.retry_hit_tokens += hit
         else:
             res.first_lookup.add(rid)
             res.creation_order.append(rid)
@@ -269,17 +284,20 @@ def _instrument(manager: KVCacheManager, loop: EngineLoop, timers: _Timers,
             kind[1] += hit
         for name in _TIMED_CACHE_CALLS:
             setattr(cache, name, timers.wrap(name, getattr(cache, name), str(id)))
+        ran[rid] = False
         if sampler is not None:
             sampler.mark(cache)
-            resume = cache.resume
+        resume = cache.resume
 
-            def resume_marked(*args: Any, **kwargs: Any) -> Any:
-                ok = resume(*args, **kwargs)
-                if ok:
+        def resume_marked(*args: Any, **kwargs: Any) -> Any:
+            ok = resume(*args, **kwargs)
+            if ok:
+                ran[rid] = True
+                if sampler is not None:
                     sampler.mark(cache)
-                return ok
+            return ok
 
-            cache.resume = resume_marked  # type: ignore[method-assign]
+        cache.resume = resume_marked  # type: ignore[method-assign]
         cache.get_base_page_indices = timers.wrap(  # type: ignore[method-assign]
             "page_tables", cache.get_base_page_indices, str(id))
         return cache
