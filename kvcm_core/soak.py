@@ -9,8 +9,10 @@ against what ``create_kv_cache`` then reuses; every ``resize_every`` steps it su
 every request and resizes the host or disk level's quota. The fingerprint engine checks
 every page a running request needs every step (a wrong KV byte is a
 :class:`FingerprintMismatch`) and ``manager.check_invariants()`` runs after every step.
-At the end, with every cache closed and the reusable blocks dropped, every slot of every
-level must be free (nothing leaked).
+At the end the leak check runs: once the loop closed its caches none may be left open
+(those that are are named), and with the reusable blocks dropped every slot of every level
+must be free; a leak fails the run (exit 1) and the summary says whether the check ran and
+passed.
 
 Four kinds of fault, each armed per step at its rate:
 
@@ -23,7 +25,9 @@ Four kinds of fault, each armed per step at its rate:
 - **slow**: a disk read or write sleeps past the level's ``io_deadline_s`` (a frozen file
   system): the operation misses its deadline (a write dropped, a read lost) and the level
   refuses I/O at once until the sleeper returns; no step waits longer than about one
-  deadline (``slowest step`` in the summary).
+  deadline (``slowest step`` in the summary). The summary gives the operations that ran
+  past the deadline (``deadline misses``) apart from those refused at once while the level
+  was stuck (``refused at once while stuck``, the level's ``fast_fails``).
 
 None may ever produce wrong KV.
 
@@ -52,6 +56,7 @@ from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerC
 from kvcm_core.errors import ConfigError
 from kvcm_core.frame import HEADER
 from kvcm_core.hookspecs import hookimpl
+from kvcm_core.level_io import IODeadlineError
 from kvcm_core.manager import KVCacheManager
 from kvcm_core.plugins import KvcmPluginManager
 from kvcm_core.records import TierSpec
@@ -152,7 +157,14 @@ class SoakResult:
     tokens: int = 0
     faults: int = 0
     faults_by_kind: dict[str, int] = attrs.field(factory=lambda: dict.fromkeys(_KINDS, 0))
+    #: Disk reads and writes that ran past the I/O deadline (the blocks dropped or lost):
+    #: the level's ``read_misses + write_misses`` less its ``fast_fails``.
     deadline_misses: int = 0
+    #: Disk operations refused at once, never attempted, while the level was stuck on one
+    #: past its deadline (the level's ``fast_fails``), and the quota resizes among them
+    #: (which the level counts in no read or write miss).
+    refused_while_stuck: int = 0
+    resizes_refused_while_stuck: int = 0
     corrupt_pages: int = 0
     slowest_step_s: float = 0.0
     recomputes: int = 0
@@ -160,6 +172,9 @@ class SoakResult:
     resizes: int = 0
     wrong_kv: int = 0
     invariant_breaches: int = 0
+    #: The end-of-run leak check: None until it ran, then "" (nothing leaked) or what
+    #: leaked (caches left open, slots still allocated).
+    leaks: str | None = None
     seconds: float = 0.0
     failure: str | None = None
 
@@ -171,16 +186,38 @@ class SoakResult:
     def steps_per_second(self) -> float:
         return self.steps / self.seconds if self.seconds > 0 else 0.0
 
-    def summary(self) -> str:
+    def summary_lines(self) -> list[str]:
+        """The summary, a few lines of at most about 80 characters each."""
         kinds = ", ".join(f"{n} {k}" for k, n in self.faults_by_kind.items())
-        return (f"steps {self.steps}, requests {self.requests} ({self.finished} finished, "
-                f"{self.tokens} tokens), faults injected {self.faults} ({kinds}), "
-                f"deadline misses {self.deadline_misses}, corrupt pages caught "
-                f"{self.corrupt_pages}, recomputes {self.recomputes}, probes "
-                f"{self.probes}, quota resizes {self.resizes}, "
-                f"{self.steps_per_second:.0f} steps/s, slowest step "
-                f"{self.slowest_step_s * 1000:.0f} ms, wrong KV {self.wrong_kv}, "
-                f"invariant breaches {self.invariant_breaches}")
+        if self.leaks is None:
+            leak = "leak check not run (the run stopped first)"
+        elif self.leaks:
+            leak = f"leak check FAILED: {self.leaks}"
+        else:
+            leak = "leak check passed (no open cache, no slot held)"
+        return [
+            f"steps {self.steps}, {self.steps_per_second:.0f} steps/s, slowest step "
+            f"{self.slowest_step_s * 1000:.0f} ms",
+            f"requests {self.requests} ({self.finished} finished, {self.tokens} tokens)",
+            f"faults injected {self.faults} ({kinds})",
+            f"disk I/O: deadline misses {self.deadline_misses} (ran past it), "
+            f"refused at once while stuck {self.refused_while_stuck}",
+            f"corrupt pages caught {self.corrupt_pages}, recomputes {self.recomputes}, "
+            f"probes {self.probes}, quota resizes {self.resizes}",
+            f"wrong KV {self.wrong_kv}, invariant breaches {self.invariant_breaches}",
+            leak,
+        ]
+
+    def summary(self) -> str:
+        """The summary as one text of a few lines."""
+        return "\n".join(self.summary_lines())
+
+    def progress_line(self) -> str:
+        """A short line for progress reports."""
+        return (f"requests {self.requests} ({self.finished} finished), faults "
+                f"{self.faults}, deadline misses {self.deadline_misses}, refused "
+                f"{self.refused_while_stuck}, recomputes {self.recomputes}, wrong KV "
+                f"{self.wrong_kv}")
 
 
 class _TierPlugin:
@@ -317,6 +354,7 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
         assert isinstance(tier, FaultyTier)
         loop = EngineLoop(m, chunk_tokens=16, max_batch=6, preempt_mode="suspend",
                           recompute_lost=True)
+        _count_refused_resizes(m, result)
         start = time.perf_counter()
         every = max(1, cfg.steps // 20)
 
@@ -331,7 +369,12 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
                 result.faults_by_kind[kind] = result.faults_by_kind.get(kind, 0) + 1
             io = m.storage_levels.io[2]
             if io is not None:
-                result.deadline_misses = io.stats.read_misses + io.stats.write_misses
+                # level_io counts a read or write refused at once as a miss too (and in
+                # fast_fails): the soak reports them apart.
+                st = io.stats
+                result.refused_while_stuck = st.fast_fails
+                rw_refused = st.fast_fails - result.resizes_refused_while_stuck
+                result.deadline_misses = st.read_misses + st.write_misses - rw_refused
             result.corrupt_pages = m.storage_levels.stats.corrupt_pages
             result.recomputes = loop.lost_resumes
 
@@ -369,21 +412,49 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
         tally(start)
         io = m.storage_levels.io[2]
         loop.close_all()
-        leak = _leaked_slots(m)
+        leak = _leaks(m)
+        result.leaks = leak
         if leak and result.failure is None:
             result.invariant_breaches += 1
-            result.failure = f"after {result.steps} steps: slots leaked: {leak}"
+            result.failure = f"after {result.steps} steps: leaked: {leak}"
         if io is not None:
             io.wait_idle(cfg.slow_s * 4)  # a slow operation still sleeping: let it return
         m.shutdown()
     return result
 
 
-def _leaked_slots(m: KVCacheManager) -> str:
-    """With every cache closed and the reusable blocks dropped, every slot of every level
-    must be free; returns what is not (empty when nothing leaked)."""
-    m.clear_reusable_blocks()
+def _count_refused_resizes(m: KVCacheManager, result: SoakResult) -> None:
+    """Count the disk level's quota resizes refused at once while it was stuck: its
+    ``fast_fails`` count them with the refused reads and writes, but its read and write
+    misses do not (wraps the level's ``call`` on the instance)."""
+    io = m.storage_levels.io[2]
+    if io is None:
+        return
+    call = io.call
+
+    def counted(fn: Any, what: str, kind: str, *args: Any, **kwargs: Any) -> None:
+        try:
+            call(fn, what, kind, *args, **kwargs)
+        except IODeadlineError as exc:
+            if kind == "resize" and not exc.attempted:
+                result.resizes_refused_while_stuck += 1
+            raise
+
+    io.call = counted  # type: ignore[method-assign]
+
+
+def _leaks(m: KVCacheManager) -> str:
+    """After the loop closed its caches, none may be left open (those that are, are named,
+    then closed so that the check goes on), and with the reusable blocks dropped every slot
+    of every level must be free; returns what leaked (empty when nothing did)."""
     leaks = []
+    left = m.open_caches
+    if left:
+        ids = ", ".join(repr(c.id) for c in left[:10]) + (" ..." if len(left) > 10 else "")
+        leaks.append(f"{len(left)} caches left open ({ids})")
+        for cache in left:
+            cache.close()
+    m.clear_reusable_blocks()
     for level in range(len(m.levels)):
         stats = m.get_storage_statistics(level)
         if stats.free != stats.total:
@@ -435,10 +506,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def progress(step: int, result: SoakResult) -> None:
         if not args.quiet and (step + 1) % every == 0:
-            print(f"  {step + 1}/{cfg.steps}: {result.summary()}", flush=True)
+            print(f"  {step + 1}/{cfg.steps}: {result.progress_line()}", flush=True)
 
     result = run_soak(cfg, progress)
-    print(f"kvcm soak (seed {cfg.seed}): {result.summary()}")
+    print(f"kvcm soak (seed {cfg.seed}):")
+    for line in result.summary_lines():
+        print(f"  {line}")
     if not result.ok:
         print(f"kvcm soak: FAILED: {result.failure}", file=sys.stderr)
         return 1

@@ -115,6 +115,68 @@ def test_corrupted_page_fails_verification_with_exit_one(tmp_path: Path) -> None
     assert "FingerprintMismatch" in rep["verification"]["error"]
 
 
+#: A sampled run (one full check in 1000 steps) in which the page --corrupt-at 112 flips
+#: belongs to a request no later fresh check covers: before the fix it exited 0, verified.
+SAMPLED = ["--requests", "12", "--seed", "3", "--quiet", "--no-plots", "--no-compare",
+           "--verify-every", "1000"]
+
+
+@pytest.mark.parametrize("at", [112, 168, 196])
+def test_with_sampled_verification_the_check_after_a_corruption_is_full_and_detects_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture, at: int) -> None:
+    code = main([*SAMPLED, "--corrupt-at", str(at), "--out", str(tmp_path)])
+    assert code == 1
+    assert "FingerprintMismatch" in capsys.readouterr().err
+    rep = _report(tmp_path)
+    assert rep["verification"]["ok"] is False
+    test = rep["meta"]["self_test"]
+    assert test["corrupt_at"] == at and test["injected"] is True
+    assert test["injected_at_step"] >= at and test["detected"] is True
+
+
+def test_a_corruption_no_check_detects_fails_the_run_saying_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcm_core.testing.fingerprint import FingerprintEngine
+
+    monkeypatch.setattr(FingerprintEngine, "check", lambda self, work: None)
+    code = main([*SHORT, "--requests", "12", "--no-compare", "--no-plots", "--corrupt-at",
+                 "4", "--out", str(tmp_path)])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "verification failed" in err and "no check detected it" in err
+    rep = _report(tmp_path)
+    assert rep["verification"]["ok"] is False
+    assert rep["meta"]["self_test"]["injected"] is True
+    assert rep["meta"]["self_test"]["detected"] is False
+
+
+def test_manager_time_per_step_counts_the_batch_calls_the_engine_makes_every_step(
+        short_run: tuple[int, Path]) -> None:
+    _, out = short_run
+    timing = _report(out)["run"]["timing"]
+    calls = timing["manager_calls"]
+    for name in ("batch.publish", "batch.add_kv_cache", "batch.remove_kv_cache"):
+        assert calls[name]["calls"] > 0 and calls[name]["total_s"] > 0, name
+    # Every timed call is in the manager's total (and so in its time per step).
+    assert timing["manager_s"] == pytest.approx(sum(c["total_s"] for c in calls.values()))
+
+
+def test_lookups_after_a_preemption_are_counted_apart_from_admission_retries(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # GPU only: every preemption recomputes, and a refused admission gives its cache back.
+    assert main(["--requests", "60", "--seed", "0", "--gpu-only", "--no-plots",
+                 "--out", str(tmp_path)]) == 0
+    run = _report(tmp_path)["run"]
+    again = run["relookups"]
+    assert "recompute_lookups" not in run
+    assert run["preemptions"] > 0
+    assert again["after_preemption"]["lookups"] == run["preemptions"]
+    assert again["admission_retries"]["lookups"] > 0
+    legend = " ".join(capsys.readouterr().out.split())
+    assert "at each request's first lookup" in legend
+    assert "not the prefill the run saved" in legend
+
+
 def test_gpu_only_flag_runs_level_zero_alone(tmp_path: Path) -> None:
     code = main([*SHORT, "--requests", "10", "--gpu-only", "--no-plots", "--out",
                  str(tmp_path)])

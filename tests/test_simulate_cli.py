@@ -289,10 +289,38 @@ def test_piped_table_does_not_wrap_and_explains_mean_and_p99(tmp_path):
     assert len({len(r) for r in rows}) == 1, "\n".join(rows)  # one line per row
     title = next(line for line in lines if line.startswith("kvcm simulate: "))
     assert title.rstrip().endswith("B")  # "working set 70.5 KiB" on the title's line
-    step_row = next(r for r in rows if "manager µs per step (mean / p99)" in r)
-    assert " / " in step_row.split("│")[2]  # "361 / 1782", not "361,1782"
-    legend = next(line for line in lines if line.startswith("legend: "))
+    assert any("mgr µs/step mean" in r for r in rows) and any("mgr µs/step p99" in r
+                                                              for r in rows)
+    legend = " ".join(lines[lines.index(next(line for line in lines
+                                             if line.startswith("legend: "))):])
     assert "mean / p99 = the average and the 99th percentile" in legend
+
+
+def test_the_table_fits_80_columns_and_cuts_no_number(tmp_path) -> None:
+    import io
+    import json
+
+    from rich.console import Console
+
+    from kvcm_core.simulate.report import print_report
+
+    assert main(["--requests", "60", "--seed", "0", "--quiet", "--no-plots",
+                 "--out", str(tmp_path / "seeded")]) == 0
+    assert main(["--trace", _gapped_trace(tmp_path), "--quiet", "--no-plots",
+                 "--out", str(tmp_path / "trace")]) == 0
+    for name in ("seeded", "trace"):
+        report = json.loads((tmp_path / name / "report.json").read_text())
+        # Bigger figures than the run's, as a long run has: none may be cut either.
+        report["run"]["verification"]["pages_checked"] = 123_456_789
+        report["run"]["timing"]["manager_us_per_request"]["p99"] = 1_234_567.0
+        console = Console(file=io.StringIO(), width=80, color_system=None)
+        print_report(report, console)
+        text = console.file.getvalue()
+        rows = [line for line in text.splitlines() if line[:1] in "┏┃┡│└"]
+        assert rows and max(len(r) for r in rows) <= 80, "\n".join(rows)
+        assert "…" not in text
+        assert "123,456,789" in text and "1234567" in text
+        assert ("│   trace infinite " in text) == (name == "trace")
 
 
 def test_missing_matplotlib_note_keeps_the_extra_in_brackets(tmp_path, capsys, monkeypatch):
@@ -335,3 +363,45 @@ def test_plot_legends_cover_no_data_and_every_line_looks_different(tmp_path, fig
             assert len(looks) == len(set(looks)), looks
     finally:
         plt.close(fig)
+
+
+# -- step units: one definition for the table, --corrupt-at and a failure's message ---------
+
+def _gapped_trace(tmp_path: Path) -> str:
+    """Three requests with long idle stretches (seconds of trace time) between them."""
+    import json
+
+    recs = [{"timestamp": t, "input_length": 700, "output_length": 40, "hash_ids": [i, 9]}
+            for i, t in enumerate((0, 8000, 16000))]
+    path = tmp_path / "gapped.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return str(path)
+
+
+def test_corrupt_at_counts_the_steps_the_summary_counts_and_the_failure_names_its_step(
+        tmp_path: Path, capsys) -> None:
+    import json
+
+    trace = _gapped_trace(tmp_path)
+    base = ["--trace", trace, "--verify-every", "1", "--quiet", "--no-plots", "--no-compare"]
+    assert main([*base, "--out", str(tmp_path / "ok")]) == 0
+    steps = json.loads((tmp_path / "ok" / "report.json").read_text())["run"]["steps"]
+    # Idle stretches are not steps: a STEP past the summary's count corrupts nothing.
+    capsys.readouterr()
+    assert main([*base, "--corrupt-at", str(steps), "--out", str(tmp_path / "past")]) == 2
+    assert f"the run ended after {steps} steps" in _one_line(capsys.readouterr().err)
+    # One inside the last request's life is caught at the next step, which the message names.
+    at = steps - 10
+    assert main([*base, "--corrupt-at", str(at), "--out", str(tmp_path / "bad")]) == 1
+    line = _one_line(capsys.readouterr().err)
+    assert f"verification failed at step {at + 1}: FingerprintMismatch" in line
+    rep = json.loads((tmp_path / "bad" / "report.json").read_text())
+    assert rep["meta"]["self_test"]["injected_at_step"] == at
+    assert f"at step {at + 1}" in rep["verification"]["error"]
+
+
+def test_help_defines_the_step_units(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "idle stretches waiting for the next arrival are skipped and not counted" in text

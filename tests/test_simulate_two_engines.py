@@ -66,3 +66,64 @@ def test_without_redis_server_the_preset_fails_with_one_clear_line(
 def test_the_preset_refuses_flags_it_does_not_take(tmp_path: Path, capsys) -> None:
     assert main(["--preset", "two-engine", "--gpu-only", "--out", str(tmp_path)]) == 2
     assert "--preset two-engine takes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--corrupt-at", "3"], ["--verify-every", "4"],
+                                   ["--verify-every", "1"], ["--no-compare"]])
+def test_the_preset_refuses_corrupt_at_and_verify_every_with_exit_2(
+        tmp_path: Path, capsys, flags: list[str]) -> None:
+    assert main(["--preset", "two-engine", *flags, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--preset two-engine takes" in err and flags[0] in err
+
+
+def test_the_help_says_which_options_two_engine_refuses(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "refuses, exit 2, --corrupt-at, --verify-every" in text
+
+
+def test_a_wrong_page_in_a_two_engine_run_fails_verification_with_exit_1_and_a_report(
+        tmp_path: Path, monkeypatch, capsys) -> None:
+    need_binaries()
+    import kvcm_core.simulate as simulate
+    from kvcm_core.simulate import two_engine
+
+    hook = simulate.corrupt_after(30)
+    real_step = two_engine._Loop.step
+    steps: dict[int, int] = {}
+
+    def step(self):  # type: ignore[no-untyped-def]
+        report = real_step(self)
+        n = steps.get(id(self), 0)
+        steps[id(self)] = n + 1
+        if self.manager.remote is not None:  # the shared run's engines only
+            hook(self.manager, self, n)
+        return report
+
+    monkeypatch.setattr(two_engine._Loop, "step", step)
+    code = main(["--preset", "two-engine", "--requests", "40", "--quiet",
+                 "--out", str(tmp_path)])
+    assert hook.corrupted  # type: ignore[attr-defined]
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "verification failed at step " in err and "FingerprintMismatch" in err
+    assert "Traceback" not in err
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["verification"]["ok"] is False
+    assert "FingerprintMismatch" in report["verification"]["error"]
+    assert report["exit_status"] == 1
+
+
+def test_the_report_and_summary_say_how_many_pages_were_verified(
+        tmp_path: Path, capsys) -> None:
+    need_binaries()
+    assert main(["--preset", "two-engine", "--requests", "6", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["verification"] == {"ok": True, "error": None}
+    mode = report["verification_mode"]
+    assert mode["mode"] == "full" and mode["pages_checked"] > 0
+    assert mode["pages_checked"] == sum(r["pages_checked"] for r in report["runs"].values())
+    out = " ".join(capsys.readouterr().out.split())
+    assert "verified (full)" in out and f"{mode['pages_checked']:,} pages checked" in out

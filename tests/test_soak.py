@@ -49,7 +49,8 @@ def test_slow_disk_io_misses_its_deadline_and_no_step_waits_much_longer() -> Non
     assert result.ok, result.failure
     # (Operations armed slow while the level is stuck fail at once and never sleep.)
     assert result.faults_by_kind["slow"] == result.faults >= 2
-    assert result.deadline_misses >= result.faults
+    # A slow operation armed while the level is stuck is refused at once: not a miss.
+    assert result.deadline_misses + result.refused_while_stuck >= result.faults
     # A slow operation sleeps 1 s; a step waits for it at most one 0.05 s deadline plus
     # its own work (about 0.06 s in all here). The bound sits far from both, so a loaded
     # machine does not fail the test and a step that waited for the sleep still does.
@@ -140,3 +141,57 @@ def test_the_soak_catches_wrong_kv_and_exits_1(monkeypatch, capsys) -> None:
     assert main(["soak", "--steps", "200", "--quiet"]) == 1
     captured = capsys.readouterr()
     assert "wrong KV 1" in captured.out and "FAILED" in captured.err
+
+
+def test_deadline_misses_count_operations_past_the_deadline_and_refusals_are_apart(
+        monkeypatch, capsys) -> None:
+    """The disk level's IOStats count a read or write refused at once (fast_fails) as a
+    read or write miss too; the soak reports the two apart."""
+    seen: dict[str, int] = {}
+    shutdown = KVCacheManager.shutdown
+
+    def record(self, *a, **k):  # type: ignore[no-untyped-def]
+        io = self.storage_levels.io[2] if len(self.storage_levels.io) > 2 else None
+        if io is not None:
+            seen.update(io.stats.as_dict())
+        return shutdown(self, *a, **k)
+
+    monkeypatch.setattr(KVCacheManager, "shutdown", record)
+    result = run_soak(SoakConfig(steps=600, seed=6, write_fault_rate=0, read_fault_rate=0,
+                                 corrupt_rate=0, slow_rate=0.05, io_deadline_s=0.05,
+                                 slow_s=1.0))
+    assert result.ok, result.failure
+    assert seen["fast_fails"] > 0  # the case this is about
+    assert result.refused_while_stuck == seen["fast_fails"]
+    # fast_fails also counts quota resizes refused (no read or write miss), counted apart.
+    assert result.deadline_misses == seen["read_misses"] + seen["write_misses"] - (
+        seen["fast_fails"] - result.resizes_refused_while_stuck)
+    assert result.deadline_misses < seen["read_misses"] + seen["write_misses"]
+    text = result.summary()
+    assert f"deadline misses {result.deadline_misses} (ran past it)" in text
+    assert f"refused at once while stuck {result.refused_while_stuck}" in text
+
+
+def test_a_cache_left_open_is_a_leak_naming_it_exit_1_and_the_summary_says_the_check_ran(
+        monkeypatch, capsys) -> None:
+    leaked: list = []
+    probe = soak._probe
+
+    def leaky(m, work):  # type: ignore[no-untyped-def]
+        if not leaked:
+            tokens = work.prompt()
+            leaked.append(m.create_kv_cache(None, tokens, id="leaky-cache"))  # never closed
+        return probe(m, work)
+
+    monkeypatch.setattr(soak, "_probe", leaky)
+    assert main(["soak", "--steps", "60", "--quiet"]) == 1
+    captured = capsys.readouterr()
+    assert "1 caches left open ('leaky-cache')" in captured.err
+    assert "leak check FAILED: 1 caches left open ('leaky-cache')" in captured.out
+
+
+def test_a_clean_run_says_the_leak_check_passed_and_wraps_its_summary(capsys) -> None:
+    assert main(["soak", "--steps", "60", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "leak check passed" in out
+    assert max(len(line) for line in out.splitlines()) <= 80, out

@@ -239,7 +239,7 @@ def test_simulate_trace_with_full_verification(trace_file: Path, tmp_path: Path,
     rep = json.loads((out / "report.json").read_text())
     assert rep["verification"] == {"ok": True, "error": None}
     assert rep["verification_mode"]["mode"] == "full"
-    assert "verified (full)" in printed and "trace infinite cache" in printed
+    assert "verified (full)" in printed and "trace infinite" in printed
     run = rep["run"]
     assert run["requests_finished"] == rep["workload"]["requests"] == 36
     assert rep["workload"]["by_kind"] == {"trace": 36}

@@ -25,12 +25,18 @@ prompt contains; every request is its own session in one reuse scope; ``--trace-
 keeps the first ``N`` requests. ``--verify-every N`` samples the fingerprint check (see
 :mod:`kvcm_core.simulate.runner`); the report names the verification mode.
 
+Steps, everywhere (the table's and report's ``steps``, ``--corrupt-at STEP``, the step a
+failure names, the progress bar and the plots' x axis), are the engine steps that ran,
+numbered from 0 (:data:`~kvcm_core.simulate.runner.STEP_UNITS`): a stretch with no request
+in the system, waiting for a trace's next arrival, is skipped and not counted.
+
 Before running, :mod:`kvcm_core.simulate.preflight` checks every plugin name and that
 level 0 holds the largest request on its own, and warns (on stderr) when it raised level
 0's quota for that or when a level's quota dwarfs the working set.
 
 Exit status: 0 when every step verified; 1 when verification failed (a fingerprint
-mismatch or a broken manager invariant); 2 on a bad command line or configuration, found
+mismatch or a broken manager invariant), or a ``--corrupt-at`` self-test corrupted a page
+that no check detected; 2 on a bad command line or configuration, found
 before running (bad flag, bad TOML, unknown or unavailable plugin, level 0 too small for
 the largest request), or a ``--corrupt-at STEP`` that corrupted nothing (the run ended
 before STEP); 3 when the run failed for another reason (the scheduler stalled, a
@@ -76,6 +82,7 @@ from kvcm_core.simulate.preflight import (
 )
 from kvcm_core.simulate.report import build_report, print_report, write_json, write_plots
 from kvcm_core.simulate.runner import (
+    STEP_UNITS,
     RunResult,
     SchedulerConfig,
     SchedulerStalled,
@@ -195,12 +202,13 @@ def _manager_config(sim: SimulateConfig, ws: dict[str, int], gpu_only: bool,
 def corrupt_after(at_step: int) -> StepHook:
     """A step hook that inverts the first byte of a running request's first committed page
     after step ``at_step`` (a self-test: the next check must fail). Its ``corrupted`` list
-    holds the step it did so at (empty while it has not)."""
+    holds the step it did so at (empty while it has not); it returns the corrupted cache
+    (so that sampled verification checks every page next), else None."""
     done: list[int] = []
 
-    def hook(manager: KVCacheManager, loop: Any, step: int) -> None:
+    def hook(manager: KVCacheManager, loop: Any, step: int) -> Any:
         if done or step < at_step:
-            return
+            return None
         tpb = manager.tokens_per_block
         layer = next(lay for lay in manager.config.layers
                      if getattr(lay, "sliding_window_size", 0) is None)
@@ -218,7 +226,8 @@ def corrupt_after(at_step: int) -> StepHook:
             byte = manager.backend.read(region.buffer, start, 1)
             manager.backend.write(region.buffer, start, byte ^ 0xFF)
             done.append(step)
-            return
+            return cache
+        return None
 
     hook.corrupted = done  # type: ignore[attr-defined]
     return hook
@@ -240,7 +249,10 @@ def _parser() -> argparse.ArgumentParser:
                           "sparse (sparse-attention layers with one shared top-k selection "
                           "that drifts step to step) or two-engine (two managers serving "
                           "alternate turns, sharing a Redis level on a redis-server the run "
-                          "starts; compared with local levels only and the GPU only)")
+                          "starts; compared with local levels only and the GPU only; it "
+                          "verifies every page at every step and refuses, exit 2, "
+                          "--corrupt-at, --verify-every, --gpu-only, --no-compare, "
+                          "--duration and --trace)")
     p.add_argument("--seed", type=int_at_least(0),
                    help="workload seed, an int >= 0 (overrides [simulate] seed)")
     p.add_argument("--requests", type=int, metavar="N", help="requests in the trace")
@@ -255,8 +267,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-compare", action="store_true",
                    help="skip the GPU-only comparison run")
     p.add_argument("--corrupt-at", type=int_at_least(0), metavar="STEP",
-                   help="self-test: flip a byte of a committed page after STEP (>= 0); the "
-                        "run must then fail verification (exit 1). A STEP the run ends "
+                   help="self-test: flip a byte of a committed page after step STEP (>= 0; "
+                        "steps, here, in the table and in a failure's message, are "
+                        f"{STEP_UNITS}: a run of N steps has steps 0 .. N-1); the "
+                        "run must then fail verification (exit 1). With sampled "
+                        "verification every check after the corruption is full until one "
+                        "covers the corrupted request; a corruption no check detected also "
+                        "fails (exit 1). report.json's meta.self_test records the step it "
+                        "was injected at and whether it was detected. A STEP the run ends "
                         "before (or after which no running request has a committed page) "
                         "corrupts nothing: an error, exit 2")
     p.add_argument("--trace", metavar="FILE",
@@ -350,10 +368,13 @@ def _classify(exc: BaseException) -> tuple[int, str]:
     from kvcm_core.testing.fingerprint import FingerprintMismatch
 
     what = f"{type(exc).__name__}: {exc}"
+    # The runner names where it failed: "step N" (STEP_UNITS) or "the end of the run".
+    where = getattr(exc, "kvcm_step", None)
+    at = f" at {where}" if where is not None else ""
     if isinstance(exc, FingerprintMismatch):
-        return 1, f"verification failed: {what}"
+        return 1, f"verification failed{at}: {what}"
     if isinstance(exc, AssertionError):
-        return 1, f"verification failed: a manager invariant broke: {what}"
+        return 1, f"verification failed{at}: a manager invariant broke: {what}"
     if isinstance(exc, SchedulerStalled):
         return 3, f"the scheduler stalled: {exc}"
     if isinstance(exc, TierIOError | CorruptPageError):
@@ -371,11 +392,19 @@ def _classify(exc: BaseException) -> tuple[int, str]:
 
 def _corrupt_at_missed(at_step: int, steps: int) -> str:
     """The error of a ``--corrupt-at`` self-test that corrupted nothing."""
-    why = (f"the run ended after {steps} steps, before step {at_step}" if at_step >= steps
+    why = (f"the run ended after {steps} steps (0 .. {steps - 1}), before step {at_step}"
+           if at_step >= steps
            else f"no running request had a committed page from step {at_step} to the "
                 f"run's end (step {steps})")
     return (f"--corrupt-at {at_step}: nothing was corrupted, the self-test did not run: "
             f"{why}; choose an earlier STEP")
+
+
+def _corrupt_undetected(at_step: int, step: int) -> str:
+    """The error of a ``--corrupt-at`` self-test whose corruption no check detected."""
+    return (f"verification failed: --corrupt-at {at_step} corrupted a page after step "
+            f"{step} and no check detected it by the run's end: the self-test did not prove "
+            "detection")
 
 
 def _fail(err: Console, message: str, code: int, tb: str | None, debug: bool) -> int:
@@ -391,6 +420,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     console = make_console()  # piped: wide enough that the table never wraps
     err = make_console(stderr=True)
+    if args.preset == "two-engine" and args.config is None:
+        if args.trace is not None or args.gpu_only or args.corrupt_at is not None or \
+                args.duration is not None or args.verify_every is not None or \
+                args.no_compare:
+            return _usage("--preset two-engine takes --seed, --requests, --out, --quiet, "
+                          "--no-plots and --debug only (it refuses --corrupt-at, "
+                          "--verify-every, --gpu-only, --no-compare, --duration and "
+                          "--trace: it always verifies every page at every step)")
     if args.verify_every is None:
         args.verify_every = TRACE_VERIFY_EVERY if args.trace is not None else 1
     if args.verify_every < 1:
@@ -407,10 +444,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _usage("--requests and --duration apply to the seeded workload; with "
                           "--trace use --trace-limit")
     if args.preset == "two-engine" and args.config is None:
-        if args.trace is not None or args.gpu_only or args.corrupt_at is not None or \
-                args.duration is not None:
-            return _usage("--preset two-engine takes --seed, --requests, --out and --quiet "
-                          "only")
         from kvcm_core.simulate.two_engine import run_two_engine
 
         return run_two_engine(args, Path(args.out), console, err)
@@ -521,10 +554,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if progress is not None:
             progress.stop()
-    if error is None and hook is not None and main_res is not None and \
-            not hook.corrupted:  # type: ignore[attr-defined]
-        code, error = 2, _corrupt_at_missed(args.corrupt_at, main_res.steps)
-        meta["exit_status"] = code
+    if hook is not None:
+        corrupted = hook.corrupted  # type: ignore[attr-defined]
+        detected = bool(corrupted) and code == 1
+        meta["self_test"] = {"corrupt_at": args.corrupt_at, "injected": bool(corrupted),
+                             "injected_at_step": corrupted[0] if corrupted else None,
+                             "detected": detected}
+        if error is None and main_res is not None and not corrupted:
+            code, error = 2, _corrupt_at_missed(args.corrupt_at, main_res.steps)
+            meta["exit_status"] = code
+        elif error is None and corrupted:
+            # A corruption no check found: the self-test proved nothing; never exit 0.
+            code, error = 1, _corrupt_undetected(args.corrupt_at, corrupted[0])
+            meta["exit_status"] = code
     meta["wall_s"] = time.perf_counter() - t0
     report = build_report(meta=meta, workload=summary, main=main_res, gpu_only=gpu_res,
                           bound=bound, error=error)

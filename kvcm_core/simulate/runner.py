@@ -7,17 +7,19 @@ tests use) step by step: requests are submitted when they arrive (a session's ne
 every step, and the manager's counters are read after every step.
 
 Manager time is measured by wrapping, on the instances, the manager's ``create_kv_cache``
-and each cache's ``resume``, ``resize``, ``commit``, ``suspend``, ``close`` and
-``get_base_page_indices`` (the page tables the engine reads); the fingerprint engine's
+and ``make_room``, each cache's ``resume``, ``resize``, ``commit``, ``suspend``, ``close``,
+``pages_needed`` and ``get_base_page_indices`` (the page tables the engine reads), and the
+engine's batch's ``publish``, ``add_kv_cache`` and ``remove_kv_cache``; the fingerprint engine's
 ``check`` and ``write`` are timed apart, less the page-table reads they make.
 
 Verification is full by default (``verify_every=1``): every page every step. For traces
 too large for that, ``verify_every=N`` samples it (:class:`_Sampler`): every page of every
 running request is checked at every ``N``-th step, and each request's pages at its first
 step after it was admitted or resumed (where a wrong reuse or a lost migration shows
-first); the records are still written at every step, so a page corrupted in between is
-caught at the next full check while its request runs. The manager's invariant check then
-runs every ``invariants_every * N`` steps (and at the end).
+first); after a self-test corrupted a page (``--corrupt-at``) every check is full until
+one has covered the corrupted request; the records are still written at every step, so a
+page corrupted in between is caught at the next full check while its request runs. The
+manager's invariant check then runs every ``invariants_every * N`` steps (and at the end).
 
 The infinite-cache bound replays the requests, in the order the measured run created their
 caches, through a second manager whose only level holds the whole working set (nothing is
@@ -46,8 +48,15 @@ from kvcm_core.manager import KVCacheManager
 from kvcm_core.simulate.workload import TraceRequest, kinds_of
 from kvcm_core.testing.engine import EngineLoop, Request, StepReport
 
-__all__ = ["STALL_STEPS", "RunResult", "SchedulerConfig", "SchedulerStalled", "infinite_bound",
-           "run_trace", "working_set"]
+__all__ = ["STALL_STEPS", "STEP_UNITS", "RunResult", "SchedulerConfig", "SchedulerStalled",
+           "infinite_bound", "run_trace", "working_set"]
+
+#: The step units of ``kvcm simulate`` everywhere (the table's and report's ``steps``,
+#: ``--corrupt-at``, the step a failure names, the plots' x axis): engine steps that ran,
+#: numbered from 0. A stretch with no request in the system (waiting for a trace's next
+#: arrival) is skipped and not counted; a run of ``steps = N`` has steps 0 .. N - 1.
+STEP_UNITS = ("engine steps that ran, numbered from 0; idle stretches waiting for the "
+              "next arrival are skipped and not counted")
 
 #: A run in which no request was given a token or finished for this many steps in a row
 #: has stalled (requests resumed and preempted again, over and over).
@@ -104,9 +113,16 @@ class RunResult:
     finished: int = 0
     creation_order: list[str] = attrs.Factory(list)
     first_lookup: set[str] = attrs.Factory(set)
+    #: Lookups again of a request whose earlier cache ran (resumed) and was then closed:
+    #: preempted by recompute, or its cold pages lost (each [lookups, tokens, hit tokens]).
     relookups: int = 0
     relookup_tokens: int = 0
     relookup_hit_tokens: int = 0
+    #: Lookups again of a request whose earlier cache never ran: its admission was
+    #: refused (no room) and the cache given back while it waited, then retried.
+    retry_lookups: int = 0
+    retry_lookup_tokens: int = 0
+    retry_hit_tokens: int = 0
     all_lookup_tokens: int = 0
     all_hit_tokens: int = 0
     by_kind: dict[str, list[int]] = attrs.Factory(dict)  # kind -> [lookup, hit]
@@ -166,6 +182,9 @@ class _Sampler:
     def __init__(self, every: int) -> None:
         self.every = every
         self.full = True
+        #: A cache whose page a self-test corrupted: every check is full until one has
+        #: covered it (or it closed), so that the corruption is always looked at.
+        self.pending: Any = None
         self.fresh: set[int] = set()
         self.full_steps = 0
         self.fresh_checks = 0
@@ -182,6 +201,8 @@ class _Sampler:
                 self.fresh.discard(id(w.cache))
             if self.full:
                 self.full_steps += 1
+                if self.pending is not None and any(w.cache is self.pending for w in work):
+                    self.pending = None
                 check(work)
             elif fresh:
                 check(fresh)
@@ -198,7 +219,10 @@ class _Timers:
         self.table_ns = 0  # page-table reads (made from inside the fingerprint engine)
         self.per_request: dict[str, int] = defaultdict(int)
 
-    def wrap(self, name: str, fn: Callable[..., Any], owner: str | None) -> Callable[..., Any]:
+    def wrap(self, name: str, fn: Callable[..., Any], owner: str | None,
+             owner_of: Callable[..., str] | None = None) -> Callable[..., Any]:
+        """``fn`` timed as the manager call ``name``; its time also goes to the request
+        ``owner`` (or the one ``owner_of(*args)`` names), if any."""
         slot = self.calls[name]
         per_request = self.per_request
 
@@ -213,8 +237,9 @@ class _Timers:
                 self.step_ns += dt
                 if name == "page_tables":
                     self.table_ns += dt
-                if owner is not None:
-                    per_request[owner] += dt
+                who = owner if owner_of is None else owner_of(*args, **kwargs)
+                if who is not None:
+                    per_request[who] += dt
 
         return timed
 
@@ -223,6 +248,7 @@ def _instrument(manager: KVCacheManager, loop: EngineLoop, timers: _Timers,
                 res: RunResult, kinds: dict[str, str], sampler: _Sampler | None = None) -> None:
     """Time manager calls by wrapping them on the instances (EngineLoop is unchanged)."""
     create = manager.create_kv_cache
+    ran: dict[str, bool] = {}  # request -> whether its current cache has resumed
 
     def create_kv_cache(scope: Any = None, input_tokens: Any = (), id: Any = None,
                         priority_callback: Any = None) -> Any:
@@ -237,10 +263,17 @@ def _instrument(manager: KVCacheManager, loop: EngineLoop, timers: _Timers,
         timers.per_request[rid] += dt
         n, hit = len(input_tokens), cache.history_length
         if rid in res.first_lookup:
-            # A request preempted by recompute looks up again: counted apart.
-            res.relookups += 1
-            res.relookup_tokens += n
-            res.relookup_hit_tokens += hit
+            # A lookup again, counted apart from the hit rate: after the request ran and
+            # was preempted by recompute (or lost cold pages), or a retry of an admission
+            # refused before it ever ran.
+            if ran.get(rid):
+                res.relookups += 1
+                res.relookup_tokens += n
+                res.relookup_hit_tokens += hit
+            else:
+                res.retry_lookups += 1
+                res.retry_lookup_tokens += n
+                res.retry_hit_tokens += hit
         else:
             res.first_lookup.add(rid)
             res.creation_order.append(rid)
@@ -251,17 +284,20 @@ def _instrument(manager: KVCacheManager, loop: EngineLoop, timers: _Timers,
             kind[1] += hit
         for name in _TIMED_CACHE_CALLS:
             setattr(cache, name, timers.wrap(name, getattr(cache, name), str(id)))
+        ran[rid] = False
         if sampler is not None:
             sampler.mark(cache)
-            resume = cache.resume
+        resume = cache.resume
 
-            def resume_marked(*args: Any, **kwargs: Any) -> Any:
-                ok = resume(*args, **kwargs)
-                if ok:
+        def resume_marked(*args: Any, **kwargs: Any) -> Any:
+            ok = resume(*args, **kwargs)
+            if ok:
+                ran[rid] = True
+                if sampler is not None:
                     sampler.mark(cache)
-                return ok
+            return ok
 
-            cache.resume = resume_marked  # type: ignore[method-assign]
+        cache.resume = resume_marked  # type: ignore[method-assign]
         cache.get_base_page_indices = timers.wrap(  # type: ignore[method-assign]
             "page_tables", cache.get_base_page_indices, str(id))
         return cache
@@ -269,6 +305,15 @@ def _instrument(manager: KVCacheManager, loop: EngineLoop, timers: _Timers,
     manager.create_kv_cache = create_kv_cache  # type: ignore[method-assign]
     manager.make_room = timers.wrap(  # type: ignore[method-assign]
         "make_room", manager.make_room, None)
+    batch = loop.batch
+    if batch is not None:
+        # The engine's batch is kvcm API the engine calls every step: publishing the page
+        # tables (all running requests together), seating and unseating a request.
+        batch.publish = timers.wrap(  # type: ignore[method-assign]
+            "batch.publish", batch.publish, None)
+        for name in ("add_kv_cache", "remove_kv_cache"):
+            setattr(batch, name, timers.wrap(f"batch.{name}", getattr(batch, name), None,
+                                             owner_of=lambda cache, *_a, **_k: str(cache.id)))
     engine = loop.engine
     fp = [0]
 
@@ -310,7 +355,10 @@ class _SimLoop(EngineLoop):
         return None
 
 
-StepHook = Callable[[KVCacheManager, EngineLoop, int], None]
+#: Called after every step with ``(manager, loop, step)``; returns the cache whose pages it
+#: corrupted (a self-test), else None: sampled verification then checks every page until a
+#: check has covered that cache.
+StepHook = Callable[[KVCacheManager, EngineLoop, int], Any]
 Progress = Callable[[RunResult, StepReport | None], None]
 
 
@@ -337,7 +385,9 @@ def run_trace(
             (every page every ``N``-th step, each request at its first step after it was
             admitted or resumed, the invariant check every ``invariants_every * N``
             steps; see the module docstring).
-        on_step: called after every step with ``(manager, loop, step)`` (fault injection).
+        on_step: called after every step with ``(manager, loop, step)`` (fault injection);
+            it returns the cache whose pages it corrupted, if any: with sampled
+            verification the next checks are then full until one covers that cache.
         progress: called after every step with the partial result and the step's report.
 
     Raises:
@@ -373,9 +423,10 @@ def run_trace(
                               "evictable": [[] for _ in range(nlevels)]}
     window = [0, 0, 0]  # lookup tokens, hit tokens, manager ns since the last sample
     sample_every = max(1, int(trace_span_estimate(trace, sched) / max(1, sched.samples)))
-    step = 0
+    step = 0  # the trace's clock: arrivals; it jumps over idle gaps (see STEP_UNITS)
     idle = 0  # steps in a row in which no request advanced
     t_start = time.perf_counter()
+    at_end = False
     try:
         while True:
             while ready and ready[0][0] <= step:
@@ -390,7 +441,11 @@ def run_trace(
             timers.step_ns = 0
             look0, hit0 = res.lookup_tokens, res.hit_tokens
             if sampler is not None:
-                sampler.full = res.steps % sampler.every == 0
+                if sampler.pending is not None and \
+                        sampler.pending.status is CacheStatus.CLOSED:
+                    sampler.pending = None  # closed unchecked: main reports it undetected
+                sampler.full = sampler.pending is not None or \
+                    res.steps % sampler.every == 0
             report = loop.step()
             if check and report.stepped:
                 res.steps_checked += 1
@@ -419,14 +474,16 @@ def run_trace(
             idle = 0 if (report.stepped or report.finished) else idle + 1
             if idle >= STALL_STEPS or not (report.stepped or report.resumed
                                            or report.finished):
-                raise _stalled(config, sched, loop, step, idle)
+                raise _stalled(config, sched, loop, res.steps, idle)
             if on_step is not None:
-                on_step(manager, loop, step)
+                corrupted = on_step(manager, loop, res.steps)
+                if corrupted is not None and sampler is not None:
+                    sampler.pending = corrupted
             if every and (res.steps + 1) % every == 0:
                 manager.check_invariants()
                 res.invariant_checks += 1
             if res.steps % sample_every == 0:
-                series["step"].append(step)
+                series["step"].append(res.steps)
                 series["hit_rate"].append(window[1] / window[0] if window[0] else None)
                 series["cumulative_hit_rate"].append(res.hit_rate)
                 series["running"].append(len(loop.running))
@@ -441,8 +498,14 @@ def run_trace(
             step += 1
             if progress is not None:
                 progress(res, report)
+        at_end = True
         manager.check_invariants()
         res.invariant_checks += 1
+    except Exception as exc:
+        # The failure names its step (STEP_UNITS), or the end-of-run check.
+        where = "the end of the run" if at_end else f"step {res.steps}"
+        exc.kvcm_step = where  # type: ignore[attr-defined]
+        raise
     finally:
         res.wall_s = time.perf_counter() - t_start
         res.manager_ns = {k: list(v) for k, v in timers.calls.items()}

@@ -16,6 +16,14 @@ first lookups only) and the infinite-cache bound of the trace (one unbounded cac
 sees every request: what perfect sharing would give). After each engine step both managers
 wait for the writes they queued (``flush_remote``): a real step lasts longer than a
 loopback write, and the run's figures then do not depend on thread timing.
+
+The report and the summary say how many engine steps and pages were checked. A failure
+ends as the single-engine run's does: one line on stderr (``verification failed: ...``,
+exit 1, for a fingerprint mismatch or a broken invariant; exit 3 for other failures) and
+``report.json`` with ``verification.ok = false`` and the traceback. The preset refuses
+(exit 2) the options it cannot apply: ``--corrupt-at``, ``--verify-every`` (it always
+checks every page at every step), ``--gpu-only``, ``--no-compare``, ``--duration`` and
+``--trace``.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import argparse
 import heapq
 import json
 import time
+import traceback
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -61,6 +70,10 @@ class EnginesResult:
     creation_order: list[str] = attrs.Factory(list)
     per_engine: list[list[int]] = attrs.Factory(list)  # [lookup, hit] per engine
     remote: list[dict[str, int]] = attrs.Factory(list)  # remote statistics per engine
+    #: Engine steps (over both engines) whose pages the fingerprint engine checked, and the
+    #: pages it checked: every page of every stepped request, every step.
+    steps_checked: int = 0
+    pages_checked: int = 0
     wall_s: float = 0.0
 
     @property
@@ -100,19 +113,23 @@ class _Loop(EngineLoop):
 
 
 def run_engines(config: KVCacheManagerConfig, trace: list[TraceRequest],
-                sched: SchedulerConfig, label: str, engines: int = ENGINES) -> EnginesResult:
+                sched: SchedulerConfig, label: str, engines: int = ENGINES,
+                result: EnginesResult | None = None) -> EnginesResult:
     """Replay ``trace`` over ``engines`` managers built from ``config`` (the turns of a
-    session alternate between them), verified at every step.
+    session alternate between them), verified at every step. ``result``: filled in place
+    (what a failed run got to is then still at hand).
 
     Raises:
         FingerprintMismatch: a page did not hold what a request's history says.
         AssertionError: a manager invariant broke.
         SchedulerStalled: no engine made progress for a long time.
     """
-    res = EnginesResult(label=label, per_engine=[[0, 0] for _ in range(engines)])
+    res = result if result is not None else EnginesResult(label=label)
+    res.per_engine = [[0, 0] for _ in range(engines)]
     managers: list[KVCacheManager] = []
     loops: list[_Loop] = []
     t0 = time.perf_counter()
+    at_end = False
     try:
         for e in range(engines):
             managers.append(KVCacheManager(config))
@@ -145,6 +162,8 @@ def run_engines(config: KVCacheManagerConfig, trace: list[TraceRequest],
                 if loop.idle:
                     continue
                 report = loop.step()
+                if report.stepped:
+                    res.steps_checked += 1
                 progressed |= bool(report.stepped or report.finished)
                 for req in report.finished:
                     for j in children.get(req.id, ()):
@@ -158,18 +177,25 @@ def run_engines(config: KVCacheManagerConfig, trace: list[TraceRequest],
                     res.reused_blocks_by_level[lv] += n
             idle = 0 if progressed else idle + 1
             if idle >= STALL_STEPS:
-                raise SchedulerStalled(f"step {step}: no engine advanced for {idle} steps")
+                raise SchedulerStalled(f"step {res.steps}: no engine advanced for {idle} steps")
             if every and (res.steps + 1) % every == 0:
                 for m in managers:
                     m.check_invariants()
             res.steps += 1
             step += 1
+        at_end = True
         for m in managers:
             m.check_invariants()
             if remote:
                 res.remote.append(attrs.asdict(m.get_remote_statistics()))
+    except Exception as exc:
+        # Named in the failure's message, in the single-engine run's step units.
+        exc.kvcm_step = ("the end of the run" if at_end  # type: ignore[attr-defined]
+                         else f"step {res.steps} of the {label} run")
+        raise
     finally:
         res.wall_s = time.perf_counter() - t0
+        res.pages_checked = sum(loop.engine.checked_pages for loop in loops)
         for loop in loops:
             loop.close_all()
         for m in managers:
@@ -194,7 +220,7 @@ def run_two_engine(args: argparse.Namespace, out: Path, console: Any, err: Any) 
     """Run the two-engine comparison (``main`` of ``kvcm simulate`` calls it); returns
     the exit status."""
     from kvcm_core.plugins import get_plugin_manager
-    from kvcm_core.simulate import load_config
+    from kvcm_core.simulate import _classify, _fail, load_config
     from kvcm_core.testing.redis_server import RedisServer, redis_binaries
 
     found = redis_binaries()
@@ -221,30 +247,53 @@ def run_two_engine(args: argparse.Namespace, out: Path, console: Any, err: Any) 
     levels = _levels(raw, sim.level_fractions, ws)
     t0 = time.perf_counter()
     server = RedisServer()
+    runs: dict[str, EnginesResult] = {}
+    error: str | None = None
+    code = 0
+    tb: str | None = None
+    bound: dict[str, Any] | None = None
     try:
         levels[-1]["options"] = {**levels[-1].get("options", {}), "url": server.url}
         shared = KVCacheManagerConfig.from_dict({**raw, "levels": levels})
         local = KVCacheManagerConfig.from_dict({**raw, "levels": levels[:-1]})
         gpu = KVCacheManagerConfig.from_dict({**raw, "levels": levels[:1]})
-        runs = {}
         for label, cfg in (("shared", shared), ("local only", local), ("gpu only", gpu)):
             if not args.quiet:
                 console.print(f"running {label} ...")
-            runs[label] = run_engines(cfg, trace, sim.scheduler, label)
+            runs[label] = EnginesResult(label=label)
+            run_engines(cfg, trace, sim.scheduler, label, result=runs[label])
+        bound = infinite_bound(local, trace, runs["shared"].creation_order, ws["bytes"])
+    except Exception as exc:  # as the single-engine run: one line, a report, exit 1 or 3
+        code, error = _classify(exc)
+        tb = traceback.format_exc()
     finally:
         server.stop()
-    bound = infinite_bound(local, trace, runs["shared"].creation_order, ws["bytes"])
-    report = {
+    pages = sum(r.pages_checked for r in runs.values())
+    steps = sum(r.steps_checked for r in runs.values())
+    report: dict[str, Any] = {
         "preset": "two-engine", "seed": seed, "requests": len(trace), "engines": ENGINES,
         "routing": "turn k of session s on engine (s + k) % 2",
         "working_set_bytes": ws["bytes"], "levels": [
             {"tier": lv["tier"], "quota": lv["quota"]} for lv in levels],
+        "verification": {"ok": error is None, "error": error},
+        "verification_mode": {"mode": "full", "verify_every": 1,
+                              "description": "every page checked at every step, in both "
+                                             "engines",
+                              "steps_checked": steps, "pages_checked": pages},
         "runs": {k: v.as_dict() for k, v in runs.items()},
-        "infinite_bound": {k: v for k, v in bound.items() if k != "by_kind"},
+        "infinite_bound": ({k: v for k, v in bound.items() if k != "by_kind"}
+                           if bound is not None else None),
         "wall_s": time.perf_counter() - t0,
     }
+    if error is not None:
+        report["exit_status"] = code
+        report["traceback"] = tb
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    if error is not None:
+        return _fail(err, f"{error} (report: {out / 'report.json'})", code, tb,
+                     bool(getattr(args, "debug", False)))
+    assert bound is not None
     if not args.quiet:
         console.print(f"kvcm simulate --preset two-engine: {len(trace)} requests, "
                       f"{ENGINES} engines (turns alternate), seed {seed}")
@@ -253,5 +302,8 @@ def run_two_engine(args: argparse.Namespace, out: Path, console: Any, err: Any) 
             console.print(f"  {label:<11} hit rate {100 * r.hit_rate:5.1f}%{extra}")
         console.print(f"  {'bound':<11} hit rate {100 * bound['hit_rate']:5.1f}%  "
                       "(one unbounded cache seeing every request)")
+        console.print(f"[green]verified (full):[/] every page checked at every step in both "
+                      f"engines ({steps} engine steps, {pages:,} pages checked over "
+                      f"{len(runs)} runs)", highlight=False)
         console.print(f"report: {out / 'report.json'}  ({report['wall_s']:.1f} s)")
     return 0
