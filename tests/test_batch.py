@@ -475,18 +475,23 @@ def test_a_seated_cache_waits_for_the_batchs_readers_before_it_releases_pages(
 # -- Batch.resize: checked before anything changes, ordered on the caller's stream ---------
 
 
-@pytest.mark.parametrize("layers", [full_layers(), hybrid_layers()], ids=["fast", "per_row"])
-def test_batch_resize_refuses_a_bad_row_before_changing_any_row(layers: list[Any]) -> None:
-    m = make_manager(layers)
-    b = Batch(m, max_rows=2, max_blocks_per_row=16)
-    toks = tokens(20, seed=4)
+def _two_committed_rows(m: KVCacheManager, b: Batch, toks: list[int]) -> list[Any]:
+    """Two active caches that committed ``toks``, seated in ``b``, published."""
     caches = []
     for _ in range(2):
-        c = _active(m, [], cap=20)
+        c = _active(m, [], cap=len(toks))
         c.commit(toks)
         b.add_kv_cache(c)
         caches.append(c)
     b.publish()
+    return caches
+
+
+@pytest.mark.parametrize("layers", [full_layers(), hybrid_layers()], ids=["fast", "per_row"])
+def test_batch_resize_refuses_a_bad_row_before_changing_any_row(layers: list[Any]) -> None:
+    m = make_manager(layers)
+    b = Batch(m, max_rows=2, max_blocks_per_row=16)
+    caches = _two_committed_rows(m, b, tokens(20, seed=4))
     before = [(c.capacity, c.page_table_version) for c in caches]
     free = [s.num_free for s in m.stores[0]]
     with pytest.raises(InvalidArgumentError, match="must be >= history_length"):
@@ -506,14 +511,7 @@ def test_batch_resize_refuses_a_row_whose_beam_width_grew_behind_the_batch_first
     are left to the resize's own check: its beams are not)."""
     m = make_manager(full_layers(), max_beam_width=2)
     b = Batch(m, max_rows=2, max_blocks_per_row=16, max_beam_width=1)
-    toks = tokens(8, seed=5)
-    caches = []
-    for _ in range(2):
-        c = _active(m, [], cap=8)
-        c.commit(toks)
-        b.add_kv_cache(c)
-        caches.append(c)
-    b.publish()
+    caches = _two_committed_rows(m, b, tokens(8, seed=5))
     assert caches[1].set_beam_width(2)  # behind the batch's back
     before = [(c.capacity, c.num_blocks) for c in caches]
     with pytest.raises(InvalidArgumentError, match="beam width 2"):
