@@ -218,7 +218,7 @@ def check_present_pages(
     seen: set[int] = set()
     for page in pages:
         if page not in present:
-            raise InvalidArgumentError(f"cannot {action} page {page}: not in the policy")
+            raise InvalidArgumentError(f"cannot {action} page {page!r}: not in the policy")
         if unique:
             if page in seen:
                 raise InvalidArgumentError(f"cannot {action} page {page}: it appears twice in the "
