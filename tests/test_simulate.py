@@ -134,6 +134,28 @@ def test_with_sampled_verification_the_check_after_a_corruption_is_full_and_dete
     assert test["injected_at_step"] >= at and test["detected"] is True
 
 
+def test_a_self_test_run_failing_for_another_reason_does_not_count_as_detected(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``meta.self_test.detected`` says the injected corruption was found as wrong KV: a
+    run that fails its invariants instead (exit 1 as well) does not count."""
+    from kvcm_core.testing.fingerprint import FingerprintEngine
+
+    calls = []
+
+    def broken(self, work):  # after the injection: a broken invariant, not wrong KV
+        calls.append(1)
+        if len(calls) > 20:
+            raise AssertionError("an invariant broke")
+
+    monkeypatch.setattr(FingerprintEngine, "check", broken)
+    code = main([*SHORT, "--requests", "12", "--no-compare", "--no-plots", "--corrupt-at",
+                 "4", "--out", str(tmp_path)])
+    assert code == 1
+    assert "a manager invariant broke" in capsys.readouterr().err
+    test = _report(tmp_path)["meta"]["self_test"]
+    assert test["injected"] is True and test["detected"] is False
+
+
 def test_a_corruption_no_check_detects_fails_the_run_saying_so(
         tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvcm_core.testing.fingerprint import FingerprintEngine

@@ -551,12 +551,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         code, error = _classify(exc)
         meta["traceback"] = traceback.format_exc()
         meta["exit_status"] = code
+        from kvcm_core.testing.fingerprint import FingerprintMismatch
+        mismatch = isinstance(exc, FingerprintMismatch)
+    else:
+        mismatch = False
     finally:
         if progress is not None:
             progress.stop()
     if hook is not None:
         corrupted = hook.corrupted  # type: ignore[attr-defined]
-        detected = bool(corrupted) and code == 1
+        detected = bool(corrupted) and mismatch  # wrong KV found, not any other failure
         meta["self_test"] = {"corrupt_at": args.corrupt_at, "injected": bool(corrupted),
                              "injected_at_step": corrupted[0] if corrupted else None,
                              "detected": detected}
