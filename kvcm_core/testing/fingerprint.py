@@ -127,6 +127,7 @@ class FingerprintEngine:
 
     def __init__(self, manager: Any, batch: Any = None) -> None:
         self.manager = manager
+        self._owners = np.zeros(0, dtype=np.int64)  # the last _rows: each row's request
         #: The stream the engine's kernels run on (None: the backend's default stream);
         #: pages are written and checked only after what the manager made it wait for.
         self.stream: Any = None
@@ -197,10 +198,11 @@ class FingerprintEngine:
         end: list[np.ndarray] = []
         pos: list[np.ndarray] = []
         tags: list[np.ndarray] = []
+        owners: list[np.ndarray] = []  # the index in ``work`` of each row's request
         bases = {(b.layer_id, b.role): (m.get_mem_pool_base_address(b.layer_id, b.role),
                                         m.get_page_stride(b.layer_id, b.role))
                  for b in self.buffers}
-        for w in work:
+        for wi, w in enumerate(work):
             cache = w.cache
             hist = cache.history_length
             cap = cache.capacity
@@ -242,6 +244,7 @@ class FingerprintEngine:
                                 f"{hist // tpb} for layer {buf.layer_id}/{buf.role}")
                         continue
                     addr.append(np.array([base + slot * stride], dtype=np.int64))
+                    owners.append(np.array([wi], dtype=np.int64))
                     nbytes.append(np.array([buf.size], dtype=np.int64))
                     slots.append(np.array([1], dtype=np.int32))
                     row = np.zeros((1, tpb), dtype=np.uint32)
@@ -275,6 +278,7 @@ class FingerprintEngine:
                         continue
                     sl = table[blocks].astype(np.int64)
                     addr.append(base + sl * stride)
+                    owners.append(np.full(blocks.size, wi, dtype=np.int64))
                     nbytes.append(np.full(blocks.size, buf.size, dtype=np.int64))
                     slots.append(np.full(blocks.size, tpb, dtype=np.int32))
                     tok.append(block_ids[blocks])
@@ -287,6 +291,7 @@ class FingerprintEngine:
                     tags.append(np.broadcast_to(seg_tag, (blocks.size, 2)))
         if not addr:
             return None
+        self._owners = np.concatenate(owners)
         return FingerprintPages(
             addresses=np.concatenate(addr), page_bytes=np.concatenate(nbytes),
             record_slots=np.concatenate(slots), token_ids=np.concatenate(tok),
@@ -628,8 +633,10 @@ class FingerprintEngine:
         self.checked_pages += len(pages)
         if not ok.all():
             bad = int(np.nonzero(~ok)[0][0])
+            owner = work[int(self._owners[bad])].cache.id
             raise FingerprintMismatch(
-                f"page at address {int(pages.addresses[bad]):#x} (positions "
+                f"request {owner!r}: page at address {int(pages.addresses[bad]):#x} "
+                f"(block {int(pages.positions[bad]) // self.tpb}, positions "
                 f"{int(pages.positions[bad]) + int(pages.begin[bad])}.."
                 f"{int(pages.positions[bad]) + int(pages.end[bad]) - 1}, layer "
                 f"{int(pages.tags[bad, 0])}, buffer {int(pages.tags[bad, 1]) >> 16}) does "
