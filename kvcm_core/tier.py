@@ -281,7 +281,8 @@ class KeyedTier(Tier):
     def put_many(self, keys: Sequence[bytes], values: Sequence[bytes | memoryview], *,
                  deadline: float) -> np.ndarray:
         """Store ``values[i]`` under ``keys[i]`` (overwriting). Returns a ``bool [n]`` array:
-        which were stored."""
+        which were stored. The values are read only until the call returns (or raises):
+        the caller may then overwrite or free them."""
 
     @abc.abstractmethod
     def get_many(self, keys: Sequence[bytes], *, deadline: float) -> list[bytes | None]:
