@@ -21,6 +21,12 @@ slots: the manager's own levels stay as they are, and :class:`RemoteLevel` adds
 - **an own-key quota**: the level's ``quota`` bounds the bytes of the keys *this* manager
   wrote, least recently used first; it deletes only those keys. What the store evicts by
   itself (``maxmemory``) is ordinary loss.
+- **restarts**: when a tier reports a new server identity at an address it reached before
+  (:meth:`~kvcm_core.tier.KeyedTier.store_instances`: a restart, empty or reloaded), the
+  level forgets which keys it believed stored (so blocks computed again are written again)
+  and the writer thread checks every key it counts as its own with ``exists_many``,
+  dropping those the store lost from ``own_keys``/``own_bytes`` (retried after
+  ``retry_after_s`` if the store cannot be reached).
 
 Keys: ``<layout fingerprint>:<scope>:<cache group>:<block key>`` (hex) under the tier's own
 namespace. The fingerprint covers layers, buffers, sizes, tokens per block, the block-key
@@ -71,6 +77,7 @@ assert _HEAD.size == HEADER.itemsize
 _WRITE_BATCH = 64  # pages per put_many of the writer thread
 _KNOWN_KEYS = 1 << 16  # keys remembered as stored remotely (not written again)
 _WARM_UP_S = 2.0  # seconds the first connection may take (at construction)
+_RESYNC_KEYS = 4096  # own keys per exists_many when checking them after a restart
 _COUNTERS = {"miss": "misses", "foreign": "foreign", "truncated": "truncated",
              "corrupt": "corrupt"}
 
@@ -161,6 +168,8 @@ class RemoteStatistics:
         write_failures: pages whose write failed, was refused or was skipped.
         deleted: own keys deleted to stay under the level's quota.
         own_keys, own_bytes: keys (and their bytes) this manager wrote and still counts.
+        store_restarts: servers of the store found restarted (a new identity at an
+            address reached before); each makes the level check its own keys.
     """
 
     lookups: int = 0
@@ -183,6 +192,7 @@ class RemoteStatistics:
     deleted: int = 0
     own_keys: int = 0
     own_bytes: int = 0
+    store_restarts: int = 0
 
 
 # -- staging: cold pages in host memory, as a store the Mover copies from and to ---------
@@ -286,6 +296,8 @@ class RemoteLevel:
         self._own: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._own_bytes = 0
         self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._instances: dict[str, set[str]] = {}  # address -> server identities seen
+        self._resync = False  # own keys to check against the store (after a restart)
         self._thread = threading.Thread(target=self._write_loop, daemon=True,
                                         name="kvcm-remote-writer")
         self._thread.start()
@@ -297,6 +309,7 @@ class RemoteLevel:
                                  deadline=time.monotonic() + _WARM_UP_S)
             except TierIOError:
                 self._failed()
+        self._check_restarts()
 
     # -- keys ------------------------------------------------------------------------------
 
@@ -330,6 +343,55 @@ class RemoteLevel:
 
     def _failed(self) -> None:
         self._skip_until = time.monotonic() + self.options.retry_after_s
+
+    # -- restarts ----------------------------------------------------------------------------
+
+    def _check_restarts(self) -> None:
+        """After a call: if a tier found a server with a new identity where it had found
+        another before (a restart), forget which keys are believed stored and have the
+        writer check the own keys against the store. Cheap: no I/O."""
+        seen = [tier.store_instances() for tier in (self.tier, self._writers)]
+        with self._lock:
+            restarted = False
+            for instances in seen:
+                for where, ident in instances.items():
+                    idents = self._instances.setdefault(where, set())
+                    if ident not in idents:
+                        restarted |= bool(idents)
+                        idents.add(ident)
+            if restarted:
+                self.stats.store_restarts += 1
+                self._known.clear()
+                self._resync = True
+                self._lock.notify_all()
+
+    def _resync_due(self) -> bool:
+        return self._resync and time.monotonic() >= self._skip_until
+
+    def _resync_own(self) -> None:
+        """Drop from the own keys those the store no longer holds (writer thread)."""
+        with self._lock:
+            self._resync = False
+            keys = list(self._own)
+        for lo in range(0, len(keys), _RESYNC_KEYS):
+            chunk = keys[lo:lo + _RESYNC_KEYS]
+            try:
+                held = self._writers.exists_many(
+                    chunk, deadline=time.monotonic() + self.options.write_deadline_s)
+            except TierIOError:
+                self._failed()
+                with self._lock:
+                    self._resync = True  # again once the store answers
+                return
+            finally:
+                self._check_restarts()
+            with self._lock:
+                for key, there in zip(chunk, held.tolist(), strict=True):
+                    if not there:
+                        self._known.pop(key, None)
+                        size = self._own.pop(key, None)
+                        if size is not None:
+                            self._own_bytes -= size
 
     # -- frames ------------------------------------------------------------------------------
 
@@ -417,6 +479,7 @@ class RemoteLevel:
             self.stats.read_failures += 1
             self._failed()
             return 0, {}
+        self._check_restarts()
         present = plan.have.copy()
         pages: dict[tuple[int, int], bytes] = {}
         st = self.stats
@@ -656,15 +719,21 @@ class RemoteLevel:
     def _write_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._queue and not self._closing:
-                    self._lock.wait()
-                if not self._queue:
+                while not self._queue and not self._closing and not self._resync_due():
+                    wait = (max(0.01, self._skip_until - time.monotonic())
+                            if self._resync else None)  # a resync waits out a failure
+                    self._lock.wait(wait)
+                if not self._queue and self._closing:
                     return
+                resync = self._resync_due()
                 batch = [self._queue.popleft()
                          for _ in range(min(_WRITE_BATCH, len(self._queue)))]
                 self._busy = True
             try:
-                self._write(batch)
+                if resync:
+                    self._resync_own()
+                if batch:
+                    self._write(batch)
             except Exception:  # a writer bug must not kill the thread
                 self.stats.write_failures += len(batch)
             finally:
@@ -688,6 +757,7 @@ class RemoteLevel:
             st.write_failures += len(batch)
             self._unknow(keys)
             return
+        self._check_restarts()
         victims: list[bytes] = []
         with self._lock:
             own = self._own
@@ -727,11 +797,13 @@ class RemoteLevel:
                                 own_bytes=self._own_bytes)
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until every queued write was made (or failed); False if ``timeout_s``
-        passed first."""
+        """Wait until every queued write was made (or failed), and a check of the own
+        keys after a restart too (unless the store is being skipped after a failure);
+        False if ``timeout_s`` passed first."""
         with self._lock:
-            return self._lock.wait_for(lambda: not self._queue and not self._busy,
-                                       timeout_s)
+            return self._lock.wait_for(
+                lambda: not self._queue and not self._busy and not self._resync_due(),
+                timeout_s)
 
     def close(self) -> None:
         """Finish the queued writes (each batch within ``write_deadline_s``), stop the

@@ -277,11 +277,20 @@ class KeyedTier(Tier):
             f"{type(self).__name__} is a keyed tier: it stores values by key "
             "(put_many/get_many), not in slot pools")
 
+    def store_instances(self) -> Mapping[str, str]:
+        """For each server of the store this tier has reached (by address), an identity of
+        the server process it last found there (Redis: its ``run_id``), recorded when a
+        connection was opened; no I/O. A new identity at an address seen before means that
+        server restarted or was replaced, and may have lost what it held: the core then
+        checks the keys it counts as its own. The default, ``{}``: the tier cannot tell."""
+        return {}
+
     @abc.abstractmethod
     def put_many(self, keys: Sequence[bytes], values: Sequence[bytes | memoryview], *,
                  deadline: float) -> np.ndarray:
         """Store ``values[i]`` under ``keys[i]`` (overwriting). Returns a ``bool [n]`` array:
-        which were stored."""
+        which were stored. The values are read only until the call returns (or raises):
+        the caller may then overwrite or free them."""
 
     @abc.abstractmethod
     def get_many(self, keys: Sequence[bytes], *, deadline: float) -> list[bytes | None]:

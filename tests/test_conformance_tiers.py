@@ -3,6 +3,7 @@ through it too, and unit tests of :class:`~kvcm_core.testing.faults.FaultyTier`.
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 from collections.abc import Iterator
@@ -28,7 +29,12 @@ from kvcm_core.testing.faults import (
     FaultyTier,
     faulty_tier_spec,
 )
-from kvcm_core.testing.reference import DICT_TIER_SPEC, DictPool, DictTier
+from kvcm_core.testing.reference import (
+    DICT_TIER_CAPABILITIES,
+    DICT_TIER_SPEC,
+    DictPool,
+    DictTier,
+)
 from kvcm_core.tier import DevicePool, Pool, StoragePool
 
 
@@ -543,3 +549,84 @@ def test_disk_batched_calls_work_in_a_forked_child(tmp_path: Path) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     data = path.read_bytes()
     assert data[256:320] == bytes([8]) * 64 and data[0:64] == bytes([7]) * 64
+
+
+# -- the source-lifetime rule of write, shown failing on tiers that break it ---------------
+
+
+class _LazyPool(DictPool):
+    """Broken on purpose: a write keeps views of the caller's rows and copies them only
+    when the slot is read, after the handle was done."""
+
+    def write(self, slots: np.ndarray, source: np.ndarray) -> Any:
+        handle = super().write(slots, source)  # the checks, and a correct copy it ignores
+        self.views = getattr(self, "views", {})
+        for i, slot in enumerate(np.asarray(slots).tolist()):
+            self.views[slot] = source[i]
+        return handle
+
+    def read(self, slots: np.ndarray, dest: np.ndarray) -> Any:
+        for slot in np.asarray(slots).tolist():
+            if slot in getattr(self, "views", {}):
+                self.data[slot] = self.views[slot].tobytes()
+        return super().read(slots, dest)
+
+
+class _HoldingPool(DictPool):
+    """Broken on purpose, less visibly: copies at once (reads back right) but keeps the
+    caller's last source array, so the caller cannot free it."""
+
+    def write(self, slots: np.ndarray, source: np.ndarray) -> Any:
+        self.last_source = source
+        return super().write(slots, source)
+
+
+def _tier_spec_of(pool_type: type[DictPool], name: str) -> TierSpec:
+    class _Tier(DictTier):
+        def create_pool(self, slot_bytes: int, num_slots: int, *, name: str = "") -> DictPool:
+            pool = pool_type(slot_bytes, num_slots, name)
+            self.pools.append(pool)
+            return pool
+
+    return TierSpec(name=name, factory=_Tier, description="broken on purpose (tests)",
+                    capabilities=DICT_TIER_CAPABILITIES)
+
+
+def _run_conformance_case(spec: TierSpec, test: str, tmp_path: Path) -> None:
+    """Run one case of the tier suite on ``spec`` (what its ``tier`` fixture sets up)."""
+    suite = TierConformance()
+    suite.spec = spec
+    suite.backend = get_plugin_manager().kernel_backend("numpy").factory({})
+    suite.tmp_path = tmp_path
+    suite._opened, suite._names, suite._bases, suite._second = [], {}, {}, {}
+    suite._counter = itertools.count()
+    try:
+        getattr(suite, test)(suite.open_tier())
+    finally:
+        for opened in suite._opened:
+            opened.close()
+        suite.backend.close()
+
+
+_SOURCE_CASES = ("test_write_reads_its_source_only_until_its_handle_is_done",
+                 "test_write_keeps_no_hold_on_its_source_after_its_handle_is_done")
+
+
+@pytest.mark.parametrize("test", _SOURCE_CASES)
+def test_the_suite_fails_a_tier_that_reads_its_write_source_after_the_handle_is_done(
+        test: str, tmp_path: Path) -> None:
+    with pytest.raises((AssertionError, pytest.fail.Exception)):
+        _run_conformance_case(_tier_spec_of(_LazyPool, "lazy"), test, tmp_path)
+
+
+def test_the_suite_fails_a_tier_that_holds_its_write_source_after_the_handle_is_done(
+        tmp_path: Path) -> None:
+    spec = _tier_spec_of(_HoldingPool, "holding")
+    _run_conformance_case(spec, _SOURCE_CASES[0], tmp_path)  # reads back right
+    with pytest.raises((AssertionError, pytest.fail.Exception), match="still holds"):
+        _run_conformance_case(spec, _SOURCE_CASES[1], tmp_path)
+
+
+@pytest.mark.parametrize("test", _SOURCE_CASES)
+def test_the_source_cases_pass_the_reference_tier(test: str, tmp_path: Path) -> None:
+    _run_conformance_case(DICT_TIER_SPEC, test, tmp_path)

@@ -154,15 +154,18 @@ def test_a_write_failing_in_its_quota_compaction_leaves_memory_and_disk_agreeing
     assert _read(_tier(path).create_pool(1000, 10, name="p"), range(10)) == got
 
 
+@pytest.mark.parametrize("uncut", [False, True], ids=["cut", "uncut"])
 @pytest.mark.parametrize("seed", range(40))
 def test_reads_and_reopens_agree_with_a_byte_model_through_failed_writes(
-        tmp_path, monkeypatch, seed):
+        tmp_path, monkeypatch, seed, uncut):
     """Random writes (some failing part way), shrinks, grows and reopens of other sizes:
     a failed write leaves each of its slots with its old blob, nothing, or (when only the
     compaction after it failed) its new blob; other slots keep theirs; and a reopen reads
-    back exactly what the pool read before it."""
+    back exactly what the pool read before it. ``uncut``: the truncate that cuts a failed
+    append off fails too, at random (the segment is sealed instead)."""
     rng = random.Random(seed)
     faults = _Faults(monkeypatch)
+    cut = _NoTruncate(monkeypatch, times=0)
     path = tmp_path / "d"
     tier = _tier(path)
     n = rng.choice([1, 3, 8])
@@ -176,6 +179,7 @@ def test_reads_and_reopens_agree_with_a_byte_model_through_failed_writes(
             if fail:
                 faults.arm(at=rng.randint(1, 4), keep=rng.randrange(0, 2 * SLOT),
                            raises=rng.random() < 0.5)
+                cut.times = int(uncut and rng.random() < 0.7)
             if op == "write" and pool.num_slots:
                 slots = rng.sample(range(pool.num_slots), rng.randint(1, pool.num_slots))
                 blobs = [bytes([step % 256, s]) * rng.randint(0, SLOT // 2) for s in slots]
@@ -209,6 +213,7 @@ def test_reads_and_reopens_agree_with_a_byte_model_through_failed_writes(
                 pool = tier.create_pool(SLOT, size, name="m")
                 model = {s: b for s, b in model.items() if s < size}
             faults.arm(0)
+            cut.times = 0
             # a resize failing in its compaction may leave dead bytes over the quota
             # until a write, resize or reopen succeeds (each compacts them)
             assert over or pool.stored_bytes <= pool.num_slots * SLOT, (seed, step, op)
@@ -216,3 +221,126 @@ def test_reads_and_reopens_agree_with_a_byte_model_through_failed_writes(
             assert _read(pool, range(pool.num_slots)) == want, (seed, step, op)
     finally:
         tier.close()
+
+
+class _NoTruncate:
+    """Replaces ``os.ftruncate``: the next ``times`` calls raise ``err`` (then it works)."""
+
+    def __init__(self, monkeypatch, times: int = 1, err: int = errno.EIO) -> None:
+        self._real = os.ftruncate
+        self.times, self.err, self.calls = times, err, 0
+        monkeypatch.setattr(os, "ftruncate", self._ftruncate)
+
+    def _ftruncate(self, fd, length):
+        self.calls += 1
+        if self.times:
+            self.times -= 1
+            raise OSError(self.err, os.strerror(self.err))
+        return self._real(fd, length)
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC, errno.EPERM])
+@pytest.mark.parametrize("raises", [False, True], ids=["short", "enospc"])
+def test_an_append_that_cannot_be_cut_back_loses_nothing_stored_and_never_comes_back(
+        tmp_path, monkeypatch, raises, err):
+    """A failed append whose torn bytes cannot be truncated away: the write is a
+    TierIOError, every earlier blob still reads (now and after a reopen), the torn
+    records never do, and the pool writes on."""
+    faults = _Faults(monkeypatch)
+    path = tmp_path / "d"
+    tier = _tier(path, segment_bytes=1 << 20)
+    pool = tier.create_pool(SLOT, 8, name="p")
+    old = [bytes([i + 1]) * 100 for i in range(4)]
+    pool.write_blobs(np.arange(4), old).wait()
+    pool.write_blobs(np.array([0]), [b"R" * 50]).wait()  # slot 0 rewritten in the segment
+    cut = _NoTruncate(monkeypatch, err=err)
+    # two of three records land whole (slots 2 and 5), the third is cut: the write fails
+    faults.arm(keep=2 * 108 + 30, raises=raises)
+    with pytest.raises(TierIOError):
+        pool.write_blobs(np.array([2, 5, 3]), [b"N" * 100] * 3).wait()
+    assert cut.calls >= 1
+    want = [b"R" * 50, *old[1:], b"", b"", b"", b""]
+    assert _read(pool, range(8)) == want
+    pool.write_blobs(np.array([6]), [b"after"]).wait()  # the pool writes on
+    want[6] = b"after"
+    assert _read(pool, range(8)) == want
+    tier.close()
+    again = _tier(path, segment_bytes=1 << 20)
+    assert _read(again.create_pool(SLOT, 8, name="p"), range(8)) == want
+    again.close()
+
+
+class _Script:
+    """Replaces ``os.pwrite``: each call takes the next entry of ``plan`` (an int k:
+    write only the first k bytes and return short; ``"fail"``: raise EIO; ``None``: the
+    real call); calls past the plan are real."""
+
+    def __init__(self, monkeypatch) -> None:
+        self._real = os.pwrite
+        self.plan: list = []
+        monkeypatch.setattr(os, "pwrite", self._pwrite)
+
+    def _pwrite(self, fd, data, offset):
+        step = self.plan.pop(0) if self.plan else None
+        if step == "fail":
+            raise OSError(errno.EIO, "Input/output error")
+        if step is None:
+            return self._real(fd, data, offset)
+        return self._real(fd, bytes(data)[:step], offset)
+
+
+def test_a_segment_that_can_be_neither_cut_back_nor_sealed_takes_no_more_writes(
+        tmp_path, monkeypatch):
+    """Neither the truncate nor the seal of a torn segment works: writes are refused
+    (TierIOError, nothing appended) until one does; reads go on; after the repair the
+    pool writes again and a reopen reads exactly what the pool read."""
+    script = _Script(monkeypatch)
+    path = tmp_path / "d"
+    tier = _tier(path, segment_bytes=1 << 20)
+    pool = tier.create_pool(SLOT, 8, name="p")
+    old = [bytes([i + 1]) * 100 for i in range(4)]
+    pool.write_blobs(np.arange(4), old).wait()
+    cut = _NoTruncate(monkeypatch, times=4)
+    # slot 5's record lands whole, slot 1's is cut; then the seal fails
+    script.plan = [108 + 30, "fail"]
+    with pytest.raises(TierIOError):
+        pool.write_blobs(np.array([5, 1]), [b"N" * 100] * 2).wait()
+    for _ in range(2):  # each write retries the truncate and the seal, which fail
+        script.plan = ["fail"]
+        with pytest.raises(TierIOError, match="torn"):
+            pool.write_blobs(np.array([6]), [b"refused"]).wait()
+        assert not script.plan, "a refused write appended nothing (it never got that far)"
+    with pytest.raises(TierIOError, match="torn"):  # a shrink's tombstones too
+        script.plan = ["fail"]
+        pool.resize(2)
+    assert cut.calls == 4 and pool.num_slots == 8
+    want = [*old, b"", b"", b"", b""]
+    assert _read(pool, range(8)) == want
+    # the fifth truncate works: the segment is whole again and takes the write
+    pool.write_blobs(np.array([6]), [b"after"]).wait()
+    want[6] = b"after"
+    assert _read(pool, range(8)) == want
+    tier.close()
+    again = _tier(path, segment_bytes=1 << 20)
+    assert _read(again.create_pool(SLOT, 8, name="p"), range(8)) == want
+    again.close()
+
+
+def test_a_torn_segment_sealed_at_close_reads_back_without_its_torn_records(
+        tmp_path, monkeypatch):
+    """Truncate and seal fail at the failed write; the seal works at close: a reopen
+    reads every earlier blob and not the torn record."""
+    script = _Script(monkeypatch)
+    path = tmp_path / "d"
+    tier = _tier(path, segment_bytes=1 << 20)
+    pool = tier.create_pool(SLOT, 8, name="p")
+    old = [bytes([i + 1]) * 100 for i in range(4)]
+    pool.write_blobs(np.arange(4), old).wait()
+    _NoTruncate(monkeypatch, times=100)
+    script.plan = [108 + 30, "fail"]
+    with pytest.raises(TierIOError):
+        pool.write_blobs(np.array([2, 1]), [b"N" * 100] * 2).wait()
+    tier.close()
+    again = _tier(path, segment_bytes=1 << 20)
+    assert _read(again.create_pool(SLOT, 8, name="p"), range(8)) == [*old, *[b""] * 4]
+    again.close()

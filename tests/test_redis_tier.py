@@ -243,3 +243,44 @@ def test_a_password_and_a_database_in_the_url_are_honoured() -> None:
         finally:
             tier.close()
             wrong.close()
+
+
+def _run_id(url: str) -> str:
+    return __import__("redis").Redis.from_url(url).info("server")["run_id"]
+
+
+def test_store_instances_name_the_server_process_and_change_when_it_restarts() -> None:
+    """The tier records the run_id of the server behind each connection it opens: a
+    restart (empty) shows as a new run_id at the same address, and the keys it lost read
+    as clean misses."""
+    with fresh_server() as server:
+        tier = RedisTier(None, {"url": server.url})
+        try:
+            keys = _keys(2)
+            tier.put_many(keys, [b"a", b"b"], deadline=_soon())
+            where = f"127.0.0.1:{server.port}"
+            assert tier.store_instances() == {where: _run_id(server.url)}
+            before = tier.store_instances()[where]
+            server.restart()
+            assert tier.get_many(keys, deadline=_soon()) == [None, None]
+            after = tier.store_instances()
+            assert after == {where: _run_id(server.url)} and after[where] != before
+        finally:
+            tier.close()
+
+
+def test_store_instances_of_a_cluster_name_every_primary_reached() -> None:
+    from redis_fixtures import session_cluster
+
+    cluster = session_cluster()
+    tier = RedisTier(None, {"url": cluster.url, "cluster": True})
+    try:
+        keys = _keys(64)  # spread over every primary
+        assert tier.put_many(keys, [b"v"] * 64, deadline=_soon()).all()
+        seen = tier.store_instances()
+        for port in cluster.primary_ports():
+            url = f"redis://127.0.0.1:{port}/0"
+            assert seen.get(f"127.0.0.1:{port}") == _run_id(url), port
+        tier.delete_many(keys, deadline=_soon())
+    finally:
+        tier.close()

@@ -548,3 +548,75 @@ def test_a_commit_on_the_engines_stream_stores_the_kv_written_there_not_older_by
             cache.close()
         with KVCacheManager(config(server.url)) as reader:
             assert serve(reader, PROMPT) == REUSABLE  # every pulled page checked
+
+
+# -- a server that restarts empty ----------------------------------------------------------
+
+
+def _stored_sizes(url: str) -> dict[bytes, int]:
+    admin = _admin(url)
+    return {k: admin.strlen(k) for k in admin.keys("kvcm:*")}
+
+
+def test_after_a_restart_that_lost_the_store_own_keys_and_bytes_are_what_it_holds() -> None:
+    """The server restarts empty (no persistence): once the level has reached it again,
+    it counts as its own only keys the store holds, and their bytes exactly."""
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url, retry_after_s=0.1)) as a:
+            serve(a, PROMPT)
+            assert a.flush_remote(10.0)
+            assert a.get_remote_statistics().own_keys == 10
+            server.restart()  # --save '' --appendonly no: everything is gone
+            assert _stored_sizes(server.url) == {}
+            # a probe reaches the new server (reads only): nothing of the old is counted
+            assert a.probe_reuse(None, _prompt(2), remote=True) == 0
+            assert a.flush_remote(10.0)
+            st = a.get_remote_statistics()
+            assert (st.own_keys, st.own_bytes) == (0, 0)
+            assert st.store_restarts == 1
+            serve(a, _prompt(3), rid="after")  # and it carries on writing
+            assert a.flush_remote(10.0)
+            st = a.get_remote_statistics()
+            stored = _stored_sizes(server.url)
+            assert st.own_keys == len(stored) == 10
+            assert st.own_bytes == sum(stored.values())
+
+
+def test_after_a_restart_that_lost_the_store_blocks_committed_again_are_stored_again() -> None:
+    """A manager that wrote a prompt's blocks before the server restarted empty must not
+    go on believing the store holds them: when it computes them again it writes them."""
+    with fresh_server() as server:
+        cfg = config(server.url, local=("gpu",), max_blocks=2, retry_after_s=0.1)
+        d = cfg.to_dict()
+        d["levels"][0]["quota"] = 32 * 512  # 32 pages: six other prompts evict the first
+        with KVCacheManager(KVCacheManagerConfig.from_dict(d)) as a:
+            serve(a, PROMPT)
+            for s in range(6):
+                serve(a, _prompt(20 + s), rid=s)
+            assert a.flush_remote(10.0)
+            server.restart()
+            # nothing local, and the lookup asks for 2 blocks only: the other 8 are
+            # computed and committed without having been looked up
+            assert serve(a, PROMPT, rid="again") == 0
+            assert a.flush_remote(10.0)
+        with KVCacheManager(config(server.url)) as b:
+            assert b.probe_reuse(None, PROMPT[:-1], remote=True) == REUSABLE
+
+
+def test_after_a_restart_that_kept_the_store_its_own_keys_are_still_counted() -> None:
+    """The server restarts with its data (persistence): the level checks its own keys,
+    finds them all and counts them as before."""
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url, retry_after_s=0.1)) as a:
+            serve(a, PROMPT)
+            assert a.flush_remote(10.0)
+            before = a.get_remote_statistics()
+            server.restart(keep_data=True)
+            stored = _stored_sizes(server.url)
+            assert len(stored) == 10
+            assert a.probe_reuse(None, _prompt(2), remote=True) == 0  # reaches it again
+            assert a.flush_remote(10.0)
+            st = a.get_remote_statistics()
+            assert st.store_restarts == 1
+            assert (st.own_keys, st.own_bytes) == (before.own_keys, before.own_bytes) \
+                == (10, sum(stored.values()))

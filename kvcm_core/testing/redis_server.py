@@ -190,10 +190,18 @@ class RedisServer(_Servers):
         """Kill the server (SIGKILL)."""
         self.nodes[0].kill()
 
-    def restart(self) -> None:
-        """Start the server again on the same port, empty (after :meth:`kill`)."""
+    def restart(self, keep_data: bool = False) -> None:
+        """Start the server again on the same port (a new process, with a new
+        ``run_id``): empty, or with ``keep_data`` holding what it held (saved to an RDB
+        file first and loaded at start, as a server with persistence would)."""
+        extra = self._extra
+        if keep_data:
+            old = self.nodes[0]
+            if "OK" not in self.cli(self.port, "save"):
+                raise RuntimeError(f"redis-server on port {self.port} could not SAVE")
+            extra = [*extra, "--dir", str(old.dir)]  # later --dir wins: its dump.rdb
         self.nodes[0].kill()
-        self.nodes[0] = _Node(self._server, self._cli, self.port, self._workdir, self._extra)
+        self.nodes[0] = _Node(self._server, self._cli, self.port, self._workdir, extra)
         self.nodes[0].wait_ready(time.monotonic() + _START_TIMEOUT_S)
 
 

@@ -6,6 +6,8 @@ Every registered tier whose capabilities say ``keyed`` runs through
 
 - values come back byte for byte (any length from 1 byte to a few MiB, any bytes), in key
   order, ``None`` for keys that hold nothing; ``put_many`` overwrites;
+- ``put_many`` reads its values only until it returns: the caller may then overwrite or
+  free them (the tier keeps no view of them);
 - a second instance built from the same options sees what the first stored (the store is
   shared), and ``delete_many`` counts only keys that held a value;
 - every call returns by its deadline (plus a small scheduling allowance), with a result
@@ -29,6 +31,9 @@ the reason, where the program is missing). A tier for another store overrides
 
 from __future__ import annotations
 
+import gc
+import itertools
+import mmap
 import os
 import time
 import uuid
@@ -149,6 +154,33 @@ class KeyedTierConformance(ConformanceBase):
         tier.put_many([k], [b"first"], deadline=_deadline())
         tier.put_many([k], [memoryview(b"xxsecondxx")[2:8]], deadline=_deadline())
         assert tier.get_many([k], deadline=_deadline()) == [b"second"]
+
+    def test_put_reads_its_values_only_until_it_returns(self, tier: KeyedTier) -> None:
+        """Once ``put_many`` returns the caller may overwrite or free its values (here
+        memoryviews of an anonymous mapping, which cannot be unmapped while any view of
+        it lives): what reads back is what they held at the call."""
+        keys = self._keys(3)
+        sizes = [5, 3000, 70 << 10]  # inside a command's header and sent as buffers of
+        rng = np.random.default_rng(18)  # their own
+        want = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+        memory = mmap.mmap(-1, sum(sizes))
+        memory[:] = b"".join(want)
+        whole = memoryview(memory)
+        bounds = np.cumsum([0, *sizes]).tolist()
+        values = [whole[lo:hi] for lo, hi in itertools.pairwise(bounds)]
+        assert tier.put_many(keys, values, deadline=_deadline()).all()
+        memory[:] = b"\xa5" * len(memory)  # the caller reuses its buffer at once
+        assert tier.get_many(keys, deadline=_deadline()) == want
+        for view in values:
+            view.release()
+        whole.release()
+        del values
+        gc.collect()
+        try:
+            memory.close()  # BufferError while the tier keeps any view of the values
+        except BufferError:
+            pytest.fail("the tier still holds a view of the values after put_many returned")
+        assert tier.get_many(keys, deadline=_deadline()) == want
 
     def test_delete_counts_only_keys_that_held_a_value(self, tier: KeyedTier) -> None:
         keys = self._keys(3)

@@ -32,6 +32,9 @@ signatures in :mod:`kvcm_core.tier`:
   slots' blobs, and a persistent blob pool reads back after a reopen;
 - ``StoragePool.read_nowait`` either fills every row exactly as ``read`` would and returns
   True, or returns False; it never raises (bad arguments and closed pools decline);
+- ``StoragePool.write(slots, source)`` reads ``source`` only until its handle is done: the
+  caller may then overwrite or free it, and what reads back is what it held at the write
+  (the tier keeps no reference or view of it);
 - ``StoragePool.write_behind`` returns None, or a handle that finishes with no error and
   after which every row reads back (the caller may reuse its rows at once); it refuses a
   slot out of range with ``ValueError``.
@@ -51,10 +54,13 @@ check stored bytes through a path of your own (reading the file directly, for in
 from __future__ import annotations
 
 import errno
+import gc
 import itertools
+import mmap
 import os
 import stat
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -368,6 +374,56 @@ class TierConformance(ConformanceBase):
                 pool.write_behind(np.array([pool.num_slots]), rows[:1])
         finally:
             pool.close()
+
+    # -- the source rows of a write ---------------------------------------------------------
+
+    def test_write_reads_its_source_only_until_its_handle_is_done(self, tier: Tier) -> None:
+        """Once a write's handle is done the caller may overwrite ``source``: what reads
+        back is what ``source`` held at the write, never what it holds later."""
+        pool = self.new_pool(tier, 257, 6)
+        if not isinstance(pool, StoragePool):
+            pytest.skip("device-accessible pools are written by kernels, not from host rows")
+        rows = _random_rows(14, 4, 257)
+        slots = np.array([4, 0, 5, 2])
+        source = rows.copy()
+        pool.write(slots, source).wait()
+        source[:] = 0xA5  # the caller reuses its rows at once
+        source[1:3] = _random_rows(15, 2, 257)
+        self.check_stored(pool, slots, rows)
+        # once more after a rewrite of one slot from a source reused the same way
+        again = _random_rows(16, 1, 257)
+        source = again.copy()
+        pool.write(np.array([0]), source).wait()
+        source[:] = 0x5A
+        expected = rows.copy()
+        expected[1] = again[0]
+        self.check_stored(pool, slots, expected)
+
+    def test_write_keeps_no_hold_on_its_source_after_its_handle_is_done(
+        self, tier: Tier
+    ) -> None:
+        """After a write's handle is done the tier neither needs nor holds ``source``: its
+        memory can be freed (here an anonymous mapping that cannot be unmapped while any
+        view of it lives) and the rows still read back."""
+        pool = self.new_pool(tier, 300, 5)
+        if not isinstance(pool, StoragePool):
+            pytest.skip("device-accessible pools are written by kernels, not from host rows")
+        rows = _random_rows(17, 3, 300)
+        slots = np.array([1, 4, 3])
+        memory = mmap.mmap(-1, rows.size)
+        source = np.frombuffer(memory, dtype=np.uint8).reshape(rows.shape)
+        source[...] = rows
+        watch = weakref.ref(source)
+        pool.write(slots, source).wait()
+        del source
+        gc.collect()
+        assert watch() is None, "the tier still holds the source array after its write is done"
+        try:
+            memory.close()  # BufferError while the tier keeps any view of these rows
+        except BufferError:
+            pytest.fail("the tier still holds a view of the source rows after its write "
+                        "is done (the caller may free them)")
+        self.check_stored(pool, slots, rows)
 
     def test_rewriting_a_slot_replaces_its_bytes_only(self, tier: Tier) -> None:
         pool = self.new_pool(tier, 333, 4)

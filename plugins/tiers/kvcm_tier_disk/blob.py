@@ -24,6 +24,15 @@ append cut short is cut off the file again (nothing past a segment's recorded en
 survives); each slot of a failed write holds its old blob, nothing (a write that had to
 compact for its quota lets an old blob go with its segment), or its new blob when only the
 compaction after the write failed.
+
+When the torn bytes cannot be cut off (``ftruncate`` fails: EIO, ENOSPC, EPERM...), the
+segment is **sealed**: its valid length is written into its header (``valid end``, a u64 at
+byte 24; 0 in a segment never sealed), it is never appended to again, and the next write
+starts a new segment; a reopen reads a sealed segment only up to its valid end, so the torn
+records are never read back. If the header cannot be written either, the segment stays
+*torn* in memory and the pool refuses every write (``TierIOError``, nothing appended) until
+a retry of the truncate or of the seal, made at each later write and at ``close``,
+succeeds; reads go on meanwhile. Nothing already stored is lost either way.
 """
 
 from __future__ import annotations
@@ -49,6 +58,8 @@ SEGMENT_HEADER_BYTES = 64
 _SEG_MAGIC = b"KVCMSEGS"
 _SEG_VERSION = 1
 _SEG_HEADER = struct.Struct("<8sIIQ")  # magic, version, header bytes, slot bytes
+_SEAL = struct.Struct("<Q")  # at _SEAL_AT: a sealed segment's valid end (0: not sealed)
+_SEAL_AT = _SEG_HEADER.size
 _RECORD = struct.Struct("<II")  # slot, blob length
 _TOMBSTONE = 0xFFFFFFFF  # a record length: the slot holds nothing from here on
 
@@ -79,6 +90,10 @@ class BlobDiskPool(BlobPool):
         self._off = np.zeros(num_slots, dtype=np.int64)
         self._len = np.zeros(num_slots, dtype=np.int64)
         self._tombs: dict[int, set[int]] = {}  # segment id -> slots with a tombstone in it
+        self._sealed: set[int] = set()  # segments whose header marks a valid end: never
+        # appended to again
+        self._torn: dict[int, int] = {}  # segments with bytes past this valid end, neither
+        # cut off nor sealed yet (the pool takes no writes until they are)
         self._active = 0
         self._closed = False
         beyond: set[int] = set()  # slots past num_slots whose last record holds a blob
@@ -140,18 +155,23 @@ class BlobDiskPool(BlobPool):
             self._drop_segment(seg)
             return
         magic, version, header_bytes, slot_bytes = _SEG_HEADER.unpack_from(raw)
+        (valid_end,) = _SEAL.unpack_from(raw, _SEAL_AT)
         if magic != _SEG_MAGIC or version != _SEG_VERSION or header_bytes != \
                 SEGMENT_HEADER_BYTES:
             raise TierIOError(f"{self._label}: {self._seg_name(seg)} is not a kvcm segment")
         if slot_bytes != self.slot_bytes:
             raise ValueError(f"slot_bytes={self.slot_bytes}: {self._label} exists with "
                              f"slots of {slot_bytes} bytes; reopen it with the same slot size")
+        end = len(raw)
+        if valid_end:  # sealed after a failed append: what lies past its end is torn
+            end = min(end, max(valid_end, SEGMENT_HEADER_BYTES))
+            self._sealed.add(seg)
         at = SEGMENT_HEADER_BYTES
-        while at + _RECORD.size <= len(raw):
+        while at + _RECORD.size <= end:
             slot, length = _RECORD.unpack_from(raw, at)
             at += _RECORD.size
             dead = length == _TOMBSTONE
-            if not dead and at + length > len(raw):
+            if not dead and at + length > end:
                 break  # cut short: the file was truncated
             if dead:
                 self._tombs.setdefault(seg, set()).add(slot)
@@ -239,6 +259,7 @@ class BlobDiskPool(BlobPool):
         if quota and self.stored_bytes + total > self.num_slots * self.slot_bytes:
             raise TierIOError(f"{self._label}: {total} bytes do not fit its quota of "
                               f"{self.num_slots * self.slot_bytes} stored bytes")
+        self._writable()
         seg = self._active
         at = self._size[seg]
         parts, places = [], []
@@ -256,9 +277,10 @@ class BlobDiskPool(BlobPool):
                 self._new_segment()
 
     def _write_at_end(self, data: bytes) -> None:
-        """Append ``data`` to the active segment. A short or failed write is cut off the
-        file again, so no record of it survives past the segment's recorded end (the next
-        write lands there; a reopen would read on through what is left)."""
+        """Append ``data`` to the active segment (made writable by :meth:`_writable`
+        first). A short or failed write is cut off the file again, so no record of it
+        survives past the segment's recorded end (the next write lands there); when it
+        cannot be cut off, the segment is sealed at that end (:meth:`_mend`)."""
         seg = self._active
         fd, end = self._fds[seg], self._size[seg]
         try:
@@ -266,15 +288,51 @@ class BlobDiskPool(BlobPool):
             if done != len(data):
                 raise TierIOError(f"{self._label}: short write: {done} of {len(data)} bytes")
         except OSError:
-            try:
-                os.ftruncate(fd, end)
-            except OSError:  # cannot cut it: write on in a fresh segment
-                self._new_segment()
+            self._torn[seg] = end
+            self._mend(seg)
             raise
         self._size[seg] = end + len(data)
 
+    def _mend(self, seg: int) -> bool:
+        """Make the torn segment ``seg`` consistent on disk: cut its torn bytes off (it
+        may then be appended to again), or else seal it, writing its valid end into its
+        header (a reopen reads no further, and it is never appended to again). True when
+        either worked (it is no longer torn)."""
+        end = self._torn[seg]
+        fd = self._fds[seg]
+        try:
+            os.ftruncate(fd, end)
+        except OSError:
+            try:
+                if os.pwrite(fd, _SEAL.pack(end), _SEAL_AT) != _SEAL.size:
+                    return False
+            except OSError:
+                return False
+            self._sealed.add(seg)
+        del self._torn[seg]
+        return True
+
+    def _writable(self) -> None:
+        """Make the active segment one that may be appended to: retry sealing torn
+        segments (refusing the write while one stays torn), and start a new segment in
+        place of a sealed one.
+
+        Raises:
+            TierIOError: a torn segment can still be neither cut off nor sealed.
+            OSError: the new segment cannot be made.
+        """
+        for seg in list(self._torn):
+            if not self._mend(seg):
+                raise TierIOError(
+                    f"{self._label}: {self._seg_name(seg)} holds the torn bytes of a failed "
+                    f"append past byte {self._torn[seg]} that can be neither cut off nor "
+                    "marked in its header; no writes until one of them works")
+        if self._active in self._sealed or self._active in self._torn:
+            self._new_segment()
+
     def _write_tombstones(self, slots: list[int]) -> None:
         """Append a tombstone for each of ``slots`` to the active segment."""
+        self._writable()
         self._write_at_end(b"".join(_RECORD.pack(s, _TOMBSTONE) for s in slots))
         self._tombs.setdefault(self._active, set()).update(slots)
 
@@ -342,8 +400,9 @@ class BlobDiskPool(BlobPool):
     def _drop_segment(self, seg: int) -> None:
         fd = self._fds.pop(seg)
         os.close(fd)
-        for table in (self._size, self._stored, self._live, self._tombs):
+        for table in (self._size, self._stored, self._live, self._tombs, self._torn):
             table.pop(seg, None)
+        self._sealed.discard(seg)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._seg_name(seg), dir_fd=self._tier._live_dir_fd())
 
@@ -386,6 +445,8 @@ class BlobDiskPool(BlobPool):
         if self._closed:
             return
         self._closed = True
+        for seg in list(self._torn):  # a last try, so a reopen reads no torn record
+            self._mend(seg)
         for seg in list(self._fds):
             if self.name:
                 os.close(self._fds.pop(seg))

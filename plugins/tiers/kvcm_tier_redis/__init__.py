@@ -20,6 +20,12 @@ interpreted here (no pickle): values are returned as bytes, and the core verifie
 Capacity is the store's: run Redis with ``maxmemory`` and an LRU policy (``allkeys-lru``);
 what Redis evicts is simply not found later.
 
+Restarts: every connection the tier opens (plain, through the client package, to each
+cluster node) asks the server for ``INFO server`` and records its ``run_id`` by address;
+:meth:`RedisTier.store_instances` returns them. A server restarted (empty, or reloaded from
+its persistence) has a new ``run_id``, which tells the core to check the keys it counts as
+its own against the store (docs/remote.md, "Restarts").
+
 Options:
     url: ``redis://[user:password@]host:port/db`` or ``rediss://...`` (TLS). Required.
     cluster: the URL names a node of a Redis Cluster (bool, default false).
@@ -118,6 +124,15 @@ def _pack(commands: list[list[Any]]) -> bytes:
     return b"".join(_parts(commands))
 
 
+def _run_id(info: object) -> str | None:
+    """The ``run_id`` in the reply of ``INFO server`` (None if there is none)."""
+    if isinstance(info, bytes | bytearray):
+        for line in bytes(info).splitlines():
+            if line.startswith(b"run_id:"):
+                return line[7:].strip().decode("ascii", "replace") or None
+    return None
+
+
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
     out = list(keys)
     for i, k in enumerate(out):
@@ -181,6 +196,9 @@ class _Plain:
                 for _ in hello:
                     if self._reply() is None:
                         raise error("the server refused AUTH or SELECT")
+            # which server process this is (None where INFO is refused, e.g. by an ACL)
+            sock.sendall(_pack([[b"INFO", b"server"]]))
+            self.run_id = _run_id(self._reply())
         except BaseException:
             sock.close()
             raise
@@ -308,6 +326,7 @@ class RedisTier(KeyedTier):
         self._raw_url = None if self._opts["cluster"] or "connection_class" in parsed \
             or "path" in parsed else parsed
         self._nodes: list[tuple[str, int]] = []  # cluster nodes seen (to reconnect through)
+        self._instances: dict[str, str] = {}  # server address -> its run_id, last seen
         self._lock = threading.Lock()  # guards _client between the caller and the I/O thread
         self._io = cf.ThreadPoolExecutor(1, thread_name_prefix="kvcm-redis")
         self._closed = False
@@ -330,7 +349,8 @@ class RedisTier(KeyedTier):
         # No retries inside the client: the caller's deadline decides, and the core treats
         # what cannot be read in time as lost.
         kw: dict[str, Any] = {"socket_connect_timeout": o["connect_timeout_s"],
-                              "retry": Retry(NoBackoff(), 0)}
+                              "retry": Retry(NoBackoff(), 0),
+                              "redis_connect_func": self._on_connect}
         if not o["cluster"]:
             client = r.Redis.from_url(o["url"], **kw)
         elif not nodes:
@@ -352,6 +372,29 @@ class RedisTier(KeyedTier):
         client.close()
         return other
 
+    def _on_connect(self, conn: Any) -> None:
+        """Each new connection of the client package: its usual set-up (a cluster client
+        has made it already), then the server's ``run_id``."""
+        if not self._opts["cluster"]:
+            conn.on_connect()
+        try:
+            conn.send_command("INFO", "server")
+            info = conn.read_response()
+        except self._redis.ResponseError:  # INFO refused: the tier cannot tell
+            return
+        where = f"{getattr(conn, 'host', '')}:{getattr(conn, 'port', '')}"
+        self._saw(getattr(conn, "path", None) or where, _run_id(info))
+
+    def _saw(self, where: str, run_id: str | None) -> None:
+        if run_id is not None:
+            with self._lock:
+                self._instances[where] = run_id
+
+    def store_instances(self) -> dict[str, str]:
+        """Each server address reached -> the ``run_id`` of the server last found there."""
+        with self._lock:
+            return dict(self._instances)
+
     def _plain_connection(self) -> _Plain:
         with self._lock:
             if self._plain is not None and not self._plain.stale():
@@ -359,8 +402,11 @@ class RedisTier(KeyedTier):
             stale, self._plain = self._plain, None
         if stale is not None:
             stale.close()
-        plain = _Plain(self._raw_url, self._opts["connect_timeout_s"],  # type: ignore[arg-type]
+        url = self._raw_url
+        plain = _Plain(url, self._opts["connect_timeout_s"],  # type: ignore[arg-type]
                        self._redis.ConnectionError)
+        self._saw(f"{url.get('host', 'localhost')}:{url.get('port', 6379)}",  # type: ignore[union-attr]
+                  plain.run_id)
         with self._lock:
             if self._plain is None:
                 self._plain = plain
