@@ -41,7 +41,7 @@ from kvcm_core.eviction import check_priority
 from kvcm_core.matching import Match
 from kvcm_core.radix import check_token_array, encode_tokens, scope_root_key
 from kvcm_core.stats import RequestStats
-from kvcm_core.tokens import TokenLog
+from kvcm_core.tokens import TokenLog, encode_token_ids
 from kvcm_core.types import ReusePolicy, ReuseScope
 
 __all__ = ["CacheStatus", "KVCache", "ReuseStatus"]
@@ -396,7 +396,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         elif len(tokens) == 1 and type(tokens[0]) is int and -_I32 <= tokens[0] < _I32:
             short = True  # the decode step
         elif len(tokens) > 4 or not all(type(t) is int and -_I32 <= t < _I32 for t in tokens):
-            encode_tokens(tokens)
+            encode_token_ids(tokens)
         else:
             short = True
         known = self._tokens.n

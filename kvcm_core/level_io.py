@@ -106,11 +106,27 @@ class WriteQueueFull(IODeadlineError):
 class IOStats:
     """What a level's I/O thread saw (counters only grow).
 
+    Three counters tell apart what a deadline cost; each operation is in at most one:
+
+    - ``read_misses`` / ``write_misses``: reads and writes a caller waited for and that
+      ran past their deadline (a read's blocks lost, a write's blocks not cached there);
+    - ``background_misses``: background writes (nobody waits for them) not done within
+      the deadline of their being queued (counted from the thread's wake-up);
+    - ``fast_fails``: operations not attempted at all, refused at once because the level
+      was stuck (reads, writes, background writes and resizes alike).
+
     Attributes:
         operations: operations run on the thread.
-        write_misses: writes past their deadline (the blocks were dropped).
-        read_misses: reads past their deadline (the blocks were lost).
-        fast_fails: operations refused at once because the level was stuck.
+        write_misses: writes a caller waited for past their deadline (the blocks were
+            dropped); not those refused at once (``fast_fails``).
+        read_misses: reads a caller waited for past their deadline (the blocks were lost);
+            not those refused at once (``fast_fails``).
+        background_misses: background writes past their deadline, counted once each:
+            when the level's thread finishes one late, or when one still unfinished is
+            seen past it (a write on the tier's own threads is counted only so: when the
+            level looks at it for an operation, or a full queue waits for it).
+        fast_fails: operations refused at once because the level was stuck (counted in
+            no miss).
         background_failures: background writes that failed (their slots marked bad).
         bad_reads: reads refused because a slot's background write had failed.
         queue_full_drops: writes of droppable pages not attempted because the background
@@ -124,14 +140,15 @@ class IOStats:
         held_reads: reads served from the rows of held writes.
     """
 
-    __slots__ = ("background_failures", "bad_reads", "direct_reads", "direct_writes",
-                 "fast_fails", "held_reads", "held_writes", "operations", "queue_full_drops",
-                 "read_misses", "write_misses")
+    __slots__ = ("background_failures", "background_misses", "bad_reads", "direct_reads",
+                 "direct_writes", "fast_fails", "held_reads", "held_writes", "operations",
+                 "queue_full_drops", "read_misses", "write_misses")
 
     def __init__(self) -> None:
         self.operations = 0
         self.write_misses = 0
         self.read_misses = 0
+        self.background_misses = 0
         self.fast_fails = 0
         self.background_failures = 0
         self.bad_reads = 0
@@ -164,8 +181,8 @@ class _Finished:
 
 
 class _Job:
-    __slots__ = ("after", "done", "error", "fn", "handle", "kind", "rows", "seq", "submitted",
-                 "target", "what")
+    __slots__ = ("after", "done", "error", "fn", "handle", "kind", "missed", "rows", "seq",
+                 "submitted", "target", "what")
 
     def __init__(self, fn: Callable[[], None], what: str, kind: str,
                  handle: WriteBehind | None = None) -> None:
@@ -187,6 +204,8 @@ class _Job:
         self.handle = handle
         self.seq = -1
         self.after = 0
+        #: A background write counted in ``IOStats.background_misses`` (once).
+        self.missed = False
 
 
 def _no_op() -> None:
@@ -319,6 +338,11 @@ class LevelIO:
                 self._running = None
                 self._batch = []
                 self.stats.operations += len(batch)
+                if job.kind == "bg-write" and self.deadline_s is not None:
+                    now = time.monotonic()
+                    for done in batch:
+                        if now - done.submitted > self.deadline_s:
+                            self._background_missed(done)
                 for done in batch:
                     if done in self._late:
                         self._late.remove(done)
@@ -377,12 +401,25 @@ class LevelIO:
                     if took <= self.deadline_s:
                         break
                     if not self._native_done(job):
+                        self._background_missed(job)
                         return f"{job.what} (on the tier's threads {took:.1f} s)"
             job = self._running
             if job is None or self.deadline_s is None:
                 return None
             took = time.monotonic() - self._started
-            return f"{job.what} (running {took:.1f} s)" if took > self.deadline_s else None
+            if took <= self.deadline_s:
+                return None
+            if job.kind == "bg-write":  # nobody waits for it: counted here
+                for late in self._batch:
+                    self._background_missed(late)
+            return f"{job.what} (running {took:.1f} s)"
+
+    def _background_missed(self, job: _Job) -> None:
+        """(Holding ``_cv``.) The background write ``job`` ran past its deadline: counted
+        in ``stats.background_misses``, once."""
+        if not job.missed:
+            job.missed = True
+            self.stats.background_misses += 1
 
     def _submit(self, job: _Job, wake: bool = True) -> None:
         """Queue ``job``; ``wake`` False leaves an idle thread asleep (a background write
@@ -453,11 +490,7 @@ class LevelIO:
         on = self.stuck()
         if on is None:
             return
-        self.stats.fast_fails += 1
-        if kind == "read":
-            self.stats.read_misses += 1
-        elif kind == "write":
-            self.stats.write_misses += 1
+        self.stats.fast_fails += 1  # (not attempted: in no miss)
         raise IODeadlineError(f"level {self.level}: {what} not attempted: the level's I/O "
                               f"thread is stuck on {on}", attempted=False)
 
@@ -538,8 +571,10 @@ class LevelIO:
             left = oldest.submitted + (self.deadline_s or 0) - time.monotonic()
             if not self._wait(oldest, max(0.0, left)):
                 with self._lock:
-                    if not oldest.done.is_set() and oldest not in self._late:
-                        self._late.append(oldest)
+                    if not oldest.done.is_set():
+                        self._background_missed(oldest)
+                        if oldest not in self._late:
+                            self._late.append(oldest)
                 self._fast_fail(what, "write")
             self._reap()
         if hold:

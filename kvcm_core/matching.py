@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
-from kvcm_core.radix import NO_NODE, PrefixTree, encode_tokens, extend_keys
+from kvcm_core.radix import NO_NODE, PrefixTree, extend_keys
+from kvcm_core.tokens import encode_token_ids
 from kvcm_core.types import ReusePolicy
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ def token_array(tokens: Sequence[Any] | np.ndarray) -> np.ndarray | None:
     """Tokens as an int32 array, or None when they hold multimodal digests."""
     if isinstance(tokens, np.ndarray) and tokens.dtype == np.int32:
         return tokens
-    data, mm = encode_tokens(tokens)
+    data, mm = encode_token_ids(tokens)
     if mm:
         return None
     return np.frombuffer(data, dtype="<i4")
@@ -97,7 +98,7 @@ def match_prefix(
     # encoded at once (a list is then not sliced: slicing copies it). The first chunk is
     # encoded even when nothing is cached, so bad tokens fail early.
     chunk = _ARRAY_CHUNK if isinstance(tokens, np.ndarray) else _CHUNK
-    data, mm = encode_tokens(tokens if n <= 2 * chunk * tpb else tokens[: chunk * tpb])
+    data, mm = encode_token_ids(tokens if n <= 2 * chunk * tpb else tokens[: chunk * tpb])
     root = tree.index.get(root_key)
     if root is None:
         return Match(0, _EMPTY, [])
@@ -293,7 +294,7 @@ def _gallop(index: dict[bytes, int], h: Any, tokens: Sequence[Any] | np.ndarray,
         else:
             if lo >= nfull:
                 return _DONE, lo, nid, h
-            data, mm = encode_tokens(tokens[lo * tpb : min(nfull, lo + chunk) * tpb])
+            data, mm = encode_token_ids(tokens[lo * tpb : min(nfull, lo + chunk) * tpb], lo * tpb)
             if mm:
                 return _MM, lo, nid, h
             chunks.append(data)

@@ -59,9 +59,10 @@ from kvcm_core.errors import ConfigError, CorruptPageError, OutOfPagesError, Tie
 from kvcm_core.frame import FRAME_MAGIC, FRAME_OVERHEAD, FRAME_VERSION, HEADER, layout_fingerprint
 from kvcm_core.matching import Match
 from kvcm_core.migration import Mover
-from kvcm_core.radix import KEY_HASH, encode_tokens, extend_keys, key_cursor
+from kvcm_core.radix import KEY_HASH, extend_keys, key_cursor
 from kvcm_core.records import CodecKind
 from kvcm_core.tier import DevicePool, KeyedTier
+from kvcm_core.tokens import encode_token_ids
 
 if TYPE_CHECKING:
     from kvcm_core.levels import Levels
@@ -441,7 +442,7 @@ class RemoteLevel:
         if b0 >= nfull:
             return None
         b1 = min(nfull, b0 + self.options.max_blocks)
-        data, mm = encode_tokens(tokens[b0 * tpb : b1 * tpb])
+        data, mm = encode_token_ids(tokens[b0 * tpb : b1 * tpb], b0 * tpb)
         if mm:  # multimodal prompts stay local (their blocks carry digests)
             return None
         # The local match ended before the prompt's last full block, so its walk hashed

@@ -27,7 +27,9 @@ Four kinds of fault, each armed per step at its rate:
   refuses I/O at once until the sleeper returns; no step waits longer than about one
   deadline (``slowest step`` in the summary). The summary gives the operations that ran
   past the deadline (``deadline misses``) apart from those refused at once while the level
-  was stuck (``refused at once while stuck``, the level's ``fast_fails``).
+  was stuck (``refused at once while stuck``, the level's ``fast_fails``), and, with
+  ``--write-queue-depth``, the background writes that ran past it (the level's
+  ``background_misses``).
 
 None may ever produce wrong KV.
 
@@ -158,11 +160,13 @@ class SoakResult:
     faults: int = 0
     faults_by_kind: dict[str, int] = attrs.field(factory=lambda: dict.fromkeys(_KINDS, 0))
     #: Disk reads and writes that ran past the I/O deadline (the blocks dropped or lost):
-    #: the level's ``read_misses + write_misses`` less its ``fast_fails``.
+    #: the level's ``read_misses + write_misses``.
     deadline_misses: int = 0
+    #: Background disk writes that ran past the deadline (the level's
+    #: ``background_misses``; none without ``write_queue_depth``).
+    background_misses: int = 0
     #: Disk operations refused at once, never attempted, while the level was stuck on one
-    #: past its deadline (the level's ``fast_fails``), and the quota resizes among them
-    #: (which the level counts in no read or write miss).
+    #: past its deadline (the level's ``fast_fails``), and the quota resizes among them.
     refused_while_stuck: int = 0
     resizes_refused_while_stuck: int = 0
     corrupt_pages: int = 0
@@ -202,6 +206,7 @@ class SoakResult:
             f"faults injected {self.faults} ({kinds})",
             f"disk I/O: deadline misses {self.deadline_misses} (ran past it), "
             f"refused at once while stuck {self.refused_while_stuck}",
+            f"disk background writes past the deadline {self.background_misses}",
             f"corrupt pages caught {self.corrupt_pages}, recomputes {self.recomputes}, "
             f"probes {self.probes}, quota resizes {self.resizes}",
             f"wrong KV {self.wrong_kv}, invariant breaches {self.invariant_breaches}",
@@ -368,13 +373,11 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
                 kind = _kind(line)
                 result.faults_by_kind[kind] = result.faults_by_kind.get(kind, 0) + 1
             io = m.storage_levels.io[2]
-            if io is not None:
-                # level_io counts a read or write refused at once as a miss too (and in
-                # fast_fails): the soak reports them apart.
+            if io is not None:  # (a refusal at once is in fast_fails only, in no miss)
                 st = io.stats
                 result.refused_while_stuck = st.fast_fails
-                rw_refused = st.fast_fails - result.resizes_refused_while_stuck
-                result.deadline_misses = st.read_misses + st.write_misses - rw_refused
+                result.deadline_misses = st.read_misses + st.write_misses
+                result.background_misses = st.background_misses
             result.corrupt_pages = m.storage_levels.stats.corrupt_pages
             result.recomputes = loop.lost_resumes
 
@@ -424,9 +427,9 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
 
 
 def _count_refused_resizes(m: KVCacheManager, result: SoakResult) -> None:
-    """Count the disk level's quota resizes refused at once while it was stuck: its
-    ``fast_fails`` count them with the refused reads and writes, but its read and write
-    misses do not (wraps the level's ``call`` on the instance)."""
+    """Count the disk level's quota resizes refused at once while it was stuck (its
+    ``fast_fails`` count them with the refused reads and writes; wraps the level's
+    ``call`` on the instance)."""
     io = m.storage_levels.io[2]
     if io is None:
         return

@@ -91,6 +91,69 @@ def test_a_list_of_float_tokens_is_a_type_error_naming_the_token() -> None:
         m.probe_reuse(None, [1, 2.0, 3])
 
 
+def _with_bool(n: int, at: int) -> list:
+    """``n`` int tokens holding ints 0 and 1 (they stay valid) and a ``True`` at ``at``."""
+    toks = tokens(n)
+    toks[0], toks[-1] = 1, 0
+    toks[at] = True
+    return toks
+
+
+@pytest.mark.parametrize(("n", "at"), [(3, 1), (40, 37), (500, 317)],
+                         ids=["short", "long", "past-the-type-scan"])
+def test_a_list_holding_a_bool_token_is_a_type_error_naming_the_token(n, at) -> None:
+    m = make_manager(full_layers())
+    bad = _with_bool(n, at)
+    rule = rf"tokens: token {at}=True: a bool is not a token id"
+    with pytest.raises(ArgumentTypeError, match=rule):
+        m.probe_reuse(None, bad)
+    with pytest.raises(ArgumentTypeError, match=rule):
+        m.create_kv_cache(None, bad)
+    assert m.num_open_caches == 0
+    c = m.create_kv_cache(None, tokens(8))
+    assert c.resume() and c.resize(8 + n)
+    c.commit(tokens(8))
+    with pytest.raises(ArgumentTypeError, match=rule):
+        c.commit(bad)
+    assert c.history_length == 8 and c.num_committed_tokens == 8, "nothing was committed"
+    c.close()
+
+
+@pytest.mark.parametrize("bad", [[True], [False, False], [7, 8, 9, False]],
+                         ids=["decode-step", "two", "four"])
+def test_a_short_commit_of_bool_tokens_is_refused_like_a_long_one(bad) -> None:
+    m = make_manager(full_layers())
+    c = m.create_kv_cache(None, [])
+    assert c.resume() and c.resize(8)
+    with pytest.raises(ArgumentTypeError, match=r"=(True|False): a bool is not a token id"):
+        c.commit(bad)
+    assert c.history_length == 0
+    c.close()
+
+
+def test_a_bool_in_a_later_chunk_of_a_long_prompt_is_named_at_its_place_in_the_prompt() -> None:
+    m = make_manager(full_layers())
+    prompt = tokens(4096)
+    c = m.create_kv_cache(None, [])
+    assert c.resume() and c.resize(4096)
+    c.commit(prompt)  # cached: the walk encodes every chunk
+    c.close()
+    bad = [*prompt[:4000], True, *prompt[4001:]]
+    with pytest.raises(ArgumentTypeError, match="tokens: token 4000=True: a bool is not"):
+        m.create_kv_cache(None, bad)
+
+
+def test_token_ids_0_and_1_given_as_ints_are_still_taken() -> None:
+    m = make_manager(full_layers())
+    for n in (4, 40, 600):
+        toks = [t % 2 for t in range(n)]
+        c = m.create_kv_cache(None, [])
+        assert c.resume() and c.resize(n)
+        c.commit(toks)
+        c.close()
+        assert m.probe_reuse(None, toks) == n
+
+
 @pytest.mark.parametrize(("call", "error", "rule"), [
     (lambda m, c: m.probe_reuse("tenant", [1]), ArgumentTypeError, "scope='tenant'"),
     (lambda m, c: m.get_storage_statistics(7), InvalidArgumentError, "level=7"),

@@ -690,7 +690,7 @@ def test_level_io_past_its_deadline_refuses_at_once_until_the_late_call_returns(
     with pytest.raises(IODeadlineError, match=r"not attempted: .* stuck on read of 2") as info:
         io.call(lambda: ran.append(1), "write of 1 slots", "write")
     assert time.monotonic() - t0 < 0.04 and not info.value.attempted and not ran
-    assert io.stats.fast_fails == 1 and io.stats.write_misses == 1
+    assert io.stats.fast_fails == 1 and io.stats.write_misses == 0  # not attempted
     gate.set()
     assert io.wait_idle(2) and io.stuck() is None
     io.call(lambda: ran.append(1), "write of 1 slots", "write")   # recovered
@@ -737,3 +737,117 @@ def test_a_failed_background_write_marks_its_slots_until_they_are_written_again(
     io.call(lambda: io.check_readable(pool, slots), "read", "read")
     io.close([], time.monotonic() + 1)
 
+
+
+# -- what a deadline cost, counted apart ------------------------------------------------------
+
+
+def _slow_level(deadline: float, slow_s: float, depth: int = 8):
+    """A LevelIO over a fault-injecting in-memory tier: ``(io, pool, plan, tier)``."""
+    from kvcm_core.testing.faults import FaultyTier
+    from kvcm_core.testing.reference import DictTier
+
+    plan = FaultPlan(slow_s=slow_s)
+    tier = FaultyTier(DictTier(), plan)
+    io = LevelIO(2, deadline_s=deadline, write_queue_depth=depth)
+    return io, DeadlinePool(io, tier.create_pool(16, 8, name="p")), plan, tier
+
+
+def test_a_call_refused_at_once_is_a_fast_fail_and_in_no_read_or_write_miss():
+    io, pool, plan, tier = _slow_level(0.05, 0.5)
+    rows = np.ones((1, 16), dtype=np.uint8)
+    plan.slow_writes = {tier.writes + 1}
+    with pytest.raises(IODeadlineError, match="missed its"):
+        pool.write(np.array([0]), rows).wait()             # attempted, waited for: a miss
+    out = np.zeros((1, 16), dtype=np.uint8)
+    for _ in range(3):                                     # refused at once: fast fails
+        with pytest.raises(IODeadlineError, match="not attempted"):
+            pool.read(np.array([1]), out).wait()
+        with pytest.raises(IODeadlineError, match="not attempted"):
+            pool.write(np.array([1]), rows).wait()
+    st = io.stats
+    assert (st.write_misses, st.read_misses, st.fast_fails, st.background_misses) == \
+        (1, 0, 6, 0), st.as_dict()
+    assert io.wait_idle(2.0)
+    io.close([("pool", pool.close)], time.monotonic() + 1.0)
+
+
+def test_a_background_write_the_level_finishes_past_its_deadline_is_one_background_miss():
+    io, pool, plan, tier = _slow_level(0.1, 0.4)
+    rows = np.ones((1, 16), dtype=np.uint8)
+    with io.dropping(True):
+        pool.write(np.array([0]), rows).wait()             # on time
+        assert io.wait_idle(1.0)
+        plan.slow_writes = {tier.writes + 1}
+        pool.write(np.array([1]), rows).wait()             # returns at once; lands late
+    assert io.wait_idle(2.0)                               # nobody looked at it meanwhile
+    st = io.stats
+    assert st.background_misses == 1, st.as_dict()
+    assert st.write_misses == st.read_misses == st.fast_fails == 0
+    assert st.background_failures == 0                     # late, but written
+    io.close([("pool", pool.close)], time.monotonic() + 1.0)
+
+
+def test_a_background_write_seen_stuck_then_landing_late_is_counted_once():
+    io, pool, plan, tier = _slow_level(0.1, 0.5)
+    rows = np.ones((1, 16), dtype=np.uint8)
+    plan.slow_writes = {tier.writes + 1}
+    with io.dropping(True):
+        pool.write(np.array([1]), rows).wait()
+        io.wait_idle(0)                                    # wake the thread: it starts
+    time.sleep(0.25)
+    out = np.zeros((1, 16), dtype=np.uint8)
+    with pytest.raises(IODeadlineError, match="not attempted"):
+        pool.read(np.array([1]), out).wait()               # the level is stuck on it
+    assert io.stats.background_misses == 1                 # seen late: counted at once
+    assert io.wait_idle(2.0)
+    st = io.stats
+    assert (st.background_misses, st.fast_fails, st.read_misses, st.write_misses) == \
+        (1, 1, 0, 0), st.as_dict()
+    io.close([("pool", pool.close)], time.monotonic() + 1.0)
+
+
+def test_a_full_queue_waiting_in_vain_for_a_background_write_counts_it_as_a_background_miss():
+    """A write that must not be dropped finds the queue full and waits for the oldest
+    background write, which is stuck: that write is a background miss, the new one a fast
+    fail (not attempted), and no foreground miss is counted."""
+    io = LevelIO(3, 0.05, write_queue_depth=1)
+    pool = object()
+    gate = threading.Event()
+    io.background(gate.wait, "write of 2 slots", pool, np.array([4, 5]))
+    with pytest.raises(IODeadlineError, match="not attempted"):
+        io.background(lambda: None, "write of 1 slots", pool, np.array([6]))
+    st = io.stats
+    assert (st.background_misses, st.fast_fails, st.write_misses) == (1, 1, 0), st.as_dict()
+    gate.set()
+    assert io.wait_idle(1.0) and io.stats.background_misses == 1  # landing: not again
+    io.close([], time.monotonic() + 1)
+
+
+def test_a_write_queued_behind_a_slow_background_write_is_a_write_miss_and_it_a_background_one():
+    io, pool, plan, tier = _slow_level(0.05, 0.4)
+    rows = np.ones((1, 16), dtype=np.uint8)
+    plan.slow_writes = {tier.writes + 1}
+    with io.dropping(True):
+        pool.write(np.array([1]), rows).wait()             # background, slow
+    with pytest.raises(IODeadlineError, match="missed its"):
+        pool.write(np.array([2]), rows).wait()             # held pages: queued behind it
+    assert io.wait_idle(2.0)
+    st = io.stats
+    assert (st.write_misses, st.background_misses, st.fast_fails) == (1, 1, 0), st.as_dict()
+    io.close([("pool", pool.close)], time.monotonic() + 1.0)
+
+
+def test_a_manager_background_write_past_its_deadline_is_a_background_miss(build):
+    m, plan, tier = build([("gpu", 8), ("host", 4), ("faulty-disk", 40)], depth=4)
+    d = Driver(m)
+    s, r = _cascade(m, d)
+    plan.slow_writes = {tier.writes + 1}
+    d.write(r[2], chunk=16, suspend=False).close()         # R0 -> disk, in the background
+    io = m.storage_levels.io[2]
+    assert io.wait_idle(SLOW * 4)
+    st = io.stats.as_dict()
+    assert st["background_misses"] == 1 and st["write_misses"] == 0, st
+    assert st["fast_fails"] == 0 and st["background_failures"] == 0, st
+    _reuse_and_verify(d, r[0], 16, 1)                      # late, but written and intact
+    d.resume_and_verify(s)

@@ -249,6 +249,26 @@ def test_a_write_behind_past_the_deadline_makes_the_level_stuck_until_it_finishe
     io.close([("pool", pool.close)], time.monotonic() + 1.0)
 
 
+def test_a_write_behind_seen_past_its_deadline_is_one_background_miss_not_a_write_miss(tier):
+    inner = tier.create_pool(SB, 16)
+    hp = _HeldPool(inner)
+    io = LevelIO(2, deadline_s=0.05, write_queue_depth=8)
+    pool = DeadlinePool(io, hp)
+    _behind(io, pool, [9], seeded_rows(1, 18))
+    time.sleep(0.1)
+    out = np.zeros((1, SB), dtype=np.uint8)
+    for _ in range(2):  # refused at once, twice: each a fast fail, the write counted once
+        with pytest.raises(IODeadlineError, match="stuck"):
+            pool.read(np.array([0]), out).wait()
+    st = io.stats
+    assert (st.background_misses, st.fast_fails, st.read_misses, st.write_misses) == \
+        (1, 2, 0, 0), st.as_dict()
+    hp.go.set()
+    assert io.wait_idle(1.0) and io.stats.background_misses == 1
+    assert io.stats.direct_writes == 1  # late, but written
+    io.close([("pool", pool.close)], time.monotonic() + 1.0)
+
+
 def test_shutdown_lists_an_unfinished_write_behind_and_closes_the_pool_after_it(tier):
     inner = tier.create_pool(SB, 16)
     hp = _HeldPool(inner)

@@ -68,7 +68,8 @@ def test_report_counts_each_storage_levels_io_and_the_gpu_only_run_has_none(
     disk = [str(i) for i, lv in enumerate(rep["run"]["levels"]) if lv["tier"] == "disk"]
     assert disk and sorted(io) == disk  # the embedded default: one disk level
     assert {"operations", "direct_reads", "direct_writes", "queue_full_drops",
-            "read_misses", "write_misses"} <= io[disk[0]].keys()
+            "read_misses", "write_misses", "background_misses",
+            "fast_fails"} <= io[disk[0]].keys()
     assert rep["gpu_only"]["storage_io"] == {}
 
 
@@ -82,6 +83,7 @@ def test_a_run_that_reaches_the_disk_reports_its_reads_and_writes(tmp_path: Path
     # directly or from held rows
     assert stats["held_writes"] + stats["operations"] + stats["direct_writes"] > 0
     assert stats["read_misses"] == stats["write_misses"] == stats["bad_reads"] == 0
+    assert stats["background_misses"] == stats["fast_fails"] == 0
     assert run["bytes_moved"]["onboard_blocks"] > 0
     assert stats["direct_reads"] + stats["held_reads"] <= run["bytes_moved"]["onboard_blocks"]
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import random
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvcm_core.cli import main as kvcm
+from kvcm_core.frame import FRAME_OVERHEAD
 from kvcm_core.simulate.mooncake import (
     MODULUS,
     TRACE_BLOCK,
@@ -358,3 +360,69 @@ def test_lru_over_kvcm_blocks_evicts_a_chain_from_its_tail() -> None:
                                   infinite_hits(HAND, 64, rule="blocks"))
     with pytest.raises(ValueError, match="must divide 512"):
         lru_block_hits(HAND, 1024, 48)
+
+
+# -- kvcm bench trace --disk-tokens against the free disk space -------------------------------
+
+
+def test_bench_trace_refuses_a_disk_level_larger_than_the_free_space_up_front_exit_2(
+        trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcm_core.bench import trace as bench_trace
+
+    args = ["--disk-tokens", "6400000", "--limit", "5", "--reps", "1",
+            "--out", str(tmp_path / "r.json")]
+    need = 4096 + 6_400_000 // 64 * (64 + FRAME_OVERHEAD)  # header, then framed slots
+    seen: list[str] = []
+    real = bench_trace.shutil.disk_usage
+
+    def usage(path):  # type: ignore[no-untyped-def]
+        seen.append(str(path))
+        return real(path)._replace(free=need - 1)
+
+    def no_replay(*a, **k):  # type: ignore[no-untyped-def]
+        raise AssertionError("the replay ran: the disk level was not refused up front")
+
+    monkeypatch.setattr(bench_trace.shutil, "disk_usage", usage)
+    monkeypatch.setattr(bench_trace, "replay", no_replay)
+    assert kvcm(["bench", "trace", str(trace_file), *args]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"--disk-tokens 6400000: the disk level needs {need:,} bytes" in err
+    assert f"which has {need - 1:,} bytes free" in err
+    assert seen == [tempfile.gettempdir()]  # where the replay makes its disk directory
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_bench_trace_runs_a_disk_level_that_just_fits_the_free_space(
+        trace_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcm_core.bench import trace as bench_trace
+
+    need = 4096 + 100_000 // 64 * (64 + FRAME_OVERHEAD)
+    real = bench_trace.shutil.disk_usage
+    monkeypatch.setattr(bench_trace.shutil, "disk_usage",
+                        lambda path: real(path)._replace(free=need))
+    res = _bench(trace_file, tmp_path / "r.json", "--limit", "5", "--gpu-tokens", "3000",
+                 "--disk-tokens", "100000")["results"]
+    assert len(res["runs"][0]["reused_blocks_by_level"]) == 2
+
+
+def test_the_disk_space_bench_trace_asks_for_is_the_disk_tiers_file_size(
+        tmp_path: Path) -> None:
+    from kvcm_tier_disk import HEADER_BYTES
+
+    from kvcm_core.bench import trace as bench_trace
+    from kvcm_core.manager import KVCacheManager
+
+    assert bench_trace.DISK_HEADER_BYTES == HEADER_BYTES
+    for tokens in (6400, 64 * 777 + 5):
+        args = bench_trace._parser().parse_args(["x", "--gpu-tokens", "6400",
+                                                 "--disk-tokens", str(tokens)])
+        disk = tmp_path / f"d{tokens}"
+        disk.mkdir()
+        m = KVCacheManager(bench_trace.make_config(args, str(disk)))
+        try:
+            files = [p.stat().st_size for p in disk.rglob("*.kvcm")]
+        finally:
+            m.shutdown()
+        assert files == [bench_trace.disk_bytes_needed(args)], (tokens, files)

@@ -71,6 +71,9 @@ from kvcm_core.simulate.mooncake import (
 )
 
 PAGE_BYTES = 64
+#: Bytes before slot 0 of a disk tier's pool file (``kvcm_tier_disk.HEADER_BYTES``, named
+#: here: the core imports no plugin; a test checks that the two agree).
+DISK_HEADER_BYTES = 4096
 ns = time.perf_counter_ns
 
 
@@ -100,6 +103,28 @@ def make_config(args: argparse.Namespace, disk_path: str | None) -> KVCacheManag
         kernel_backend="numpy",
         enable_partial_reuse=not args.no_partial_reuse,
     )
+
+
+def disk_bytes_needed(args: argparse.Namespace) -> int:
+    """The bytes the disk level's file takes (0 without one): its header, then one slot
+    per block of ``--disk-tokens``, each a page and its frame. The disk tier reserves them
+    all when the manager is made (``posix_fallocate``)."""
+    if not args.disk_tokens:
+        return 0
+    return DISK_HEADER_BYTES + args.disk_tokens // args.block_size * (PAGE_BYTES +
+                                                                       FRAME_OVERHEAD)
+
+
+def check_disk_space(args: argparse.Namespace, free: int, where: str) -> None:
+    """Refuse (``_Usage``: exit status 2) a disk level larger than the ``free`` bytes of
+    ``where``, the directory its temporary directory is made in."""
+    need = disk_bytes_needed(args)
+    if need > free:
+        raise _Usage(f"--disk-tokens {args.disk_tokens}: the disk level needs {need:,} bytes "
+                     f"({args.disk_tokens // args.block_size:,} slots of "
+                     f"{PAGE_BYTES + FRAME_OVERHEAD} bytes and a {DISK_HEADER_BYTES}-byte "
+                     f"header) in {where}, which has {free:,} bytes free: lower "
+                     "--disk-tokens or point TMPDIR at a larger file system")
 
 
 def replay(args: argparse.Namespace, prompts: list[np.ndarray]) -> dict[str, Any]:
@@ -202,7 +227,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="add a host level holding this many tokens (0: none)")
     ap.add_argument("--disk-tokens", type=int, default=0,
                     help="add a disk level (in a temporary directory) holding this many "
-                         "tokens (0: none)")
+                         "tokens (0: none); refused up front when the file system of the "
+                         "temporary directory has less free space than it takes")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (fresh manager each)")
     ap.add_argument("--no-partial-reuse", action="store_true",
                     help="enable_partial_reuse=False: reuse full blocks only, as vLLM does")
@@ -285,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_with_quick(parser, argv, QUICK)
         _check(args)
+        if args.disk_tokens:  # (the replay's disk level lives in a temporary directory)
+            where = tempfile.gettempdir()
+            check_disk_space(args, shutil.disk_usage(where).free, where)
         records = read_trace(args.trace, args.limit)
         prompts = [prompt_tokens(r) for r in records]  # not timed
         make_config(args, "unused")  # configuration errors before any work
