@@ -620,3 +620,177 @@ def test_after_a_restart_that_kept_the_store_its_own_keys_are_still_counted() ->
             assert st.store_restarts == 1
             assert (st.own_keys, st.own_bytes) == (before.own_keys, before.own_bytes) \
                 == (10, sum(stored.values()))
+
+
+# -- ordering: the shared level's own copies wait for the levels' issued copies -------------
+#
+# The remote level copies with a Mover of its own, which does not know the fences of the
+# levels' asynchronous moves (kvcm_core/fences.py): before it writes pulled pages into
+# local slots, or reads committed pages out of GPU slots, the host waits for the issued
+# copies that last touched those slots. On the deferred test backend a queued copy runs
+# only when something needs its result, so a missing wait shows up as wrong KV every time.
+
+BLOCK = 2 * 256  # bytes of one block of config()'s model (two layers of 256 bytes)
+
+
+def _deferred(url: str, gpu: int, host: int) -> KVCacheManager:
+    """A manager on the deferred backend with ``gpu`` and ``host`` blocks of local levels
+    and the redis level at ``url``."""
+    from deferred_backend import deferred_plugin_manager
+
+    cfg = config(url).to_dict()
+    cfg["kernel_backend"] = "deferred"
+    cfg["max_util_for_resume"] = 1.0
+    cfg["levels"][0]["quota"] = gpu * BLOCK
+    cfg["levels"][1]["quota"] = host * BLOCK
+    return KVCacheManager(KVCacheManagerConfig.from_dict(cfg),
+                          plugin_manager=deferred_plugin_manager())
+
+
+def _tokens(seed: int, blocks: int = 4) -> list[int]:
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, 50_000, blocks * TPB).tolist()
+
+
+def _write_remote(url: str, prompt: list[int]) -> None:
+    """A first manager (numpy) serves ``prompt``: its full blocks are on the server."""
+    with KVCacheManager(config(url)) as writer:
+        serve(writer, prompt)
+        assert writer.flush_remote(10.0)
+
+
+def _slots(m: KVCacheManager, cache) -> tuple[set[int], set[int]]:
+    """``(levels, slots)`` of a cache's pages."""
+    import numpy as np
+
+    a = m.storage_levels.arena
+    pages = np.asarray(cache._all_pages(), dtype=np.int64)
+    return set(a.level[pages].tolist()), set(a.slot[pages].tolist())
+
+
+def _in_flight(m: KVCacheManager, store, slots) -> bool:
+    """Whether an issued copy that last touched one of ``store``'s ``slots`` is still
+    queued (the race each test below sets up)."""
+    fences = m.storage_levels.mover.fences
+    seqs = {int(fences.of(store)[s]) for s in slots}
+    return any(seq in fences.events and not fences.events[seq][1].query() for seq in seqs)
+
+
+def test_a_pull_into_host_slots_an_issued_onboard_still_reads_waits_for_that_onboard() -> None:
+    """Request A is resumed: its pages' onboard (host to GPU) is issued on the onboard
+    stream and its host slots are freed at once, fenced. Without any synchronisation, a
+    request B whose prefix is only on the server is created: the pull lands B's pages in
+    exactly those host slots. The pull must wait for A's onboard, else A's GPU pages
+    receive B's bytes when the onboard runs."""
+    from kvcm_core.testing.fingerprint import FingerprintEngine, StepWork
+
+    prompt_b = _prompt(31, blocks=5)[: 4 * TPB + 1]  # a lookup of 4 full blocks
+    with fresh_server() as server:
+        _write_remote(server.url, prompt_b)
+        with _deferred(server.url, gpu=4, host=8) as m:
+            stream = m.backend.create_stream()
+            engine = FingerprintEngine(m)
+            engine.stream = stream
+            a, c = m.create_kv_cache(None, []), m.create_kv_cache(None, [])
+            ta, tc = _tokens(1), _tokens(2)
+            for cache, toks in ((a, ta), (c, tc)):  # c pushes a to the host level
+                assert cache.resume(stream) and cache.resize(len(toks), stream=stream)
+                engine.write([StepWork(cache, toks)])
+                cache.commit(toks, stream)
+                cache.suspend()
+            levels, a_host = _slots(m, a)
+            assert levels == {1}
+            assert a.resume(stream)  # c pushed down again, a's onboard issued, not run
+            assert _slots(m, a)[0] == {0}
+            assert _in_flight(m, m.storage_levels.stores[1][0], a_host)
+            b = m.create_kv_cache(None, prompt_b[:-1])  # pulls 4 pages into the host level
+            assert b.history_length == 4 * TPB
+            assert m.get_remote_statistics().pulled_pages == 4
+            levels, b_host = _slots(m, b)
+            assert levels == {1} and b_host == a_host  # the slots a's onboard reads
+            engine.check([StepWork(a, ta)])  # after what the stream waits for: a's onboard
+            a.close()
+            assert b.resume(stream)  # B's pulled pages hold B's KV too
+            engine.check([StepWork(b, prompt_b[: 4 * TPB])])
+            m.check_invariants()
+            for cache in (b, c):
+                cache.close()
+
+
+def test_a_pull_into_host_slots_an_issued_eviction_still_writes_waits_for_that_eviction(
+        ) -> None:
+    """Request X commits and closes; Y (not committed yet) needs the GPU, so X's cached
+    pages move to the host level: the eviction is issued, still to write the host slots.
+    A pull for B needs the host level's room: X's pages there are dropped and B's land in
+    their slots. The pull must wait for the eviction, else the eviction, run later,
+    overwrites B's pulled pages with X's bytes."""
+    from kvcm_core.testing.fingerprint import FingerprintEngine, StepWork
+
+    prompt_b = _prompt(32, blocks=5)[: 4 * TPB + 1]
+    with fresh_server() as server:
+        _write_remote(server.url, prompt_b)
+        with _deferred(server.url, gpu=4, host=4) as m:
+            stream = m.backend.create_stream()
+            engine = FingerprintEngine(m)
+            engine.stream = stream
+            x, y = m.create_kv_cache(None, []), m.create_kv_cache(None, [])
+            tx, ty = _tokens(3), _tokens(4)
+            assert x.resume(stream) and x.resize(len(tx), stream=stream)
+            engine.write([StepWork(x, tx)])
+            x.commit(tx, stream)
+            x.close()  # its pages stay cached on the GPU, droppable
+            assert y.resume(stream) and y.resize(len(ty), stream=stream)
+            engine.write([StepWork(y, ty)])  # no commit: nothing makes the host wait
+            y.suspend()
+            host = m.storage_levels.stores[1][0]
+            assert host.num_slots == 4 and host.num_free == 0  # X's pages, ...
+            assert _in_flight(m, host, range(4))  # ... their eviction still queued
+            b = m.create_kv_cache(None, prompt_b[:-1])  # X's pages dropped, B's pulled
+            assert b.history_length == 4 * TPB
+            assert m.get_remote_statistics().pulled_pages == 4
+            assert _slots(m, b)[0] == {1}
+            y.close()
+            assert b.resume(stream)
+            engine.check([StepWork(b, prompt_b[: 4 * TPB])])
+            m.check_invariants()
+            b.close()
+
+
+def test_a_commit_reads_pages_after_the_onboard_that_filled_them_whatever_its_stream(
+        ) -> None:
+    """Request C's KV was written (and waited for) before C was suspended uncommitted; D
+    pushes C's pages to the host level; C is resumed on the engine's stream (the onboard
+    issued, that stream made to wait) and then commits with no stream: the KV was written
+    long ago. The shared level reads C's GPU pages on the default stream, which waited for
+    nothing: it must wait for the onboard that fills them, else it stores the slots' older
+    bytes (D's) under C's keys, and a second manager pulling C's prefix reads wrong KV."""
+    from kvcm_core.testing.fingerprint import FingerprintEngine, StepWork
+
+    with fresh_server() as server:
+        tc, td = _tokens(5), _tokens(6)
+        with _deferred(server.url, gpu=4, host=8) as m:
+            stream = m.backend.create_stream()
+            engine = FingerprintEngine(m)
+            engine.stream = stream
+            c, d = m.create_kv_cache(None, []), m.create_kv_cache(None, [])
+            assert c.resume(stream) and c.resize(len(tc), stream=stream)
+            engine.write([StepWork(c, tc)])
+            stream.synchronize()  # C's KV is written
+            c.suspend()  # not committed yet
+            assert d.resume(stream) and d.resize(len(td), stream=stream)  # C pushed down
+            engine.write([StepWork(d, td)])
+            d.commit(td, stream)
+            d.suspend()
+            levels, _ = _slots(m, c)
+            assert levels == {1}
+            assert c.resume(stream)  # D pushed down, C's onboard issued, not run
+            levels, c_gpu = _slots(m, c)
+            assert levels == {0} and _in_flight(m, m.storage_levels.stores[0][0], c_gpu)
+            c.commit(tc)  # the shared level reads C's pages for writing
+            assert m.flush_remote(10.0)
+            assert m.get_remote_statistics().written == 8
+            for cache in (c, d):
+                cache.close()
+        with KVCacheManager(config(server.url)) as reader:
+            assert serve(reader, [*tc, 7]) == 4 * TPB  # every pulled page checked
