@@ -304,9 +304,19 @@ def test_plugins_piped_prints_each_plugin_on_one_table_row_without_cutting(
     assert "CUDA through cuda-python" in row
 
 
-def test_plugins_json_into_a_pipe_closed_early_ends_without_a_traceback() -> None:
+@pytest.mark.parametrize("args", [
+    ["plugins", "--json"],
+    ["plugins"],  # a rich table: rich's own broken-pipe handling exited 1
+    ["simulate", "--requests", "30", "--no-compare", "--no-plots"],
+], ids=["plugins-json", "plugins-table", "simulate"])
+def test_output_into_a_pipe_closed_early_exits_141_without_a_traceback(
+        args: list[str], tmp_path: Path) -> None:
+    """Exit 1 means a failed verification; a reader that went away is 141, as for a
+    process killed by SIGPIPE, whichever way the command prints."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("KVCM_")}
-    proc = subprocess.Popen([sys.executable, "-m", "kvcm_core.cli", "plugins", "--json"],
+    if args[0] == "simulate":
+        args = [*args, "--out", str(tmp_path / "sim")]
+    proc = subprocess.Popen([sys.executable, "-m", "kvcm_core.cli", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ)
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # the reader goes away before kvcm writes (like `| head` does)
