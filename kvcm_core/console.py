@@ -25,13 +25,23 @@ __all__ = ["PIPE_WIDTH", "int_at_least", "make_console", "silence_stdout"]
 PIPE_WIDTH = 1000
 
 
+class _Console(Console):
+    """A rich console that lets a broken pipe end the command the way ``kvcm`` ends it
+    everywhere (exit status 141, as a process killed by SIGPIPE): rich's own handling
+    exits 1, the status a failed verification has."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(32, "the reader of the output went away")
+
+
 def make_console(stderr: bool = False, **kwargs: Any) -> Console:
     """A rich console for stdout (or stderr): the terminal's width on a terminal, else
     :data:`PIPE_WIDTH` columns."""
-    console = Console(stderr=stderr, **kwargs)
+    console = _Console(stderr=stderr, **kwargs)
     if console.is_terminal:
         return console
-    return Console(stderr=stderr, width=PIPE_WIDTH, **kwargs)
+    return _Console(stderr=stderr, width=PIPE_WIDTH, **kwargs)
 
 
 def silence_stdout() -> None:
