@@ -448,7 +448,11 @@ class Levels:
             assert target is not None
             self.make_room(target, nh)
             held = np.asarray(store.held.pop_victims(nh), dtype=np.int64)
-            unmoved = self._move(store, held, target, queued=False)
+            try:
+                unmoved = self._move(store, held, target, queued=False)
+            except BaseException:  # an interrupt: those still here go back to their queue
+                store.requeue(held[self.arena.store[held] == store.index])
+                raise
             if len(unmoved):
                 store.requeue(unmoved)
                 raise OutOfPagesError(
@@ -464,26 +468,30 @@ class Levels:
         here = store.index
         a = self.arena
         target = store.below
-        while target is not None and len(victims):
-            keep = self.capacity(target, len(victims))
-            if keep:
-                mark = store.departures
-                try:
-                    self.make_room(target, keep)
-                except OutOfPagesError:
-                    # A write further down failed: drop these victims rather than leave
-                    # them popped out of their queue (they are droppable).
-                    victims = victims[a.store[victims] == here]
-                    break
-                if store.departures != mark:  # pages of this store were freed or lost
-                    victims = victims[a.store[victims] == here]
-                keep = min(keep, len(victims), target.num_free)
-                cut = len(victims) - keep
-                failed = self._move(store, victims[cut:], target, queued=False,
-                                    droppable=True)
-                victims = np.concatenate([victims[:cut], failed]) if len(failed) else \
-                    victims[:cut]
-            target = target.below
+        try:
+            while target is not None and len(victims):
+                keep = self.capacity(target, len(victims))
+                if keep:
+                    mark = store.departures
+                    try:
+                        self.make_room(target, keep)
+                    except OutOfPagesError:
+                        # A write further down failed: drop these victims rather than
+                        # leave them popped out of their queue (they are droppable).
+                        victims = victims[a.store[victims] == here]
+                        break
+                    if store.departures != mark:  # pages of this store were freed or lost
+                        victims = victims[a.store[victims] == here]
+                    keep = min(keep, len(victims), target.num_free)
+                    cut = len(victims) - keep
+                    failed = self._move(store, victims[cut:], target, queued=False,
+                                        droppable=True)
+                    victims = np.concatenate([victims[:cut], failed]) if len(failed) \
+                        else victims[:cut]
+                target = target.below
+        except BaseException:  # an interrupt: the victims still here go back to their queue
+            store.requeue(victims[a.store[victims] == here])
+            raise
         # A corrupt page met on the way took the droppable pages below it along.
         if len(victims):
             self.drop(store, victims[a.store[victims] == here])
@@ -505,27 +513,28 @@ class Levels:
         lock on the way (a resume's onboard: they never enter ``dst``'s queues)."""
         if not len(pids):
             return pids
-        slots = dst.reserve_slots(len(pids))
+        reserved = slots = dst.reserve_slots(len(pids))
         a = self.arena
-        pg = self._pg_of[int(a.group[pids[0]])]
-        layout = self.layouts[pg]
-        keys = self.frame_keys(pids) if dst.frames is not None else None
-        old = a.slot[pids]
-        io = self.io[dst.level]
-        mover = self.mover
-        per = max(-(-len(pids) // _MOVE_BATCHES), self._batch_pages[pg])
-        issue = mover.can_issue(src, dst)
-        if issue and dst.level == 0:  # batch k takes the slots eviction batch k freed
-            slots = mover.fences.order(dst, slots)
-        if issue:
-            # Both sides ascending within each batch (see _in_runs); slots[i] is pids[i]'s.
-            o = order_in_batches(old, per)
-            ordered = sort_in_batches(slots, per)
-            slots = np.empty_like(ordered)
-            slots[o] = ordered
-        else:
-            slots = _in_runs(slots, old, per)
         try:
+            pg = self._pg_of[int(a.group[pids[0]])]
+            layout = self.layouts[pg]
+            keys = self.frame_keys(pids) if dst.frames is not None else None
+            old = a.slot[pids]
+            io = self.io[dst.level]
+            mover = self.mover
+            per = max(-(-len(pids) // _MOVE_BATCHES), self._batch_pages[pg])
+            issue = mover.can_issue(src, dst)
+            if issue and dst.level == 0:  # batch k takes the slots eviction batch k freed
+                slots = mover.fences.order(dst, slots)
+            if issue:
+                # Both sides ascending within each batch (see _in_runs); slots[i] is
+                # pids[i]'s.
+                o = order_in_batches(old, per)
+                ordered = sort_in_batches(slots, per)
+                slots = np.empty_like(ordered)
+                slots[o] = ordered
+            else:
+                slots = _in_runs(slots, old, per)
             if issue:
                 # Issued, not waited for (kvcm_core.fences): slots freed here are fenced.
                 mover.issue(layout, src, old[o], dst, ordered, per)
@@ -552,6 +561,9 @@ class Levels:
             pids, slots, old = pids[keep], slots[keep], old[keep]
             if not len(pids):
                 return pids
+        except BaseException:  # an interrupt (or a bug): the pages stay where they were
+            dst.unreserve_slots(reserved)
+            raise
         src.vacate(pids, queued=queued, slots=old)
         if lock:
             a.locks[pids] += 1
@@ -776,11 +788,17 @@ class Levels:
         whose move fails) are dropped."""
         victims = np.asarray(store.droppable.pop_victims(k), dtype=np.int64)
         below = store.below
+        here = self.arena.store
         if below is not None and below.num_free and len(victims):
             cut = max(0, len(victims) - below.num_free)
-            failed = self._move(store, victims[cut:], below, queued=False, droppable=True)
+            try:
+                failed = self._move(store, victims[cut:], below, queued=False,
+                                    droppable=True)
+            except BaseException:  # an interrupt: the victims still here are requeued
+                store.requeue(victims[here[victims] == store.index])
+                raise
             victims = np.concatenate([victims[:cut], failed])
-        victims = victims[self.arena.store[victims] == store.index]
+        victims = victims[here[victims] == store.index]
         if len(victims):
             self.drop(store, victims)
 
