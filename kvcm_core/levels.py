@@ -968,6 +968,7 @@ class Levels:
         if not self._events:
             return
         batch, self._events = self._events, []
+        interrupt: BaseException | None = None
         for sink in self.sinks:
             try:
                 sink.on_events(batch)
@@ -978,6 +979,10 @@ class Levels:
                                   f"{exc}; its events are dropped and counted",
                                   RuntimeWarning, stacklevel=3)
                 self.event_sink_errors[name] = self.event_sink_errors.get(name, 0) + 1
+            except BaseException as exc:  # an interrupt: the other sinks get the batch,
+                interrupt = interrupt or exc  # then it goes on
+        if interrupt is not None:
+            raise interrupt
 
     # -- quotas -----------------------------------------------------------------------------------
 
@@ -1100,12 +1105,15 @@ class Levels:
                 could be closed is closed.
         """
         failures: list[str] = []
+        interrupts: list[BaseException] = []
 
         def attempt(what: str, close: Callable[[], None]) -> None:
             try:
                 close()
             except Exception as exc:  # one failure must not leave the rest open
                 failures.append(f"{what}: {type(exc).__name__}: {exc}")
+            except BaseException as exc:  # an interrupt (a sink's KeyboardInterrupt):
+                interrupts.append(exc)  # everything is released first, then it goes on
 
         attempt("event sinks", self.flush_events)
         attempt("copies in flight", self.mover.fences.synchronize)
@@ -1123,7 +1131,11 @@ class Levels:
                 for what, close in closers:
                     attempt(what, close)
                 continue
-            failed, stuck = io.close(closers, until)
+            try:
+                failed, stuck = io.close(closers, until)
+            except BaseException as exc:  # its thread still runs the closers it was given
+                interrupts.append(exc)
+                continue
             failures += failed
             abandoned += stuck
         attempt("mover", self.mover.close)
@@ -1131,9 +1143,13 @@ class Levels:
             failures.append(f"{len(abandoned)} storage operations abandoned past the I/O "
                             f"deadline ({'; '.join(abandoned)}); their level's I/O thread "
                             "closes its files when they return")
-        if failures:
-            raise TierIOError(f"shutdown could not release {len(failures)} resources "
-                              f"(the rest is released): {'; '.join(failures)}")
+        error = TierIOError(f"shutdown could not release {len(failures)} resources "
+                            f"(the rest is released): {'; '.join(failures)}") \
+            if failures else None
+        if interrupts:
+            raise interrupts[0] from error
+        if error is not None:
+            raise error
 
 
 def _allocate(make: Callable[[], Any], field: str, quota: int | None) -> Any:
