@@ -32,6 +32,7 @@ class ResumeMixin(CacheBase):
         On a device backend the copies are only queued: the call returns once they are
         issued, and ``stream`` (the engine's; None: the backend's default stream) is made
         to wait for them, so work queued on it afterwards sees every page in place."""
+        self._ctx.thread.check()  # before begin(): a refused call touches no fence
         L = self._levels
         if not L.mover.fences.enabled:
             return self._resume(stream, optional_reuse_groups)
@@ -43,7 +44,6 @@ class ResumeMixin(CacheBase):
 
     def _resume(self, stream: Stream | None,
                 optional_reuse_groups: Sequence[int] | None) -> bool:
-        self._ctx.thread.check()
         self._last_refusal = None
         if self._status is CacheStatus.CLOSED:
             self._require(CacheStatus.SUSPENDED)
