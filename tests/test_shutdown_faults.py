@@ -131,3 +131,27 @@ def test_a_sink_raising_keyboard_interrupt_lets_the_other_sinks_have_the_batch(
     sink.armed = False
     m.check_invariants()
     m.shutdown()
+
+
+def test_every_mutating_call_after_shutdown_raises_invalid_state_error(tmp_path) -> None:
+    """docs/semantics.md: after ``shutdown()`` the mutating calls raise
+    ``InvalidStateError`` (``get_and_reset_iteration_stats`` and ``flush_events``
+    included); reads still answer; ``shutdown()`` again is a no-op."""
+    m = make_manager([("gpu", 8), ("host", 8)], tmp_path)
+    d = Driver(m)
+    d.write(tokens(32, 1), chunk=8).close()
+    m.shutdown()
+    calls = {
+        "create_kv_cache": lambda: m.create_kv_cache(None, tokens(8)),
+        "probe_reuse": lambda: m.probe_reuse(None, tokens(8)),
+        "make_room": lambda: m.make_room({0: 1}),
+        "clear_reusable_blocks": m.clear_reusable_blocks,
+        "get_and_reset_iteration_stats": m.get_and_reset_iteration_stats,
+        "flush_events": m.flush_events,
+    }
+    for name, call in calls.items():
+        with pytest.raises(InvalidStateError, match="shut down"):
+            call()
+            pytest.fail(f"{name}() returned after shutdown()")
+    m.get_storage_statistics(1)  # a read
+    m.shutdown()
