@@ -382,7 +382,11 @@ class Batch:
         entries of empty rows are ignored, ``-1`` leaves a row unchanged, and
         ``history_lengths=None`` leaves every history unchanged. Each row succeeds or rolls
         back on its own (``cache.resize``); the result is one bool per row (``True`` for
-        rows left unchanged).
+        rows left unchanged). A row whose ``cache.resize`` raises (its
+        ``priority_callback``, a ``KeyboardInterrupt``) is unchanged and stops the call:
+        rows resized before it (and the rows grown together, first) stay resized, the
+        others are not resized, and the batch is published before the exception
+        propagates (its tables match its members; see docs/batch.md).
 
         Every argument (and what the closing publish would refuse) is checked before any
         row's pages or table change (a row whose block count stays may already hold its
@@ -416,11 +420,18 @@ class Batch:
         self._check_publish(stream, caps)
         # (A member that releases pages waits for the reader fence itself: cache._unlock.)
         out = [True] * self.max_rows
-        rest = self._grow_together(caps, stream) if hist is None else \
-            [r for r, c in enumerate(rows) if c is not None and caps[r] != -1]
-        for r in rest:
-            h = None if hist is None or hist[r] == -1 else hist[r]
-            out[r] = caps[r] <= self._max_tokens and rows[r].resize(caps[r], h, stream)
+        try:
+            rest = self._grow_together(caps, stream) if hist is None else \
+                [r for r, c in enumerate(rows) if c is not None and caps[r] != -1]
+            for r in rest:
+                h = None if hist is None or hist[r] == -1 else hist[r]
+                out[r] = caps[r] <= self._max_tokens and rows[r].resize(caps[r], h, stream)
+        except BaseException:
+            # A row's resize raised (its priority_callback, an interrupt): that row is
+            # unchanged, the rows resized before it stay resized; publish them, so that
+            # the tables match the members, then let the exception go on.
+            self.publish(stream)
+            raise
         self.publish(stream)
         return out
 

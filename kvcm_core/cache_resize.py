@@ -53,6 +53,7 @@ class ResizeMixin(CacheBase):
             self._last_refusal = None
             self._capacity = capacity
             return True
+        self._ctx.thread.check()  # before begin(): a refused call touches no fence
         L = self._levels
         if not L.mover.fences.enabled:
             return self._resize(capacity, history_length)
@@ -103,7 +104,6 @@ class ResizeMixin(CacheBase):
         return out
 
     def _resize(self, capacity: int, history_length: int | None) -> bool:
-        self._ctx.thread.check()
         self._last_refusal = None
         if self._status is not CacheStatus.ACTIVE:
             self._require(CacheStatus.ACTIVE)

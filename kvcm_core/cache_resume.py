@@ -32,6 +32,7 @@ class ResumeMixin(CacheBase):
         On a device backend the copies are only queued: the call returns once they are
         issued, and ``stream`` (the engine's; None: the backend's default stream) is made
         to wait for them, so work queued on it afterwards sees every page in place."""
+        self._ctx.thread.check()  # before begin(): a refused call touches no fence
         L = self._levels
         if not L.mover.fences.enabled:
             return self._resume(stream, optional_reuse_groups)
@@ -43,7 +44,6 @@ class ResumeMixin(CacheBase):
 
     def _resume(self, stream: Stream | None,
                 optional_reuse_groups: Sequence[int] | None) -> bool:
-        self._ctx.thread.check()
         self._last_refusal = None
         if self._status is CacheStatus.CLOSED:
             self._require(CacheStatus.SUSPENDED)
@@ -129,13 +129,18 @@ class ResumeMixin(CacheBase):
         self._apply_declines(declined)
         try:
             L.make_room_for(needs)
-        except OutOfPagesError as exc:
+        except BaseException as exc:
             # A write to a colder level failed while making room, or another pool group
-            # took the colder room this one counted on: give up for now.
+            # took the colder room this one counted on: give up for now. An interrupt
+            # (KeyboardInterrupt) leaves the same state, and goes on.
             for refs_b in reversed(warm_by_beam):
                 L.change(_arr(refs_b), -1, 1)
+            if not isinstance(exc, OutOfPagesError):
+                raise
             return self._refuse(room_failed("resume", exc))
         fresh: list[int] = []
+        recompute = None if self._first_resume_done else (
+            {g: list(b) for g, b in self._recompute.items()}, self._unwritten)
         try:
             self._check_not_lost_while_making_room()
             # Cold pages of ours come back in one batch per source store.
@@ -170,6 +175,11 @@ class ResumeMixin(CacheBase):
         except CorruptPageError as exc:
             self._fail_resume(fresh)
             raise self._name_corrupt_block(exc) from exc
+        except BaseException:  # an interrupt: undone, the cache stays SUSPENDED, intact
+            self._fail_resume(fresh, lost=False)
+            if recompute is not None:
+                self._recompute, self._unwritten = recompute
+            raise
         if self._pending:
             L.change(_arr([src for _, _, src in self._pending]), 0, -1)
             self._pending.clear()
@@ -222,29 +232,15 @@ class ResumeMixin(CacheBase):
                     return self._refuse(over_resume_limit(store, used, limit))
             # Lock what is on the GPU first, so making room cannot push it down.
             L.change(warm, 1, -1)
-            if cold_n:
-                if not L.can_take(needs):
+            try:
+                if cold_n and not self._resume_cold(pids, warm, cold, needs, stream):
+                    return False
+            except BaseException:
+                if not self._lost:  # an interrupt: unlock what was locked, and go on
                     L.change(warm, -1, 1)
-                    return self._refuse(level_shortage("resume", L, needs, {}))
-                try:
-                    for pg, n in needs.items():
-                        L.make_room(L.stores[0][pg], n)
-                except OutOfPagesError as exc:
-                    L.change(warm, -1, 1)
-                    return self._refuse(room_failed("resume", exc))
-                try:
-                    lost = pids[a.level[pids] < 0]
-                    if len(lost):  # found corrupt while making room moved it
-                        raise CorruptPageError("pages of this cache failed their frame "
-                                               "check while making room",
-                                               pages=tuple(lost.tolist()))
-                    L.onboard(cold, stream, lock=True)  # arrivals locked on the way
-                except TierIOError:
-                    self._fail_resume([])
-                    raise
-                except CorruptPageError as exc:
-                    self._fail_resume([])
-                    raise self._name_corrupt_block(exc) from exc
+                    arrived = cold[a.level[cold] == 0]  # locked on the way
+                    L.change(arrived, -1, 1)
+                raise
         else:
             for store in L.stores[0]:
                 if store.num_locked > limit * store.num_slots:
@@ -253,6 +249,36 @@ class ResumeMixin(CacheBase):
         self._first_resume_done = True
         self._changed()
         self._status = CacheStatus.ACTIVE
+        return True
+
+    def _resume_cold(self, pids: np.ndarray, warm: np.ndarray, cold: np.ndarray,
+                     needs: dict[int, int], stream: Stream | None) -> bool:
+        """:meth:`_resume_fast` once ``warm`` pages are locked: room for the ``cold``
+        ones, which come back locked. False: refused (``warm`` unlocked again)."""
+        L = self._levels
+        a = self._arena
+        if not L.can_take(needs):
+            L.change(warm, -1, 1)
+            return self._refuse(level_shortage("resume", L, needs, {}))
+        try:
+            for pg, n in needs.items():
+                L.make_room(L.stores[0][pg], n)
+        except OutOfPagesError as exc:
+            L.change(warm, -1, 1)
+            return self._refuse(room_failed("resume", exc))
+        try:
+            lost = pids[a.level[pids] < 0]
+            if len(lost):  # found corrupt while making room moved it
+                raise CorruptPageError("pages of this cache failed their frame "
+                                       "check while making room",
+                                       pages=tuple(lost.tolist()))
+            L.onboard(cold, stream, lock=True)  # arrivals locked on the way
+        except TierIOError:
+            self._fail_resume([])
+            raise
+        except CorruptPageError as exc:
+            self._fail_resume([])
+            raise self._name_corrupt_block(exc) from exc
         return True
 
     def _over_limit_early(self) -> bool:
@@ -330,9 +356,10 @@ class ResumeMixin(CacheBase):
             "block is reused, the rest is recomputed)", pages=exc.pages, block=block,
             group=group)
 
-    def _fail_resume(self, fresh: list[int]) -> None:
+    def _fail_resume(self, fresh: list[int], lost: bool = True) -> None:
         """A read failed during resume: undo the locks, free new pages, and mark the cache
-        lost (its data is incomplete: the engine must close it and recompute)."""
+        lost (its data is incomplete: the engine must close it and recompute). ``lost``
+        False: an interrupt, the data is intact (the cache can resume again)."""
         gone = set(fresh)
         for g in range(len(self._pages)):
             self._pages[g] = [-1 if p in gone else p for p in self._pages[g]]
@@ -343,5 +370,5 @@ class ResumeMixin(CacheBase):
         for refs in self._refs_by_beam():
             locked = [p for p in refs if a.locks[p] > 0]
             L.change(_arr(locked), -1, 1)
-        self._lost = True
+        self._lost = lost
 

@@ -448,7 +448,11 @@ class Levels:
             assert target is not None
             self.make_room(target, nh)
             held = np.asarray(store.held.pop_victims(nh), dtype=np.int64)
-            unmoved = self._move(store, held, target, queued=False)
+            try:
+                unmoved = self._move(store, held, target, queued=False)
+            except BaseException:  # an interrupt: those still here go back to their queue
+                store.requeue(held[self.arena.store[held] == store.index])
+                raise
             if len(unmoved):
                 store.requeue(unmoved)
                 raise OutOfPagesError(
@@ -464,26 +468,30 @@ class Levels:
         here = store.index
         a = self.arena
         target = store.below
-        while target is not None and len(victims):
-            keep = self.capacity(target, len(victims))
-            if keep:
-                mark = store.departures
-                try:
-                    self.make_room(target, keep)
-                except OutOfPagesError:
-                    # A write further down failed: drop these victims rather than leave
-                    # them popped out of their queue (they are droppable).
-                    victims = victims[a.store[victims] == here]
-                    break
-                if store.departures != mark:  # pages of this store were freed or lost
-                    victims = victims[a.store[victims] == here]
-                keep = min(keep, len(victims), target.num_free)
-                cut = len(victims) - keep
-                failed = self._move(store, victims[cut:], target, queued=False,
-                                    droppable=True)
-                victims = np.concatenate([victims[:cut], failed]) if len(failed) else \
-                    victims[:cut]
-            target = target.below
+        try:
+            while target is not None and len(victims):
+                keep = self.capacity(target, len(victims))
+                if keep:
+                    mark = store.departures
+                    try:
+                        self.make_room(target, keep)
+                    except OutOfPagesError:
+                        # A write further down failed: drop these victims rather than
+                        # leave them popped out of their queue (they are droppable).
+                        victims = victims[a.store[victims] == here]
+                        break
+                    if store.departures != mark:  # pages of this store were freed or lost
+                        victims = victims[a.store[victims] == here]
+                    keep = min(keep, len(victims), target.num_free)
+                    cut = len(victims) - keep
+                    failed = self._move(store, victims[cut:], target, queued=False,
+                                        droppable=True)
+                    victims = np.concatenate([victims[:cut], failed]) if len(failed) \
+                        else victims[:cut]
+                target = target.below
+        except BaseException:  # an interrupt: the victims still here go back to their queue
+            store.requeue(victims[a.store[victims] == here])
+            raise
         # A corrupt page met on the way took the droppable pages below it along.
         if len(victims):
             self.drop(store, victims[a.store[victims] == here])
@@ -505,27 +513,28 @@ class Levels:
         lock on the way (a resume's onboard: they never enter ``dst``'s queues)."""
         if not len(pids):
             return pids
-        slots = dst.reserve_slots(len(pids))
+        reserved = slots = dst.reserve_slots(len(pids))
         a = self.arena
-        pg = self._pg_of[int(a.group[pids[0]])]
-        layout = self.layouts[pg]
-        keys = self.frame_keys(pids) if dst.frames is not None else None
-        old = a.slot[pids]
-        io = self.io[dst.level]
-        mover = self.mover
-        per = max(-(-len(pids) // _MOVE_BATCHES), self._batch_pages[pg])
-        issue = mover.can_issue(src, dst)
-        if issue and dst.level == 0:  # batch k takes the slots eviction batch k freed
-            slots = mover.fences.order(dst, slots)
-        if issue:
-            # Both sides ascending within each batch (see _in_runs); slots[i] is pids[i]'s.
-            o = order_in_batches(old, per)
-            ordered = sort_in_batches(slots, per)
-            slots = np.empty_like(ordered)
-            slots[o] = ordered
-        else:
-            slots = _in_runs(slots, old, per)
         try:
+            pg = self._pg_of[int(a.group[pids[0]])]
+            layout = self.layouts[pg]
+            keys = self.frame_keys(pids) if dst.frames is not None else None
+            old = a.slot[pids]
+            io = self.io[dst.level]
+            mover = self.mover
+            per = max(-(-len(pids) // _MOVE_BATCHES), self._batch_pages[pg])
+            issue = mover.can_issue(src, dst)
+            if issue and dst.level == 0:  # batch k takes the slots eviction batch k freed
+                slots = mover.fences.order(dst, slots)
+            if issue:
+                # Both sides ascending within each batch (see _in_runs); slots[i] is
+                # pids[i]'s.
+                o = order_in_batches(old, per)
+                ordered = sort_in_batches(slots, per)
+                slots = np.empty_like(ordered)
+                slots[o] = ordered
+            else:
+                slots = _in_runs(slots, old, per)
             if issue:
                 # Issued, not waited for (kvcm_core.fences): slots freed here are fenced.
                 mover.issue(layout, src, old[o], dst, ordered, per)
@@ -552,6 +561,9 @@ class Levels:
             pids, slots, old = pids[keep], slots[keep], old[keep]
             if not len(pids):
                 return pids
+        except BaseException:  # an interrupt (or a bug): the pages stay where they were
+            dst.unreserve_slots(reserved)
+            raise
         src.vacate(pids, queued=queued, slots=old)
         if lock:
             a.locks[pids] += 1
@@ -776,11 +788,17 @@ class Levels:
         whose move fails) are dropped."""
         victims = np.asarray(store.droppable.pop_victims(k), dtype=np.int64)
         below = store.below
+        here = self.arena.store
         if below is not None and below.num_free and len(victims):
             cut = max(0, len(victims) - below.num_free)
-            failed = self._move(store, victims[cut:], below, queued=False, droppable=True)
+            try:
+                failed = self._move(store, victims[cut:], below, queued=False,
+                                    droppable=True)
+            except BaseException:  # an interrupt: the victims still here are requeued
+                store.requeue(victims[here[victims] == store.index])
+                raise
             victims = np.concatenate([victims[:cut], failed])
-        victims = victims[self.arena.store[victims] == store.index]
+        victims = victims[here[victims] == store.index]
         if len(victims):
             self.drop(store, victims)
 
@@ -950,6 +968,7 @@ class Levels:
         if not self._events:
             return
         batch, self._events = self._events, []
+        interrupt: BaseException | None = None
         for sink in self.sinks:
             try:
                 sink.on_events(batch)
@@ -960,6 +979,10 @@ class Levels:
                                   f"{exc}; its events are dropped and counted",
                                   RuntimeWarning, stacklevel=3)
                 self.event_sink_errors[name] = self.event_sink_errors.get(name, 0) + 1
+            except BaseException as exc:  # an interrupt: the other sinks get the batch,
+                interrupt = interrupt or exc  # then it goes on
+        if interrupt is not None:
+            raise interrupt
 
     # -- quotas -----------------------------------------------------------------------------------
 
@@ -1082,12 +1105,15 @@ class Levels:
                 could be closed is closed.
         """
         failures: list[str] = []
+        interrupts: list[BaseException] = []
 
         def attempt(what: str, close: Callable[[], None]) -> None:
             try:
                 close()
             except Exception as exc:  # one failure must not leave the rest open
                 failures.append(f"{what}: {type(exc).__name__}: {exc}")
+            except BaseException as exc:  # an interrupt (a sink's KeyboardInterrupt):
+                interrupts.append(exc)  # everything is released first, then it goes on
 
         attempt("event sinks", self.flush_events)
         attempt("copies in flight", self.mover.fences.synchronize)
@@ -1105,7 +1131,11 @@ class Levels:
                 for what, close in closers:
                     attempt(what, close)
                 continue
-            failed, stuck = io.close(closers, until)
+            try:
+                failed, stuck = io.close(closers, until)
+            except BaseException as exc:  # its thread still runs the closers it was given
+                interrupts.append(exc)
+                continue
             failures += failed
             abandoned += stuck
         attempt("mover", self.mover.close)
@@ -1113,9 +1143,13 @@ class Levels:
             failures.append(f"{len(abandoned)} storage operations abandoned past the I/O "
                             f"deadline ({'; '.join(abandoned)}); their level's I/O thread "
                             "closes its files when they return")
-        if failures:
-            raise TierIOError(f"shutdown could not release {len(failures)} resources "
-                              f"(the rest is released): {'; '.join(failures)}")
+        error = TierIOError(f"shutdown could not release {len(failures)} resources "
+                            f"(the rest is released): {'; '.join(failures)}") \
+            if failures else None
+        if interrupts:
+            raise interrupts[0] from error
+        if error is not None:
+            raise error
 
 
 def _allocate(make: Callable[[], Any], field: str, quota: int | None) -> Any:

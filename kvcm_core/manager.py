@@ -275,8 +275,10 @@ class KVCacheManager:
         return self.storage_levels.statistics(self.storage_levels.check_level(level))
 
     def get_and_reset_iteration_stats(self) -> IterationStats:
-        """Counters since the last call; also flushes pending events to the sinks."""
+        """Counters since the last call; also flushes pending events to the sinks.
+        ``InvalidStateError`` after ``shutdown()`` (which sent the last events)."""
         self.thread_guard.check()
+        self._check_open()
         self.storage_levels.flush_events()
         return self.storage_levels.reset_stats()
 
@@ -287,8 +289,10 @@ class KVCacheManager:
 
     def flush_events(self) -> None:
         """Deliver pending events to the event sinks (a raising sink is counted in
-        :attr:`event_sink_errors`, never propagated)."""
+        :attr:`event_sink_errors`, never propagated). ``InvalidStateError`` after
+        ``shutdown()`` (which sent the last events)."""
         self.thread_guard.check()
+        self._check_open()
         self.storage_levels.flush_events()
 
     # -- requests -------------------------------------------------------------------------

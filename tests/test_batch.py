@@ -183,6 +183,42 @@ def test_batch_resize_resizes_by_row_publishes_once_and_fails_rows_on_their_own(
     assert_batch_matches_members(b, m)
 
 
+@pytest.mark.parametrize("exc", [ValueError, KeyboardInterrupt])
+def test_a_row_whose_resize_raises_stops_batch_resize_and_the_batch_is_published(
+        exc: type[BaseException]) -> None:
+    """docs/batch.md: the raising row is unchanged, rows before it stay resized (and rows
+    grown together on the fast path, which go first), and the batch is published before
+    the exception propagates."""
+    m = make_manager(full_layers(), slots=24)
+    b = Batch(m, max_rows=3, max_blocks_per_row=12)
+    boom = {"on": False}
+
+    def cb(block: int) -> int:
+        if boom["on"]:
+            raise exc("callback")
+        return 50
+
+    first = _active(m, tokens(4, seed=1))
+    raising = m.create_kv_cache(None, tokens(4, seed=2), priority_callback=cb)
+    assert raising.resume() and raising.resize(4)
+    last = _active(m, tokens(4, seed=3))
+    for r, c in enumerate((first, raising, last)):
+        b.add_kv_cache(c, row=r)
+    b.publish()
+    boom["on"] = True
+    with pytest.raises(exc, match="callback"):
+        b.resize([4 * TPB, 4 * TPB, 4 * TPB])
+    boom["on"] = False
+    assert (first.capacity, raising.capacity) == (4 * TPB, 4)
+    assert last.capacity == 4 * TPB, "grown together with the first row (fast path)"
+    assert b.dirty_rows().tolist() == [], "the rows resized were published"
+    b.wait_ready()
+    assert_batch_matches_members(b, m)
+    m.check_invariants()
+    assert b.resize([-1, 4 * TPB, 4 * TPB]) == [True, True, True]
+    assert_batch_matches_members(b, m)
+
+
 def test_batch_resize_refuses_more_new_tokens_than_max_total_input_tokens() -> None:
     m = make_manager(full_layers())
     b = Batch(m, max_rows=2, max_blocks_per_row=16, max_total_input_tokens=10)
