@@ -529,3 +529,20 @@ def test_closes_in_a_row_keep_their_release_order_for_eviction(managers):
     assert m.probe_reuse(None, prompts[0]) == tpb  # A's deepest block went first
     assert m.probe_reuse(None, prompts[1]) == 2 * tpb
     assert m.probe_reuse(None, prompts[2]) == 2 * tpb
+
+
+def test_pages_are_released_deepest_block_first_even_a_pending_partial_source(managers):
+    # A request whose match ends inside a block holds that block's page as the source of
+    # its pending partial copy; closed before its first resume, it must release that page
+    # (its deepest) first, else the leaf is newer than its parents and the next eviction
+    # takes a parent and cuts the chain.
+    m = managers(full_layers(), slots=4, enable_partial_reuse=True, max_util_for_resume=1.0)
+    tpb = m.tokens_per_block
+    p = tokens(3 * tpb, seed=21)
+    _run_once(m, p)  # three blocks cached, one slot free
+    r = m.create_kv_cache(None, p[:2 * tpb + 2] + [7])
+    assert r.history_length == 2 * tpb + 2  # two blocks and two tokens of the third
+    r.close()  # before any resume
+    assert m.probe_reuse(None, p) == 3 * tpb
+    _run_once(m, tokens(2 * tpb, seed=22))  # two pages: one free, one victim
+    assert m.probe_reuse(None, p) == 2 * tpb  # the leaf went, not a parent
