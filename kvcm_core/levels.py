@@ -107,10 +107,6 @@ class Levels:
         ngroups = len(life_cycles)
         self.stats = IterationStats.empty(ngroups, len(config.levels))
         self.event_sink_errors: dict[str, int] = {}
-        #: Leaf pages given a low priority at their writer's close -> (their node, that
-        #: priority): a page id is recycled, so an entry counts only while the page is
-        #: still in that node at that priority.
-        self.leaf_nodes: dict[int, tuple[int, int]] = {}
         self._events: list[BlockEvent] = []
         self._pg_of = [int(layout.group_to_pool_group[CacheGroupId(g)])
                        for g in range(ngroups)]
@@ -298,24 +294,26 @@ class Levels:
             if self.corrupt_ids:
                 self.corrupt_ids.difference_update(gone.tolist())
 
-    def claim(self, pids: np.ndarray) -> None:
-        """A new request holds committed pages it matched (ids unique): one hold each. A
-        leaf block demoted at its writer's close (:meth:`demote_leaf`) is shared now and
-        gets the default priority back."""
-        leaves = self.leaf_nodes
-        if leaves:  # before the hold, so that a held queue gets the page's new priority
-            a = self.arena
-            for pid in leaves.keys() & set(pids.tolist()):
-                nid, priority = leaves.pop(pid)
-                if a.node[pid] == nid and a.priority[pid] == priority:
-                    a.priority[pid] = DEFAULT_PRIORITY
-        self.change(pids, 0, 1)
+    def claim(self, pids: np.ndarray, dlocks: int = 0, dholds: int = 1) -> None:
+        """A request shares committed pages it did not write (ids unique): a match at
+        create (one hold each), a rebase at commit (one lock). A leaf block demoted at
+        its writer's close (:meth:`demote_leaf`) is shared now and gets the default
+        priority back, for good."""
+        a = self.arena
+        demoted = a.demoted[pids]
+        if demoted.any():  # before the hold, so that a held queue gets the new priority
+            back = pids[demoted != 0]
+            a.priority[back] = DEFAULT_PRIORITY
+            a.demoted[back] = 0
+        self.change(pids, dlocks, dholds)
 
-    def demote_leaf(self, pid: int, nid: int, priority: int) -> None:
-        """Give a closing cache's leaf page (committed in node ``nid``, used by no other
-        request) ``priority`` until another request claims it."""
-        self.arena.priority[pid] = priority
-        self.leaf_nodes[pid] = (nid, priority)
+    def demote_leaf(self, pid: int, priority: int) -> None:
+        """Give a closing cache's leaf page (committed, used by no other request)
+        ``priority`` until another request shares it (:meth:`claim`). The mark is a
+        column of the page's row: it goes when the page id is handed out again."""
+        a = self.arena
+        a.priority[pid] = priority
+        a.demoted[pid] = 1
 
     def release_locked(self, pids: np.ndarray) -> None:
         """Owners let go of pages they locked once (a close): see :meth:`Store.unlock_all`."""
