@@ -934,13 +934,31 @@ class Levels:
         tree = self.tree
         key = tree.key(nid)
         parent = int(tree.parent[nid])
-        pkey = tree.key(parent) if parent >= 0 else None
+        # A chain's first block has no parent block: its parent node is the scope root,
+        # whose digest no event announces (vLLM's BlockStored: parent hash None).
+        pkey = tree.key(parent) if parent >= 0 and tree.ordinal[parent] >= 0 else None
         self._events.append(BlockEvent(
             kind=kind, block_key=key.hex() if key else f"partial:{nid:x}",
             parent_key=pkey.hex() if pkey else None, group=group, level=level,
             medium=self.medium(level), token_ids=token_ids, from_level=from_level))
         if len(self._events) >= _EVENT_BATCH:
             self.flush_events()
+
+    def removed_at_shutdown(self) -> None:
+        """A REMOVED event for every block still cached, on the level it is on, deepest
+        block first: at shutdown every level's pages go with the manager (no cache is
+        open). The tree itself is left as it is."""
+        if not self.sinks:
+            return
+        tree = self.tree
+        ordinal = tree.ordinal
+        nodes = np.flatnonzero(ordinal >= 0)
+        nodes = nodes[np.argsort(-ordinal[nodes], kind="stable")]
+        level = self.arena.level
+        for nid, row in zip(nodes.tolist(), tree.pages[nodes].tolist(), strict=True):
+            for g, pid in enumerate(row):
+                if pid >= 0:
+                    self.event(EventKind.REMOVED, nid, g, int(level[pid]))
 
     def flush_events(self) -> None:
         """Deliver pending events. A sink that raises never disturbs the manager: the
