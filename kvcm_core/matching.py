@@ -172,8 +172,8 @@ def with_partial_block(tree: PrefixTree, root: int, tokens: Sequence[Any] | np.n
                        nodes: np.ndarray, tpb: int, walk_groups: Sequence[int],
                        encoded: bytes | None = None) -> tuple[np.ndarray, int]:
     """The matched full-block ``nodes`` (under scope root ``root``) and the tokens they
-    cover, with the partial block that shares the longest prefix with what follows
-    appended when one is cached with every walk group's page.
+    cover, with the partial block that shares the longest prefix with what follows, of
+    those cached with every walk group's page, appended.
 
     ``encoded``: the first tokens of ``tokens`` as :func:`encode_tokens` wrote them (the
     walk's encoded chunks), or None; when it covers the tail, the tail is read from it
@@ -189,8 +189,9 @@ def with_partial_block(tree: PrefixTree, root: int, tokens: Sequence[Any] | np.n
         tail = token_array(tokens[length : length + limit])
         if tail is None:  # multimodal digests: compared item by item
             tail = list(tokens[length : length + limit])
-    best, plen = tree.best_partial(parent, tail)
-    if best != NO_NODE and all(tree.pages[best, g] >= 0 for g in walk_groups):
+    # The child sharing the most tokens among those with every walk group's page.
+    best, plen = tree.best_partial(parent, tail, walk_groups)
+    if best != NO_NODE:
         # np.append(nodes, best), without its ravels (nodes is a 1-D int64 array).
         out = np.empty(len(nodes) + 1, dtype=np.int64)
         out[:-1] = nodes

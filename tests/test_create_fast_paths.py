@@ -43,8 +43,8 @@ def ref_with_partial_block(tree: PrefixTree, root: int, tokens: Sequence[Any] | 
     tail: Any = token_array(tokens[length : length + limit])
     if tail is None:  # multimodal digests: compared item by item
         tail = list(tokens[length : length + limit])
-    best, plen = tree.best_partial(parent, tail)
-    if best != NO_NODE and all(tree.pages[best, g] >= 0 for g in walk_groups):
+    best, plen = tree.best_partial(parent, tail, walk_groups)
+    if best != NO_NODE:
         return np.append(nodes, np.int64(best)), length + plen
     return nodes, length
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import pytest
 from conftest import (
     Driver,
+    PAGE,
     assert_invariants,
     drop_page,
     full_layers,
     hybrid_layers,
+    kv,
     page_holds,
     slot_of,
     table,
@@ -23,7 +25,7 @@ from conftest import (
     windowed_layers,
 )
 
-from kvcm_core import BAD_PAGE_INDEX, ReuseScope
+from kvcm_core import BAD_PAGE_INDEX, AttentionLayerConfig, ReusePolicy, ReuseScope
 from kvcm_core.testing.engine import EngineLoop, Request
 
 # -- full attention ---------------------------------------------------------------------
@@ -596,3 +598,31 @@ def test_a_recycled_page_keeps_the_priority_it_was_given(managers):
     assert pid == leaf  # the recycled id (else this test proves nothing)
     assert arena.priority[pid] == 1
     d.close()
+
+
+def test_a_partial_child_without_pages_does_not_hide_a_sibling_with_them(managers):
+    # Two children of block 0: the partial [4, 9] (priority 50, every page) and the full
+    # [4, 5, 6, 7] (the leaf: its REQUIRED group's page is evicted, the OPTIONAL one
+    # stays). A prompt [0..7] shares 4 tokens with the full child, which cannot serve
+    # the REQUIRED group, and 1 with the partial one, which can: the match takes it.
+    layers = [AttentionLayerConfig(layer_id=0, buffers=kv()),
+              AttentionLayerConfig(layer_id=1, buffers=kv(policy=ReusePolicy.OPTIONAL))]
+    m = managers(layers, quota=12 * 2 * PAGE + PAGE, pool_group_ratios=(1, 3),
+                 max_util_for_resume=1.0)
+    assert m.tokens_per_block == 4
+
+    def run(p, cb=None):
+        c = m.create_kv_cache(None, p, priority_callback=cb)
+        assert c.resume(optional_reuse_groups=[]) and c.resize(len(p))
+        c.commit(p[c.history_length:])
+        c.close()
+
+    run([0, 1, 2, 3, 4, 9], cb=lambda block: 50)
+    run([0, 1, 2, 3, 4, 5, 6, 7])
+    assert m.probe_reuse(None, [0, 1, 2, 3, 4, 5, 6, 7]) == 8
+    run([50, 51, 52, 53])  # the REQUIRED pool is full: block [4, 5, 6, 7]'s page goes
+    assert m.probe_reuse(None, [0, 1, 2, 3, 4, 9, 9]) == 6
+    assert m.probe_reuse(None, [0, 1, 2, 3, 4, 5, 6, 7]) == 5  # block 0 and [4] of [4, 9]
+    c = m.create_kv_cache(None, [0, 1, 2, 3, 4, 5, 6, 7])
+    assert c.history_length == 5
+    c.close()
