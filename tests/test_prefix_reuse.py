@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 from conftest import (
-    Driver,
     PAGE,
+    Driver,
     assert_invariants,
     drop_page,
     full_layers,
