@@ -396,7 +396,9 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         elif len(tokens) == 1 and type(tokens[0]) is int and -_I32 <= tokens[0] < _I32:
             short = True  # the decode step
         elif len(tokens) > 4 or not all(type(t) is int and -_I32 <= t < _I32 for t in tokens):
-            encode_token_ids(tokens)
+            data, mm = encode_token_ids(tokens)
+            if not mm:  # checked and encoded once: the log copies the array
+                tokens = np.frombuffer(data, dtype="<i4")
         else:
             short = True
         known = self._tokens.n
