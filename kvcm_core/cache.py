@@ -396,7 +396,9 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         elif len(tokens) == 1 and type(tokens[0]) is int and -_I32 <= tokens[0] < _I32:
             short = True  # the decode step
         elif len(tokens) > 4 or not all(type(t) is int and -_I32 <= t < _I32 for t in tokens):
-            encode_token_ids(tokens)
+            data, mm = encode_token_ids(tokens)
+            if not mm:  # checked and encoded once: the log copies the array
+                tokens = np.frombuffer(data, dtype="<i4")
         else:
             short = True
         known = self._tokens.n
@@ -462,6 +464,11 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             self._release_beams()
         # Deepest block first, every group of a block together: the LRU order then evicts
         # a chain from its tail, and no group's pages of a block age apart from the others.
+        # A pending partial block's copy source (a close before the first resume) lies
+        # below every block held, so it goes first.
+        if self._pending:
+            L.change(_arr([src for _, _, src in self._pending]), 0, -1)
+            self._pending.clear()
         groups = ctx.attn_groups
         if len(groups) == 1 and not ctx.ssm_groups:  # one attention group: the usual model
             g = groups[0]
@@ -495,9 +502,6 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             for g in groups:
                 self._pages[g] = []
             self._ssm = [-1] * len(self._ssm)
-        if self._pending:
-            L.change(_arr([src for _, _, src in self._pending]), 0, -1)
-            self._pending.clear()
         self._status = CacheStatus.CLOSED
         self._changed()
         ctx.on_close(self)

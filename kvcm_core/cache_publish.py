@@ -133,7 +133,7 @@ class PublishMixin(CacheBase):
                 L.publish(np.asarray([mine]), np.asarray([nid]), g)
             elif a.level[theirs] == 0 and a.node[mine] < 0:
                 # Rebase onto the identical tree block and free our copy.
-                L.change(np.asarray([theirs]), 1, 0)
+                L.claim(np.asarray([theirs]), 1, 0)  # shared now: see demote_leaf
                 a.reused[theirs] = True
                 pages_g[b] = theirs
                 self._unlock(np.asarray([mine]))
@@ -221,7 +221,7 @@ class PublishMixin(CacheBase):
             pid = pages_g[b] if b < len(pages_g) else -1
             # Ours (published into this node by this cache) and never claimed by another.
             if pid >= 0 and a.node[pid] == nid and not a.reused[pid]:
-                self._levels.demote_leaf(pid, nid, LEAF_BLOCK_PRIORITY)
+                self._levels.demote_leaf(pid, LEAF_BLOCK_PRIORITY)
 
     def _publish_at_close(self) -> None:
         """The leaf block's priority, the trailing partial block, and the live SSM state

@@ -30,7 +30,9 @@ class BlockEvent:
         kind: stored, removed or moved.
         block_key: the block's key (hex SHA-256 of the scope root and the block's whole
             prefix: docs/semantics.md, "Block keys").
-        parent_key: the parent block's key (hex), ``None`` at the root.
+        parent_key: the parent block's key (hex); ``None`` for a chain's first block
+            (its parent is the scope root, which is no block: docs/semantics.md, "Block
+            events").
         group: cache group (life cycle) id.
         level: level the block is now on (moved/stored) or was removed from.
         medium: that level's backing medium (``"device"``, ``"host"``, ``"file"``...).

@@ -107,10 +107,6 @@ class Levels:
         ngroups = len(life_cycles)
         self.stats = IterationStats.empty(ngroups, len(config.levels))
         self.event_sink_errors: dict[str, int] = {}
-        #: Leaf pages given a low priority at their writer's close -> (their node, that
-        #: priority): a page id is recycled, so an entry counts only while the page is
-        #: still in that node at that priority.
-        self.leaf_nodes: dict[int, tuple[int, int]] = {}
         self._events: list[BlockEvent] = []
         self._pg_of = [int(layout.group_to_pool_group[CacheGroupId(g)])
                        for g in range(ngroups)]
@@ -298,24 +294,26 @@ class Levels:
             if self.corrupt_ids:
                 self.corrupt_ids.difference_update(gone.tolist())
 
-    def claim(self, pids: np.ndarray) -> None:
-        """A new request holds committed pages it matched (ids unique): one hold each. A
-        leaf block demoted at its writer's close (:meth:`demote_leaf`) is shared now and
-        gets the default priority back."""
-        leaves = self.leaf_nodes
-        if leaves:  # before the hold, so that a held queue gets the page's new priority
-            a = self.arena
-            for pid in leaves.keys() & set(pids.tolist()):
-                nid, priority = leaves.pop(pid)
-                if a.node[pid] == nid and a.priority[pid] == priority:
-                    a.priority[pid] = DEFAULT_PRIORITY
-        self.change(pids, 0, 1)
+    def claim(self, pids: np.ndarray, dlocks: int = 0, dholds: int = 1) -> None:
+        """A request shares committed pages it did not write (ids unique): a match at
+        create (one hold each), a rebase at commit (one lock). A leaf block demoted at
+        its writer's close (:meth:`demote_leaf`) is shared now and gets the default
+        priority back, for good."""
+        a = self.arena
+        demoted = a.demoted[pids]
+        if demoted.any():  # before the hold, so that a held queue gets the new priority
+            back = pids[demoted != 0]
+            a.priority[back] = DEFAULT_PRIORITY
+            a.demoted[back] = 0
+        self.change(pids, dlocks, dholds)
 
-    def demote_leaf(self, pid: int, nid: int, priority: int) -> None:
-        """Give a closing cache's leaf page (committed in node ``nid``, used by no other
-        request) ``priority`` until another request claims it."""
-        self.arena.priority[pid] = priority
-        self.leaf_nodes[pid] = (nid, priority)
+    def demote_leaf(self, pid: int, priority: int) -> None:
+        """Give a closing cache's leaf page (committed, used by no other request)
+        ``priority`` until another request shares it (:meth:`claim`). The mark is a
+        column of the page's row: it goes when the page id is handed out again."""
+        a = self.arena
+        a.priority[pid] = priority
+        a.demoted[pid] = 1
 
     def release_locked(self, pids: np.ndarray) -> None:
         """Owners let go of pages they locked once (a close): see :meth:`Store.unlock_all`."""
@@ -954,13 +952,31 @@ class Levels:
         tree = self.tree
         key = tree.key(nid)
         parent = int(tree.parent[nid])
-        pkey = tree.key(parent) if parent >= 0 else None
+        # A chain's first block has no parent block: its parent node is the scope root,
+        # whose digest no event announces (vLLM's BlockStored: parent hash None).
+        pkey = tree.key(parent) if parent >= 0 and tree.ordinal[parent] >= 0 else None
         self._events.append(BlockEvent(
             kind=kind, block_key=key.hex() if key else f"partial:{nid:x}",
             parent_key=pkey.hex() if pkey else None, group=group, level=level,
             medium=self.medium(level), token_ids=token_ids, from_level=from_level))
         if len(self._events) >= _EVENT_BATCH:
             self.flush_events()
+
+    def removed_at_shutdown(self) -> None:
+        """A REMOVED event for every block still cached, on the level it is on, deepest
+        block first: at shutdown every level's pages go with the manager (no cache is
+        open). The tree itself is left as it is."""
+        if not self.sinks:
+            return
+        tree = self.tree
+        ordinal = tree.ordinal
+        nodes = np.flatnonzero(ordinal >= 0)
+        nodes = nodes[np.argsort(-ordinal[nodes], kind="stable")]
+        level = self.arena.level
+        for nid, row in zip(nodes.tolist(), tree.pages[nodes].tolist(), strict=True):
+            for g, pid in enumerate(row):
+                if pid >= 0:
+                    self.event(EventKind.REMOVED, nid, g, int(level[pid]))
 
     def flush_events(self) -> None:
         """Deliver pending events. A sink that raises never disturbs the manager: the

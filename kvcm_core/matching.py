@@ -24,7 +24,7 @@ import attrs
 import numpy as np
 
 from kvcm_core.radix import NO_NODE, PrefixTree, extend_keys
-from kvcm_core.tokens import encode_token_ids
+from kvcm_core.tokens import check_token_range, encode_token_ids
 from kvcm_core.types import ReusePolicy
 
 if TYPE_CHECKING:
@@ -93,12 +93,24 @@ def match_prefix(
     n = len(tokens)
     if n == 0:
         return Match(0, _EMPTY, [])
-    # Encode a chunk at a time: a short match never pays for a long prompt (an int32
-    # array is one copy, so its chunks are larger). A prompt of up to two chunks is
-    # encoded at once (a list is then not sliced: slicing copies it). The first chunk is
-    # encoded even when nothing is cached, so bad tokens fail early.
-    chunk = _ARRAY_CHUNK if isinstance(tokens, np.ndarray) else _CHUNK
-    data, mm = encode_token_ids(tokens if n <= 2 * chunk * tpb else tokens[: chunk * tpb])
+    # Every token is validated here, whatever is cached (a bad token is refused the same
+    # way in a short prompt and a long one). A list is encoded whole, in one C call
+    # (which validates it): the walk reads its blocks from that, and the cache its
+    # matched tokens. An int32 array needs no check (its dtype says it all) and another
+    # integer array one min and max; they are encoded a chunk at a time (one copy each:
+    # a short match never pays for a long prompt), a prompt of up to two chunks at once.
+    if isinstance(tokens, np.ndarray):
+        chunk = _ARRAY_CHUNK
+        if n <= 2 * chunk * tpb:
+            data, mm = encode_token_ids(tokens)
+        else:
+            check_token_range(tokens)
+            data, mm = encode_token_ids(tokens[: chunk * tpb])
+    else:
+        chunk = _CHUNK
+        data, mm = encode_token_ids(tokens)  # (digests: every item checked, data empty)
+        if mm and n > 2 * chunk * tpb:  # the walk gallops up to the first digest's chunk
+            data, mm = encode_token_ids(tokens[: chunk * tpb])
     root = tree.index.get(root_key)
     if root is None:
         return Match(0, _EMPTY, [])
@@ -172,8 +184,8 @@ def with_partial_block(tree: PrefixTree, root: int, tokens: Sequence[Any] | np.n
                        nodes: np.ndarray, tpb: int, walk_groups: Sequence[int],
                        encoded: bytes | None = None) -> tuple[np.ndarray, int]:
     """The matched full-block ``nodes`` (under scope root ``root``) and the tokens they
-    cover, with the partial block that shares the longest prefix with what follows
-    appended when one is cached with every walk group's page.
+    cover, with the partial block that shares the longest prefix with what follows, of
+    those cached with every walk group's page, appended.
 
     ``encoded``: the first tokens of ``tokens`` as :func:`encode_tokens` wrote them (the
     walk's encoded chunks), or None; when it covers the tail, the tail is read from it
@@ -189,8 +201,9 @@ def with_partial_block(tree: PrefixTree, root: int, tokens: Sequence[Any] | np.n
         tail = token_array(tokens[length : length + limit])
         if tail is None:  # multimodal digests: compared item by item
             tail = list(tokens[length : length + limit])
-    best, plen = tree.best_partial(parent, tail)
-    if best != NO_NODE and all(tree.pages[best, g] >= 0 for g in walk_groups):
+    # The child sharing the most tokens among those with every walk group's page.
+    best, plen = tree.best_partial(parent, tail, walk_groups)
+    if best != NO_NODE:
         # np.append(nodes, best), without its ravels (nodes is a 1-D int64 array).
         out = np.empty(len(nodes) + 1, dtype=np.int64)
         out[:-1] = nodes
@@ -241,10 +254,11 @@ def _gallop(index: dict[bytes, int], h: Any, tokens: Sequence[Any] | np.ndarray,
     ``found``, their keys to ``keys`` unless it is None (a probe); the caller takes the
     other blocks' nodes from the parent links and keys from the nodes.
 
-    ``data`` holds the first blocks' tokens encoded (4-byte little-endian); when ``lo``
-    reaches its end, the next ``chunk`` blocks are encoded and appended to ``chunks``
-    (the chunks a block-by-block walk encodes: a short match never encodes a long prompt,
-    and a bad token or a multimodal digest further on is met exactly when it was). Returns
+    ``data`` holds the first blocks' tokens encoded (4-byte little-endian: a list's
+    whole, an array's first chunk); when ``lo`` reaches its end, the next ``chunk`` blocks
+    are encoded and appended to ``chunks`` (the chunks a block-by-block walk encodes: a
+    short match never copies a long array, and a multimodal digest further on is met
+    exactly when it was). Returns
     ``(stop, lo, nid, h)``: ``nid`` the node of block ``lo - 1`` (``NO_NODE`` when ``lo``
     is 0); ``stop`` is ``_DONE`` (``lo == nfull``; ``h`` is the state after them), ``_MISS``
     (block ``lo`` is not cached; ``h`` may be past it) or ``_MM`` (the next chunk holds

@@ -699,43 +699,56 @@ class PrefixTree:
 
     # -- partial matching ----------------------------------------------------------------------
 
-    def best_partial(self, parent: int, tokens: np.ndarray | Sequence[Any]) -> tuple[int, int]:
+    def best_partial(self, parent: int, tokens: np.ndarray | Sequence[Any],
+                     groups: Sequence[int] = ()) -> tuple[int, int]:
         """The child of ``parent`` sharing the longest prefix with ``tokens`` (int32, or a
-        sequence holding multimodal digests; at most one block): ``(node, shared tokens)``,
-        ``(NO_NODE, 0)`` when none."""
+        sequence holding multimodal digests; at most one block) among those holding a page
+        in every one of ``groups``: ``(node, shared tokens)``, ``(NO_NODE, 0)`` when none.
+        (A child sharing more tokens but lacking a page does not hide one that has them.)"""
         if not len(tokens):
             return NO_NODE, 0
         if not isinstance(tokens, np.ndarray):
-            return self._best_partial_items(parent, tuple(tokens))
+            return self._best_partial_items(parent, tuple(tokens), groups)
         kids = self.children_starting(parent, int(tokens[0]))
         if not kids:
             return NO_NODE, 0
-        if len(kids) == 1 and isinstance(tokens, np.ndarray) and not self.mm[kids[0]]:
+        if len(kids) == 1 and not self.mm[kids[0]]:
             c = kids[0]  # the common case: one candidate, compared on its own
+            if not self._has_pages(c, groups):
+                return NO_NODE, 0
             m = min(len(tokens), int(self.ntok[c]))
             eq = self.tokens[c, :m] == tokens[:m]
             shared = m if np.count_nonzero(eq) == len(eq) else int(eq.argmin())
             return (c, shared) if shared > 0 else (NO_NODE, 0)
         k = np.asarray(kids, dtype=np.int64)
         if self.mm[k].any():
-            return self._best_partial_items(parent, tuple(tokens.tolist()))
+            return self._best_partial_items(parent, tuple(tokens.tolist()), groups)
         n = len(tokens)
         rows = self.tokens[k, :n]
         eq = rows == tokens[None, :]
         # Shared prefix per child: index of the first mismatch (n if none), capped by ntok.
         mism = np.where(eq.all(axis=1), n, eq.argmin(axis=1))
         shared = np.minimum(mism, self.ntok[k])
+        if len(groups):
+            shared[(self.pages[k][:, groups] < 0).any(axis=1)] = 0
         best = int(shared.argmax())
         if shared[best] <= 0:
             return NO_NODE, 0
         return int(k[best]), int(shared[best])
 
-    def _best_partial_items(self, parent: int, items: tuple[Any, ...]) -> tuple[int, int]:
+    def _has_pages(self, nid: int, groups: Sequence[int]) -> bool:
+        pages = self.pages
+        return all(pages[nid, g] >= 0 for g in groups)
+
+    def _best_partial_items(self, parent: int, items: tuple[Any, ...],
+                            groups: Sequence[int] = ()) -> tuple[int, int]:
         """:meth:`best_partial` compared item by item (digests exactly)."""
         first = token_id32(items[0])
         first = first - (1 << 32) if first >= 1 << 31 else first
         best, best_len = NO_NODE, 0
         for c in self.children_starting(parent, first):
+            if not self._has_pages(c, groups):
+                continue
             ctoks = self._mm_items.get(c, ()) if self.mm[c] else self.block_tokens(c)
             n = 0
             for x, y in zip(ctoks, items):  # noqa: B905  (the shorter one bounds it)

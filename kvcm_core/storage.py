@@ -84,11 +84,15 @@ class PageArena:
         node: prefix-tree node once committed, else ``-1``.
         priority: eviction priority (0..100).
         reused: claimed by a request other than its writer.
+        demoted: its priority was lowered at its writer's close (a leaf block,
+            ``Levels.demote_leaf``) until another request shares it. Like every column,
+            reset when the id is handed out again.
     """
 
     #: Columns of the row array, and a free page's row.
-    FIELDS = ("store", "slot", "group", "locks", "holds", "node", "priority", "reused", "level")
-    _BLANK = (-1, -1, 0, 0, 0, -1, DEFAULT_PRIORITY, 0, -1)
+    FIELDS = ("store", "slot", "group", "locks", "holds", "node", "priority", "reused", "level",
+              "demoted")
+    _BLANK = (-1, -1, 0, 0, 0, -1, DEFAULT_PRIORITY, 0, -1, 0)
 
     def __init__(self, capacity: int = 1024) -> None:
         capacity = max(16, capacity)
@@ -101,7 +105,8 @@ class PageArena:
     def _bind(self) -> None:
         rows = self._rows
         self.store, self.slot, self.group, self.locks, self.holds, self.node, \
-            self.priority, self.reused, self.level = (rows[:, i] for i in range(9))
+            self.priority, self.reused, self.level, self.demoted = \
+            (rows[:, i] for i in range(10))
 
     @property
     def capacity(self) -> int:
@@ -264,7 +269,7 @@ class Store:
             return np.array([self.take_one(group, locks)], dtype=np.int64)
         a = self.arena
         pids = a.alloc(n, (self.index, -1, group, locks, 0, -1, DEFAULT_PRIORITY, 0,
-                           self.level))
+                           self.level, 0))
         slots = self._free.pop(n)
         self._pid[slots] = pids
         a.slot[pids] = slots
@@ -277,7 +282,7 @@ class Store:
                 f"level {self.level} pool group {self.pool_group}: 1 slot wanted, 0 free")
         slot = self._free.pop_one()
         pid = self.arena.alloc_one((self.index, slot, group, locks, 0, -1, DEFAULT_PRIORITY,
-                                    0, self.level))
+                                    0, self.level, 0))
         self._pid[slot] = pid
         return pid
 

@@ -9,10 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from kvcm_core.errors import ArgumentTypeError
+from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError
 from kvcm_core.radix import encode_tokens, token_id32
 
-__all__ = ["TokenLog", "encode_token_ids"]
+_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
+
+__all__ = ["TokenLog", "check_token_range", "encode_token_ids"]
 
 #: Up to this many tokens a list is scanned for bools by type (about 20 ns a token); a
 #: longer one has only its tokens encoded as 0 or 1 looked at (about 2 us and 0.2 ns a token).
@@ -37,6 +39,18 @@ def encode_token_ids(tokens: Sequence[Any] | np.ndarray, start: int = 0,
             raise ArgumentTypeError(f"{name}: token {start + i}={tokens[i]!r}: a bool is not "
                                     "a token id (token ids are ints)")
     return data, mm
+
+
+def check_token_range(tokens: np.ndarray) -> None:
+    """An integer token array's values fit int32 (one min and one max; nothing for an
+    int32 array): ``InvalidArgumentError`` naming the first token out of range."""
+    if tokens.dtype == np.int32 or not tokens.size:
+        return
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < _I32_MIN or hi > _I32_MAX:
+        i = int(np.flatnonzero((tokens < _I32_MIN) | (tokens > _I32_MAX))[0])
+        raise InvalidArgumentError(f"token {i}={int(tokens[i])}: token ids must fit a 32-bit "
+                                   f"signed int (got values in {lo}..{hi})")
 
 
 def _first_bool(tokens: Sequence[Any], data: bytes) -> int:

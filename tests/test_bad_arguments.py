@@ -143,6 +143,51 @@ def test_a_bool_in_a_later_chunk_of_a_long_prompt_is_named_at_its_place_in_the_p
         m.create_kv_cache(None, bad)
 
 
+@pytest.mark.parametrize("bad, error, rule", [
+    (1 << 40, InvalidArgumentError, "token 4999=1099511627776: token ids must fit"),
+    (1.5, ArgumentTypeError, "token 4999=1.5: must be an int token id"),
+    ("x", ArgumentTypeError, "token 4999='x': must be an int token id"),
+    (True, ArgumentTypeError, "token 4999=True: a bool is not a token id"),
+    (bytes(31), InvalidArgumentError, "token 4999: a multimodal item must be a 32-byte"),
+], ids=["out-of-int32", "float", "str", "bool", "short-digest"])
+@pytest.mark.parametrize("cached", [0, 16, 4996], ids=["nothing", "a-block", "all-but-one"])
+@pytest.mark.parametrize("mm", [False, True], ids=["ints", "with-a-digest"])
+def test_a_bad_token_is_refused_wherever_it_is_and_whatever_is_cached(bad, error, rule,
+                                                                       cached, mm) -> None:
+    # A bad token is refused naming its place and value however long the prompt and
+    # whatever part of it is cached: the prefix walk reads only what it needs.
+    m = make_manager(full_layers())
+    prompt = tokens(5000)
+    if mm:
+        prompt[7] = bytes(range(32))
+    if cached:
+        c = m.create_kv_cache(None, [])
+        assert c.resume() and c.resize(cached)
+        c.commit(prompt[:cached])
+        c.close()
+    bad_prompt = [*prompt[:4999], bad]
+    if mm and isinstance(bad, bool):
+        rule = "token 4999=True: must be an int token id"
+    for call in (m.probe_reuse, m.create_kv_cache):
+        with pytest.raises(error, match=rule):
+            call(None, bad_prompt)
+    assert m.num_open_caches == 0
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint32, np.uint64])
+def test_a_token_array_value_out_of_int32_is_refused_wherever_it_is(dtype) -> None:
+    m = make_manager(full_layers())
+    prompt = np.asarray(tokens(40000), dtype=dtype)
+    c = m.create_kv_cache(None, [])
+    assert c.resume() and c.resize(64)
+    c.commit(prompt[:64])
+    c.close()
+    prompt[-1] = 1 << 31
+    for call in (m.probe_reuse, m.create_kv_cache):
+        with pytest.raises(InvalidArgumentError, match="token 39999=2147483648: token ids"):
+            call(None, prompt)
+
+
 def test_token_ids_0_and_1_given_as_ints_are_still_taken() -> None:
     m = make_manager(full_layers())
     for n in (4, 40, 600):

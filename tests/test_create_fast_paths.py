@@ -43,8 +43,8 @@ def ref_with_partial_block(tree: PrefixTree, root: int, tokens: Sequence[Any] | 
     tail: Any = token_array(tokens[length : length + limit])
     if tail is None:  # multimodal digests: compared item by item
         tail = list(tokens[length : length + limit])
-    best, plen = tree.best_partial(parent, tail)
-    if best != NO_NODE and all(tree.pages[best, g] >= 0 for g in walk_groups):
+    best, plen = tree.best_partial(parent, tail, walk_groups)
+    if best != NO_NODE:
         return np.append(nodes, np.int64(best)), length + plen
     return nodes, length
 
@@ -237,10 +237,10 @@ def claim_per_group(levels: Any) -> None:
     orig = levels.claim
     order = {g: i for i, g in enumerate(levels.claim_order)}
 
-    def claim(pids: np.ndarray) -> None:
+    def claim(pids: np.ndarray, *counts: int) -> None:
         groups = levels.arena.group[pids]
         for g in sorted(set(groups.tolist()), key=order.__getitem__):
-            orig(pids[groups == g])
+            orig(pids[groups == g], *counts)
 
     levels.claim = claim
 
@@ -258,7 +258,7 @@ def final_state(m: Any) -> Any:
     levels = m.storage_levels
     a = levels.arena
     out: list[Any] = [a.locks.tolist(), a.holds.tolist(), a.priority.tolist(),
-                      a.reused.tolist(), a.level.tolist(), levels.stats]
+                      a.reused.tolist(), a.level.tolist(), a.demoted.tolist(), levels.stats]
     for store in levels.all_stores:
         out.append([int(p) for p in store.held.pop_victims(len(store.held))])
         out.append([int(p) for p in store.droppable.pop_victims(len(store.droppable))])
@@ -332,11 +332,11 @@ def test_claims_span_groups_and_levels():
         spans: list[tuple[int, int]] = []
         orig = levels.claim
 
-        def claim(pids: np.ndarray, _orig: Any = orig, _levels: Any = levels,
+        def claim(pids: np.ndarray, *counts: int, _orig: Any = orig, _levels: Any = levels,
                   _spans: list[Any] = spans) -> None:
             a = _levels.arena
             _spans.append((len(set(a.group[pids].tolist())), len(set(a.level[pids].tolist()))))
-            _orig(pids)
+            _orig(pids, *counts)
 
         levels.claim = claim
         try:

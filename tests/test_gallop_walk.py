@@ -38,12 +38,18 @@ def linear_match_prefix(tree: PrefixTree, root_key: bytes, tokens: Sequence[Any]
                         prune_groups: Sequence[int], partial: bool, backoff: int,
                         probe: bool = False) -> Match:
     """main's ``match_prefix`` before the gallop (chunk sizes read from matching.py, so a
-    test can shrink them for both)."""
+    test can shrink them for both), with the encoding of lists whole (every token
+    validated)."""
     n = len(tokens)
     if n == 0:
         return Match(0, _EMPTY, [])
     chunk = matching_mod._ARRAY_CHUNK if isinstance(tokens, np.ndarray) else matching_mod._CHUNK
-    data, mm = encode_tokens(tokens if n <= 2 * chunk * tpb else tokens[: chunk * tpb])
+    if isinstance(tokens, np.ndarray):
+        data, mm = encode_tokens(tokens if n <= 2 * chunk * tpb else tokens[: chunk * tpb])
+    else:  # a list is encoded (validated) whole; with digests, its first chunk walked
+        data, mm = encode_tokens(tokens)
+        if mm and n > 2 * chunk * tpb:
+            data, mm = encode_tokens(tokens[: chunk * tpb])
     root = tree.index.get(root_key)
     if root is None:
         return Match(0, _EMPTY, [])

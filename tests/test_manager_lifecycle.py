@@ -36,6 +36,7 @@ from kvcm_core import (
     KVCacheManager,
     KvcmPluginManager,
     ReusePolicy,
+    ReuseScope,
     SsmLayerConfig,
     hookimpl,
 )
@@ -610,6 +611,55 @@ class _SinkPlugin:
         return [self.sink]
 
 
+def test_a_chains_first_block_has_no_parent_key(managers):
+    # BlockEvent.parent_key is None at the root: the first block of every chain (of any
+    # scope, a lone partial block included) names no parent, never the scope root's digest.
+    from conftest import make_config
+
+    rec = _Recorder()
+    pm = KvcmPluginManager(autoload=True)
+    pm.register(_SinkPlugin(rec), name="test-recorder")
+    m = KVCacheManager(make_config(full_layers(), quota=16 * 4 * PAGE), plugin_manager=pm)
+    d = Driver(m)
+    d.run(tokens(9, seed=1))
+    d.run(tokens(3, seed=2), scope=ReuseScope(lora_id=2))
+    m.flush_events()
+    announced = {e.block_key for e in rec.events}
+    firsts = [e for e in rec.events if e.parent_key not in announced]
+    assert len(firsts) == 2
+    assert all(e.parent_key is None for e in firsts)
+    m.shutdown()
+
+
+def test_shutdown_announces_every_cached_block_removed(managers):
+    # At shutdown every level's blocks go with the manager: a router must not keep
+    # believing them cached. One REMOVED event per cached block and group, on the level
+    # it was on, children before their parents.
+    from conftest import make_config
+
+    rec = _Recorder()
+    pm = KvcmPluginManager(autoload=True)
+    pm.register(_SinkPlugin(rec), name="test-recorder")
+    m = KVCacheManager(make_config(full_layers(), quota=16 * 4 * PAGE), plugin_manager=pm)
+    d = Driver(m)
+    d.run(tokens(10, seed=1))
+    d.run(tokens(13, seed=2), scope=ReuseScope(lora_id=2))
+    m.flush_events()
+    cached = {e.block_key for e in rec.events if e.kind is EventKind.STORED} - \
+        {e.block_key for e in rec.events if e.kind is EventKind.REMOVED}
+    assert len(cached) == 7
+    rec.events.clear()
+    m.shutdown()
+    assert all(e.kind is EventKind.REMOVED and e.level == 0 for e in rec.events)
+    assert len(rec.events) == len(cached)
+    assert {e.block_key for e in rec.events} == cached
+    seen: set[str] = set()
+    for e in rec.events:  # deepest first: no parent announced before its child
+        assert e.block_key not in seen
+        seen.add(e.block_key)
+        assert e.parent_key is None or e.parent_key not in seen
+
+
 def test_block_events_deliver_stored_and_removed(managers):
     from conftest import make_config
 
@@ -627,6 +677,8 @@ def test_block_events_deliver_stored_and_removed(managers):
     full = [e for e in stored if not e.block_key.startswith("partial")]
     assert [e.token_ids for e in full] == [tuple(t[0:4]), tuple(t[4:8])]
     assert full[1].parent_key == full[0].block_key
+    assert full[0].parent_key is None  # a chain's first block: no parent block
+    assert stored[-1].parent_key == full[1].block_key  # the partial block's parent
     assert full[0].block_key == m.tree.key(tree_node(m, t, 4)).hex()
     assert rec.events[-1].token_ids == tuple(t[8:10])
     rec.events.clear()

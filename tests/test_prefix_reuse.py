@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import pytest
 from conftest import (
+    PAGE,
     Driver,
     assert_invariants,
     drop_page,
     full_layers,
     hybrid_layers,
+    kv,
     page_holds,
     slot_of,
     table,
@@ -23,7 +25,7 @@ from conftest import (
     windowed_layers,
 )
 
-from kvcm_core import BAD_PAGE_INDEX, ReuseScope
+from kvcm_core import BAD_PAGE_INDEX, AttentionLayerConfig, ReusePolicy, ReuseScope
 from kvcm_core.testing.engine import EngineLoop, Request
 
 # -- full attention ---------------------------------------------------------------------
@@ -529,3 +531,98 @@ def test_closes_in_a_row_keep_their_release_order_for_eviction(managers):
     assert m.probe_reuse(None, prompts[0]) == tpb  # A's deepest block went first
     assert m.probe_reuse(None, prompts[1]) == 2 * tpb
     assert m.probe_reuse(None, prompts[2]) == 2 * tpb
+
+
+def test_pages_are_released_deepest_block_first_even_a_pending_partial_source(managers):
+    # A request whose match ends inside a block holds that block's page as the source of
+    # its pending partial copy; closed before its first resume, it must release that page
+    # (its deepest) first, else the leaf is newer than its parents and the next eviction
+    # takes a parent and cuts the chain.
+    m = managers(full_layers(), slots=4, enable_partial_reuse=True, max_util_for_resume=1.0)
+    tpb = m.tokens_per_block
+    p = tokens(3 * tpb, seed=21)
+    _run_once(m, p)  # three blocks cached, one slot free
+    r = m.create_kv_cache(None, [*p[:2 * tpb + 2], 7])
+    assert r.history_length == 2 * tpb + 2  # two blocks and two tokens of the third
+    r.close()  # before any resume
+    assert m.probe_reuse(None, p) == 3 * tpb
+    _run_once(m, tokens(2 * tpb, seed=22))  # two pages: one free, one victim
+    assert m.probe_reuse(None, p) == 2 * tpb  # the leaf went, not a parent
+
+
+def test_a_leaf_block_a_rebase_shares_is_no_longer_demoted(managers):
+    # A and B are admitted before anything is cached; B extends A. A commits and closes:
+    # its leaf (block 1) is demoted. B commits the same two blocks (it rebases onto A's)
+    # and two more: A's leaf is shared now and the parent of B's blocks, so it gets the
+    # default priority back; under pressure B's own leaf goes first, then LRU order
+    # takes the chain from its tail, never block 1 before its child.
+    m = managers(full_layers(), slots=6, max_util_for_resume=1.0)
+    tpb = m.tokens_per_block
+    p = tokens(2 * tpb, seed=31)
+    q = p + tokens(2 * tpb, seed=32)
+    a = m.create_kv_cache(None, p)
+    b = m.create_kv_cache(None, q)
+    assert a.resume() and b.resume() and a.resize(len(p)) and b.resize(len(q))
+    a.commit(p)
+    a.close()
+    b.commit(q)
+    assert m.get_and_reset_iteration_stats().groups[0].rebased_blocks == 2
+    b.close()
+    assert m.probe_reuse(None, q) == 4 * tpb
+    _run_once(m, tokens(4 * tpb, seed=33))  # four pages: two free, two victims
+    assert m.probe_reuse(None, q) == 2 * tpb
+
+
+def test_a_recycled_page_keeps_the_priority_it_was_given(managers):
+    # A's leaf page is demoted, then evicted; its page id is recycled for a block whose
+    # priority callback says 1 (the leaf priority). A request claiming that block must
+    # not "restore" a default priority the engine never gave it.
+    m = managers(full_layers(), slots=2, max_util_for_resume=1.0)
+    tpb = m.tokens_per_block
+    a = tokens(tpb, seed=41)
+    _run_once(m, a)
+    arena = m.storage_levels.arena
+    leaf = int(tree_page(m, a, 0, 0))
+    assert arena.priority[leaf] == 1
+    _run_once(m, tokens(tpb, seed=42))  # the other slot
+    assert m.probe_reuse(None, a) == tpb
+    b = tokens(tpb, seed=43)
+    c = m.create_kv_cache(None, b, priority_callback=lambda block: 1)
+    assert c.resume() and c.resize(len(b))
+    c.commit(b)
+    c.close()
+    assert m.probe_reuse(None, a) == 0  # A's leaf, the older, was evicted for B
+    pid = int(tree_page(m, b, 0, 0))
+    assert arena.priority[pid] == 1
+    d = m.create_kv_cache(None, b)  # claims the block
+    assert pid == leaf  # the recycled id (else this test proves nothing)
+    assert arena.priority[pid] == 1
+    d.close()
+
+
+def test_a_partial_child_without_pages_does_not_hide_a_sibling_with_them(managers):
+    # Two children of block 0: the partial [4, 9] (priority 50, every page) and the full
+    # [4, 5, 6, 7] (the leaf: its REQUIRED group's page is evicted, the OPTIONAL one
+    # stays). A prompt [0..7] shares 4 tokens with the full child, which cannot serve
+    # the REQUIRED group, and 1 with the partial one, which can: the match takes it.
+    layers = [AttentionLayerConfig(layer_id=0, buffers=kv()),
+              AttentionLayerConfig(layer_id=1, buffers=kv(policy=ReusePolicy.OPTIONAL))]
+    m = managers(layers, quota=12 * 2 * PAGE + PAGE, pool_group_ratios=(1, 3),
+                 max_util_for_resume=1.0)
+    assert m.tokens_per_block == 4
+
+    def run(p, cb=None):
+        c = m.create_kv_cache(None, p, priority_callback=cb)
+        assert c.resume(optional_reuse_groups=[]) and c.resize(len(p))
+        c.commit(p[c.history_length:])
+        c.close()
+
+    run([0, 1, 2, 3, 4, 9], cb=lambda block: 50)
+    run([0, 1, 2, 3, 4, 5, 6, 7])
+    assert m.probe_reuse(None, [0, 1, 2, 3, 4, 5, 6, 7]) == 8
+    run([50, 51, 52, 53])  # the REQUIRED pool is full: block [4, 5, 6, 7]'s page goes
+    assert m.probe_reuse(None, [0, 1, 2, 3, 4, 9, 9]) == 6
+    assert m.probe_reuse(None, [0, 1, 2, 3, 4, 5, 6, 7]) == 5  # block 0 and [4] of [4, 9]
+    c = m.create_kv_cache(None, [0, 1, 2, 3, 4, 5, 6, 7])
+    assert c.history_length == 5
+    c.close()
