@@ -227,3 +227,34 @@ def test_beam_width_is_validated():
     with pytest.raises(ValueError, match="beam"):
         c.beam_fork(1)
     c.close()
+
+
+def test_resume_counts_a_page_shared_by_beams_once():
+    """A page shared by several beams takes one level-0 slot: ``resume`` counts it once
+    against ``max_util_for_resume`` (13 distinct pages fit 20 slots, though the beams
+    hold 33 references)."""
+    layers = [AttentionLayerConfig(layer_id=0, buffers=[BufferConfig(role="k", size=64)])]
+    m = KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=TPB, layers=layers,
+        levels=[LevelConfig(tier="gpu", quota=20 * 64), LevelConfig(tier="host", quota=1 << 16)],
+        kernel_backend=os.environ.get("KVCM_TEST_BACKEND", "numpy"), max_beam_width=3,
+        max_util_for_resume=1.0))
+    e = FingerprintEngine(m)
+    t = list(range(1, 100))
+    c = m.create_kv_cache(None, [])
+    assert c.resume()
+    assert c.resize(40)
+    e.step([StepWork(c, t)])
+    c.commit(t[:40])  # 10 full blocks, then 3 beams share them
+    assert c.set_beam_width(3)
+    beams = [t] + [t[:40] + [200 + i] * 10 for i in range(2)]
+    assert c.resize(41)
+    e.step([StepWork(c, b, k) for k, b in enumerate(beams)])
+    c.commit(t[40:41])
+    assert len(set(c.page_ids())) == 13
+    c.suspend()
+    assert c.resume(), c.last_refusal
+    e.check([StepWork(c, b, k) for k, b in enumerate(beams)])
+    m.check_invariants()
+    c.close()
+    m.shutdown()
