@@ -437,7 +437,9 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         """Publish nothing more from this cache (e.g. after a rewind it cannot redo)."""
         self._ctx.thread.check()
         self._require(CacheStatus.ACTIVE, CacheStatus.SUSPENDED)
-        self._commit_on = False
+        if self._commit_on:
+            self._commit_on = False
+            self._collect_bare_tail()
 
     def close(self) -> None:
         """Release every page; committed ones stay reusable until evicted. Idempotent."""
