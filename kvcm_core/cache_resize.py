@@ -145,10 +145,17 @@ class ResizeMixin(CacheBase):
         plan = (self._plan_scratch(capacity, history, nb_new, releases, grow, needs)
                 if ctx.scratch_scales else None)
         nbeams = self.beam_width - 1
+        unshare: list[tuple[Any, int, int]] = []
         if nbeams:  # every beam grows and sheds the same blocks as beam 0
             for g, blocks in grow.items():
                 needs[L.pool_group_of(g)] += len(blocks) * nbeams
-        prios = self._priorities([b for blocks in grow.values() for b in blocks])
+            if history < self._history:  # a rewind below a fork unshares blocks
+                unshare = self._unshare_plan(history, nb_new)
+                for _, g, _ in unshare:
+                    pg = L.pool_group_of(g)
+                    needs[pg] = needs.get(pg, 0) + 1
+        prios = self._priorities([b for blocks in grow.values() for b in blocks] +
+                                 [b for _, _, b in unshare])
         if needs:
             for g, b in releases:
                 pid = self._pages[g][b]
@@ -192,6 +199,8 @@ class ResizeMixin(CacheBase):
         for pages, _ in self._beam_views():
             for g in ctx.attn_groups:
                 del pages[g][nb_new:]
+        if nbeams and history < self._history:
+            self._unshare(unshare, history, prios)
         self._grow_beams(grow, prios)
         for g, blocks in grow.items():
             if plan is None:
@@ -213,7 +222,7 @@ class ResizeMixin(CacheBase):
         if history != self._history and ctx.history_tables:
             self._note_history(self._history, history)  # type: ignore[attr-defined]
         self._history = history
-        if releases or grow or resized:
+        if releases or grow or resized or unshare:
             self._changed()
         return True
 
@@ -245,6 +254,11 @@ class ResizeMixin(CacheBase):
         if capacity < history:
             raise InvalidArgumentError(
                 f"capacity={capacity}: must be >= history_length ({history})")
+        if history < self._history and self._ctx.ssm_groups:
+            raise InvalidArgumentError(
+                f"history_length={history}: a model with SSM layers cannot rewind history "
+                f"(now {self._history}): the live state already holds the tokens up to "
+                f"{self._history} and no earlier state is kept")
         return history
 
     def _grow_fast(self, capacity: int) -> bool:
