@@ -133,7 +133,7 @@ class ResizeMixin(CacheBase):
             old_nb = len(pages_g)
             kind = ctx.kinds[g]
             for b in kind.releasable(pages_g, keep, self._released_to[g]):
-                if pages_g[b] >= 0:
+                if pages_g[b] >= 0 and b < self._release_limit(g):
                     releases.append((g, b))
             for b in range(nb_new, old_nb):
                 if pages_g[b] >= 0 and (g, b) not in releases:
@@ -193,7 +193,8 @@ class ResizeMixin(CacheBase):
                         gone.append(pid)
                 self._unlock(_arr(gone))
         for g in ctx.windowed_groups:
-            self._released_to[g] = max(self._released_to[g], ctx.kinds[g].stale_range(keep)[1])
+            self._released_to[g] = max(self._released_to[g], min(
+                ctx.kinds[g].stale_range(keep)[1], self._release_limit(g)))
         if plan is not None:
             self._apply_scratch(plan, history)
         for pages, _ in self._beam_views():
@@ -328,15 +329,28 @@ class ResizeMixin(CacheBase):
         self._last_refusal = None
         self._changed()
 
-    def _release_stale(self) -> None:
+    def _release_limit(self, g: int) -> int:
+        """The block where releasing stale window pages of group ``g`` stops now: the
+        blocks this cache has yet to publish stay (history moved forward by ``resize``
+        ahead of the ``commit`` that gives their tokens), so committed window pages stay
+        reusable whatever the order of the engine's calls; the commit that publishes
+        them releases them."""
+        if self._commit_on and self._ctx.life_cycles[g].publishes:
+            return self._published
+        return 1 << 62
+
+    def _release_stale(self, moved: bool = True) -> None:
         ctx = self._ctx
         # History moved: this step's scratch pages are spent, and ``scratch()`` turns to
         # None (a change of the tables even when no page is released).
-        changed = self._scratch_shown()
-        self._scratch_live = False
+        changed = False
+        if moved:
+            changed = self._scratch_shown()
+            self._scratch_live = False
         keep = max(0, self._history - ctx.config.max_rewind_len)
         for g in ctx.windowed_groups:
             start, stop = ctx.kinds[g].stale_range(keep)
+            stop = min(stop, self._release_limit(g))
             lo = max(start, self._released_to[g])
             if stop <= lo:
                 continue

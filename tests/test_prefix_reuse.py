@@ -115,6 +115,38 @@ def test_windowed_match_is_not_cut_by_missing_stale_pages(managers):
     c.close()
 
 
+@pytest.mark.parametrize("forward", [False, True], ids=["commit", "history-first"])
+def test_window_pages_stale_at_a_history_move_stay_until_the_commit_publishes_them(
+        managers, forward):
+    # docs/semantics.md: stale window pages are released after publishing, so committed
+    # window pages stay reusable; also when the engine moves history forward with resize
+    # before the commit that gives the tokens.
+    layers = [AttentionLayerConfig(layer_id=0, buffers=kv()),
+              AttentionLayerConfig(layer_id=1, buffers=[BufferConfig(role="k", size=128)],
+                                   sliding_window_size=8)]
+    m = managers(layers)
+    d = Driver(m)
+    t = tokens(40)
+    c = d.create(t, match_len=0)
+    assert c.resume()
+    assert c.resize(32)
+    d.engine.step([StepWork(c, t)])
+    win = m.get_layer_group_id(1)
+    if forward:
+        assert c.resize(32, history_length=32)
+        assert list(table(c, win)[:6]) == [BAD_PAGE_INDEX] * 6  # stale, shown as such
+    c.commit(t[:32])
+    # Released once published: 8 full-attention pages and the window's 2 are left.
+    assert len(set(c.page_ids())) == 8 + 2
+    assert_invariants(m)
+    c.close()
+    assert [m.probe_reuse(None, t[:n]) for n in (12, 20, 28, 32)] == [12, 20, 28, 32]
+    b = d.create(t[:20] + tokens(6, seed=5), match_len=20)
+    assert b.history_length == 20
+    d.run_to(b, 26, chunk=3)
+    b.close()
+
+
 # -- hybrid: windowed + full + SSM --------------------------------------------------------
 
 
