@@ -418,6 +418,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
                 self._note_history(self._history, end)
             self._history = end
         tpb = self._tpb
+        published = self._published
         if self._commit_on:
             full = end // tpb
             ctx = self._ctx
@@ -432,14 +433,16 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             if (ctx.config.commit_min_snapshot and ctx.ssm_groups and end % tpb == 0
                     and end == self._history and self._published == end // tpb and end):
                 self._snapshot(self._nodes[end // tpb - 1])
-        if moved and self._ctx.windowed_groups:
-            self._release_stale()
+        if self._ctx.windowed_groups and (moved or self._published > published):
+            self._release_stale(moved)  # (published: window pages a resize kept for it)
 
     def stop_committing(self) -> None:
         """Publish nothing more from this cache (e.g. after a rewind it cannot redo)."""
         self._ctx.thread.check()
         self._require(CacheStatus.ACTIVE, CacheStatus.SUSPENDED)
-        self._commit_on = False
+        if self._commit_on:
+            self._commit_on = False
+            self._collect_bare_tail()
 
     def close(self) -> None:
         """Release every page; committed ones stay reusable until evicted. Idempotent."""

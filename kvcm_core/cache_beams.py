@@ -153,6 +153,38 @@ class BeamsMixin(CacheBase):
         self._changed()
         return True
 
+    def _unshare_plan(self, history: int, nb_new: int) -> list[tuple[_Beam, int, int]]:
+        """The (beam, group, block) whose page a rewind of history to ``history`` must
+        unshare: blocks a beam shares with beam 0 below its fork that the beams will write
+        again (from the block of ``history`` on, within the ``nb_new`` kept blocks)."""
+        out = []
+        lo = history // self._tpb
+        for bm in self._beams:
+            hi = min(bm.fork // self._tpb, nb_new)
+            for g in self._ctx.attn_groups:
+                base, mine = self._pages[g], bm.pages[g]
+                out.extend((bm, g, b) for b in range(lo, min(hi, len(mine)))
+                           if mine[b] >= 0 and mine[b] == base[b])
+        return out
+
+    def _unshare(self, plan: list[tuple[_Beam, int, int]], history: int,
+                 prios: dict[int, int]) -> None:
+        """Give each beam of ``plan`` its own page for its block (a copy where the block
+        holds tokens below ``history``), and move every fork down to ``history`` (the
+        beams write their own tokens from there): shared pages are never written. The
+        room was made."""
+        L = self._levels
+        tpb = self._tpb
+        for bm, g, b in plan:
+            old = bm.pages[g][b]
+            pid = self._new_pages(g, [b], prios)[0]  # type: ignore[attr-defined]
+            if b * tpb < history:
+                L.copy_blocks(g, np.asarray([pid]), np.asarray([old]))
+            bm.pages[g][b] = pid
+            self._unlock(np.asarray([old]))
+        for bm in self._beams:
+            bm.fork = min(bm.fork, history)
+
     def _grow_beams(self, grow: dict[int, list[int]], prios: dict[int, int]) -> None:
         for bm in self._beams:
             for g, blocks in grow.items():

@@ -68,8 +68,14 @@ class PublishMixin(CacheBase):
         keys = self._keys
         parent = self._parent_node(b0)
         if parent == NO_NODE:
-            self._commit_on = False
-            return
+            if groups or not self._ctx.ssm_groups:
+                self._commit_on = False
+                return
+            # A model that publishes only SSM states keys its blocks into nodes with no
+            # page, which a cache with the same tokens may have collected: key the chain
+            # again from the root (nothing was in it).
+            del self._nodes[:]
+            b0 = self._published = 0
         # Blocks already in the tree form a prefix of the range (a node exists only under
         # its parent): publish into them or rebase onto them one by one.
         get = tree.index.get
@@ -178,7 +184,8 @@ class PublishMixin(CacheBase):
         n = self._tokens.n
         b = n // tpb
         if n % tpb == 0:
-            return self._nodes[b - 1] if b and self._published >= b else NO_NODE
+            # (The node is ours only while its key still names it: ids are recycled.)
+            return self._parent_node(b) if b and self._published >= b else NO_NODE
         if self._published < b:
             return NO_NODE
         parent = self._parent_node(b)
@@ -204,10 +211,30 @@ class PublishMixin(CacheBase):
                     a.priority[mine] = PARTIAL_BLOCK_PRIORITY
                 self._levels.publish_one(mine, nid, g)
                 published = True
-        if not published:
+        if not published and not self._state_to_publish():
             tree.collect(np.asarray([nid]))
             return NO_NODE
-        return nid
+        return nid  # (a node left with no page at all is collected by the caller)
+
+    def _state_to_publish(self) -> bool:
+        """Whether close publishes a live SSM state at the cache's known tokens: then the
+        node ending there is kept for it even when no attention group publishes a page
+        into it (a pure SSM model, or SSM with only PRIVATE attention)."""
+        ctx = self._ctx
+        if self._tokens.n != self._history:
+            return False
+        level = self._arena.level
+        return any(self._ssm[g] >= 0 and level[self._ssm[g]] >= 0
+                   and ctx.life_cycles[g].publishes for g in ctx.ssm_groups)
+
+    def _collect_bare_tail(self) -> None:
+        """Remove the nodes of this cache's chain that were left holding no page (a model
+        that publishes only SSM states keys its full blocks into pageless nodes at commit;
+        those no snapshot ended up in must not stay in the tree)."""
+        if not self._ctx.publish_groups and self._published:
+            nid = self._parent_node(self._published)
+            if nid != NO_NODE and not self._tree.has_pages(nid):
+                self._tree.collect(np.asarray([nid]))
 
     def _demote_leaf(self) -> None:
         """Give the leaf block's pages :data:`LEAF_BLOCK_PRIORITY` (see there)."""
@@ -231,9 +258,13 @@ class PublishMixin(CacheBase):
         ctx = self._ctx
         if not ctx.ssm_groups or nid == NO_NODE or self._tokens.n != self._history or \
                 self._tree.end(nid) != self._history:
+            self._collect_bare_tail()
             return
         for g in ctx.ssm_groups:
             live = self._ssm[g]
             if live >= 0 and self._arena.level[live] >= 0 and self._tree.pages[nid, g] < 0 \
                     and ctx.life_cycles[g].publishes:
                 self._levels.publish(np.asarray([live]), np.asarray([nid]), g)
+        if not self._tree.has_pages(nid):  # nothing went into it after all
+            self._tree.collect(np.asarray([nid]))
+        self._collect_bare_tail()

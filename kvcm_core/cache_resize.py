@@ -133,7 +133,7 @@ class ResizeMixin(CacheBase):
             old_nb = len(pages_g)
             kind = ctx.kinds[g]
             for b in kind.releasable(pages_g, keep, self._released_to[g]):
-                if pages_g[b] >= 0:
+                if pages_g[b] >= 0 and b < self._release_limit(g):
                     releases.append((g, b))
             for b in range(nb_new, old_nb):
                 if pages_g[b] >= 0 and (g, b) not in releases:
@@ -145,10 +145,17 @@ class ResizeMixin(CacheBase):
         plan = (self._plan_scratch(capacity, history, nb_new, releases, grow, needs)
                 if ctx.scratch_scales else None)
         nbeams = self.beam_width - 1
+        unshare: list[tuple[Any, int, int]] = []
         if nbeams:  # every beam grows and sheds the same blocks as beam 0
             for g, blocks in grow.items():
                 needs[L.pool_group_of(g)] += len(blocks) * nbeams
-        prios = self._priorities([b for blocks in grow.values() for b in blocks])
+            if history < self._history:  # a rewind below a fork unshares blocks
+                unshare = self._unshare_plan(history, nb_new)
+                for _, g, _ in unshare:
+                    pg = L.pool_group_of(g)
+                    needs[pg] = needs.get(pg, 0) + 1
+        prios = self._priorities([b for blocks in grow.values() for b in blocks] +
+                                 [b for _, _, b in unshare])
         if needs:
             for g, b in releases:
                 pid = self._pages[g][b]
@@ -186,12 +193,15 @@ class ResizeMixin(CacheBase):
                         gone.append(pid)
                 self._unlock(_arr(gone))
         for g in ctx.windowed_groups:
-            self._released_to[g] = max(self._released_to[g], ctx.kinds[g].stale_range(keep)[1])
+            self._released_to[g] = max(self._released_to[g], min(
+                ctx.kinds[g].stale_range(keep)[1], self._release_limit(g)))
         if plan is not None:
             self._apply_scratch(plan, history)
         for pages, _ in self._beam_views():
             for g in ctx.attn_groups:
                 del pages[g][nb_new:]
+        if nbeams and history < self._history:
+            self._unshare(unshare, history, prios)
         self._grow_beams(grow, prios)
         for g, blocks in grow.items():
             if plan is None:
@@ -213,7 +223,7 @@ class ResizeMixin(CacheBase):
         if history != self._history and ctx.history_tables:
             self._note_history(self._history, history)  # type: ignore[attr-defined]
         self._history = history
-        if releases or grow or resized:
+        if releases or grow or resized or unshare:
             self._changed()
         return True
 
@@ -245,6 +255,11 @@ class ResizeMixin(CacheBase):
         if capacity < history:
             raise InvalidArgumentError(
                 f"capacity={capacity}: must be >= history_length ({history})")
+        if history < self._history and self._ctx.ssm_groups:
+            raise InvalidArgumentError(
+                f"history_length={history}: a model with SSM layers cannot rewind history "
+                f"(now {self._history}): the live state already holds the tokens up to "
+                f"{self._history} and no earlier state is kept")
         return history
 
     def _grow_fast(self, capacity: int) -> bool:
@@ -314,15 +329,28 @@ class ResizeMixin(CacheBase):
         self._last_refusal = None
         self._changed()
 
-    def _release_stale(self) -> None:
+    def _release_limit(self, g: int) -> int:
+        """The block where releasing stale window pages of group ``g`` stops now: the
+        blocks this cache has yet to publish stay (history moved forward by ``resize``
+        ahead of the ``commit`` that gives their tokens), so committed window pages stay
+        reusable whatever the order of the engine's calls; the commit that publishes
+        them releases them."""
+        if self._commit_on and self._ctx.life_cycles[g].publishes:
+            return self._published
+        return 1 << 62
+
+    def _release_stale(self, moved: bool = True) -> None:
         ctx = self._ctx
         # History moved: this step's scratch pages are spent, and ``scratch()`` turns to
         # None (a change of the tables even when no page is released).
-        changed = self._scratch_shown()
-        self._scratch_live = False
+        changed = False
+        if moved:
+            changed = self._scratch_shown()
+            self._scratch_live = False
         keep = max(0, self._history - ctx.config.max_rewind_len)
         for g in ctx.windowed_groups:
             start, stop = ctx.kinds[g].stale_range(keep)
+            stop = min(stop, self._release_limit(g))
             lo = max(start, self._released_to[g])
             if stop <= lo:
                 continue

@@ -107,9 +107,11 @@ class ResumeMixin(CacheBase):
                 needs[pg] = needs.get(pg, 0) + int(per_pg[pg])
         limit = ctx.config.max_util_for_resume
         warm_arr = mine_all[on_gpu]
+        # A page shared by beams takes one slot: count it once.
+        warm_u = np.unique(warm_arr) if self._beams else warm_arr
         # Level-0 pages of ours per pool group (level-0 store index == pool group id).
-        mine = np.bincount(a.store[warm_arr], minlength=len(L.stores[0])) if len(
-            warm_arr) else np.zeros(len(L.stores[0]), dtype=np.int64)
+        mine = np.bincount(a.store[warm_u], minlength=len(L.stores[0])) if len(
+            warm_u) else np.zeros(len(L.stores[0]), dtype=np.int64)
         for store in L.stores[0]:
             used = store.num_locked + int(mine[store.pool_group]) + needs.get(
                 store.pool_group, 0)

@@ -227,3 +227,108 @@ def test_beam_width_is_validated():
     with pytest.raises(ValueError, match="beam"):
         c.beam_fork(1)
     c.close()
+
+
+def test_resume_counts_a_page_shared_by_beams_once():
+    """A page shared by several beams takes one level-0 slot: ``resume`` counts it once
+    against ``max_util_for_resume`` (13 distinct pages fit 20 slots, though the beams
+    hold 33 references)."""
+    layers = [AttentionLayerConfig(layer_id=0, buffers=[BufferConfig(role="k", size=64)])]
+    m = KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=TPB, layers=layers,
+        levels=[LevelConfig(tier="gpu", quota=20 * 64), LevelConfig(tier="host", quota=1 << 16)],
+        kernel_backend=os.environ.get("KVCM_TEST_BACKEND", "numpy"), max_beam_width=3,
+        max_util_for_resume=1.0))
+    e = FingerprintEngine(m)
+    t = list(range(1, 100))
+    c = m.create_kv_cache(None, [])
+    assert c.resume()
+    assert c.resize(40)
+    e.step([StepWork(c, t)])
+    c.commit(t[:40])  # 10 full blocks, then 3 beams share them
+    assert c.set_beam_width(3)
+    beams = [t] + [t[:40] + [200 + i] * 10 for i in range(2)]
+    assert c.resize(41)
+    e.step([StepWork(c, b, k) for k, b in enumerate(beams)])
+    c.commit(t[40:41])
+    assert len(set(c.page_ids())) == 13
+    c.suspend()
+    assert c.resume(), c.last_refusal
+    e.check([StepWork(c, b, k) for k, b in enumerate(beams)])
+    m.check_invariants()
+    c.close()
+    m.shutdown()
+
+
+def _rewind_manager(slots: int = 1 << 10) -> KVCacheManager:
+    layers = [AttentionLayerConfig(layer_id=0, buffers=[BufferConfig(role="k", size=64)]),
+              AttentionLayerConfig(layer_id=1, buffers=[BufferConfig(role="k", size=128)],
+                                   sliding_window_size=8)]
+    return KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=TPB, layers=layers,
+        levels=[LevelConfig(tier="gpu", quota=slots * 192)], max_rewind_len=8,
+        max_beam_width=3, kernel_backend=os.environ.get("KVCM_TEST_BACKEND", "numpy")))
+
+
+@pytest.mark.parametrize("history", [4, 5, 6, 8])
+def test_a_rewind_below_the_fork_gives_each_beam_its_own_pages_to_write(history):
+    """Beams share beam 0's blocks below the fork; a rewind of history below it (within
+    ``max_rewind_len``) makes every beam write those blocks again: each beam gets its own
+    page for them (a copy of the tokens still below history), and its fork moves down to
+    the new history. Shared pages are never written."""
+    m = _rewind_manager()
+    e = FingerprintEngine(m)
+    t = list(range(1, 40))
+    c = m.create_kv_cache(None, [])
+    assert c.resume()
+    c.stop_committing()  # speculative style: keep rewinds possible
+    assert c.resize(9)
+    e.step([StepWork(c, t)])
+    assert c.resize(9, history_length=9)
+    assert c.set_beam_width(3)  # fork at 9: blocks 0 and 1 shared
+    assert c.resize(10, history_length=history)
+    assert c.history_length == history
+    assert [c.beam_fork(k) for k in (1, 2)] == [history, history]
+    beams = [t[:history] + [100 * (k + 2) + i for i in range(10)] for k in range(3)]
+    for g in range(m.num_cache_groups):
+        tables = [list(c.get_base_page_indices(g, k)) for k in range(3)]
+        for b in range(history // TPB, 3):  # blocks written again: one page per beam
+            pages = [tab[b] for tab in tables if tab[b] != BAD_PAGE_INDEX]
+            assert len(set(pages)) == len(pages), (g, b, tables)
+    e.step([StepWork(c, bm, k) for k, bm in enumerate(beams)])  # checks [0, history)
+    assert c.resize(10, history_length=10)
+    e.check([StepWork(c, bm, k) for k, bm in enumerate(beams)])
+    m.check_invariants()
+    c.close()
+    m.clear_reusable_blocks()
+    st = m.get_storage_statistics(0)
+    assert st.free == st.total
+    m.shutdown()
+
+
+def test_a_rewind_below_the_fork_that_cannot_unshare_returns_false_and_changes_nothing():
+    m = _rewind_manager(slots=7)
+    e = FingerprintEngine(m)
+    t = list(range(1, 40))
+    c = m.create_kv_cache(None, [])
+    assert c.resume()
+    c.stop_committing()
+    assert c.resize(9)
+    e.step([StepWork(c, t)])
+    assert c.resize(9, history_length=9)
+    assert c.set_beam_width(2)  # 3 + 1 pages of the full group, of 7
+    other = m.create_kv_cache(None, [])
+    assert other.resume()
+    assert other.resize(12)  # 3 more: 7 of 7
+    tables = [list(c.get_base_page_indices(0, k)) for k in range(2)]
+    assert not c.resize(9, history_length=2)  # beam 1 would need its own block 0 and 1
+    assert "cannot provide" in c.last_refusal
+    assert c.history_length == 9 and c.beam_fork(1) == 9
+    assert [list(c.get_base_page_indices(0, k)) for k in range(2)] == tables
+    m.check_invariants()
+    other.close()
+    assert c.resize(9, history_length=2)
+    assert c.beam_fork(1) == 2
+    m.check_invariants()
+    c.close()
+    m.shutdown()

@@ -95,6 +95,18 @@ def test_resize_accepts_history_inside_its_range(active):
     assert c.history_length == 12
 
 
+def test_a_model_with_ssm_layers_refuses_to_rewind_history(active):
+    # The live SSM state already holds every token up to the current history and no
+    # earlier state is kept: a rewind would leave it ahead of history silently.
+    m, _, c = active
+    assert c.resize(12, history_length=12)  # forward: the engine wrote 10..11
+    _expect(InvalidArgumentError, lambda: c.resize(12, history_length=10), m, c,
+            match="SSM layers cannot rewind")
+    _expect(InvalidArgumentError, lambda: c.check_resize(12, history_length=11), m, c,
+            match="SSM layers cannot rewind")
+    assert c.resize(13, history_length=12)  # not a rewind: accepted
+
+
 # -- commit -------------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 from conftest import (
     PAGE,
+    TPB,
     Driver,
     assert_invariants,
     drop_page,
@@ -25,8 +26,16 @@ from conftest import (
     windowed_layers,
 )
 
-from kvcm_core import BAD_PAGE_INDEX, AttentionLayerConfig, ReusePolicy, ReuseScope
+from kvcm_core import (
+    BAD_PAGE_INDEX,
+    AttentionLayerConfig,
+    BufferConfig,
+    ReusePolicy,
+    ReuseScope,
+    SsmLayerConfig,
+)
 from kvcm_core.testing.engine import EngineLoop, Request
+from kvcm_core.testing.fingerprint import StepWork
 
 # -- full attention ---------------------------------------------------------------------
 
@@ -107,6 +116,38 @@ def test_windowed_match_is_not_cut_by_missing_stale_pages(managers):
     c.close()
 
 
+@pytest.mark.parametrize("forward", [False, True], ids=["commit", "history-first"])
+def test_window_pages_stale_at_a_history_move_stay_until_the_commit_publishes_them(
+        managers, forward):
+    # docs/semantics.md: stale window pages are released after publishing, so committed
+    # window pages stay reusable; also when the engine moves history forward with resize
+    # before the commit that gives the tokens.
+    layers = [AttentionLayerConfig(layer_id=0, buffers=kv()),
+              AttentionLayerConfig(layer_id=1, buffers=[BufferConfig(role="k", size=128)],
+                                   sliding_window_size=8)]
+    m = managers(layers)
+    d = Driver(m)
+    t = tokens(40)
+    c = d.create(t, match_len=0)
+    assert c.resume()
+    assert c.resize(32)
+    d.engine.step([StepWork(c, t)])
+    win = m.get_layer_group_id(1)
+    if forward:
+        assert c.resize(32, history_length=32)
+        assert list(table(c, win)[:6]) == [BAD_PAGE_INDEX] * 6  # stale, shown as such
+    c.commit(t[:32])
+    # Released once published: 8 full-attention pages and the window's 2 are left.
+    assert len(set(c.page_ids())) == 8 + 2
+    assert_invariants(m)
+    c.close()
+    assert [m.probe_reuse(None, t[:n]) for n in (12, 20, 28, 32)] == [12, 20, 28, 32]
+    b = d.create(t[:20] + tokens(6, seed=5), match_len=20)
+    assert b.history_length == 20
+    d.run_to(b, 26, chunk=3)
+    b.close()
+
+
 # -- hybrid: windowed + full + SSM --------------------------------------------------------
 
 
@@ -122,6 +163,73 @@ def test_hybrid_ssm_reuse_only_at_an_exact_snapshot(managers):
     assert ext.history_length == 20
     d.run_to(ext, 25)
     ext.close()
+
+
+def _ssm_only_layers(attention: ReusePolicy | None) -> list:
+    """An SSM layer, with (``attention`` not None) a full-attention layer of that policy."""
+    layers: list = [SsmLayerConfig(layer_id=0, buffers=[BufferConfig(role="state", size=48)])]
+    if attention is not None:
+        layers.append(AttentionLayerConfig(layer_id=1, buffers=kv(), reuse_policy=attention))
+    return layers
+
+
+@pytest.mark.parametrize("attention", [None, ReusePolicy.PRIVATE], ids=["pure-ssm", "private-attn"])
+@pytest.mark.parametrize("end", [6, 8, 9])
+@pytest.mark.parametrize("min_snapshot", [False, True])
+def test_close_publishes_the_state_at_its_endpoint_without_a_publishing_attention_group(
+        managers, attention, end, min_snapshot):
+    # docs/semantics.md "SSM state": at close the live state is the snapshot of the block
+    # that ends exactly at the final endpoint, the trailing partial block included, also
+    # when no attention group publishes a page (the node then holds the state alone).
+    m = managers(_ssm_only_layers(attention), slots=32, commit_min_snapshot=min_snapshot)
+    d = Driver(m)
+    t = tokens(20)
+    d.run(t, end=end, chunk=4)
+    assert m.probe_reuse(None, t[:end]) == end
+    assert m.tree.num_nodes == -(-end // TPB)  # the chain to the snapshot, nothing more
+    ext = t[:end] + tokens(5, seed=3)
+    c = d.create(ext, match_len=end)
+    assert c.history_length == end  # the state is reused (fingerprint-checked below)
+    assert c.resume()
+    d.engine.recompute([StepWork(c, ext)])  # PRIVATE attention pages come fresh
+    d.run_to(c, end + 5, chunk=2)
+    c.close()
+    assert_invariants(m)
+
+
+@pytest.mark.parametrize("attention", [None, ReusePolicy.PRIVATE], ids=["pure-ssm", "private-attn"])
+def test_a_cache_that_publishes_no_state_leaves_no_pageless_nodes(managers, attention):
+    # A model that publishes only SSM states keys its committed full blocks into nodes
+    # with no page; a cache that ends up publishing no snapshot removes them again.
+    m = managers(_ssm_only_layers(attention), slots=32)
+    d = Driver(m)
+    t = tokens(20)
+    c = d.run(t, end=9, chunk=4, close=False)
+    c.stop_committing()
+    c.close()
+    assert m.tree.num_nodes == 0
+    assert m.probe_reuse(None, t[:8]) == 0
+    assert_invariants(m)
+
+
+def test_a_cache_keys_its_chain_again_after_a_twin_removed_the_pageless_nodes(managers):
+    # Two requests with the same tokens share the pageless nodes of an SSM-only model; the
+    # one that stops committing removes them, and the other keys them again when it
+    # commits on, so its snapshot at close is still published.
+    m = managers(_ssm_only_layers(None), slots=32)
+    d = Driver(m)
+    t = tokens(20)
+    a = d.create(t, match_len=0)
+    b = d.create(t, match_len=0)
+    d.run_to(a, 8, chunk=4)
+    d.run_to(b, 8, chunk=4)
+    a.stop_committing()
+    a.close()
+    d.run_to(b, 14, chunk=4)
+    b.close()
+    assert m.probe_reuse(None, t[:14]) == 14
+    assert m.tree.num_nodes == 4
+    assert_invariants(m)
 
 
 def test_hybrid_snapshot_at_20_is_not_reused_by_a_fork_at_15(managers):
