@@ -255,12 +255,30 @@ class ResizeMixin(CacheBase):
         if capacity < history:
             raise InvalidArgumentError(
                 f"capacity={capacity}: must be >= history_length ({history})")
-        if history < self._history and self._ctx.ssm_groups:
-            raise InvalidArgumentError(
-                f"history_length={history}: a model with SSM layers cannot rewind history "
-                f"(now {self._history}): the live state already holds the tokens up to "
-                f"{self._history} and no earlier state is kept")
+        if history < self._history:
+            if self._ctx.ssm_groups:
+                raise InvalidArgumentError(
+                    f"history_length={history}: a model with SSM layers cannot rewind "
+                    f"history (now {self._history}): the live state already holds the "
+                    f"tokens up to {self._history} and no earlier state is kept")
+            self._check_window_rewind(history)
         return history
+
+    def _check_window_rewind(self, history: int) -> None:
+        """A rewind must not need window pages already released. Pages are released once
+        stale at ``history - max_rewind_len`` of the highest history reached, so a
+        rewind, a step forward and another rewind could reach below that mark, where the
+        window at the new history would read released pages: refused."""
+        ctx = self._ctx
+        for g in ctx.windowed_groups:
+            start, stop = ctx.kinds[g].stale_range(history)
+            if self._released_to[g] > max(start, stop):
+                raise InvalidArgumentError(
+                    f"history_length={history}: cache group {g} already released the "
+                    f"window pages of blocks below {self._released_to[g]}, which the window "
+                    f"at {history} reads; a rewind reaches at most max_rewind_len="
+                    f"{ctx.config.max_rewind_len} tokens below the highest history this "
+                    "cache reached")
 
     def _grow_fast(self, capacity: int) -> bool:
         """Growth of a one-group full-attention cache with one beam and no scratch (the

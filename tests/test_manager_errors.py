@@ -18,6 +18,7 @@ from conftest import (
     assert_invariants,
     full_layers,
     hybrid_layers,
+    kv,
     snapshot_state,
     tokens,
 )
@@ -105,6 +106,39 @@ def test_a_model_with_ssm_layers_refuses_to_rewind_history(active):
     _expect(InvalidArgumentError, lambda: c.check_resize(12, history_length=11), m, c,
             match="SSM layers cannot rewind")
     assert c.resize(13, history_length=12)  # not a rewind: accepted
+
+
+def test_a_rewind_never_reaches_window_pages_an_earlier_higher_history_released(managers):
+    # Window pages are released once stale at (history - max_rewind_len) of the highest
+    # history reached. Rewind, step forward, rewind again: the second rewind is within
+    # max_rewind_len of the capacity, but below that mark the window would read released
+    # pages. Refused, nothing changed; rewinds the kept pages allow still work.
+    from kvcm_core.testing.fingerprint import StepWork
+
+    m = managers([AttentionLayerConfig(layer_id=0, buffers=kv(PAGE),
+                                       sliding_window_size=5)], slots=16, max_rewind_len=4)
+    d = Driver(m)
+    toks = tokens(40, seed=3)
+    c = d.create(toks, match_len=0)
+    assert c.resume()
+    c.stop_committing()  # speculative decoding: the engine rewinds rejected drafts
+
+    def step(capacity: int, history: int) -> None:
+        assert c.resize(capacity, history_length=history)
+        d.engine.step([StepWork(c, toks)])  # reads every page the window needs
+
+    step(17, 0)
+    step(17, 17)  # blocks 0 and 1 (tokens 0..7) are stale at 17 - 4 and released
+    step(14, 13)  # a rewind of 4: the window at 13 reads tokens 9..12
+    step(14, 14)
+    _expect(InvalidArgumentError, lambda: c.resize(15, history_length=10), m, c,
+            match="window pages of blocks below 2")
+    _expect(InvalidArgumentError, lambda: c.check_resize(15, history_length=10), m, c,
+            match="window pages of blocks below 2")
+    step(14, 13)  # still reachable
+    step(20, 14)
+    step(24, 20)
+    d.check(c)
 
 
 # -- commit -------------------------------------------------------------------------------
