@@ -39,7 +39,7 @@ from kvcm_core.context import CacheContext
 from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError, InvalidStateError
 from kvcm_core.eviction import check_priority
 from kvcm_core.matching import Match
-from kvcm_core.radix import check_token_array, encode_tokens, scope_root_key
+from kvcm_core.radix import NO_NODE, check_token_array, encode_tokens, scope_root_key
 from kvcm_core.stats import RequestStats
 from kvcm_core.tokens import TokenLog, encode_token_ids
 from kvcm_core.types import ReusePolicy, ReuseScope
@@ -169,6 +169,8 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         self.stats.reused_blocks = reused
         self.stats.allocated_blocks = reused
         self.stats.missed_blocks = missed
+        if not ctx.publish_groups:  # (see _collect_bare_tail)
+            ctx.open_roots[self._root_key] = ctx.open_roots.get(self._root_key, 0) + 1
 
     def _count_reuse(self, g: int, claimed: np.ndarray, nfull: int) -> None:
         stats = self._levels.stats
@@ -432,7 +434,9 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
                 self._committed = self._published * tpb
             if (ctx.config.commit_min_snapshot and ctx.ssm_groups and end % tpb == 0
                     and end == self._history and self._published == end // tpb and end):
-                self._snapshot(self._nodes[end // tpb - 1])
+                nid = self._parent_node(end // tpb)  # (ours while its key names it)
+                if nid != NO_NODE:
+                    self._snapshot(nid)
         if self._ctx.windowed_groups and (moved or self._published > published):
             self._release_stale(moved)  # (published: window pages a resize kept for it)
 
@@ -507,6 +511,12 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             self._ssm = [-1] * len(self._ssm)
         self._status = CacheStatus.CLOSED
         self._changed()
+        if not ctx.publish_groups:
+            left = ctx.open_roots[self._root_key] - 1
+            if left:
+                ctx.open_roots[self._root_key] = left
+            else:
+                del ctx.open_roots[self._root_key]
         ctx.on_close(self)
 
     # -- page tables ---------------------------------------------------------------------------

@@ -230,8 +230,12 @@ class PublishMixin(CacheBase):
     def _collect_bare_tail(self) -> None:
         """Remove the nodes of this cache's chain that were left holding no page (a model
         that publishes only SSM states keys its full blocks into pageless nodes at commit;
-        those no snapshot ended up in must not stay in the tree)."""
-        if not self._ctx.publish_groups and self._published:
+        those no snapshot ended up in must not stay in the tree). Only when no other open
+        cache of the same scope may be building on them: it would lose its chain (and
+        the ids could be handed out again under it)."""
+        ctx = self._ctx
+        if not ctx.publish_groups and self._published and \
+                ctx.open_roots.get(self._root_key, 0) <= 1:
             nid = self._parent_node(self._published)
             if nid != NO_NODE and not self._tree.has_pages(nid):
                 self._tree.collect(np.asarray([nid]))

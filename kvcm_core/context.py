@@ -37,6 +37,9 @@ class CacheContext:
         thread: the manager's thread guard (``thread.check()`` opens every mutating call).
         remote: the manager's shared remote level (``committed`` is told of every block a
             commit publishes), or None.
+        open_roots: in a model whose attention groups publish no page (SSM states only),
+            the open caches per scope root: a closing cache removes the page-less nodes
+            of its chain only when no other open cache may be building on them.
     """
 
     config: KVCacheManagerConfig
@@ -56,6 +59,7 @@ class CacheContext:
     owner: Any
     thread: ThreadGuard
     remote: Any = None
+    open_roots: dict[bytes, int] = attrs.field(factory=dict)
 
     @property
     def tpb(self) -> int:

@@ -212,10 +212,10 @@ def test_a_cache_that_publishes_no_state_leaves_no_pageless_nodes(managers, atte
     assert_invariants(m)
 
 
-def test_a_cache_keys_its_chain_again_after_a_twin_removed_the_pageless_nodes(managers):
+def test_a_cache_publishes_its_snapshot_after_a_twin_stopped_committing(managers):
     # Two requests with the same tokens share the pageless nodes of an SSM-only model; the
-    # one that stops committing removes them, and the other keys them again when it
-    # commits on, so its snapshot at close is still published.
+    # one that stops committing leaves them (the other is open and building on them), so
+    # the other's snapshot at close is published.
     m = managers(_ssm_only_layers(None), slots=32)
     d = Driver(m)
     t = tokens(20)
@@ -229,6 +229,55 @@ def test_a_cache_keys_its_chain_again_after_a_twin_removed_the_pageless_nodes(ma
     b.close()
     assert m.probe_reuse(None, t[:14]) == 14
     assert m.tree.num_nodes == 4
+    assert_invariants(m)
+
+
+def test_a_closing_cache_keeps_the_pageless_chain_another_open_cache_builds_on(managers):
+    # SSM states only: A and B commit the same prompt into page-less nodes; A closes with
+    # no state to publish. B is still open and building on those nodes, so they stay, and
+    # B's snapshot at its close is published (removing them lost it).
+    m = managers(_ssm_only_layers(None), slots=32)
+    d = Driver(m)
+    t = tokens(40, seed=1)
+    b = d.create(t[:16], match_len=0)
+    a = d.create(t, match_len=0)
+    d.run_to(a, 24, chunk=8)
+    d.run_to(b, 16, chunk=8)
+    assert a.resize(30) and a.resize(30, history_length=30)  # history past its tokens
+    a.close()  # nothing to publish
+    b.close()
+    assert m.probe_reuse(None, t[:16]) == 16
+    assert_invariants(m)
+
+
+def test_a_boundary_snapshot_never_goes_into_a_node_id_another_chain_took(managers):
+    # commit_min_snapshot: B's boundary snapshot was skipped for want of room; after its
+    # chain's ids went to another prompt's chain, B's next commit at that boundary must
+    # not publish B's state into the other chain's node (a request with that prompt
+    # would be served B's state: the fingerprint check below).
+    m = managers(_ssm_only_layers(None), slots=3, commit_min_snapshot=True,
+                 max_util_for_resume=1.0)
+    d = Driver(m)
+    t = tokens(40, seed=1)
+    a = d.create(t, match_len=0)
+    b = d.create(t[:16], match_len=0)
+    filler = d.create(tokens(40, seed=7), match_len=0)
+    for c in (a, b, filler):
+        assert c.resume()
+    assert d.step(a, 24) and d.step(b, 16)  # no free slot: both snapshots skipped
+    assert a.resize(30) and a.resize(30, history_length=30)
+    a.close()
+    ct = tokens(40, seed=3)
+    c = d.create(ct, match_len=0)
+    assert c.resume() and d.step(c, 16)
+    filler.close()  # a free slot for B's snapshot
+    b.commit([])
+    c.close()
+    b.close()
+    e = d.create(ct[:17], match_len=16)
+    assert e.resume() and e.resize(20)
+    d.engine.check([StepWork(e, ct)])  # whatever e reused is C's state
+    e.close()
     assert_invariants(m)
 
 
