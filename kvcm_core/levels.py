@@ -946,7 +946,9 @@ class Levels:
     # -- events -----------------------------------------------------------------------------------
 
     def event(self, kind: EventKind, nid: int, group: int, level: int,
-              token_ids: tuple[int, ...] = (), from_level: int | None = None) -> None:
+              token_ids: tuple[int, ...] = (), from_level: int | None = None,
+              flush: bool = True) -> None:
+        """Queue a block event (``flush``: deliver the queue once it is a batch)."""
         if not self.sinks:
             return
         tree = self.tree
@@ -959,13 +961,14 @@ class Levels:
             kind=kind, block_key=key.hex() if key else f"partial:{nid:x}",
             parent_key=pkey.hex() if pkey else None, group=group, level=level,
             medium=self.medium(level), token_ids=token_ids, from_level=from_level))
-        if len(self._events) >= _EVENT_BATCH:
+        if flush and len(self._events) >= _EVENT_BATCH:
             self.flush_events()
 
     def removed_at_shutdown(self) -> None:
         """A REMOVED event for every block still cached, on the level it is on, deepest
         block first: at shutdown every level's pages go with the manager (no cache is
-        open). The tree itself is left as it is."""
+        open). The tree itself is left as it is. Queued only: :meth:`close` delivers
+        them, so a sink that raises cannot stop the rest of a shutdown."""
         if not self.sinks:
             return
         tree = self.tree
@@ -976,7 +979,7 @@ class Levels:
         for nid, row in zip(nodes.tolist(), tree.pages[nodes].tolist(), strict=True):
             for g, pid in enumerate(row):
                 if pid >= 0:
-                    self.event(EventKind.REMOVED, nid, g, int(level[pid]))
+                    self.event(EventKind.REMOVED, nid, g, int(level[pid]), flush=False)
 
     def flush_events(self) -> None:
         """Deliver pending events. A sink that raises never disturbs the manager: the

@@ -477,7 +477,7 @@ class KVCacheManager:
                 f"shutdown() refused: {len(self._open)} caches are open; close them first")
         self._closed = True  # set first: a failure below never leaves it half shut
         try:
-            self.storage_levels.removed_at_shutdown()  # delivered by close's flush
+            self.storage_levels.removed_at_shutdown()  # queued: close's flush delivers them
             if self.remote is not None:
                 self.remote.close()
         finally:

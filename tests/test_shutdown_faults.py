@@ -111,6 +111,38 @@ def test_shutdown_releases_every_resource_even_when_an_event_sink_raises_keyboar
     m.shutdown()  # a no-op
 
 
+def test_shutdown_announces_every_block_removed_even_when_a_sink_interrupts(
+        tmp_path) -> None:
+    # More cached blocks than one event batch: shutdown queues every REMOVED event and
+    # delivers them at the end, so a sink that raises cannot stop the announcement (the
+    # other sinks) or the rest of the shutdown.
+    from levels_helpers import Recorder, SinkPlugin
+
+    from kvcm_core import KvcmPluginManager
+
+    sink, after = _Interrupting(), Recorder()
+    pm = KvcmPluginManager()
+    pm.register(SinkPlugin(sink), name="sink")
+    pm.register(SinkPlugin(after), name="after")
+    m = make_manager([("gpu", 400)], tmp_path, pm=pm)
+    d = Driver(m)
+    for i in range(10):
+        d.write(tokens(128, i), chunk=64, suspend=False).close()
+    live: set = set()
+    sink.armed = True
+    with pytest.raises(KeyboardInterrupt, match="sink"):
+        m.shutdown()
+    for e in after.events:
+        if e.kind.name == "STORED":
+            live.add((e.block_key, e.group))
+        elif e.kind.name == "REMOVED":
+            live.discard((e.block_key, e.group))
+    assert len([e for e in after.events if e.kind.name == "REMOVED"]) >= 300
+    assert not live, f"{len(live)} blocks never announced removed"
+    assert m.is_shut_down
+    assert not list(tmp_path.rglob("kvcm-owner-*"))
+
+
 def test_a_sink_raising_keyboard_interrupt_lets_the_other_sinks_have_the_batch(
         tmp_path) -> None:
     from levels_helpers import Recorder, SinkPlugin
