@@ -322,6 +322,24 @@ def test_max_scratch_slots_caps_scratch_blocks_and_the_rest_get_ordinary_pages(
 # -- rules ------------------------------------------------------------------------------
 
 
+def test_scratch_steps_are_verified_after_a_resize_moved_the_gpu_pools(managers: Any) -> None:
+    # A resize of level 0 reallocates its pools; the fingerprint engine's layer-by-layer
+    # path (caches with scratch blocks) must address pages at the pools' new bases.
+    m = managers(swa_model(), swa_scratch=scratch_cfg())
+    d = Driver(m)
+    before = m.get_mem_pool_base_address(1, "k")
+    level0 = m.get_storage_statistics(0).total_bytes
+    assert m.resize(0, 2 * level0)
+    assert m.get_mem_pool_base_address(1, "k") != before
+    cache = d.create(tokens(200, seed=8))
+    assert cache.resume()
+    seen: list[bool] = []
+    prefill(d, cache, 120, 40, on_resize=lambda c: seen.append(
+        any(c.scratch(g) is not None for g in range(m.num_cache_groups))))
+    assert any(seen)  # chunks with scratch blocks went through the layer-by-layer path
+    d.check(cache)
+
+
 def test_max_rewind_len_keeps_blocks_a_rewind_could_need_out_of_scratch(managers: Any) -> None:
     rewind = 12
     m = managers(swa_model(), swa_scratch=scratch_cfg(), max_rewind_len=rewind)

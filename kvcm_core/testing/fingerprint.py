@@ -162,14 +162,11 @@ class FingerprintEngine:
         #: Largest error allowed per element of a typed buffer (0: exact).
         self.typed_tolerance = _OUTLIER * max(bounds, default=0.0)
         # SWA scratch: the layers in the order a model runs them, and every attention
-        # buffer's converter and pool base (page index i is at pool_base + i * size).
+        # buffer's converter (its pool base is read at each use: page index i is at
+        # pool_base + i * size, and a resize of level 0 moves the pools).
         self._layer_order = sorted({b.layer_id for b in buffers if not b.is_ssm})
         self._conv = {(b.layer_id, b.role): manager.get_page_index_converter(b.layer_id, b.role)
                       for b in buffers if not b.is_ssm}
-        self._pool_base = {
-            (b.layer_id, b.role): manager.get_mem_pool_base_address(b.layer_id, b.role)
-            - manager.buffer_attr(b.layer_id, b.role).offset
-            for b in buffers if not b.is_ssm}
         self.checked_pages = 0
         self.written_pages = 0
         #: Writes a step's sparse tokens into GPU entries (``SparseSteps``); when set, the
@@ -414,7 +411,11 @@ class FingerprintEngine:
         and below ``ceil(capacity / tpb)``, with their tokens below capacity). Pages are
         addressed through the page-index converter (scratch blocks included)."""
         tpb = self.tpb
+        m = self.manager
         addr, nbytes, tok, begin, end, pos, tags = [], [], [], [], [], [], []
+        pool_base = {(b.layer_id, b.role): m.get_mem_pool_base_address(b.layer_id, b.role)
+                     - m.buffer_attr(b.layer_id, b.role).offset
+                     for b in self.buffers if b.layer_id == layer_id and not b.is_ssm}
         for w in work:
             cache = w.cache
             hist, cap = cache.history_length, cache.capacity
@@ -441,7 +442,7 @@ class FingerprintEngine:
                         f"cache {cache.id!r} layer {buf.layer_id}/{buf.role}: blocks "
                         f"{blocks[idx == BAD_PAGE_INDEX].tolist()} have no page index")
                 first = blocks * tpb
-                addr.append(self._pool_base[key] + idx * buf.size)
+                addr.append(pool_base[key] + idx * buf.size)
                 nbytes.append(np.full(blocks.size, buf.size, dtype=np.int64))
                 tok.append(block_ids[blocks])
                 lo = hist if writing else 0
