@@ -447,6 +447,8 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         if self._commit_on:
             self._commit_on = False
             self._collect_bare_tail()
+            if self._status is CacheStatus.ACTIVE and self._ctx.windowed_groups:
+                self._release_stale(moved=False)  # stale pages kept for a commit: none now
 
     def close(self) -> None:
         """Release every page; committed ones stay reusable until evicted. Idempotent."""

@@ -116,6 +116,24 @@ def test_windowed_match_is_not_cut_by_missing_stale_pages(managers):
     c.close()
 
 
+def test_window_pages_kept_for_a_commit_are_released_when_committing_stops(managers):
+    # Stale window pages kept for the commit that would publish them (history moved
+    # forward first) have no reason to stay once no commit will come.
+    m = managers(windowed_layers(window=8, sinks=0), max_rewind_len=0)
+    d = Driver(m)
+    t = tokens(60, seed=1)
+    c = d.create(t, match_len=0)
+    assert c.resume() and c.resize(40)
+    d.engine.step([StepWork(c, t)])
+    assert c.resize(40, history_length=40)  # no commit yet: all 10 blocks kept
+    assert len(set(c.page_ids())) == 10
+    c.stop_committing()
+    assert len(set(c.page_ids())) == 2  # the window's blocks only (tokens 32..39)
+    assert_invariants(m)
+    d.check(c)
+    c.close()
+
+
 @pytest.mark.parametrize("forward", [False, True], ids=["commit", "history-first"])
 def test_window_pages_stale_at_a_history_move_stay_until_the_commit_publishes_them(
         managers, forward):
