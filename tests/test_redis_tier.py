@@ -162,6 +162,40 @@ def test_a_frozen_server_times_out_at_the_deadline_and_the_tier_carries_on() -> 
             tier.close()
 
 
+def test_a_server_that_accepts_but_never_answers_fails_the_connection_within_its_timeout(
+        ) -> None:
+    # The connection's hand-shake (AUTH, SELECT, INFO) keeps the connect timeout: a
+    # listener that never answers cannot hold a thread of the tier for ever.
+    import socket
+    import threading
+
+    from kvcm_tier_redis import _Plain
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    port = silent.getsockname()[1]
+    outcome: list[BaseException | None] = []
+
+    def connect() -> None:
+        try:
+            _Plain({"host": "127.0.0.1", "port": port}, 0.5, ConnectionError)
+            outcome.append(None)
+        except BaseException as exc:  # the outcome is asserted below
+            outcome.append(exc)
+
+    try:
+        t0 = time.monotonic()
+        worker = threading.Thread(target=connect, daemon=True)
+        worker.start()
+        worker.join(10)
+        assert not worker.is_alive(), "the hand-shake waited for ever"
+        assert isinstance(outcome[0], OSError), outcome
+        assert time.monotonic() - t0 < 5
+    finally:
+        silent.close()
+
+
 def test_maxmemory_evictions_are_ordinary_loss_never_wrong_values() -> None:
     with fresh_server(maxmemory=4 << 20) as server:
         tier = RedisTier(None, {"url": server.url})

@@ -183,8 +183,7 @@ class _Plain:
                                         timeout=connect_timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(None)  # the caller's deadline is kept by the tier, not here
-            self._sock = sock
+            self._sock = sock  # (the hand-shake below keeps the connect timeout)
             hello: list[list[bytes]] = []
             if url.get("password") is not None:
                 who = [url["username"].encode()] if url.get("username") else []
@@ -199,6 +198,7 @@ class _Plain:
             # which server process this is (None where INFO is refused, e.g. by an ACL)
             sock.sendall(_pack([[b"INFO", b"server"]]))
             self.run_id = _run_id(self._reply())
+            sock.settimeout(None)  # from here the caller's deadline is kept by the tier
         except BaseException:
             sock.close()
             raise
