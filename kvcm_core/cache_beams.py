@@ -7,6 +7,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from kvcm_core.backend import Stream
 from kvcm_core.cache_base import CacheBase, CacheStatus
 from kvcm_core.errors import (
     ArgumentTypeError,
@@ -71,7 +72,7 @@ class BeamsMixin(CacheBase):
         self._check_beam(beam)
         return self._beams[beam - 1].ssm
 
-    def set_beam_width(self, width: int) -> bool:
+    def set_beam_width(self, width: int, stream: Stream | None = None) -> bool:
         """Fork beams from beam 0 (or drop the last ones) for beam search.
 
         New beams share every full block beam 0 has written (below ``history_length //
@@ -81,8 +82,25 @@ class BeamsMixin(CacheBase):
         beam 0's tokens). Returns False, with nothing changed, when level 0 cannot provide
         the pages (the reason is then in ``last_refusal``). SWA scratch pages are not used
         with beams.
+
+        ``stream``: the engine's stream (None: the backend's default stream), as for
+        ``resize``. The copies of the partial block and of the SSM state are queued on it
+        (after beam 0's writes queued there), pages pushed down to make room are copied
+        only after its work queued so far, and it is made to wait for those copies, so
+        the new beams' pages written on it afterwards never overwrite a slot before its
+        old contents were read.
         """
-        self._ctx.thread.check()
+        self._ctx.thread.check()  # before begin(): a refused call touches no fence
+        L = self._levels
+        if not L.mover.fences.enabled:
+            return self._set_beam_width(width, stream)
+        L.begin(stream)
+        try:
+            return self._set_beam_width(width, stream)
+        finally:
+            L.end(stream)
+
+    def _set_beam_width(self, width: int, stream: Stream | None) -> bool:
         self._require(CacheStatus.ACTIVE)  # type: ignore[attr-defined]
         self._last_refusal = None
         ctx = self._ctx
@@ -141,13 +159,14 @@ class BeamsMixin(CacheBase):
                     for b, pid in zip(own, fresh, strict=True):
                         pages_g[b] = pid
                     if tail in own and base[tail] >= 0:
-                        L.copy_blocks(g, np.asarray([pages_g[tail]]), np.asarray([base[tail]]))
+                        L.copy_blocks(g, np.asarray([pages_g[tail]]), np.asarray([base[tail]]),
+                                      stream)
                 beam.pages.append(pages_g)
             for g in ctx.ssm_groups:
                 live = self._ssm[g]
                 if live >= 0:
                     pid = self._new_pages(g, [-1], prios)[0]  # type: ignore[attr-defined]
-                    L.copy_blocks(g, np.asarray([pid]), np.asarray([live]))
+                    L.copy_blocks(g, np.asarray([pid]), np.asarray([live]), stream)
                     beam.ssm[g] = pid
             self._beams.append(beam)
         self._changed()
@@ -168,18 +187,18 @@ class BeamsMixin(CacheBase):
         return out
 
     def _unshare(self, plan: list[tuple[_Beam, int, int]], history: int,
-                 prios: dict[int, int]) -> None:
+                 prios: dict[int, int], stream: Stream | None = None) -> None:
         """Give each beam of ``plan`` its own page for its block (a copy where the block
-        holds tokens below ``history``), and move every fork down to ``history`` (the
-        beams write their own tokens from there): shared pages are never written. The
-        room was made."""
+        holds tokens below ``history``, queued on ``stream``, the engine's), and move
+        every fork down to ``history`` (the beams write their own tokens from there):
+        shared pages are never written. The room was made."""
         L = self._levels
         tpb = self._tpb
         for bm, g, b in plan:
             old = bm.pages[g][b]
             pid = self._new_pages(g, [b], prios)[0]  # type: ignore[attr-defined]
             if b * tpb < history:
-                L.copy_blocks(g, np.asarray([pid]), np.asarray([old]))
+                L.copy_blocks(g, np.asarray([pid]), np.asarray([old]), stream)
             bm.pages[g][b] = pid
             self._unlock(np.asarray([old]))
         for bm in self._beams:

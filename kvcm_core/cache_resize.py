@@ -56,10 +56,10 @@ class ResizeMixin(CacheBase):
         self._ctx.thread.check()  # before begin(): a refused call touches no fence
         L = self._levels
         if not L.mover.fences.enabled:
-            return self._resize(capacity, history_length)
+            return self._resize(capacity, history_length, stream)
         L.begin(stream)
         try:
-            return self._resize(capacity, history_length)
+            return self._resize(capacity, history_length, stream)
         finally:
             L.end(stream)
 
@@ -103,7 +103,8 @@ class ResizeMixin(CacheBase):
                 out[int(g)] = out.get(int(g), 0) + int(n)
         return out
 
-    def _resize(self, capacity: int, history_length: int | None) -> bool:
+    def _resize(self, capacity: int, history_length: int | None,
+                stream: Stream | None = None) -> bool:
         self._last_refusal = None
         if self._status is not CacheStatus.ACTIVE:
             self._require(CacheStatus.ACTIVE)
@@ -201,7 +202,7 @@ class ResizeMixin(CacheBase):
             for g in ctx.attn_groups:
                 del pages[g][nb_new:]
         if nbeams and history < self._history:
-            self._unshare(unshare, history, prios)
+            self._unshare(unshare, history, prios, stream)
         self._grow_beams(grow, prios)
         for g, blocks in grow.items():
             if plan is None:

@@ -1,9 +1,10 @@
 """A mutating call from a thread other than the owner's is refused before it changes
 anything, the owner's stream fences included: on the deferred backend (stream work runs
-only when something waits for it) a refused ``resize``/``resume`` from another thread,
-landing while the owner is inside ``resize(stream=s)``, must not reset the fence that makes
-the owner's eviction copies wait for ``s``, else a block offloaded to the host is copied
-before the engine's KV write on ``s`` ran and a later request reuses wrong KV."""
+only when something waits for it) a refused ``resize``/``resume``/``set_beam_width`` from
+another thread, landing while the owner is inside ``resize(stream=s)``, must not reset the
+fence that makes the owner's eviction copies wait for ``s``, else a block offloaded to the
+host is copied before the engine's KV write on ``s`` ran and a later request reuses wrong
+KV."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from kvcm_core.testing.fingerprint import FingerprintEngine, StepWork
 TPB = 4
 
 
-@pytest.mark.parametrize("intrusion", ["resize", "resume"])
+@pytest.mark.parametrize("intrusion", ["resize", "resume", "set_beam_width"])
 def test_a_call_from_another_thread_is_refused_before_it_touches_the_owners_stream_fences(
         monkeypatch: pytest.MonkeyPatch, intrusion: str) -> None:
     cfg = KVCacheManagerConfig(
@@ -34,13 +35,13 @@ def test_a_call_from_another_thread_is_refused_before_it_touches_the_owners_stre
         layers=[AttentionLayerConfig(layer_id=0, buffers=[BufferConfig(role="k", size=64),
                                                           BufferConfig(role="v", size=64)])],
         levels=[LevelConfig(tier="gpu", quota=4 * 128), LevelConfig(tier="host", quota=16 * 128)],
-        max_util_for_resume=1.0)
+        max_util_for_resume=1.0, max_beam_width=2)
     m = KVCacheManager(cfg, plugin_manager=deferred_plugin_manager())
     s = m.backend.create_stream()
     eng = FingerprintEngine(m)
     eng.stream = s
     other = m.create_kv_cache(None, [])  # the cache the intruder touches
-    if intrusion == "resize":
+    if intrusion != "resume":
         assert other.resume(s)
     # X: 2 blocks written on s (deferred), committed, closed: droppable on the GPU.
     xt = list(range(100, 108))
@@ -65,7 +66,12 @@ def test_a_call_from_another_thread_is_refused_before_it_touches_the_owners_stre
         if not refused:
             def intrude() -> None:
                 try:
-                    other.resize(4) if intrusion == "resize" else other.resume()
+                    if intrusion == "resize":
+                        other.resize(4)
+                    elif intrusion == "set_beam_width":
+                        other.set_beam_width(2, s)
+                    else:
+                        other.resume()
                 except InvalidStateError as exc:
                     refused.append(exc)
             t = threading.Thread(target=intrude)
