@@ -362,9 +362,11 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
     def commit(self, tokens: Sequence[Any] | np.ndarray, stream: Stream | None = None) -> None:
         """Give the tokens at positions ``[T, T + len(tokens))`` (``T``: tokens known so
         far); history advances to at least their end and full blocks are published.
-        ``stream``: where the KV of these tokens was written; a shared remote level reads
-        the pages of the blocks published here after the work queued on it (the host waits
-        for it), otherwise it is not used."""
+        ``stream``: where the KV of these tokens was written (None: the backend's default
+        stream); a shared remote level reads the pages of the blocks published here after
+        the work queued on it (the host waits for it), an SSM snapshot
+        (``commit_min_snapshot``) is copied on it, and a block switched to the tree's
+        identical page makes it wait for a copy still bringing that page in."""
         self._ctx.thread.check()
         if self._status is not CacheStatus.ACTIVE:
             self._require(CacheStatus.ACTIVE)
@@ -383,7 +385,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
                     tpb = self._tpb
                     full = end // tpb
                     if self._published < full:
-                        self._publish_range(self._published, full)
+                        self._publish_range(self._published, full, stream)
                     if self._published * tpb > self._committed:
                         self._committed = self._published * tpb
                 return
@@ -426,7 +428,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             ctx = self._ctx
             if self._published < full:
                 b0 = self._published
-                self._publish_range(b0, full)
+                self._publish_range(b0, full, stream)
                 if ctx.remote is not None and self._published > b0:
                     ctx.remote.committed(self._root_key, self._nodes[b0 : self._published],
                                          stream)
@@ -436,7 +438,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
                     and end == self._history and self._published == end // tpb and end):
                 nid = self._parent_node(end // tpb)  # (ours while its key names it)
                 if nid != NO_NODE:
-                    self._snapshot(nid)
+                    self._snapshot(nid, stream)
         if self._ctx.windowed_groups and (moved or self._published > published):
             self._release_stale(moved)  # (published: window pages a resize kept for it)
 

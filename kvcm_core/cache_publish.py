@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcm_core.backend import Stream
 from kvcm_core.cache_base import CacheBase
 from kvcm_core.errors import OutOfPagesError
 from kvcm_core.radix import NO_NODE, extend_keys, key_cursor
@@ -57,8 +58,10 @@ class PublishMixin(CacheBase):
                                        b0, cursor)
         return keys[block]
 
-    def _publish_range(self, b0: int, b1: int) -> None:
-        """Publish full blocks ``[b0, b1)`` (the hot path of prefill commits)."""
+    def _publish_range(self, b0: int, b1: int, stream: Stream | None = None) -> None:
+        """Publish full blocks ``[b0, b1)`` (the hot path of prefill commits); ``stream``
+        (the commit's) waits for copies still bringing in a tree page a block rebases
+        onto."""
         tree = self._tree
         L = self._levels
         a = self._arena
@@ -84,7 +87,7 @@ class PublishMixin(CacheBase):
             nid = get(keys[b])
             if nid is None:
                 break
-            self._publish_existing(b, nid, groups)
+            self._publish_existing(b, nid, groups, stream)
             self._nodes.append(nid)
             self._published = b + 1
             b += 1
@@ -123,7 +126,8 @@ class PublishMixin(CacheBase):
         self._nodes.extend(nids.tolist())
         self._published = b1
 
-    def _publish_existing(self, b: int, nid: int, groups: Any) -> None:
+    def _publish_existing(self, b: int, nid: int, groups: Any,
+                          stream: Stream | None = None) -> None:
         tree = self._tree
         L = self._levels
         a = self._arena
@@ -138,7 +142,9 @@ class PublishMixin(CacheBase):
             if theirs < 0:
                 L.publish(np.asarray([mine]), np.asarray([nid]), g)
             elif a.level[theirs] == 0 and a.node[mine] < 0:
-                # Rebase onto the identical tree block and free our copy.
+                # Rebase onto the identical tree block and free our copy. The engine's
+                # next kernels read it on ``stream``: after a copy still bringing it in.
+                L.wait_pages(stream, np.asarray([theirs]))
                 L.claim(np.asarray([theirs]), 1, 0)  # shared now: see demote_leaf
                 a.reused[theirs] = True
                 pages_g[b] = theirs
@@ -154,8 +160,18 @@ class PublishMixin(CacheBase):
             if tokens[: len(ptoks)] == ptoks and len(ptoks) < len(tokens):
                 self._levels.unpublish_node(p)
 
-    def _snapshot(self, nid: int) -> None:
-        """Copy the live SSM state into a snapshot page of ``nid`` (best effort)."""
+    def _snapshot(self, nid: int, stream: Stream | None = None) -> None:
+        """Copy the live SSM state into a snapshot page of ``nid`` (best effort), on
+        ``stream`` (the commit's: where the state was written). Pages pushed down to make
+        room are copied after ``stream``'s work queued so far, and it waits for them."""
+        L = self._levels
+        L.begin(stream)
+        try:
+            self._snapshot_states(nid, stream)
+        finally:
+            L.end(stream)
+
+    def _snapshot_states(self, nid: int, stream: Stream | None) -> None:
         ctx = self._ctx
         L = self._levels
         for g in ctx.ssm_groups:
@@ -172,7 +188,7 @@ class PublishMixin(CacheBase):
                 # Making room evicted the node's last page and the node went with it.
                 self._unlock(snap)
                 return
-            L.copy_blocks(g, snap, np.asarray([live]))
+            L.copy_blocks(g, snap, np.asarray([live]), stream)
             L.publish(snap, np.asarray([nid]), g)
             self._unlock(snap)
 

@@ -751,6 +751,17 @@ class Levels:
             fences.record(stream or self.backend.default_stream, parts)
         self.stats.groups[group].intra_device_copies += len(dst)
 
+    def wait_pages(self, stream: Stream | None, pids: np.ndarray) -> None:
+        """``stream`` (None: the default stream) waits for the copies still touching these
+        pages' slots (e.g. an onboard bringing a page in for another request)."""
+        fences = self.mover.fences
+        if not fences.events or not len(pids):
+            return
+        a = self.arena
+        parts = [(self.all_stores[s], a.slot[batch])
+                 for s, batch in group_by_store(a, pids) if s >= 0]
+        fences.wait_device(stream or self.backend.default_stream, parts)
+
     def prefetch(self, pids: np.ndarray, level: int) -> int:
         """Move pages up to ``level`` where room exists without pushing held pages
         anywhere: droppable pages there make way, moving into free slots of the next

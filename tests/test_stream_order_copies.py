@@ -115,3 +115,60 @@ def test_a_slot_a_beam_fork_frees_by_an_eviction_is_written_only_behind_the_copy
     m.check_invariants()
     m.shutdown()
 
+
+def test_a_commit_snapshot_copies_the_ssm_state_after_the_engines_writes():
+    m = _manager(32, 32, ssm=True, commit_min_snapshot=True)
+    e, eng = _rig(m)
+    t = list(range(100, 140))
+    a = m.create_kv_cache(None, [])
+    assert a.resume(e) and a.resize(4, stream=e)
+    eng.write([StepWork(a, t)])
+    a.commit(t[:4], e)
+    eng.check([StepWork(a, t)])
+    assert a.resize(8, stream=e)
+    eng.write([StepWork(a, t)])  # the state after 8 tokens, queued on e
+    a.commit(t[4:8], e)  # the snapshot at 8: a copy of the live state
+    _default_first(m)
+    eng.check([StepWork(a, t)])
+    a.close()
+    b = m.create_kv_cache(None, t[:9])  # reuses 2 blocks and the snapshot at 8
+    assert b.history_length == 8
+    assert b.resume(e)
+    eng.recompute([StepWork(b, t)])
+    assert b.resize(9, stream=e)
+    eng.check([StepWork(b, t)])
+    m.backend.synchronize()
+    b.close()
+    m.check_invariants()
+    m.shutdown()
+
+
+def test_a_commit_that_rebases_onto_the_trees_page_makes_the_engine_wait_for_its_onboard():
+    m = _manager(4, 8)
+    e, eng = _rig(m)
+    p = [7, 8, 9, 10]
+    tx = p + list(range(100, 120))
+    x = m.create_kv_cache(None, [])
+    assert x.resume(e) and x.resize(4, stream=e)
+    eng.write([StepWork(x, tx)])
+    x.commit(tx[:4], e)
+    eng.check([StepWork(x, tx)])
+    x.close()  # block p cached on the GPU
+    y = m.create_kv_cache(None, tx[:5])  # holds block p, suspended
+    assert y.history_length == 4
+    f = m.create_kv_cache(None, [])
+    assert f.resume(e) and f.resize(16, stream=e)  # fills the GPU: p pushed to the host
+    eng.write([StepWork(f, list(range(200, 216)))])
+    f.close()
+    z = m.create_kv_cache(None, [])  # computes p itself
+    assert z.resume(e) and z.resize(5, stream=e)
+    assert y.prefetch(0) == 1  # p comes back up: an onboard nobody waited for
+    tz = p + [55] * 20
+    eng.write([StepWork(z, tz)])
+    z.commit(tz[:5], e)  # block 0 is p: z switches to the tree's page
+    eng.check([StepWork(z, tz)])  # the engine's next kernel on e
+    m.backend.synchronize()
+    y.close()
+    z.close()
+    m.check_invariants()
+    m.shutdown()
