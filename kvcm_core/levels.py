@@ -332,11 +332,12 @@ class Levels:
         if fences.enabled:
             fences.begin(stream)
 
-    def end(self, stream: Stream | None) -> None:
-        """The call returns: ``stream`` waits for the copies still in flight."""
+    def end(self, stream: Stream | None, wait: bool = True) -> None:
+        """The call returns: ``stream`` waits for the copies still in flight (``wait=False``:
+        it does not, as after a prefetch, whose copies the next resume waits for)."""
         fences = self.mover.fences
         if fences.enabled:
-            fences.end(stream)
+            fences.end(stream, wait)
 
     # -- taking pages -----------------------------------------------------------------------------
 

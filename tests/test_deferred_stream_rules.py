@@ -15,6 +15,7 @@ from kvcm_core import (
 )
 from kvcm_core.batch import Batch
 from kvcm_core.pagetable import BAD_PAGE_INDEX
+from kvcm_core.testing.fingerprint import FingerprintEngine, StepWork
 
 TPB, KV = 4, 64
 BLOCK = 2 * KV
@@ -66,4 +67,45 @@ def test_index_tables_are_converted_from_the_device_tables_the_upload_left() -> 
     assert len(np.unique(index[0, 0, :2])) == 2
     b.close()
     c.close()
+    m.shutdown()
+
+
+def test_prefetch_copies_wait_for_the_work_queued_on_the_stream_it_is_given() -> None:
+    """Before its first copy, prefetch(level, stream) makes the copy streams wait for
+    ``stream``'s work queued so far: the droppable pages that make way (GPU to host) are
+    read after the engine's last write of them on its stream, even when the GPU runs the
+    evict stream first; ``stream`` itself is not made to wait for the prefetch."""
+    m = _manager(gpu=2, host=8)
+    E = m.backend.create_stream()
+    eng = FingerprintEngine(m)
+    eng.stream = E
+    ty, tx = list(range(100, 140)), list(range(500, 540))
+    y = m.create_kv_cache(None, [])
+    assert y.resume(E) and y.resize(8, stream=E)
+    eng.write([StepWork(y, ty)])
+    y.commit(ty[:8], E)
+    eng.check([StepWork(y, ty)])
+    y.suspend()
+    x = m.create_kv_cache(None, [])
+    assert x.resume(E) and x.resize(8, stream=E)  # Y's pages pushed to the host
+    eng.write([StepWork(x, tx)])  # X's last step, queued on E
+    x.commit(tx[:8], E)
+    x.close()  # X's blocks: cached, droppable on the GPU
+    queued_on_e = len(E.queue)
+    assert y.prefetch(0, E) == 2  # X's pages make way (GPU -> host), Y comes up
+    waits = [f for f in list(E.queue)[queued_on_e:] if getattr(f, "__name__", "") == "reach"]
+    assert not waits, "the engine's stream was made to wait for the prefetch"
+    for s in m.backend._streams:  # the GPU runs the copy streams first
+        if s is not E and s is not m.backend.default_stream:
+            s.run()
+    z = m.create_kv_cache(None, tx[:9])  # X's prompt again: both blocks reused
+    assert z.history_length == 8
+    assert z.resume(E)
+    eng.check([StepWork(z, tx)])  # FingerprintMismatch when the copy read stale bytes
+    z.suspend()
+    assert y.resume(E)
+    eng.check([StepWork(y, ty)])
+    y.suspend()
+    y.close()
+    z.close()
     m.shutdown()
