@@ -1019,6 +1019,10 @@ class Levels:
 
     def _resize_level(self, level: int, slots: list[int]) -> bool:
         stores = self.stores[level]
+        if level == 0:
+            # The moves out of released GPU slots read what the engine wrote there on
+            # any of its streams (a quota resize is rare: the host waits for everything).
+            self.backend.synchronize()
         self.mover.fences.synchronize()  # pools may be reallocated: no copy in flight
         plans = []
         for store, new in zip(stores, slots, strict=True):

@@ -109,3 +109,31 @@ def test_prefetch_copies_wait_for_the_work_queued_on_the_stream_it_is_given() ->
     y.close()
     z.close()
     m.shutdown()
+
+
+def test_a_level0_quota_shrink_moves_what_the_engine_wrote_on_its_own_stream() -> None:
+    """manager.resize(0, smaller): the copies out of released GPU slots finish before the
+    call returns and read what the engine wrote there, its last step on its own stream
+    included (not only after the manager's tracked copies)."""
+    m = _manager(gpu=8, host=8)
+    E = m.backend.create_stream()
+    eng = FingerprintEngine(m)
+    eng.stream = E
+    t = list(range(100, 140))
+    f = m.create_kv_cache(None, [])
+    assert f.resume(E) and f.resize(16, stream=E)  # filler: GPU slots 0..3
+    a = m.create_kv_cache(None, [])
+    assert a.resume(E) and a.resize(8, stream=E)  # A: slots 4, 5
+    before = a.get_base_page_indices(0).tolist()
+    eng.write([StepWork(a, t)])  # A's step, queued on E
+    a.commit(t[:8], E)
+    a.suspend()
+    f.close()  # nothing committed: slots 0..3 free
+    assert m.resize(0, 4 * BLOCK)  # every cache suspended: shrink level 0
+    assert m.backend.pending() == 0, "a resize's copies finish before it returns"
+    assert a.resume(E)
+    assert a.get_base_page_indices(0).tolist() != before  # relocated
+    eng.check([StepWork(a, t)])  # FingerprintMismatch when the engine's write was lost
+    a.suspend()
+    a.close()
+    m.shutdown()
