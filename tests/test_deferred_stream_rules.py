@@ -137,3 +137,37 @@ def test_a_level0_quota_shrink_moves_what_the_engine_wrote_on_its_own_stream() -
     a.suspend()
     a.close()
     m.shutdown()
+
+
+def test_batch_resize_fast_path_waits_for_the_reader_fence_before_writing_staging_rows() -> None:
+    """record_read(stream): the next upload waits for that fence on the host before going
+    on; Batch.resize's decode fast path writes new slot ids into the pinned staging rows in
+    place, so it waits before that write, else the previous publish's upload (still queued)
+    copies the next step's rows and a kernel fenced by record_read reads them."""
+    m = _manager(gpu=8, host=8)
+    be = m.backend
+    E = be.create_stream()
+    b = Batch(m, max_rows=2, max_blocks_per_row=8)
+    c = m.create_kv_cache(None, [])
+    assert c.resume(E) and c.resize(4, stream=E)  # one block
+    b.add_kv_cache(c)
+    b.publish(E)
+    b.wait_ready(E)
+    pt, nbs = b.page_table(0), b.num_blocks(0)
+    want = (1, c.get_base_page_indices(0).tolist())
+    seen = {}
+
+    def kernel() -> None:  # an attention kernel of this step on E
+        seen["table"] = (int(nbs[0]), pt[0, 0, : int(nbs[0])].tolist())
+
+    E.queue.append(kernel)
+    b.record_read(E)  # fence the reader
+    assert b.resize([8, -1], stream=E) == [True, True]  # next step: a second block
+    be.synchronize()
+    assert seen["table"] == want, "the step's kernel read the next step's table"
+    assert b.read_num_blocks(0)[0] == 2
+    b.remove_kv_cache(c)
+    b.close()
+    c.suspend()
+    c.close()
+    m.shutdown()
