@@ -504,6 +504,9 @@ class Batch:
                 keep[at: at + n] = False
             at += n
         if where_r:
+            # The staging rows are what the last upload (maybe still queued) copies from:
+            # its readers, fenced by record_read, are done with it first.
+            self._wait_readers()
             r_arr = np.asarray(where_r, dtype=np.int64)
             b_arr = np.asarray(where_b, dtype=np.int64)
             self._tables[0].staging[r_arr, 0, b_arr] = slots[keep]

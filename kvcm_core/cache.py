@@ -340,13 +340,15 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         self._status = CacheStatus.SUSPENDED
         self._changed()
 
-    def prefetch(self, level: int = 0) -> int:
+    def prefetch(self, level: int = 0, stream: Stream | None = None) -> int:
         """Hint for a suspended cache: bring its pages up to ``level`` (0: the GPU) where
         there is room without pushing held pages down. Returns the pages moved.
 
-        On a GPU backend the copies are only started (on the manager's onboard stream,
-        after the default stream's work queued so far): the later ``resume(stream)`` makes
-        ``stream`` wait for them, so a scheduler overlaps them with its current step."""
+        On a GPU backend the copies are only started (on the manager's copy streams, after
+        ``stream``'s work queued so far: pass the stream your model runs on, as droppable
+        pages that make way may still be being written there; ``None``: the default
+        stream); ``stream`` is not made to wait for them: the later ``resume(stream)``
+        does, so a scheduler overlaps them with its current step."""
         self._ctx.thread.check()
         self._require(CacheStatus.SUSPENDED, CacheStatus.ACTIVE)
         self._ctx.levels.check_level(level)
@@ -356,8 +358,11 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         pages = list(dict.fromkeys(p for p in self._all_pages() if a.level[p] > level))
         if not pages:
             return 0
-        self._levels.begin(None)  # nobody waits here: the next resume does
-        return self._levels.prefetch(_arr(pages), level)
+        self._levels.begin(stream)
+        try:
+            return self._levels.prefetch(_arr(pages), level)
+        finally:
+            self._levels.end(stream, wait=False)  # nobody waits here: the next resume does
 
     def commit(self, tokens: Sequence[Any] | np.ndarray, stream: Stream | None = None) -> None:
         """Give the tokens at positions ``[T, T + len(tokens))`` (``T``: tokens known so

@@ -100,14 +100,15 @@ class Fences:
         lane_stream.wait_event(self._op_mark)
         self._op_waited.add(lane)
 
-    def end(self, stream: Stream | None) -> None:
-        """The public call returns: ``stream`` waits for every tracked copy batch."""
+    def end(self, stream: Stream | None, wait: bool = True) -> None:
+        """The public call returns: ``stream`` waits for every tracked copy batch
+        (``wait=False``: it does not; a later call's ``end`` makes its stream wait)."""
         if self._op_mark is not None:
             self._spare.append(self._op_mark)
             self._op_mark = None
         self._op_waited.clear()
         self.op_stream = None
-        if self.events:
+        if wait and self.events:
             self.wait_all(stream)
 
     # -- slots --------------------------------------------------------------------------

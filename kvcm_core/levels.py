@@ -332,11 +332,12 @@ class Levels:
         if fences.enabled:
             fences.begin(stream)
 
-    def end(self, stream: Stream | None) -> None:
-        """The call returns: ``stream`` waits for the copies still in flight."""
+    def end(self, stream: Stream | None, wait: bool = True) -> None:
+        """The call returns: ``stream`` waits for the copies still in flight (``wait=False``:
+        it does not, as after a prefetch, whose copies the next resume waits for)."""
         fences = self.mover.fences
         if fences.enabled:
-            fences.end(stream)
+            fences.end(stream, wait)
 
     # -- taking pages -----------------------------------------------------------------------------
 
@@ -1029,6 +1030,10 @@ class Levels:
 
     def _resize_level(self, level: int, slots: list[int]) -> bool:
         stores = self.stores[level]
+        if level == 0:
+            # The moves out of released GPU slots read what the engine wrote there on
+            # any of its streams (a quota resize is rare: the host waits for everything).
+            self.backend.synchronize()
         self.mover.fences.synchronize()  # pools may be reallocated: no copy in flight
         plans = []
         for store, new in zip(stores, slots, strict=True):

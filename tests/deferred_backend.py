@@ -7,7 +7,11 @@ stream, the backend or an event recorded after them, a fingerprint check on that
 ``read`` / ``write`` backdoor — and then only the work that result depends on runs (a
 stream's queue in order; ``wait_event`` runs the recording stream up to the event). Work
 that nothing waited for stays queued, so a missing event or a missing host wait shows up
-as wrong bytes, exactly as a race would on a GPU, but every time.
+as wrong bytes, exactly as a race would on a GPU, but every time. ``Event.query()`` runs
+the recording stream by one item while its event is not reached, as a GPU makes progress
+while the host polls (a host polling loop such as ``Batch`` waiting for its reader fence
+ends). ``convert_page_tables`` is queued like every other kernel: an index table is
+converted from the device table as the upload queued before it left it.
 
 Register it with :func:`deferred_plugin_manager` (backend name ``"deferred"``).
 A test helper: the core never imports a plugin, this file does.
@@ -85,7 +89,11 @@ class DeferredEvent(Event):
             stream.queue.append(mark)
 
     def query(self) -> bool:
-        return self.current is None or self.current.done
+        rec = self.current
+        if (self.backend.progress_on_query and rec is not None and not rec.done
+                and rec.stream is not None and rec.stream.queue):
+            rec.stream.queue.popleft()()  # the device makes progress while the host polls
+        return rec is None or rec.done
 
     def synchronize(self) -> None:
         if self.current is not None:
@@ -97,6 +105,9 @@ class DeferredBackend(_numpy().NumpyBackend):
 
     name = "deferred"
     capabilities = CAPABILITIES
+    #: ``Event.query()`` runs the event's stream by one item (False: streams stand still
+    #: while the host polls, for tests of what a query alone concludes).
+    progress_on_query = True
 
     def __init__(self, options: dict | None = None) -> None:
         super().__init__(options)
@@ -159,6 +170,15 @@ class DeferredBackend(_numpy().NumpyBackend):
     def fingerprint_write(self, pages: FingerprintPages, stream: Stream | None = None) -> None:
         def run() -> None:
             _numpy().NumpyBackend.fingerprint_write(self, pages, None)
+        self._on(stream).queue.append(run)
+
+    def convert_page_tables(self, tables: Sequence[Any], rows: np.ndarray,
+                            stream: Stream | None = None) -> None:
+        rows = np.array(rows, copy=True)
+        tables = list(tables)
+
+        def run() -> None:
+            _numpy().NumpyBackend.convert_page_tables(self, tables, rows, None)
         self._on(stream).queue.append(run)
 
     def fingerprint_check(self, pages: FingerprintPages,
