@@ -163,7 +163,7 @@ class Fuzz:
 
     def raise_queued(self) -> None:
         if self.failures:
-            raise QueuedFailure("check queued on the engine's stream: " + self.failures[0])
+            raise QueuedFailure("a check on the engine's stream failed: " + self.failures[0])
 
     def check_all(self) -> None:
         work = [w for q in self.active() for w in self.work(q)]
@@ -183,14 +183,14 @@ class Fuzz:
             return
         owners = self.engine._owners.copy()
         ids = [w.cache.id for w in work]
-        tag = len(self.ops)
+        tag = len(self.ops) - 1  # the last operation noted
 
         def run() -> None:
             ok = self.be.fingerprint_check_now(pages)
             if not ok.all():
                 bad = int(np.nonzero(~ok)[0][0])
                 self.failures.append(
-                    f"after op #{tag}: cache {ids[int(owners[bad])]!r} block "
+                    f"queued at op #{tag}: cache {ids[int(owners[bad])]!r} block "
                     f"{int(pages.positions[bad]) // TPB} layer {int(pages.tags[bad, 0])}"
                     f" beam {int(pages.tags[bad, 1]) & 0xFFFF} does not hold its records")
         self.be.enqueue(self.E, run)
@@ -326,8 +326,15 @@ class Fuzz:
         self.note(f"make_room {pages} -> {ok}")
 
     def op_level_resize(self) -> None:
+        """A quota change: every cache is suspended first (the engine's writes on E may
+        still be queued: the moves out of released GPU slots must wait for them)."""
         if self.active():
-            return
+            if self.rng.random() < 0.5:
+                return
+            for q in self.active():
+                self.unseat(q)
+                q.cache.suspend()
+                self.note(f"suspend {q.cache.id}")
         level = self.rng.choice([0, 1, 1] + ([2] if self.disk is not None else []))
         lo, hi = {0: (5, 12), 1: (6, 20), 2: (24, 64)}[level]
         quota = self.rng.randint(lo, hi) * BLOCK
@@ -369,7 +376,7 @@ class Fuzz:
             expect[row] = (c.id, [[np.asarray(c.get_base_page_indices(g, beam)).copy()
                                    for beam in range(c.beam_width)] for g in groups])
         views = [(b.page_table(g), b.num_blocks(g)) for g in groups]
-        tag = len(self.ops)
+        tag = len(self.ops) - 1  # the last operation noted
 
         def run() -> None:
             for row, (cid, per_group) in expect.items():
@@ -380,7 +387,7 @@ class Fuzz:
                         got = pt[row, beam, :nb]
                         if nb != len(want) or not np.array_equal(got, want):
                             self.failures.append(
-                                f"after op #{tag}: batch row {row} ({cid}) group {g} beam "
+                                f"queued at op #{tag}: batch row {row} ({cid}) group {g} beam "
                                 f"{beam}: device table {got.tolist()} (nb {nb}), expected "
                                 f"{want.tolist()}")
                             return
