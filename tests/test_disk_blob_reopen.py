@@ -239,6 +239,16 @@ class _NoTruncate:
         return self._real(fd, length)
 
 
+def _four_blobs(path):
+    """A blob tier at ``path`` (1 MiB segments), a pool of 8 slots and the blobs written
+    to its slots 0..3 (100 bytes each)."""
+    tier = _tier(path, segment_bytes=1 << 20)
+    pool = tier.create_pool(SLOT, 8, name="p")
+    old = [bytes([i + 1]) * 100 for i in range(4)]
+    pool.write_blobs(np.arange(4), old).wait()
+    return tier, pool, old
+
+
 @pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC, errno.EPERM])
 @pytest.mark.parametrize("raises", [False, True], ids=["short", "enospc"])
 def test_an_append_that_cannot_be_cut_back_loses_nothing_stored_and_never_comes_back(
@@ -248,10 +258,7 @@ def test_an_append_that_cannot_be_cut_back_loses_nothing_stored_and_never_comes_
     records never do, and the pool writes on."""
     faults = _Faults(monkeypatch)
     path = tmp_path / "d"
-    tier = _tier(path, segment_bytes=1 << 20)
-    pool = tier.create_pool(SLOT, 8, name="p")
-    old = [bytes([i + 1]) * 100 for i in range(4)]
-    pool.write_blobs(np.arange(4), old).wait()
+    tier, pool, old = _four_blobs(path)
     pool.write_blobs(np.array([0]), [b"R" * 50]).wait()  # slot 0 rewritten in the segment
     cut = _NoTruncate(monkeypatch, err=err)
     # two of three records land whole (slots 2 and 5), the third is cut: the write fails
@@ -296,10 +303,7 @@ def test_a_segment_that_can_be_neither_cut_back_nor_sealed_takes_no_more_writes(
     pool writes again and a reopen reads exactly what the pool read."""
     script = _Script(monkeypatch)
     path = tmp_path / "d"
-    tier = _tier(path, segment_bytes=1 << 20)
-    pool = tier.create_pool(SLOT, 8, name="p")
-    old = [bytes([i + 1]) * 100 for i in range(4)]
-    pool.write_blobs(np.arange(4), old).wait()
+    tier, pool, old = _four_blobs(path)
     cut = _NoTruncate(monkeypatch, times=4)
     # slot 5's record lands whole, slot 1's is cut; then the seal fails
     script.plan = [108 + 30, "fail"]
@@ -332,10 +336,7 @@ def test_a_torn_segment_sealed_at_close_reads_back_without_its_torn_records(
     reads every earlier blob and not the torn record."""
     script = _Script(monkeypatch)
     path = tmp_path / "d"
-    tier = _tier(path, segment_bytes=1 << 20)
-    pool = tier.create_pool(SLOT, 8, name="p")
-    old = [bytes([i + 1]) * 100 for i in range(4)]
-    pool.write_blobs(np.arange(4), old).wait()
+    tier, pool, old = _four_blobs(path)
     _NoTruncate(monkeypatch, times=100)
     script.plan = [108 + 30, "fail"]
     with pytest.raises(TierIOError):

@@ -55,6 +55,18 @@ def _default_first(m: KVCacheManager) -> None:
     m.backend.default_stream.synchronize()
 
 
+def _check_both_beams_then_close(m: KVCacheManager, eng: FingerprintEngine, c: Any,
+                                 toks: list[int]) -> None:
+    """The default stream runs first (as a GPU may), then both beams are checked on the
+    engine's stream; then the cache closes and the manager's records hold."""
+    _default_first(m)
+    eng.check([StepWork(c, toks, 0), StepWork(c, toks, 1)])
+    m.backend.synchronize()
+    c.close()
+    m.check_invariants()
+    m.shutdown()
+
+
 def test_a_beam_fork_copies_beam_0s_partial_block_and_ssm_state_after_the_engines_writes():
     m = _manager(16, 16, ssm=True, max_beam_width=2)
     e, eng = _rig(m)
@@ -64,12 +76,7 @@ def test_a_beam_fork_copies_beam_0s_partial_block_and_ssm_state_after_the_engine
     eng.write([StepWork(c, toks)])  # queued on e
     c.commit(toks[:6], e)
     assert c.set_beam_width(2, e)  # beam 1: its own copy of block 1 and of the state
-    _default_first(m)
-    eng.check([StepWork(c, toks, 0), StepWork(c, toks, 1)])
-    m.backend.synchronize()
-    c.close()
-    m.check_invariants()
-    m.shutdown()
+    _check_both_beams_then_close(m, eng, c, toks)
 
 
 def test_a_rewind_below_the_fork_copies_the_unshared_block_after_the_engines_writes():
@@ -83,12 +90,7 @@ def test_a_rewind_below_the_fork_copies_the_unshared_block_after_the_engines_wri
     assert c.resize(8, history_length=8, stream=e)
     assert c.set_beam_width(2, e)  # fork at 8: both blocks shared, nothing copied
     assert c.resize(8, history_length=6, stream=e)  # rewind below the fork: a copy of block 1
-    _default_first(m)
-    eng.check([StepWork(c, toks, 0), StepWork(c, toks, 1)])
-    m.backend.synchronize()
-    c.close()
-    m.check_invariants()
-    m.shutdown()
+    _check_both_beams_then_close(m, eng, c, toks)
 
 
 def test_a_slot_a_beam_fork_frees_by_an_eviction_is_written_only_behind_the_copy_that_read_it():
