@@ -611,15 +611,21 @@ class _SinkPlugin:
         return [self.sink]
 
 
-def test_a_chains_first_block_has_no_parent_key(managers):
-    # BlockEvent.parent_key is None at the root: the first block of every chain (of any
-    # scope, a lone partial block included) names no parent, never the scope root's digest.
+def _recorded_manager() -> tuple[KVCacheManager, _Recorder]:
+    """A GPU-only manager of full-attention layers whose events a recorder sink keeps."""
     from conftest import make_config
 
     rec = _Recorder()
     pm = KvcmPluginManager(autoload=True)
     pm.register(_SinkPlugin(rec), name="test-recorder")
-    m = KVCacheManager(make_config(full_layers(), quota=16 * 4 * PAGE), plugin_manager=pm)
+    return KVCacheManager(make_config(full_layers(), quota=16 * 4 * PAGE),
+                          plugin_manager=pm), rec
+
+
+def test_a_chains_first_block_has_no_parent_key(managers):
+    # BlockEvent.parent_key is None at the root: the first block of every chain (of any
+    # scope, a lone partial block included) names no parent, never the scope root's digest.
+    m, rec = _recorded_manager()
     d = Driver(m)
     d.run(tokens(9, seed=1))
     d.run(tokens(3, seed=2), scope=ReuseScope(lora_id=2))
@@ -635,12 +641,7 @@ def test_shutdown_announces_every_cached_block_removed(managers):
     # At shutdown every level's blocks go with the manager: a router must not keep
     # believing them cached. One REMOVED event per cached block and group, on the level
     # it was on, children before their parents.
-    from conftest import make_config
-
-    rec = _Recorder()
-    pm = KvcmPluginManager(autoload=True)
-    pm.register(_SinkPlugin(rec), name="test-recorder")
-    m = KVCacheManager(make_config(full_layers(), quota=16 * 4 * PAGE), plugin_manager=pm)
+    m, rec = _recorded_manager()
     d = Driver(m)
     d.run(tokens(10, seed=1))
     d.run(tokens(13, seed=2), scope=ReuseScope(lora_id=2))
@@ -661,12 +662,7 @@ def test_shutdown_announces_every_cached_block_removed(managers):
 
 
 def test_block_events_deliver_stored_and_removed(managers):
-    from conftest import make_config
-
-    rec = _Recorder()
-    pm = KvcmPluginManager(autoload=True)
-    pm.register(_SinkPlugin(rec), name="test-recorder")
-    m = KVCacheManager(make_config(full_layers(), quota=16 * 4 * PAGE), plugin_manager=pm)
+    m, rec = _recorded_manager()
     d = Driver(m)
     t = tokens(10)
     d.run(t)
