@@ -219,6 +219,7 @@ class RedisClusterServers(_Servers):
         extra = ["--cluster-enabled", "yes", "--cluster-node-timeout", str(node_timeout_ms),
                  "--cluster-config-file", "nodes.conf",
                  "--cluster-require-full-coverage", "no", "--repl-diskless-sync-delay", "0"]
+        self.primaries = primaries
         ports = self._start_on_free_ports(2 * primaries, extra, with_bus=True)
         try:
             out = subprocess.run(
@@ -247,11 +248,15 @@ class RedisClusterServers(_Servers):
 
     def wait_replicas(self, timeout: float = 20.0) -> None:
         """Wait until every live replica is in sync with its primary (a replica that never
-        synced cannot take over)."""
+        synced cannot take over) and no more nodes than the cluster's primaries call
+        themselves primary: just after ``--cluster create`` a node still waiting for its
+        ``CLUSTER REPLICATE`` reports ``role:master`` with no slots."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             infos = [self.cli(n.port, "info", "replication") for n in self.nodes if n.alive]
-            if all("role:master" in i or "master_link_status:up" in i for i in infos):
+            masters = sum("role:master" in i for i in infos)
+            if masters <= self.primaries and all(
+                    "role:master" in i or "master_link_status:up" in i for i in infos):
                 return
             time.sleep(0.1)
         raise RuntimeError("the Redis cluster's replicas did not sync in time")
