@@ -36,6 +36,7 @@ _INT_ONLY = {int}
 _BIG = 1 << 22  # page ids from here on are mapped to internal ids (arrays stay small)
 _COMPACT_SLACK = 4096  # dead entries tolerated before a rebuild is considered
 _SMALL = 16  # batches up to this size are checked in plain Python
+_FEW_RUNS = 8  # a mixed-priority insert of fewer runs stamps them run by run
 
 
 def _runs(pr: np.ndarray) -> list[tuple[int, int, int]]:
@@ -315,6 +316,22 @@ class SegmentLruPolicy(EvictionPolicy):
             self._append(arr, int(pr[0]))
             return
         cuts += 1
+        queues, live = self._queues, self._live
+        if len(cuts) < _FEW_RUNS:  # (victims moved down: a run per priority) a scatter each
+            bounds = [0, *cuts.tolist(), n]
+            seg = arr.copy()
+            stamp, prios = self._stamp, self._prio
+            for p, a, b in zip(pr[bounds[:-1]].tolist(), bounds, bounds[1:], strict=False):
+                self._serial += 1
+                part = seg[a:b]
+                stamp[part] = self._serial
+                prios[part] = p
+                queues[p].append((self._serial, part))
+                live[p] += b - a
+                self._mask |= 1 << p
+            self._entries += n
+            self._count += n
+            return
         starts = [0, *cuts.tolist()]
         stops = [*starts[1:], n]
         values = pr[starts].tolist()
@@ -324,7 +341,6 @@ class SegmentLruPolicy(EvictionPolicy):
         self._stamp[seg] = np.repeat(np.arange(first, self._serial + 1, dtype=np.int64),
                                      np.subtract(stops, starts))
         self._prio[seg] = pr
-        queues, live = self._queues, self._live
         for i, (p, a, b) in enumerate(zip(values, starts, stops, strict=True)):
             queues[p].append((first + i, seg[a:b]))
             live[p] += b - a
