@@ -177,6 +177,7 @@ class Batch:
         self._scratch: list[dict[int, ScratchDesc]] = [{} for _ in range(self.max_rows)]
         self._ready: Event | None = None
         self._read_fence: Event | None = None
+        self._uploading: Event | None = None  # recorded after the last upload's copies
         self._closed = False
         has_sparse = any(getattr(layer, "sparse", None) is not None
                          for layer in manager.config.layers)
@@ -316,7 +317,7 @@ class Batch:
         restage = self._dirty
         rows = np.asarray(sorted(restage | self._patched), dtype=np.int32)
         if len(rows):
-            self._wait_readers()
+            self._wait_upload()
             for r in sorted(restage):
                 self._stage(r)
             pairs = np.repeat(rows[:, None], 2, axis=1)
@@ -330,6 +331,8 @@ class Batch:
         event = self.backend.create_event()
         event.record(stream)
         self._ready = event
+        if len(rows):
+            self._uploading = event
         return len(rows)
 
     def _check_publish(self, stream: Stream | None, caps: Sequence[int] | None = None
@@ -505,8 +508,8 @@ class Batch:
             at += n
         if where_r:
             # The staging rows are what the last upload (maybe still queued) copies from:
-            # its readers, fenced by record_read, are done with it first.
-            self._wait_readers()
+            # it has run first (and its readers, fenced by record_read, are done).
+            self._wait_upload()
             r_arr = np.asarray(where_r, dtype=np.int64)
             b_arr = np.asarray(where_b, dtype=np.int64)
             self._tables[0].staging[r_arr, 0, b_arr] = slots[keep]
@@ -835,16 +838,20 @@ class Batch:
         self._wait_readers()
 
     def _wait_readers(self) -> None:
-        """Wait for the last reader fence, polling with the GIL released between polls
-        (other Python threads, such as the one that lets the readers finish, run)."""
-        fence = self._read_fence
-        if fence is None:
-            return
-        pause = 1e-6
-        while not fence.query():
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
-        self._read_fence = None
+        """Wait for the last reader fence (see :func:`_poll`)."""
+        if self._read_fence is not None:
+            _poll(self._read_fence)
+            self._read_fence = None
+
+    def _wait_upload(self) -> None:
+        """Before the host staging rows are written: wait until the last upload, which
+        copies from them when its stream reaches it, has run. The reader fence covers it
+        when the engine records one; an engine that never calls :meth:`record_read`
+        (one stream, its kernels ordered after the upload anyway) relies on this."""
+        self._wait_readers()
+        if self._uploading is not None:
+            _poll(self._uploading)
+            self._uploading = None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -926,3 +933,12 @@ class Batch:
             raise InvalidArgumentError(f"{name}: entry {bad[0]} must be >= 0 (or -1: "
                                        "unchanged)")
         return out
+
+
+def _poll(event: Event) -> None:
+    """Wait for ``event``, polling with the GIL released between polls (other Python
+    threads, such as the one that lets the device work finish, run)."""
+    pause = 1e-6
+    while not event.query():
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)

@@ -171,3 +171,53 @@ def test_batch_resize_fast_path_waits_for_the_reader_fence_before_writing_stagin
     c.suspend()
     c.close()
     m.shutdown()
+
+
+def _step_reading_table(publish_next: str) -> None:
+    """One step: publish, a kernel queued on E reads row 0, then (no record_read) the
+    next step changes the row by ``publish_next`` ("resize": Batch.resize's fast path
+    writing staging rows in place; "publish": the cache grows and publish restages the
+    row). The kernel must read the table of its own step."""
+    m = _manager(gpu=8, host=8)
+    be = m.backend
+    E = be.create_stream()
+    b = Batch(m, max_rows=2, max_blocks_per_row=8)
+    c = m.create_kv_cache(None, [])
+    assert c.resume(E) and c.resize(4, stream=E)  # one block
+    b.add_kv_cache(c)
+    b.publish(E)
+    b.wait_ready(E)
+    pt, nbs = b.page_table(0), b.num_blocks(0)
+    want = (1, c.get_base_page_indices(0).tolist())
+    seen = {}
+
+    def kernel() -> None:  # an attention kernel of this step on E
+        seen["table"] = (int(nbs[0]), pt[0, 0, : int(nbs[0])].tolist())
+
+    E.queue.append(kernel)
+    if publish_next == "resize":
+        assert b.resize([8, -1], stream=E) == [True, True]
+    else:
+        assert c.resize(8, stream=E)
+        b.mark_dirty(0)
+        b.publish(E)
+    be.synchronize()
+    assert seen["table"] == want, "the step's kernel read the next step's table"
+    assert b.read_num_blocks(0)[0] == 2
+    b.remove_kv_cache(c)
+    b.close()
+    c.suspend()
+    c.close()
+    m.shutdown()
+
+
+def test_batch_resize_fast_path_waits_for_the_last_upload_without_a_reader_fence() -> None:
+    """An engine that never calls record_read (one stream: its kernels are ordered after
+    the upload anyway): the staging rows the last upload copies from are not rewritten
+    before that upload ran."""
+    _step_reading_table("resize")
+
+
+def test_publish_waits_for_the_last_upload_before_restaging_rows_without_a_reader_fence() -> None:
+    """The same for a publish that restages a changed row."""
+    _step_reading_table("publish")
