@@ -178,6 +178,7 @@ class Batch:
         self._ready: Event | None = None
         self._read_fence: Event | None = None
         self._uploading: Event | None = None  # recorded after the last upload's copies
+        self._converted: Event | None = None  # a registration's conversion, not yet awaited
         self._closed = False
         has_sparse = any(getattr(layer, "sparse", None) is not None
                          for layer in manager.config.layers)
@@ -314,6 +315,9 @@ class Batch:
         # Sparse rows are checked before anything changes; they pin after the upload.
         sparse_moved = self._sparse is not None and self._sparse.prepare(self._rows,
                                                                          checked=True)
+        if self._converted is not None:  # a registration's conversion, before this upload
+            (stream or self.backend.default_stream).wait_event(self._converted)
+            self._converted = None
         restage = self._dirty
         rows = np.asarray(sorted(restage | self._patched), dtype=np.int32)
         if len(rows):
@@ -724,9 +728,18 @@ class Batch:
         shape = (self.max_rows, self.max_beam_width, self.max_blocks_per_row * expansion)
         ix = _IndexTable(layer_id, role, group, scale, offset, expansion,
                          _Table.make(self.backend, shape, BAD_PAGE_INDEX, staged=False))
-        # The table converts what the device base table holds now; rows changed since the
-        # last publish follow at the next one.
+        # The table converts what the device base table holds once the last upload ran
+        # (on the default stream, after that upload's event); rows changed since the last
+        # publish follow at the next one. wait_ready and the next upload come after it.
+        be = self.backend
+        if self._ready is not None:
+            be.default_stream.wait_event(self._ready)
         self._convert(np.arange(self.max_rows, dtype=np.int32), None, [ix])
+        converted = be.create_event()
+        converted.record(None)
+        self._converted = converted
+        if self._ready is not None:
+            self._ready = converted
         self._index[key] = ix
         return self._view(ix.table)
 

@@ -128,6 +128,11 @@ class Mover:
         n = len(src_slots)
         if n == 0:
             return
+        if self.fences.enabled and (src.level == 0 or dst.level == 0):
+            # A copy the call does not issue (no pinned level takes it, or a codec runs)
+            # reads or writes GPU pages the engine's queued work on the call's stream may
+            # still write or read: its stream waits for that work first.
+            self.fences.join_op(stream or self.backend.default_stream)
         # What _copy_gpu copies between the GPU level and a device-accessible store with
         # an identity codec, without its lookups (neither side framed: no keys).
         direct = self._direct_parts(layout, src, dst) \

@@ -3,7 +3,10 @@ queued work runs only when something waits for it, so a missing wait shows every
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pytest
 from deferred_backend import DeferredBackend, deferred_plugin_manager
 
 from kvcm_core import (
@@ -221,3 +224,87 @@ def test_batch_resize_fast_path_waits_for_the_last_upload_without_a_reader_fence
 def test_publish_waits_for_the_last_upload_before_restaging_rows_without_a_reader_fence() -> None:
     """The same for a publish that restages a changed row."""
     _step_reading_table("publish")
+
+
+def _manager_over(levels: list[LevelConfig]) -> KVCacheManager:
+    cfg = KVCacheManagerConfig(
+        tokens_per_block=TPB, kernel_backend="deferred", max_util_for_resume=1.0,
+        layers=[AttentionLayerConfig(layer_id=0, buffers=[BufferConfig(role="k", size=KV),
+                                                          BufferConfig(role="v", size=KV)])],
+        levels=levels)
+    return KVCacheManager(cfg, plugin_manager=deferred_plugin_manager())
+
+
+@pytest.mark.parametrize("below", ["disk", "host-int8", "host"])
+@pytest.mark.parametrize("held", [True, False], ids=["suspended", "closed"])
+def test_a_move_out_of_the_gpu_waits_for_the_engines_queued_writes(
+        tmp_path: Path, below: str, held: bool) -> None:
+    """A's step is written on the engine's stream E and still queued when B's resize
+    pushes A's pages down. Every move out of level 0 waits for E first, including the
+    copies no pinned level takes (a disk right below the GPU, a codec on the host level),
+    which run on another stream: A's KV read back is the KV the step wrote."""
+    if below == "disk":
+        lower = LevelConfig(tier="disk", quota=16 * BLOCK, options={"path": str(tmp_path)})
+    else:
+        lower = LevelConfig(tier="host", quota=16 * BLOCK,
+                            codec="int8" if below == "host-int8" else None)
+    m = _manager_over([LevelConfig(tier="gpu", quota=2 * BLOCK), lower])
+    be = m.backend
+    E = be.create_stream()
+    eng = FingerprintEngine(m)
+    eng.stream = E
+    tokens = list(range(100, 140))
+    a = m.create_kv_cache(None, [])
+    assert a.resume(E) and a.resize(8, stream=E)
+    eng.write([StepWork(a, tokens)])  # queued on E
+    a.commit(tokens[:8], E)
+    if held:
+        a.suspend()  # held pages: pushed down when room is needed
+    else:
+        a.close()  # cached blocks, droppable
+    b = m.create_kv_cache(None, [])
+    assert b.resume(E) and b.resize(8, stream=E)  # takes A's two GPU slots
+    be.default_stream.synchronize()  # a GPU may run the other streams first
+    b.suspend()
+    if held:
+        assert a.resume(E)
+        eng.check([StepWork(a, tokens)])
+        a.suspend()
+        a.close()
+    else:
+        z = m.create_kv_cache(None, tokens[:9])
+        assert z.history_length == 8
+        assert z.resume(E)
+        eng.check([StepWork(z, tokens)])
+        z.suspend()
+        z.close()
+    b.close()
+    m.shutdown()
+
+
+def test_an_index_table_registered_mid_run_is_converted_before_the_next_readers() -> None:
+    """register_index_table after a publish converts on the default stream: after the
+    queued upload it converts from, and before a kernel that wait_ready orders on the
+    engine's stream (rows not dirty are not converted again by the next publish)."""
+    m = _manager(gpu=8, host=8)
+    be = m.backend
+    E = be.create_stream()
+    b = Batch(m, max_rows=2, max_blocks_per_row=4)
+    c = m.create_kv_cache(None, [])
+    assert c.resume(E) and c.resize(8, stream=E)
+    b.add_kv_cache(c)
+    b.publish(E)  # upload queued on E
+    ix = b.register_index_table(0, "k")
+    assert b.publish(E) == 0  # nothing dirty
+    b.wait_ready(E)
+    seen = {}
+    E.queue.append(lambda: seen.setdefault("ix", ix[0, 0, :2].tolist()))
+    E.run()  # a GPU may run E first unless it waits for the conversion
+    be.synchronize()
+    converted = b.read_index_table(0, "k")[0, 0, :2].tolist()
+    assert BAD_PAGE_INDEX not in converted, "converted before the upload ran"
+    assert seen["ix"] == converted, "a kernel read the index table before its conversion"
+    b.close()
+    c.suspend()
+    c.close()
+    m.shutdown()
