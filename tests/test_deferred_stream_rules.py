@@ -25,12 +25,16 @@ BLOCK = 2 * KV
 
 
 def _manager(gpu: int, host: int) -> KVCacheManager:
+    return _manager_over([LevelConfig(tier="gpu", quota=gpu * BLOCK),
+                          LevelConfig(tier="host", quota=host * BLOCK)])
+
+
+def _manager_over(levels: list[LevelConfig]) -> KVCacheManager:
     cfg = KVCacheManagerConfig(
         tokens_per_block=TPB, kernel_backend="deferred", max_util_for_resume=1.0,
         layers=[AttentionLayerConfig(layer_id=0, buffers=[BufferConfig(role="k", size=KV),
                                                           BufferConfig(role="v", size=KV)])],
-        levels=[LevelConfig(tier="gpu", quota=gpu * BLOCK),
-                LevelConfig(tier="host", quota=host * BLOCK)])
+        levels=levels)
     return KVCacheManager(cfg, plugin_manager=deferred_plugin_manager())
 
 
@@ -147,38 +151,12 @@ def test_batch_resize_fast_path_waits_for_the_reader_fence_before_writing_stagin
     on; Batch.resize's decode fast path writes new slot ids into the pinned staging rows in
     place, so it waits before that write, else the previous publish's upload (still queued)
     copies the next step's rows and a kernel fenced by record_read reads them."""
-    m = _manager(gpu=8, host=8)
-    be = m.backend
-    E = be.create_stream()
-    b = Batch(m, max_rows=2, max_blocks_per_row=8)
-    c = m.create_kv_cache(None, [])
-    assert c.resume(E) and c.resize(4, stream=E)  # one block
-    b.add_kv_cache(c)
-    b.publish(E)
-    b.wait_ready(E)
-    pt, nbs = b.page_table(0), b.num_blocks(0)
-    want = (1, c.get_base_page_indices(0).tolist())
-    seen = {}
-
-    def kernel() -> None:  # an attention kernel of this step on E
-        seen["table"] = (int(nbs[0]), pt[0, 0, : int(nbs[0])].tolist())
-
-    E.queue.append(kernel)
-    b.record_read(E)  # fence the reader
-    assert b.resize([8, -1], stream=E) == [True, True]  # next step: a second block
-    be.synchronize()
-    assert seen["table"] == want, "the step's kernel read the next step's table"
-    assert b.read_num_blocks(0)[0] == 2
-    b.remove_kv_cache(c)
-    b.close()
-    c.suspend()
-    c.close()
-    m.shutdown()
+    _step_reading_table("resize", record_read=True)
 
 
-def _step_reading_table(publish_next: str) -> None:
-    """One step: publish, a kernel queued on E reads row 0, then (no record_read) the
-    next step changes the row by ``publish_next`` ("resize": Batch.resize's fast path
+def _step_reading_table(publish_next: str, record_read: bool = False) -> None:
+    """One step: publish, a kernel queued on E reads row 0 (fenced by record_read or
+    not), then the next step changes the row by ``publish_next`` ("resize": Batch.resize's fast path
     writing staging rows in place; "publish": the cache grows and publish restages the
     row). The kernel must read the table of its own step."""
     m = _manager(gpu=8, host=8)
@@ -198,6 +176,8 @@ def _step_reading_table(publish_next: str) -> None:
         seen["table"] = (int(nbs[0]), pt[0, 0, : int(nbs[0])].tolist())
 
     E.queue.append(kernel)
+    if record_read:
+        b.record_read(E)  # fence the reader
     if publish_next == "resize":
         assert b.resize([8, -1], stream=E) == [True, True]
     else:
@@ -224,15 +204,6 @@ def test_batch_resize_fast_path_waits_for_the_last_upload_without_a_reader_fence
 def test_publish_waits_for_the_last_upload_before_restaging_rows_without_a_reader_fence() -> None:
     """The same for a publish that restages a changed row."""
     _step_reading_table("publish")
-
-
-def _manager_over(levels: list[LevelConfig]) -> KVCacheManager:
-    cfg = KVCacheManagerConfig(
-        tokens_per_block=TPB, kernel_backend="deferred", max_util_for_resume=1.0,
-        layers=[AttentionLayerConfig(layer_id=0, buffers=[BufferConfig(role="k", size=KV),
-                                                          BufferConfig(role="v", size=KV)])],
-        levels=levels)
-    return KVCacheManager(cfg, plugin_manager=deferred_plugin_manager())
 
 
 @pytest.mark.parametrize("below", ["disk", "host-int8", "host"])
