@@ -230,7 +230,10 @@ class Batch:
         A sparse row's units that its history crossed since the last
         :meth:`flush_sparse_units` are written back to their host pages first, on
         ``stream`` (publishing first when the row changed since the last publish), so no
-        written KV is lost when the cache is closed.
+        written KV is lost when the cache is closed. Pass the stream the engine's last
+        writes are queued on: the write-back is ordered after them and before what the
+        engine queues on it next. Without a stream (``with cache:`` too) the host waits
+        for all the device's work before the write-back, and for the write-back after it.
 
         Raises:
             InvalidArgumentError: the cache is not seated in this batch.
@@ -611,14 +614,24 @@ class Batch:
         return arena.flush(self._rows, self._device_tables(), stream)
 
     def _flush_rows(self, rows: list[int], stream: Stream | None) -> None:
-        """Write back the crossed units of ``rows`` before they leave (remove, close)."""
+        """Write back the crossed units of ``rows`` before they leave (remove, close).
+
+        Without a ``stream`` nothing says which stream the engine's last writes of those
+        units are queued on, nor where the next reader of their host pages runs: the host
+        waits for all the device's work before the write-back and for the write-back
+        after it (the write-back then runs between everything queued before the call and
+        everything queued after it, on whatever stream)."""
         assert self._sparse is not None
         rows = [r for r in rows if self._sparse.unflushed(r, self._rows[r])]
         if not rows:
             return
+        if stream is None:
+            self.backend.synchronize()
         if not self._patched.isdisjoint(rows) or not self._dirty.isdisjoint(rows):
             self.publish(stream)  # units go to the pages the rows hold now
         self._sparse.flush(self._rows, self._device_tables(), stream, only=rows)
+        if stream is None:
+            self.backend.synchronize()
 
     def _device_tables(self) -> list[tuple[Buffer, int]]:
         """Each cache group's device page table and its int32 elements per row."""
@@ -762,17 +775,19 @@ class Batch:
                 f"{key[2].name}: call register_index_table first")
         return self._view(ix.table)
 
-    def close(self) -> None:
+    def close(self, stream: Stream | None = None) -> None:
         """Empty every row and free the tables (idempotent). Sparse rows' crossed units
-        are written back first, as :meth:`remove_kv_cache` does."""
+        are written back first, on ``stream``, as :meth:`remove_kv_cache` does (pass the
+        stream the engine's last writes are queued on; without one the host waits for the
+        device before and after the write-back)."""
         self._thread.check()
         if self._closed:
             return
         if self._sparse is not None:  # no written unit is lost (see remove_kv_cache)
-            self._flush_rows([r for r, c in enumerate(self._rows) if c is not None], None)
+            self._flush_rows([r for r, c in enumerate(self._rows) if c is not None], stream)
         for cache in self._rows:
             if cache is not None:
-                self.remove_kv_cache(cache)
+                self.remove_kv_cache(cache, stream)
         self.backend.synchronize()
         for t in (*self._tables, *self._counts, *(ix.table for ix in self._index.values())):
             t.free()

@@ -640,6 +640,11 @@ class RemoteLevel:
         layout = L.layouts[L.pool_group_of(group)]
         slots = L.arena.slot[pids]
         self._after_level_copies(store, slots)
+        if store.level == 0:
+            # create_kv_cache takes no stream, and the engine's work still queued on its
+            # own may write the GPU slots a closed cache just freed: the host waits for
+            # all the device's work first (a pull has paid a server round trip already).
+            self._backend.synchronize()
         try:
             self._mover.copy(layout, stage, np.arange(n), store,  # type: ignore[arg-type]
                              slots, keys=fkeys)

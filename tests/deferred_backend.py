@@ -11,7 +11,8 @@ as wrong bytes, exactly as a race would on a GPU, but every time. ``Event.query(
 the recording stream by one item while its event is not reached, as a GPU makes progress
 while the host polls (a host polling loop such as ``Batch`` waiting for its reader fence
 ends). ``convert_page_tables`` is queued like every other kernel: an index table is
-converted from the device table as the upload queued before it left it.
+converted from the device table as the upload queued before it left it, and the sparse
+kernels (resolve, fetch and write-back) read the tables uploaded before them.
 
 Register it with :func:`deferred_plugin_manager` (backend name ``"deferred"``).
 A test helper: the core never imports a plugin, this file does.
@@ -27,7 +28,16 @@ import kvcm_kernels_numpy
 import numpy as np
 
 from kvcm_core import hookimpl
-from kvcm_core.backend import CopyTask, Event, FingerprintPages, PageRegion, Stream, check_copy_args
+from kvcm_core.backend import (
+    CopyTask,
+    Event,
+    FingerprintPages,
+    PageRegion,
+    SparseCopy,
+    SparseResolve,
+    Stream,
+    check_copy_args,
+)
 from kvcm_core.plugins import KvcmPluginManager
 from kvcm_core.records import KernelBackendCapabilities, KernelBackendSpec
 
@@ -70,7 +80,7 @@ class DeferredStream(Stream):
         assert isinstance(event, DeferredEvent)
         rec = event.current  # as CUDA: the record at the time of the call
         if rec is not None:
-            self.queue.append(rec.reach)
+            self.backend._queue(self, rec.reach)
 
 
 class DeferredEvent(Event):
@@ -86,7 +96,7 @@ class DeferredEvent(Event):
         if stream is not None:
             def mark() -> None:
                 rec.done = True
-            stream.queue.append(mark)
+            self.backend._queue(stream, mark)
 
     def query(self) -> bool:
         rec = self.current
@@ -108,6 +118,10 @@ class DeferredBackend(_numpy().NumpyBackend):
     #: ``Event.query()`` runs the event's stream by one item (False: streams stand still
     #: while the host polls, for tests of what a query alone concludes).
     progress_on_query = True
+    #: Work queued on the default stream runs at once (after what it was made to wait
+    #: for), as a GPU may run an idle stream: a second legal schedule, in which work the
+    #: default stream was not ordered after runs later than it.
+    eager_default = False
 
     def __init__(self, options: dict | None = None) -> None:
         super().__init__(options)
@@ -130,6 +144,12 @@ class DeferredBackend(_numpy().NumpyBackend):
         st = self._stream if stream is None else stream
         assert isinstance(st, DeferredStream)
         return st
+
+    def _queue(self, stream: Stream | None, run: Callable[[], None]) -> None:
+        st = self._on(stream)
+        st.queue.append(run)
+        if self.eager_default and st is self._stream:
+            st.run()
 
     def synchronize(self) -> None:
         while any(st.queue for st in self._streams):
@@ -159,18 +179,18 @@ class DeferredBackend(_numpy().NumpyBackend):
 
         def run() -> None:
             _numpy().NumpyBackend.copy_pages_batch(self, tasks, None)
-        self._on(stream).queue.append(run)
+        self._queue(stream, run)
 
     def copy_bytes(self, dst: Any, dst_offset: int, src: Any, src_offset: int, nbytes: int,
                    stream: Stream | None = None) -> None:
         def run() -> None:
             _numpy().NumpyBackend.copy_bytes(self, dst, dst_offset, src, src_offset, nbytes)
-        self._on(stream).queue.append(run)
+        self._queue(stream, run)
 
     def fingerprint_write(self, pages: FingerprintPages, stream: Stream | None = None) -> None:
         def run() -> None:
             _numpy().NumpyBackend.fingerprint_write(self, pages, None)
-        self._on(stream).queue.append(run)
+        self._queue(stream, run)
 
     def convert_page_tables(self, tables: Sequence[Any], rows: np.ndarray,
                             stream: Stream | None = None) -> None:
@@ -179,7 +199,14 @@ class DeferredBackend(_numpy().NumpyBackend):
 
         def run() -> None:
             _numpy().NumpyBackend.convert_page_tables(self, tables, rows, None)
-        self._on(stream).queue.append(run)
+        self._queue(stream, run)
+
+    def sparse_resolve(self, job: SparseResolve, stream: Stream | None = None) -> None:
+        # The job names device buffers only: the kernel reads them when it runs.
+        self._queue(stream, lambda: _numpy().NumpyBackend.sparse_resolve(self, job, None))
+
+    def sparse_copy(self, job: SparseCopy, stream: Stream | None = None) -> None:
+        self._queue(stream, lambda: _numpy().NumpyBackend.sparse_copy(self, job, None))
 
     def fingerprint_check(self, pages: FingerprintPages,
                           stream: Stream | None = None) -> np.ndarray:

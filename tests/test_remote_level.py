@@ -757,6 +757,47 @@ def test_a_pull_into_host_slots_an_issued_eviction_still_writes_waits_for_that_e
             b.close()
 
 
+def test_a_pull_into_gpu_slots_waits_for_the_engines_queued_writes_to_those_slots() -> None:
+    """The GPU is the only local level, so a pull lands in level 0. Request X's last step
+    is queued on the engine's stream and X closes without committing it: its GPU slots
+    are freed while that write is still queued. ``create_kv_cache`` (which takes no
+    stream) pulls B's prefix into exactly those slots: the pull must wait for the
+    device's queued work, else X's write, run later, overwrites B's pulled pages."""
+    from deferred_backend import deferred_plugin_manager
+
+    from kvcm_core.testing.fingerprint import FingerprintEngine, StepWork
+
+    prompt_b = _prompt(33, blocks=5)[: 4 * TPB + 1]
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url, local=("gpu",))) as writer:
+            serve(writer, prompt_b)
+            assert writer.flush_remote(10.0)
+        cfg = config(server.url, local=("gpu",)).to_dict()
+        cfg["kernel_backend"] = "deferred"
+        cfg["max_util_for_resume"] = 1.0
+        cfg["levels"][0]["quota"] = 4 * BLOCK
+        with KVCacheManager(KVCacheManagerConfig.from_dict(cfg),
+                            plugin_manager=deferred_plugin_manager()) as m:
+            stream = m.backend.create_stream()
+            engine = FingerprintEngine(m)
+            engine.stream = stream
+            x = m.create_kv_cache(None, [])
+            tx = _tokens(5)
+            assert x.resume(stream) and x.resize(len(tx), stream=stream)
+            x_slots = _slots(m, x)[1]
+            engine.write([StepWork(x, tx)])  # X's last step, queued on the stream
+            x.close()  # not committed: its GPU slots are free, the write still queued
+            assert m.backend.pending()
+            b = m.create_kv_cache(None, prompt_b[:-1])  # pulls 4 pages into the GPU
+            assert b.history_length == 4 * TPB
+            assert m.get_remote_statistics().pulled_pages == 4
+            assert _slots(m, b) == ({0}, x_slots)  # the slots X's queued write targets
+            assert b.resume(stream)
+            engine.check([StepWork(b, prompt_b[: 4 * TPB])])
+            m.check_invariants()
+            b.close()
+
+
 def test_a_commit_reads_pages_after_the_onboard_that_filled_them_whatever_its_stream(
         ) -> None:
     """Request C's KV was written (and waited for) before C was suspended uncommitted; D

@@ -283,7 +283,7 @@ class EngineLoop:
             self._preempt_one(req)
             report.preempted.append(req)
         if work and self.batch is not None:
-            self.batch.publish()
+            self.batch.publish(self.stream)
             if self.sparse is not None:
                 self.sparse.published()
         if work:
@@ -427,12 +427,12 @@ class EngineLoop:
             assert self.batch is not None
             if self.sparse is not None:
                 self.sparse.left(self.batch.sparse_lease(row))
-            self.batch.remove_kv_cache(req.cache)
+            self.batch.remove_kv_cache(req.cache, self.stream)
 
     def close(self) -> None:
         """Free the batch (the loop's requests must be finished or unseated)."""
         if self.batch is not None:
-            self.batch.close()
+            self.batch.close(self.stream)
 
     def close_all(self) -> None:
         """Close every cache the loop still holds (running, suspended, waiting), then free

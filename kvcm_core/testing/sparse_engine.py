@@ -200,7 +200,7 @@ class SparseSteps:
             pages = self._entry_pages(rows, layers, lambda c: c.history_length,
                                       lambda c: c.capacity)
             if pages is not None:
-                self.backend.fingerprint_write(pages)
+                self.backend.fingerprint_write(pages, self.engine.stream)
                 written += len(pages)
         return written
 
@@ -243,11 +243,12 @@ class SparseSteps:
             if not rows:
                 continue
             if len(layers) == 1:  # a lone selection: resolve and fetch fused
-                self.batch.fetch_sparse_pages(layers[0], sel)
+                self.batch.fetch_sparse_pages(layers[0], sel, stream=self.engine.stream)
             else:
-                self.batch.resolve_sparse_selection(layers[-1], sel)  # any layer names it
+                # Any layer of the group names it; everything on the engine's stream.
+                self.batch.resolve_sparse_selection(layers[-1], sel, self.engine.stream)
                 for layer in layers:
-                    self.batch.fetch_resolved_pages(layer)
+                    self.batch.fetch_resolved_pages(layer, stream=self.engine.stream)
             self._check(key, layers, sel, rows, by_cache)
 
     def _check(self, key: Any, layers: list[int], sel: np.ndarray,
@@ -275,7 +276,7 @@ class SparseSteps:
         pages = self._entry_pages(check_rows, layers, lambda c: 0, lambda c: c.capacity)
         if pages is None:
             return
-        ok = self.backend.fingerprint_check(pages)
+        ok = self.backend.fingerprint_check(pages, self.engine.stream)
         self.checked_entries += len(pages)
         if not ok.all():
             bad = int(np.nonzero(~ok)[0][0])
@@ -287,7 +288,7 @@ class SparseSteps:
 
     def flush(self) -> int:
         """Write back what the histories crossed; the oracle's marks follow."""
-        n = self.batch.flush_sparse_units()
+        n = self.batch.flush_sparse_units(self.engine.stream)
         for _, lease, cache in self._seated():
             self._marks[lease] = (cache.history_length, self._marks[lease][1])
         self._pin()
