@@ -237,3 +237,16 @@ def test_the_sparse_engine_loop_on_its_own_stream_verifies_every_entry_and_page(
     loop.close()
     m.check_invariants()
     m.shutdown()
+
+
+def test_a_new_sparse_batch_leaves_no_upload_queued_that_could_overwrite_a_later_one() -> None:
+    """The batch's device mirrors (lease table, marks, flush ranges) get their initial
+    values by an upload on the default stream. Should one still be queued when the engine
+    uploads on its own stream, a GPU may run the initial one last and reset the table: the
+    batch's construction leaves nothing queued."""
+    m = _manager()
+    pending = m.backend.pending()
+    b = Batch(m, max_rows=2, max_blocks_per_row=8)
+    assert m.backend.pending() <= pending
+    b.close()
+    m.shutdown()

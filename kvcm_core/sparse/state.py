@@ -39,6 +39,9 @@ class Mirror:
         self._done: list[Event | None] = [None] * self._SLOTS
         self._next = 0
         self.upload(None)
+        # Made once, before any use: the first upload is complete before a later one on
+        # another stream can be queued (else the device could run it last).
+        backend.default_stream.synchronize()
 
     def upload(self, stream: Stream | None) -> None:
         k = self._next
