@@ -82,7 +82,10 @@ class PageCodec(abc.ABC):
         stream: Stream | None = None,
     ) -> None:
         """Encode block ``src_slots[i]`` (page ``src_slots[i]`` of every region of ``src``,
-        one region per pool) into cold page ``dst_slots[i]`` of ``dst``."""
+        one region per pool) into cold page ``dst_slots[i]`` of ``dst``, in order on
+        ``stream``: after the work queued on it so far (the core may have just queued the
+        copy that fills the source pages), before the work queued on it later. Work done
+        on the host instead first waits for the stream."""
 
     @abc.abstractmethod
     def decode(
@@ -96,7 +99,7 @@ class PageCodec(abc.ABC):
         stream: Stream | None = None,
     ) -> None:
         """Decode cold page ``src_slots[i]`` of ``src`` into block ``dst_slots[i]`` of the
-        pools ``dst``."""
+        pools ``dst``, in order on ``stream`` (as :meth:`encode`)."""
 
 
 class BlobCodec(abc.ABC):

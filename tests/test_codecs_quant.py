@@ -770,3 +770,39 @@ def test_mapped_variant_hands_the_kernel_the_pinned_host_table_without_a_copy(
 def test_variant_refuses_an_unknown_slot_table_way() -> None:
     with pytest.raises(ValueError, match="slots='pcie'"):
         Variant("x", 4, 128, 8, slots="pcie")
+
+
+@pytest.mark.parametrize("mode", ["fp8", "int8"])
+def test_the_host_path_on_a_device_backend_runs_after_the_work_queued_on_its_stream(
+        mode: str) -> None:
+    """On a backend with a device that cannot compile the kernel (the deferred test
+    backend: streams are real queues), a copy into a device page is queued on a stream,
+    then the page is encoded on that stream: the encode must read the page as the copy
+    left it (as a kernel on that stream would), and a decode on the stream gives it back
+    within the codec's bound. Before, the host path ran at once, ahead of the copy."""
+    from deferred_backend import DeferredBackend
+
+    from kvcm_core.backend import CopyTask, copy_pairs
+
+    be = DeferredBackend()
+    n = 64
+    layout = PageLayout((2 * n,), (BufferPlace(0, "k", 0, 0, 2 * n, "bf16", 32, exact=False),))
+    codec = QuantCodec(mode)
+    page = layout.page_bytes
+    want = np.linspace(-3, 3, n, dtype=np.float32)
+    src = be.alloc_host(page)
+    src.host_view()[:page] = from_f32(want, "bf16").view(np.uint8)
+    gpu, out = be.alloc_device(page), be.alloc_device(page)
+    cold = be.alloc_host(codec.cold_page_size(layout))
+    stream = be.create_stream()
+    one = np.zeros(1, dtype=np.int32)
+    be.copy_pages_batch([CopyTask(PageRegion(gpu, 0, page), PageRegion(src, 0, page), page,
+                                  copy_pairs(one, one))], stream)
+    codec.encode(be, layout, [PageRegion(gpu, 0, page)], one,
+                 PageRegion(cold, 0, cold.nbytes), one, stream)
+    codec.decode(be, layout, PageRegion(cold, 0, cold.nbytes), one, [PageRegion(out, 0, page)],
+                 one, stream)
+    stream.synchronize()
+    got = to_f32(out.host_view()[:page].copy().view(np.uint16), "bf16")
+    exact = to_f32(from_f32(want, "bf16"), "bf16")  # the page as written
+    assert np.all(np.abs(got - exact) <= BOUNDS[mode] * np.abs(exact).max())

@@ -7,8 +7,9 @@ covers are copied unchanged. The cold page layout, the scale rule, the rounding 
 error bounds are defined in :mod:`kvcm_codec_quant.reference`, the NumPy reference. On a
 backend that compiles CUDA C (``cupy``, ``cuda``) one kernel launch encodes or decodes every
 block of a call, bit for bit equal to the reference; elsewhere (``numpy``) the reference
-itself runs on the host views of the buffers. ``KVCM_QUANT_KERNEL`` picks the kernel variant
-(:data:`kvcm_codec_quant.source.VARIANTS`; default
+itself runs on the host views of the buffers, after the stream it was given has run what
+it queued (on a backend with a device), so it reads what a kernel on that stream would.
+``KVCM_QUANT_KERNEL`` picks the kernel variant (:data:`kvcm_codec_quant.source.VARIANTS`; default
 :data:`~kvcm_codec_quant.source.DEFAULT_VARIANT`); all give the same bytes.
 """
 
@@ -113,6 +114,16 @@ def _pages(region: PageRegion, size: int, slots: np.ndarray) -> np.ndarray | Non
     view = np.ndarray((count, size), dtype=np.uint8, buffer=base, offset=region.offset,
                       strides=(region.stride, 1))
     return view[slots]
+
+
+def _host_ready(backend: KernelBackend, stream: Stream | None) -> None:
+    """The NumPy path runs now, on the host, in place of a kernel on ``stream``: on a
+    backend with a device (that cannot compile the kernel) what ``stream`` has queued, and
+    what it was made to wait for, runs first, as it would before the kernel. The host
+    work is done when the call returns, so whatever is queued on ``stream`` later sees
+    it."""
+    if backend.capabilities.has_device:
+        (stream or backend.default_stream).synchronize()
 
 
 def _read(backend: KernelBackend, region: PageRegion, size: int,
@@ -355,6 +366,7 @@ class QuantCodec(PageCodec):
         if backend.capabilities.compiles_sources:
             self._launch(backend, plan, src, ps, dst, cs, stream, encode=True)
             return
+        _host_ready(backend, stream)
         rows = [_read(backend, r, s, ps) for r, s in zip(src, layout.slot_sizes, strict=True)]
         _write(backend, dst, cs, encode_pages(plan, rows))
 
@@ -372,6 +384,7 @@ class QuantCodec(PageCodec):
         if backend.capabilities.compiles_sources:
             self._launch(backend, plan, dst, ps, src, cs, stream, encode=False)
             return
+        _host_ready(backend, stream)
         cold = _read(backend, src, plan.cold_page_size, cs)
         rows = [_read(backend, r, s, ps) for r, s in zip(dst, layout.slot_sizes, strict=True)]
         decode_pages(plan, cold, rows)
