@@ -257,6 +257,74 @@ def test_a_cluster_primary_failing_over_costs_calls_not_correctness() -> None:
             tier.close()
 
 
+def test_after_a_graceful_cluster_failover_moved_replies_fail_the_call_and_every_key_comes_back(
+) -> None:
+    """``CLUSTER FAILOVER`` on a replica: the old primary stays up as a replica and answers
+    ``-MOVED`` for its former slots. Such a reply is a topology change, not a miss: the call
+    fails (counted), the client re-reads the slot map, and within a few calls every key is
+    readable and writable again (a tier that kept ``-MOVED`` as a per-key miss never saw
+    a third of its keys again)."""
+    need_binaries()
+    from kvcm_core.testing.redis_server import RedisClusterServers
+
+    with RedisClusterServers(node_timeout_ms=3000) as cluster:
+        tier = RedisTier(None, {"url": cluster.url, "cluster": True})
+        try:
+            keys = _keys(200)
+            values = [k * 3 for k in keys]
+            assert tier.put_many(keys, values, deadline=_soon()).all()
+            cluster.wait_replicated()
+            cluster.failover_gracefully(cluster.replica_of(cluster.primary_ports()[0]))
+            errors_before = tier.errors
+            history = []
+            for _ in range(5):  # a few calls: the first may fail, then all keys are back
+                try:
+                    got = tier.get_many(keys, deadline=_soon())
+                    ok = tier.put_many(keys, values, deadline=_soon())
+                except TierIOError as exc:
+                    history.append(f"error: {exc}")
+                    continue
+                assert all(v is None or v == w for v, w in zip(got, values, strict=True))
+                found = sum(v is not None for v in got)
+                history.append(f"{found} read, {int(ok.sum())} written")
+                if found == len(keys) and ok.all():
+                    break
+            else:
+                raise AssertionError(f"the tier never recovered: {history}")
+            assert tier.errors > errors_before, \
+                f"the -MOVED replies were not counted as an error: {history}"
+            fresh = _keys(50)
+            assert tier.put_many(fresh, fresh, deadline=_soon()).all()
+            assert tier.get_many(fresh, deadline=_soon()) == fresh
+            assert tier.exists_many(keys, deadline=_soon()).all()
+        finally:
+            tier.close()
+
+
+def test_a_readonly_reply_fails_the_call_but_a_wrongtype_reply_is_only_that_keys_miss() -> None:
+    """A standalone server turned replica answers ``-READONLY`` to writes: the topology
+    changed, the call fails (counted). A key holding another type answers ``-WRONGTYPE``:
+    that key is a miss and the call goes on."""
+    import redis
+
+    with fresh_server() as server, fresh_server() as other:
+        tier = RedisTier(None, {"url": server.url})
+        admin = redis.Redis(host="127.0.0.1", port=server.port)
+        try:
+            keys = _keys(3)
+            assert tier.put_many(keys, keys, deadline=_soon()).all()
+            admin.delete(b"kvcm:" + keys[1])
+            admin.lpush(b"kvcm:" + keys[1], b"x")
+            assert tier.get_many(keys, deadline=_soon()) == [keys[0], None, keys[2]]
+            assert tier.errors == 0
+            admin.replicaof("127.0.0.1", other.port)
+            with pytest.raises(TierIOError, match="READONLY"):
+                tier.put_many(keys, keys, deadline=_soon())
+            assert tier.errors == 1
+        finally:
+            tier.close()
+
+
 def test_a_password_and_a_database_in_the_url_are_honoured() -> None:
     import redis
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -260,6 +261,54 @@ class RedisClusterServers(_Servers):
                 return
             time.sleep(0.1)
         raise RuntimeError("the Redis cluster's replicas did not sync in time")
+
+    def wait_replicated(self, timeout: float = 10.0) -> None:
+        """Wait until every live replica has received everything its primary wrote so far:
+        for each live primary, its ``master_repl_offset`` now is reached by the ``offset``
+        of every replica it lists (``slaveN:...,offset=N``) in ``INFO replication``.
+        Replication is asynchronous: call this before killing a primary whose writes its
+        replica must keep."""
+        targets: dict[int, int] = {}
+        for port in self.primary_ports():
+            m = re.search(r"master_repl_offset:(\d+)", self.cli(port, "info", "replication"))
+            if m is not None:
+                targets[port] = int(m.group(1))
+        deadline = time.monotonic() + timeout
+        while targets:
+            for port, want in list(targets.items()):
+                info = self.cli(port, "info", "replication")
+                offsets = [int(o) for o in re.findall(r"^slave\d+:.*?offset=(\d+)", info,
+                                                      re.MULTILINE)]
+                if offsets and min(offsets) >= want:
+                    del targets[port]
+            if not targets:
+                return
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"replicas of the primaries on ports {sorted(targets)} "
+                                   f"did not catch up in {timeout} s")
+            time.sleep(0.05)
+
+    def replica_of(self, primary: int) -> int:
+        """The port of a live replica of the primary on ``primary``."""
+        for n in self.nodes:
+            if n.alive and n.port != primary and re.search(
+                    rf"master_port:{primary}\s", self.cli(n.port, "info", "replication")):
+                return n.port
+        raise ValueError(f"no live replica of the primary on port {primary}")
+
+    def failover_gracefully(self, replica: int, timeout: float = 30.0) -> None:
+        """``CLUSTER FAILOVER`` on the replica on ``replica``: it takes over its primary's
+        slots with its primary's agreement (nothing lost); the old primary stays up as its
+        replica and answers ``-MOVED`` for those slots. Waits until the cluster is ok."""
+        out = self.cli(replica, "cluster", "failover")
+        if "OK" not in out:
+            raise RuntimeError(f"CLUSTER FAILOVER on port {replica}: {out.strip()}")
+        deadline = time.monotonic() + timeout
+        while "role:master" not in self.cli(replica, "info", "replication"):
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"the replica on port {replica} did not take over")
+            time.sleep(0.05)
+        self.wait_ok(max(0.1, deadline - time.monotonic()))
 
     def primary_ports(self) -> list[int]:
         """Ports of the live nodes that are primaries now."""
