@@ -614,6 +614,36 @@ def test_after_a_restart_that_lost_the_store_blocks_committed_again_are_stored_a
                 b.get_remote_statistics()
 
 
+def test_after_a_flushall_blocks_committed_again_are_stored_again() -> None:
+    """``FLUSHALL`` empties the store without a restart (the server keeps its ``run_id``):
+    a lookup that misses a key the manager wrote makes it act as after a restart, so when
+    it computes the prompt again it writes every block, not only those it looked up."""
+    import redis
+
+    with fresh_server() as server:
+        cfg = config(server.url, local=("gpu",), max_blocks=2, retry_after_s=0.1)
+        d = cfg.to_dict()
+        d["levels"][0]["quota"] = 32 * 512  # 32 pages: six other prompts evict the first
+        admin = redis.Redis(host="127.0.0.1", port=server.port)
+        with KVCacheManager(KVCacheManagerConfig.from_dict(d)) as a:
+            serve(a, PROMPT)
+            for s in range(6):
+                serve(a, _prompt(20 + s), rid=s)
+            assert a.flush_remote(10.0)
+            run_id = admin.info("server")["run_id"]
+            admin.flushall()
+            assert admin.info("server")["run_id"] == run_id  # no restart to be seen
+            # nothing local, and the lookup asks for 2 blocks only: the other 8 are
+            # computed and committed without having been looked up
+            assert serve(a, PROMPT, rid="again") == 0
+            assert a.flush_remote(10.0)
+            st = a.get_remote_statistics()
+            assert st.store_restarts == 0 and st.own_keys_lost >= 1, st
+        with KVCacheManager(config(server.url)) as b:
+            assert b.probe_reuse(None, PROMPT[:-1], remote=True) == REUSABLE, \
+                (b.get_remote_statistics(), st)
+
+
 def test_after_a_restart_that_kept_the_store_its_own_keys_are_still_counted() -> None:
     """The server restarts with its data (persistence): the level checks its own keys,
     finds them all and counts them as before."""
