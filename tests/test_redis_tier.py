@@ -398,3 +398,51 @@ def test_store_instances_of_a_cluster_name_every_primary_reached() -> None:
         tier.delete_many(keys, deadline=_soon())
     finally:
         tier.close()
+
+
+def test_servers_started_for_tests_die_with_the_process_that_started_them() -> None:
+    """A test run killed by SIGTERM runs no cleanup: its redis-servers (in their own
+    session) must not outlive it (Linux: PR_SET_PDEATHSIG)."""
+    import subprocess
+    import sys
+
+    need_binaries()
+    if not sys.platform.startswith("linux"):
+        pytest.skip("parent-death signals are Linux's")
+    code = ("import sys, time\n"
+            "from kvcm_core.testing.redis_server import RedisServer\n"
+            "s = RedisServer()\n"
+            "print(s.nodes[0].proc.pid, s._workdir, flush=True)\n"
+            "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              text=True, env=os.environ.copy())
+    server_pid, workdir = None, None
+    try:
+        pid, workdir = parent.stdout.readline().split()  # type: ignore[union-attr]
+        server_pid = int(pid)
+        os.kill(server_pid, 0)  # running
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(10)
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                os.kill(server_pid, 0)
+            except ProcessLookupError:
+                break  # gone (reaped by init after the SIGKILL)
+            with open(f"/proc/{server_pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break  # killed, not yet reaped
+            assert time.monotonic() < deadline, "the redis-server outlived its parent"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait()
+        if server_pid is not None:
+            try:
+                os.kill(server_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if workdir is not None:
+            import shutil
+
+            shutil.rmtree(workdir, ignore_errors=True)

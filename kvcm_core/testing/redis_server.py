@@ -18,6 +18,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -63,6 +64,22 @@ def _free_ports(n: int, *, with_bus: bool) -> list[int]:
     raise RuntimeError(f"could not find {n} free loopback ports")
 
 
+def _die_with_parent() -> None:
+    """In the child before ``exec`` (Linux): SIGKILL when the parent dies, so that a test
+    run killed (SIGTERM, SIGKILL) leaves no server behind; elsewhere nothing. (Linux sends
+    it when the thread that started the server exits: start servers from a thread that
+    outlives them, as the main thread does.)"""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl: the server outlives a killed parent
+        pass
+
+
 def _cli(cli: str, port: int, *args: str, timeout: float = 5.0) -> str:
     out = subprocess.run([cli, "-h", "127.0.0.1", "-p", str(port), *args],
                          capture_output=True, text=True, timeout=timeout, check=False)
@@ -81,7 +98,7 @@ class _Node:
                 "--daemonize", "no", "--logfile", str(self.dir / "redis.log"), *extra]
         self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True)
+            start_new_session=True, preexec_fn=_die_with_parent)
 
     def wait_ready(self, deadline: float) -> None:
         while time.monotonic() < deadline:
