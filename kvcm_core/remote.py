@@ -171,6 +171,9 @@ class RemoteStatistics:
         own_keys, own_bytes: keys (and their bytes) this manager wrote and still counts.
         store_restarts: servers of the store found restarted (a new identity at an
             address reached before); each makes the level check its own keys.
+        own_keys_lost: lookups that missed a key this manager wrote and made the level
+            act as after a restart (at most one per ``retry_after_s``): the store lost
+            keys without restarting (``FLUSHALL``, an eviction, a lossy failover).
     """
 
     lookups: int = 0
@@ -194,6 +197,7 @@ class RemoteStatistics:
     own_keys: int = 0
     own_bytes: int = 0
     store_restarts: int = 0
+    own_keys_lost: int = 0
 
 
 # -- staging: cold pages in host memory, as a store the Mover copies from and to ---------
@@ -299,6 +303,7 @@ class RemoteLevel:
         self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._instances: dict[str, set[str]] = {}  # address -> server identities seen
         self._resync = False  # own keys to check against the store (after a restart)
+        self._next_loss_check = 0.0  # see _lost_own
         self._thread = threading.Thread(target=self._write_loop, daemon=True,
                                         name="kvcm-remote-writer")
         self._thread.start()
@@ -334,13 +339,31 @@ class RemoteLevel:
         if len(known) > _KNOWN_KEYS:
             known.popitem(last=False)
 
-    def _forget(self, key: bytes) -> None:
-        """A key found absent: not known, and no longer counted against the quota."""
+    def _forget(self, key: bytes) -> bool:
+        """A key found absent: not known, and no longer counted against the quota. True
+        when it was one of this manager's own keys (the store lost a key it wrote)."""
         with self._lock:
             self._known.pop(key, None)
             size = self._own.pop(key, None)
             if size is not None:
                 self._own_bytes -= size
+            return size is not None
+
+    def _lost_own(self) -> None:
+        """A lookup missed a key this manager wrote: the store lost it without a restart
+        the identities show (``FLUSHALL``, an eviction, a failover that lost writes). As
+        after a restart: forget which keys are believed stored (a block computed again is
+        written again, not skipped) and have the writer check the own keys. At most once
+        per ``retry_after_s``."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next_loss_check:
+                return
+            self._next_loss_check = now + self.options.retry_after_s
+            self.stats.own_keys_lost += 1
+            self._known.clear()
+            self._resync = True
+            self._lock.notify_all()
 
     def _failed(self) -> None:
         self._skip_until = time.monotonic() + self.options.retry_after_s
@@ -484,6 +507,7 @@ class RemoteLevel:
         present = plan.have.copy()
         pages: dict[tuple[int, int], bytes] = {}
         st = self.stats
+        lost = False  # a miss of a key this manager wrote
         for (i, j), rkey, value in zip(plan.want, rkeys, values, strict=True):
             g = groups[j]
             if not fetch:
@@ -499,7 +523,9 @@ class RemoteLevel:
             name = _COUNTERS[verdict]
             setattr(st, name, getattr(st, name) + 1)
             if verdict == "miss":
-                self._forget(rkey)
+                lost |= self._forget(rkey)
+        if lost:
+            self._lost_own()
         ok = np.asarray(present[:, self._required].all(axis=1))
         extent = int(ok.size) if ok.all() else int(ok.argmin())
         return extent, pages

@@ -32,7 +32,9 @@ def config(url: str, *, local: tuple[str, ...] = ("gpu", "host"), size: int = 25
            cluster: bool = False, level: dict[str, Any] | None = None,
            **options: Any) -> KVCacheManagerConfig:
     """A manager configuration: ``local`` levels (1 MiB each; disk 4 MiB), then a redis
-    level at ``url`` with ``options``."""
+    level at ``url`` with ``options``. ``io_deadline_s`` is 5 s unless given: a lookup on a
+    loaded test machine must not miss for lack of time (tests of deadlines pass theirs)."""
+    options.setdefault("io_deadline_s", 5.0)
     levels: list[dict[str, Any]] = [
         {"tier": t, "quota": "4MiB" if t == "disk" else "1MiB"} for t in local]
     opts = {"url": url, **options}

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -62,6 +64,22 @@ def _free_ports(n: int, *, with_bus: bool) -> list[int]:
     raise RuntimeError(f"could not find {n} free loopback ports")
 
 
+def _die_with_parent() -> None:
+    """In the child before ``exec`` (Linux): SIGKILL when the parent dies, so that a test
+    run killed (SIGTERM, SIGKILL) leaves no server behind; elsewhere nothing. (Linux sends
+    it when the thread that started the server exits: start servers from a thread that
+    outlives them, as the main thread does.)"""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl: the server outlives a killed parent
+        pass
+
+
 def _cli(cli: str, port: int, *args: str, timeout: float = 5.0) -> str:
     out = subprocess.run([cli, "-h", "127.0.0.1", "-p", str(port), *args],
                          capture_output=True, text=True, timeout=timeout, check=False)
@@ -80,7 +98,7 @@ class _Node:
                 "--daemonize", "no", "--logfile", str(self.dir / "redis.log"), *extra]
         self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True)
+            start_new_session=True, preexec_fn=_die_with_parent)
 
     def wait_ready(self, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -260,6 +278,54 @@ class RedisClusterServers(_Servers):
                 return
             time.sleep(0.1)
         raise RuntimeError("the Redis cluster's replicas did not sync in time")
+
+    def wait_replicated(self, timeout: float = 10.0) -> None:
+        """Wait until every live replica has received everything its primary wrote so far:
+        for each live primary, its ``master_repl_offset`` now is reached by the ``offset``
+        of every replica it lists (``slaveN:...,offset=N``) in ``INFO replication``.
+        Replication is asynchronous: call this before killing a primary whose writes its
+        replica must keep."""
+        targets: dict[int, int] = {}
+        for port in self.primary_ports():
+            m = re.search(r"master_repl_offset:(\d+)", self.cli(port, "info", "replication"))
+            if m is not None:
+                targets[port] = int(m.group(1))
+        deadline = time.monotonic() + timeout
+        while targets:
+            for port, want in list(targets.items()):
+                info = self.cli(port, "info", "replication")
+                offsets = [int(o) for o in re.findall(r"^slave\d+:.*?offset=(\d+)", info,
+                                                      re.MULTILINE)]
+                if offsets and min(offsets) >= want:
+                    del targets[port]
+            if not targets:
+                return
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"replicas of the primaries on ports {sorted(targets)} "
+                                   f"did not catch up in {timeout} s")
+            time.sleep(0.05)
+
+    def replica_of(self, primary: int) -> int:
+        """The port of a live replica of the primary on ``primary``."""
+        for n in self.nodes:
+            if n.alive and n.port != primary and re.search(
+                    rf"master_port:{primary}\s", self.cli(n.port, "info", "replication")):
+                return n.port
+        raise ValueError(f"no live replica of the primary on port {primary}")
+
+    def failover_gracefully(self, replica: int, timeout: float = 30.0) -> None:
+        """``CLUSTER FAILOVER`` on the replica on ``replica``: it takes over its primary's
+        slots with its primary's agreement (nothing lost); the old primary stays up as its
+        replica and answers ``-MOVED`` for those slots. Waits until the cluster is ok."""
+        out = self.cli(replica, "cluster", "failover")
+        if "OK" not in out:
+            raise RuntimeError(f"CLUSTER FAILOVER on port {replica}: {out.strip()}")
+        deadline = time.monotonic() + timeout
+        while "role:master" not in self.cli(replica, "info", "replication"):
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"the replica on port {replica} did not take over")
+            time.sleep(0.05)
+        self.wait_ok(max(0.1, deadline - time.monotonic()))
 
     def primary_ports(self) -> list[int]:
         """Ports of the live nodes that are primaries now."""

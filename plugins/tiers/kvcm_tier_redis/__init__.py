@@ -8,8 +8,17 @@ round trip per pipeline whatever its length. A standalone server over plain TCP 
 through the tier's own small RESP connection (values received into one reusable buffer and
 sliced out of it); a cluster and TLS (``rediss://``) go through the ``redis`` client
 package (with ``hiredis`` when installed). A Redis Cluster (``cluster = true``, reached
-through any node's URL) spreads the keys over its primaries; the client follows ``MOVED``
-redirections and re-reads the topology after a failover.
+through any node's URL) spreads the keys over its primaries. The slot map is read when the client is
+built; a reply saying the cluster changed under it (``-MOVED``, ``-ASK``, ``-TRYAGAIN``,
+``-CLUSTERDOWN``, ``-MASTERDOWN``, ``-READONLY``, ``-LOADING``: a failover, graceful or
+not, a resharding, a primary turned replica) fails the call with
+:class:`~kvcm_core.errors.TierIOError` (counted in ``errors``) and drops the client, so the
+next call re-reads the topology from every node seen so far. The tier does not follow a
+redirection within a call. Other error replies for one key (``-WRONGTYPE`` for a key of
+another type, ``-OOM`` for a ``SET`` past ``maxmemory`` with eviction off, ``-ERR``) say
+nothing about the topology: they make that key a miss (``get_many``, ``exists_many``) or a
+refused write (``put_many``), and the call goes on. The same holds for a standalone server
+(a ``-READONLY`` from a server turned replica fails the call).
 
 Deadlines: each call runs on the tier's I/O thread and the caller waits at most until the
 call's deadline. A call that runs past it, or that cannot reach the store, raises
@@ -131,6 +140,19 @@ def _run_id(info: object) -> str | None:
             if line.startswith(b"run_id:"):
                 return line[7:].strip().decode("ascii", "replace") or None
     return None
+
+
+# Error replies that say the topology changed under the client (not about one key): the
+# call fails and the client is dropped, so the next call re-reads the slot map.
+_TOPOLOGY_ERRORS = (b"MOVED", b"ASK", b"TRYAGAIN", b"CLUSTERDOWN", b"MASTERDOWN",
+                    b"READONLY", b"LOADING")
+
+
+def _topology_error(redis: Any) -> tuple[type[Exception], ...]:
+    """The ``redis`` package's exception classes for :data:`_TOPOLOGY_ERRORS`."""
+    e = redis.exceptions
+    return (e.AskError, e.TryAgainError, e.ClusterDownError, e.ReadOnlyError,
+            e.BusyLoadingError)  # MovedError is an AskError, MasterDownError a ClusterDownError
 
 
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
@@ -274,6 +296,9 @@ class _Plain:
         if kind == b"+":
             return bytes(line[1:])
         if kind == b"-":
+            if line[1:].split(b" ", 1)[0] in _TOPOLOGY_ERRORS:
+                # the connection is dropped by the caller: its unread replies don't matter
+                raise self._error(f"the server answered {bytes(line[:60])!r}")
             return None
         raise self._error(f"unexpected reply {line[:40]!r}")
 
@@ -467,9 +492,12 @@ class RedisTier(KeyedTier):
              sizes: Sequence[int] | None = None) -> list[Any]:
         """Send ``command(i)`` for every key, pipelined: per connection, commands are packed
         into one buffer of at most ``pipeline_bytes`` of values and sent with one write,
-        then the replies are read in order. A reply that is an error (``-ERR``, ``-MOVED``,
-        ``-OOM``...) becomes that key's exception; a broken connection fails the call."""
+        then the replies are read in order. An error reply about the key (``-WRONGTYPE``,
+        ``-OOM``, ``-ERR``) becomes that key's exception; one that says the topology changed
+        (``-MOVED``, ``-ASK``, ``-TRYAGAIN``, ``-CLUSTERDOWN``, ``-READONLY``...) fails the
+        call, as does a broken connection (:meth:`_call` then drops the client)."""
         replies: list[Any] = [None] * len(keys)
+        topology = _topology_error(self._redis)
         limit = self._opts["pipeline_bytes"]
         if self._raw_url is not None:
             return self._run_plain(keys, command, sizes)
@@ -485,11 +513,16 @@ class RedisTier(KeyedTier):
                     part = idx[lo:hi]
                     conn.send_packed_command([_pack([command(i) for i in part])],
                                              check_health=False)
+                    moved: Exception | None = None
                     for i in part:
                         try:
                             replies[i] = conn.read_response()
+                        except topology as exc:
+                            moved = moved or exc
                         except self._redis.ResponseError as exc:
                             replies[i] = exc
+                    if moved is not None:
+                        raise moved
                     lo = hi
             except BaseException:
                 conn.disconnect()
