@@ -412,8 +412,10 @@ class LevelConfig:
         blob_codec: lossless blob codec (e.g. ``"zstd"``) applied to the cold pages of a
             tier that stores blobs by size; ``None``: none.
         options: passed to the tier's factory (e.g. ``{"path": ...}`` for disk).
-        io_deadline_s: seconds every read or write batch of a storage level (disk,
-            remote: a tier whose pools are not device memory) may take, default 5.0. Its
+        io_deadline_s: seconds every read or write batch of a storage level (disk, or
+            any tier whose pools are not device memory) may take, default 5.0 (a keyed
+            remote level such as ``redis`` refuses it and the two settings below: its
+            deadlines are its ``options``, see docs/remote.md). Its
             I/O runs on one thread of its own; a write past the deadline is dropped (the
             block is not cached on this level), a read past it loses the blocks (they
             leave the prefix tree; a ``resume`` that needed them raises ``TierIOError``).

@@ -491,16 +491,18 @@ class KVCacheManager:
 
         Raises:
             InvalidStateError: a cache is active.
-            ConfigError: bad level or quota.
+            ArgumentTypeError, InvalidArgumentError: a level that is not an int, or that
+                the manager does not have.
+            ConfigError: a bad quota.
         """
         self.thread_guard.check()
         self._check_open()
         nlevels = len(self.config.levels)
         if isinstance(level, bool) or not isinstance(level, int | np.integer):
-            raise ConfigError("level", level, f"must be an int in 0..{nlevels - 1}")
+            raise ArgumentTypeError(f"level={level!r}: must be an int in 0..{nlevels - 1}")
         level = int(level)
         if not 0 <= level < nlevels:
-            raise ConfigError("level", level, f"must be in 0..{nlevels - 1}")
+            raise InvalidArgumentError(f"level={level!r}: must be in 0..{nlevels - 1}")
         quota = parse_size(quota, "quota")
         active = [c.id for c in self._open.values() if c.status is CacheStatus.ACTIVE]
         if active:

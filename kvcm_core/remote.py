@@ -146,7 +146,15 @@ def split_keyed_level(config: KVCacheManagerConfig, pm: KvcmPluginManager
     if i != len(config.levels) - 1:
         raise ConfigError(f"levels[{i}].tier", config.levels[i].tier,
                           "a keyed (shared remote) level must be the last level")
-    return attrs.evolve(config, levels=config.levels[:i]), config.levels[i]
+    lv = config.levels[i]
+    for name, default, instead in (("io_deadline_s", 5.0, "options.io_deadline_s"),
+                                   ("write_queue_depth", None, "options.write_queue_blocks"),
+                                   ("write_combine_bytes", None, None)):
+        if getattr(lv, name) != default:  # the level's own I/O thread settings
+            raise ConfigError(f"levels[{i}].{name}", getattr(lv, name),
+                              "does not apply to a keyed (shared remote) level" +
+                              (f": set {instead} (see docs/remote.md)" if instead else ""))
+    return attrs.evolve(config, levels=config.levels[:i]), lv
 
 
 @attrs.define

@@ -69,6 +69,21 @@ def test_resize_arguments_get_typed_errors_naming_the_argument(value, error) -> 
         c.resize(value)
 
 
+@pytest.mark.parametrize(("level", "error"), [("1", ArgumentTypeError), (True, ArgumentTypeError),
+                                              (1.0, ArgumentTypeError), (9, InvalidArgumentError),
+                                              (-1, InvalidArgumentError)])
+def test_a_manager_resize_of_a_bad_level_gets_the_typed_error_naming_the_level(level, error
+                                                                              ) -> None:
+    """The rule every call taking a level follows (prefetch, statistics): a level that is
+    not an int is an ArgumentTypeError, one the manager does not have an
+    InvalidArgumentError; nothing changes."""
+    m = make_manager(full_layers())
+    before = m.get_storage_statistics(0).total
+    with pytest.raises(error, match=rf"level={level!r}: must be"):
+        m.resize(level, 1 << 20)
+    assert m.get_storage_statistics(0).total == before
+
+
 @pytest.mark.parametrize("quota", [2**62, 10**30])
 def test_a_manager_resize_past_32_bit_slot_ids_is_refused_at_once_with_a_reason(quota) -> None:
     m = make_manager(full_layers())
@@ -296,12 +311,12 @@ def test_layer_ids_of_another_type_are_argument_type_errors_not_unknown_layers(l
 
 
 def test_a_level_given_as_a_numpy_integer_is_taken_and_a_float_level_is_refused() -> None:
-    from kvcm_core import ConfigError, KVCacheManager, LevelConfig
+    from kvcm_core import KVCacheManager, LevelConfig
     m = KVCacheManager(_one_layer(levels=[LevelConfig(tier="gpu", quota="4MiB"),
                                           LevelConfig(tier="host", quota="4MiB")]))
     assert m.resize(np.int64(1), "8MiB")
     assert m.get_storage_statistics(1).total_bytes == 8 << 20
-    with pytest.raises(ConfigError, match=r"level=1.0: must be an int in 0..1"):
+    with pytest.raises(ArgumentTypeError, match=r"level=1.0: must be an int in 0..1"):
         m.resize(1.0, "8MiB")
     m.shutdown()
 

@@ -122,3 +122,16 @@ def test_the_engine_pages_model_declaration_runs_and_its_window_rule_holds() -> 
             kept = [b for b, p in enumerate(table) if p >= 0]
             assert kept == [b for b in range(len(table)) if b < sink_blocks or b >= first]
         cache.close()
+
+
+def test_readme_toml_configuration_reads_with_from_toml(tmp_path) -> None:
+    """The TOML example is what from_toml reads: top-level fields, an SSM layer by its
+    type, sizes as strings."""
+    from kvcm_core import KVCacheManagerConfig
+    from kvcm_core.config import SsmLayerConfig
+
+    path = tmp_path / "kvcm.toml"
+    path.write_text(_blocks("toml")[0])
+    cfg = KVCacheManagerConfig.from_toml(path)
+    assert isinstance(cfg.layers[1], SsmLayerConfig)
+    assert cfg.levels[1].quota == 1 << 30

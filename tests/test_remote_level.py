@@ -389,6 +389,26 @@ def test_a_keyed_level_must_be_the_last_and_only_one() -> None:
         assert info.value.field == field
 
 
+@pytest.mark.parametrize(("name", "value", "instead"), [
+    ("io_deadline_s", 0.01, "options.io_deadline_s"),
+    ("io_deadline_s", None, "options.io_deadline_s"),
+    ("write_queue_depth", 4, "options.write_queue_blocks"),
+    ("write_combine_bytes", 1 << 20, None)])
+def test_a_keyed_level_refuses_the_level_io_settings_it_would_ignore(name, value, instead
+                                                                     ) -> None:
+    """A keyed level's lookup deadline and write queue are its options; the I/O-thread
+    settings of LevelConfig would be silently ignored there, so they are refused, naming
+    the option to set instead."""
+    cfg = config("redis://127.0.0.1:1/0").to_dict()
+    cfg["levels"][2][name] = value
+    with pytest.raises(ConfigError) as info:
+        KVCacheManager(KVCacheManagerConfig.from_dict(cfg))
+    assert info.value.field == f"levels[2].{name}"
+    assert "does not apply to a keyed" in str(info.value)
+    if instead:
+        assert instead in str(info.value)
+
+
 def test_remote_calls_without_a_keyed_level_raise_invalid_state() -> None:
     cfg = config("redis://127.0.0.1:1/0").to_dict()
     cfg["levels"] = cfg["levels"][:2]

@@ -1,8 +1,9 @@
 """Host-overhead benchmark of the manager (``kvcm bench manager``).
 
-Replays the workload shapes of the vLLM peer benchmark (``vllm_host_overhead.py``, which
-drives vLLM's KV cache manager the same way) so the two can be compared side by side, in
-one sitting, on the same machine:
+Replays the workload shapes of the vLLM peer benchmark
+(``benchmarks/peer/vllm_host_overhead.py`` in the repository, which drives vLLM's KV cache
+manager the same way) so the two can be compared side by side, in one sitting, on the same
+machine:
 
 - decode: ``--decode-batch`` running requests with ``--decode-context``-token contexts,
   one token per request-step: ``resize(capacity + 1)`` then ``commit([token])`` (the
@@ -395,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     print("lookup scaling:", json.dumps(results["lookup_scaling"], indent=1), flush=True)
     doc = {
         **result_header("kvcm KVCacheManager host (CPU) overhead, numpy backend, workload "
-                        "shapes of the vLLM peer benchmark vllm_host_overhead.py"),
+                        "shapes of the vLLM peer benchmark benchmarks/peer/vllm_host_overhead.py"),
         "pinned_cpu": pinned,
         "config": vars(args),
         "timer": "time.perf_counter_ns; median and min over reps of per-rep means; gc frozen "

@@ -2,9 +2,9 @@
 
 Replays a Mooncake-format trace (see :mod:`kvcm_core.simulate.mooncake` for the format and
 the token rule) one request after another, manager only, the way the peer benchmark
-``vllm_trace_replay.py`` replays it through vLLM's scheduler-side KV cache manager
-(hashing, ``get_computed_blocks``, ``allocate_slots``, ``free``), so that the two can be
-compared side by side in one sitting:
+``benchmarks/peer/vllm_trace_replay.py`` (in the repository) replays it through vLLM's
+scheduler-side KV cache manager (hashing, ``get_computed_blocks``, ``allocate_slots``,
+``free``), so that the two can be compared side by side in one sitting:
 
 - prompts only (no decode), in file order, each turned into int32 tokens by the token rule
   before the timed replay (token synthesis is not timed);
