@@ -42,6 +42,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import itertools
+import os
 import struct
 import threading
 import time
@@ -147,7 +148,8 @@ def split_keyed_level(config: KVCacheManagerConfig, pm: KvcmPluginManager
         raise ConfigError(f"levels[{i}].tier", config.levels[i].tier,
                           "a keyed (shared remote) level must be the last level")
     lv = config.levels[i]
-    for name, default, instead in (("io_deadline_s", 5.0, "options.io_deadline_s"),
+    io_default = attrs.fields(LevelConfig).io_deadline_s.default
+    for name, default, instead in (("io_deadline_s", io_default, "options.io_deadline_s"),
                                    ("write_queue_depth", None, "options.write_queue_blocks"),
                                    ("write_combine_bytes", None, None)):
         if getattr(lv, name) != default:  # the level's own I/O thread settings
@@ -312,6 +314,10 @@ class RemoteLevel:
         self._instances: dict[str, set[str]] = {}  # address -> server identities seen
         self._resync = False  # own keys to check against the store (after a restart)
         self._next_loss_check = 0.0  # see _lost_own
+        # A key of this manager's alone, written before its first blocks: gone means the
+        # store lost keys wholesale (FLUSHALL), there means an ordinary loss (see _lost_own).
+        self._sentinel = self._prefix + b"alive:" + os.urandom(8).hex().encode()
+        self._sentinel_set = False
         self._thread = threading.Thread(target=self._write_loop, daemon=True,
                                         name="kvcm-remote-writer")
         self._thread.start()
@@ -357,21 +363,48 @@ class RemoteLevel:
                 self._own_bytes -= size
             return size is not None
 
-    def _lost_own(self) -> None:
-        """A lookup missed a key this manager wrote: the store lost it without a restart
-        the identities show (``FLUSHALL``, an eviction, a failover that lost writes). As
-        after a restart: forget which keys are believed stored (a block computed again is
-        written again, not skipped) and have the writer check the own keys. At most once
-        per ``retry_after_s``."""
+    def _lost_own(self, deadline: float) -> None:
+        """A lookup missed a key this manager wrote (it was forgotten already). An
+        ordinary loss (Redis evicting under ``maxmemory``, another manager's quota deleting
+        a block both wrote) needs nothing more; a store that lost keys wholesale without a
+        restart the identities show (``FLUSHALL``) does, and the sentinel key tells them
+        apart: gone means wholesale, so as after a restart the level forgets which keys
+        it believed stored (a block computed again is written again, not skipped; done
+        here, before this request's blocks are committed), the writer drops the own keys
+        the store no longer holds and writes the sentinel again (``own_keys_lost``). One
+        small round trip, at most once per ``retry_after_s``, within the lookup's
+        deadline (not concluded: the next such miss checks again)."""
         now = time.monotonic()
         with self._lock:
             if now < self._next_loss_check:
                 return
             self._next_loss_check = now + self.options.retry_after_s
+            known_set = self._sentinel_set
+        if known_set:
+            try:
+                there = bool(self.tier.exists_many([self._sentinel], deadline=deadline)[0])
+            except TierIOError:
+                with self._lock:
+                    self._next_loss_check = 0.0
+                return
+            if there:
+                return
+        with self._lock:
             self.stats.own_keys_lost += 1
             self._known.clear()
+            self._sentinel_set = False
             self._resync = True
             self._lock.notify_all()
+
+    def _set_sentinel(self) -> None:
+        """Writer thread: write the sentinel key (before the blocks of a batch)."""
+        try:
+            ok = self._writers.put_many([self._sentinel], [b"kvcm"],
+                                        deadline=time.monotonic() + self.options.write_deadline_s)
+        except TierIOError:
+            return  # the batch's own write meets the failure
+        with self._lock:
+            self._sentinel_set = bool(ok[0])
 
     def _failed(self) -> None:
         self._skip_until = time.monotonic() + self.options.retry_after_s
@@ -394,6 +427,7 @@ class RemoteLevel:
             if restarted:
                 self.stats.store_restarts += 1
                 self._known.clear()
+                self._sentinel_set = False
                 self._resync = True
                 self._lock.notify_all()
 
@@ -533,7 +567,7 @@ class RemoteLevel:
             if verdict == "miss":
                 lost |= self._forget(rkey)
         if lost:
-            self._lost_own()
+            self._lost_own(deadline)
         ok = np.asarray(present[:, self._required].all(axis=1))
         extent = int(ok.size) if ok.all() else int(ok.argmin())
         return extent, pages
@@ -600,6 +634,11 @@ class RemoteLevel:
                 store = L.cold_store(self._target, g) if self._target else L.gpu_store(g)
                 by_store.setdefault(store.index, []).append((i, j))
         placed: list[tuple[int, list[int], np.ndarray]] = []  # (group, blocks, pages)
+        if any(L.all_stores[s].level == 0 for s in by_store):
+            # create_kv_cache takes no stream, and the engine's work still queued on its
+            # own may write the GPU slots a closed cache just freed: the host waits for all
+            # the device's work once, before any pulled page is placed there.
+            self._backend.synchronize()
         for s, items in by_store.items():
             store = L.all_stores[s]
             items.sort()
@@ -674,11 +713,6 @@ class RemoteLevel:
         layout = L.layouts[L.pool_group_of(group)]
         slots = L.arena.slot[pids]
         self._after_level_copies(store, slots)
-        if store.level == 0:
-            # create_kv_cache takes no stream, and the engine's work still queued on its
-            # own may write the GPU slots a closed cache just freed: the host waits for
-            # all the device's work first (a pull has paid a server round trip already).
-            self._backend.synchronize()
         try:
             self._mover.copy(layout, stage, np.arange(n), store,  # type: ignore[arg-type]
                              slots, keys=fkeys)
@@ -773,6 +807,8 @@ class RemoteLevel:
                 if resync:
                     self._resync_own()
                 if batch:
+                    if not self._sentinel_set:
+                        self._set_sentinel()
                     self._write(batch)
             except Exception:  # a writer bug must not kill the thread
                 self.stats.write_failures += len(batch)
@@ -856,6 +892,11 @@ class RemoteLevel:
         pending = -(-len(self._queue) // _WRITE_BATCH) + 1
         self._thread.join(timeout=pending * self.options.write_deadline_s + 1.0)
         errors = []
+        if self._sentinel_set:  # the sentinel is this manager's alone: not left behind
+            try:
+                self._writers.delete_many([self._sentinel], deadline=time.monotonic() + 1.0)
+            except TierIOError:
+                pass
         for close in (self.tier.close, self._writers.close, self._mover.close):
             try:
                 close()

@@ -36,7 +36,7 @@ def _admin(url: str):  # a redis client of the test's own
 
 
 def _remote_keys(url: str) -> list[bytes]:
-    return sorted(_admin(url).keys("kvcm:*"))
+    return sorted(k for k in _admin(url).keys("kvcm:*") if b":alive:" not in k)  # blocks
 
 
 # -- sharing -------------------------------------------------------------------------------
@@ -585,7 +585,7 @@ def test_a_commit_on_the_engines_stream_stores_the_kv_written_there_not_older_by
 
 def _stored_sizes(url: str) -> dict[bytes, int]:
     admin = _admin(url)
-    return {k: admin.strlen(k) for k in admin.keys("kvcm:*")}
+    return {k: admin.strlen(k) for k in admin.keys("kvcm:*") if b":alive:" not in k}
 
 
 def test_after_a_restart_that_lost_the_store_own_keys_and_bytes_are_what_it_holds() -> None:
@@ -662,6 +662,37 @@ def test_after_a_flushall_blocks_committed_again_are_stored_again() -> None:
         with KVCacheManager(config(server.url)) as b:
             assert b.probe_reuse(None, PROMPT[:-1], remote=True) == REUSABLE, \
                 (b.get_remote_statistics(), st)
+
+
+def test_an_ordinary_loss_of_own_keys_forgets_only_the_keys_missed_not_every_key() -> None:
+    """Redis evicting under ``maxmemory`` (here: every block key deleted, the manager's
+    sentinel key left) is an ordinary loss: a lookup that misses own keys forgets those,
+    and the level neither counts a wholesale loss nor checks every own key against the
+    store (which, once a second, would flood a busy store with EXISTS calls)."""
+    import redis
+
+    with fresh_server() as server:
+        cfg = config(server.url, local=("gpu",), max_blocks=2, retry_after_s=0.1)
+        d = cfg.to_dict()
+        d["levels"][0]["quota"] = 32 * 512
+        admin = redis.Redis(host="127.0.0.1", port=server.port)
+        with KVCacheManager(KVCacheManagerConfig.from_dict(d)) as a:
+            serve(a, PROMPT)
+            for s in range(6):
+                serve(a, _prompt(20 + s), rid=s)
+            assert a.flush_remote(10.0)
+            before = a.get_remote_statistics()
+            blocks = _remote_keys(server.url)
+            assert len(blocks) == before.own_keys and admin.delete(*blocks) == len(blocks)
+            assert serve(a, PROMPT, rid="again") == 0
+            assert a.flush_remote(10.0)
+            st = a.get_remote_statistics()
+            assert st.own_keys_lost == 0, st
+            # the two keys looked up were forgotten and written again, no other
+            assert st.own_keys == before.own_keys and st.written == before.written + 2, \
+                (before, st)
+            assert len([k for k in admin.keys("kvcm:*") if b":alive:" in k]) == 1
+        assert not [k for k in admin.keys("kvcm:*") if b":alive:" in k]  # deleted at shutdown
 
 
 def test_after_a_restart_that_kept_the_store_its_own_keys_are_still_counted() -> None:
