@@ -4,10 +4,13 @@ primary failing over). Every call returns by its deadline; nothing wrong is ever
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -295,12 +298,14 @@ def test_after_a_graceful_cluster_failover_moved_replies_fail_the_call_and_every
                     ok = tier.put_many(keys, values, deadline=_soon())
                 except TierIOError as exc:
                     history.append(f"error: {exc}")
+                    time.sleep(0.1)
                     continue
                 assert all(v is None or v == w for v, w in zip(got, values, strict=True))
                 found = sum(v is not None for v in got)
                 history.append(f"{found} read, {int(ok.sum())} written")
                 if found == len(keys) and ok.all():
                     break
+                time.sleep(0.1)
             else:
                 raise AssertionError(f"the tier never recovered: {history}")
             assert tier.errors > errors_before, \
@@ -333,6 +338,153 @@ def test_a_readonly_reply_fails_the_call_but_a_wrongtype_reply_is_only_that_keys
             with pytest.raises(TierIOError, match="READONLY"):
                 tier.put_many(keys, keys, deadline=_soon())
             assert tier.errors == 1
+        finally:
+            tier.close()
+
+
+@contextlib.contextmanager
+def _busy_script(port: int) -> Iterator[None]:
+    """A Lua busy loop on the server on ``port`` (from another connection) for the block:
+    with ``busy-reply-threshold`` at 50 ms, the server then answers ``-BUSY`` to every
+    other command until the script is killed at the end of the block."""
+    import redis
+
+    admin = redis.Redis(host="127.0.0.1", port=port)
+    admin.config_set("busy-reply-threshold", 50)
+
+    def loop() -> None:
+        try:
+            redis.Redis(host="127.0.0.1", port=port).eval("while true do end", 0)
+        except redis.RedisError:  # killed at the end of the block
+            pass
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while True:  # until the server answers -BUSY
+        try:
+            admin.ping()
+        except redis.exceptions.BusyLoadingError:
+            raise
+        except redis.ResponseError as exc:
+            if "BUSY" in str(exc):
+                break
+            raise
+        assert time.monotonic() < deadline, "the server never answered -BUSY"
+        time.sleep(0.05)
+    try:
+        yield
+    finally:
+        deadline = time.monotonic() + 10
+        while t.is_alive():
+            try:
+                admin.script_kill()
+            except redis.ResponseError:  # NOTBUSY: not running yet or any more
+                pass
+            t.join(0.2)
+            assert time.monotonic() < deadline, "the busy script could not be killed"
+        admin.close()
+
+
+def test_a_busy_server_fails_every_call_instead_of_reporting_keys_absent() -> None:
+    """A server running a long Lua script answers ``-BUSY`` to every command: it cannot
+    say whether a key is there, so get, exists and put fail (counted in ``errors``), and
+    never report the keys absent (a remote level would forget its own keys); once the
+    script is killed every key is back."""
+    with fresh_server() as server:
+        tier = RedisTier(None, {"url": server.url})
+        try:
+            keys = _keys(5)
+            assert tier.put_many(keys, keys, deadline=_soon()).all()
+            with _busy_script(server.port):
+                for name, call in (
+                        ("exists", lambda: tier.exists_many(keys, deadline=_soon(2.0))),
+                        ("get", lambda: tier.get_many(keys, deadline=_soon(2.0))),
+                        ("put", lambda: tier.put_many(keys, keys, deadline=_soon(2.0)))):
+                    errors = tier.errors
+                    with pytest.raises(TierIOError, match="BUSY"):
+                        result = call()
+                        raise AssertionError(f"{name} during -BUSY returned {result!r}")
+                    assert tier.errors == errors + 1, name
+            assert tier.exists_many(keys, deadline=_soon()).all()
+            assert tier.get_many(keys, deadline=_soon()) == keys
+        finally:
+            tier.close()
+
+
+def test_a_busy_cluster_primary_fails_the_call_instead_of_reporting_keys_absent() -> None:
+    """The same through the ``redis`` client package (a cluster): a primary answering
+    ``-BUSY`` fails get, exists and put."""
+    need_binaries()
+    from kvcm_core.testing.redis_server import RedisClusterServers
+
+    with RedisClusterServers(node_timeout_ms=15000) as cluster:
+        tier = RedisTier(None, {"url": cluster.url, "cluster": True})
+        try:
+            keys = _keys(60)  # on every primary
+            assert tier.put_many(keys, keys, deadline=_soon()).all()
+            with _busy_script(cluster.primary_ports()[0]):
+                for name, call in (
+                        ("exists", lambda: tier.exists_many(keys, deadline=_soon(2.0))),
+                        ("get", lambda: tier.get_many(keys, deadline=_soon(2.0))),
+                        ("put", lambda: tier.put_many(keys, keys, deadline=_soon(2.0)))):
+                    errors = tier.errors
+                    with pytest.raises(TierIOError, match="BUSY"):
+                        result = call()
+                        raise AssertionError(f"{name} during -BUSY returned {result!r}")
+                    assert tier.errors == errors + 1, name
+            assert tier.exists_many(keys, deadline=_soon()).all()
+            assert tier.get_many(keys, deadline=_soon()) == keys
+        finally:
+            tier.close()
+
+
+def test_an_ask_reply_for_a_migrating_slot_is_that_keys_miss_and_the_call_goes_on() -> None:
+    """A slot being migrated: its old primary answers ``-ASK`` for a key it does not hold.
+    Re-reading the slot map cannot help (the slot is still the old primary's), so that key
+    is a miss or a refused write, the other keys are served, and nothing is counted as an
+    error (a tier that failed the call switched its level off for a whole reshard)."""
+    need_binaries()
+    import redis
+    from redis.crc import key_slot
+
+    from kvcm_core.testing.redis_server import RedisClusterServers
+
+    with RedisClusterServers(node_timeout_ms=15000) as cluster:
+        tier = RedisTier(None, {"url": cluster.url, "cluster": True})
+        try:
+            keys = _keys(30)
+            assert tier.put_many(keys, keys, deadline=_soon()).all()
+            absent = _keys(1)[0]
+            slot = key_slot(b"kvcm:" + absent)
+            primaries = cluster.primary_ports()
+            nodes = {p: redis.Redis(host="127.0.0.1", port=p) for p in primaries}
+
+            def reply(port: int) -> str:
+                try:
+                    return repr(nodes[port].execute_command("GET", b"kvcm:" + absent))
+                except redis.ResponseError as exc:
+                    return type(exc).__name__
+
+            owner = next(p for p in primaries if reply(p) == "None")
+            target = next(p for p in primaries if p != owner)
+            target_id = cluster.cli(target, "cluster", "myid").strip()
+            assert "OK" in cluster.cli(owner, "cluster", "setslot", str(slot), "migrating",
+                                       target_id)
+            assert reply(owner) == "AskError"
+            errors = tier.errors
+            got = tier.get_many([*keys, absent], deadline=_soon())
+            assert got == [*keys, None]
+            assert tier.exists_many([*keys, absent], deadline=_soon()).tolist() == \
+                [True] * len(keys) + [False]
+            assert tier.put_many([*keys, absent], [*keys, absent],
+                                 deadline=_soon()).tolist() == [True] * len(keys) + [False]
+            assert tier.errors == errors
+            assert "OK" in cluster.cli(owner, "cluster", "setslot", str(slot), "stable")
+            assert tier.put_many([absent], [absent], deadline=_soon()).all()
+            assert tier.get_many([absent], deadline=_soon()) == [absent]
+            for n in nodes.values():
+                n.close()
         finally:
             tier.close()
 

@@ -64,20 +64,32 @@ def _free_ports(n: int, *, with_bus: bool) -> list[int]:
     raise RuntimeError(f"could not find {n} free loopback ports")
 
 
+def _find_prctl() -> object | None:
+    """libc's ``prctl`` (Linux), looked up once at import in the parent: the child of a
+    fork in a threaded process must not load libraries or import modules before
+    ``exec`` (a lock held by another thread at the fork would never be released)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # no prctl: the server outlives a killed parent
+        return None
+
+
+_PRCTL = _find_prctl()
+_PR_SET_PDEATHSIG = 1
+_SIGKILL = int(signal.SIGKILL)
+
+
 def _die_with_parent() -> None:
     """In the child before ``exec`` (Linux): SIGKILL when the parent dies, so that a test
     run killed (SIGTERM, SIGKILL) leaves no server behind; elsewhere nothing. (Linux sends
     it when the thread that started the server exits: start servers from a thread that
-    outlives them, as the main thread does.)"""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # no prctl: the server outlives a killed parent
-        pass
+    outlives them, as the main thread does.) Only calls the ``prctl`` found at import."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0)  # type: ignore[operator]
 
 
 def _cli(cli: str, port: int, *args: str, timeout: float = 5.0) -> str:
@@ -313,18 +325,62 @@ class RedisClusterServers(_Servers):
                 return n.port
         raise ValueError(f"no live replica of the primary on port {primary}")
 
-    def failover_gracefully(self, replica: int, timeout: float = 30.0) -> None:
+    def wait_bus_links(self, timeout: float = 20.0) -> None:
+        """Wait until every live node reports ``cluster_state:ok`` and, in ``CLUSTER
+        NODES``, sees every other live node ``connected`` with no ``handshake``,
+        ``noaddr``, ``fail?`` or ``fail`` flag: the cluster bus links are up, as a manual
+        failover needs (the replica and its primary talk over the bus)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            live = [n for n in self.nodes if n.alive]
+            ok = True
+            for n in live:
+                if "cluster_state:ok" not in self.cli(n.port, "cluster", "info"):
+                    ok = False
+                    break
+                seen = 0
+                for line in self.cli(n.port, "cluster", "nodes").splitlines():
+                    fields = line.split()
+                    if len(fields) < 8 or "myself" in fields[2]:
+                        continue
+                    flags = fields[2].split(",")
+                    if any(f in flags for f in ("handshake", "noaddr", "fail?", "fail")):
+                        continue
+                    if fields[7] == "connected":
+                        seen += 1
+                if seen < len(live) - 1:
+                    ok = False
+                    break
+            if ok:
+                return
+            if time.monotonic() >= deadline:
+                raise RuntimeError("the Redis cluster's bus links did not come up in time")
+            time.sleep(0.1)
+
+    def failover_gracefully(self, replica: int, timeout: float = 60.0,
+                            retry_s: float = 6.0) -> None:
         """``CLUSTER FAILOVER`` on the replica on ``replica``: it takes over its primary's
         slots with its primary's agreement (nothing lost); the old primary stays up as its
-        replica and answers ``-MOVED`` for those slots. Waits until the cluster is ok."""
-        out = self.cli(replica, "cluster", "failover")
-        if "OK" not in out:
-            raise RuntimeError(f"CLUSTER FAILOVER on port {replica}: {out.strip()}")
+        replica and answers ``-MOVED`` for those slots. Waits first until the cluster bus
+        links are up (:meth:`wait_bus_links`), sends ``CLUSTER FAILOVER`` again every
+        ``retry_s`` seconds while the replica has not taken over (a manual failover times
+        out after about 5 s, as it can when asked right after the cluster formed), and then
+        waits until the cluster is ok; ``timeout`` bounds the whole."""
         deadline = time.monotonic() + timeout
-        while "role:master" not in self.cli(replica, "info", "replication"):
+        self.wait_bus_links(max(0.1, deadline - time.monotonic()))
+        while True:
+            out = self.cli(replica, "cluster", "failover")
+            if "OK" not in out:
+                raise RuntimeError(f"CLUSTER FAILOVER on port {replica}: {out.strip()}")
+            attempt_end = min(deadline, time.monotonic() + retry_s)
+            while "role:master" not in self.cli(replica, "info", "replication"):
+                if time.monotonic() >= attempt_end:
+                    break
+                time.sleep(0.05)
+            else:
+                break
             if time.monotonic() >= deadline:
                 raise RuntimeError(f"the replica on port {replica} did not take over")
-            time.sleep(0.05)
         self.wait_ok(max(0.1, deadline - time.monotonic()))
 
     def primary_ports(self) -> list[int]:

@@ -9,16 +9,20 @@ through the tier's own small RESP connection (values received into one reusable 
 sliced out of it); a cluster and TLS (``rediss://``) go through the ``redis`` client
 package (with ``hiredis`` when installed). A Redis Cluster (``cluster = true``, reached
 through any node's URL) spreads the keys over its primaries. The slot map is read when the client is
-built; a reply saying the cluster changed under it (``-MOVED``, ``-ASK``, ``-TRYAGAIN``,
-``-CLUSTERDOWN``, ``-MASTERDOWN``, ``-READONLY``, ``-LOADING``: a failover, graceful or
-not, a resharding, a primary turned replica) fails the call with
-:class:`~kvcm_core.errors.TierIOError` (counted in ``errors``) and drops the client, so the
-next call re-reads the topology from every node seen so far. The tier does not follow a
-redirection within a call. Other error replies for one key (``-WRONGTYPE`` for a key of
-another type, ``-OOM`` for a ``SET`` past ``maxmemory`` with eviction off, ``-ERR``) say
-nothing about the topology: they make that key a miss (``get_many``, ``exists_many``) or a
-refused write (``put_many``), and the call goes on. The same holds for a standalone server
-(a ``-READONLY`` from a server turned replica fails the call).
+built; the tier does not follow a redirection within a call.
+
+Error replies: only four are about one key, and make that key a miss (``get_many``,
+``exists_many``) or a refused write (``put_many``) while the call goes on and the client
+is kept: ``-WRONGTYPE`` (a key of another type), ``-OOM`` (a ``SET`` past ``maxmemory``
+with eviction off), and ``-ASK`` and ``-TRYAGAIN`` (the key's slot is being migrated:
+re-reading the slot map cannot help, the key is simply not served this time). Every other
+error reply fails the whole call with :class:`~kvcm_core.errors.TierIOError` (counted in
+``errors``) and drops the client, so the next call reconnects and re-reads the topology
+from every node seen so far: ``-MOVED``, ``-CLUSTERDOWN``, ``-MASTERDOWN``, ``-READONLY``
+(a failover, graceful or not, a primary turned replica), ``-LOADING``, ``-BUSY`` (a long
+Lua script or function), ``-NOAUTH``, ``-NOPERM``, ``-MISCONF``, ``-ERR`` and any other:
+the server could not answer for the key, so the key's absence is unknown (a level must not
+take it as "not in the store"). The same holds for a standalone server.
 
 Deadlines: each call runs on the tier's I/O thread and the caller waits at most until the
 call's deadline. A call that runs past it, or that cannot reach the store, raises
@@ -142,17 +146,26 @@ def _run_id(info: object) -> str | None:
     return None
 
 
-# Error replies that say the topology changed under the client (not about one key): the
-# call fails and the client is dropped, so the next call re-reads the slot map.
-_TOPOLOGY_ERRORS = (b"MOVED", b"ASK", b"TRYAGAIN", b"CLUSTERDOWN", b"MASTERDOWN",
-                    b"READONLY", b"LOADING")
+# The only error replies about one key (its code, the reply's first word): that key is a
+# miss or a refused write and the call goes on. Every other error reply fails the call
+# and drops the client (see the module docstring).
+_KEY_ERRORS = (b"WRONGTYPE", b"OOM", b"ASK", b"TRYAGAIN")
 
 
-def _topology_error(redis: Any) -> tuple[type[Exception], ...]:
-    """The ``redis`` package's exception classes for :data:`_TOPOLOGY_ERRORS`."""
+def _is_key_error(redis: Any, exc: Exception) -> bool:
+    """Whether ``exc``, an error reply read through the ``redis`` package, is one of
+    :data:`_KEY_ERRORS` (the package strips the code of the replies it knows into an
+    exception class, and keeps the others' in the message)."""
     e = redis.exceptions
-    return (e.AskError, e.TryAgainError, e.ClusterDownError, e.ReadOnlyError,
-            e.BusyLoadingError)  # MovedError is an AskError, MasterDownError a ClusterDownError
+    if isinstance(exc, e.MovedError):  # a MovedError is an AskError
+        return False
+    oom = getattr(e, "OutOfMemoryError", None)
+    if isinstance(exc, (e.AskError, e.TryAgainError) + ((oom,) if oom is not None else ())):
+        return True
+    if type(exc) is not e.ResponseError:  # another known code (BUSY is not one)
+        return False
+    code = getattr(exc, "status_code", None) or str(exc).split(" ", 1)[0]
+    return code.encode("ascii", "replace") in _KEY_ERRORS
 
 
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
@@ -296,10 +309,10 @@ class _Plain:
         if kind == b"+":
             return bytes(line[1:])
         if kind == b"-":
-            if line[1:].split(b" ", 1)[0] in _TOPOLOGY_ERRORS:
+            if line[1:].split(b" ", 1)[0] not in _KEY_ERRORS:
                 # the connection is dropped by the caller: its unread replies don't matter
                 raise self._error(f"the server answered {bytes(line[:60])!r}")
-            return None
+            return None  # about this key only: a miss or a refused write
         raise self._error(f"unexpected reply {line[:40]!r}")
 
     def call(self, parts: list[Any], n: int) -> list[bytes | int | None]:
@@ -492,12 +505,13 @@ class RedisTier(KeyedTier):
              sizes: Sequence[int] | None = None) -> list[Any]:
         """Send ``command(i)`` for every key, pipelined: per connection, commands are packed
         into one buffer of at most ``pipeline_bytes`` of values and sent with one write,
-        then the replies are read in order. An error reply about the key (``-WRONGTYPE``,
-        ``-OOM``, ``-ERR``) becomes that key's exception; one that says the topology changed
-        (``-MOVED``, ``-ASK``, ``-TRYAGAIN``, ``-CLUSTERDOWN``, ``-READONLY``...) fails the
-        call, as does a broken connection (:meth:`_call` then drops the client)."""
+        then the replies are read in order. An error reply about the key only (``-WRONGTYPE``,
+        ``-OOM``, ``-ASK``, ``-TRYAGAIN``: :data:`_KEY_ERRORS`) becomes that key's
+        exception (a miss or a refused write; the client is kept); every other error reply
+        (``-MOVED``, ``-CLUSTERDOWN``, ``-READONLY``, ``-BUSY``, ``-NOAUTH``, ``-ERR``...)
+        fails the call once the part's replies are read, as does a broken connection
+        (:meth:`_call` counts it in ``errors`` and drops the client)."""
         replies: list[Any] = [None] * len(keys)
-        topology = _topology_error(self._redis)
         limit = self._opts["pipeline_bytes"]
         if self._raw_url is not None:
             return self._run_plain(keys, command, sizes)
@@ -513,16 +527,17 @@ class RedisTier(KeyedTier):
                     part = idx[lo:hi]
                     conn.send_packed_command([_pack([command(i) for i in part])],
                                              check_health=False)
-                    moved: Exception | None = None
+                    failed: Exception | None = None
                     for i in part:
                         try:
                             replies[i] = conn.read_response()
-                        except topology as exc:
-                            moved = moved or exc
                         except self._redis.ResponseError as exc:
-                            replies[i] = exc
-                    if moved is not None:
-                        raise moved
+                            if _is_key_error(self._redis, exc):
+                                replies[i] = exc
+                            else:
+                                failed = failed or exc
+                    if failed is not None:
+                        raise failed
                     lo = hi
             except BaseException:
                 conn.disconnect()
