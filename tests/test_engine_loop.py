@@ -147,3 +147,22 @@ def test_only_the_head_of_the_queue_keeps_a_refused_cache_and_stalls_end(seed, s
     assert sorted(r.id for r in done) == list(range(40))
     loop.close()
     m.shutdown()
+
+
+@pytest.mark.parametrize("levels", [1, 2])
+def test_a_request_that_cannot_fit_level_0_alone_stops_the_loop_instead_of_cycling(
+        levels: int) -> None:
+    """A request whose prefill chunk alone needs more GPU slots than level 0 has: with a
+    colder level the loop suspended, stalled and recomputed it for ever; it must stop with
+    the no-progress error, naming the request, as it does on one level."""
+    lv = [LevelConfig(tier="gpu", quota=4 * 64 + 32),
+          LevelConfig(tier="host", quota=64 * 64)][:levels]
+    m = KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=4, kernel_backend="numpy", levels=lv, max_util_for_resume=1.0,
+        layers=[AttentionLayerConfig(layer_id=0, buffers=[BufferConfig(role="kv", size=64)])]))
+    loop = EngineLoop(m, chunk_tokens=8, max_batch=2)
+    with pytest.raises(RuntimeError, match=r"made no progress.*\b0\b"):
+        loop.run([Request(0, list(range(1, 25)), prompt_len=20)], max_steps=300)
+    loop.close_all()
+    m.check_invariants()
+    m.shutdown()

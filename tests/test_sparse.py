@@ -618,3 +618,29 @@ def test_seats_cannot_change_while_a_resolve_awaits_its_fetches() -> None:
             np.testing.assert_array_equal(_entry(b, 2, layer, role, e),
                                           _host_unit(m, cache, layer, role, unit))
     b.close()
+
+
+def test_the_sparse_steps_refuse_a_lossy_typed_sparse_buffer_with_a_clear_error() -> None:
+    """The reference engine's sparse steps write fingerprint records into the entries and
+    check them exactly; a typed sparse buffer that is not exact (bf16, default) would be
+    checked as typed values on its host pages and fail for no fault of the manager: it
+    is refused up front, naming the buffer."""
+    from kvcm_core import (
+        AttentionLayerConfig,
+        BufferConfig,
+        KVCacheManager,
+        KVCacheManagerConfig,
+        LevelConfig,
+        SparseConfig,
+    )
+    from kvcm_core.testing.engine import EngineLoop
+
+    sp = SparseConfig(unit_tokens=4, num_selected=4, working_set_units=12)
+    m = KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=16, kernel_backend="numpy",
+        levels=[LevelConfig(tier="gpu", quota=1 << 20)], sparse_host_quota=1 << 20,
+        layers=[AttentionLayerConfig(layer_id=0, sparse=sp, buffers=[
+            BufferConfig(role="kv", size=256, is_sparse=True, dtype="bf16")])]))
+    with pytest.raises(ValueError, match=r"layer 0/kv: .* must be exact"):
+        EngineLoop(m, chunk_tokens=16, max_batch=2)
+    m.shutdown()

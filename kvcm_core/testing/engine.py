@@ -106,6 +106,7 @@ class EngineLoop:
         self.make_room_ahead = room_ahead
         # The oldest suspended request at the last stall: no admission until it steps.
         self._first_after_stall: Request | None = None
+        self._recomputed_alone: list[Request] = []  # see step's stall branch
         self.recompute_lost = recompute_lost
         self.manager = manager
         self.batch: Batch | None = None
@@ -317,8 +318,17 @@ class EngineLoop:
             # it), and a waiting request's kept cache too. No waiting request is admitted
             # until the oldest suspended one gets a chunk: the recomputed one, admitted
             # again at once, could repeat the same preemptions for ever.
+            alone = not self.running and not self.waiting and len(self.suspended) == 1
+            if alone and self.suspended[0] in self._recomputed_alone:
+                # Recomputed once already with nothing else in the loop, and stalled again:
+                # it cannot fit level 0 on its own at this chunk size (one level or more).
+                raise RuntimeError(
+                    f"engine loop made no progress: request {self.suspended[0].id} does not "
+                    f"fit level 0 on its own with chunks of {self.chunk_tokens} tokens")
             self._release_kept_head()
             victim = max(self.suspended, key=lambda r: r.arrival)
+            if alone:
+                self._recomputed_alone.append(victim)
             self.suspended.remove(victim)
             victim.cache.close()
             victim.cache = None

@@ -64,6 +64,13 @@ class SparseSteps:
                     raise ValueError(f"layer {layer.layer_id}/{buf.role}: sparse "
                                      "fingerprints need sizes that are a multiple of "
                                      "tokens_per_block (whole bytes per token)")
+                if getattr(buf, "is_sparse", False) and not layer.effective_exact(buf):
+                    # Entries hold records and are checked exactly; the fingerprint
+                    # engine would check the host pages as typed values.
+                    raise ValueError(f"layer {layer.layer_id}/{buf.role}: the sparse steps "
+                                     f"write fingerprint records, so a sparse buffer must be "
+                                     f"exact (dtype {buf.dtype!r} without exact=True is a "
+                                     "lossy-typed buffer)")
         self.ordinals = {(layer.layer_id, b.role): i for layer in m.config.layers
                          for i, b in enumerate(layer.buffers)
                          if getattr(b, "is_sparse", False)}
