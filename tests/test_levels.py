@@ -33,8 +33,8 @@ from levels_helpers import (
 
 from kvcm_core import (
     BAD_PAGE_INDEX,
-    ConfigError,
     EventKind,
+    InvalidArgumentError,
     InvalidStateError,
     KvcmPluginManager,
 )
@@ -385,7 +385,7 @@ def test_manager_resize_is_refused_while_a_cache_is_active(tmp_path, cleanup):
         with pytest.raises(InvalidStateError):
             m.resize(level, quota("full", level, 4))
     assert snapshot(m, a) == before
-    with pytest.raises(ConfigError):
+    with pytest.raises(InvalidArgumentError, match="level=3"):
         m.resize(3, 1 << 20)
     a.suspend()
     assert m.resize(0, quota("full", 0, 4))
