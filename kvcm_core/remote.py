@@ -391,10 +391,16 @@ class RemoteLevel:
                 return
         with self._lock:
             self.stats.own_keys_lost += 1
-            self._known.clear()
-            self._sentinel_set = False
-            self._resync = True
-            self._lock.notify_all()
+            self._store_emptied()
+
+    def _store_emptied(self) -> None:
+        """(Lock held.) The store may have lost every key (a restart, a flush): forget
+        which keys are believed stored, write the sentinel again, and have the writer
+        check the own keys against the store."""
+        self._known.clear()
+        self._sentinel_set = False
+        self._resync = True
+        self._lock.notify_all()
 
     def _set_sentinel(self) -> None:
         """Writer thread: write the sentinel key (before the blocks of a batch)."""
@@ -426,10 +432,7 @@ class RemoteLevel:
                         idents.add(ident)
             if restarted:
                 self.stats.store_restarts += 1
-                self._known.clear()
-                self._sentinel_set = False
-                self._resync = True
-                self._lock.notify_all()
+                self._store_emptied()
 
     def _resync_due(self) -> bool:
         return self._resync and time.monotonic() >= self._skip_until

@@ -357,3 +357,17 @@ __all__ = [
     "drop_page", "full_layers", "hybrid_layers", "kv", "make_config", "make_manager", "page_holds",
     "slot_of", "snapshot_state", "table", "tokens", "tree_node", "tree_page", "windowed_layers",
 ]
+
+
+@pytest.fixture(params=[False, True], ids=["lazy", "eager-default"])
+def deferred_schedule(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """Runs a test of the deferred backend (tests/deferred_backend.py) under two legal
+    schedules: queued work runs only when waited for, or work on the default stream also
+    runs as soon as it is queued (a GPU may run an idle stream at once). Use it with
+    ``pytestmark = pytest.mark.usefixtures("deferred_schedule")``."""
+    from deferred_backend import DeferredBackend
+
+    old = DeferredBackend.eager_default
+    DeferredBackend.eager_default = request.param
+    yield request.param
+    DeferredBackend.eager_default = old

@@ -4,7 +4,6 @@ queued work runs only when something waits for it, so a missing wait shows every
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -26,15 +25,7 @@ BLOCK = 2 * KV
 
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["lazy", "eager-default"])
-def _schedule(request: pytest.FixtureRequest) -> Any:
-    """Every test under two legal schedules: queued work runs only when waited for, or
-    work on the default stream also runs as soon as it is queued (a GPU may run an idle
-    stream at once)."""
-    old = DeferredBackend.eager_default
-    DeferredBackend.eager_default = request.param
-    yield
-    DeferredBackend.eager_default = old
+pytestmark = pytest.mark.usefixtures("deferred_schedule")  # lazy and eager-default
 
 def _manager(gpu: int, host: int) -> KVCacheManager:
     return _manager_over([LevelConfig(tier="gpu", quota=gpu * BLOCK),

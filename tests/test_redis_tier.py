@@ -386,6 +386,25 @@ def _busy_script(port: int) -> Iterator[None]:
         admin.close()
 
 
+def _busy_fails_every_call(tier: RedisTier, keys: list[bytes], busy_port: int) -> None:
+    """While the server at ``busy_port`` answers ``-BUSY``, exists, get and put each fail
+    (TierIOError, counted in ``errors``) instead of reporting keys absent; afterwards
+    every key is back."""
+    assert tier.put_many(keys, keys, deadline=_soon()).all()
+    with _busy_script(busy_port):
+        for name, call in (
+                ("exists", lambda: tier.exists_many(keys, deadline=_soon(2.0))),
+                ("get", lambda: tier.get_many(keys, deadline=_soon(2.0))),
+                ("put", lambda: tier.put_many(keys, keys, deadline=_soon(2.0)))):
+            errors = tier.errors
+            with pytest.raises(TierIOError, match="BUSY"):
+                result = call()
+                raise AssertionError(f"{name} during -BUSY returned {result!r}")
+            assert tier.errors == errors + 1, name
+    assert tier.exists_many(keys, deadline=_soon()).all()
+    assert tier.get_many(keys, deadline=_soon()) == keys
+
+
 def test_a_busy_server_fails_every_call_instead_of_reporting_keys_absent() -> None:
     """A server running a long Lua script answers ``-BUSY`` to every command: it cannot
     say whether a key is there, so get, exists and put fail (counted in ``errors``), and
@@ -394,20 +413,7 @@ def test_a_busy_server_fails_every_call_instead_of_reporting_keys_absent() -> No
     with fresh_server() as server:
         tier = RedisTier(None, {"url": server.url})
         try:
-            keys = _keys(5)
-            assert tier.put_many(keys, keys, deadline=_soon()).all()
-            with _busy_script(server.port):
-                for name, call in (
-                        ("exists", lambda: tier.exists_many(keys, deadline=_soon(2.0))),
-                        ("get", lambda: tier.get_many(keys, deadline=_soon(2.0))),
-                        ("put", lambda: tier.put_many(keys, keys, deadline=_soon(2.0)))):
-                    errors = tier.errors
-                    with pytest.raises(TierIOError, match="BUSY"):
-                        result = call()
-                        raise AssertionError(f"{name} during -BUSY returned {result!r}")
-                    assert tier.errors == errors + 1, name
-            assert tier.exists_many(keys, deadline=_soon()).all()
-            assert tier.get_many(keys, deadline=_soon()) == keys
+            _busy_fails_every_call(tier, _keys(5), server.port)
         finally:
             tier.close()
 
@@ -421,20 +427,7 @@ def test_a_busy_cluster_primary_fails_the_call_instead_of_reporting_keys_absent(
     with RedisClusterServers(node_timeout_ms=15000) as cluster:
         tier = RedisTier(None, {"url": cluster.url, "cluster": True})
         try:
-            keys = _keys(60)  # on every primary
-            assert tier.put_many(keys, keys, deadline=_soon()).all()
-            with _busy_script(cluster.primary_ports()[0]):
-                for name, call in (
-                        ("exists", lambda: tier.exists_many(keys, deadline=_soon(2.0))),
-                        ("get", lambda: tier.get_many(keys, deadline=_soon(2.0))),
-                        ("put", lambda: tier.put_many(keys, keys, deadline=_soon(2.0)))):
-                    errors = tier.errors
-                    with pytest.raises(TierIOError, match="BUSY"):
-                        result = call()
-                        raise AssertionError(f"{name} during -BUSY returned {result!r}")
-                    assert tier.errors == errors + 1, name
-            assert tier.exists_many(keys, deadline=_soon()).all()
-            assert tier.get_many(keys, deadline=_soon()) == keys
+            _busy_fails_every_call(tier, _keys(60), cluster.primary_ports()[0])  # all primaries
         finally:
             tier.close()
 

@@ -634,22 +634,27 @@ def test_after_a_restart_that_lost_the_store_blocks_committed_again_are_stored_a
                 b.get_remote_statistics()
 
 
+def _served_then_evicted_locally(url: str) -> KVCacheManager:
+    """A manager with the GPU as its only local level (32 pages) that served PROMPT and
+    six other prompts (PROMPT's pages evicted locally, every block on the server), its
+    lookups asking for 2 blocks at a time."""
+    cfg = config(url, local=("gpu",), max_blocks=2, retry_after_s=0.1).to_dict()
+    cfg["levels"][0]["quota"] = 32 * 512
+    m = KVCacheManager(KVCacheManagerConfig.from_dict(cfg))
+    serve(m, PROMPT)
+    for s in range(6):
+        serve(m, _prompt(20 + s), rid=s)
+    assert m.flush_remote(10.0)
+    return m
+
+
 def test_after_a_flushall_blocks_committed_again_are_stored_again() -> None:
     """``FLUSHALL`` empties the store without a restart (the server keeps its ``run_id``):
     a lookup that misses a key the manager wrote makes it act as after a restart, so when
     it computes the prompt again it writes every block, not only those it looked up."""
-    import redis
-
     with fresh_server() as server:
-        cfg = config(server.url, local=("gpu",), max_blocks=2, retry_after_s=0.1)
-        d = cfg.to_dict()
-        d["levels"][0]["quota"] = 32 * 512  # 32 pages: six other prompts evict the first
-        admin = redis.Redis(host="127.0.0.1", port=server.port)
-        with KVCacheManager(KVCacheManagerConfig.from_dict(d)) as a:
-            serve(a, PROMPT)
-            for s in range(6):
-                serve(a, _prompt(20 + s), rid=s)
-            assert a.flush_remote(10.0)
+        admin = _admin(server.url)
+        with _served_then_evicted_locally(server.url) as a:
             run_id = admin.info("server")["run_id"]
             admin.flushall()
             assert admin.info("server")["run_id"] == run_id  # no restart to be seen
@@ -669,18 +674,9 @@ def test_an_ordinary_loss_of_own_keys_forgets_only_the_keys_missed_not_every_key
     sentinel key left) is an ordinary loss: a lookup that misses own keys forgets those,
     and the level neither counts a wholesale loss nor checks every own key against the
     store (which, once a second, would flood a busy store with EXISTS calls)."""
-    import redis
-
     with fresh_server() as server:
-        cfg = config(server.url, local=("gpu",), max_blocks=2, retry_after_s=0.1)
-        d = cfg.to_dict()
-        d["levels"][0]["quota"] = 32 * 512
-        admin = redis.Redis(host="127.0.0.1", port=server.port)
-        with KVCacheManager(KVCacheManagerConfig.from_dict(d)) as a:
-            serve(a, PROMPT)
-            for s in range(6):
-                serve(a, _prompt(20 + s), rid=s)
-            assert a.flush_remote(10.0)
+        admin = _admin(server.url)
+        with _served_then_evicted_locally(server.url) as a:
             before = a.get_remote_statistics()
             blocks = _remote_keys(server.url)
             assert len(blocks) == before.own_keys and admin.delete(*blocks) == len(blocks)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from deferred_backend import DeferredBackend, deferred_plugin_manager
+from deferred_backend import deferred_plugin_manager
 
 from kvcm_core import (
     AttentionLayerConfig,
@@ -32,15 +32,7 @@ BLOCK = 2 * KV
 
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["lazy", "eager-default"])
-def _schedule(request: pytest.FixtureRequest) -> Any:
-    """Every test under two legal schedules: queued work runs only when waited for, or
-    work on the default stream also runs as soon as it is queued (a GPU may run an idle
-    stream at once)."""
-    old = DeferredBackend.eager_default
-    DeferredBackend.eager_default = request.param
-    yield
-    DeferredBackend.eager_default = old
+pytestmark = pytest.mark.usefixtures("deferred_schedule")  # lazy and eager-default
 
 def _manager(gpu: int, host: int, ssm: bool = False, **kw: Any) -> KVCacheManager:
     layers: list[Any] = [AttentionLayerConfig(
