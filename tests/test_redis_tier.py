@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -216,19 +217,26 @@ def test_maxmemory_evictions_are_ordinary_loss_never_wrong_values() -> None:
             tier.close()
 
 
-def test_a_cluster_primary_failing_over_costs_calls_not_correctness() -> None:
+@contextlib.contextmanager
+def _replicated_cluster() -> Iterator[tuple[Any, RedisTier, list[bytes], list[bytes]]]:
+    """A cluster (node timeout 3 s: with 1 s a live primary that misses its heartbeats on
+    a loaded machine is voted out too) and a tier that wrote 200 keys, every replica
+    caught up (replication is asynchronous). Yields (cluster, tier, keys, values)."""
     need_binaries()
     from kvcm_core.testing.redis_server import RedisClusterServers
 
-    # A node timeout of 3 s: with 1 s a live primary that misses its heartbeats on a
-    # loaded machine is voted out too.
     with RedisClusterServers(node_timeout_ms=3000) as cluster:
         tier = RedisTier(None, {"url": cluster.url, "cluster": True})
+        keys = _keys(200)
+        values = [k * 3 for k in keys]
+        assert tier.put_many(keys, values, deadline=_soon()).all()
+        cluster.wait_replicated()
+        yield cluster, tier, keys, values
+
+
+def test_a_cluster_primary_failing_over_costs_calls_not_correctness() -> None:
+    with _replicated_cluster() as (cluster, tier, keys, values):
         try:
-            keys = _keys(200)
-            values = [k * 3 for k in keys]
-            assert tier.put_many(keys, values, deadline=_soon()).all()
-            cluster.wait_replicated()  # replication is asynchronous: the replicas have all
             cluster.kill_port(cluster.primary_ports()[0])
             outcomes = []
             for _ in range(10):  # calls during the failover: each in time, never wrong
@@ -279,16 +287,8 @@ def test_after_a_graceful_cluster_failover_moved_replies_fail_the_call_and_every
     fails (counted), the client re-reads the slot map, and within a few calls every key is
     readable and writable again (a tier that kept ``-MOVED`` as a per-key miss never saw
     a third of its keys again)."""
-    need_binaries()
-    from kvcm_core.testing.redis_server import RedisClusterServers
-
-    with RedisClusterServers(node_timeout_ms=3000) as cluster:
-        tier = RedisTier(None, {"url": cluster.url, "cluster": True})
+    with _replicated_cluster() as (cluster, tier, keys, values):
         try:
-            keys = _keys(200)
-            values = [k * 3 for k in keys]
-            assert tier.put_many(keys, values, deadline=_soon()).all()
-            cluster.wait_replicated()
             cluster.failover_gracefully(cluster.replica_of(cluster.primary_ports()[0]))
             errors_before = tier.errors
             history = []
