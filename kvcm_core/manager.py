@@ -492,17 +492,13 @@ class KVCacheManager:
         Raises:
             InvalidStateError: a cache is active.
             ArgumentTypeError, InvalidArgumentError: a level that is not an int, or that
-                the manager does not have.
+                the manager does not have among its own (a keyed remote level is sized by
+                its store).
             ConfigError: a bad quota.
         """
         self.thread_guard.check()
         self._check_open()
-        nlevels = len(self.config.levels)
-        if isinstance(level, bool) or not isinstance(level, int | np.integer):
-            raise ArgumentTypeError(f"level={level!r}: must be an int in 0..{nlevels - 1}")
-        level = int(level)
-        if not 0 <= level < nlevels:
-            raise InvalidArgumentError(f"level={level!r}: must be in 0..{nlevels - 1}")
+        level = self.storage_levels.check_level(level)  # (a keyed level is not resized)
         quota = parse_size(quota, "quota")
         active = [c.id for c in self._open.values() if c.status is CacheStatus.ACTIVE]
         if active:

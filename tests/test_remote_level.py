@@ -18,7 +18,7 @@ from redis_fixtures import fresh_server, lag_budget, need_binaries, session_clus
 from remote_helpers import TPB, config, serve, serve_in_another_process
 
 from kvcm_core import KVCacheManager, KVCacheManagerConfig
-from kvcm_core.errors import ConfigError, InvalidStateError
+from kvcm_core.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from kvcm_core.types import ReuseScope
 
 redis = pytest.importorskip("redis", reason="the redis client package is not installed")
@@ -407,6 +407,14 @@ def test_a_keyed_level_refuses_the_level_io_settings_it_would_ignore(name, value
     assert "does not apply to a keyed" in str(info.value)
     if instead:
         assert instead in str(info.value)
+
+
+def test_manager_resize_of_the_keyed_level_is_refused_as_a_level_the_manager_lacks() -> None:
+    """The keyed level is sized by its store (``quota`` counts own keys), not by
+    ``manager.resize``: its index is refused like a level the manager does not have."""
+    with KVCacheManager(config("redis://127.0.0.1:1/0")) as m:
+        with pytest.raises(InvalidArgumentError, match=r"level=2: must be in 0\.\.1"):
+            m.resize(2, 1 << 20)
 
 
 def test_remote_calls_without_a_keyed_level_raise_invalid_state() -> None:
