@@ -293,10 +293,16 @@ class Batch:
         return np.asarray(sorted(self._dirty | self._patched), dtype=np.int32)
 
     def mark_dirty(self, row: int) -> None:
-        """Rebuild and upload ``row`` at the next publish. A seated cache calls it
-        whenever one of its page tables changes (each new ``page_table_version``)."""
+        """Rebuild and upload ``row`` (an int in ``0..max_rows - 1``) at the next publish.
+        A seated cache calls it whenever one of its page tables changes (each new
+        ``page_table_version``); an engine needs it only for a row it wants rebuilt.
+
+        Raises:
+            ArgumentTypeError, InvalidArgumentError: ``row`` is not a row of this batch
+                (nothing changed).
+        """
         self._thread.check()
-        self._dirty.add(row)
+        self._dirty.add(self._row_arg(row))
 
     def publish(self, stream: Stream | None = None) -> int:
         """Upload the dirty rows of every table (base page tables, block counts and the

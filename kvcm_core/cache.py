@@ -36,7 +36,7 @@ from kvcm_core.cache_resume import ResumeMixin
 from kvcm_core.cache_reuse import ReuseMixin, ReuseStatus
 from kvcm_core.cache_scratch import ScratchMixin
 from kvcm_core.context import CacheContext
-from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError, InvalidStateError
+from kvcm_core.errors import InvalidArgumentError, InvalidStateError
 from kvcm_core.eviction import check_priority
 from kvcm_core.matching import Match
 from kvcm_core.radix import NO_NODE, check_token_array, encode_tokens, scope_root_key
@@ -50,11 +50,8 @@ _I32 = 1 << 31
 
 
 def _token_list(tokens: Any) -> list[Any]:
-    try:
-        return list(tokens)
-    except TypeError:
-        raise ArgumentTypeError(f"tokens: must be a sequence of token ids or a 1-D integer "
-                                f"array, got {type(tokens).__name__}") from None
+    check_token_array(tokens)
+    return list(tokens)
 
 
 def _arr(pages: Sequence[int]) -> np.ndarray:

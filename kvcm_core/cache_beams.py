@@ -92,13 +92,18 @@ class BeamsMixin(CacheBase):
         """
         self._ctx.thread.check()  # before begin(): a refused call touches no fence
         L = self._levels
-        if not L.mover.fences.enabled:
-            return self._set_beam_width(width, stream)
-        L.begin(stream)
+        prev = self._last_refusal
         try:
-            return self._set_beam_width(width, stream)
-        finally:
-            L.end(stream)
+            if not L.mover.fences.enabled:
+                return self._set_beam_width(width, stream)
+            L.begin(stream)
+            try:
+                return self._set_beam_width(width, stream)
+            finally:
+                L.end(stream)
+        except BaseException:  # an error is no refusal: the last refusal's reason stands
+            self._last_refusal = prev
+            raise
 
     def _set_beam_width(self, width: int, stream: Stream | None) -> bool:
         self._require(CacheStatus.ACTIVE)  # type: ignore[attr-defined]
@@ -138,7 +143,10 @@ class BeamsMixin(CacheBase):
             if self._ssm[g] >= 0:
                 pg = L.pool_group_of(g)
                 needs[pg] = needs.get(pg, 0) + new
-        prios = self._priorities([b for own in plan.values() for b in own])  # type: ignore[attr-defined]
+        blocks = [b for own in plan.values() for b in own]
+        if any(self._ssm[g] >= 0 for g in ctx.ssm_groups):
+            blocks.append(-1)  # the copies of the SSM state
+        prios = self._priorities(blocks)  # type: ignore[attr-defined]
         if not L.can_take(needs):
             return self._refuse(level_shortage("set_beam_width", L, needs))
         try:  # all the room first: a failed write then leaves the cache as it was
@@ -146,29 +154,36 @@ class BeamsMixin(CacheBase):
         except OutOfPagesError as exc:
             return self._refuse(room_failed("set_beam_width", exc))
         ngroups = len(ctx.life_cycles)
-        for _ in range(new):
-            beam = _Beam(hist, [], [-1] * ngroups)
-            for g in range(ngroups):
-                base = self._pages[g]
-                pages_g = [p if b < shared_below else -1 for b, p in enumerate(base)]
-                shared = np.asarray([p for p in pages_g if p >= 0], dtype=np.int64)
-                L.change(shared, 1, 0)
-                own = plan.get(g, [])
-                if own:
-                    fresh = self._new_pages(g, own, prios)  # type: ignore[attr-defined]
-                    for b, pid in zip(own, fresh, strict=True):
-                        pages_g[b] = pid
-                    if tail in own and base[tail] >= 0:
-                        L.copy_blocks(g, np.asarray([pages_g[tail]]), np.asarray([base[tail]]),
-                                      stream)
-                beam.pages.append(pages_g)
-            for g in ctx.ssm_groups:
-                live = self._ssm[g]
-                if live >= 0:
-                    pid = self._new_pages(g, [-1], prios)[0]  # type: ignore[attr-defined]
-                    L.copy_blocks(g, np.asarray([pid]), np.asarray([live]), stream)
-                    beam.ssm[g] = pid
-            self._beams.append(beam)
+        old_beams = len(self._beams)
+        try:
+            for _ in range(new):
+                beam = _Beam(hist, [], [-1] * ngroups)
+                self._beams.append(beam)  # filled in place: an error releases what it has
+                for g in range(ngroups):
+                    base = self._pages[g]
+                    pages_g = [p if b < shared_below else -1 for b, p in enumerate(base)]
+                    shared = np.asarray([p for p in pages_g if p >= 0], dtype=np.int64)
+                    L.change(shared, 1, 0)
+                    beam.pages.append(pages_g)
+                    own = plan.get(g, [])
+                    if own:
+                        fresh = self._new_pages(g, own, prios)  # type: ignore[attr-defined]
+                        for b, pid in zip(own, fresh, strict=True):
+                            pages_g[b] = pid
+                        if tail in own and base[tail] >= 0:
+                            L.copy_blocks(g, np.asarray([pages_g[tail]]),
+                                          np.asarray([base[tail]]), stream)
+                for g in ctx.ssm_groups:
+                    live = self._ssm[g]
+                    if live >= 0:
+                        pid = self._new_pages(g, [-1], prios)[0]  # type: ignore[attr-defined]
+                        beam.ssm[g] = pid
+                        L.copy_blocks(g, np.asarray([pid]), np.asarray([live]), stream)
+        except BaseException:  # (a backend error, an interrupt) the new beams go again
+            for bm in reversed(self._beams[old_beams:]):
+                self._release_beam(bm)
+            del self._beams[old_beams:]
+            raise
         self._changed()
         return True
 

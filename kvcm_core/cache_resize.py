@@ -55,13 +55,18 @@ class ResizeMixin(CacheBase):
             return True
         self._ctx.thread.check()  # before begin(): a refused call touches no fence
         L = self._levels
-        if not L.mover.fences.enabled:
-            return self._resize(capacity, history_length, stream)
-        L.begin(stream)
+        prev = self._last_refusal
         try:
-            return self._resize(capacity, history_length, stream)
-        finally:
-            L.end(stream)
+            if not L.mover.fences.enabled:
+                return self._resize(capacity, history_length, stream)
+            L.begin(stream)
+            try:
+                return self._resize(capacity, history_length, stream)
+            finally:
+                L.end(stream)
+        except BaseException:  # an error is no refusal: the last refusal's reason stands
+            self._last_refusal = prev
+            raise
 
     def pages_needed(self, capacity: int | None = None) -> dict[int, int]:
         """The level-0 pages, per cache group, that ``resize(capacity)`` would take now
@@ -115,6 +120,7 @@ class ResizeMixin(CacheBase):
         L = self._levels
         a = self._arena
         capacity = _check_count("capacity", capacity)
+        history = self._resize_history(capacity, history_length)  # errors before refusals
         nb_new = -(-capacity // self._tpb)
         for g in ctx.attn_groups:  # O(1): a size no level 0 could ever hold is refused
             if g not in ctx.windowed_groups and nb_new > L.gpu_store(g).num_slots:
@@ -123,7 +129,6 @@ class ResizeMixin(CacheBase):
                     f"{nb_new - len(self._pages[g])} more pages: cache group {g} needs "
                     f"{nb_new} blocks and level 0 holds {L.gpu_store(g).num_slots} slots in "
                     "all")
-        history = self._resize_history(capacity, history_length)
         keep = max(0, history - ctx.config.max_rewind_len)
         releases: list[tuple[int, int]] = []
         grow: dict[int, list[int]] = {}

@@ -34,13 +34,18 @@ class ResumeMixin(CacheBase):
         to wait for them, so work queued on it afterwards sees every page in place."""
         self._ctx.thread.check()  # before begin(): a refused call touches no fence
         L = self._levels
-        if not L.mover.fences.enabled:
-            return self._resume(stream, optional_reuse_groups)
-        L.begin(stream)
+        prev = self._last_refusal
         try:
-            return self._resume(stream, optional_reuse_groups)
-        finally:
-            L.end(stream)
+            if not L.mover.fences.enabled:
+                return self._resume(stream, optional_reuse_groups)
+            L.begin(stream)
+            try:
+                return self._resume(stream, optional_reuse_groups)
+            finally:
+                L.end(stream)
+        except BaseException:  # an error is no refusal: the last refusal's reason stands
+            self._last_refusal = prev
+            raise
 
     def _resume(self, stream: Stream | None,
                 optional_reuse_groups: Sequence[int] | None) -> bool:
@@ -53,6 +58,8 @@ class ResumeMixin(CacheBase):
             done = self._resume_fast(stream)
             if done is not None:
                 return done
+        # The choice is checked first: a bad argument is an error, never a refusal.
+        declined = self._decide_optional(optional_reuse_groups)
         if self._over_limit_early():
             return False
         ctx = self._ctx
@@ -71,7 +78,6 @@ class ResumeMixin(CacheBase):
                 "(create_kv_cache again: what is still cached will be reused)")
         tpb = self._tpb
         nb = self.num_blocks
-        declined = self._decide_optional(optional_reuse_groups)
         declined_groups = {g for g, _, _ in declined}
         declined_ids = {p for _, _, p in declined}
         wanted: dict[int, list[int]] = {}
@@ -128,7 +134,11 @@ class ResumeMixin(CacheBase):
             for refs_b in reversed(warm_by_beam):
                 L.change(_arr(refs_b), -1, 1)
             return self._refuse(reason)
-        self._apply_declines(declined)
+        # Declined claims are given up first (their pages are room for the replacements),
+        # and come back if the resume is refused or interrupted: the choice is final only
+        # once the resume succeeds.
+        pending = self._release_declines(declined)
+        claims = self._reuse_claims()
         try:
             L.make_room_for(needs)
         except BaseException as exc:
@@ -137,6 +147,7 @@ class ResumeMixin(CacheBase):
             # (KeyboardInterrupt) leaves the same state, and goes on.
             for refs_b in reversed(warm_by_beam):
                 L.change(_arr(refs_b), -1, 1)
+            self._restore_declines(declined, pending)
             if not isinstance(exc, OutOfPagesError):
                 raise
             return self._refuse(room_failed("resume", exc))
@@ -181,7 +192,9 @@ class ResumeMixin(CacheBase):
             self._fail_resume(fresh, lost=False)
             if recompute is not None:
                 self._recompute, self._unwritten = recompute
+            self._restore_declines(declined, pending)
             raise
+        self._count_optional_reuse(claims)
         if self._pending:
             L.change(_arr([src for _, _, src in self._pending]), 0, -1)
             self._pending.clear()

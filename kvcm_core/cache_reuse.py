@@ -145,26 +145,65 @@ class ReuseMixin(CacheBase):
         self._selected = chosen
         return declined
 
-    def _apply_declines(self, declined: list[tuple[int, int, int]]) -> None:
-        """Give up declined claims before allocating their replacements; count the chosen
-        ones in the statistics (declined groups count nothing)."""
-        if self._optional_decided:
-            return
+    def _release_declines(self, declined: list[tuple[int, int, int]],
+                          ) -> list[tuple[int, int, int]]:
+        """Give up declined claims before allocating their replacements (their pages
+        become droppable: room for the replacements); returns the pending copies as they
+        were, for :meth:`_restore_declines`."""
+        pending = list(self._pending)
+        if not declined:
+            return pending
         gone = {p for _, _, p in declined}
         for g, b, pid in declined:
             if b >= 0 and self._pages[g][b] == pid:
                 self._pages[g][b] = -1
-        if declined:
-            self._levels.change(np.asarray([p for _, _, p in declined], dtype=np.int64), 0, -1)
-        self._pending = [(g, b, p) for g, b, p in self._pending if p not in gone]
-        stats = self._levels.stats
+        self._levels.change(np.asarray([p for _, _, p in declined], dtype=np.int64), 0, -1)
+        self._pending = [(g, b, p) for g, b, p in pending if p not in gone]
+        return pending
+
+    def _restore_declines(self, declined: list[tuple[int, int, int]],
+                          pending: list[tuple[int, int, int]]) -> None:
+        """Undo :meth:`_release_declines` after a refused or interrupted resume: the claims
+        come back, held again, wherever their pages went meanwhile. A page dropped
+        meanwhile (it was droppable) is gone: its block stays without a page and is
+        recomputed if a later resume reuses its group (:meth:`recompute_blocks`)."""
+        if not declined:
+            return
+        a = self._arena
+        pids = np.asarray([p for _, _, p in declined], dtype=np.int64)
+        alive = (a.store[pids] >= 0) | (a.locks[pids] + a.holds[pids] > 0)
+        self._levels.change(pids[alive], 0, 1)
+        back = set(pids[alive].tolist())
+        for g, b, pid in declined:
+            if b >= 0 and pid in back and self._pages[g][b] < 0:
+                self._pages[g][b] = pid
+        gone = set(pids.tolist()) - back
+        self._pending = [(g, b, p) for g, b, p in pending if p not in gone]
+
+    def _reuse_claims(self) -> list[tuple[int, list[int]]]:
+        """The chosen OPTIONAL groups' claims, as ``(group, levels)``: the level each
+        claimed page is reused from. Taken once the declined claims are given up and
+        before any page is added; :meth:`_count_optional_reuse` counts them when the first resume
+        succeeds. Empty once the choice is final."""
+        if self._optional_decided:
+            return []
         level = self._arena.level
+        out = []
         for g in self._selected:
             claimed = [p for p in self._pages[g] if p >= 0]
             claimed += [p for grp, _, p in self._pending if grp == g]
-            stats.groups[g].reused_full_blocks += len(claimed)
-            self.stats.reused_blocks += len(claimed)  # type: ignore[attr-defined]
-            self.stats.allocated_blocks += len(claimed)  # type: ignore[attr-defined]
-            for p in claimed:
-                stats.reused_blocks_by_level[int(level[p])] += 1
+            out.append((g, [int(level[p]) for p in claimed]))
+        return out
+
+    def _count_optional_reuse(self, claims: list[tuple[int, list[int]]]) -> None:
+        """The OPTIONAL choice is final (the first resume succeeded): count the chosen
+        groups' ``claims`` (:meth:`_reuse_claims`) in the statistics; declined groups
+        count nothing."""
+        stats = self._levels.stats
+        for g, levels in claims:
+            stats.groups[g].reused_full_blocks += len(levels)
+            self.stats.reused_blocks += len(levels)  # type: ignore[attr-defined]
+            self.stats.allocated_blocks += len(levels)  # type: ignore[attr-defined]
+            for lv in levels:
+                stats.reused_blocks_by_level[lv] += 1
         self._optional_decided = True

@@ -1055,13 +1055,21 @@ class Levels:
                 except OutOfPagesError:
                     return False  # a write failed; pages that moved stay valid
         self.mover.fences.synchronize()  # copies of make_room must not run late
+        # The grows first, undone if a later one fails (their new slots are still free):
+        # a grow fails far more often (a full disk) than a shrink.
+        done: list[tuple[Store, int]] = []  # (store, size before this call)
         for store, new, _ in plans:
-            if new >= store.num_slots:
+            if new > store.num_slots:
+                old = store.num_slots
                 try:
                     store.grow(new)
                 except TierIOError as exc:  # the pool could not grow (in time)
+                    self._undo_resizes(done)
                     self.resize_failure = f"the pool kept its size: {exc}"
                     return False
+                done.append((store, old))
+        for store, new, _ in plans:
+            if new >= store.num_slots:
                 continue
             high = store.high_pages(new)
             low = np.sort(store.free_slots()[store.free_slots() < new])[: len(high)]
@@ -1082,12 +1090,36 @@ class Levels:
             if len(high):
                 self.epoch += 1
             self.mover.fences.synchronize()
+            old = store.num_slots
             try:
                 store.shrink(new)
             except TierIOError as exc:  # the pages moved stay valid
+                self._undo_resizes(done)
                 self.resize_failure = f"the pool kept its size: {exc}"
                 return False
+            done.append((store, old))
         return True
+
+    @staticmethod
+    def _undo_resizes(done: list[tuple[Store, int]]) -> None:
+        """Give the stores of a failed level resize their old sizes back, the last first.
+        A grown store shrinks back (its new slots are free); a shrunk one grows back,
+        which can fail too: then the level is left partly resized and
+        :class:`TierIOError` says so."""
+        for store, old in reversed(done):
+            if old < store.num_slots:
+                try:
+                    store.shrink(old)
+                except TierIOError:
+                    pass  # the pools stay larger than the store uses: harmless
+            else:
+                try:
+                    store.grow(old)
+                except TierIOError as exc:
+                    raise TierIOError(
+                        f"level {store.level}: a resize failed half-way and pool group "
+                        f"{store.pool_group} cannot grow back to {old} slots ({exc}); it "
+                        f"keeps {store.num_slots}") from exc
 
     def _lose_unmovable(self, store: Store, pid: int) -> None:
         """A page whose copy failed: a droppable one is dropped (with the subtree that

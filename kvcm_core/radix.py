@@ -35,7 +35,7 @@ import hashlib
 import struct
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import repeat
 from typing import Any
 
@@ -113,11 +113,13 @@ _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 def check_token_array(tokens: Any, name: str = "tokens") -> None:
     """A token argument is a sequence (list, tuple) or a 1-D integer NumPy array: float,
     bool and object arrays are refused (``ArgumentTypeError``) rather than truncated or
-    guessed at, and so is anything without a length."""
+    guessed at, and so is anything without a length, a mapping (its keys are no token
+    list), a set and a string."""
     if type(tokens) is list or type(tokens) is tuple:
         return
     if not isinstance(tokens, np.ndarray):
-        if not hasattr(tokens, "__len__") or not hasattr(tokens, "__getitem__"):
+        if not hasattr(tokens, "__len__") or not hasattr(tokens, "__getitem__") or \
+                isinstance(tokens, Mapping | str | bytes | bytearray):
             raise ArgumentTypeError(f"{name}: must be a sequence of token ids or a 1-D "
                                     f"integer array, got {type(tokens).__name__}")
         return

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvcm_core.errors import OutOfPagesError
+from kvcm_core.errors import OutOfPagesError, TierIOError
 from kvcm_core.eviction import DEFAULT_PRIORITY, EvictionPolicy
 from kvcm_core.idstack import IdStack, blank_rows, grown_rows
 
@@ -491,10 +491,32 @@ class Store:
 
     # -- resizing ------------------------------------------------------------------------------
 
-    def grow(self, new: int) -> None:
+    def _resize_pools(self, new: int) -> None:
+        """Every pool to ``new`` slots, or (an error) each back to its old size and the
+        error raised. A pool that cannot go back keeps what it has when that is more
+        slots than the store uses (harmless); fewer raises :class:`TierIOError`."""
         old = self.num_slots
-        for pool in self.pools:
-            pool.resize(new)
+        done: list[Pool] = []
+        try:
+            for pool in self.pools:
+                pool.resize(new)
+                done.append(pool)
+        except BaseException as exc:
+            for pool in reversed(done):
+                try:
+                    pool.resize(old)
+                except Exception as again:
+                    if new < old:
+                        raise TierIOError(
+                            f"level {self.level} pool group {self.pool_group}: a pool "
+                            f"shrank to {new} slots and cannot grow back to {old} ({again}) "
+                            f"after another failed ({exc})") from exc
+            raise
+
+    def grow(self, new: int) -> None:
+        """Grow to ``new`` slots; an error (a pool that cannot grow) changes nothing."""
+        old = self.num_slots
+        self._resize_pools(new)
         if self.frames is not None:
             self.frames.resize(new)
         self._pid = np.concatenate([self._pid, np.full(new - old, NO_PAGE, np.int64)])
@@ -519,9 +541,9 @@ class Store:
         return old
 
     def shrink(self, new: int) -> None:
-        """Drop slots ``>= new`` (all free)."""
-        for pool in self.pools:
-            pool.resize(new)
+        """Drop slots ``>= new`` (all free); an error (a pool that cannot shrink) changes
+        nothing."""
+        self._resize_pools(new)
         if self.frames is not None:
             self.frames.resize(new)
         self._free.keep_below(new)

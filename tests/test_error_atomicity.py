@@ -1,0 +1,225 @@
+"""A call that fails or is refused changes nothing (semantics: "Refusals and errors"):
+the refused first resume of a cache with a reuse choice, a beam fork that fails half-way,
+a level resize whose second pool cannot grow, a bad argument met before a refusal, the
+last refusal's reason across an error, and token arguments that are no token list."""
+from __future__ import annotations
+
+import pytest
+from levels_helpers import (
+    PAGE,
+    Driver,
+    assert_all_free,
+    assert_invariants,
+    close_all,
+    faulty_disk,
+    faulty_tier,
+    make_manager,
+    page_levels,
+    snapshot,
+    tokens,
+)
+
+import kvcm_core.testing.faults as faults
+from kvcm_core import (
+    ArgumentTypeError,
+    AttentionLayerConfig,
+    Batch,
+    BufferConfig,
+    InvalidArgumentError,
+    ReusePolicy,
+    TierIOError,
+)
+from kvcm_core.testing.faults import FaultPlan
+
+
+@pytest.fixture
+def built(tmp_path):
+    """Managers made by ``build(tiers, **kw)`` (a faulty disk as level 2), each closed,
+    checked for leaks and shut down at the end (writes to the disk synchronous)."""
+    made = []
+
+    def build(tiers=(("gpu", 8), ("host", 8), ("faulty-disk", 24)), **kw):
+        plan = FaultPlan()
+        kw.setdefault("disk", {"write_queue_depth": 0})  # writes fail where they are made
+        m = make_manager(list(tiers), tmp_path / f"m{len(made)}", pm=faulty_disk(plan), **kw)
+        made.append(m)
+        return m, plan
+
+    yield build
+    for m in made:
+        close_all(m)
+        assert_invariants(m)
+        assert_all_free(m)
+        m.shutdown()
+
+
+def _optional_v(policy=ReusePolicy.OPTIONAL):
+    """Layer 0's V is OPTIONAL (cache group 1), everything else REQUIRED (group 0)."""
+    return [AttentionLayerConfig(layer_id=0, buffers=[
+                BufferConfig(role="k", size=PAGE),
+                BufferConfig(role="v", size=PAGE, reuse_policy=policy)]),
+            AttentionLayerConfig(layer_id=1, buffers=[BufferConfig(role="k", size=PAGE),
+                                                      BufferConfig(role="v", size=PAGE)])]
+
+
+def test_refused_first_resume_keeps_the_declined_optional_claims_and_the_choice_open(
+        built, monkeypatch):
+    monkeypatch.setitem(__import__("levels_helpers").LAYOUTS, "optional", _optional_v)
+    m, plan = built(layout="optional")
+    d = Driver(m)
+    base = tokens(24, 3)
+    d.write(base, chunk=24, suspend=False).close()   # its blocks stay in the tree
+    x = d.write(tokens(32, 1), chunk=32)             # suspended: they push base to disk
+    y = d.write(tokens(32, 2), chunk=32)
+    c = m.create_kv_cache(None, base[:20])
+    assert c.reuse_status[1].complete
+    assert set(page_levels(c)) == {2}
+    plan.fail_all_writes = True                      # making room on level 0 fails
+    before = snapshot(m, x, y, c)
+    assert c.resume(optional_reuse_groups=[]) is False
+    assert c.last_refusal
+    assert snapshot(m, x, y, c) == before            # the declined V claims are still held
+    plan.fail_all_writes = False
+    assert c.resume(optional_reuse_groups=[1])       # the choice was not made: it can change
+    assert c.recompute_blocks(1) == []               # V reused, nothing to recompute
+    d.toks[id(c)] = list(base[:20])
+    d.check(c)
+
+
+def test_beam_fork_with_ssm_state_and_priorities_takes_a_priority_for_the_state_copy(
+        built):
+    m, _ = built(tiers=(("gpu", 16), ("host", 8)), layout="hybrid", max_beam_width=2)
+    d = Driver(m)
+    c = m.create_kv_cache(None, [], priority_callback=lambda block: 50)
+    d.toks[id(c)] = tokens(20, 1)
+    d.run_to(c, 10)
+    assert c.set_beam_width(2)                       # was: KeyError(-1), pages leaked
+    assert c.beam_width == 2
+    assert_invariants(m)
+
+
+def test_beam_fork_failing_half_way_releases_what_it_took(built, monkeypatch):
+    m, _ = built(tiers=(("gpu", 16), ("host", 8)), layout="hybrid", max_beam_width=3)
+    d = Driver(m)
+    c = m.create_kv_cache(None, [])
+    d.toks[id(c)] = tokens(22, 1)
+    d.run_to(c, 10)
+    before = snapshot(m, c)
+    version = c.page_table_version
+    calls = {"n": 0}
+    real = type(m.storage_levels).copy_blocks
+
+    def copy_blocks(self, *args, **kw):  # the second beam's state copy fails
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise TierIOError("injected: a copy failed")
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(type(m.storage_levels), "copy_blocks", copy_blocks)
+    with pytest.raises(TierIOError):
+        c.set_beam_width(3)
+    assert calls["n"] == 4
+    assert c.beam_width == 1
+    assert c.page_table_version == version
+    assert snapshot(m, c) == before
+    assert_invariants(m)
+
+
+@pytest.mark.parametrize("factor", [2.0, 0.5], ids=["grow", "shrink"])
+def test_level_resize_whose_second_pool_fails_leaves_every_store_at_its_size(
+        built, monkeypatch, factor):
+    m, _ = built(layout="hybrid")                    # the disk level has three stores
+    d = Driver(m)
+    c = d.write(tokens(20, 1))
+    sizes = [s.num_slots for s in m.stores[2]]
+    pools = [[p.num_slots for p in s.pools] for s in m.stores[2]]
+    before = snapshot(m, c)
+    calls = {"n": 0}
+    real = faults.FaultyStoragePool.resize
+
+    def resize(self, num_slots):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise TierIOError("injected: [Errno 28] No space left on device")
+        return real(self, num_slots)
+
+    monkeypatch.setattr(faults.FaultyStoragePool, "resize", resize)
+    assert m.resize(2, int(m.config.levels[2].quota * factor)) is False
+    assert "kept its size" in m.last_refusal
+    assert [s.num_slots for s in m.stores[2]] == sizes
+    assert [[p.num_slots for p in s.pools] for s in m.stores[2]] == pools
+    assert snapshot(m, c) == before
+    monkeypatch.setattr(faults.FaultyStoragePool, "resize", real)
+    d.resume_and_verify(c)
+
+
+@pytest.mark.parametrize("history", [-1, 2.5, "x", 999])
+def test_bad_history_length_is_an_error_even_when_the_capacity_would_be_refused(
+        built, history):
+    m, _ = built(tiers=(("gpu", 4), ("host", 8)))
+    c = m.create_kv_cache(None, [])
+    assert c.resume() and c.resize(8)
+    with pytest.raises((InvalidArgumentError, ArgumentTypeError)):
+        c.resize(100, history)                       # 100 tokens never fit 4 slots
+
+
+@pytest.mark.parametrize("bad", ["x", 5, [99], [True]])
+def test_bad_reuse_choice_is_an_error_even_when_the_resume_would_be_refused(built, bad):
+    m, _ = built(tiers=(("gpu", 4), ("host", 8)))
+    b = m.create_kv_cache(None, [])
+    assert b.resume() and b.resize(8)
+    b.suspend()
+    a = m.create_kv_cache(None, [])
+    assert a.resume() and a.resize(16)               # level 0 full: b's resume is refused
+    assert b.resume() is False
+    with pytest.raises((InvalidArgumentError, ArgumentTypeError)):
+        b.resume(optional_reuse_groups=bad)
+
+
+def test_a_call_that_raises_keeps_the_last_refusal(built):
+    m, _ = built(tiers=(("gpu", 4), ("host", 8)))
+    c = m.create_kv_cache(None, [])
+    assert c.resume() and c.resize(8)
+    assert c.resize(100) is False
+    reason = c.last_refusal
+    assert reason
+    with pytest.raises(InvalidArgumentError):
+        c.resize(-1)
+    assert c.last_refusal == reason
+    with pytest.raises(InvalidArgumentError):
+        c.set_beam_width(0)
+    assert c.last_refusal == reason
+    assert c.resize(12)
+    assert c.last_refusal is None                    # a success clears it
+
+
+@pytest.mark.parametrize("row", [99, -1, "x", 1.0, True])
+def test_mark_dirty_of_a_row_the_batch_lacks_is_refused_and_publish_still_works(
+        built, row):
+    m, _ = built(tiers=(("gpu", 8), ("host", 8)))
+    batch = Batch(m, max_rows=4, max_blocks_per_row=8)
+    c = m.create_kv_cache(None, [])
+    assert c.resume() and c.resize(8)
+    batch.add_kv_cache(c)
+    with pytest.raises((InvalidArgumentError, ArgumentTypeError)):
+        batch.mark_dirty(row)
+    batch.publish()
+    batch.mark_dirty(0)
+    assert batch.publish() == 1
+    batch.remove_kv_cache(c)
+    batch.close()
+
+
+@pytest.mark.parametrize("bad", [{5: 0, 6: 0}, {5, 6}, "ab", b"ab", (t for t in [5, 6])],
+                         ids=["dict", "set", "str", "bytes", "generator"])
+def test_tokens_that_are_no_token_list_are_refused_everywhere(built, bad):
+    m, _ = built(tiers=(("gpu", 8), ("host", 8)))
+    with pytest.raises(ArgumentTypeError):
+        m.create_kv_cache(None, bad)
+    with pytest.raises(ArgumentTypeError):
+        m.probe_reuse(None, bad)
+    c = m.create_kv_cache(None, [])
+    assert c.resume() and c.resize(8)
+    with pytest.raises(ArgumentTypeError):
+        c.commit(bad)
+    assert c.num_committed_tokens == 0
