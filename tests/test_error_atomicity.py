@@ -12,7 +12,6 @@ from levels_helpers import (
     assert_invariants,
     close_all,
     faulty_disk,
-    faulty_tier,
     make_manager,
     page_levels,
     snapshot,
