@@ -536,9 +536,10 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             self._require(CacheStatus.ACTIVE, CacheStatus.SUSPENDED)
         if type(group) is not int or not 0 <= group < len(ctx.life_cycles):
             self._check_group(group)
-        if beam != 0:
+        if type(beam) is not int or beam:  # (False and 0.0 are no beam ids)
             self._check_beam(beam)
-            return self._beam_table(int(group), int(beam))
+            if beam:
+                return self._beam_table(int(group), int(beam))
         nb = (self._capacity + self._tpb - 1) // self._tpb
         kind = ctx.kinds[group]
         key = (self._version, self._levels.epoch, nb, kind.table_key(self._history))

@@ -88,10 +88,16 @@ class CacheBase:
         """Drop this cache's lock on ``pids`` (the pages may then be evicted or reused).
         When seated in a Batch, kernels fenced by ``record_read`` finish first: they may
         still read these pages through the last published table."""
+        self._wait_readers()
+        self._levels.change(pids, -1, 0)
+
+    def _wait_readers(self) -> None:
+        """When seated in a Batch: wait for the kernels fenced by ``record_read`` (a no-op
+        once they are done). Called before a table entry is cleared, so an interrupt
+        while waiting changes nothing."""
         seat = self.batch_seat
         if seat is not None:
             seat[0].wait_readers()
-        self._levels.change(pids, -1, 0)
 
     def _check_group(self, group: Any) -> None:
         """Refuse a group argument that is not a cache group id of this model."""

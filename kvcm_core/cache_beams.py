@@ -209,13 +209,19 @@ class BeamsMixin(CacheBase):
         shared pages are never written. The room was made."""
         L = self._levels
         tpb = self._tpb
+        if plan:
+            self._wait_readers()  # (once: the unlocks below then never wait)
         for bm, g, b in plan:
             old = bm.pages[g][b]
             pid = self._new_pages(g, [b], prios)[0]  # type: ignore[attr-defined]
             if b * tpb < history:
-                L.copy_blocks(g, np.asarray([pid]), np.asarray([old]), stream)
-            bm.pages[g][b] = pid
+                try:
+                    L.copy_blocks(g, np.asarray([pid]), np.asarray([old]), stream)
+                except BaseException:  # the new page goes again; the beam keeps ``old``
+                    self._unlock(np.asarray([pid]))
+                    raise
             self._unlock(np.asarray([old]))
+            bm.pages[g][b] = pid
         for bm in self._beams:
             bm.fork = min(bm.fork, history)
 

@@ -189,15 +189,42 @@ class ResizeMixin(CacheBase):
                 store = L.stores[0][pg]
                 if n > store.num_free and not L.room(store, n - extra.get(pg, 0)):
                     return self._refuse(level_shortage("resize", L, needs, extra))
+        try:
+            self._resize_apply(releases, keep, plan, history, nb_new, unshare, prios, grow,
+                               stream)
+        except BaseException:
+            # An interrupt or a device error part-way: the tables still match the pages
+            # (nothing leaks), and a seated row is published again; the cache may be
+            # partly resized (docs/batch.md).
+            self._changed()
+            raise
+        # Tables are ``num_blocks`` long: a change of block count changes every table
+        # (an SSM group's too, which takes no page per block).
+        resized = -(-capacity // tpb) != -(-self._capacity // tpb)
+        self._capacity = capacity
+        if history != self._history and ctx.history_tables:
+            self._note_history(self._history, history)  # type: ignore[attr-defined]
+        self._history = history
+        if releases or grow or resized or unshare:
+            self._changed()
+        return True
+
+    def _resize_apply(self, releases: list[tuple[int, int]], keep: int,
+                      plan: dict[int, tuple[int, int, int, int, list[int]]] | None,
+                      history: int, nb_new: int, unshare: list[tuple[Any, int, int]],
+                      prios: dict[int, int], grow: dict[int, list[int]],
+                      stream: Stream | None) -> None:
+        """The page changes of a resize whose room is made: releases, SWA scratch,
+        unshared and new pages, the token log cut to ``history``."""
+        ctx = self._ctx
+        tpb = self._tpb
         if releases:
+            self._wait_readers()  # before any change: an interrupt there changes nothing
             for pages, _ in reversed(self._beam_views()):
-                gone = []
-                for g, b in reversed(releases):
-                    pid = pages[g][b]
-                    pages[g][b] = -1
-                    if pid >= 0:
-                        gone.append(pid)
+                gone = [pages[g][b] for g, b in reversed(releases) if pages[g][b] >= 0]
                 self._unlock(_arr(gone))
+                for g, b in releases:
+                    pages[g][b] = -1
         for g in ctx.windowed_groups:
             self._released_to[g] = max(self._released_to[g], min(
                 ctx.kinds[g].stale_range(keep)[1], self._release_limit(g)))
@@ -206,7 +233,7 @@ class ResizeMixin(CacheBase):
         for pages, _ in self._beam_views():
             for g in ctx.attn_groups:
                 del pages[g][nb_new:]
-        if nbeams and history < self._history:
+        if self._beams and history < self._history:
             self._unshare(unshare, history, prios, stream)
         self._grow_beams(grow, prios)
         for g, blocks in grow.items():
@@ -222,16 +249,6 @@ class ResizeMixin(CacheBase):
             if len(self._keys) > history // tpb:
                 del self._keys[history // tpb:]
                 self._cursor = None  # it is past the kept keys: rebuilt at the next commit
-        # Tables are ``num_blocks`` long: a change of block count changes every table
-        # (an SSM group's too, which takes no page per block).
-        resized = -(-capacity // tpb) != -(-self._capacity // tpb)
-        self._capacity = capacity
-        if history != self._history and ctx.history_tables:
-            self._note_history(self._history, history)  # type: ignore[attr-defined]
-        self._history = history
-        if releases or grow or resized or unshare:
-            self._changed()
-        return True
 
     def check_resize(self, capacity: int, history_length: int | None = None) -> None:
         """Raise what ``resize(capacity, history_length)`` raises for its arguments, changing
@@ -380,14 +397,12 @@ class ResizeMixin(CacheBase):
                 continue
             for pages, _ in self._beam_views():
                 pages_g = pages[g]
-                gone = []
-                for b in range(min(stop, len(pages_g)) - 1, lo - 1, -1):
-                    pid = pages_g[b]
-                    if pid >= 0:
-                        pages_g[b] = -1
-                        gone.append(pid)
-                if gone:
+                span = range(min(stop, len(pages_g)) - 1, lo - 1, -1)
+                gone = [pages_g[b] for b in span if pages_g[b] >= 0]
+                if gone:  # unlocked first: an interrupt while it waits changes nothing
                     self._unlock(_arr(gone))
+                    for b in span:
+                        pages_g[b] = -1
                     changed = True
             self._released_to[g] = stop
         if changed:

@@ -4,6 +4,7 @@ a level resize whose second pool cannot grow, a bad argument met before a refusa
 last refusal's reason across an error, and token arguments that are no token list."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from levels_helpers import (
     PAGE,
@@ -25,10 +26,14 @@ from kvcm_core import (
     Batch,
     BufferConfig,
     InvalidArgumentError,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    LevelConfig,
     ReusePolicy,
     TierIOError,
 )
 from kvcm_core.testing.faults import FaultPlan
+from kvcm_core.testing.fingerprint import FingerprintEngine, StepWork
 
 
 @pytest.fixture
@@ -222,3 +227,105 @@ def test_tokens_that_are_no_token_list_are_refused_everywhere(built, bad):
     with pytest.raises(ArgumentTypeError):
         c.commit(bad)
     assert c.num_committed_tokens == 0
+
+
+def _beams_in_a_batch(width=3, window=True):
+    """A seated cache with ``width`` beams forked at history 9 (full attention and, with
+    ``window``, a windowed group); returns (manager, batch, cache)."""
+    layers = [AttentionLayerConfig(layer_id=0, buffers=[BufferConfig(role="k", size=64)])]
+    if window:
+        layers.append(AttentionLayerConfig(layer_id=1, buffers=[
+            BufferConfig(role="k", size=128)], sliding_window_size=8))
+    m = KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=4, layers=layers, levels=[LevelConfig(tier="gpu", quota=64 * 192)],
+        max_rewind_len=8, max_beam_width=width, kernel_backend="numpy"))
+    batch = Batch(m, max_rows=2, max_blocks_per_row=16, max_beam_width=width)
+    engine = FingerprintEngine(m, batch)
+    c = m.create_kv_cache(None, [])
+    assert c.resume()
+    batch.add_kv_cache(c)
+    c.stop_committing()
+    assert c.resize(9)
+    batch.publish()
+    engine.step([StepWork(c, list(range(1, 40)))])
+    assert c.resize(9, history_length=9)
+    assert c.set_beam_width(width)
+    batch.publish()
+    return m, batch, c
+
+
+def _tables(c, groups):
+    return [[c.get_base_page_indices(g, b).tolist() for b in range(c.beam_width)]
+            for g in range(groups)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("via_batch", [False, True], ids=["cache", "batch"])
+def test_rewind_below_forks_interrupted_in_a_copy_leaks_no_page_and_the_row_matches(
+        monkeypatch, k, via_batch):
+    m, batch, c = _beams_in_a_batch()
+    version = c.page_table_version
+    real = m.backend.copy_pages_batch
+    calls = {"n": 0}
+
+    def copy(tasks, stream=None):  # the k-th device copy is interrupted
+        calls["n"] += 1
+        if calls["n"] == k:
+            raise KeyboardInterrupt("injected")
+        return real(tasks, stream)
+
+    monkeypatch.setattr(m.backend, "copy_pages_batch", copy)
+    with pytest.raises(KeyboardInterrupt):
+        if via_batch:
+            batch.resize([10, -1], [5, -1])
+        else:
+            c.resize(10, history_length=5)
+    monkeypatch.setattr(m.backend, "copy_pages_batch", real)
+    m.check_invariants()                             # no page without its owner
+    assert c.page_table_version != version           # a seated row is marked again
+    if via_batch:
+        assert batch.dirty_rows().tolist() == []     # published before it propagated
+        table = batch.read_page_table(0)[0]
+        for b in range(3):
+            mine = c.get_base_page_indices(0, b)
+            assert table[b, :len(mine)].tolist() == mine.tolist()
+    batch.remove_kv_cache(c)
+    c.close()
+    batch.close()
+    m.clear_reusable_blocks()
+    st = m.get_storage_statistics(0)
+    assert st.free == st.total
+    m.shutdown()
+
+
+def test_interrupt_while_a_release_waits_for_readers_changes_nothing(monkeypatch):
+    m, batch, c = _beams_in_a_batch(width=2, window=False)
+    assert batch.resize([16, -1])[0]
+    batch.record_read()
+    before = (c.capacity, _tables(c, 1), c.page_table_version)
+    real = batch.wait_readers
+
+    def wait():  # Ctrl-C while a kernel still reads the row (a GPU's poll loop)
+        monkeypatch.setattr(batch, "wait_readers", real)
+        raise KeyboardInterrupt("injected")
+
+    monkeypatch.setattr(batch, "wait_readers", wait)
+    with pytest.raises(KeyboardInterrupt):
+        batch.resize([12, -1])                       # shrink: both beams release block 3
+    m.check_invariants()
+    assert (c.capacity, _tables(c, 1)) == before[:2]
+    batch.remove_kv_cache(c)
+    c.close()
+    batch.close()
+    m.shutdown()
+
+
+@pytest.mark.parametrize("beam", [False, 0.0, "0", None])
+def test_beam_argument_that_is_no_int_is_a_type_error_even_when_it_equals_zero(built, beam):
+    m, _ = built(tiers=(("gpu", 8), ("host", 8)))
+    c = m.create_kv_cache(None, [])
+    assert c.resume() and c.resize(8)
+    with pytest.raises(ArgumentTypeError):
+        c.get_base_page_indices(0, beam)
+    assert c.get_base_page_indices(0, np.int64(0)).tolist() == \
+        c.get_base_page_indices(0, 0).tolist()
