@@ -115,3 +115,15 @@ def test_mixed_priority_batches_from_the_manager_keep_exact_lru_order_per_priori
             assert policy.pop_victims(k).tolist() == _reference_pop(order, k)
         assert len(policy) == sum(len(q) for q in order.values())
     assert policy.pop_victims(10**6).tolist() == _reference_pop(order, 10**6)
+
+
+def test_big_page_ids_grow_the_arrays_with_their_number_not_by_quadrupling():
+    """Ids from 2**22 on are mapped to internal ids in order: the second one must not
+    quadruple the arrays (it took them from 4M to 16M entries, 150 MB per policy)."""
+    policy = SegmentLruPolicy()
+    policy.insert_many([5, 1 << 22 | 5])
+    first = len(policy._stamp)
+    policy.insert_many([(1 << 31) - 1])
+    policy.insert_many(np.arange(1 << 23, (1 << 23) + 1000, dtype=np.int64))
+    assert len(policy._stamp) <= first + 2 * 1002
+    assert sorted(policy.pop_victims(2000))[:2] == [5, 1 << 22 | 5]

@@ -70,6 +70,7 @@ _FORMS: dict[str, Callable[[list[int]], Any]] = {
     "int64": lambda p: np.array(p, dtype=np.int64),
     "int32": lambda p: np.array(p, dtype=np.int32),
     "uint32": lambda p: np.array(p, dtype=np.uint32),
+    "list-of-int64": lambda p: [np.int64(x) for x in p],
 }
 _forms = st.sampled_from(sorted(_FORMS))
 
@@ -360,6 +361,13 @@ def _misuse_cases(top: int) -> list[tuple[str, Callable[[EvictionPolicy], Any], 
         ("insert-str-page-tuple", lambda p: p.insert_many(("20",)), "'20'"),
         ("insert-bool-page", lambda p: p.insert_many([True]), "True"),
         ("remove-float-page", lambda p: p.remove_many((10.0,)), "10.0"),
+        # In a list too: True and 10.0 hash like the ints 1 and 10 (never taken for them)
+        ("remove-float-page-list", lambda p: p.remove_many([10.0]), "10.0"),
+        ("remove-bool-page-list", lambda p: p.remove_many([True]), "True"),
+        ("touch-bool-page-list", lambda p: p.touch_many([True]), "True"),
+        ("touch-float-page-list", lambda p: p.touch_many([11, 12.0]), "12.0"),
+        ("set-priority-bool-page-list", lambda p: p.set_priority_many([True], 0), "True"),
+        ("set-priority-float-page-list", lambda p: p.set_priority_many([10.0], 0), "10.0"),
         ("touch-str-page", lambda p: p.touch_many(["11"]), "'11'"),
         ("remove-absent", lambda p: p.remove_many([10, 77]), "77"),
         ("remove-absent-array", lambda p: p.remove_many(np.array([15, 78])), "78"),

@@ -184,8 +184,7 @@ class LruPolicy(EvictionPolicy):
         Raises:
             ValueError: naming the first absent (or repeated) page; nothing is changed.
         """
-        if type(pages) is not list:  # a list's non-int items are absent pages
-            pages = page_list(pages)
+        pages = page_list(pages)  # (a list of ints as it is; a bool or float refused)
         if len(pages) == 1:
             page = pages[0]
             try:
@@ -208,8 +207,7 @@ class LruPolicy(EvictionPolicy):
         Raises:
             ValueError: naming the first absent page; nothing is changed.
         """
-        if type(pages) is not list:  # a list's non-int items are absent pages
-            pages = page_list(pages)
+        pages = page_list(pages)  # (a list of ints as it is; a bool or float refused)
         if len(pages) == 1:
             page = pages[0]
             try:
@@ -271,8 +269,7 @@ class LruPolicy(EvictionPolicy):
         Raises:
             ValueError: a page is absent or a priority is invalid; nothing is changed.
         """
-        if type(pages) is not list:  # a list's non-int items are absent pages
-            pages = page_list(pages)
+        pages = page_list(pages)  # (a list of ints as it is; a bool or float refused)
         prio = check_priorities(priorities, len(pages))
         if not pages:
             return

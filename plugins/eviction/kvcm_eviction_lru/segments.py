@@ -33,7 +33,10 @@ __all__ = ["SegmentLruPolicy"]
 
 _NPRIO = MAX_PRIORITY + 1
 _INT_ONLY = {int}
-_BIG = 1 << 22  # page ids from here on are mapped to internal ids (arrays stay small)
+# Page ids from here on are mapped to internal ids from _BIG up, handed out in order: the
+# arrays grow with the number of big ids seen, not with their values (a manager's page
+# ids are dense arena ids, recycled: big ones come only past 4M pages).
+_BIG = 1 << 22
 _COMPACT_SLACK = 4096  # dead entries tolerated before a rebuild is considered
 _SMALL = 16  # batches up to this size are checked in plain Python
 _FEW_RUNS = 8  # a mixed-priority insert of fewer runs stamps them run by run
@@ -126,10 +129,12 @@ class SegmentLruPolicy(EvictionPolicy):
         if lo < 0 or hi >= 1 << 31:
             bad = lo if lo < 0 else hi
             raise ValueError(f"page {bad}: page ids must be in 0..2**31-1")
-        if hi >= _BIG:
-            hi = _BIG + len(self._to_inner) + int((arr >= _BIG).sum())
-        if hi >= len(self._stamp):
-            n = max(4 * len(self._stamp), hi + 1)
+        if hi >= _BIG:  # the internal ids the new big ids will take
+            big = arr[arr >= _BIG].tolist()
+            known = self._to_inner
+            hi = _BIG + len(known) + len({p for p in big if p not in known}) - 1
+        if hi >= len(self._stamp):  # doubling (the mapped part alone past _BIG)
+            n = max(hi + 1, _BIG + 2 * (hi + 1 - _BIG) if hi >= _BIG else 2 * len(self._stamp))
             self._stamp = np.concatenate([self._stamp, np.zeros(n - len(self._stamp),
                                                                 np.int64)])
             self._prio = np.concatenate([self._prio, np.zeros(n - len(self._prio), np.int8)])
