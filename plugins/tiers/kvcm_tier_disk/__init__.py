@@ -11,10 +11,10 @@ file system's sequential speed. Any ``OSError``, and any short read or write, ma
 handle's ``wait()`` raise :class:`~kvcm_core.errors.TierIOError`.
 
 Options:
-    path: the directory of pool files. Created with mode 0700 (an existing one we own is
-        tightened to 0700). Without it the tier uses a private temporary directory
-        (``kvcm-disk-*`` in the system temporary directory) that :meth:`DiskTier.close`
-        removes.
+    path: the directory of pool files (a relative one is made absolute at start). Created
+        with mode 0700 (an existing one we own is tightened to 0700). Without it the tier
+        uses a private temporary directory (``kvcm-disk-*`` in the system temporary
+        directory) that :meth:`DiskTier.close` removes.
     io_threads: threads doing I/O (int >= 1, default 4).
     mode: ``"slot"`` (default: fixed-size slots in one preallocated file per pool) or
         ``"blob"``: each slot's bytes stored by size in append-only segment files, so a
@@ -43,6 +43,9 @@ a tier that starts removes the owner directories whose lock is free (their proce
 ``kill -9`` included), logs one warning on logger ``kvcm.disk`` and records what it
 removed in :attr:`DiskTier.swept`. :meth:`DiskTier.close` closes every pool and the
 directory even when one of them fails, then raises ``TierIOError`` listing the failures.
+A child forked without exec closes its copies of every tier's descriptors (lock, directory,
+pool files; nothing on disk is touched), so it keeps no dead parent's directory from being
+swept; the parent's tiers and pools are closed in the child (``InvalidStateError``).
 
 Security: files are created 0600 with ``O_CREAT | O_EXCL | O_NOFOLLOW`` relative to an open
 descriptor of the directory; pool names are reduced to a safe file name; a pool file that is
@@ -66,6 +69,7 @@ import struct
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -119,6 +123,9 @@ _TASK_BYTES = 8 << 20
 _INLINE_BYTES = 256 << 10  # batches up to this size run on the caller's thread
 _NOWAIT_RUNS = 64  # read_nowait declines a read of more runs than this
 _NOWAIT_BYTES = 1 << 20  # ... or of more bytes than this
+_HASHED = re.compile(r"-[0-9a-f]{16}$")  # how file_name ends a name it had to change
+_FORKED = ("belongs to the process that forked this one; a forked child cannot use its "
+           "parent's disk tier (make a new one)")
 
 
 def _availability() -> Availability:
@@ -139,7 +146,8 @@ def _parse_options(options: Mapping[str, Any]
     if path is not None:
         if not isinstance(path, str | os.PathLike) or not os.fspath(path):
             raise ConfigError("disk.options.path", path, "must be a non-empty directory path")
-        path = os.fspath(path)
+        # absolute: a later chdir must not move where close() removes the owner directory
+        path = os.path.abspath(os.fspath(path))
     threads = options.get("io_threads", _DEFAULT_THREADS)
     if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024:
         raise ConfigError("disk.options.io_threads", threads, "must be an int in 1..1024")
@@ -161,11 +169,12 @@ def _parse_options(options: Mapping[str, Any]
 def file_name(name: str) -> str:
     """The file name of pool ``name``: letters, digits, ``_ . -`` only, never hidden.
 
-    A name that had to be changed gets a hash of the original appended, so two different
-    names never share a file.
+    A name that had to be changed gets a hash of the original appended, and so does a name
+    that already ends the way such a hash does (``-`` and 16 hexadecimal digits), so two
+    different names never share a file.
     """
     safe = re.sub(r"[^A-Za-z0-9_.\-]", "_", name)[:96].lstrip(".")
-    if safe != name or not safe:
+    if safe != name or not safe or _HASHED.search(safe):
         digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
         safe = f"{safe or 'pool'}-{digest}"
     return safe + _SUFFIX
@@ -222,14 +231,26 @@ class DiskPool(StoragePool):
         self._lock = threading.Lock()
         self._nowait = True  # read_nowait is worth trying (until the file system says no)
         self._natives: list[aio.NativeWrite] = []  # write_behind writes maybe in flight
+        self._gone = "was closed"  # why the pool is unusable once _fd is None
 
     def _label(self) -> str:
         return f"disk pool {self.name!r}" if self.name else "anonymous disk pool"
 
     def _live_fd(self) -> int:
         if self._fd is None:
-            raise InvalidStateError(f"{self._label()} was closed")
+            raise InvalidStateError(f"{self._label()} {self._gone}")
         return self._fd
+
+    def _disown(self) -> None:
+        """In a forked child: close this process's copy of the file (the parent's stays
+        open, its file untouched); the pool is then closed here."""
+        fd, self._fd = self._fd, None
+        self._gone = _FORKED
+        self._pending, self._natives = set(), []  # the parent's threads' work
+        self._lock = threading.Lock()  # a parent's thread may have held it at the fork
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     # -- I/O -------------------------------------------------------------------------
 
@@ -464,11 +485,15 @@ class DiskPool(StoragePool):
         if batch and len(cuts) + 1 >= aio.MIN_CALLS:
             starts = np.concatenate(([0], cuts))
             offsets = base + slots[starts] * sb
-            failed = aio.run_runs(fd, offsets, rows.ctypes.data + starts * sb,
-                                  (np.append(cuts, n) - starts) * sb, write)
+            op = "pwritev" if write else "preadv"
+            try:
+                failed = aio.run_runs(fd, offsets, rows.ctypes.data + starts * sb,
+                                      (np.append(cuts, n) - starts) * sb, write)
+            except OSError as exc:  # io_getevents failed: the batch's outcome is unknown
+                raise TierIOError(f"{self._label()}: batched {op} of {len(starts)} runs "
+                                  f"failed: {exc}") from exc
             if failed is not None:
-                _raise_batch_failure(failed, offsets, "pwritev" if write else "preadv",
-                                     self._label())
+                _raise_batch_failure(failed, offsets, op, self._label())
                 return
         first = [0, *cuts.tolist()]
         calls = [(base + slot * sb, [rows[a:b].data], (b - a) * sb)
@@ -609,7 +634,11 @@ def _run_calls(fd: int, calls: list[_Call], write: bool, label: str,
     submit them in one system call where the platform allows (:mod:`kvcm_tier_disk.aio`)."""
     op = "pwritev" if write else "preadv"
     if batch and len(calls) >= aio.MIN_CALLS:
-        failed = aio.run(fd, calls, write)
+        try:
+            failed = aio.run(fd, calls, write)
+        except OSError as exc:  # io_getevents failed: the batch's outcome is unknown
+            raise TierIOError(f"{label}: batched {op} of {len(calls)} runs failed: "
+                              f"{exc}") from exc
         if failed is not None:
             _raise_batch_failure(failed, [c[0] for c in calls], op, label)
             return
@@ -695,12 +724,36 @@ class DiskTier(Tier):
         self.owner_directory: str | None = None
         #: What the sweep at start removed (directories of dead owners, their bytes).
         self.swept = Swept()
+        self._gone = "disk tier was closed"  # why it is unusable once _dir_fd is None
         try:  # a failure part way releases what was built (descriptors, directories)
             self._claim_directory(path)
         except BaseException:
             self._release_directory()
             raise
         self._executor = cf.ThreadPoolExecutor(threads, thread_name_prefix="kvcm-disk")
+        _TIERS.add(self)
+
+    def _disown(self) -> None:
+        """In a forked child (``os.fork`` without exec): close this process's copies of
+        the parent's descriptors (the owner lock, the directory, every pool's files), so
+        that a child outliving a killed parent holds no lock that keeps the parent's
+        owner directory from being swept. Nothing on disk is touched (the files are the
+        parent's); the tier and its pools are closed in the child (``InvalidStateError``),
+        and its :meth:`close` removes nothing."""
+        for pool in list(self._pools.values()):
+            pool._disown()
+        self._pools.clear()
+        lock, self._lock = self._lock, None
+        fds = [self._dir_fd, lock.fd if lock is not None else None]
+        if lock is not None:
+            lock.fd = None  # closing our copy leaves the parent's flock held
+        self._dir_fd = None
+        self.owner_directory = None
+        self._gone = f"disk tier {_FORKED}"
+        for fd in fds:
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def _claim_directory(self, path: str | None) -> None:
         """Sweep dead owners' directories, then make and lock this tier's own."""
@@ -764,7 +817,7 @@ class DiskTier(Tier):
             InvalidStateError: the tier was closed.
         """
         if self._dir_fd is None:
-            raise InvalidStateError("disk tier was closed")
+            raise InvalidStateError(self._gone)
         if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int | np.integer):
             raise ValueError(f"slot_bytes={slot_bytes!r}: must be an int >= 1")
         if slot_bytes < 1:
@@ -845,7 +898,7 @@ class DiskTier(Tier):
 
     def _live_dir_fd(self) -> int:
         if self._dir_fd is None:
-            raise InvalidStateError("disk tier was closed")
+            raise InvalidStateError(self._gone)
         return self._dir_fd
 
     def _check_header(self, fd: int, label: str, slot_bytes: int) -> None:
@@ -874,6 +927,7 @@ class DiskTier(Tier):
         """
         if self._dir_fd is None:
             return
+        _TIERS.discard(self)
         failures = []
         for pool in list(self._pools.values()):
             try:
@@ -884,6 +938,20 @@ class DiskTier(Tier):
         failures += self._release_directory()
         if failures:
             raise TierIOError(f"disk tier in {self.directory}: {'; '.join(failures)}")
+
+
+#: Every disk tier of this process that is open (closed in a forked child: _after_fork).
+_TIERS: weakref.WeakSet[DiskTier] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    for tier in list(_TIERS):
+        tier._disown()
+    _TIERS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def _open_directory(path: str) -> int:

@@ -4,8 +4,11 @@ A blob pool is a series of segment files ``<pool file>.seg000001``, ... in the t
 directory. A write appends one record per slot (``slot u32 | length u32 | bytes``) to the
 active segment and points the in-memory index (slot -> segment, offset, length) at it; the
 record it replaces becomes dead. A segment grows to ``segment_bytes`` and is then closed
-for writing; a closed segment whose live bytes fall below half of its bytes is compacted
-(its live records are appended to the active segment and the file is deleted).
+for writing; the next append (or the first after a reopen: a pool only read adds no file)
+starts a new one. A closed segment whose live bytes fall below half of its bytes is
+compacted (its live records are appended to the active segment and the file is deleted),
+and one holding nothing still needed (no blob, no tombstone an older segment needs) is
+deleted.
 
 Quota: the pool holds at most ``num_slots * slot_bytes`` stored bytes, the bytes of the
 blobs it was handed (kvcm's cold frames included), live or dead until compaction; when a
@@ -94,20 +97,26 @@ class BlobDiskPool(BlobPool):
         # appended to again
         self._torn: dict[int, int] = {}  # segments with bytes past this valid end, neither
         # cut off nor sealed yet (the pool takes no writes until they are)
-        self._active = 0
+        self._active = 0  # the segment appended to; 0: none yet (made by the next append)
+        self._gone = "was closed"  # why the pool is unusable once _closed
+        self._last = 0  # the highest segment id seen or made: a new one takes the next
         self._closed = False
         beyond: set[int] = set()  # slots past num_slots whose last record holds a blob
         try:
             for seg in self._existing_segments():
                 self._scan(seg, beyond)
-            self._new_segment()
             if beyond:  # reopened with fewer slots: drop those blobs for good, as a shrink
                 self._write_tombstones(sorted(beyond))
             if self.stored_bytes > num_slots * slot_bytes:
                 self._compact(list(self._fds), rotate=True)
-        except BaseException:
+        except BaseException as exc:
             for fd in self._fds.values():
-                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._fds.clear()
+            if isinstance(exc, OSError) and not isinstance(exc, TierIOError):
+                raise TierIOError(f"{self._label}: cannot open its segments in "
+                                  f"{tier.directory}: {exc}") from exc
             raise
 
     # -- segments ------------------------------------------------------------------------
@@ -142,14 +151,15 @@ class BlobDiskPool(BlobPool):
         return fd, created
 
     def _new_segment(self) -> None:
-        seg = max(self._fds, default=0) + 1
+        seg = max(self._last, max(self._fds, default=0)) + 1
         self._open_segment(seg)
-        self._active = seg
+        self._active = self._last = seg
 
     def _scan(self, seg: int, beyond: set[int]) -> None:
         """Rebuild the index from one existing segment (reopen); ``beyond`` collects the
         slots past ``num_slots`` whose last record so far holds a blob."""
         fd, _ = self._open_segment(seg)
+        self._last = max(self._last, seg)
         raw = os.pread(fd, self._size[seg], 0)
         if len(raw) < SEGMENT_HEADER_BYTES:  # created, header never written: empty
             self._drop_segment(seg)
@@ -220,7 +230,19 @@ class BlobDiskPool(BlobPool):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise InvalidStateError(f"{self._label} was closed")
+            raise InvalidStateError(f"{self._label} {self._gone}")
+
+    def _disown(self) -> None:
+        """In a forked child (:meth:`DiskTier._disown`): close this process's copies of
+        the segment files, touching nothing on disk; the pool is then closed here."""
+        from kvcm_tier_disk import _FORKED
+
+        self._closed, self._gone = True, _FORKED
+        fds, self._fds = self._fds, {}
+        self._torn.clear()
+        for fd in fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def write_blobs(self, slots: np.ndarray, blobs: Sequence[bytes]) -> IOHandle:
         """Store ``blobs[i]`` (at most ``slot_bytes`` each) as the bytes of ``slots[i]``.
@@ -272,9 +294,8 @@ class BlobDiskPool(BlobPool):
         for slot, offset, length in places:
             self._unlink_slot(slot)
             self._point(slot, seg, offset, length)
-        if at >= self._segment_bytes:  # the records landed: a failure here is retried
-            with contextlib.suppress(OSError):  # by the next append, not this one's
-                self._new_segment()
+        if at >= self._segment_bytes:  # full: closed for writing, the next append
+            self._active = 0  # starts a new segment
 
     def _write_at_end(self, data: bytes) -> None:
         """Append ``data`` to the active segment (made writable by :meth:`_writable`
@@ -318,8 +339,8 @@ class BlobDiskPool(BlobPool):
         place of a sealed one.
 
         Raises:
-            TierIOError: a torn segment can still be neither cut off nor sealed.
-            OSError: the new segment cannot be made.
+            TierIOError: a torn segment can still be neither cut off nor sealed, or the
+                new segment cannot be made.
         """
         for seg in list(self._torn):
             if not self._mend(seg):
@@ -327,8 +348,8 @@ class BlobDiskPool(BlobPool):
                     f"{self._label}: {self._seg_name(seg)} holds the torn bytes of a failed "
                     f"append past byte {self._torn[seg]} that can be neither cut off nor "
                     "marked in its header; no writes until one of them works")
-        if self._active in self._sealed or self._active in self._torn:
-            self._new_segment()
+        if self._active not in self._fds or self._active in self._sealed:
+            self._new_segment()  # none yet (or closed for writing), or sealed
 
     def _write_tombstones(self, slots: list[int]) -> None:
         """Append a tombstone for each of ``slots`` to the active segment."""
@@ -364,11 +385,22 @@ class BlobDiskPool(BlobPool):
     # -- compaction --------------------------------------------------------------------
 
     def _compact_dead(self) -> None:
-        """Compact closed segments that are mostly dead."""
+        """Compact closed segments that are mostly dead, and delete those that hold
+        nothing needed (no blob, no tombstone to carry: left by a failed write, or
+        emptied)."""
+        oldest = min(self._fds, default=0)
         mostly_dead = [seg for seg in self._fds if seg != self._active
-                       and self._live[seg] * 2 < self._stored[seg]]
+                       and (self._live[seg] * 2 < self._stored[seg]
+                            or (not self._stored[seg]
+                                and (seg == oldest or not self._carry(seg))))]
         if mostly_dead:
             self._compact(mostly_dead, rotate=False)
+
+    def _carry(self, seg: int) -> list[int]:
+        """The tombstones of ``seg`` still needed while an older segment remains: those
+        of slots past the end or holding nothing now."""
+        return [s for s in sorted(self._tombs.get(seg, ()))
+                if s >= self.num_slots or self._seg[s] < 0]
 
     def _compact(self, segments: list[int], *, rotate: bool,
                  dropping: np.ndarray | None = None) -> None:
@@ -378,15 +410,14 @@ class BlobDiskPool(BlobPool):
         slot's record). The blobs of ``dropping`` (slots about to be rewritten; only when
         compacting every segment, so none older remains) are not moved: each such slot
         empties as its segment goes, so memory and disk agree if this stops part way."""
-        if rotate:
-            self._new_segment()
+        if rotate:  # the next append starts a fresh segment (none when nothing moves)
+            self._active = 0
         drop = np.zeros(self.num_slots, dtype=bool)
         if dropping is not None:
             drop[dropping] = True
         for seg in sorted(s for s in segments if s != self._active):
             here = self._seg == seg
-            carry = [s for s in sorted(self._tombs.get(seg, ()))
-                     if s >= self.num_slots or self._seg[s] < 0]
+            carry = self._carry(seg)
             if carry and min(self._fds) < seg:
                 self._write_tombstones(carry)
             moving = np.flatnonzero(here & ~drop)
@@ -411,7 +442,19 @@ class BlobDiskPool(BlobPool):
     def resize(self, num_slots: int) -> None:
         """Grow or shrink to ``num_slots``; kept slots keep their blobs, dropped slots'
         blobs become dead (tombstones make that survive a reopen); grown slots are
-        empty (read as zeros)."""
+        empty (read as zeros).
+
+        A shrink writes the dropped slots' tombstones, then compacts when the stored
+        bytes pass the smaller quota; the new size is taken only once both worked.
+
+        Raises:
+            ValueError: ``num_slots`` is not an int >= 0.
+            InvalidStateError: the pool was closed.
+            TierIOError: the tombstones or the compaction could not be written: the pool
+                keeps its old size, every kept slot its blob; a dropped slot may have
+                lost its blob already (kvcm's levels move their pages out of the dropped
+                slots first).
+        """
         self._check_open()
         if isinstance(num_slots, bool) or not isinstance(num_slots, int | np.integer) or \
                 num_slots < 0:
@@ -420,13 +463,16 @@ class BlobDiskPool(BlobPool):
         old = self.num_slots
         if num_slots < old:
             dropped = np.flatnonzero(self._seg[num_slots:] >= 0) + num_slots
-            if len(dropped):
-                try:
+            try:
+                if len(dropped):
                     self._write_tombstones(dropped.tolist())
-                except OSError as exc:
-                    raise TierIOError(f"{self._label}: resize failed: {exc}") from exc
-                for slot in dropped.tolist():
-                    self._unlink_slot(slot)
+                    for slot in dropped.tolist():
+                        self._unlink_slot(slot)
+                if self.stored_bytes > num_slots * self.slot_bytes:
+                    self._compact(list(self._fds), rotate=True)
+            except OSError as exc:
+                raise TierIOError(f"{self._label}: resize from {old} to {num_slots} slots "
+                                  f"failed (it keeps {old} slots): {exc}") from exc
             self._seg, self._off, self._len = (a[:num_slots].copy()
                                                for a in (self._seg, self._off, self._len))
         else:
@@ -435,21 +481,46 @@ class BlobDiskPool(BlobPool):
             self._off = np.concatenate([self._off, np.zeros(grow, dtype=np.int64)])
             self._len = np.concatenate([self._len, np.zeros(grow, dtype=np.int64)])
         self.num_slots = num_slots
-        if self.stored_bytes > num_slots * self.slot_bytes:
-            self._compact(list(self._fds), rotate=True)
-        else:
-            self._compact_dead()
+        # Housekeeping only (the next write retries it): a grow never fails, so a level
+        # can always undo a shrink of another pool by growing this one back.
+        with contextlib.suppress(OSError):
+            if self.stored_bytes > num_slots * self.slot_bytes:
+                self._compact(list(self._fds), rotate=True)
+            else:
+                self._compact_dead()
 
     def close(self) -> None:
-        """Close the segment files (idempotent); an anonymous pool's files are deleted."""
+        """Close the segment files (idempotent); an anonymous pool's files are deleted.
+        Every descriptor is closed and every deletion tried even when one fails.
+
+        Raises:
+            TierIOError: a segment file could not be closed or deleted (each failure
+                listed); the pool is closed all the same.
+        """
         if self._closed:
             return
         self._closed = True
         for seg in list(self._torn):  # a last try, so a reopen reads no torn record
             self._mend(seg)
-        for seg in list(self._fds):
-            if self.name:
-                os.close(self._fds.pop(seg))
-            else:
-                self._drop_segment(seg)
+        failures: list[str] = []
+        fds, self._fds = self._fds, {}
+        for seg, fd in sorted(fds.items()):
+            try:
+                os.close(fd)
+            except OSError as exc:
+                failures.append(f"closing {self._seg_name(seg)}: {exc}")
+        if not self.name:
+            for seg in sorted(fds):
+                try:
+                    os.unlink(self._seg_name(seg), dir_fd=self._tier._live_dir_fd())
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    failures.append(f"deleting {self._seg_name(seg)}: {exc}")
+        for table in (self._size, self._stored, self._live, self._tombs, self._torn):
+            table.clear()
+        self._sealed.clear()
         self._tier._pools.pop(self._fname, None)
+        if failures:
+            raise TierIOError(f"{self._label}: close in {self._tier.directory}: "
+                              + "; ".join(failures))
