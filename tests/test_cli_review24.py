@@ -140,6 +140,40 @@ def test_a_report_write_that_fails_keeps_the_previous_report_whole_and_exits_3(
     assert sorted(p.name for p in out.iterdir()) == ["report.json"]  # no temporary left
 
 
+def test_a_plot_write_that_fails_leaves_no_cut_off_plot_and_exits_3(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    out = tmp_path / "out"
+    args = ("simulate", *QUICK, "--out", str(out))
+    assert _run(capsys, *args)[0] == 0
+    real = Figure.savefig
+
+    def disk_full(self: Any, fname: Any, *a: Any, **k: Any) -> None:
+        real(self, fname, *a, **k)
+        Path(fname).write_bytes(Path(fname).read_bytes()[:100])  # cut off, then full
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", disk_full)
+    code, _, err = _run(capsys, *args)
+    assert code == 3
+    line = _one_line(err)
+    assert "hit_rate.png" in line and "No space left on device" in line
+    assert json.loads((out / "report.json").read_text())["verification"]["ok"]
+    # No cut-off plot nor temporary file; the earlier run's plots went when the run started.
+    assert sorted(p.name for p in out.iterdir()) == ["report.json"]
+
+
+def test_bench_refuses_an_empty_out(tmp_path: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    trace = _trace(tmp_path, TRACE_LINE % (0, 2))
+    code, _, err = _run(capsys, "bench", "trace", trace, "--quick", "--out", "")
+    assert code == 2
+    assert "--out=''" in _one_line(err)
+
+
 def _fsize_limited(limit: int) -> Any:
     def preexec() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit: EFBIG
@@ -213,9 +247,18 @@ def test_a_trace_output_length_beyond_the_cap_is_an_error_naming_the_line(
     assert f"{trace}:1: output_length {n_out}" in line and "[0, 16777216]" in line
 
 
+def test_simulate_names_the_trace_line_whose_arrival_step_overflows(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = _trace(tmp_path, TRACE_LINE % (0, 2), TRACE_LINE % (1e9, 2))
+    code, _, err = _run(capsys, "simulate", "--trace", trace, "--ms-per-step", "1e-300",
+                        "--quiet", "--out", str(tmp_path / "o"))
+    assert code == 2
+    assert f"{trace}:2: timestamp 1000000000.0 / --ms-per-step 1e-300" in _one_line(err)
+
+
 def test_a_trace_arrival_step_that_is_not_finite_is_a_trace_error(tmp_path: Path) -> None:
     records = read_trace(_trace(tmp_path, TRACE_LINE % (0, 2), TRACE_LINE % (1e9, 2)))
-    with pytest.raises(TraceError, match=r"trace line 2: timestamp .* arrival step inf"):
+    with pytest.raises(TraceError, match=r"^trace:2: timestamp .* arrival step inf"):
         to_requests(records, 1e-300)
 
 

@@ -583,7 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         if args.trace is not None:
             records = read_trace(args.trace, args.trace_limit)
-            trace = to_requests(records, args.ms_per_step, seed=seed)
+            trace = to_requests(records, args.ms_per_step, seed=seed, source=args.trace)
         else:
             trace = generate_trace(wl, seed)
         base = KVCacheManagerConfig.from_dict(sim.kvcm)

@@ -294,12 +294,17 @@ def _lru_replay(records: Sequence[TraceRecord], capacity_tokens: int, block_size
 
 
 def to_requests(records: Sequence[TraceRecord], ms_per_step: float, *,
-                seed: int = 0) -> list[TraceRequest]:
+                seed: int = 0, source: str = "trace") -> list[TraceRequest]:
     """The records as simulator requests: request ``i`` (``"t<i>"``, kind ``"trace"``)
     arrives at step ``floor(timestamp / ms_per_step)``, its prompt by the token rule,
     followed by ``max(1, output_length)`` made-up answer tokens from ``[2_000_000,
     2**31)`` (seeded), which no later prompt contains. Every request is its own session:
-    the trace's reuse is all in its prompts. One reuse scope for all."""
+    the trace's reuse is all in its prompts. One reuse scope for all.
+
+    Raises:
+        TraceError: a record's arrival step is not finite or beyond 2**53 (named
+            ``SOURCE:LINE``).
+    """
     if not ms_per_step > 0:
         raise ValueError(f"ms_per_step={ms_per_step!r} must be > 0")
     rng = np.random.default_rng(seed)
@@ -308,7 +313,7 @@ def to_requests(records: Sequence[TraceRecord], ms_per_step: float, *,
     for i, rec in enumerate(records):
         arrival = rec.timestamp / ms_per_step
         if not math.isfinite(arrival) or arrival >= MAX_ARRIVAL_STEP:
-            where = f"trace line {rec.line}" if rec.line else f"trace request {i}"
+            where = f"{source}:{rec.line}" if rec.line else f"{source}: request {i}"
             raise TraceError(f"{where}: timestamp {rec.timestamp!r} / --ms-per-step "
                              f"{ms_per_step!r} = arrival step {arrival:g}: must be below "
                              f"{MAX_ARRIVAL_STEP} (2**53; a larger --ms-per-step makes "
