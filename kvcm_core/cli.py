@@ -47,6 +47,7 @@ from kvcm_core.plugins import (
     DISABLE_ENV,
     KvcmPluginManager,
     RegisteredPlugin,
+    autoload_from_env,
     get_plugin_manager,
 )
 
@@ -192,7 +193,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     except PluginError as exc:
         auto, auto_error = None, str(exc)
     env_backend = os.environ.get("KVCM_KERNEL_BACKEND", "")
-    autoload = os.environ.get(AUTOLOAD_ENV, "1") != "0"
+    autoload = autoload_from_env()
     if args.json:
         print(
             json.dumps(
@@ -216,13 +217,16 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     if not rows:
         console.print(
             "No plugins registered."
-            + (f" ({AUTOLOAD_ENV}=0: entry points are not loaded.)" if not autoload else "")
+            + (f" ({AUTOLOAD_ENV}={os.environ.get(AUTOLOAD_ENV, '')}: entry points are "
+               "not loaded.)" if not autoload else ""), markup=False, highlight=False
         )
     if pm.disabled:
-        console.print(f"Blocked by {DISABLE_ENV}: {', '.join(sorted(pm.disabled))}")
-    source = f" ({'KVCM_KERNEL_BACKEND=' + env_backend})" if env_backend else ""
+        console.print(f"Blocked by {DISABLE_ENV}: {escape(', '.join(sorted(pm.disabled)))}",
+                      highlight=False)
+    # User text (an environment variable's value) is escaped: "[/]" is not rich markup.
+    source = f" ({escape('KVCM_KERNEL_BACKEND=' + env_backend)})" if env_backend else ""
     if auto is not None:
-        console.print(f'kernel_backend="auto" selects: [bold]{auto}[/]{source}')
+        console.print(f'kernel_backend="auto" selects: [bold]{escape(auto)}[/]{source}')
     else:
         console.print(f'kernel_backend="auto" selects nothing{source}: {escape(auto_error)}')
     return 0
@@ -353,7 +357,13 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
         print(json.dumps({"exit_code": code, "results": rows}, indent=2))
     else:
         _print_conformance(rows, code)
-    return (code or 1) if failed else 0
+    if code in (pytest.ExitCode.USAGE_ERROR, pytest.ExitCode.NO_TESTS_COLLECTED):
+        # Not a failed test: a bad pytest option or -k, or nothing selected (exit 2).
+        _error("no conformance test ran: check --plugin, -k and the pytest options"
+               if code == pytest.ExitCode.NO_TESTS_COLLECTED else
+               "pytest refused the arguments (see above): check -k and the options after --")
+        return 2
+    return 1 if failed else 0
 
 
 def _print_conformance(rows: list[dict[str, Any]], code: int) -> None:
@@ -424,7 +434,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             args.bench_parser.print_help()
             return 0
         args.bench_parser.print_usage(sys.stderr)
-        _error(f"kvcm bench: choose a benchmark: {', '.join(BENCH_TARGETS)} "
+        _error(f"choose a benchmark: {', '.join(BENCH_TARGETS)} "
                "(kvcm bench --help)")
         return 2
     return _dispatch(f"kvcm_core.bench.{args.target}", args.rest, f"`kvcm bench {args.target}`")
@@ -505,6 +515,29 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_output_error(exc: OSError) -> bool:
+    """An error writing to stdout, not a file: rich and print raise it from the stream."""
+    import errno
+
+    if isinstance(exc, KvcmError):
+        return False
+    return exc.errno in (errno.ENOSPC, errno.EBADF, errno.EIO, errno.EDQUOT, errno.EFBIG) \
+        and getattr(exc, "filename", None) is None
+
+
+def _stderr_line(text: str) -> None:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        print(text, file=sys.stderr, flush=True)
+
+
+def _reopen_closed_streams() -> None:
+    """Point a closed stdout/stderr (None at start-up) at the null device."""
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:
+            with contextlib.suppress(OSError):
+                setattr(sys, name, open(os.devnull, "w"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kvcm`` command.
 
@@ -514,6 +547,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status.
     """
+    if sys.stdout is None or sys.stderr is None:
+        # Started with stdout or stderr closed (`kvcm plugins >&-`): say so once (on
+        # whichever is open) and run with the closed one pointing at the null device.
+        closed = [name for name in ("stdout", "stderr") if getattr(sys, name) is None]
+        _reopen_closed_streams()
+        if "stdout" in closed:
+            _stderr_line("kvcm: stdout is closed: the command's output is discarded")
     parser = _parser()
     args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     if rest and not getattr(args, "passes_rest", False):
@@ -539,6 +579,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = 2 if isinstance(exc, ConfigError | PluginError) else 3
         _error(f"{type(exc).__name__}: {exc} (--debug for the traceback)")
         return code
+    except OSError as exc:
+        if not _is_output_error(exc):
+            raise
+        # stdout cannot be written (`> /dev/full`, a closed descriptor): one line on stderr.
+        silence_stdout()
+        _stderr_line(f"kvcm: cannot write the output: {exc.strerror or exc}")
+        return 3
 
 
 if __name__ == "__main__":

@@ -735,8 +735,15 @@ class KVCacheManagerConfig:
                 data = tomllib.load(fh)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("toml", str(path), f"is not valid TOML: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError("toml", str(path), f"is not UTF-8 text (byte {exc.start}): a "
+                                                 "TOML file must be UTF-8") from None
+        except RecursionError:
+            raise ConfigError("toml", str(path), "nests arrays or tables too deeply to be "
+                                                 "read") from None
         except OSError as exc:
-            raise ConfigError("toml", str(path), f"cannot be read: {exc.strerror}") from exc
+            raise ConfigError("toml", str(path), f"cannot be read: {exc.strerror or exc}") \
+                from exc
         if "kvcm" in data and isinstance(data["kvcm"], dict) and len(data) == 1:
             data = data["kvcm"]
         return cls.from_dict(data)

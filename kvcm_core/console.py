@@ -11,14 +11,74 @@ room enough for every table row to stay on one line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-__all__ = ["PIPE_WIDTH", "int_at_least", "make_console", "silence_stdout"]
+from kvcm_core.errors import KvcmError
+
+__all__ = ["PIPE_WIDTH", "OutputError", "atomic_output", "int_at_least", "make_console",
+           "silence_stdout"]
+
+
+class OutputError(KvcmError, OSError):
+    """A result file (a report, a plot, a benchmark's JSON) could not be written: the
+    message names the file and the system's reason. Whatever was there before is left as
+    it was (:func:`atomic_output`)."""
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike[str], *, overwrite: bool = True,
+                  what: str = "--out") -> Iterator[Path]:
+    """A temporary path in ``path``'s folder to write to; when the block ends without an
+    error it becomes ``path`` in one step (``os.replace``; with ``overwrite=False`` it is
+    linked in place and an existing ``path`` is refused), else it is removed, so that a
+    failed write (disk full, a folder in the way) never leaves a cut-off file nor replaces
+    a good one.
+
+    Raises:
+        OutputError: the temporary file cannot be made, written or put in place (naming
+            ``what``, the file and the reason); the previous ``path`` is untouched.
+    """
+    path = Path(path)
+    try:
+        fd, tmp_name = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.",
+                                        suffix=".tmp")
+        os.close(fd)
+        os.chmod(tmp_name, 0o666 & ~_umask())  # as open() would make it, not mkstemp's 0600
+    except OSError as exc:
+        raise OutputError(f"{what}: cannot write {path}: {exc.strerror or exc}") from None
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)  # fails if path exists: never overwrite
+            except FileExistsError:
+                raise
+            except OSError:  # no hard links on this file system
+                if os.path.lexists(path):
+                    raise FileExistsError(17, "File exists", str(path)) from None
+                os.replace(tmp, path)
+    except OSError as exc:
+        raise OutputError(f"{what}: cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 #: Columns a console gets when its output is not a terminal: wider than any table kvcm
 #: prints, so no row wraps (lines are not padded to it).

@@ -3,8 +3,10 @@
 Load order (documented contract):
 
 1. kvcm's hook specifications (:mod:`kvcm_core.hookspecs`).
-2. Unless ``KVCM_PLUGIN_AUTOLOAD=0``, every entry point of the ``kvcm`` group, sorted by
-   (distribution name, entry-point name) so the order never depends on the file system.
+2. Unless ``KVCM_PLUGIN_AUTOLOAD`` is ``0`` (or ``false``, ``no``, ``off``: any other
+   value but ``1``, ``true``, ``yes``, ``on`` or empty is an error), every entry point of
+   the ``kvcm`` group, sorted by (distribution name, entry-point name) so the order never
+   depends on the file system.
    Built-in plugins are found this way too: the core imports no plugin module.
 3. Plugins registered by hand with :meth:`KvcmPluginManager.register` (tests, notebooks).
 
@@ -31,7 +33,7 @@ import attrs
 import pluggy
 
 from kvcm_core import hookspecs
-from kvcm_core.errors import PluginError
+from kvcm_core.errors import ConfigError, PluginError
 from kvcm_core.records import (
     CodecSpec,
     EvictionPolicySpec,
@@ -84,12 +86,34 @@ def _disabled_from_env() -> frozenset[str]:
     return frozenset(n.strip() for n in raw.split(",") if n.strip())
 
 
+_AUTOLOAD_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+                   "0": False, "false": False, "no": False, "off": False}
+
+
+def autoload_from_env() -> bool:
+    """``KVCM_PLUGIN_AUTOLOAD``: unset or empty loads the entry points; ``1``/``true``/
+    ``yes``/``on`` load them, ``0``/``false``/``no``/``off`` do not (any case, spaces
+    around ignored).
+
+    Raises:
+        ConfigError: any other value (naming the variable, the value and the rule).
+    """
+    raw = os.environ.get(AUTOLOAD_ENV, "")
+    word = raw.strip().lower()
+    if not word:
+        return True
+    if word not in _AUTOLOAD_WORDS:
+        raise ConfigError(AUTOLOAD_ENV, raw, "must be 1, true, yes or on (load the entry "
+                                             "points) or 0, false, no or off (any case)")
+    return _AUTOLOAD_WORDS[word]
+
+
 class KvcmPluginManager:
     """kvcm's typed facade over one :class:`pluggy.PluginManager`.
 
     Args:
         autoload: load the ``kvcm`` entry-point group (default: ``KVCM_PLUGIN_AUTOLOAD``
-            unless it is ``"0"``).
+            unless it says no: :func:`autoload_from_env`).
         disabled: names to block (default: ``KVCM_DISABLE_PLUGINS``).
     """
 
@@ -102,7 +126,7 @@ class KvcmPluginManager:
         self._cache: dict[str, dict[str, RegisteredPlugin]] = {}
         self.disabled = _disabled_from_env() if disabled is None else frozenset(disabled)
         if autoload is None:
-            autoload = os.environ.get(AUTOLOAD_ENV, "1") != "0"
+            autoload = autoload_from_env()
         if autoload:
             self.load_entry_points()
 

@@ -141,7 +141,7 @@ def test_a_negative_seed_or_a_vocab_past_int32_in_the_file_exits_2_naming_the_fi
     assert main(["--config", cfg, *args, "--out", str(tmp_path / "out")]) == 2
     line = _one_line(capsys.readouterr().err)
     assert ("simulate.seed=-1: must be an int >= 0" in line
-            or "simulate.vocab=9999999999999: must be an int in [1, 2**31]" in line), line
+            or "simulate.workload.vocab=9999999999999: must be an int in [1, 2**31]" in line), line
     assert not (tmp_path / "out").exists()
 
 

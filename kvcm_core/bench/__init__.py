@@ -39,6 +39,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kvcm_core.console import OutputError, atomic_output
 from kvcm_core.errors import ConfigError
 
 __all__ = [
@@ -47,12 +48,14 @@ __all__ = [
     "HelpFormatter",
     "add_output_options",
     "check_out",
+    "check_tag",
     "device_backends",
     "parse_with_quick",
     "result_header",
     "result_path",
     "split_steps",
     "timed_calls",
+    "write_new",
     "write_result",
 ]
 
@@ -112,7 +115,24 @@ def parse_with_quick(parser: argparse.ArgumentParser, argv: Sequence[str] | None
         parser.set_defaults(**quick)
         args = parser.parse_args(argv)
     check_out(args.out)
+    check_tag(getattr(args, "tag", ""))
     return args
+
+
+#: What ``--tag`` may hold: it becomes part of a file name in ``--out``, never a path.
+TAG_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+def check_tag(tag: str) -> None:
+    """Refuse a ``--tag`` that is not a plain piece of a file name: only letters, digits,
+    ``.``, ``_`` and ``-``, and no ``..`` (so a result never lands outside ``--out``).
+
+    Raises:
+        ConfigError: naming ``--tag``, the value and the rule.
+    """
+    if not set(tag) <= TAG_CHARS or ".." in tag:
+        raise ConfigError("--tag", tag, "may hold only letters, digits, '.', '_' and '-' "
+                                        "(no '..'): it is part of the result's file name")
 
 
 def check_out(out: str) -> None:
@@ -124,6 +144,9 @@ def check_out(out: str) -> None:
         ConfigError: the file exists (a result is never overwritten), or ``out`` cannot be
             written.
     """
+    if not out:
+        raise ConfigError("--out", out, "must name a folder or a FILE.json (use --out . "
+                                        "for the current folder)")
     path = Path(out)
     if out.endswith(".json"):
         if os.path.lexists(out):
@@ -159,6 +182,7 @@ def result_path(out: str, name: str, tag: str = "", suffixes: Sequence[str] = ("
         ConfigError: ``out`` is an existing ``.json`` file.
     """
     check_out(out)
+    check_tag(tag)
     if out.endswith(".json"):
         return Path(out)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
@@ -188,11 +212,26 @@ def write_result(doc: dict[str, Any], out: str, name: str, tag: str = "") -> Pat
     """Write a result document as JSON to a new file (:func:`result_path`; its folder is
     made), never over an existing one, and say where."""
     path = result_path(out, name, tag)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "x") as fh:  # "x": fails rather than overwrite
-        json.dump(doc, fh, indent=1, default=float)
+    write_new(path, json.dumps(doc, indent=1, default=float))
     print(f"wrote {path}")
     return path
+
+
+def write_new(path: Path, text: str) -> None:
+    """Write ``text`` to the new file ``path`` (its folder is made) in one step: a failed
+    write (disk full, say) leaves no file, cut off or empty, and an existing file is
+    never overwritten.
+
+    Raises:
+        OutputError: naming the file and the reason.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"--out: cannot create {path.parent}: "
+                          f"{exc.strerror or exc}") from None
+    with atomic_output(path, overwrite=False) as tmp:
+        tmp.write_text(text)
 
 
 def timed_calls(backend: Any, call: Callable[[], Any], reps: int,

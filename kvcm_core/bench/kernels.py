@@ -44,6 +44,7 @@ from kvcm_core.bench import (
     parse_with_quick,
     result_path,
     timed_calls,
+    write_new,
 )
 from kvcm_core.console import int_at_least
 from kvcm_core.errors import ConfigError
@@ -723,9 +724,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = run(args)
     device = report["meta"].get("device", "host").replace(" ", "-")
     json_path = result_path(args.out, f"kernels-{device}", args.tag, (".json", ".png"))
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(json_path, "x") as fh:  # "x": fails rather than overwrite
-        fh.write(json.dumps(report, indent=1, default=float))
+    write_new(json_path, json.dumps(report, indent=1, default=float))
     _print_summary(report)
     print(f"\nwrote {json_path}")
     if not args.no_plot:

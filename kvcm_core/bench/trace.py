@@ -265,6 +265,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _print_table(doc: dict[str, Any]) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from kvcm_core.console import make_console
@@ -276,7 +277,8 @@ def _print_table(doc: dict[str, Any]) -> None:
         levels += f" + host {cfg['host_tokens']:,}"
     if cfg["disk_tokens"]:
         levels += f" + disk {cfg['disk_tokens']:,}"
-    table = Table(title=f"kvcm bench trace: {res['trace']}, {res['requests']} requests, "
+    table = Table(title=f"kvcm bench trace: {escape(str(res['trace']))}, "
+                        f"{res['requests']} requests, "
                         f"{res['prompt_tokens']:,} prompt tokens, block size "
                         f"{cfg['block_size']}, levels (tokens) {levels}",
                   title_justify="left")

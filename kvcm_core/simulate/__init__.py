@@ -30,9 +30,13 @@ failure names, the progress bar and the plots' x axis), are the engine steps tha
 numbered from 0 (:data:`~kvcm_core.simulate.runner.STEP_UNITS`): a stretch with no request
 in the system, waiting for a trace's next arrival, is skipped and not counted.
 
-Before running, :mod:`kvcm_core.simulate.preflight` checks every plugin name and that
-level 0 holds the largest request on its own, and warns (on stderr) when it raised level
-0's quota for that or when a level's quota dwarfs the working set.
+Before running, ``--out`` is checked (a folder where ``report.json`` and the plots can be
+made; the previous run's plots there are removed when the run starts), and
+:mod:`kvcm_core.simulate.preflight` checks every plugin name, sets up every level once
+(each tier with its options, each quota) and checks that level 0 holds the largest request
+on its own; it warns (on stderr) when it raised level 0's quota for that, when it raised a
+colder level's quota from ``level_fractions`` so that each cold group gets a slot, or when
+a level's quota dwarfs the working set.
 
 Exit status: 0 when every step verified; 1 when verification failed (a fingerprint
 mismatch or a broken manager invariant), or a ``--corrupt-at`` self-test corrupted a page
@@ -40,7 +44,8 @@ that no check detected; 2 on a bad command line or configuration, found
 before running (bad flag, bad TOML, unknown or unavailable plugin, level 0 too small for
 the largest request), or a ``--corrupt-at STEP`` that corrupted nothing (the run ended
 before STEP); 3 when the run failed for another reason (the scheduler stalled, a
-storage tier failed, an internal error), with the likely cause. Every failure is one line
+storage tier failed, an internal error, the report or a plot could not be written: the
+previous file is then left whole), with the likely cause. Every failure is one line
 on stderr (``--debug`` adds the traceback) and, once the run started, ``report.json`` with
 ``verification.ok = false`` and the traceback.
 """
@@ -50,8 +55,11 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.resources
+import math
 import platform
+import re
 import sys
+import tempfile
 import time
 import tomllib
 import traceback
@@ -64,7 +72,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvcm_core.config import KVCacheManagerConfig
-from kvcm_core.console import int_at_least, make_console
+from kvcm_core.console import OutputError, int_at_least, make_console
 from kvcm_core.errors import (
     ConfigError,
     CorruptPageError,
@@ -75,10 +83,12 @@ from kvcm_core.errors import (
 from kvcm_core.manager import KVCacheManager
 from kvcm_core.simulate.mooncake import TraceError, infinite_hits, read_trace, to_requests
 from kvcm_core.simulate.preflight import (
+    build_levels,
     check_capacity,
     check_plugins,
     human_bytes,
     level_warnings,
+    named_error,
 )
 from kvcm_core.simulate.report import build_report, print_report, write_json, write_plots
 from kvcm_core.simulate.runner import (
@@ -139,13 +149,24 @@ def load_config(path: str | Path | None = None, preset: str = "default") -> Simu
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("toml", str(path), f"is not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError("toml", str(path), f"is not UTF-8 text (byte {exc.start}): a TOML "
+                                             "file must be UTF-8") from None
+    except RecursionError:
+        raise ConfigError("toml", str(path), "nests arrays or tables too deeply to be "
+                                             "read") from None
     except OSError as exc:
-        raise ConfigError("toml", str(path), f"cannot be read: {exc.strerror}") from exc
+        raise ConfigError("toml", str(path), f"cannot be read: {exc.strerror or exc}") \
+            from exc
     for key in data:
         if key not in ("simulate", "kvcm"):
             raise ConfigError(str(key), data[key], "unknown table; allowed: simulate, kvcm")
     if "kvcm" not in data:
         raise ConfigError("kvcm", None, "is required (the manager configuration)")
+    if not isinstance(data["kvcm"], dict):
+        raise ConfigError("kvcm", data["kvcm"], "must be a table ([kvcm])")
+    if not isinstance(data.get("simulate", {}), dict):
+        raise ConfigError("simulate", data["simulate"], "must be a table ([simulate])")
     sim = dict(data.get("simulate", {}))
     for key in sim:
         if key not in _SIM_KEYS:
@@ -157,12 +178,16 @@ def load_config(path: str | Path | None = None, preset: str = "default") -> Simu
     fractions = sim.pop("level_fractions", None)
     if fractions is not None:
         if not isinstance(fractions, list) or not all(
-                isinstance(f, int | float) and not isinstance(f, bool) and f > 0
-                for f in fractions):
+                isinstance(f, int | float) and not isinstance(f, bool)
+                and math.isfinite(f) and f > 0 for f in fractions):
             raise ConfigError("simulate.level_fractions", fractions,
-                              "must be a list of numbers > 0, one per level")
+                              "must be a list of finite numbers > 0, one per level")
         fractions = tuple(float(f) for f in fractions)
-    workload = WorkloadConfig.from_dict(sim.pop("workload", {}))
+    workload = sim.pop("workload", {})
+    if not isinstance(workload, dict):
+        raise ConfigError("simulate.workload", workload,
+                          "must be a table ([simulate.workload])")
+    workload = WorkloadConfig.from_dict(workload)
     for key, value in sim.items():
         low = _SIM_MIN.get(key, 1)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -173,8 +198,16 @@ def load_config(path: str | Path | None = None, preset: str = "default") -> Simu
                           level_fractions=fractions, kvcm=data["kvcm"])
 
 
+#: The largest quota ``[simulate] level_fractions`` may compute (8 EiB: an int64).
+MAX_QUOTA = (1 << 63) - 1
+
+
 def _manager_config(sim: SimulateConfig, ws: dict[str, int], gpu_only: bool,
-                    warnings: list[str]) -> KVCacheManagerConfig:
+                    warnings: list[str],
+                    fitted: dict[int, tuple[float, int]] | None = None
+                    ) -> KVCacheManagerConfig:
+    """The manager configuration of the run: ``[kvcm]`` with quotas from the fractions.
+    ``fitted`` (level -> (fraction, quota)) gets each quota computed from a fraction."""
     raw = dict(sim.kvcm)
     levels = [dict(lv) for lv in raw["levels"]]
     if sim.level_fractions is not None:
@@ -184,7 +217,13 @@ def _manager_config(sim: SimulateConfig, ws: dict[str, int], gpu_only: bool,
         # The GPU level must hold the largest request alone, or nothing could run.
         floor = 2 * (ws["largest_request_blocks"] + 1) * ws["bytes_per_block"]
         for i, (lv, frac) in enumerate(zip(levels, sim.level_fractions, strict=True)):
-            quota = max(1, int(frac * ws["bytes"]))
+            exact = frac * ws["bytes"]
+            if not exact <= MAX_QUOTA:
+                raise ConfigError(f"simulate.level_fractions[{i}]", frac,
+                                  f"gives levels[{i}].quota = {human_bytes(exact)} of the "
+                                  f"working set ({human_bytes(ws['bytes'])}): too large (at "
+                                  "most 8 EiB)")
+            quota = max(1, int(exact))
             if i == 0 and quota < floor:
                 warnings.append(
                     f"level 0 quota raised from {human_bytes(quota)} (level_fractions[0] = "
@@ -193,10 +232,51 @@ def _manager_config(sim: SimulateConfig, ws: dict[str, int], gpu_only: bool,
                     "has more GPU memory than the fraction says")
                 quota = floor
             lv["quota"] = quota
+            if fitted is not None:
+                fitted[i] = (frac, quota)
     if gpu_only:
         levels = levels[:1]
     raw["levels"] = levels
     return KVCacheManagerConfig.from_dict(raw)
+
+
+def _fit_levels(cfg: KVCacheManagerConfig, fitted: dict[int, tuple[float, int]],
+                bytes_per_block: int, warnings: list[str]) -> KVCacheManagerConfig:
+    """Set up every level of ``cfg`` once before the run (preflight: every tier with its
+    options, every quota), raising a colder level's quota computed from a fraction
+    (``fitted``) that leaves one of its cold groups without a slot, with a warning, as
+    level 0's is raised for the largest request.
+
+    Raises:
+        ConfigError: a level cannot be set up (named as the user wrote it).
+    """
+    raised: dict[int, int] = {}
+    for _ in range(80):
+        try:
+            build_levels(cfg)
+            break
+        except ConfigError as exc:
+            match = re.fullmatch(r"levels\[(\d+)\]\.quota", exc.field)
+            i = int(match.group(1)) if match else 0
+            if not (match and i >= 1 and i in fitted and "no slot" in exc.rule):
+                raise named_error(exc, fitted) from None
+            quota = cfg.levels[i].quota
+            new = max(2 * quota, bytes_per_block)
+            raised.setdefault(i, quota)
+            levels = list(cfg.levels)
+            levels[i] = attrs.evolve(levels[i], quota=new)
+            cfg = attrs.evolve(cfg, levels=type(cfg.levels)(levels))
+            fitted[i] = (fitted[i][0], new)
+    else:  # pragma: no cover - the quota doubles each time: a slot comes long before
+        raise ConfigError(f"simulate.level_fractions[{max(raised)}]", None,
+                          "no quota gives every cold group a slot")
+    for i, old in sorted(raised.items()):
+        warnings.append(
+            f"level {i} quota raised from {human_bytes(old)} (level_fractions[{i}] = "
+            f"{fitted[i][0]} of the working set) to {human_bytes(cfg.levels[i].quota)} so "
+            "that each of its cold groups gets a slot: the level is larger than the "
+            "fraction says")
+    return cfg
 
 
 def corrupt_after(at_step: int) -> StepHook:
@@ -296,6 +376,39 @@ def _parser() -> argparse.ArgumentParser:
                         "N-th step, and each request at its first step after it was "
                         f"admitted or resumed (default with --trace: {TRACE_VERIFY_EVERY})")
     return p
+
+
+#: The plots a run draws into ``--out`` (unless ``--no-plots``).
+PLOTS = ("hit_rate.png", "occupancy.png")
+
+
+def check_out(out: str, names: Sequence[str]) -> str | None:
+    """Why no report could be written under ``--out out`` (None: it can be): an empty
+    path, an existing file where the folder goes, one of ``names`` there that is not a
+    file (a folder in the way), or a nearest existing folder in which no file can be made
+    (permissions, a read-only or pseudo file system). Checked before the run, so that a
+    run is never thrown away for want of a place to put its report."""
+    if not out:
+        return "--out '': must name a folder (use --out . for the current one)"
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        return f"--out {out}: is an existing file, not a folder"
+    for name in names:
+        target = path / name
+        if target.exists() and not target.is_file():
+            return f"--out {out}: {target} is in the way: it is not a file"
+    folder = path
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"--out {out}: cannot be made: {folder} is not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return f"--out {out}: cannot be written: no file can be made in {folder} " \
+               f"({exc.strerror})"
+    return None
 
 
 def _usage(message: str) -> int:
@@ -428,6 +541,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "--no-plots and --debug only (it refuses --corrupt-at, "
                           "--verify-every, --gpu-only, --no-compare, --duration and "
                           "--trace: it always verifies every page at every step)")
+    for flag, value in (("--requests", args.requests), ("--duration", args.duration)):
+        if value is not None and value < 1:
+            return _usage(f"{flag} {value}: must be an int >= 1")
     if args.verify_every is None:
         args.verify_every = TRACE_VERIFY_EVERY if args.trace is not None else 1
     if args.verify_every < 1:
@@ -443,7 +559,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.requests is not None or args.duration is not None:
             return _usage("--requests and --duration apply to the seeded workload; with "
                           "--trace use --trace-limit")
-    if args.preset == "two-engine" and args.config is None:
+    two_engine = args.preset == "two-engine" and args.config is None
+    problem = check_out(args.out, () if two_engine else
+                        ("report.json",) if args.no_plots else ("report.json", *PLOTS))
+    if problem is not None:
+        return _usage(problem)
+    if two_engine:
         from kvcm_core.simulate.two_engine import run_two_engine
 
         return run_two_engine(args, Path(args.out), console, err)
@@ -462,13 +583,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         if args.trace is not None:
             records = read_trace(args.trace, args.trace_limit)
-            trace = to_requests(records, args.ms_per_step, seed=seed)
+            trace = to_requests(records, args.ms_per_step, seed=seed, source=args.trace)
         else:
             trace = generate_trace(wl, seed)
         base = KVCacheManagerConfig.from_dict(sim.kvcm)
         check_plugins(base)
         ws = working_set(trace, base)
-        cfg = _manager_config(sim, ws, args.gpu_only, warnings)
+        cfg = _fit_levels(_manager_config(sim, ws, args.gpu_only, warnings, fitted := {}),
+                          fitted, ws["bytes_per_block"], warnings)
         check_capacity(cfg, trace, sim.scheduler)
         warnings += level_warnings(cfg, ws["bytes"])
     except TraceError as exc:
@@ -483,8 +605,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
+        for name in PLOTS:  # a failed run must not leave an earlier run's plots beside it
+            if (out / name).is_file() or (out / name).is_symlink():
+                (out / name).unlink()
     except OSError as exc:
-        return _usage(f"--out {args.out}: cannot create the folder ({exc.strerror})")
+        return _usage(f"--out {args.out}: cannot prepare the folder ({exc.strerror})")
     for warning in warnings:
         err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
     notes: list[str] = []
@@ -574,20 +699,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta["wall_s"] = time.perf_counter() - t0
     report = build_report(meta=meta, workload=summary, main=main_res, gpu_only=gpu_res,
                           bound=bound, error=error)
-    write_json(report, out / "report.json")
+    report_path = out / "report.json"
+    try:
+        write_json(report, report_path)
+    except OutputError as exc:
+        # The run's outcome stands; the previous report.json (if any) is left whole.
+        if error is None:
+            if not args.quiet:
+                print_report(report, console)
+            return _fail(err, f"the run verified but its report was not written: {exc}", 3,
+                         traceback.format_exc(), args.debug)
+        return _fail(err, f"{error} (the report was not written: {exc})", code,
+                     meta.get("traceback"), args.debug)
     if error is None and not args.quiet:
         print_report(report, console)
     if error is None and not args.no_plots:
-        plots = write_plots(report, out)
+        try:
+            plots = write_plots(report, out)
+        except OutputError as exc:
+            return _fail(err, f"the run verified and its report is in {report_path}, but a "
+                              f"plot was not written: {exc}", 3, traceback.format_exc(),
+                         args.debug)
         if isinstance(plots, str):
             notes.append(plots)
             if not args.quiet:
                 console.print(f"[yellow]note:[/] {escape(plots)}")
         elif not args.quiet:
-            console.print(f"plots: {', '.join(str(p) for p in plots)}")
+            console.print(f"plots: {escape(', '.join(str(p) for p in plots))}",
+                          highlight=False)
     if not args.quiet:
-        console.print(f"report: {out / 'report.json'}  ({meta['wall_s']:.1f} s)")
+        console.print(f"report: {escape(str(report_path))}  ({meta['wall_s']:.1f} s)",
+                      highlight=False)
     if error is not None:
-        return _fail(err, f"{error} (report: {out / 'report.json'})", code,
+        return _fail(err, f"{error} (report: {report_path})", code,
                      meta.get("traceback"), args.debug)
     return 0

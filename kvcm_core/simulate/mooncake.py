@@ -62,6 +62,12 @@ MODULUS = 1_000_003
 #: Made-up answer tokens are drawn from ``[ANSWER_TOKEN_BASE, 2**31)``: above every prompt
 #: token (which lie in ``[1, MODULUS]``), so no prompt ever matches an answer.
 ANSWER_TOKEN_BASE = 2_000_000
+#: The largest ``output_length`` a record may have: its answer is made-up tokens held in
+#: memory (64 MiB of int32 at most).
+MAX_OUTPUT_LENGTH = 1 << 24
+#: A request's arrival step (``timestamp / ms_per_step``) must be below this: steps are
+#: counted exactly in a float up to 2**53.
+MAX_ARRIVAL_STEP = 1 << 53
 
 
 class TraceError(ValueError):
@@ -96,8 +102,10 @@ def _record(obj: Any, where: str, line: int) -> TraceRecord:
     n_in, n_out, ids = obj["input_length"], obj["output_length"], obj["hash_ids"]
     if not _int(n_in, 1):
         raise TraceError(f"{where}: input_length {n_in!r} must be an int >= 1")
-    if not _int(n_out, 0):
-        raise TraceError(f"{where}: output_length {n_out!r} must be an int >= 0")
+    if not _int(n_out, 0) or n_out > MAX_OUTPUT_LENGTH:
+        raise TraceError(f"{where}: output_length {n_out!r} must be an int in [0, "
+                         f"{MAX_OUTPUT_LENGTH}] (2**24: the answer's tokens are made up "
+                         "and held in memory)")
     if not isinstance(ids, list) or not all(_int(h, 0) for h in ids):
         raise TraceError(f"{where}: hash_ids must be a list of ints >= 0")
     if not TRACE_BLOCK * (len(ids) - 1) < n_in <= TRACE_BLOCK * len(ids):
@@ -128,10 +136,13 @@ def read_trace(path: str | Path, limit: int = 0) -> list[TraceRecord]:
                     continue
                 where = f"{path}:{lineno}"
                 try:
-                    obj = json.loads(text)
+                    obj = json.loads(text.rstrip("\r\n"))
                 except json.JSONDecodeError as exc:
-                    raise TraceError(f"{where}: not valid JSON ({exc.msg} at column "
-                                     f"{exc.colno})") from None
+                    at = " " if exc.msg.endswith(" at") else " at "
+                    raise TraceError(f"{where}: not valid JSON: {exc.msg}{at}column "
+                                     f"{exc.colno}") from None
+                except RecursionError:
+                    raise TraceError(f"{where}: not valid JSON: nested too deeply") from None
                 out.append(_record(obj, where, lineno))
                 if limit and len(out) >= limit:
                     break
@@ -283,18 +294,30 @@ def _lru_replay(records: Sequence[TraceRecord], capacity_tokens: int, block_size
 
 
 def to_requests(records: Sequence[TraceRecord], ms_per_step: float, *,
-                seed: int = 0) -> list[TraceRequest]:
+                seed: int = 0, source: str = "trace") -> list[TraceRequest]:
     """The records as simulator requests: request ``i`` (``"t<i>"``, kind ``"trace"``)
     arrives at step ``floor(timestamp / ms_per_step)``, its prompt by the token rule,
     followed by ``max(1, output_length)`` made-up answer tokens from ``[2_000_000,
     2**31)`` (seeded), which no later prompt contains. Every request is its own session:
-    the trace's reuse is all in its prompts. One reuse scope for all."""
+    the trace's reuse is all in its prompts. One reuse scope for all.
+
+    Raises:
+        TraceError: a record's arrival step is not finite or beyond 2**53 (named
+            ``SOURCE:LINE``).
+    """
     if not ms_per_step > 0:
         raise ValueError(f"ms_per_step={ms_per_step!r} must be > 0")
     rng = np.random.default_rng(seed)
     scope = ReuseScope()
     out = []
     for i, rec in enumerate(records):
+        arrival = rec.timestamp / ms_per_step
+        if not math.isfinite(arrival) or arrival >= MAX_ARRIVAL_STEP:
+            where = f"{source}:{rec.line}" if rec.line else f"{source}: request {i}"
+            raise TraceError(f"{where}: timestamp {rec.timestamp!r} / --ms-per-step "
+                             f"{ms_per_step!r} = arrival step {arrival:g}: must be below "
+                             f"{MAX_ARRIVAL_STEP} (2**53; a larger --ms-per-step makes "
+                             "fewer steps)")
         prompt = prompt_tokens(rec)
         answer = rng.integers(ANSWER_TOKEN_BASE, 2**31 - 1, max(1, rec.output_length),
                               dtype=np.int32)

@@ -14,7 +14,9 @@ ever store costs time and memory for nothing (kvcm sets up the whole quota).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -22,12 +24,12 @@ import attrs
 from kvcm_core.config import KVCacheManagerConfig
 from kvcm_core.errors import ConfigError, PluginError
 from kvcm_core.manager import KVCacheManager
-from kvcm_core.plugins import KvcmPluginManager, get_plugin_manager
+from kvcm_core.plugins import BACKEND_ENV, KvcmPluginManager, get_plugin_manager
 from kvcm_core.simulate.runner import SchedulerConfig
 from kvcm_core.simulate.workload import TraceRequest
 
-__all__ = ["DWARF_FACTOR", "DWARF_MIN_BYTES", "check_capacity", "check_plugins",
-           "human_bytes", "level_warnings"]
+__all__ = ["DWARF_FACTOR", "DWARF_MIN_BYTES", "build_levels", "check_capacity",
+           "check_plugins", "human_bytes", "level_warnings", "named_error"]
 
 #: A level is said to dwarf the workload when its quota exceeds this many times the
 #: working set ...
@@ -37,9 +39,11 @@ DWARF_MIN_BYTES = 64 << 20
 
 
 def human_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
+    """``1536`` -> ``"1.5 KiB"`` (beyond a million TiB: ``"3.2e+290 TiB"``)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
+            if unit == "TiB" and n >= 1e6:
+                return f"{n:.3g} TiB"
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"  # pragma: no cover
@@ -66,6 +70,12 @@ def check_plugins(cfg: KVCacheManagerConfig, pm: KvcmPluginManager | None = None
     try:
         pm.select_kernel_backend(cfg.kernel_backend)
     except PluginError as exc:
+        env = os.environ.get(BACKEND_ENV, "")
+        if cfg.kernel_backend == "auto" and env and env != "auto":
+            # The environment chose the backend: name it, not the "auto" it overrides.
+            raise ConfigError(BACKEND_ENV, env, f"{exc} (the environment variable picks "
+                                                "the backend of kernel_backend = 'auto')"
+                              ) from None
         raise ConfigError("kvcm.kernel_backend", cfg.kernel_backend, str(exc)) from None
     check("kvcm.eviction_policy", cfg.eviction_policy, pm.eviction_policy)
     for i, level in enumerate(cfg.levels):
@@ -89,11 +99,11 @@ def check_capacity(cfg: KVCacheManagerConfig, trace: Sequence[TraceRequest],
     gpu_only = attrs.evolve(cfg, levels=cfg.levels[:1])
     quota = cfg.levels[0].quota
     rule = (f"too small for the largest request of the workload ({req.id}: {len(tokens)} "
-            "tokens) on its own")
+            f"tokens) on its own at {human_bytes(quota)}")
     try:
         manager = KVCacheManager(gpu_only)
-    except ConfigError as exc:
-        raise ConfigError("kvcm.levels[0].quota", quota, f"{rule}: {exc.rule}") from None
+    except ConfigError as exc:  # not a refusal: the level cannot be set up at all
+        raise named_error(exc) from None
     with manager, manager.create_kv_cache(req.scope, ()) as cache:
         if not cache.resume():
             raise ConfigError("kvcm.levels[0].quota", quota,
@@ -107,6 +117,42 @@ def check_capacity(cfg: KVCacheManagerConfig, trace: Sequence[TraceRequest],
                     f"{rule}: at token {pos + step}, {cache.last_refusal}")
             cache.commit(tokens[pos:pos + step])
             pos += step
+
+
+def build_levels(cfg: KVCacheManagerConfig) -> None:
+    """Set up every level of ``cfg`` once, as the run will (each tier with its options,
+    each level's quota split over its pool groups), and close them again.
+
+    Raises:
+        ConfigError: as the manager raises it (see :func:`named_error` for the user's
+            field names).
+        TierIOError, OutOfPagesError: a level's storage could not be set up.
+    """
+    with KVCacheManager(cfg):
+        pass
+
+
+def named_error(exc: ConfigError,
+                fractions: Mapping[int, tuple[float, int]] | None = None) -> ConfigError:
+    """``exc`` (from building a manager) under the name the user wrote: a level's quota
+    computed from ``[simulate] level_fractions`` (``fractions``: level -> (fraction,
+    quota)) is ``simulate.level_fractions[i]``, naming the computed quota; any other
+    field is under ``kvcm.``."""
+    match = re.fullmatch(r"levels\[(\d+)\]\.quota", exc.field)
+    if match and fractions and int(match.group(1)) in fractions:
+        i = int(match.group(1))
+        frac, quota = fractions[i]
+        return ConfigError(f"simulate.level_fractions[{i}]", frac,
+                           f"gives levels[{i}].quota = {human_bytes(quota)} ({quota} bytes) "
+                           f"of the working set, which is refused: {exc.rule}")
+    if match:
+        quota = exc.value if isinstance(exc.value, int) else None
+        size = f" ({human_bytes(quota)})" if quota is not None else ""
+        return ConfigError(f"kvcm.{exc.field}", exc.value, f"{size.strip()} {exc.rule}"
+                           if size else exc.rule)
+    if exc.field.startswith("levels["):
+        return ConfigError(f"kvcm.{exc.field}", exc.value, exc.rule)
+    return exc
 
 
 def level_warnings(cfg: KVCacheManagerConfig, ws_bytes: int) -> list[str]:

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvcm_core.console import atomic_output
 from kvcm_core.simulate.runner import RunResult, kind_rates, percentiles
 
 __all__ = ["build_report", "print_report", "write_json", "write_plots"]
@@ -120,7 +121,14 @@ def build_report(*, meta: dict[str, Any], workload: dict[str, Any],
 
 
 def write_json(report: dict[str, Any], path: Path) -> None:
-    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    """Write ``report`` to ``path`` in one step: a failed write leaves the previous file.
+
+    Raises:
+        OutputError: the file cannot be written (named, with the reason).
+    """
+    text = json.dumps(report, indent=1, default=str) + "\n"
+    with atomic_output(path) as tmp:
+        tmp.write_text(text)
 
 
 def _pct(x: float | None) -> str:
@@ -300,7 +308,11 @@ def occupancy_figure(report: dict[str, Any]) -> Any:
 
 
 def write_plots(report: dict[str, Any], out: Path) -> list[Path] | str:
-    """``hit_rate.png`` and ``occupancy.png``; returns their paths, or a note why not."""
+    """``hit_rate.png`` and ``occupancy.png``; returns their paths, or a note why not.
+
+    Raises:
+        OutputError: a plot cannot be written (the previous file, if any, is kept).
+    """
     try:
         import matplotlib
 
@@ -312,7 +324,10 @@ def write_plots(report: dict[str, Any], out: Path) -> list[Path] | str:
     for name, make in (("hit_rate.png", hit_rate_figure), ("occupancy.png", occupancy_figure)):
         fig = make(report)
         paths.append(out / name)
-        # "tight": the legends beside the axes are part of the picture.
-        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-        plt.close(fig)
+        try:
+            with atomic_output(paths[-1]) as tmp:
+                # "tight": the legends beside the axes are part of the picture.
+                fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
+        finally:
+            plt.close(fig)
     return paths

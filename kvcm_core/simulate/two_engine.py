@@ -38,8 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from rich.markup import escape
 
 from kvcm_core.config import KVCacheManagerConfig
+from kvcm_core.console import OutputError, atomic_output
 from kvcm_core.errors import ConfigError, PluginError
 from kvcm_core.manager import KVCacheManager
 from kvcm_core.simulate.runner import (
@@ -288,8 +290,18 @@ def run_two_engine(args: argparse.Namespace, out: Path, console: Any, err: Any) 
     if error is not None:
         report["exit_status"] = code
         report["traceback"] = tb
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with atomic_output(out / "report.json") as tmp:
+            tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    except OSError as exc:  # the previous report.json, if any, is left whole
+        message = str(exc) if isinstance(exc, OutputError) else \
+            f"--out {out}: cannot create the folder ({exc.strerror or exc})"
+        if error is None:
+            return _fail(err, f"the runs verified but the report was not written: {message}",
+                         3, traceback.format_exc(), bool(getattr(args, "debug", False)))
+        return _fail(err, f"{error} (the report was not written: {message})", code, tb,
+                     bool(getattr(args, "debug", False)))
     if error is not None:
         return _fail(err, f"{error} (report: {out / 'report.json'})", code, tb,
                      bool(getattr(args, "debug", False)))
@@ -305,5 +317,6 @@ def run_two_engine(args: argparse.Namespace, out: Path, console: Any, err: Any) 
         console.print(f"[green]verified (full):[/] every page checked at every step in both "
                       f"engines ({steps} engine steps, {pages:,} pages checked over "
                       f"{len(runs)} runs)", highlight=False)
-        console.print(f"report: {out / 'report.json'}  ({report['wall_s']:.1f} s)")
+        console.print(f"report: {escape(str(out / 'report.json'))}  "
+                      f"({report['wall_s']:.1f} s)", highlight=False)
     return 0

@@ -20,6 +20,7 @@ Everything follows from the seed: the same settings and seed give the same trace
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -35,14 +36,34 @@ __all__ = ["KINDS", "TraceRequest", "WorkloadConfig", "generate_trace", "kinds_o
 
 KINDS = ("chat", "system", "agent", "oneoff")
 
+#: Upper bounds of the workload knobs: a session's turns are all drawn when it starts, and
+#: every tenant's system prompts before the first request, so a value beyond these would
+#: take longer than any run (or all memory) before ``requests`` could cut it short.
+MAX_TURNS = 10_000
+MAX_SYSTEM_PROMPTS = 100_000
+#: Tokens of one message (a prompt part or an answer) the generator draws.
+MAX_TOKENS = 1 << 20
+_MAX_RANGE = {"chat_turns": MAX_TURNS, "agent_steps": MAX_TURNS,
+              "think_steps": 1 << 30, "tool_steps": 1 << 30}
+_RANGE_WHY = {"chat_turns": "turns of one session", "agent_steps": "steps of one session",
+              "think_steps": "steps", "tool_steps": "steps"}
+_MAX_COUNT = {"tenants": MAX_SYSTEM_PROMPTS, "system_prompts": MAX_SYSTEM_PROMPTS}
+_COUNT_WHY = {"tenants": "each tenant's system prompts are made before the first request",
+              "system_prompts": "they are made before the first request"}
+
 
 def _range(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
     ok = (isinstance(value, tuple) and len(value) == 2
           and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
           and 0 <= value[0] <= value[1])
     if not ok:
-        raise ConfigError(f"simulate.{attr.name}", list(value) if isinstance(value, tuple)
-                          else value, "must be [low, high] with 0 <= low <= high")
+        raise ConfigError(f"simulate.workload.{attr.name}", list(value)
+                          if isinstance(value, tuple) else value,
+                          "must be [low, high] with 0 <= low <= high")
+    if value[1] > _MAX_RANGE.get(attr.name, MAX_TOKENS):
+        raise ConfigError(f"simulate.workload.{attr.name}", list(value),
+                          f"the high end must be at most {_MAX_RANGE.get(attr.name, MAX_TOKENS)}"
+                          f" ({_RANGE_WHY.get(attr.name, 'tokens of one message')})")
 
 
 def _to_range(value: Any) -> Any:
@@ -55,25 +76,37 @@ def _to_range(value: Any) -> Any:
 
 def _positive_int(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"simulate.{attr.name}", value, "must be an int >= 1")
+        raise ConfigError(f"simulate.workload.{attr.name}", value, "must be an int >= 1")
+    top = _MAX_COUNT.get(attr.name)
+    if top is not None and value > top:
+        raise ConfigError(f"simulate.workload.{attr.name}", value,
+                          f"must be at most {top} ({_COUNT_WHY[attr.name]})")
 
 
 def _vocab(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**31:
-        raise ConfigError(f"simulate.{attr.name}", value,
+        raise ConfigError(f"simulate.workload.{attr.name}", value,
                           "must be an int in [1, 2**31] (token ids are int32)")
+
+
+def _to_mix(value: Any) -> Any:
+    return dict(value) if isinstance(value, Mapping) else value
 
 
 def _mix(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, Mapping) or not value:
-        raise ConfigError("simulate.mix", value, f"must be a table of weights for {KINDS}")
+        raise ConfigError("simulate.workload.mix", value,
+                          f"must be a table of weights for {', '.join(KINDS)}")
     for k, w in value.items():
         if k not in KINDS:
-            raise ConfigError(f"simulate.mix.{k}", w, f"unknown kind; known: {', '.join(KINDS)}")
-        if isinstance(w, bool) or not isinstance(w, int | float) or w < 0:
-            raise ConfigError(f"simulate.mix.{k}", w, "must be a weight >= 0")
+            raise ConfigError(f"simulate.workload.mix.{k}", w,
+                              f"unknown kind; known: {', '.join(KINDS)}")
+        if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w) \
+                or w < 0:
+            raise ConfigError(f"simulate.workload.mix.{k}", w, "must be a finite weight >= 0")
     if sum(value.values()) <= 0:
-        raise ConfigError("simulate.mix", dict(value), "needs at least one positive weight")
+        raise ConfigError("simulate.workload.mix", dict(value),
+                          "needs at least one positive weight")
 
 
 @attrs.frozen(kw_only=True)
@@ -107,7 +140,7 @@ class WorkloadConfig:
     requests: int = attrs.field(default=300, validator=_positive_int)
     mix: Mapping[str, float] = attrs.field(
         factory=lambda: {"chat": 0.3, "system": 0.3, "agent": 0.15, "oneoff": 0.25},
-        converter=dict, validator=_mix)
+        converter=_to_mix, validator=_mix)
     tenants: int = attrs.field(default=2, validator=_positive_int)
     system_prompts: int = attrs.field(default=3, validator=_positive_int)
     system_prompt_tokens: tuple[int, int] = attrs.field(default=(200, 500), converter=_to_range,
@@ -138,13 +171,24 @@ class WorkloadConfig:
 
     def __attrs_post_init__(self) -> None:
         rate = self.arrival_rate
-        if isinstance(rate, bool) or not isinstance(rate, int | float) or rate <= 0:
-            raise ConfigError("simulate.arrival_rate", rate, "must be a number > 0")
+        if isinstance(rate, bool) or not isinstance(rate, int | float) \
+                or not math.isfinite(rate) or rate <= 0:
+            raise ConfigError("simulate.workload.arrival_rate", rate,
+                              "must be a finite number > 0")
         if self.duration is not None and (isinstance(self.duration, bool) or not isinstance(
                 self.duration, int) or self.duration < 1):
-            raise ConfigError("simulate.duration", self.duration, "must be an int >= 1")
-        if self.chat_turns[0] < 1 or self.agent_steps[0] < 1:
-            raise ConfigError("simulate.chat_turns/agent_steps", None, "need at least 1")
+            raise ConfigError("simulate.workload.duration", self.duration,
+                              "must be an int >= 1")
+        for name in ("chat_turns", "agent_steps"):
+            if getattr(self, name)[0] < 1:
+                raise ConfigError(f"simulate.workload.{name}", list(getattr(self, name)),
+                                  "the low end must be at least 1 (a session has a request)")
+        prompts = self.tenants * self.system_prompts
+        if prompts > MAX_SYSTEM_PROMPTS:
+            raise ConfigError("simulate.workload.system_prompts", self.system_prompts,
+                              f"tenants x system_prompts = {prompts} must be at most "
+                              f"{MAX_SYSTEM_PROMPTS} (every system prompt is made before "
+                              "the first request)")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> WorkloadConfig:
