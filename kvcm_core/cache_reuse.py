@@ -180,9 +180,10 @@ class ReuseMixin(CacheBase):
         gone = set(pids.tolist()) - back
         self._pending = [(g, b, p) for g, b, p in pending if p not in gone]
 
-    def _reuse_claims(self) -> list[tuple[int, list[int]]]:
-        """The chosen OPTIONAL groups' claims, as ``(group, levels)``: the level each
-        claimed page is reused from. Taken once the declined claims are given up and
+    def _reuse_claims(self) -> list[tuple[int, list[int], int]]:
+        """The chosen OPTIONAL groups' claims, as ``(group, levels, partial)``: the level
+        each claimed page is reused from, and how many of them are partial blocks (an
+        attention group's pending copy; an SSM snapshot counts as a full block). Taken once the declined claims are given up and
         before any page is added; :meth:`_count_optional_reuse` counts them when the first resume
         succeeds. Empty once the choice is final."""
         if self._optional_decided:
@@ -191,17 +192,20 @@ class ReuseMixin(CacheBase):
         out = []
         for g in self._selected:
             claimed = [p for p in self._pages[g] if p >= 0]
-            claimed += [p for grp, _, p in self._pending if grp == g]
-            out.append((g, [int(level[p]) for p in claimed]))
+            pending = [(b, p) for grp, b, p in self._pending if grp == g]
+            claimed += [p for _, p in pending]
+            out.append((g, [int(level[p]) for p in claimed],
+                        sum(1 for b, _ in pending if b >= 0)))
         return out
 
-    def _count_optional_reuse(self, claims: list[tuple[int, list[int]]]) -> None:
+    def _count_optional_reuse(self, claims: list[tuple[int, list[int], int]]) -> None:
         """The OPTIONAL choice is final (the first resume succeeded): count the chosen
         groups' ``claims`` (:meth:`_reuse_claims`) in the statistics; declined groups
         count nothing."""
         stats = self._levels.stats
-        for g, levels in claims:
-            stats.groups[g].reused_full_blocks += len(levels)
+        for g, levels, partial in claims:
+            stats.groups[g].reused_full_blocks += len(levels) - partial
+            stats.groups[g].reused_partial_blocks += partial
             self.stats.reused_blocks += len(levels)  # type: ignore[attr-defined]
             self.stats.allocated_blocks += len(levels)  # type: ignore[attr-defined]
             for lv in levels:

@@ -1046,7 +1046,10 @@ class Levels:
         # All the room first, then the sizes: pool groups can share a colder store, so a
         # later store may find the room the plan counted on taken by an earlier one. Then
         # nothing is resized (pages that moved down stay there, valid).
-        for store, _, short in plans:
+        for store, new, _ in plans:
+            # Counted again: making room in one store drops blocks whose pages in
+            # another (another life cycle) were in the slots it gives up.
+            short = len(store.high_pages(new)) - int((store.free_slots() < new).sum())
             if short > 0:
                 if not self.room(store, store.num_free + short):
                     return False

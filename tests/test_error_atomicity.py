@@ -9,12 +9,15 @@ import pytest
 from levels_helpers import (
     PAGE,
     Driver,
+    Recorder,
+    SinkPlugin,
     assert_all_free,
     assert_invariants,
     close_all,
     faulty_disk,
     make_manager,
     page_levels,
+    quota,
     snapshot,
     tokens,
 )
@@ -28,6 +31,7 @@ from kvcm_core import (
     InvalidArgumentError,
     KVCacheManager,
     KVCacheManagerConfig,
+    KvcmPluginManager,
     LevelConfig,
     ReusePolicy,
     TierIOError,
@@ -329,3 +333,43 @@ def test_beam_argument_that_is_no_int_is_a_type_error_even_when_it_equals_zero(b
         c.get_base_page_indices(0, beam)
     assert c.get_base_page_indices(0, np.int64(0)).tolist() == \
         c.get_base_page_indices(0, 0).tolist()
+
+
+def test_level_resize_that_fits_is_not_refused_after_one_store_freed_another(tmp_path):
+    """Making room in one store of a level drops blocks whose pages in the other stores
+    (other life cycles) sat in the slots those give up: the shortfall is counted again,
+    or the resize is refused after dropping blocks (and an identical one then succeeds)."""
+    rec = Recorder()
+    pm = KvcmPluginManager()
+    pm.register(SinkPlugin(rec), name="rec")
+    m = make_manager([("gpu", 4), ("host", 2), ("disk", 4)], tmp_path, layout="hybrid", pm=pm)
+    d = Driver(m)
+    for seed in range(4):  # four closed requests, the older ones pushed down to the disk
+        d.write(tokens(16, seed), suspend=False).close()
+    assert m.resize(2, quota("hybrid", 2, 1)), m.last_refusal
+    assert [s.num_slots for s in m.stores[2]] == [1] * len(m.stores[2])
+    assert_invariants(m)
+    m.shutdown()
+
+
+def test_a_chosen_optional_group_counts_a_reused_partial_block_as_partial(tmp_path):
+    layers = [AttentionLayerConfig(layer_id=0, buffers=[
+        BufferConfig(role="k", size=PAGE),
+        BufferConfig(role="v", size=PAGE, reuse_policy=ReusePolicy.OPTIONAL)])]
+    m = KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=4, layers=layers, kernel_backend="numpy",
+        levels=[LevelConfig(tier="gpu", quota=32 * PAGE * 2)]))
+    d = Driver(m)
+    t = tokens(20, 1)
+    d.write(t[:10], suspend=False, match_len=0).close()  # 2 full blocks, 2 tokens partial
+    m.get_and_reset_iteration_stats()
+    b = m.create_kv_cache(None, t[:10])
+    policies = [lc.policy for lc in m.life_cycles]
+    required, optional = policies.index(ReusePolicy.REQUIRED), \
+        policies.index(ReusePolicy.OPTIONAL)
+    assert b.resume(optional_reuse_groups=[optional])
+    groups = m.get_and_reset_iteration_stats().groups
+    for g in (required, optional):
+        assert (groups[g].reused_full_blocks, groups[g].reused_partial_blocks) == (2, 1), g
+    b.close()
+    m.shutdown()
