@@ -302,7 +302,9 @@ class Batch:
                 (nothing changed).
         """
         self._thread.check()
-        self._dirty.add(self._row_arg(row))
+        if type(row) is not int or not 0 <= row < self.max_rows:  # (a seated row is fine)
+            row = self._row_arg(row)
+        self._dirty.add(row)
 
     def publish(self, stream: Stream | None = None) -> int:
         """Upload the dirty rows of every table (base page tables, block counts and the

@@ -179,13 +179,16 @@ class ReuseMixin(CacheBase):
                 self._pages[g][b] = pid
         gone = set(pids.tolist()) - back
         self._pending = [(g, b, p) for g, b, p in pending if p not in gone]
+        for g in {g for g, _, p in declined if p in gone}:  # the offer shrank
+            self._reuse_status[g] = self._status_of(g, self._reuse_status[g].endpoint)
 
     def _reuse_claims(self) -> list[tuple[int, list[int], int]]:
         """The chosen OPTIONAL groups' claims, as ``(group, levels, partial)``: the level
         each claimed page is reused from, and how many of them are partial blocks (an
-        attention group's pending copy; an SSM snapshot counts as a full block). Taken once the declined claims are given up and
-        before any page is added; :meth:`_count_optional_reuse` counts them when the first resume
-        succeeds. Empty once the choice is final."""
+        attention group's pending copy; an SSM snapshot counts as a full block). Taken
+        once the declined claims are given up and before any page is added;
+        :meth:`_count_optional_reuse` counts them when the first resume succeeds. Empty
+        once the choice is final."""
         if self._optional_decided:
             return []
         level = self._arena.level

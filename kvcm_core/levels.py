@@ -65,6 +65,12 @@ _MOVE_BATCH_BYTES = 16 << 20
 _RESERVE_LIMIT = 1 << 20  # pages / nodes allocated up front at most
 
 
+
+def _why(exc: BaseException) -> str:
+    """An exception as a short reason: its message, or its type when it has none (a bare
+    ``MemoryError``)."""
+    return str(exc) or type(exc).__name__
+
 class Levels:
     """Stores, tiers and page movement of one manager (see module docstring).
 
@@ -1066,9 +1072,9 @@ class Levels:
                 old = store.num_slots
                 try:
                     store.grow(new)
-                except TierIOError as exc:  # the pool could not grow (in time)
+                except Exception as exc:  # the pool could not grow (in time, or no memory)
                     self._undo_resizes(done)
-                    self.resize_failure = f"the pool kept its size: {exc}"
+                    self.resize_failure = f"the pool kept its size: {_why(exc)}"
                     return False
                 done.append((store, old))
         for store, new, _ in plans:
@@ -1096,9 +1102,9 @@ class Levels:
             old = store.num_slots
             try:
                 store.shrink(new)
-            except TierIOError as exc:  # the pages moved stay valid
+            except Exception as exc:  # the pages moved stay valid
                 self._undo_resizes(done)
-                self.resize_failure = f"the pool kept its size: {exc}"
+                self.resize_failure = f"the pool kept its size: {_why(exc)}"
                 return False
             done.append((store, old))
         return True
@@ -1113,12 +1119,12 @@ class Levels:
             if old < store.num_slots:
                 try:
                     store.shrink(old)
-                except TierIOError:
+                except Exception:
                     pass  # the pools stay larger than the store uses: harmless
             else:
                 try:
                     store.grow(old)
-                except TierIOError as exc:
+                except Exception as exc:
                     raise TierIOError(
                         f"level {store.level}: a resize failed half-way and pool group "
                         f"{store.pool_group} cannot grow back to {old} slots ({exc}); it "

@@ -486,11 +486,14 @@ class KVCacheManager:
     def resize(self, level: int, quota: int | str) -> bool:
         """Grow or shrink a level's quota while every cache is suspended, moving pages out
         of the released space (into free slots of the level, else down a level). Returns
-        False, with nothing changed, when the pages cannot be placed (the reason is then in
-        ``last_refusal``; None after a success).
+        False, with nothing changed, when the pages cannot be placed or a pool cannot
+        take its new size (out of memory, a full disk): the reason is then in
+        ``last_refusal``; None after a success.
 
         Raises:
             InvalidStateError: a cache is active.
+            TierIOError: a pool failed to resize and a store already shrunk could not grow
+                back (that store keeps its smaller size; the message says which).
             ArgumentTypeError, InvalidArgumentError: a level that is not an int, or that
                 the manager does not have among its own (a keyed remote level is sized by
                 its store).

@@ -373,3 +373,57 @@ def test_a_chosen_optional_group_counts_a_reused_partial_block_as_partial(tmp_pa
         assert (groups[g].reused_full_blocks, groups[g].reused_partial_blocks) == (2, 1), g
     b.close()
     m.shutdown()
+
+
+def test_level0_resize_whose_second_pool_runs_out_of_memory_is_refused_with_nothing_changed(
+        built, monkeypatch):
+    import kvcm_tier_gpu
+    m, _ = built(tiers=(("gpu", 8), ("host", 8)), layout="hybrid")
+    d = Driver(m)
+    c = d.write(tokens(20, 1))
+    sizes = [s.num_slots for s in m.stores[0]]
+    before = snapshot(m, c)
+    real = kvcm_tier_gpu.MemoryPool.resize
+    calls = {"n": 0}
+
+    def resize(self, n):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise MemoryError
+        return real(self, n)
+
+    monkeypatch.setattr(kvcm_tier_gpu.MemoryPool, "resize", resize)
+    assert m.resize(0, m.config.levels[0].quota * 2) is False
+    assert "MemoryError" in m.last_refusal
+    assert [s.num_slots for s in m.stores[0]] == sizes
+    assert snapshot(m, c) == before
+
+
+def test_declined_pages_dropped_during_an_interrupted_first_resume_shrink_the_offer(
+        built, monkeypatch):
+    monkeypatch.setitem(__import__("levels_helpers").LAYOUTS, "optional", _optional_v)
+    m, _ = built(tiers=(("gpu", 8), ("host", 2), ("faulty-disk", 2)), layout="optional")
+    d = Driver(m)
+    base = tokens(24, 3)
+    d.write(base, chunk=24, suspend=False).close()
+    d.write(tokens(16, 1), chunk=32)
+    c = m.create_kv_cache(None, base[:20])
+    assert c.reuse_status[1].complete
+    levels = type(m.storage_levels)
+    real = levels.fill
+
+    def fill(self, *args, **kw):  # the room is made (declined pages dropped), then Ctrl-C
+        monkeypatch.setattr(levels, "fill", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(levels, "fill", fill)
+    with pytest.raises(KeyboardInterrupt):
+        c.resume(optional_reuse_groups=[])
+    assert_invariants(m)
+    lost = [b for b, p in enumerate(c.pages(1)) if p < 0]
+    assert lost, "the scenario must drop a declined page"
+    assert not c.reuse_status[1].complete            # the offer says what is left
+    with pytest.raises(InvalidArgumentError, match="incomplete"):
+        c.resume(optional_reuse_groups=[1])
+    assert c.resume(optional_reuse_groups=[])
+    assert sorted(c.recompute_blocks(1)) == list(range(5))

@@ -184,7 +184,8 @@ class LruPolicy(EvictionPolicy):
         Raises:
             ValueError: naming the first absent (or repeated) page; nothing is changed.
         """
-        pages = page_list(pages)  # (a list of ints as it is; a bool or float refused)
+        if type(pages) is not list or len(pages) != 1 or type(pages[0]) is not int:
+            pages = page_list(pages)  # (a list of ints as it is; a bool or float refused)
         if len(pages) == 1:
             page = pages[0]
             try:
@@ -207,7 +208,8 @@ class LruPolicy(EvictionPolicy):
         Raises:
             ValueError: naming the first absent page; nothing is changed.
         """
-        pages = page_list(pages)  # (a list of ints as it is; a bool or float refused)
+        if type(pages) is not list or len(pages) != 1 or type(pages[0]) is not int:
+            pages = page_list(pages)  # (a list of ints as it is; a bool or float refused)
         if len(pages) == 1:
             page = pages[0]
             try:
@@ -269,7 +271,8 @@ class LruPolicy(EvictionPolicy):
         Raises:
             ValueError: a page is absent or a priority is invalid; nothing is changed.
         """
-        pages = page_list(pages)  # (a list of ints as it is; a bool or float refused)
+        if type(pages) is not list or len(pages) != 1 or type(pages[0]) is not int:
+            pages = page_list(pages)  # (a list of ints as it is; a bool or float refused)
         prio = check_priorities(priorities, len(pages))
         if not pages:
             return
