@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -52,12 +53,18 @@ def atomic_output(path: str | os.PathLike[str], *, overwrite: bool = True,
         OutputError: the temporary file cannot be made, written or put in place (naming
             ``what``, the file and the reason); the previous ``path`` is untouched.
     """
-    path = Path(path)
+    # A link is followed (its target is what gets written, as open() would); a file that
+    # exists keeps its mode.
+    path = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        mode = 0o666 & ~_umask()  # as open() would make it, not mkstemp's 0600
     try:
         fd, tmp_name = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.",
                                         suffix=".tmp")
         os.close(fd)
-        os.chmod(tmp_name, 0o666 & ~_umask())  # as open() would make it, not mkstemp's 0600
+        os.chmod(tmp_name, mode)
     except OSError as exc:
         raise OutputError(f"{what}: cannot write {path}: {exc.strerror or exc}") from None
     tmp = Path(tmp_name)

@@ -471,11 +471,36 @@ def test_a_failed_run_leaves_no_earlier_plots_beside_its_report(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "o"
     out.mkdir()
+    (out / "report.json").write_text("{}")  # the folder of an earlier run
     for name in ("hit_rate.png", "occupancy.png"):
         (out / name).write_bytes(b"an earlier run's plot")
     code, _, err = _run(capsys, "simulate", *QUICK, "--corrupt-at", "2", "--out", str(out))
     assert code == 1, err
     assert sorted(p.name for p in out.iterdir()) == ["report.json"]
+
+
+def test_plots_in_a_folder_that_holds_no_earlier_report_are_left_alone(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "hit_rate.png").write_bytes(b"the user's own picture")
+    code, _, err = _run(capsys, "simulate", *QUICK, "--no-plots", "--out", str(tmp_path))
+    assert code == 0, err
+    assert (tmp_path / "hit_rate.png").read_bytes() == b"the user's own picture"
+
+
+def test_a_result_written_through_a_link_updates_its_target_and_keeps_its_mode(
+        tmp_path: Path) -> None:
+    from kvcm_core.console import atomic_output
+    target = tmp_path / "kept" / "report.json"
+    target.parent.mkdir()
+    target.write_text("old")
+    target.chmod(0o600)
+    link = tmp_path / "report.json"
+    link.symlink_to(target)
+    with atomic_output(link) as tmp:
+        tmp.write_text("new")
+    assert link.is_symlink() and target.read_text() == "new"
+    assert target.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in target.parent.iterdir()) == ["report.json"]
 
 
 # -- 14. one prefix -------------------------------------------------------------------------

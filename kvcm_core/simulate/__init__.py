@@ -605,9 +605,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        for name in PLOTS:  # a failed run must not leave an earlier run's plots beside it
-            if (out / name).is_file() or (out / name).is_symlink():
-                (out / name).unlink()
+        if (out / "report.json").is_file():  # an earlier run's folder: a failed run must
+            for name in PLOTS:               # not leave that run's plots beside its report
+                if (out / name).is_file() or (out / name).is_symlink():
+                    (out / name).unlink()
     except OSError as exc:
         return _usage(f"--out {args.out}: cannot prepare the folder ({exc.strerror})")
     for warning in warnings:
