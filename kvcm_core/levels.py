@@ -144,14 +144,20 @@ class Levels:
         # Cold grouping: (pool policy, cold page size), independent of the GPU grouping;
         # where cold levels' codecs give different sizes, (pool policy, size on level 1,
         # size on level 2, ...): a cold group is the same set of life cycles on every level.
+        # Where cold levels' codecs differ, a move between them transcodes with the pool
+        # group's layout: then groups of different layouts never share a cold store (the
+        # same sizes on every level are not enough).
         self.cold_key_of: list[tuple[Any, ...]] = []
         cold_keys: dict[tuple[Any, ...], list[int]] = {}
+        transcodes = self._transcodes = len({id(c) for c in self.codecs[1:]
+                                             if c is not None}) > 1
         if nlevels > 1:
             for g in range(ngroups):
-                sizes = [c.cold_page_size(self.layouts[self._pg_of[g]])
-                         for c in self.codecs[1:] if c is not None]
+                lay = self.layouts[self._pg_of[g]]
+                sizes = [c.cold_page_size(lay) for c in self.codecs[1:] if c is not None]
                 key = (pool_reuse_policy(life_cycles[g].policy),
-                       *(sizes[:1] if len(set(sizes)) == 1 else sizes))
+                       *(sizes[:1] if len(set(sizes)) == 1 else sizes),
+                       *((lay,) if transcodes else ()))
                 self.cold_key_of.append(key)
                 cold_keys.setdefault(key, []).append(g)
         self.cold_keys = list(cold_keys)
@@ -207,7 +213,8 @@ class Levels:
     def cold_size(self, ci: int, level: int) -> int:
         """Bytes of a cold page of cold group ``ci`` on cold level ``level``."""
         key = self.cold_keys[ci]
-        return int(key[1] if len(key) == 2 else key[level])
+        sizes = key[1:-1] if self._transcodes else key[1:]  # (after them: the layout)
+        return int(sizes[0] if len(sizes) == 1 else sizes[level - 1])
 
     def slot_bytes(self, level: int, page_bytes: int) -> int:
         """Bytes of a cold level's slot for cold pages of ``page_bytes``: a framed level

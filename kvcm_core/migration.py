@@ -33,7 +33,7 @@ import numpy as np
 
 from kvcm_core.backend import Buffer, CopyTask, KernelBackend, PageRegion, Stream, copy_pairs
 from kvcm_core.codec import PageCodec, PageLayout
-from kvcm_core.errors import CorruptPageError, TierIOError
+from kvcm_core.errors import TierIOError
 from kvcm_core.fences import Fences
 from kvcm_core.frame import HEADER, FrameBook, FrameCheckFailed
 from kvcm_core.tier import BlobPool, DevicePool, StoragePool
@@ -335,8 +335,12 @@ class Mover:
             if keys is None:
                 raise ValueError(f"level {store.level} is framed: block keys are needed")
             if isinstance(pool, BlobPool):
-                payloads = [book.blob.encode(row) for row in rows] if book.blob is not None \
-                    else [row.tobytes() for row in rows]
+                try:
+                    payloads = [book.blob.encode(row) for row in rows] \
+                        if book.blob is not None else [row.tobytes() for row in rows]
+                except Exception as exc:  # a codec that breaks its contract: a failed write
+                    raise TierIOError(f"level {store.level}: the blob codec failed to encode "
+                                      f"({type(exc).__name__}: {exc})") from exc
                 blobs = book.wrap_blobs(slots, payloads, keys)
                 big = max(len(b) for b in blobs)
                 if big > pool.slot_bytes:  # a codec past its bound: a failed write
@@ -681,6 +685,6 @@ def _unframe_blob(book: FrameBook, slot: int, blob: bytes, size: int) -> bytes |
     if payload is not None and book.blob is not None:
         try:
             payload = book.blob.decode(payload, expected_size=size)
-        except CorruptPageError:
+        except Exception:  # CorruptPageError, or a codec breaking its contract: damaged
             return None
     return payload if payload is not None and len(payload) == size else None

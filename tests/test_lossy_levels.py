@@ -138,7 +138,9 @@ def test_cold_groups_key_each_cold_levels_page_size_when_codecs_differ(
                  LevelConfig(tier="disk", quota=1 << 20, options={"path": str(tmp_path)})])
     try:
         key = m.storage_levels.cold_key_of[0]
-        assert len(key) == 3 and key[1] < key[2] == BLOCK
+        # (policy, size on level 1, size on level 2, the layout transcodes use)
+        assert len(key) == 4 and key[1] < key[2] == BLOCK
+        assert key[3] == m.storage_levels.layouts[0]
         assert m.codecs[1] is not m.codecs[2] and m.codecs[0] is None
         assert [s and (s.name, s.capabilities.codec_id) for s in m.codec_specs] == [
             None, ("fp8", 1), ("raw", 0)]
@@ -250,3 +252,38 @@ def test_simulate_with_an_fp8_host_level_beats_raw_at_equal_quota(tmp_path: Path
 
 def test_simulate_with_fp8_host_and_disk_levels_exits_zero(tmp_path: Path) -> None:
     assert 0.0 < simulate_hit_rate("simulate-fp8.toml", tmp_path) <= 1.0
+
+
+@pytest.mark.parametrize(("disk", "host"), [("fp8", None), ("int8", "fp8")])
+def test_groups_of_different_layouts_with_equal_cold_sizes_transcode_with_their_own_layout(
+        tmp_path: Path, disk: str, host: str | None) -> None:
+    """Two pool groups whose cold pages have the same sizes on every level but different
+    layouts (buffers, scale groups): a move between differently coded cold levels must
+    transcode each page with its own group's layout, so they never share a cold store."""
+    layers = [
+        AttentionLayerConfig(layer_id=0, buffers=[
+            BufferConfig(role="k", size=256, dtype="bf16"),
+            BufferConfig(role="v", size=128, dtype="bf16")]),
+        AttentionLayerConfig(layer_id=1, buffers=[
+            BufferConfig(role="k", size=384, dtype="bf16", group_size=272)],
+            sliding_window_size=64),
+    ]
+    m = KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=TPB, layers=layers, kernel_backend=TEST_BACKEND,
+        max_util_for_resume=1.0,
+        levels=[LevelConfig(tier="gpu", quota=8 * 768),
+                LevelConfig(tier="host", quota=6 * 768, codec=host),
+                LevelConfig(tier="disk", quota=1 << 20, codec=disk,
+                            options={"path": str(tmp_path)})]))
+    try:
+        levels = m.storage_levels
+        assert len(levels.stores[2]) == 2                # one cold store per layout
+        d = Driver(m)
+        prompts = [tokens(12, seed=s) for s in range(6)]
+        for rnd in range(4):                             # fingerprint-checked every step
+            for p in prompts:
+                d.run(p + tokens(3, seed=len(p) + rnd))
+        assert levels.statistics(2).total > levels.statistics(2).free, "disk level unused"
+        assert onboarded(m) > 0
+    finally:
+        m.shutdown()

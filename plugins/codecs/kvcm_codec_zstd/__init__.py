@@ -14,6 +14,7 @@ Options:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -49,20 +50,28 @@ class ZstdCodec(BlobCodec):
 
         self.level = level_option("zstd", options, -7, 22, 3)
         self._error = zstandard.ZstdError
-        self._compressor = zstandard.ZstdCompressor(
-            level=self.level, write_checksum=True, write_content_size=True)
         self._zstd = zstandard
+        # A zstandard compressor is not thread-safe, and one codec serves several threads
+        # (a level's writer encodes while the scheduler decodes): one per thread.
+        self._local = threading.local()
         self._headers: dict[int, bytes] = {}  # content size -> the header we write
 
+    def _compressor(self) -> Any:
+        compressor = getattr(self._local, "compressor", None)
+        if compressor is None:
+            compressor = self._local.compressor = self._zstd.ZstdCompressor(
+                level=self.level, write_checksum=True, write_content_size=True)
+        return compressor
+
     def encode(self, data: bytes | memoryview) -> bytes:
-        return self._compressor.compress(data)
+        return self._compressor().compress(data)
 
     def _header(self, size: int) -> bytes:
         """The frame header this codec writes for ``size`` bytes of content (it depends
         on the size only; cold pages of a level all have one size)."""
         header = self._headers.get(size)
         if header is None:
-            frame = self._compressor.compress(bytes(size))
+            frame = self._compressor().compress(bytes(size))
             header = frame[: self._zstd.frame_header_size(frame)]
             if len(self._headers) >= 64:
                 self._headers.clear()
