@@ -538,7 +538,8 @@ class Batch:
         self._sparse.check_flushed(self._rows, hist)
         for r, cache in enumerate(self._rows):
             if cache is not None and caps[r] != -1:
-                self._sparse.check_in_flight(cache, r, caps[r])
+                self._sparse.check_in_flight(cache, r, caps[r],
+                                             None if hist is None else hist[r])
 
     def _arena(self) -> SparseArena:
         self._check_open()
@@ -587,6 +588,7 @@ class Batch:
                 f"fetch_sparse_pages(layer_id={layer_id}): its selection {g.key[1]!r} is "
                 f"shared by layers {list(g.layers)}; call resolve_sparse_selection once, "
                 "then fetch_resolved_pages for each layer")
+        self._arena().check_roles(layer_id, buffers)  # before the resolve changes anything
         out = self.resolve_sparse_selection(layer_id, selected, stream)
         self.fetch_resolved_pages(layer_id, buffers, stream)
         return out

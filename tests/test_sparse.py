@@ -380,17 +380,17 @@ def test_fetch_before_any_resolve_is_refused() -> None:
 
 
 def test_flush_over_the_write_back_bound_is_refused_before_any_work() -> None:
-    m, b, cache = _seated(max_total_input_tokens=4)  # bound: 1 unit + 1 per row = 3 units
-    assert cache.resize(56)
+    m, b, cache = _seated(max_total_input_tokens=4)  # bound: (4 + 2 * (2*4 - 2)) // 4 = 4
+    assert cache.resize(60)
     b.publish()
     region = m.get_page_region(0, "k")
     before = region.buffer.host_view().copy()
-    assert cache.resize(56, 56)
-    with pytest.raises(InvalidArgumentError, match="write-back bound of 3 units"):
+    assert cache.resize(60, 60)
+    with pytest.raises(InvalidArgumentError, match="write-back bound of 4 units"):
         b.flush_sparse_units()
     np.testing.assert_array_equal(region.buffer.host_view(), before)
     with pytest.raises(InvalidStateError, match="not flushed"):  # history still unflushed
-        b.resize(np.array([57, -1]), np.array([57, -1]))
+        b.resize(np.array([61, -1]), np.array([61, -1]))
     b.close()
 
 

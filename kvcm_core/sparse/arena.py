@@ -155,15 +155,19 @@ class SparseArena:
 
     # -- publish: in-flight units get pinned entries ---------------------------------------
 
-    def check_in_flight(self, cache: Any, row: int, capacity: int) -> None:
+    def check_in_flight(self, cache: Any, row: int, capacity: int,
+                        history: int | None = None) -> None:
         """Refuse a capacity whose in-flight units leave a group fewer than
-        ``num_selected`` free entries.
+        ``num_selected`` free entries. ``history``: the row's history after the change
+        (default: the cache's); a rewind below the flushed mark counts from there (the next
+        flush lowers the mark to it).
 
         Raises:
             InvalidArgumentError: too many tokens in flight for a working set.
         """
         lease = self.lease(row)
-        hist = int(self.marks.host[lease][0])
+        now = cache.history_length if history is None or history < 0 else history
+        hist = min(int(self.marks.host[lease][0]), int(now))
         for g in self.groups:
             n = g.in_flight(hist, capacity)
             if n > g.working_set_units - g.num_selected:
@@ -302,32 +306,33 @@ class SparseArena:
             raise InvalidStateError(
                 f"resolve for selection {g.key[1]!r} before layers {sorted(g.pending)} "
                 "fetched the previous miss list (call fetch_resolved_pages for each)")
+        rows = None if selected is None else self._check_selection(g, selected)
         st = stream or self.backend.default_stream
         for ev in g.fetched:  # consumers of the last miss list on other streams
             st.wait_event(ev)
         g.fetched = []
         if selected is not None:
-            self._stage_selection(g, selected, stream)
+            self._stage_selection(g, selected, rows, stream)
         self.backend.sparse_resolve(self._job(g, pin=False), stream)
         g.resolved = self.backend.create_event()
         g.resolved.record(stream)
         g.pending = set(g.layers)
         return g
 
-    def _stage_selection(self, g: SelectionGroup, selected: Any, stream: Stream | None) -> None:
-        """Bring ``selected`` into the group's selection table: a NumPy array is written
-        (synchronously), a device array (``__cuda_array_interface__``: contiguous int32)
-        copied on ``stream``."""
+    def _check_selection(self, g: SelectionGroup, selected: Any) -> np.ndarray | None:
+        """Refuse a selection of the wrong kind or shape (nothing changed); a NumPy one
+        comes back as the int32 rows to write (ids out of range unused: ids past int32
+        would otherwise wrap into real units), a device one as None."""
         want = (self.rows, g.num_selected)
-        table = g.state["selected"]
         if isinstance(selected, np.ndarray):
             if selected.shape != want or selected.dtype.kind not in "iu":
                 raise InvalidArgumentError(
                     f"selected: must be an int array of shape {want} (max_rows, num_selected)"
                     f", got {selected.dtype} {selected.shape}")
-            self.backend.write(table, 0,
-                               np.ascontiguousarray(selected, dtype=np.int32).view(np.uint8))
-            return
+            sel = selected
+            if sel.dtype != np.int32:
+                sel = np.where((sel >= 0) & (sel < g.max_units), sel, -1)
+            return np.ascontiguousarray(sel, dtype=np.int32)
         iface = getattr(selected, "__cuda_array_interface__", None)
         if iface is None:
             raise InvalidArgumentError(
@@ -339,7 +344,18 @@ class SparseArena:
             raise InvalidArgumentError(
                 f"selected: must be a contiguous int32 device array of shape {want}, got "
                 f"{typestr} {shape} strides {iface.get('strides')}")
-        ptr = int(iface["data"][0])
+        return None
+
+    def _stage_selection(self, g: SelectionGroup, selected: Any, rows: np.ndarray | None,
+                         stream: Stream | None) -> None:
+        """Bring ``selected`` (checked: ``rows`` from :meth:`_check_selection`) into the
+        group's selection table: a NumPy array is written (synchronously), a device array
+        (``__cuda_array_interface__``: contiguous int32) copied on ``stream``."""
+        table = g.state["selected"]
+        if rows is not None:
+            self.backend.write(table, 0, rows.view(np.uint8))
+            return
+        ptr = int(selected.__cuda_array_interface__["data"][0])
         if ptr != table.ptr:  # not the table itself, written in place by the indexer
             self.backend.copy_bytes(table, 0, DeviceArray(ptr, table.nbytes), 0,
                                     table.nbytes, stream)
@@ -370,15 +386,23 @@ class SparseArena:
 
     def cells(self, layer_id: int, roles: Iterable[str] | None) -> tuple[SparseBufferCells, ...]:
         """The cells of a layer's sparse buffers (``roles``: a subset)."""
+        return tuple(self._cells_now(layer_id, r) for r in self.check_roles(layer_id, roles))
+
+    def check_roles(self, layer_id: int, roles: Iterable[str] | None) -> list[str]:
+        """The roles of a layer's sparse buffers that ``roles`` names (None: all).
+
+        Raises:
+            InvalidArgumentError: a role that is not one of the layer's sparse buffers.
+        """
         own = self.group_of(layer_id).buffers[layer_id]
         if roles is None:
-            return tuple(self._cells_now(layer_id, r) for r in own)
+            return list(own)
         roles = [roles] if isinstance(roles, str) else list(roles)
         bad = [r for r in roles if r not in own]
         if bad:
             raise InvalidArgumentError(f"buffers={bad!r}: layer {layer_id}'s sparse buffers "
                                        f"are {sorted(own)}")
-        return tuple(self._cells_now(layer_id, r) for r in roles)
+        return roles
 
     def _group_cells(self, g: SelectionGroup) -> tuple[SparseBufferCells, ...]:
         return tuple(self._cells_now(layer, r) for layer in g.layers for r in g.buffers[layer])

@@ -165,7 +165,10 @@ def selection_groups(manager: Any, max_blocks: int, max_rows: int,
             if max_total_input_tokens is None:
                 wb = max_rows * (upp + 1)
             else:
-                wb = -(-max_total_input_tokens // sp.unit_tokens) + max_rows
+                # A row of n tokens from inside a unit spans at most (n + 2u - 2) // u
+                # units (it may start and end mid-unit): summed over the rows.
+                u = sp.unit_tokens
+                wb = (max_total_input_tokens + max_rows * (2 * u - 2)) // u
             grp = out[key] = SelectionGroup(
                 key, (), int(manager.get_buffer_group_id(layer.layer_id, roles[0])),
                 sp.unit_tokens, sp.num_selected, sp.working_set_units, upp,
