@@ -588,7 +588,8 @@ class Batch:
                 f"fetch_sparse_pages(layer_id={layer_id}): its selection {g.key[1]!r} is "
                 f"shared by layers {list(g.layers)}; call resolve_sparse_selection once, "
                 "then fetch_resolved_pages for each layer")
-        self._arena().check_roles(layer_id, buffers)  # before the resolve changes anything
+        if buffers is not None:  # checked before the resolve changes anything (as a list:
+            buffers = self._arena().check_roles(layer_id, buffers)  # an iterator once)
         out = self.resolve_sparse_selection(layer_id, selected, stream)
         self.fetch_resolved_pages(layer_id, buffers, stream)
         return out

@@ -363,8 +363,6 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
                if code == pytest.ExitCode.NO_TESTS_COLLECTED else
                "pytest refused the arguments (see above): check -k and the options after --")
         return 2
-    if code == pytest.ExitCode.INTERRUPTED:  # Ctrl-C inside pytest: as everywhere else
-        return 130
     if code == pytest.ExitCode.INTERNAL_ERROR:
         return 3
     return 1 if failed else 0

@@ -66,6 +66,12 @@ _RESERVE_LIMIT = 1 << 20  # pages / nodes allocated up front at most
 
 
 
+#: What a pool's resize raises when it cannot take its new size: a storage failure, no
+#: host or device memory (CuPy's and torch's out-of-memory errors are MemoryError and
+#: RuntimeError). Anything else (a bug) propagates.
+_POOL_FAILURES = (TierIOError, MemoryError, OSError, RuntimeError)
+
+
 def _why(exc: BaseException) -> str:
     """An exception as a short reason: its message, or its type when it has none (a bare
     ``MemoryError``)."""
@@ -1079,7 +1085,7 @@ class Levels:
                 old = store.num_slots
                 try:
                     store.grow(new)
-                except Exception as exc:  # the pool could not grow (in time, or no memory)
+                except _POOL_FAILURES as exc:  # the pool could not grow (in time, or no memory)
                     self._undo_resizes(done)
                     self.resize_failure = f"the pool kept its size: {_why(exc)}"
                     return False
@@ -1109,7 +1115,7 @@ class Levels:
             old = store.num_slots
             try:
                 store.shrink(new)
-            except Exception as exc:  # the pages moved stay valid
+            except _POOL_FAILURES as exc:  # the pages moved stay valid
                 self._undo_resizes(done)
                 self.resize_failure = f"the pool kept its size: {_why(exc)}"
                 return False
@@ -1126,12 +1132,12 @@ class Levels:
             if old < store.num_slots:
                 try:
                     store.shrink(old)
-                except Exception:
+                except _POOL_FAILURES:
                     pass  # the pools stay larger than the store uses: harmless
             else:
                 try:
                     store.grow(old)
-                except Exception as exc:
+                except _POOL_FAILURES as exc:
                     raise TierIOError(
                         f"level {store.level}: a resize failed half-way and pool group "
                         f"{store.pool_group} cannot grow back to {old} slots ({exc}); it "

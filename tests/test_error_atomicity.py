@@ -427,3 +427,15 @@ def test_declined_pages_dropped_during_an_interrupted_first_resume_shrink_the_of
         c.resume(optional_reuse_groups=[1])
     assert c.resume(optional_reuse_groups=[])
     assert sorted(c.recompute_blocks(1)) == list(range(5))
+
+
+def test_a_bug_in_a_pool_resize_is_not_taken_for_a_refusal(built, monkeypatch):
+    import kvcm_tier_gpu
+    m, _ = built(tiers=(("gpu", 8), ("host", 8)), layout="hybrid")
+
+    def resize(self, n):
+        raise AssertionError("a broken invariant")
+
+    monkeypatch.setattr(kvcm_tier_gpu.MemoryPool, "resize", resize)
+    with pytest.raises(AssertionError):
+        m.resize(0, m.config.levels[0].quota * 2)

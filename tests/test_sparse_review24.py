@@ -93,3 +93,29 @@ def test_a_refused_selection_keeps_the_last_fetches_to_wait_for():
         b.resolve_sparse_selection(2, np.zeros((1, 2), np.int32))
     assert group.fetched == before
     _done(m, b)
+
+
+def test_a_rewind_by_cache_resize_of_a_seated_row_is_refused_at_publish():
+    m, b = _grown(32, max_rewind_len=64)
+    cache = b.members[0]
+    assert cache.resize(32, 4)  # the same capacity, history rewound below the flushed mark
+    with pytest.raises(InvalidArgumentError, match="in flight"):
+        b.publish()
+    _done(m, b)
+
+
+def test_fused_fetch_takes_its_buffer_roles_from_any_iterable():
+    m, b = _grown(32)
+    copied = []
+    real = m.backend.sparse_copy
+
+    def spy(job, stream=None):
+        if not job.flush:
+            copied.append(len(job.buffers))
+        return real(job, stream)
+
+    m.backend.sparse_copy = spy
+    b.fetch_sparse_pages(2, np.array([[20, 21, 22]], np.int32),
+                         buffers=(r for r in ["kv"]))  # a generator: read once
+    assert copied == [1]
+    _done(m, b)

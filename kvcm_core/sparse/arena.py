@@ -193,7 +193,11 @@ class SparseArena:
                 continue
             self.check_beams(cache)
             cap = cache.capacity
-            if row not in skip and cap != self._caps[self.lease(row)]:
+            lease = self.lease(row)
+            # A new capacity, or a rewind below the flushed mark (cache.resize moves it
+            # without the batch): the units in flight count from there.
+            if row not in skip and (cap != self._caps[lease] or
+                                    cache.history_length < int(self.marks.host[lease][0])):
                 self.check_in_flight(cache, row, cap)
 
     def check_fetched(self, action: str) -> None:
@@ -330,7 +334,8 @@ class SparseArena:
                     f"selected: must be an int array of shape {want} (max_rows, num_selected)"
                     f", got {selected.dtype} {selected.shape}")
             sel = selected
-            if sel.dtype != np.int32:
+            if sel.dtype != np.int32 and len(sel) and (
+                    int(sel.min()) < -1 or int(sel.max()) >= g.max_units):
                 sel = np.where((sel >= 0) & (sel < g.max_units), sel, -1)
             return np.ascontiguousarray(sel, dtype=np.int32)
         iface = getattr(selected, "__cuda_array_interface__", None)
