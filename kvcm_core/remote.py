@@ -494,7 +494,7 @@ class RemoteLevel:
         if self._blob is not None:
             try:
                 payload = self._blob.decode(payload, cold)
-            except CorruptPageError:
+            except Exception:  # CorruptPageError, or a codec breaking its contract
                 return "corrupt", None
         if len(payload) != cold:
             return "corrupt", None

@@ -248,3 +248,22 @@ def test_bench_help_of_each_benchmark_exits_zero(name: str, capsys) -> None:
         cli.main(["bench", name, "--help"])
     assert info.value.code == 0
     assert f"kvcm bench {name}" in capsys.readouterr().out
+
+
+def test_a_kernel_plot_that_fails_to_write_leaves_no_cut_off_png_and_exits_3(
+        tmp_path: Path, capsys, monkeypatch) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    def savefig(self, fname, **kw):  # half a file, then the disk is full
+        Path(fname).write_bytes(b"\x89PNG half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    out = tmp_path / "results"
+    args = [a for a in _quick_args("kernels", tmp_path) if a != "--no-plot"]
+    code = cli.main(["bench", "kernels", *args, "--quick", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "Traceback" not in err and "No space left" in err
+    assert not list(out.glob("*.png")) and not list(out.glob(".*.tmp"))

@@ -931,3 +931,41 @@ def test_a_commit_reads_pages_after_the_onboard_that_filled_them_whatever_its_st
                 cache.close()
         with KVCacheManager(config(server.url)) as reader:
             assert serve(reader, [*tc, 7]) == 4 * TPB  # every pulled page checked
+
+
+def test_a_blob_codec_raising_a_plain_error_on_read_is_a_miss_not_an_untyped_error() -> None:
+    """A third-party blob codec breaking its contract (a ValueError from decode, not
+    CorruptPageError): the shared level's copy counts as corrupt and the request
+    recomputes; nothing untyped reaches the engine."""
+    from kvcm_core import KvcmPluginManager, hookimpl
+    from kvcm_core.codec import BlobCodec
+    from kvcm_core.records import CodecCapabilities, CodecKind, CodecSpec
+
+    class Broken(BlobCodec):
+        def __init__(self, options=None):
+            pass
+
+        def encode(self, data):
+            return bytes(data)
+
+        def decode(self, blob, expected_size=None):
+            raise ValueError("broken decode")
+
+    class Plugin:
+        @hookimpl
+        def kvcm_codecs(self):
+            yield CodecSpec(name="broken", factory=Broken, description="breaks",
+                            capabilities=CodecCapabilities(
+                                kind=CodecKind.BLOB, lossless=True, checksummed=True,
+                                codec_id=998))
+
+    pm = KvcmPluginManager()
+    pm.register(Plugin(), name="broken-codec")
+    with fresh_server() as server:
+        cfg = config(server.url, level={"blob_codec": "broken"})
+        with KVCacheManager(cfg, plugin_manager=pm) as a, \
+                KVCacheManager(cfg, plugin_manager=pm) as b:
+            serve(a, PROMPT)
+            assert a.flush_remote(10.0)
+            assert serve(b, PROMPT) == 0, b.get_remote_statistics()
+            b.check_invariants()

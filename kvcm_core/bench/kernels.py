@@ -46,7 +46,7 @@ from kvcm_core.bench import (
     timed_calls,
     write_new,
 )
-from kvcm_core.console import int_at_least
+from kvcm_core.console import atomic_output, int_at_least
 from kvcm_core.errors import ConfigError
 from kvcm_core.plugins import get_plugin_manager
 from kvcm_core.units import parse_size
@@ -560,8 +560,11 @@ def _plot(report: dict[str, Any], path: Path) -> bool:
     device = report["meta"].get("device", "")
     fig.suptitle(f"kvcm copy_pages, {device}, {report['meta']['date']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with atomic_output(path, overwrite=False) as tmp:  # never a cut-off plot
+            fig.savefig(tmp, dpi=110, format="png")
+    finally:
+        plt.close(fig)
     return True
 
 
