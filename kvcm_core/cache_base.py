@@ -5,7 +5,7 @@ implementations live in the mixin that owns each)."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -83,6 +83,24 @@ class CacheBase:
         seat = self.batch_seat
         if seat is not None:
             seat[0].mark_dirty(seat[1])
+
+    def _fenced(self, stream: Any, call: Callable[..., bool], *args: Any) -> bool:
+        """``call(*args)`` (a resize, resume or beam change) between the levels'
+        ``begin(stream)`` and ``end(stream)`` when fences are on. An error is no refusal:
+        the last refusal's reason stands (``last_refusal`` is kept)."""
+        L = self._levels
+        prev = self._last_refusal
+        try:
+            if not L.mover.fences.enabled:
+                return call(*args)
+            L.begin(stream)
+            try:
+                return call(*args)
+            finally:
+                L.end(stream)
+        except BaseException:
+            self._last_refusal = prev
+            raise
 
     def _unlock(self, pids: np.ndarray) -> None:
         """Drop this cache's lock on ``pids`` (the pages may then be evicted or reused).

@@ -91,19 +91,7 @@ class BeamsMixin(CacheBase):
         old contents were read.
         """
         self._ctx.thread.check()  # before begin(): a refused call touches no fence
-        L = self._levels
-        prev = self._last_refusal
-        try:
-            if not L.mover.fences.enabled:
-                return self._set_beam_width(width, stream)
-            L.begin(stream)
-            try:
-                return self._set_beam_width(width, stream)
-            finally:
-                L.end(stream)
-        except BaseException:  # an error is no refusal: the last refusal's reason stands
-            self._last_refusal = prev
-            raise
+        return self._fenced(stream, self._set_beam_width, width, stream)
 
     def _set_beam_width(self, width: int, stream: Stream | None) -> bool:
         self._require(CacheStatus.ACTIVE)  # type: ignore[attr-defined]

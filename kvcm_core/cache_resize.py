@@ -54,19 +54,7 @@ class ResizeMixin(CacheBase):
             self._capacity = capacity
             return True
         self._ctx.thread.check()  # before begin(): a refused call touches no fence
-        L = self._levels
-        prev = self._last_refusal
-        try:
-            if not L.mover.fences.enabled:
-                return self._resize(capacity, history_length, stream)
-            L.begin(stream)
-            try:
-                return self._resize(capacity, history_length, stream)
-            finally:
-                L.end(stream)
-        except BaseException:  # an error is no refusal: the last refusal's reason stands
-            self._last_refusal = prev
-            raise
+        return self._fenced(stream, self._resize, capacity, history_length, stream)
 
     def pages_needed(self, capacity: int | None = None) -> dict[int, int]:
         """The level-0 pages, per cache group, that ``resize(capacity)`` would take now

@@ -33,19 +33,7 @@ class ResumeMixin(CacheBase):
         issued, and ``stream`` (the engine's; None: the backend's default stream) is made
         to wait for them, so work queued on it afterwards sees every page in place."""
         self._ctx.thread.check()  # before begin(): a refused call touches no fence
-        L = self._levels
-        prev = self._last_refusal
-        try:
-            if not L.mover.fences.enabled:
-                return self._resume(stream, optional_reuse_groups)
-            L.begin(stream)
-            try:
-                return self._resume(stream, optional_reuse_groups)
-            finally:
-                L.end(stream)
-        except BaseException:  # an error is no refusal: the last refusal's reason stands
-            self._last_refusal = prev
-            raise
+        return self._fenced(stream, self._resume, stream, optional_reuse_groups)
 
     def _resume(self, stream: Stream | None,
                 optional_reuse_groups: Sequence[int] | None) -> bool:
