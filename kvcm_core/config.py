@@ -530,6 +530,29 @@ def _unit_interval(inst: object, attr: attrs.Attribute[Any], value: Any) -> None
         raise ConfigError(attr.name, value, "must be a number in (0, 1]")
 
 
+def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The tables of a TOML file.
+
+    Raises:
+        ConfigError: the file cannot be read, is not UTF-8, is not TOML, or nests too
+            deeply to be read (each named, with the file).
+    """
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("toml", str(path), f"is not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError("toml", str(path), f"is not UTF-8 text (byte {exc.start}): a "
+                                             "TOML file must be UTF-8") from None
+    except RecursionError:
+        raise ConfigError("toml", str(path), "nests arrays or tables too deeply to be "
+                                             "read") from None
+    except OSError as exc:
+        raise ConfigError("toml", str(path), f"cannot be read: {exc.strerror or exc}") \
+            from exc
+
+
 @attrs.frozen(kw_only=True)
 class KVCacheManagerConfig:
     """Everything a :class:`~kvcm_core.KVCacheManager` needs.
@@ -730,20 +753,7 @@ class KVCacheManagerConfig:
         """
         if not isinstance(path, str | os.PathLike):
             raise ConfigError("toml", path, "must be a path to a TOML file (a str or Path)")
-        try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("toml", str(path), f"is not valid TOML: {exc}") from exc
-        except UnicodeDecodeError as exc:
-            raise ConfigError("toml", str(path), f"is not UTF-8 text (byte {exc.start}): a "
-                                                 "TOML file must be UTF-8") from None
-        except RecursionError:
-            raise ConfigError("toml", str(path), "nests arrays or tables too deeply to be "
-                                                 "read") from None
-        except OSError as exc:
-            raise ConfigError("toml", str(path), f"cannot be read: {exc.strerror or exc}") \
-                from exc
+        data = read_toml(path)
         if "kvcm" in data and isinstance(data["kvcm"], dict) and len(data) == 1:
             data = data["kvcm"]
         return cls.from_dict(data)

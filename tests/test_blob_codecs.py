@@ -119,40 +119,14 @@ def test_a_blob_codec_raising_a_plain_error_is_a_storage_failure_never_an_untype
     CorruptPageError): its encode is a failed write (the pages are not kept there), its
     decode a damaged page (CorruptPageError at resume); nothing untyped reaches the
     engine and nothing is lost."""
+    from codec_helpers import broken_blob_codec
     from conftest import Driver, tokens
     from levels_helpers import assert_invariants, close_all, make_manager
 
-    from kvcm_core import KvcmError, KvcmPluginManager, hookimpl
-    from kvcm_core.codec import BlobCodec
-    from kvcm_core.records import CodecCapabilities, CodecSpec
+    from kvcm_core import KvcmError
 
-    calls = {"n": 0}
-
-    class Broken(BlobCodec):
-        def __init__(self, options=None):
-            pass
-
-        def encode(self, data):
-            calls["n"] += 1
-            if fails == "encode" and calls["n"] % 3 == 0:
-                raise ValueError("broken encode")
-            return bytes(data)
-
-        def decode(self, blob, expected_size=None):
-            if fails == "decode":
-                raise ValueError("broken decode")
-            return self.checked_size(bytes(blob), expected_size, "broken")
-
-    class Plugin:
-        @hookimpl
-        def kvcm_codecs(self):
-            yield CodecSpec(name="broken", factory=Broken, description="breaks",
-                            capabilities=CodecCapabilities(
-                                kind=CodecKind.BLOB, lossless=True, checksummed=True,
-                                codec_id=999))
-
-    pm = KvcmPluginManager()
-    pm.register(Plugin(), name="broken-codec")
+    pm, calls = broken_blob_codec(999, encode_fails_every=3 if fails == "encode" else 0,
+                                  decode_fails=fails == "decode")
     m = make_manager([("gpu", 9), ("disk", 30)], tmp_path, pm=pm,
                      disk={"mode": "blob", "blob_codec": "broken"})
     try:
@@ -165,7 +139,7 @@ def test_a_blob_codec_raising_a_plain_error_is_a_storage_failure_never_an_untype
                 except KvcmError as exc:  # typed: a damaged page read back
                     assert fails == "decode", exc
                 m.check_invariants()
-        assert calls["n"] > 0
+        assert calls["encode"] > 0
         if fails == "encode":
             assert m.storage_levels.stats.io_failures > 0
         close_all(m)  # (a cache whose resume met a damaged page stays SUSPENDED)

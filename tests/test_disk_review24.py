@@ -22,42 +22,16 @@ import pytest
 from kvcm_tier_disk import DiskTier, aio, file_name
 from kvcm_tier_disk.blob import _RECORD, _SEG_MAGIC, _TOMBSTONE, BlobDiskPool
 from levels_helpers import Driver, make_manager, tokens
+from test_disk_blob_reopen import SEGMENT, _read, _segments, _tier
+from test_failed_construction import _fds_under
 
 from kvcm_core.errors import TierIOError
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
 
-SEGMENT = 4096
-
-
-def _tier(path, **options) -> DiskTier:
-    return DiskTier(None, {"path": str(path), "mode": "blob", "segment_bytes": SEGMENT,
-                           **options})
-
-
-def _read(pool, slots) -> list[bytes]:
-    out = [b""] * len(slots)
-    pool.read_blobs(np.asarray(slots), out).wait()
-    return out
-
-
-def _segments(path) -> list[str]:
-    return sorted(p for p in os.listdir(path) if ".seg" in p)
-
-
-def _open_under(path) -> list[str]:
-    """The files this process holds open under ``path``."""
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(str(path)):
-            found.append(target)
-    return found
-
-
+# The blob tier of these tests (4 KiB segments) and the open files under a folder: as
+# the reopen and construction tests use them.
+_open_under = _fds_under
 def _only_tombstones_or_header(data) -> bool:
     raw = bytes(data)
     if raw.startswith(_SEG_MAGIC):

@@ -937,30 +937,9 @@ def test_a_blob_codec_raising_a_plain_error_on_read_is_a_miss_not_an_untyped_err
     """A third-party blob codec breaking its contract (a ValueError from decode, not
     CorruptPageError): the shared level's copy counts as corrupt and the request
     recomputes; nothing untyped reaches the engine."""
-    from kvcm_core import KvcmPluginManager, hookimpl
-    from kvcm_core.codec import BlobCodec
-    from kvcm_core.records import CodecCapabilities, CodecKind, CodecSpec
+    from codec_helpers import broken_blob_codec
 
-    class Broken(BlobCodec):
-        def __init__(self, options=None):
-            pass
-
-        def encode(self, data):
-            return bytes(data)
-
-        def decode(self, blob, expected_size=None):
-            raise ValueError("broken decode")
-
-    class Plugin:
-        @hookimpl
-        def kvcm_codecs(self):
-            yield CodecSpec(name="broken", factory=Broken, description="breaks",
-                            capabilities=CodecCapabilities(
-                                kind=CodecKind.BLOB, lossless=True, checksummed=True,
-                                codec_id=998))
-
-    pm = KvcmPluginManager()
-    pm.register(Plugin(), name="broken-codec")
+    pm, _ = broken_blob_codec(998, decode_fails=True)
     with fresh_server() as server:
         cfg = config(server.url, level={"blob_codec": "broken"})
         with KVCacheManager(cfg, plugin_manager=pm) as a, \

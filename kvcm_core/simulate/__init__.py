@@ -71,7 +71,7 @@ import attrs
 from rich.console import Console
 from rich.markup import escape
 
-from kvcm_core.config import KVCacheManagerConfig
+from kvcm_core.config import KVCacheManagerConfig, read_toml
 from kvcm_core.console import OutputError, int_at_least, make_console
 from kvcm_core.errors import (
     ConfigError,
@@ -141,23 +141,11 @@ def load_config(path: str | Path | None = None, preset: str = "default") -> Simu
     Raises:
         ConfigError: unreadable file, unknown key or bad value.
     """
-    try:
-        if path is None:
-            text = importlib.resources.files(__name__).joinpath(f"{preset}.toml").read_text()
-        else:
-            text = Path(path).read_text()
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("toml", str(path), f"is not valid TOML: {exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError("toml", str(path), f"is not UTF-8 text (byte {exc.start}): a TOML "
-                                             "file must be UTF-8") from None
-    except RecursionError:
-        raise ConfigError("toml", str(path), "nests arrays or tables too deeply to be "
-                                             "read") from None
-    except OSError as exc:
-        raise ConfigError("toml", str(path), f"cannot be read: {exc.strerror or exc}") \
-            from exc
+    if path is None:  # the embedded preset: known good
+        data = tomllib.loads(
+            importlib.resources.files(__name__).joinpath(f"{preset}.toml").read_text())
+    else:
+        data = read_toml(path)
     for key in data:
         if key not in ("simulate", "kvcm"):
             raise ConfigError(str(key), data[key], "unknown table; allowed: simulate, kvcm")
