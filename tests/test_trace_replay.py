@@ -426,3 +426,31 @@ def test_the_disk_space_bench_trace_asks_for_is_the_disk_tiers_file_size(
         finally:
             m.shutdown()
         assert files == [bench_trace.disk_bytes_needed(args)], (tokens, files)
+
+
+def test_bench_trace_reports_an_io_error_of_the_replay_not_the_shutdown_it_leaves_behind(
+        trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of the disk level that fails mid-replay is the error the user sees (exit 3):
+    the request's cache is closed, so the manager's shutdown does not refuse (an open
+    cache) and hide it behind an InvalidStateError."""
+    from kvcm_core import TierIOError
+    from kvcm_core.cache import KVCache
+
+    real = KVCache.resume
+    calls = []
+
+    def resume(self, *a, **k):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 4:
+            raise TierIOError("level 2: read of slots [3] failed (injected)")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(KVCache, "resume", resume)
+    out = tmp_path / "r.json"
+    assert kvcm(["bench", "trace", str(trace_file), "--reps", "1", "--limit", "8",
+                 "--gpu-tokens", "3000", "--disk-tokens", "100000", "--out", str(out)]) == 3
+    err = capsys.readouterr().err
+    assert "TierIOError: level 2: read of slots [3] failed (injected)" in err, err
+    assert "InvalidStateError" not in err and "shutdown" not in err, err
+    assert not out.exists()

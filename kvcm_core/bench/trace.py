@@ -144,11 +144,13 @@ def replay(args: argparse.Namespace, prompts: list[np.ndarray]) -> dict[str, Any
                     hint = _tail_hint(cut)
                 s = ns()
                 cache = manager.create_kv_cache(None, prompt, priority_callback=hint)
-                ok = cache.resume() and cache.resize(len(prompt))
-                if ok:
-                    reused = cache.history_length
-                    cache.commit(prompt[reused:])
-                cache.close()
+                try:
+                    ok = cache.resume() and cache.resize(len(prompt))
+                    if ok:
+                        reused = cache.history_length
+                        cache.commit(prompt[reused:])
+                finally:  # (on an error too: the shutdown below refuses open caches, and
+                    cache.close()  # its refusal would hide the error itself)
                 t += ns() - s
                 if not ok:
                     raise _Usage(f"request {i} ({len(prompt)} tokens) does not fit the GPU "
