@@ -255,3 +255,20 @@ def test_shared_system_prompts_are_shared_within_a_tenant_only() -> None:
             heads.setdefault(r.scope, set()).add(r.tokens[:200].tobytes())
     assert all(len(h) == 1 for h in heads.values())
     assert len({next(iter(h)) for h in heads.values()}) == len(heads)
+
+
+def test_infinite_bound_running_out_of_pages_says_so_rather_than_refusing_its_shutdown(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The infinite-cache replay's own error (its working set underestimated) reaches the
+    caller: the cache left open by the failed request is closed on the way out, so the
+    manager's shutdown does not refuse and replace the error with an InvalidStateError."""
+    from kvcm_core.cache import KVCache
+    from kvcm_core.config import KVCacheManagerConfig
+    from kvcm_core.simulate.runner import infinite_bound
+
+    cfg = load_config(None)
+    trace = generate_trace(WorkloadConfig(requests=3), seed=0)
+    monkeypatch.setattr(KVCache, "resize", lambda self, *a, **k: False)
+    with pytest.raises(RuntimeError, match="infinite-cache replay ran out of pages"):
+        infinite_bound(KVCacheManagerConfig.from_dict(cfg.kvcm), trace, [r.id for r in trace],
+                       1 << 20)

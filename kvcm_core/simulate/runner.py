@@ -562,14 +562,14 @@ def infinite_bound(config: KVCacheManagerConfig, trace: list[TraceRequest],
     quota = 2 * ws_bytes + 64 * bytes_per_block(config) * max(1, len(config.layers))
     cfg = attrs.evolve(config, levels=[LevelConfig(tier=config.levels[0].tier, quota=quota)],
                        max_util_for_resume=1.0)
-    m = KVCacheManager(cfg)
     by_id = {r.id: r for r in trace}
     seen = set(order)
     ids = [i for i in order if i in by_id] + [r.id for r in trace if r.id not in seen]
     by_kind = {k: [0, 0] for k in kinds_of(trace)}
     lookup = hit = 0
     t0 = time.perf_counter()
-    try:
+    # (with: an error closes the open cache, so that shutdown does not refuse and hide it)
+    with KVCacheManager(cfg) as m:
         for rid in ids:
             r = by_id[rid]
             n = max(0, r.prompt_len - 1)
@@ -586,8 +586,6 @@ def infinite_bound(config: KVCacheManagerConfig, trace: list[TraceRequest],
             cache.close()
         stats = m.get_and_reset_iteration_stats()
         dropped = sum(g.dropped_blocks for g in stats.groups)
-    finally:
-        m.shutdown()
     return {"hit_rate": hit / lookup if lookup else 0.0, "lookup_tokens": lookup,
             "hit_tokens": hit, "dropped_blocks": dropped, "wall_s": time.perf_counter() - t0,
             "by_kind": {k: (v[1] / v[0] if v[0] else None) for k, v in by_kind.items()}}
