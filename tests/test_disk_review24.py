@@ -232,7 +232,9 @@ def test_reopening_a_named_blob_pool_adds_no_segment_file_or_descriptor(tmp_path
         tier = _tier(path)
         pool = tier.create_pool(100, 1000, name="P")
         assert _read(pool, [0]) == [b"a" * 100]
-        assert len(_open_under(path / "P.kvcm")) == len(first)
+        assert len(_open_under(path / "P.kvcm.seg")) == len(first)
+        # and the lock file that keeps other tiers out while it is open
+        assert _open_under(path / "P.kvcm.lock") == [str(path / "P.kvcm.lock")]
         tier.close()
     assert _segments(path) == first
 
@@ -325,7 +327,8 @@ def test_a_forked_child_holds_no_lock_or_file_of_its_parents_disk_tier(tmp_path,
             parent.wait(timeout=30)
         os.kill(helper, signal.SIGKILL)
     assert not os.path.exists(owner)
-    assert sorted(os.listdir(path)) in (["n.kvcm"], ["n.kvcm.seg000001"])
+    # a named blob pool's lock file stays (see kvcm_tier_disk: one tier at a time)
+    assert sorted(os.listdir(path)) in (["n.kvcm"], ["n.kvcm.lock", "n.kvcm.seg000001"])
 
 
 # -- B6: a relative path survives a chdir ------------------------------------------------

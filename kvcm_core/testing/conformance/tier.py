@@ -154,7 +154,9 @@ class TierConformance(ConformanceBase):
         The default reads device-accessible pools with the backend's ``read`` at
         ``region.page_start(slot)``; for persistent storage tiers it reopens the pool by name
         in a second tier instance built from the same options; otherwise ``None`` (no
-        backdoor: the test then relies on ``read`` alone).
+        backdoor: the test then relies on ``read`` alone). A tier that lets one instance
+        at a time open a named pool (the disk tier) refuses that second instance while
+        the pool is open: override this to read its files instead.
         """
         if isinstance(pool, DevicePool):
             start = pool.region.page_start(slot)

@@ -37,6 +37,19 @@ it and keeps its data (resized to the requested slot count); a file written with
 slot size is refused. Unnamed pools (the manager's cold levels) get an anonymous file in
 the tier's owner directory, deleted on close.
 
+One tier at a time: a named pool is held by the tier that opened it, through an exclusive
+``flock`` taken without waiting when it is created or reopened and dropped when it closes
+(or its tier does, or its process dies). Another tier with the same ``path``, in this
+process or another, that opens the same name meanwhile gets ``TierIOError`` ("in use by
+another disk tier") and changes nothing, so two tiers never write into one pool's files.
+A slot pool locks its pool file; a blob pool, whose segment files come and go, locks a
+file ``<pool file>.lock`` beside them, taken before its segments are read. That file is
+left in place at close: an unlocked one is harmless, and deleting it would let a tier that
+opened it just before the deletion lock the removed file while a third tier locks a new
+one. An empty slot pool file (its creator lost the race for its lock to a tier that
+opened it at once, or died before writing its header) is taken as a new pool by the tier
+that locks it.
+
 Crash safety (see :mod:`kvcm_tier_disk.owner`): anonymous files live in an owner directory
 (``path/kvcm-owner-*``, or the private directory) holding an ``flock``-ed ``lock`` file;
 a tier that starts removes the owner directories whose lock is free (their process died,
@@ -44,8 +57,10 @@ a tier that starts removes the owner directories whose lock is free (their proce
 removed in :attr:`DiskTier.swept`. :meth:`DiskTier.close` closes every pool and the
 directory even when one of them fails, then raises ``TierIOError`` listing the failures.
 A child forked without exec closes its copies of every tier's descriptors (lock, directory,
-pool files; nothing on disk is touched), so it keeps no dead parent's directory from being
-swept; the parent's tiers and pools are closed in the child (``InvalidStateError``).
+pool files, blob pools' lock files; nothing on disk is touched), so it keeps no dead
+parent's directory from being swept; the parent's tiers and pools are closed in the child
+(``InvalidStateError``). The parent keeps its named pools' locks: an ``flock`` belongs to
+the open file, which the parent's descriptors still hold.
 
 Security: files are created 0600 with ``O_CREAT | O_EXCL | O_NOFOLLOW`` relative to an open
 descriptor of the directory; pool names are reduced to a safe file name; a pool file that is
@@ -59,6 +74,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import errno
+import fcntl
 import hashlib
 import itertools
 import os
@@ -112,6 +128,7 @@ _MAGIC = b"KVCMPOOL"
 _VERSION = 1
 _HEADER = struct.Struct("<8sIIQ")  # magic, version, header bytes, slot bytes
 _SUFFIX = ".kvcm"
+_LOCK_SUFFIX = ".lock"  # a named blob pool's lock file: <pool file>.lock
 _DEFAULT_THREADS = 4
 _DEFAULT_SEGMENT = 64 << 20
 # One preadv/pwritev moves at most this many bytes and buffers (Linux caps one call at
@@ -807,13 +824,16 @@ class DiskTier(Tier):
 
     def create_pool(self, slot_bytes: int, num_slots: int, *, name: str = ""
                     ) -> DiskPool | BlobDiskPool:
-        """Create (or, for a ``name`` whose file exists, reopen) a pool.
+        """Create (or, for a ``name`` whose file exists, reopen) a pool. A named pool
+        is this tier's until it closes (one tier at a time: module docstring).
 
         Raises:
             ValueError: bad sizes, a name already open in this tier, or an existing file
                 whose slot size differs.
-            TierIOError: the file is unsafe (symbolic link, not a regular file, hard-linked,
-                someone else's), not a kvcm pool file, or could not be created.
+            TierIOError: the name is open in another disk tier (this process or another;
+                nothing is created or changed), the file is unsafe (symbolic link, not a
+                regular file, hard-linked, someone else's), not a kvcm pool file, or could
+                not be created.
             InvalidStateError: the tier was closed.
         """
         if self._dir_fd is None:
@@ -832,12 +852,21 @@ class DiskTier(Tier):
         else:  # in this tier's owner directory: swept if the process dies
             fname = f"{self._anon_prefix}.anon-{next(self._anonymous)}{_SUFFIX}"
         if self.mode == "blob":
-            pool: BlobDiskPool = BlobDiskPool(self, name, fname, int(slot_bytes), num_slots,
-                                              self._segment_bytes)
+            lock = self._blob_lock(fname, f"disk blob pool {name!r}") if name else None
+            try:
+                pool: BlobDiskPool = BlobDiskPool(self, name, fname, int(slot_bytes),
+                                                  num_slots, self._segment_bytes, lock)
+            except BaseException:
+                if lock is not None:
+                    os.close(lock)
+                raise
             self._pools[fname] = pool
             return pool
         label = f"disk pool {name!r}" if name else "anonymous disk pool"
         fd, created = self._open_file(fname, label)
+        if name:  # held through the pool's descriptor until it closes
+            held = self._hold(fd, fname, label)
+            created = created or held.st_size == 0  # empty: a new pool (module doc)
         try:
             if created:
                 os.fchmod(fd, 0o600)
@@ -848,20 +877,61 @@ class DiskTier(Tier):
                 self._check_header(fd, label, int(slot_bytes))
             _set_size(fd, HEADER_BYTES + int(slot_bytes) * num_slots)
         except OSError as exc:
-            os.close(fd)
-            if created:
-                os.unlink(fname, dir_fd=self._dir_fd)
+            self._discard(fd, fname, created)
             if isinstance(exc, TierIOError):
                 raise
             raise TierIOError(f"{label}: could not prepare {fname!r}: {exc}") from exc
         except BaseException:
-            os.close(fd)
-            if created:
-                os.unlink(fname, dir_fd=self._dir_fd)
+            self._discard(fd, fname, created)
             raise
         slot_pool = DiskPool(self, fd, name, fname, int(slot_bytes), num_slots)
         self._pools[fname] = slot_pool
         return slot_pool
+
+    def _discard(self, fd: int, fname: str, created: bool) -> None:
+        """Give up a slot pool file whose preparation failed: delete it when this tier made
+        it, then close it. In that order: a named pool's lock lasts until the close, so no
+        other tier can lock a file that is about to be deleted."""
+        try:
+            if created:
+                os.unlink(fname, dir_fd=self._dir_fd)
+        finally:
+            os.close(fd)
+
+    def _hold(self, fd: int, fname: str, label: str) -> os.stat_result:
+        """Lock ``fname``, just opened as ``fd``, for this tier: an exclusive ``flock``,
+        not waited for, held until ``fd`` is closed; returns its status.
+
+        Raises:
+            TierIOError: another tier holds it, or it was deleted before the lock was
+                taken, or it cannot be locked. ``fd`` is then closed and nothing else is
+                touched: a file this tier has just created is the winner's to use.
+        """
+        where = os.path.join(self.directory, fname)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            st = os.fstat(fd)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise TierIOError(
+                    f"{label} ({where}) is in use by another disk tier, in this process "
+                    "or another; a named pool is opened by one tier at a time (close it "
+                    "there first)") from exc
+            raise TierIOError(f"{label}: cannot lock {where}: {exc}") from exc
+        if st.st_nlink == 0:  # deleted by the tier that held it (a failed create)
+            os.close(fd)
+            raise TierIOError(f"{label}: {where} was deleted by the disk tier that held "
+                              "it while this one opened it; try again")
+        return st
+
+    def _blob_lock(self, fname: str, label: str) -> int:
+        """Open and lock the lock file of named blob pool ``fname`` (:meth:`_hold`);
+        returns its descriptor, which the pool closes last at its close."""
+        lock = fname + _LOCK_SUFFIX
+        fd, _ = self._open_file(lock, label)
+        self._hold(fd, lock, label)
+        return fd
 
     def _open_file(self, fname: str, label: str) -> tuple[int, bool]:
         """Create ``fname`` exclusively, or open the existing regular file safely."""

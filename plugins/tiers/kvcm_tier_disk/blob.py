@@ -15,6 +15,10 @@ blobs it was handed (kvcm's cold frames included), live or dead until compaction
 write would pass it, every segment with dead bytes is compacted first. Record and segment
 headers (8 and 64 bytes) are the tier's own bookkeeping and are not counted.
 
+A named pool holds the lock file ``<pool file>.lock`` (``flock``-ed by
+:meth:`DiskTier.create_pool` before the segments are read, closed last at ``close``), so
+no other tier opens the pool meanwhile; see the one-tier rule in :mod:`kvcm_tier_disk`.
+
 Reopening a named pool rebuilds the index by reading its segments in order (the last
 record of a slot wins; a shrink, and a reopen with fewer slots, append tombstones, which
 compaction carries forward while an older segment might still hold the slot). A record cut
@@ -76,7 +80,7 @@ class BlobDiskPool(BlobPool):
     """
 
     def __init__(self, tier: DiskTier, name: str, fname: str, slot_bytes: int,
-                 num_slots: int, segment_bytes: int) -> None:
+                 num_slots: int, segment_bytes: int, lock_fd: int | None = None) -> None:
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         self.name = name
@@ -101,6 +105,9 @@ class BlobDiskPool(BlobPool):
         self._gone = "was closed"  # why the pool is unusable once _closed
         self._last = 0  # the highest segment id seen or made: a new one takes the next
         self._closed = False
+        # a named pool's locked lock file (DiskTier._blob_lock): closed at close, not
+        # here when this constructor fails (create_pool closes it then)
+        self._lock_fd = lock_fd
         beyond: set[int] = set()  # slots past num_slots whose last record holds a blob
         try:
             for seg in self._existing_segments():
@@ -240,7 +247,10 @@ class BlobDiskPool(BlobPool):
         self._closed, self._gone = True, _FORKED
         fds, self._fds = self._fds, {}
         self._torn.clear()
-        for fd in fds.values():
+        lock, self._lock_fd = self._lock_fd, None
+        # closing our copy of the lock file leaves the parent's flock held (it belongs to
+        # the open file, which the parent's descriptor still holds)
+        for fd in [*fds.values(), *([lock] if lock is not None else [])]:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
@@ -490,8 +500,10 @@ class BlobDiskPool(BlobPool):
                 self._compact_dead()
 
     def close(self) -> None:
-        """Close the segment files (idempotent); an anonymous pool's files are deleted.
-        Every descriptor is closed and every deletion tried even when one fails.
+        """Close the segment files (idempotent); an anonymous pool's files are deleted,
+        then a named pool's lock file is closed (it stays on disk: see
+        :mod:`kvcm_tier_disk`). Every descriptor is closed and every deletion tried even
+        when one fails.
 
         Raises:
             TierIOError: a segment file could not be closed or deleted (each failure
@@ -517,6 +529,12 @@ class BlobDiskPool(BlobPool):
                     pass
                 except OSError as exc:
                     failures.append(f"deleting {self._seg_name(seg)}: {exc}")
+        lock, self._lock_fd = self._lock_fd, None
+        if lock is not None:  # last: another tier may open the pool once this is closed
+            try:
+                os.close(lock)
+            except OSError as exc:
+                failures.append(f"closing {self._fname}.lock: {exc}")
         for table in (self._size, self._stored, self._live, self._tombs, self._torn):
             table.clear()
         self._sealed.clear()
