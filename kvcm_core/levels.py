@@ -537,7 +537,8 @@ class Levels:
             pg = self._pg_of[int(a.group[pids[0]])]
             layout = self.layouts[pg]
             keys = self.frame_keys(pids) if dst.frames is not None else None
-            old = a.slot[pids]
+            # int64: indexing with int32 slots costs a conversion per use (vacate, a copy)
+            old = a.slot[pids].astype(np.int64)
             io = self.io[dst.level]
             mover = self.mover
             per = max(-(-len(pids) // _MOVE_BATCHES), self._batch_pages[pg])
