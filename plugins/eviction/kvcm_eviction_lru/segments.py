@@ -31,6 +31,11 @@ from kvcm_core.eviction import (
 
 __all__ = ["SegmentLruPolicy"]
 
+try:  # NumPy's C count itself (np.count_nonzero adds a dispatch)
+    from numpy._core.multiarray import count_nonzero as _count_nonzero
+except ImportError:  # pragma: no cover - NumPy 1.x
+    _count_nonzero = np.count_nonzero
+
 _NPRIO = MAX_PRIORITY + 1
 _INT_ONLY = {int}
 # Page ids from here on are mapped to internal ids from _BIG up, handed out in order: the
@@ -288,7 +293,8 @@ class SegmentLruPolicy(EvictionPolicy):
         n = len(pages)
         if not n:
             return
-        hi = int(pages.max()) if n > 1 else int(pages[0])
+        # (argmax and an index: half the cost of the max reduction on a small batch)
+        hi = int(pages[pages.argmax()]) if n > 1 else int(pages[0])
         if hi >= _BIG:  # big ids are mapped: the general path
             self.insert_many(pages, priorities)
             return
@@ -316,17 +322,20 @@ class SegmentLruPolicy(EvictionPolicy):
         and one scatter per array whatever the number of runs; the segments are
         disjoint views of that copy, which no one else holds."""
         n = len(arr)
-        cuts = np.flatnonzero(pr[1:] != pr[:-1])
-        if not len(cuts):
+        # The last index of each run but the final one (the method: np.flatnonzero adds
+        # a ravel and a dispatch).
+        ends = (pr[1:] != pr[:-1]).nonzero()[0]
+        if not len(ends):
             self._append(arr, int(pr[0]))
             return
-        cuts += 1
+        cuts = [e + 1 for e in ends.tolist()]
         queues, live = self._queues, self._live
         if len(cuts) < _FEW_RUNS:  # (victims moved down: a run per priority) a scatter each
-            bounds = [0, *cuts.tolist(), n]
+            bounds = [0, *cuts, n]
             seg = arr.copy()
             stamp, prios = self._stamp, self._prio
-            for p, a, b in zip(pr[bounds[:-1]].tolist(), bounds, bounds[1:], strict=False):
+            values = [*pr.take(ends).tolist(), pr.item(-1)]  # at each run's last index
+            for p, a, b in zip(values, bounds, bounds[1:], strict=False):
                 self._serial += 1
                 part = seg[a:b]
                 stamp[part] = self._serial
@@ -337,9 +346,9 @@ class SegmentLruPolicy(EvictionPolicy):
             self._entries += n
             self._count += n
             return
-        starts = [0, *cuts.tolist()]
-        stops = [*starts[1:], n]
-        values = pr[starts].tolist()
+        starts = [0, *cuts]
+        stops = [*cuts, n]
+        values = [*pr.take(ends).tolist(), pr.item(-1)]
         first = self._serial + 1
         self._serial += len(starts)
         seg = arr.copy()
@@ -477,6 +486,8 @@ class SegmentLruPolicy(EvictionPolicy):
         """
         if type(k) is not int or k < 0:
             k = check_count(k)
+        # The pages taken are stamped absent once, at the end: until then each one's
+        # stamp still names the segment it was taken from, which no later step reads.
         out: list[np.ndarray] = []
         stamp = self._stamp
         need = k
@@ -500,13 +511,14 @@ class SegmentLruPolicy(EvictionPolicy):
                     queue.popleft()
                     self._entries -= 1
                     if stamp[seg[0]] == serial:
-                        stamp[seg[0]] = 0
                         out.append(seg)
                         need -= 1
                         self._live[p] -= 1
                         self._count -= 1
                     continue
-                live = seg[stamp[seg] == serial]
+                alive = stamp[seg] == serial
+                # (Usually every entry: nothing left the segment since it entered.)
+                live = seg if _count_nonzero(alive) == len(seg) else seg[alive]
                 self._entries -= len(seg)
                 if len(live) <= need:
                     queue.popleft()
@@ -517,7 +529,6 @@ class SegmentLruPolicy(EvictionPolicy):
                     queue[0] = (serial, rest)
                     self._entries += len(rest)
                 if len(take):
-                    stamp[take] = 0
                     out.append(take)
                     need -= len(take)
                     self._live[p] -= len(take)
@@ -529,6 +540,7 @@ class SegmentLruPolicy(EvictionPolicy):
         if not out:
             return np.empty(0, dtype=np.int64)
         got = out[0] if len(out) == 1 else np.concatenate(out)
+        stamp[got] = 0
         if self._to_outer and int(got.max()) >= _BIG:
             return np.asarray(self._outer(got), dtype=np.int64)
         return got
@@ -536,8 +548,8 @@ class SegmentLruPolicy(EvictionPolicy):
     def _pop_front_run(self, queue: deque[tuple[int, np.ndarray]],
                        need: int) -> np.ndarray | None:
         """Take the front segments of ``queue`` whose total length fits in ``need``
-        (at least three, else None and nothing done): their live entries, in order,
-        stamped absent."""
+        (at least three, else None and nothing done): their live entries, in order (the
+        caller stamps them absent)."""
         serials: list[int] = []
         segs: list[np.ndarray] = []
         total = 0
@@ -554,9 +566,7 @@ class SegmentLruPolicy(EvictionPolicy):
         self._entries -= total
         cat = np.concatenate(segs)
         lens = np.fromiter(map(len, segs), np.int64, len(segs))
-        live = cat[self._stamp[cat] == np.repeat(np.asarray(serials, dtype=np.int64), lens)]
-        self._stamp[live] = 0
-        return live
+        return cat[self._stamp[cat] == np.repeat(np.asarray(serials, dtype=np.int64), lens)]
 
     # -- queries -------------------------------------------------------------------------------
 
