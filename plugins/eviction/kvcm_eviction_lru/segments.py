@@ -13,7 +13,7 @@ live entries of the lowest non-empty priority, front segment first.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -329,26 +329,14 @@ class SegmentLruPolicy(EvictionPolicy):
             self._append(arr, int(pr[0]))
             return
         cuts = [e + 1 for e in ends.tolist()]
-        queues, live = self._queues, self._live
-        if len(cuts) < _FEW_RUNS:  # (victims moved down: a run per priority) a scatter each
-            bounds = [0, *cuts, n]
-            seg = arr.copy()
-            stamp, prios = self._stamp, self._prio
-            values = [*pr.take(ends).tolist(), pr.item(-1)]  # at each run's last index
-            for p, a, b in zip(values, bounds, bounds[1:], strict=False):
-                self._serial += 1
-                part = seg[a:b]
-                stamp[part] = self._serial
-                prios[part] = p
-                queues[p].append((self._serial, part))
-                live[p] += b - a
-                self._mask |= 1 << p
-            self._entries += n
-            self._count += n
-            return
+        values = [*pr.take(ends).tolist(), pr.item(-1)]  # at each run's last index
         starts = [0, *cuts]
         stops = [*cuts, n]
-        values = [*pr.take(ends).tolist(), pr.item(-1)]
+        if len(cuts) < _FEW_RUNS:  # (victims moved down: a run per priority) a scatter each
+            counts = [b - a for a, b in zip(starts, stops, strict=True)]
+            self._append_runs(arr, zip(values, counts, strict=True))
+            return
+        queues, live = self._queues, self._live
         first = self._serial + 1
         self._serial += len(starts)
         seg = arr.copy()
@@ -361,6 +349,41 @@ class SegmentLruPolicy(EvictionPolicy):
             self._mask |= 1 << p
         self._entries += n
         self._count += n
+
+    def _append_runs(self, arr: np.ndarray, runs: Iterable[tuple[int, int]]) -> None:
+        """:meth:`_append` of distinct absent pages by runs ``(priority, count)``: a
+        segment per run, the disjoint views of one copy (which no one else holds), with
+        a scatter per run and array."""
+        seg = arr.copy()
+        stamp, prios, queues, live = self._stamp, self._prio, self._queues, self._live
+        a = 0
+        for p, c in runs:
+            b = a + c
+            self._serial += 1
+            part = seg[a:b]
+            stamp[part] = self._serial
+            prios[part] = p
+            queues[p].append((self._serial, part))
+            live[p] += c
+            self._mask |= 1 << p
+            a = b
+        self._entries += len(arr)
+        self._count += len(arr)
+
+    def insert_runs_checked_by_caller(self, pages: np.ndarray,
+                                      runs: Sequence[tuple[int, int]]) -> None:
+        """:meth:`insert_many_checked_by_caller` with the priorities as runs (see the
+        contract): the segments of :meth:`_append_mixed`, without finding the runs."""
+        if len(runs) == 1:
+            self.insert_many_checked_by_caller(pages, runs[0][0])
+            return
+        hi = int(pages[pages.argmax()])
+        if hi >= _BIG:  # big ids are mapped: the general path
+            super().insert_runs_checked_by_caller(pages, runs)
+            return
+        if hi >= len(self._stamp):
+            self._fit(pages)
+        self._append_runs(pages, runs)
 
     def _insert_small(self, arr: np.ndarray, priorities: PriorityBatch) -> bool:
         """:meth:`insert_many` of a few small page ids with plain Python checks (NumPy's
@@ -484,6 +507,20 @@ class SegmentLruPolicy(EvictionPolicy):
         Raises:
             ValueError: ``k`` is negative or not an int.
         """
+        return self._pop(k, None)
+
+    def pop_victim_runs(self, k: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """:meth:`pop_victims` and the priorities of the pages, as runs ``(priority,
+        count)`` (one per priority, in order).
+
+        Raises:
+            ValueError: ``k`` is negative or not an int.
+        """
+        runs: list[tuple[int, int]] = []
+        return self._pop(k, runs), runs
+
+    def _pop(self, k: int, runs: list[tuple[int, int]] | None) -> np.ndarray:
+        """:meth:`pop_victims`; with ``runs``, a run appended there per priority taken."""
         if type(k) is not int or k < 0:
             k = check_count(k)
         # The pages taken are stamped absent once, at the end: until then each one's
@@ -495,6 +532,7 @@ class SegmentLruPolicy(EvictionPolicy):
             mask = self._mask
             p = (mask & -mask).bit_length() - 1
             queue = self._queues[p]
+            before = need
             while need and queue:
                 serial, seg = queue[0]
                 if len(seg) < need and len(queue) > 2 and len(queue[1][1]) < need:
@@ -533,6 +571,8 @@ class SegmentLruPolicy(EvictionPolicy):
                     need -= len(take)
                     self._live[p] -= len(take)
                     self._count -= len(take)
+            if runs is not None and need != before:
+                runs.append((p, before - need))
             if not self._live[p]:
                 self._mask &= ~(1 << p)
                 self._entries -= sum(len(s) for _, s in queue)
