@@ -311,7 +311,8 @@ class Store:
         else:
             self._pid[slots] = pids
             a.store[pids] = self.index
-            a.slot[pids] = slots
+            # (Cast first: a scatter of int64 values into the int32 column casts slowly.)
+            a.slot[pids] = slots.astype(np.int32)
             a.level[pids] = self.level
         if droppable:
             if runs is not None:
