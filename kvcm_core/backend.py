@@ -455,6 +455,19 @@ class KernelBackend(abc.ABC):
         for task in tasks:
             self.copy_pages(task.dst, task.src, task.page_bytes, task.pairs, stream)
 
+    def copy_pages_checked_by_caller(self, parts: Sequence[tuple[PageRegion, PageRegion, int]],
+                                     dst: np.ndarray, src: np.ndarray,
+                                     stream: Stream | None = None) -> None:
+        """:meth:`copy_pages_batch` of the same pages in every part, for a copy the core
+        built: ``parts`` as ``(dst region, src region, page bytes)``, page ``src[i]`` of
+        every part's source into page ``dst[i]`` of its destination (1-D integer arrays of
+        the same length, every index at least 0 and inside its region's buffer, no
+        destination overlapping a source). A backend may skip the argument checks here;
+        the default builds the pair array and runs :meth:`copy_pages_batch`."""
+        pairs = copy_pairs(dst, src)
+        self.copy_pages_batch([CopyTask(dr, sr, size, pairs) for dr, sr, size in parts],
+                              stream)
+
     @abc.abstractmethod
     def convert_page_indices(
         self,

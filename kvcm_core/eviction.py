@@ -305,6 +305,26 @@ class EvictionPolicy(abc.ABC):
             ValueError: ``k`` is negative or not an int.
         """
 
+    def pop_victim_runs(self, k: int) -> tuple[list[int] | np.ndarray,
+                                               list[tuple[int, int]] | None]:
+        """:meth:`pop_victims`, with the priorities the pages were held at as runs
+        ``(priority, count)`` in the order of the pages (counts summing to their number),
+        or None where the policy does not tell (the default). The core moving popped
+        pages to a colder level files them there at those priorities without reading
+        them again."""
+        return self.pop_victims(k), None
+
+    def insert_runs_checked_by_caller(self, pages: np.ndarray,
+                                      runs: Sequence[tuple[int, int]]) -> None:
+        """:meth:`insert_many_checked_by_caller` with the priorities as runs ``(priority,
+        count)``: the first ``count`` pages at the first priority, and so on (counts of
+        at least 1 summing to ``len(pages)``). The default expands them."""
+        if len(runs) == 1:
+            self.insert_many_checked_by_caller(pages, int(runs[0][0]))
+            return
+        self.insert_many_checked_by_caller(pages, np.repeat(
+            np.asarray([p for p, _ in runs], dtype=np.int64), [c for _, c in runs]))
+
     @abc.abstractmethod
     def __len__(self) -> int: ...
 

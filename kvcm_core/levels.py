@@ -481,8 +481,10 @@ class Levels:
         # below may invalidate (and free) popped victims: those no longer filed here are
         # skipped (no page ids are handed out meanwhile, so a freed id stays freed).
         want = min(n - store.num_free, len(store.droppable))
-        victims = np.asarray(store.droppable.pop_victims(want) if want > 0 else (),
-                             dtype=np.int64)
+        # With the victims' priority runs where the policy tells them: the pages that move
+        # are filed below at those priorities (their arena priorities) without a reread.
+        popped, runs = store.droppable.pop_victim_runs(want) if want > 0 else ((), None)
+        victims = np.asarray(popped, dtype=np.int64)
         here = store.index
         a = self.arena
         target = store.below
@@ -500,12 +502,16 @@ class Levels:
                         break
                     if store.departures != mark:  # pages of this store were freed or lost
                         victims = victims[a.store[victims] == here]
+                        runs = None
                     keep = min(keep, len(victims), target.num_free)
                     cut = len(victims) - keep
+                    head, tail = _split_runs(runs, cut)
                     failed = self._move(store, victims[cut:], target, queued=False,
-                                        droppable=True)
-                    victims = np.concatenate([victims[:cut], failed]) if len(failed) \
-                        else victims[:cut]
+                                        droppable=True, runs=tail)
+                    if len(failed):
+                        victims, runs = np.concatenate([victims[:cut], failed]), None
+                    else:
+                        victims, runs = victims[:cut], head
                 target = target.below
         except BaseException:  # an interrupt: the victims still here go back to their queue
             store.requeue(victims[a.store[victims] == here])
@@ -522,13 +528,14 @@ class Levels:
 
     def _move(self, src: Store, pids: np.ndarray, dst: Store, queued: bool = True,
               stream: Stream | None = None, droppable: bool = False,
-              lock: bool = False) -> np.ndarray:
+              lock: bool = False, runs: list[tuple[int, int]] | None = None) -> np.ndarray:
         """Move pages of ``src`` into free slots of ``dst``; returns the pages that could
         not be moved (I/O failure: they stay where they were, out of the queues when
         ``queued`` is False). ``droppable``: the pages are known droppable (victims
         popped from that queue), so they enter ``dst``'s droppable queue directly.
         ``lock``: the pages are held and unlocked; those that arrive trade one hold for a
-        lock on the way (a resume's onboard: they never enter ``dst``'s queues)."""
+        lock on the way (a resume's onboard: they never enter ``dst``'s queues).
+        ``runs``: droppable pages' priorities as runs (see :meth:`Store.settle`)."""
         if not len(pids):
             return pids
         reserved = slots = dst.reserve_slots(len(pids))
@@ -537,7 +544,8 @@ class Levels:
             pg = self._pg_of[int(a.group[pids[0]])]
             layout = self.layouts[pg]
             keys = self.frame_keys(pids) if dst.frames is not None else None
-            old = a.slot[pids]
+            # int64: indexing with int32 slots costs a conversion per use (vacate, a copy)
+            old = a.slot[pids].astype(np.int64)
             io = self.io[dst.level]
             mover = self.mover
             per = max(-(-len(pids) // _MOVE_BATCHES), self._batch_pages[pg])
@@ -577,6 +585,7 @@ class Levels:
             keep = good & (a.store[pids] == src.index)
             dst.unreserve_slots(slots[~keep])
             pids, slots, old = pids[keep], slots[keep], old[keep]
+            runs = None  # (they counted the pages dropped)
             if not len(pids):
                 return pids
         except BaseException:  # an interrupt (or a bug): the pages stay where they were
@@ -586,7 +595,7 @@ class Levels:
         if lock:
             a.locks[pids] += 1
             a.holds[pids] -= 1
-        dst.settle(pids, slots, droppable, locked=lock)  # locked: _enter would pass them
+        dst.settle(pids, slots, droppable, locked=lock, runs=runs)  # locked: no _enter
         self.epoch += 1
         self._count_moves(pids, src.level, dst.level)
         return pids[:0]
@@ -1249,6 +1258,24 @@ def _allocate(make: Callable[[], Any], field: str, quota: int | None) -> Any:
     except (MemoryError, OverflowError, ValueError) as exc:
         raise ConfigError(field, quota, f"cannot be allocated ({type(exc).__name__}: "
                           f"{exc})") from exc
+
+
+def _split_runs(runs: list[tuple[int, int]] | None, cut: int
+                ) -> tuple[list[tuple[int, int]] | None, list[tuple[int, int]] | None]:
+    """Priority runs ``(priority, count)`` of some pages as the runs of their first
+    ``cut`` pages and those of the rest (None: no runs, for both)."""
+    if runs is None:
+        return None, None
+    head: list[tuple[int, int]] = []
+    for i, (p, c) in enumerate(runs):
+        if cut <= 0:
+            return head, runs[i:]
+        if c > cut:
+            head.append((p, cut))
+            return head, [(p, c - cut), *runs[i + 1:]]
+        head.append((p, c))
+        cut -= c
+    return head, []
 
 
 def _in_runs(slots: np.ndarray, old: np.ndarray, per: int) -> np.ndarray:

@@ -168,10 +168,9 @@ class Mover:
     def _copy_direct(self, parts: list[tuple[PageRegion, PageRegion, int]],
                      s: Sequence[int] | np.ndarray, d: Sequence[int] | np.ndarray,
                      stream: Stream | None) -> None:
-        """Copy blocks ``s[i]`` into ``d[i]`` by :meth:`_direct_parts`, and wait."""
-        pairs = copy_pairs(d, s)  # int32 pairs, as copy_pairs of the int32 slots
-        self.backend.copy_pages_batch(
-            [CopyTask(dr, sr, size, pairs) for dr, sr, size in parts], stream)
+        """Copy blocks ``s[i]`` into ``d[i]`` by :meth:`_direct_parts`, and wait (slots of
+        stores: in range, so the backend may skip its checks)."""
+        self.backend.copy_pages_checked_by_caller(parts, np.asarray(d), np.asarray(s), stream)
         (stream or self.backend.default_stream).synchronize()
 
     # -- asynchronous copies (GPU <-> device-accessible pools) ------------------------------

@@ -294,10 +294,13 @@ class Store:
         self._give_back(slots)
 
     def settle(self, pids: np.ndarray, slots: np.ndarray, droppable: bool = False,
-               locked: bool = False) -> None:
+               locked: bool = False, runs: list[tuple[int, int]] | None = None) -> None:
         """Pages that arrived in reserved ``slots`` (moved from another store);
         ``droppable``: the caller knows they are all droppable; ``locked``: the caller
-        knows they are all locked (they enter no queue)."""
+        knows they are all locked (they enter no queue); ``runs``: droppable pages'
+        priorities as runs ``(priority, count)``, where the caller has them (victims
+        popped with :meth:`EvictionPolicy.pop_victim_runs`: a queued page is filed at
+        its arena priority)."""
         a = self.arena
         if len(pids) == 1 and _ONE_BY_ONE:  # the same on scalars
             pid, slot = pids[0], slots[0]
@@ -308,10 +311,14 @@ class Store:
         else:
             self._pid[slots] = pids
             a.store[pids] = self.index
-            a.slot[pids] = slots
+            # (Cast first: a scatter of int64 values into the int32 column casts slowly.)
+            a.slot[pids] = slots.astype(np.int32)
             a.level[pids] = self.level
         if droppable:
-            _insert(self.droppable, pids, a.priority[pids])
+            if runs is not None:
+                self.droppable.insert_runs_checked_by_caller(pids, runs)
+            else:
+                _insert(self.droppable, pids, a.priority[pids])
         elif not locked:
             self._enter(pids)
 
@@ -595,9 +602,15 @@ class Store:
         for pid in pids[held].tolist():
             if pid not in self.held:
                 raise AssertionError(f"held {a.describe(pid)} missing from the held queue")
+        priority_of = getattr(self.droppable, "priority_of", None)
         for pid in pids[droppable].tolist():
             if pid not in self.droppable:
                 raise AssertionError(f"{a.describe(pid)} missing from the droppable queue")
+            # Moves file popped victims at the priorities the queue held them at (see
+            # settle): those of the arena.
+            if priority_of is not None and priority_of(pid) != a.priority[pid]:
+                raise AssertionError(f"{a.describe(pid)} queued at priority "
+                                     f"{priority_of(pid)}, not {a.priority[pid]}")
         if int(droppable.sum()) != len(self.droppable) or int(held.sum()) != len(self.held):
             raise AssertionError("eviction queues hold pages of other states")
 

@@ -449,6 +449,44 @@ class EvictionPolicyConformance(ConformanceBase):
                 free += got_a
             assert popped(a, len(a)) == popped(b, len(b))
 
+    def test_victim_runs_and_run_inserts_order_exactly_like_the_plain_calls(
+        self, kvcm_plugin_spec: Any
+    ) -> None:
+        """``pop_victim_runs`` pops what ``pop_victims`` pops, and its runs (where the
+        policy gives them) name the priorities the pages were inserted at;
+        ``insert_runs_checked_by_caller`` orders like ``insert_many`` with the runs
+        expanded."""
+        rng = random.Random(11)
+        max_p = kvcm_plugin_spec.capabilities.max_priority
+        for trial in range(30):
+            a, b = kvcm_plugin_spec.factory({}), kvcm_plugin_spec.factory({})
+            base = 1000 if trial % 3 else 1 << 22
+            free = list(range(base, base + 400))
+            rng.shuffle(free)
+            prio_of: dict[int, int] = {}
+            for _ in range(12):
+                counts = [rng.choice([1, 2, 7, 16]) for _ in range(rng.choice([1, 2, 3]))]
+                if sum(counts) > len(free):
+                    break
+                runs = [(rng.choice([0, 10, 35, max_p]), c) for c in counts]
+                pages = np.asarray([free.pop() for _ in range(sum(counts))], dtype=np.int64)
+                prios = [p for p, c in runs for _ in range(c)]
+                a.insert_many(pages, prios)
+                b.insert_runs_checked_by_caller(pages, runs)
+                prio_of.update(zip(pages.tolist(), prios, strict=True))
+                k = rng.randrange(0, 12)
+                got_a = popped(a, k)
+                got, got_runs = b.pop_victim_runs(k)
+                got_b = as_victim_list(got)
+                assert got_a == got_b
+                if got_runs is not None:
+                    assert sum(c for _, c in got_runs) == len(got_b)
+                    assert all(c >= 1 for _, c in got_runs)
+                    assert [p for p, c in got_runs for _ in range(c)] == \
+                        [prio_of[page] for page in got_b]
+                free += got_a
+            assert popped(a, len(a)) == popped(b, len(b))
+
     # -- shape of the calls -------------------------------------------------------------------
 
     def test_empty_policy_has_no_victims(self, policy: EvictionPolicy) -> None:

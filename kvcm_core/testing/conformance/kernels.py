@@ -581,6 +581,42 @@ class KernelBackendConformance(ConformanceBase):
         finally:
             buf.free()
 
+    @_SETTINGS
+    @given(data=st.data())
+    def test_copy_pages_checked_by_caller_copies_like_copy_pages_batch(
+        self, backend: KernelBackend, data: st.DataObject
+    ) -> None:
+        """The core's entry for moves between stores (the same pages in every part, the
+        arguments in range) copies the bytes copy_pages_batch copies."""
+        kinds = _kinds(backend)
+        dst_kind, src_kind = data.draw(st.sampled_from(kinds)), data.draw(st.sampled_from(kinds))
+        sizes = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=3))
+        row = sum(sizes) + data.draw(st.integers(0, 16))
+        rows = data.draw(st.integers(1, 30))
+        n = data.draw(st.integers(1, rows))
+        dst_pages = list(data.draw(st.permutations(range(rows))))[:n]
+        src_pages = data.draw(st.lists(st.integers(0, rows - 1), min_size=n, max_size=n))
+        dtype = data.draw(st.sampled_from([np.int32, np.int64]))
+        rng = np.random.default_rng(data.draw(_seeds))
+        dst, dst_model = _filled(backend, dst_kind, rows * row, rng)
+        src, src_model = _filled(backend, src_kind, rows * row, rng)
+        try:
+            parts = []
+            column = 0
+            for size in sizes:
+                parts.append((PageRegion(dst, column, row), PageRegion(src, column, row), size))
+                column += size
+            backend.copy_pages_checked_by_caller(
+                parts, np.asarray(dst_pages, dtype=dtype), np.asarray(src_pages, dtype=dtype))
+            pairs = _pairs(dst_pages, src_pages)
+            for dr, sr, size in parts:
+                _model_copy(dst_model, dr.offset, row, src_model, sr.offset, row, size, pairs)
+            assert np.array_equal(_read_all(backend, dst), dst_model)
+            assert np.array_equal(_read_all(backend, src), src_model)
+        finally:
+            dst.free()
+            src.free()
+
     def test_copy_pages_with_no_pairs_changes_nothing(self, backend: KernelBackend) -> None:
         rng = np.random.default_rng(3)
         dst, dst_model = _filled(backend, MemoryKind.DEVICE, 100, rng)

@@ -13,7 +13,7 @@ live entries of the lowest non-empty priority, front segment first.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,11 @@ from kvcm_core.eviction import (
 )
 
 __all__ = ["SegmentLruPolicy"]
+
+try:  # NumPy's C count itself (np.count_nonzero adds a dispatch)
+    from numpy._core.multiarray import count_nonzero as _count_nonzero
+except ImportError:  # pragma: no cover - NumPy 1.x
+    _count_nonzero = np.count_nonzero
 
 _NPRIO = MAX_PRIORITY + 1
 _INT_ONLY = {int}
@@ -288,7 +293,8 @@ class SegmentLruPolicy(EvictionPolicy):
         n = len(pages)
         if not n:
             return
-        hi = int(pages.max()) if n > 1 else int(pages[0])
+        # (argmax and an index: half the cost of the max reduction on a small batch)
+        hi = int(pages[pages.argmax()]) if n > 1 else int(pages[0])
         if hi >= _BIG:  # big ids are mapped: the general path
             self.insert_many(pages, priorities)
             return
@@ -316,30 +322,21 @@ class SegmentLruPolicy(EvictionPolicy):
         and one scatter per array whatever the number of runs; the segments are
         disjoint views of that copy, which no one else holds."""
         n = len(arr)
-        cuts = np.flatnonzero(pr[1:] != pr[:-1])
-        if not len(cuts):
+        # The last index of each run but the final one (the method: np.flatnonzero adds
+        # a ravel and a dispatch).
+        ends = (pr[1:] != pr[:-1]).nonzero()[0]
+        if not len(ends):
             self._append(arr, int(pr[0]))
             return
-        cuts += 1
-        queues, live = self._queues, self._live
+        cuts = [e + 1 for e in ends.tolist()]
+        values = [*pr.take(ends).tolist(), pr.item(-1)]  # at each run's last index
+        starts = [0, *cuts]
+        stops = [*cuts, n]
         if len(cuts) < _FEW_RUNS:  # (victims moved down: a run per priority) a scatter each
-            bounds = [0, *cuts.tolist(), n]
-            seg = arr.copy()
-            stamp, prios = self._stamp, self._prio
-            for p, a, b in zip(pr[bounds[:-1]].tolist(), bounds, bounds[1:], strict=False):
-                self._serial += 1
-                part = seg[a:b]
-                stamp[part] = self._serial
-                prios[part] = p
-                queues[p].append((self._serial, part))
-                live[p] += b - a
-                self._mask |= 1 << p
-            self._entries += n
-            self._count += n
+            counts = [b - a for a, b in zip(starts, stops, strict=True)]
+            self._append_runs(arr, zip(values, counts, strict=True))
             return
-        starts = [0, *cuts.tolist()]
-        stops = [*starts[1:], n]
-        values = pr[starts].tolist()
+        queues, live = self._queues, self._live
         first = self._serial + 1
         self._serial += len(starts)
         seg = arr.copy()
@@ -352,6 +349,41 @@ class SegmentLruPolicy(EvictionPolicy):
             self._mask |= 1 << p
         self._entries += n
         self._count += n
+
+    def _append_runs(self, arr: np.ndarray, runs: Iterable[tuple[int, int]]) -> None:
+        """:meth:`_append` of distinct absent pages by runs ``(priority, count)``: a
+        segment per run, the disjoint views of one copy (which no one else holds), with
+        a scatter per run and array."""
+        seg = arr.copy()
+        stamp, prios, queues, live = self._stamp, self._prio, self._queues, self._live
+        a = 0
+        for p, c in runs:
+            b = a + c
+            self._serial += 1
+            part = seg[a:b]
+            stamp[part] = self._serial
+            prios[part] = p
+            queues[p].append((self._serial, part))
+            live[p] += c
+            self._mask |= 1 << p
+            a = b
+        self._entries += len(arr)
+        self._count += len(arr)
+
+    def insert_runs_checked_by_caller(self, pages: np.ndarray,
+                                      runs: Sequence[tuple[int, int]]) -> None:
+        """:meth:`insert_many_checked_by_caller` with the priorities as runs (see the
+        contract): the segments of :meth:`_append_mixed`, without finding the runs."""
+        if len(runs) == 1:
+            self.insert_many_checked_by_caller(pages, runs[0][0])
+            return
+        hi = int(pages[pages.argmax()])
+        if hi >= _BIG:  # big ids are mapped: the general path
+            super().insert_runs_checked_by_caller(pages, runs)
+            return
+        if hi >= len(self._stamp):
+            self._fit(pages)
+        self._append_runs(pages, runs)
 
     def _insert_small(self, arr: np.ndarray, priorities: PriorityBatch) -> bool:
         """:meth:`insert_many` of a few small page ids with plain Python checks (NumPy's
@@ -475,8 +507,24 @@ class SegmentLruPolicy(EvictionPolicy):
         Raises:
             ValueError: ``k`` is negative or not an int.
         """
+        return self._pop(k, None)
+
+    def pop_victim_runs(self, k: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """:meth:`pop_victims` and the priorities of the pages, as runs ``(priority,
+        count)`` (one per priority, in order).
+
+        Raises:
+            ValueError: ``k`` is negative or not an int.
+        """
+        runs: list[tuple[int, int]] = []
+        return self._pop(k, runs), runs
+
+    def _pop(self, k: int, runs: list[tuple[int, int]] | None) -> np.ndarray:
+        """:meth:`pop_victims`; with ``runs``, a run appended there per priority taken."""
         if type(k) is not int or k < 0:
             k = check_count(k)
+        # The pages taken are stamped absent once, at the end: until then each one's
+        # stamp still names the segment it was taken from, which no later step reads.
         out: list[np.ndarray] = []
         stamp = self._stamp
         need = k
@@ -484,6 +532,7 @@ class SegmentLruPolicy(EvictionPolicy):
             mask = self._mask
             p = (mask & -mask).bit_length() - 1
             queue = self._queues[p]
+            before = need
             while need and queue:
                 serial, seg = queue[0]
                 if len(seg) < need and len(queue) > 2 and len(queue[1][1]) < need:
@@ -500,13 +549,14 @@ class SegmentLruPolicy(EvictionPolicy):
                     queue.popleft()
                     self._entries -= 1
                     if stamp[seg[0]] == serial:
-                        stamp[seg[0]] = 0
                         out.append(seg)
                         need -= 1
                         self._live[p] -= 1
                         self._count -= 1
                     continue
-                live = seg[stamp[seg] == serial]
+                alive = stamp[seg] == serial
+                # (Usually every entry: nothing left the segment since it entered.)
+                live = seg if _count_nonzero(alive) == len(seg) else seg[alive]
                 self._entries -= len(seg)
                 if len(live) <= need:
                     queue.popleft()
@@ -517,11 +567,12 @@ class SegmentLruPolicy(EvictionPolicy):
                     queue[0] = (serial, rest)
                     self._entries += len(rest)
                 if len(take):
-                    stamp[take] = 0
                     out.append(take)
                     need -= len(take)
                     self._live[p] -= len(take)
                     self._count -= len(take)
+            if runs is not None and need != before:
+                runs.append((p, before - need))
             if not self._live[p]:
                 self._mask &= ~(1 << p)
                 self._entries -= sum(len(s) for _, s in queue)
@@ -529,6 +580,7 @@ class SegmentLruPolicy(EvictionPolicy):
         if not out:
             return np.empty(0, dtype=np.int64)
         got = out[0] if len(out) == 1 else np.concatenate(out)
+        stamp[got] = 0
         if self._to_outer and int(got.max()) >= _BIG:
             return np.asarray(self._outer(got), dtype=np.int64)
         return got
@@ -536,8 +588,8 @@ class SegmentLruPolicy(EvictionPolicy):
     def _pop_front_run(self, queue: deque[tuple[int, np.ndarray]],
                        need: int) -> np.ndarray | None:
         """Take the front segments of ``queue`` whose total length fits in ``need``
-        (at least three, else None and nothing done): their live entries, in order,
-        stamped absent."""
+        (at least three, else None and nothing done): their live entries, in order (the
+        caller stamps them absent)."""
         serials: list[int] = []
         segs: list[np.ndarray] = []
         total = 0
@@ -554,9 +606,7 @@ class SegmentLruPolicy(EvictionPolicy):
         self._entries -= total
         cat = np.concatenate(segs)
         lens = np.fromiter(map(len, segs), np.int64, len(segs))
-        live = cat[self._stamp[cat] == np.repeat(np.asarray(serials, dtype=np.int64), lens)]
-        self._stamp[live] = 0
-        return live
+        return cat[self._stamp[cat] == np.repeat(np.asarray(serials, dtype=np.int64), lens)]
 
     # -- queries -------------------------------------------------------------------------------
 

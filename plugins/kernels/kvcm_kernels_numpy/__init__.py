@@ -227,6 +227,18 @@ class NumpyBackend(KernelBackend):
         self._items[key] = (buf, items)
         return items
 
+    def _kept_items(self, region: PageRegion, page_bytes: int) -> np.ndarray | None:
+        """:meth:`_page_items` of every whole page of the region's buffer, kept; None
+        where the buffer is not one of this backend's live buffers (or has no whole
+        page)."""
+        buf = region.buffer
+        kept = self._items.get((buf.ptr, region.offset, region.stride, page_bytes))
+        if kept is not None and kept[0] is buf:
+            return kept[1]
+        if self._buffers.get(buf.ptr) is not buf or _all_items(region, page_bytes) is None:
+            return None
+        return self._page_items(region, page_bytes, 0)
+
     def _bytes(self, buf: Buffer) -> memoryview | None:
         """The bytes of one of this backend's live buffers (kept while it lives), else
         None."""
@@ -325,6 +337,27 @@ class NumpyBackend(KernelBackend):
         counts = [check_copy_args(t.dst, t.src, t.page_bytes, t.pairs) for t in tasks]
         for task, n in zip(tasks, counts, strict=True):  # all checked before any runs
             self._copy(task, n)
+
+    def copy_pages_checked_by_caller(self, parts: Sequence[tuple[PageRegion, PageRegion, int]],
+                                     dst: np.ndarray, src: np.ndarray,
+                                     stream: Stream | None = None) -> None:
+        # The core's moves between stores (the pages of every part at the same indices):
+        # one gather and one scatter of whole-page items per part, indexed by the slot
+        # arrays as they are, without the pair array and its bounds checks (a caller's
+        # promise; an index past the buffer still raises IndexError). A subclass that
+        # runs batches its own way (deferred on streams, say) gets them as batches.
+        if type(self).copy_pages_batch is not NumpyBackend.copy_pages_batch:
+            super().copy_pages_checked_by_caller(parts, dst, src, stream)
+            return
+        views = []
+        for dr, sr, size in parts:
+            dv, sv = self._kept_items(dr, size), self._kept_items(sr, size)
+            if dv is None or sv is None:  # a buffer not ours: the checked copy
+                super().copy_pages_checked_by_caller(parts, dst, src, stream)
+                return
+            views.append((dv, sv))
+        for dv, sv in views:
+            dv[dst] = sv[src]  # gather first, then scatter
 
     def convert_page_indices(
         self,
