@@ -589,7 +589,7 @@ class LevelIO:
         """:meth:`background` once there is room: on the tier's threads, or queued for
         the level's. ``owned``: ``rows`` are a private copy no one else writes (a flush
         of held rows), kept as they are rather than copied again."""
-        if rows is not None and self._write_behind(what, pool, slots, rows, checked):
+        if rows is not None and self._write_behind(what, pool, slots, rows, checked, owned):
             return
         if fn is None:
             assert rows is not None and isinstance(pool, StoragePool)
@@ -716,7 +716,7 @@ class LevelIO:
                     self._native.popleft()
 
     def _write_behind(self, what: str, pool: Pool, slots: np.ndarray, rows: np.ndarray,
-                      checked: int | None = None) -> bool:
+                      checked: int | None = None, owned: bool = False) -> bool:
         """Start a background write on the tier's own threads (``write_behind``) when the
         pool can and nothing queued for the level's thread touches its slots (a later
         write must not land before an earlier one); whether it did.
@@ -725,7 +725,9 @@ class LevelIO:
         (:meth:`DeadlinePool.write` checked them). A pool that offers
         ``_write_behind_checked(slots, rows, checked)`` (the disk tier) is then given them
         through it, and skips that O(n) check where it would test the same thing; any
-        other pool gets ``write_behind``, which checks everything."""
+        other pool gets ``write_behind``, which checks everything. ``owned``: ``rows``
+        are a private copy (see :meth:`_queue_write`), which such a pool need not copy
+        again."""
         if not isinstance(pool, StoragePool) or \
                 type(pool).write_behind is StoragePool.write_behind:
             return False
@@ -746,7 +748,7 @@ class LevelIO:
             else None
         try:
             handle = pool.write_behind(slots, rows) if trusting is None else \
-                trusting(pool, slots, rows, checked)
+                trusting(pool, slots, rows, checked, owned)
         except Exception:  # the level's thread writes it, and reports, as before
             return False
         if handle is None:

@@ -324,7 +324,9 @@ class PrefixTree:
         self.tokens = np.zeros((cap, self.tpb), dtype=np.int32)
         self._flag = np.zeros(cap, dtype=np.bool_)  # scratch marks (always all False)
         self._aux = np.zeros(cap, dtype=np.bool_)  # node has an entry in a side table
-        self._keys = np.full(cap, None, dtype=object)  # block key per node (None: partial)
+        # Block key per node (None: partial), and one more entry, always None, that
+        # NO_NODE (-1) indexes: keys_of gathers keys of nodes and NO_NODE alike.
+        self._keys = np.full(cap + 1, None, dtype=object)
         self._free = IdStack(cap)
 
     @property
@@ -342,8 +344,8 @@ class PrefixTree:
                             dtype=arr.dtype)
             grown[:old] = arr
             setattr(self, name, grown)
-        keys = np.full(new, None, dtype=object)
-        keys[:old] = self._keys
+        keys = np.full(new + 1, None, dtype=object)  # (+1: NO_NODE's None, see above)
+        keys[:old] = self._keys[:old]
         self._keys = keys
         self._free.grow(old, new)
 
@@ -388,12 +390,9 @@ class PrefixTree:
         return self._keys[nid]
 
     def keys_of(self, nids: np.ndarray) -> list[bytes | None]:
-        """:meth:`key` of many nodes (``NO_NODE`` gives ``None``), in one gather."""
-        keys = self._keys[nids].tolist()
-        if len(nids) and int(np.minimum.reduce(nids)) < 0:
-            for i in np.flatnonzero(nids < 0).tolist():
-                keys[i] = None
-        return keys
+        """:meth:`key` of many nodes (``NO_NODE`` gives ``None``), in one gather (index -1
+        is the last entry of the keys, kept None for it)."""
+        return self._keys[nids].tolist()
 
     def keys_at(self, nids: np.ndarray) -> list[bytes]:
         """:meth:`key` of many nodes that are all full blocks or roots (such as a

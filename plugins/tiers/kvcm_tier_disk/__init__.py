@@ -325,29 +325,37 @@ class DiskPool(StoragePool):
         arr = check_slots(self, slots)
         return self._behind(fd, arr, checked_rows(self, source, len(arr), "source"))
 
-    def _write_behind_checked(self, slots: np.ndarray, source: np.ndarray, bound: int
-                              ) -> aio.NativeWrite | None:
+    def _write_behind_checked(self, slots: np.ndarray, source: np.ndarray, bound: int,
+                              owned: bool = False) -> aio.NativeWrite | None:
         """:meth:`write_behind` for a storage level (:mod:`kvcm_core.level_io`) whose
         ``DeadlinePool.write`` has already checked ``slots`` as ``check_slots`` does: an
         ``int64 [n]`` array (its result) of slots in ``[0, bound)``. That O(n) check is not
         made again while ``bound <= num_slots`` (every slot is then in range here too,
         exactly what it would test); the O(1) checks (pool open, rows' type and shape) still
         are. Otherwise (a smaller pool, or a subclass's own ``write_behind``) this is
-        :meth:`write_behind`, every check included."""
+        :meth:`write_behind`, every check included. ``owned``: ``source`` is the level's
+        private copy, which nobody writes again (its held rows, flushed): kept as the
+        buffer the writes read (when C-contiguous) rather than copied once more."""
         if bound > self.num_slots or type(self).write_behind is not DiskPool.write_behind:
             return self.write_behind(slots, source)
         if not self._tier.native_writes or not aio.native_available():
             return None
         fd = self._live_fd()
-        return self._behind(fd, slots, checked_rows(self, source, len(slots), "source"))
+        return self._behind(fd, slots, checked_rows(self, source, len(slots), "source"),
+                            owned)
 
-    def _behind(self, fd: int, arr: np.ndarray, rows: np.ndarray) -> aio.NativeWrite | None:
-        """:meth:`write_behind` of checked slots (``int64 [n]``, in range) and rows."""
+    def _behind(self, fd: int, arr: np.ndarray, rows: np.ndarray, owned: bool = False
+                ) -> aio.NativeWrite | None:
+        """:meth:`write_behind` of checked slots (``int64 [n]``, in range) and rows
+        (``owned``: see :meth:`_write_behind_checked`)."""
         n = len(arr)
         if not n:
             return None
+        # The rows the writes read: a copy (the caller may reuse its rows) unless owned.
+        mine = rows if owned and rows.flags.c_contiguous else None
         if n == 1:
-            write = self._write_runs(fd, arr, np.array(rows, order="C", copy=True), arr[:0])
+            write = self._write_runs(fd, arr, mine if mine is not None else
+                                     np.array(rows, order="C", copy=True), arr[:0])
         else:
             step = arr[1:] - arr[:-1]  # slots in range: their differences cannot overflow
             # A run ends where the next slot is not next (the method: np.flatnonzero is
@@ -356,7 +364,8 @@ class DiskPool(StoragePool):
             if len(ends) and step[ends].min() <= 0:  # not in slot order (or repeated)
                 write = self._write_unordered(fd, arr, rows)
             else:  # in slot order; no step (one run, most writes) or only steps > 1 in ends
-                write = self._write_runs(fd, arr, np.array(rows, order="C", copy=True), ends)
+                write = self._write_runs(fd, arr, mine if mine is not None else
+                                         np.array(rows, order="C", copy=True), ends)
         self._natives = [w for w in self._natives if not w.done()]
         self._natives.append(write)  # close and resize wait for it
         return write
