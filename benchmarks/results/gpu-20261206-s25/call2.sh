@@ -2,7 +2,8 @@
 # Session 25's second device call, after the levels' hot-path work: issue 9's levels sitting
 # on the GPU host's CPU (three alternating rounds of --reps 3: levels, GPU-only 4.5M,
 # levels with inline writes, by gpu_run.sh levels_sitting), then the session start's code
-# (d3fabcb, carried in wip/old, imported through PYTHONPATH) for levels and GPU-only, three
+# (d3fabcb, carried in wip/old, meant to be imported through PYTHONPATH; on the device
+# image the editable install wins, so those rows ran the new code: see README.md) for levels and GPU-only, three
 # rounds more; the ratios to the output tail; then every GPU test.
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
