@@ -6,7 +6,8 @@
 # under different load (the I/O thread's writes interleave differently): compare variants
 # measured one after the other. Needs valgrind. The trace: $KVCM_TRACE (default
 # .whl/mooncake_synthetic.jsonl). Usage: bash benchmarks/levels_ir.sh [levels|gpu|both]
-# Session 25 (2-core VM): levels 5312-5614 M Ir by run at the start, GPU-only 3972-3987.
+# Session 25 (2-core VM): levels 5366-5614 M Ir by run at the session start, 5185-5312 at its
+# end; GPU-only 3972-3987 throughout.
 set -u
 MODE=${1:-both}
 export PYTHONHASHSEED=0 OPENBLAS_NUM_THREADS=1
