@@ -396,17 +396,19 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             check_token_array(tokens)
             if tokens.dtype != np.int32:
                 tokens = np.frombuffer(encode_tokens(tokens)[0], dtype="<i4")  # range check
-        elif not isinstance(tokens, list | tuple):
-            tokens = _token_list(tokens)
-        # Refuse bad tokens before anything changes (a cheap check for decode steps).
-        elif len(tokens) == 1 and type(tokens[0]) is int and -_I32 <= tokens[0] < _I32:
-            short = True  # the decode step
-        elif len(tokens) > 4 or not all(type(t) is int and -_I32 <= t < _I32 for t in tokens):
-            data, mm = encode_token_ids(tokens)
-            if not mm:  # checked and encoded once: the log copies the array
-                tokens = np.frombuffer(data, dtype="<i4")
         else:
-            short = True
+            if not isinstance(tokens, list | tuple):  # (a deque...: checked as a list)
+                tokens = _token_list(tokens)
+            # Refuse bad tokens before anything changes (a cheap check for decode steps).
+            if len(tokens) == 1 and type(tokens[0]) is int and -_I32 <= tokens[0] < _I32:
+                short = True  # the decode step
+            elif len(tokens) > 4 or not all(type(t) is int and -_I32 <= t < _I32
+                                            for t in tokens):
+                data, mm = encode_token_ids(tokens)
+                if not mm:  # checked and encoded once: the log copies the array
+                    tokens = np.frombuffer(data, dtype="<i4")
+            else:
+                short = True
         known = self._tokens.n
         end = known + len(tokens)
         if end > self._capacity:

@@ -85,10 +85,13 @@ def encode_tokens(tokens: TokenSeq) -> tuple[bytes, bool]:
     if isinstance(tokens, np.ndarray):
         if tokens.dtype == np.int32:
             return tokens.astype("<i4", copy=False).tobytes(), False
-        if tokens.size and tokens.dtype.kind in "iu" and (
-                int(tokens.min()) < _I32_MIN or int(tokens.max()) > _I32_MAX):
-            raise InvalidArgumentError("token ids must fit a 32-bit signed int; got values in "
-                             f"{int(tokens.min())}..{int(tokens.max())}")
+        if tokens.size and tokens.dtype.kind in "iu":
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < _I32_MIN or hi > _I32_MAX:  # named by the first token out of range
+                i = int(np.flatnonzero((tokens < _I32_MIN) | (tokens > _I32_MAX))[0])
+                raise InvalidArgumentError(
+                    f"token {i}={int(tokens[i])}: token ids must fit a 32-bit signed int "
+                    f"(got values in {lo}..{hi})")
         return tokens.astype("<i4", copy=False).tobytes(), False
     try:  # the fastest encoding of a list of ints (about 6 ns a token, array's 17)
         return _packer(len(tokens))(*tokens), False
@@ -549,7 +552,9 @@ class PrefixTree:
         self.index.update(zip(keys, nl, strict=True))
         if mm and items is not None:
             for nid, its in zip(nids.tolist(), items, strict=True):
-                self._mm_items[nid] = tuple(its)
+                # bytes, not a caller's bytearray (see tokens.frozen_items)
+                self._mm_items[nid] = tuple(bytes(t) if type(t) is bytearray else t
+                                            for t in its)
                 self._aux[nid] = True
         self._link(parent, int(nids[0]))
         self.num_nodes += n

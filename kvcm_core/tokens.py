@@ -14,7 +14,7 @@ from kvcm_core.radix import encode_tokens, token_id32
 
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 
-__all__ = ["TokenLog", "check_token_range", "encode_token_ids"]
+__all__ = ["TokenLog", "check_token_range", "encode_token_ids", "frozen_items"]
 
 #: Up to this many tokens a list is scanned for bools by type (about 20 ns a token); a
 #: longer one has only its tokens encoded as 0 or 1 looked at (about 2 us and 0.2 ns a token).
@@ -67,6 +67,15 @@ def _first_bool(tokens: Sequence[Any], data: bytes) -> int:
     return -1
 
 
+def frozen_items(tokens: Sequence[Any]) -> list[Any]:
+    """A checked token list (with digests) as the log keeps it: every ``bytearray`` digest
+    copied into ``bytes``, so that what the log and the prefix tree keep does not change
+    when the caller reuses its buffer (a cached block would then match another image's
+    digest), and NumPy integers as ints (a trailing partial block of ints is shared)."""
+    return [t if type(t) is int or type(t) is bytes else
+            bytes(t) if type(t) is bytearray else int(t) for t in tokens]
+
+
 class TokenLog:
     """Tokens ``[0, n)`` of one request (``n`` is public and always current).
 
@@ -108,7 +117,8 @@ class TokenLog:
         if not n:
             return
         if self._list is not None:
-            self._list.extend(tokens.tolist() if isinstance(tokens, np.ndarray) else tokens)
+            self._list.extend(tokens.tolist() if isinstance(tokens, np.ndarray) else
+                              frozen_items(tokens))
             self.n += n
             return
         self._flush()
@@ -117,7 +127,7 @@ class TokenLog:
         else:
             data, mm = encode_tokens(tokens)
             if mm:  # digests: keep a list from now on
-                self._list = [*self._buf[: self._nbuf].tolist(), *tokens]
+                self._list = [*self._buf[: self._nbuf].tolist(), *frozen_items(tokens)]
                 self.n += n
                 return
             arr = np.frombuffer(data, dtype="<i4")

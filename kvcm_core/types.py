@@ -7,7 +7,7 @@ from typing import NewType
 
 import attrs
 
-from kvcm_core.errors import ArgumentTypeError
+from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = [
     "BlockOrdinal",
@@ -55,6 +55,24 @@ def pool_reuse_policy(policy: ReusePolicy) -> ReusePolicy:
     return ReusePolicy.REQUIRED if policy is ReusePolicy.SINK_REQUIRED_ONLY else policy
 
 
+def _check_encodable(field: str, value: object) -> None:
+    """A scope field :meth:`ReuseScope.encode` can encode, refused when the scope is made
+    rather than at its first use: a str that is not valid Unicode (a lone surrogate) or an
+    int too long to write in decimal."""
+    try:
+        if isinstance(value, str):
+            value.encode("utf-8")
+        elif isinstance(value, int):
+            str(value)
+    except (UnicodeEncodeError, ValueError) as exc:
+        if isinstance(value, int):  # (its repr is what failed)
+            shown = f"<an int of {value.bit_length()} bits>"
+        else:
+            shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:40]}..."
+        raise InvalidArgumentError(f"ReuseScope.{field}={shown}: must encode as UTF-8 text "
+                                   f"or a decimal int ({type(exc).__name__}: {exc})") from exc
+
+
 @attrs.frozen
 class ReuseScope:
     """Separates tenants and adapters: the same tokens under two scopes never match.
@@ -69,12 +87,14 @@ class ReuseScope:
     def _check_lora(self, attribute: attrs.Attribute[object], value: object) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise ArgumentTypeError(f"ReuseScope.lora_id={value!r}: must be an int or None")
+        _check_encodable("lora_id", value)
 
     @salt.validator
     def _check_salt(self, attribute: attrs.Attribute[object], value: object) -> None:
         if value is not None and (isinstance(value, bool)
                                   or not isinstance(value, str | bytes | int)):
             raise ArgumentTypeError(f"ReuseScope.salt={value!r}: must be a str, bytes, int or None")
+        _check_encodable("salt", value)
 
     def encode(self) -> bytes:
         """A canonical, unambiguous byte encoding (hashed into the scope root key, where
