@@ -413,9 +413,10 @@ class Batch:
         ``cache.resize(..., stream=stream)``.
 
         Raises:
-            InvalidArgumentError: a wrong length, more new tokens than
-                ``max_total_input_tokens``, or a row's capacity or history that its
-                ``cache.resize`` refuses (nothing changed).
+            InvalidArgumentError: a wrong length, a capacity past ``max_blocks_per_row``
+                blocks, more new tokens than ``max_total_input_tokens``, or a row's
+                capacity or history that its ``cache.resize`` refuses (nothing changed;
+                the message names the row).
         """
         self._thread.check()
         self._check_open()
@@ -423,6 +424,12 @@ class Batch:
         hist = None if history_lengths is None else self._per_row("history_lengths",
                                                                    history_lengths)
         rows = self._rows
+        for r, c in enumerate(rows):  # a row past the table can never fit: no refusal
+            if c is not None and caps[r] > self._max_tokens:
+                raise InvalidArgumentError(
+                    f"capacities[{r}]={caps[r]}: needs {-(-caps[r] // self._tpb)} blocks, "
+                    f"past this batch's max_blocks_per_row={self.max_blocks_per_row} "
+                    f"(cache {c.id!r})")
         if hist is not None and max(hist) == -1:
             hist = None
         if self.max_total_input_tokens is not None:
@@ -433,7 +440,7 @@ class Batch:
         if hist is not None:  # (without histories _grow_together checks what it must)
             for r, c in enumerate(rows):
                 if c is not None and caps[r] != -1:
-                    c.check_resize(caps[r], None if hist[r] == -1 else hist[r])
+                    self._check_row(r, caps[r], None if hist[r] == -1 else hist[r])
         # Rows resized here get their own block checks; the rest must let the publish through.
         self._check_publish(stream, caps)
         # (A member that releases pages waits for the reader fence itself: cache._unlock.)
@@ -452,6 +459,15 @@ class Batch:
             raise
         self.publish(stream)
         return out
+
+    def _check_row(self, r: int, capacity: int, history: int | None) -> None:
+        """Row ``r``'s ``cache.check_resize``, its error naming the row and the cache."""
+        cache = self._rows[r]
+        assert cache is not None
+        try:
+            cache.check_resize(capacity, history)
+        except (InvalidArgumentError, ArgumentTypeError) as exc:
+            raise type(exc)(f"row {r} (cache {cache.id!r}): {exc}") from exc
 
     def _check_new_tokens(self, live: list[int], caps: list[int],
                           hist: list[int] | None) -> None:
@@ -486,7 +502,7 @@ class Batch:
                     rest.append(r)
         for r in rest:  # before any pages move: a bad row raises what its resize would
             if caps[r] <= limit:  # (a row whose blocks stay has only its capacity moved)
-                self._rows[r].check_resize(caps[r])
+                self._check_row(r, caps[r], None)
         if not grow:
             return rest
         store = self._levels.gpu_store(0)

@@ -41,6 +41,8 @@ class ResumeMixin(CacheBase):
         if self._status is CacheStatus.CLOSED:
             self._require(CacheStatus.SUSPENDED)
         if self._status is CacheStatus.ACTIVE:
+            if optional_reuse_groups is not None:  # checked against the choice made
+                self._decide_optional(optional_reuse_groups)  # (decided: changes nothing)
             return True
         if optional_reuse_groups is None:
             done = self._resume_fast(stream)

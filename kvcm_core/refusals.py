@@ -32,8 +32,13 @@ def level_shortage(op: str, levels: Any, needs: Mapping[int, int],
         more = (extra or {}).get(pg, 0)
         if n > store.num_free + store.num_droppable + more and \
                 not levels.room(store, n - more):
-            where = ("no colder level can take the held pages" if len(store.held)
-                     else "nothing can be moved out")
+            short = n - more - store.num_free - store.num_droppable - len(store.held)
+            if short > 0:  # even every unlocked page moved out would not do
+                where = (f"{short} short even with every unlocked page moved out: the "
+                         "pages locked by active caches hold the rest")
+            else:
+                where = ("no colder level can take the held pages" if len(store.held)
+                         else "nothing can be moved out")
             return (f"{op}: level 0 pool group {pg} cannot provide {n} more pages "
                     f"({_state(store)}; {where})")
     total = sum(needs.values())

@@ -140,3 +140,28 @@ def test_manager_with_block_unseats_and_closes_batched_caches(managers):
         batch.add_kv_cache(c)
     assert c.batch_row is None and c.status is CacheStatus.CLOSED
     assert m.is_shut_down
+
+
+def test_a_refusal_short_of_unlocked_pages_blames_the_locked_pages_not_the_colder_levels(
+        tmp_path):
+    """Level 0 has 8 slots: an active cache locks 5, a suspended one holds 1 (which the host
+    level below has room for). A 4-block resize is short by 1 even if every unlocked page
+    moved out: the reason names the locked pages, not the colder levels."""
+    m = lh.make_manager([("gpu", 8), ("host", 64)], tmp_path)
+    d = lh.Driver(m)
+    held = d.create(tokens(4, seed=1))
+    assert held.resume()
+    d.run_to(held, 4)
+    held.suspend()
+    active = d.create(tokens(20, seed=2))
+    assert active.resume()
+    d.run_to(active, 20)
+    c = d.create(tokens(16, seed=3))
+    assert c.resume()
+    assert c.resize(16) is False
+    reason = c.last_refusal or ""
+    assert "1 short even with every unlocked page moved out" in reason, reason
+    assert "locked by active caches hold the rest" in reason
+    assert "no colder level" not in reason
+    lh.close_all(m)
+    m.shutdown()

@@ -1,11 +1,13 @@
 """``python -m kvcm_tiny_engine [--torch DEVICE] [--backend NAME]``: serve the demo
-workload through kvcm and check every token against the model without a cache."""
+workload through kvcm and check every token against the model without a cache. Exit 0: every
+check held; 1: a check failed; 2: the run could not start (a backend or torch missing)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from kvcm_core.errors import KvcmError
 from kvcm_tiny_engine.demo import (
     TOLERANCE,
     compare_with_reference,
@@ -23,8 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch", metavar="DEVICE", default=None,
                         help="run the model in torch on DEVICE (e.g. cuda) instead of NumPy")
     args = parser.parse_args(argv)
-    ops = TorchOps(args.torch) if args.torch else None
-    run = run_demo(ops, kernel_backend=args.backend)
+    try:
+        ops = TorchOps(args.torch) if args.torch else None
+        run = run_demo(ops, kernel_backend=args.backend)
+    except (KvcmError, ImportError) as exc:  # a setup the run cannot have: one line, exit 2
+        print(f"kvcm_tiny_engine: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     print(run.stats.summary())
     cmp = compare_with_reference(TinyModel(run.model.config), run.requests)
     print(f"{cmp.steps} generated tokens checked against recomputation without a cache: "
