@@ -310,7 +310,8 @@ class KVCacheManager:
             scope: reuse scope (tenant, adapter); ``None`` is the default scope.
             input_tokens: the tokens whose KV may be reused (usually the prompt less its
                 last token, which the engine must compute anyway); a list or an integer
-                array (int32 is the cheapest).
+                array (int32 is the cheapest). A list may hold 32-byte multimodal digests,
+                one per position (docs/semantics.md, "Multimodal inputs").
             id: an identifier for the request (default: a counter).
             priority_callback: ``block ordinal -> priority (0..100)`` for its pages.
         """
@@ -583,9 +584,10 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Check internal invariants (tests and debugging): accounting identity per pool
-        group, no slot owned twice, queue membership consistent with page states, tree and
-        pages pointing at each other, and every lock or hold one reference of an open
-        cache (its pages, beams, pending claims and scratch slots)."""
+        group, no slot owned twice, queue membership consistent with page states (and
+        droppable pages queued at their own priority), tree and pages pointing at each
+        other, and every lock or hold one reference of an open cache (its pages, beams,
+        pending claims and scratch slots)."""
         caches = list(self._open.values())
         refs = [p for c in caches for p in c.page_ids()]
         refs += [p for c in caches for g in self.scratch_groups for p in c.scratch_page_ids(g)]

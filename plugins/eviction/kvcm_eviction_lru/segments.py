@@ -374,6 +374,10 @@ class SegmentLruPolicy(EvictionPolicy):
                                       runs: Sequence[tuple[int, int]]) -> None:
         """:meth:`insert_many_checked_by_caller` with the priorities as runs (see the
         contract): the segments of :meth:`_append_mixed`, without finding the runs."""
+        if type(self).insert_many_checked_by_caller is not \
+                SegmentLruPolicy.insert_many_checked_by_caller:  # a subclass files its own
+            super().insert_runs_checked_by_caller(pages, runs)
+            return
         if len(runs) == 1:
             self.insert_many_checked_by_caller(pages, runs[0][0])
             return
@@ -509,13 +513,15 @@ class SegmentLruPolicy(EvictionPolicy):
         """
         return self._pop(k, None)
 
-    def pop_victim_runs(self, k: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    def pop_victim_runs(self, k: int) -> tuple[np.ndarray, list[tuple[int, int]] | None]:
         """:meth:`pop_victims` and the priorities of the pages, as runs ``(priority,
         count)`` (one per priority, in order).
 
         Raises:
             ValueError: ``k`` is negative or not an int.
         """
+        if type(self).pop_victims is not SegmentLruPolicy.pop_victims:
+            return self.pop_victims(k), None  # a subclass picks its own victims
         runs: list[tuple[int, int]] = []
         return self._pop(k, runs), runs
 

@@ -345,8 +345,10 @@ class NumpyBackend(KernelBackend):
         # one gather and one scatter of whole-page items per part, indexed by the slot
         # arrays as they are, without the pair array and its bounds checks (a caller's
         # promise; an index past the buffer still raises IndexError). A subclass that
-        # runs batches its own way (deferred on streams, say) gets them as batches.
-        if type(self).copy_pages_batch is not NumpyBackend.copy_pages_batch:
+        # runs batches its own way (deferred on streams, say), or a wrapper set on this
+        # instance (tracing, fault injection), gets them as batches.
+        if getattr(self.copy_pages_batch, "__func__", None) is not \
+                NumpyBackend.copy_pages_batch:
             super().copy_pages_checked_by_caller(parts, dst, src, stream)
             return
         views = []
