@@ -95,7 +95,10 @@ class PublishMixin(CacheBase):
             return
         parent = self._nodes[b - 1] if b else tree.root(self._root_key)
         rows, mm = self._tokens.rows(b * tpb, b1 * tpb, tpb)
-        if tree.has_partial_children(parent):
+        # (A block holding a digest covers no partial block: those hold plain tokens only,
+        # and its int32 row gives each digest's first 4 bytes, which a token may equal.)
+        if tree.has_partial_children(parent) and not (
+                mm and any(type(t) is bytes for t in self._tokens.tail(b * tpb)[:tpb])):
             self._supersede_partials(parent, tuple(rows[0].tolist()))
         if b1 - b == 1 and not mm:  # the decode step: one block, scalar bookkeeping
             nid = tree.add_one(parent, keys[b], rows[0], b)

@@ -511,8 +511,13 @@ class RemoteLevel:
             return None
         b1 = min(nfull, b0 + self.options.max_blocks)
         data, mm = encode_token_ids(tokens[b0 * tpb : b1 * tpb], b0 * tpb)
-        if mm:  # multimodal prompts stay local (their blocks carry digests)
-            return None
+        if mm:  # the blocks before the first digest are plain: looked up as usual; from
+            # it on, blocks stay local (their keys are chained past a digest)
+            first = _first_digest(tokens, b1 * tpb)
+            b1 = first // tpb
+            if first < b0 * tpb or b1 <= b0:
+                return None
+            data, _ = encode_token_ids(tokens[b0 * tpb : b1 * tpb], b0 * tpb)
         # The local match ended before the prompt's last full block, so its walk hashed
         # past it (a miss or a cut) and left no cursor: the key state after b0 blocks is
         # rebuilt from the prompt in one C call.
@@ -965,3 +970,11 @@ def build_remote(pm: KvcmPluginManager, level: LevelConfig, index: int,
             except Exception:  # the first error is the one to report
                 pass
         raise
+
+
+def _first_digest(tokens: Sequence[Any], end: int) -> int:
+    """The position of the first multimodal digest among ``tokens[:end]`` (``end``: none)."""
+    for i, item in enumerate(tokens[:end]):
+        if isinstance(item, bytes | bytearray):
+            return i
+    return end

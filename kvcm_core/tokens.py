@@ -178,3 +178,12 @@ class TokenLog:
     @property
     def has_digests(self) -> bool:
         return self._list is not None
+
+    def first_digest(self) -> int:
+        """The position of the first multimodal digest (``n``: none)."""
+        if self._list is None:
+            return self.n
+        for i, item in enumerate(self._list):
+            if type(item) is bytes:  # (the log keeps digests as bytes: frozen_items)
+                return i
+        return self.n

@@ -948,3 +948,39 @@ def test_a_blob_codec_raising_a_plain_error_on_read_is_a_miss_not_an_untyped_err
             assert a.flush_remote(10.0)
             assert serve(b, PROMPT) == 0, b.get_remote_statistics()
             b.check_invariants()
+
+
+def test_a_prompt_with_an_image_shares_its_blocks_before_the_image_and_writes_no_later_one(
+        ) -> None:
+    """The shared level takes a multimodal prompt's blocks before its first digest (written
+    at commit, pulled at create); the blocks from the image on stay local, unwritten."""
+    import hashlib
+
+    image = hashlib.sha256(b"an image").digest()
+    plain = list(range(1000, 1000 + 9 * TPB))
+    image_last = plain + [image] * TPB + [5, 6, 7]  # 9 plain blocks, then the image's block
+    image_first = [image] * TPB + plain + [5, 6, 7]
+
+    def publish(m: KVCacheManager, tokens: list, scope: ReuseScope | None = None) -> None:
+        c = m.create_kv_cache(scope, [])
+        assert c.resume() and c.resize(len(tokens))
+        c.commit(tokens)
+        c.close()
+
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url)) as a, KVCacheManager(config(server.url)) as b:
+            publish(a, plain + [5, 6, 7], ReuseScope(salt="plain"))  # 9 blocks: the unit
+            assert a.flush_remote(10.0)
+            nine = a.get_remote_statistics().writes_queued
+            assert nine > 0
+            publish(a, image_last)  # its 9 plain blocks, not the image's
+            assert a.flush_remote(10.0)
+            assert a.get_remote_statistics().writes_queued == 2 * nine
+            publish(a, image_first, ReuseScope(salt="x"))  # no block before the image
+            assert a.flush_remote(10.0)
+            assert a.get_remote_statistics().writes_queued == 2 * nine
+            assert b.probe_reuse(None, image_last, remote=True) == 9 * TPB
+            c = b.create_kv_cache(None, image_last)
+            assert c.history_length == 9 * TPB
+            c.close()
+            assert b.probe_reuse(ReuseScope(salt="x"), image_first, remote=True) == 0

@@ -110,3 +110,17 @@ def test_a_trailing_partial_block_of_numpy_ints_after_an_image_is_shared_like_pl
     _publish(manager, prompt)
     assert manager.probe_reuse(None, prompt) == 10
     assert manager.probe_reuse(None, [1, 2, a, a, 5, 6, 7, 8, 11, 12]) == 10
+
+
+def test_an_image_block_published_beside_a_partial_block_of_colliding_ints_keeps_it(
+        manager: KVCacheManager) -> None:
+    """A full block holding a digest does not cover a partial block of plain tokens, even
+    when the partial block's first token equals the digest's first 4 bytes read as an
+    int32 (the tree's compact form of the digest)."""
+    a = _digest("image A")
+    x = int.from_bytes(a[:4], "little", signed=True)
+    _publish(manager, [x, 7, 8])
+    assert manager.probe_reuse(None, [x, 7, 8]) == 3
+    _publish(manager, [a, 7, 8, 9])
+    assert manager.probe_reuse(None, [x, 7, 8]) == 3
+    assert manager.probe_reuse(None, [a, 7, 8, 9]) == 4
