@@ -33,7 +33,7 @@ def level_shortage(op: str, levels: Any, needs: Mapping[int, int],
         if n > store.num_free + store.num_droppable + more and \
                 not levels.room(store, n - more):
             short = n - more - store.num_free - store.num_droppable - len(store.held)
-            if short > 0:  # even every unlocked page moved out would not do
+            if short > 0 and len(store.held):  # moving the held pages out would not do
                 where = (f"{short} short even with every unlocked page moved out: the "
                          "pages locked by active caches hold the rest")
             else:

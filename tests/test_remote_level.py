@@ -969,7 +969,7 @@ def test_a_prompt_with_an_image_shares_its_blocks_before_the_image_and_writes_no
 
     with fresh_server() as server:
         with KVCacheManager(config(server.url)) as a, KVCacheManager(config(server.url)) as b:
-            publish(a, plain + [5, 6, 7], ReuseScope(salt="plain"))  # 9 blocks: the unit
+            publish(a, [*plain, 5, 6, 7], ReuseScope(salt="plain"))  # 9 blocks: the unit
             assert a.flush_remote(10.0)
             nine = a.get_remote_statistics().writes_queued
             assert nine > 0
