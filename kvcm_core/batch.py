@@ -424,8 +424,8 @@ class Batch:
         hist = None if history_lengths is None else self._per_row("history_lengths",
                                                                    history_lengths)
         rows = self._rows
-        for r, c in enumerate(rows):  # a row past the table can never fit: no refusal
-            if c is not None and caps[r] > self._max_tokens:
+        for r, c in enumerate(rows) if max(caps) > self._max_tokens else ():
+            if c is not None and caps[r] > self._max_tokens:  # it can never fit: an error
                 raise InvalidArgumentError(
                     f"capacities[{r}]={caps[r]}: needs {-(-caps[r] // self._tpb)} blocks, "
                     f"past this batch's max_blocks_per_row={self.max_blocks_per_row} "

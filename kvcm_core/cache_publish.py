@@ -98,7 +98,8 @@ class PublishMixin(CacheBase):
         # (A block holding a digest covers no partial block: those hold plain tokens only,
         # and its int32 row gives each digest's first 4 bytes, which a token may equal.)
         if tree.has_partial_children(parent) and not (
-                mm and any(type(t) is bytes for t in self._tokens.tail(b * tpb)[:tpb])):
+                mm and any(type(t) is bytes for t in self._tokens.items(b * tpb,
+                                                                      (b + 1) * tpb))):
             self._supersede_partials(parent, tuple(rows[0].tolist()))
         if b1 - b == 1 and not mm:  # the decode step: one block, scalar bookkeeping
             nid = tree.add_one(parent, keys[b], rows[0], b)
@@ -214,6 +215,8 @@ class PublishMixin(CacheBase):
         if self._tokens.has_digests and not all(isinstance(t, int) for t in part_t):
             return NO_NODE  # partial blocks with multimodal items are not shared
         for child in tree.children_starting(parent, part_t[0]):
+            if tree.mm[child]:  # digests (as int32 ids here) cover no plain partial block
+                continue
             ctoks = tree.block_tokens(child)
             if ctoks[: len(part_t)] == part_t:
                 return child if len(ctoks) == len(part_t) else NO_NODE

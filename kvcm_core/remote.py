@@ -509,6 +509,8 @@ class RemoteLevel:
         b0 = match.length // tpb
         if b0 >= nfull:
             return None
+        if b0 and self._tree.mm[match.nodes[:b0]].any():  # past a digest: local only
+            return None
         b1 = min(nfull, b0 + self.options.max_blocks)
         data, mm = encode_token_ids(tokens[b0 * tpb : b1 * tpb], b0 * tpb)
         if mm:  # the blocks before the first digest are plain: looked up as usual; from

@@ -984,3 +984,23 @@ def test_a_prompt_with_an_image_shares_its_blocks_before_the_image_and_writes_no
             assert c.history_length == 9 * TPB
             c.close()
             assert b.probe_reuse(ReuseScope(salt="x"), image_first, remote=True) == 0
+
+
+def test_a_prompt_whose_local_match_covers_an_image_makes_no_round_trip() -> None:
+    """Blocks past a digest are never on the shared level: a prompt whose locally matched
+    prefix holds an image looks nothing up there (multi-turn chat with an early image)."""
+    import hashlib
+
+    image = hashlib.sha256(b"an image").digest()
+    prompt = [image] * TPB + list(range(1000, 1000 + 9 * TPB)) + [5, 6, 7]
+    with fresh_server() as server, KVCacheManager(config(server.url)) as m:
+        c = m.create_kv_cache(None, [])
+        assert c.resume() and c.resize(2 * TPB)
+        c.commit(prompt[: 2 * TPB])  # local: the image's block and one plain block
+        c.close()
+        assert m.probe_reuse(None, prompt, remote=True) == 2 * TPB
+        c = m.create_kv_cache(None, prompt)
+        assert c.history_length == 2 * TPB
+        c.close()
+        st = m.get_remote_statistics()
+        assert st.lookups == st.probes == st.misses == 0, st

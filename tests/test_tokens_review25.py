@@ -124,3 +124,35 @@ def test_an_image_block_published_beside_a_partial_block_of_colliding_ints_keeps
     _publish(manager, [a, 7, 8, 9])
     assert manager.probe_reuse(None, [x, 7, 8]) == 3
     assert manager.probe_reuse(None, [a, 7, 8, 9]) == 4
+
+
+def test_a_partial_block_of_plain_tokens_beside_an_image_block_with_a_colliding_id_is_shared(
+        manager: KVCacheManager) -> None:
+    """A closed request's partial block ``[1, 2, x]`` is published although a full block
+    ``[1, 2, d, d]`` starts the same way in the tree's compact form (``x``: the digest's
+    first 4 bytes as an int32): a block holding digests covers no plain partial block."""
+    from kvcm_core.radix import token_id32
+
+    a = _digest("image A")
+    x = token_id32(a)
+    _publish(manager, [1, 2, a, a])
+    _publish(manager, [1, 2, x])
+    assert manager.probe_reuse(None, [1, 2, x]) == 3
+
+
+def test_the_log_knows_its_first_digest_across_appends_and_rewinds() -> None:
+    from kvcm_core.tokens import TokenLog
+
+    a, b = _digest("image A"), _digest("image B")
+    log = TokenLog([1, 2, a, 3])
+    assert log.first_digest() == 2
+    log.extend([b, 4])
+    assert log.first_digest() == 2
+    log.truncate(2)  # the digest is cut off: none left
+    assert log.first_digest() == log.n == 2
+    log.extend([5, bytearray(b)])
+    assert log.first_digest() == 3
+    log.truncate(3)
+    log.extend([6, 7, b])
+    assert log.first_digest() == 5
+    assert TokenLog([1, 2, 3]).first_digest() == 3
