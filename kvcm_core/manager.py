@@ -36,7 +36,7 @@ from kvcm_core.layout import BufferAttr, PageIndexConverter, StorageLayout
 from kvcm_core.levels import Levels
 from kvcm_core.lifecycle import LifeCycleRegistry
 from kvcm_core.matching import Match, match_prefix
-from kvcm_core.plugins import KvcmPluginManager, get_plugin_manager
+from kvcm_core.plugins import KvcmPluginManager, get_plugin_manager, make_tier
 from kvcm_core.radix import PrefixTree, check_token_array, scope_root_key
 from kvcm_core.records import CodecKind, CodecSpec, Medium
 from kvcm_core.remote import RemoteLevel, RemoteStatistics, build_remote, split_keyed_level
@@ -172,7 +172,7 @@ class KVCacheManager:
                     f"level 0 must be device memory; this tier's medium is "
                     f"{spec.capabilities.medium.value}")
             codecs.append(None if i == 0 else self._page_codec(pm, i, built))
-            tiers.append(spec.factory(self.backend, level.options))
+            tiers.append(make_tier(spec, self.backend, level.options, i))
         return codecs
 
     def _page_codec(self, pm: KvcmPluginManager, level: int,

@@ -405,6 +405,22 @@ class KvcmPluginManager:
 _manager: KvcmPluginManager | None = None
 
 
+def make_tier(spec: Any, backend: Any, options: Mapping[str, Any], level: int) -> Any:
+    """``spec.factory(backend, options)`` for level ``level``: a :class:`ConfigError` the
+    tier raises about one of its options names that option under the level
+    (``levels[1].options.mode``), as the user wrote it, rather than under the tier's own
+    name (``disk.options.mode``), which does not say which level."""
+    try:
+        return spec.factory(backend, options)
+    except ConfigError as exc:
+        if exc.field.startswith("levels["):
+            raise
+        _, dot, key = exc.field.partition(".options.")
+        field = f"levels[{level}].options.{key}" if dot else \
+            f"levels[{level}].options ({exc.field})"
+        raise ConfigError(field, exc.value, f"{exc.rule} (tier {spec.name!r})") from exc
+
+
 def get_plugin_manager() -> KvcmPluginManager:
     """The process-wide plugin manager, built on first use and cached."""
     global _manager

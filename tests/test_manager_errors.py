@@ -336,3 +336,26 @@ def test_layer_of_size_zero_buffers_has_no_group_but_a_clear_error(managers):
     ])
     _expect(ConfigError, lambda: m.get_layer_group_id(1), m, match="size > 0")
     _expect(ConfigError, lambda: m.get_buffer_group_id(1, "k"), m)
+
+
+@pytest.mark.parametrize("options, key, value", [
+    ({"mode": "bogus"}, "mode", "bogus"),
+    ({"batch_syscalls": "maybe"}, "batch_syscalls", "maybe"),
+    ({"no_such_option": 1}, "no_such_option", 1),
+])
+def test_a_bad_tier_option_is_named_under_its_level(tmp_path, options, key, value) -> None:
+    """The field of a tier's option error is the level's (``levels[2].options.mode``), as
+    the configuration is written: a tier's own name for it does not say which level."""
+    from kvcm_core import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
+
+    cfg = KVCacheManagerConfig(
+        tokens_per_block=4, kernel_backend="numpy",
+        layers=[AttentionLayerConfig(layer_id=0, buffers=[BufferConfig(role="kv", size=64)])],
+        levels=[LevelConfig(tier="gpu", quota=1 << 16), LevelConfig(tier="host", quota=1 << 16),
+                LevelConfig(tier="disk", quota=1 << 18,
+                            options={"path": str(tmp_path), **options})])
+    with pytest.raises(ConfigError) as info:
+        KVCacheManager(cfg)
+    assert info.value.field == f"levels[2].options.{key}"
+    assert info.value.value == value
+    assert "(tier 'disk')" in info.value.rule

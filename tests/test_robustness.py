@@ -552,7 +552,7 @@ def test_disk_tier_files_are_0600_in_a_0700_directory(tmp_path, cleanup):
     # A directory path that is a symbolic link is refused, naming the field.
     link = tmp_path / "link"
     link.symlink_to(disk)
-    with pytest.raises(ConfigError, match=r"disk\.options\.path"):
+    with pytest.raises(ConfigError, match=r"levels\[1\]\.options\.path=.*link.*\(tier .disk.\)"):
         KVCacheManager(KVCacheManagerConfig(
             tokens_per_block=4, layers=[AttentionLayerConfig(
                 layer_id=0, buffers=[BufferConfig(role="k", size=64)])],
