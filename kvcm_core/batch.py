@@ -513,38 +513,55 @@ class Batch:
         try:
             pids = self._levels.take(0, total)
         except OutOfPagesError:  # a write to a colder level failed: row by row instead
-            return sorted(rest + [r for r, _ in grow])
-        finally:
             self._levels.end(stream)
-        slots = self._levels.arena.slot[pids]
+            return sorted(rest + [r for r, _ in grow])
+        except BaseException:
+            self._levels.end(stream)
+            raise
         pl = pids.tolist()
-        dirty, rows, tpb = self._dirty, self._rows, self._tpb
-        at = 0
+        at = 0  # pages before ``at`` belong to rows; an error gives the rest back
+        try:
+            self._levels.end(stream)
+            dirty, rows, tpb = self._dirty, self._rows, self._tpb
+            clean = [r not in dirty for r, _ in grow]
+            if any(clean):
+                # The staging rows are what the last upload (maybe still queued) copies
+                # from: it has run first (and its readers, fenced by record_read, are
+                # done). Waited for before any row gets pages or is marked patched.
+                self._wait_upload()
+            for r, n in grow:
+                rows[r].batch_grow(caps[r], pl[at: at + n])  # marks the row dirty
+                at += n
+        except BaseException:
+            if at < total:
+                self._levels.release_locked(pids[at:])
+            raise
+        # Rows that were current get their new blocks staged in place; a row is marked
+        # patched (clean, its staging written) only once its staging is written: an
+        # interrupt before that leaves it dirty, uploaded whole by the next publish.
+        slots = self._levels.arena.slot[pids]
         keep = np.ones(total, dtype=np.bool_)  # pages staged in place
         where_r, where_b = [], []  # their rows and blocks
         count_r, count_v = [], []  # rows staged in place and their new block counts
-        for r, n in grow:
-            clean = r not in dirty
-            rows[r].batch_grow(caps[r], pl[at: at + n])  # marks the row dirty
-            if clean:  # the row is otherwise current: stage its new blocks in place
+        at = 0
+        for (r, n), was_clean in zip(grow, clean, strict=True):
+            if was_clean:
                 nb = (caps[r] + tpb - 1) // tpb
                 where_r.extend([r] * n)
                 where_b.extend(range(nb - n, nb))
                 count_r.append(r)
                 count_v.append(nb)
-                dirty.discard(r)
-                self._patched.add(r)
             else:
                 keep[at: at + n] = False
             at += n
         if where_r:
-            # The staging rows are what the last upload (maybe still queued) copies from:
-            # it has run first (and its readers, fenced by record_read, are done).
-            self._wait_upload()
             r_arr = np.asarray(where_r, dtype=np.int64)
             b_arr = np.asarray(where_b, dtype=np.int64)
             self._tables[0].staging[r_arr, 0, b_arr] = slots[keep]
             self._counts[0].staging[count_r, 0] = count_v
+            for r in count_r:
+                dirty.discard(r)
+                self._patched.add(r)
         return rest
 
     # -- sparse attention (kvcm_core.sparse; docs/sparse.md) ---------------------------------

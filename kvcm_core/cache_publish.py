@@ -192,9 +192,11 @@ class PublishMixin(CacheBase):
                 # Making room evicted the node's last page and the node went with it.
                 self._unlock(snap)
                 return
-            L.copy_blocks(g, snap, np.asarray([live]), stream)
-            L.publish(snap, np.asarray([nid]), g)
-            self._unlock(snap)
+            try:
+                L.copy_blocks(g, snap, np.asarray([live]), stream)
+                L.publish(snap, np.asarray([nid]), g)
+            finally:  # (an error in the copy or an event sink: the page is not leaked)
+                self._unlock(snap)
 
     def _publish_tail(self) -> int:
         """Publish the trailing partial block; returns the node ending at the cache's

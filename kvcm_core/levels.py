@@ -672,6 +672,7 @@ class Levels:
                 if nid >= 0:
                     self.event(EventKind.MOVED, nid, int(self.arena.group[pid]), to_level,
                                from_level=from_level)
+            self.deliver_due()
 
     def move(self, pids: np.ndarray, dst: Store, stream: Stream | None = None) -> np.ndarray:
         """Move unlocked pages (one store) to ``dst``, which has room. Returns failures."""
@@ -879,6 +880,7 @@ class Levels:
             for nid in cand.tolist():
                 self.invalidate_below(nid)
                 tree.collect(np.array([nid], dtype=np.int64))
+        self.deliver_due()
 
     def _count_drops(self, groups: np.ndarray, reused: np.ndarray) -> None:
         g0 = int(groups[0])
@@ -940,6 +942,7 @@ class Levels:
             self.event(EventKind.REMOVED, nid, g, int(a.level[pid]))
             self.store_of(pid).unpublish(np.array([pid], dtype=np.int64))
         tree.detach(nid)
+        self.deliver_due()
 
     def lose(self, pid: int) -> None:
         """A page whose data cannot be read: forget it everywhere (its holders keep a
@@ -961,6 +964,7 @@ class Levels:
                 self.invalidate_below(nid)
             tree.collect(np.array([nid], dtype=np.int64))
         self.epoch += 1
+        self.deliver_due()
 
     def publish_one(self, pid: int, nid: int, group: int) -> None:
         """Commit one referenced page into tree node ``nid``."""
@@ -969,6 +973,7 @@ class Levels:
         if self.sinks:
             self.event(EventKind.STORED, nid, group, int(self.arena.level[pid]),
                        self.tree.block_tokens(nid))
+            self.deliver_due()
 
     def publish(self, pids: np.ndarray, nodes: np.ndarray, group: int,
                 tokens: Sequence[tuple[int, ...]] | None = None) -> None:
@@ -980,6 +985,7 @@ class Levels:
             for i, (nid, lv) in enumerate(zip(nodes.tolist(), levels, strict=True)):
                 self.event(EventKind.STORED, nid, group, lv,
                            tokens[i] if tokens is not None else self.tree.block_tokens(nid))
+            self.deliver_due()
 
     def clear(self) -> None:
         """Drop every droppable page (no cache is open)."""
@@ -993,9 +999,10 @@ class Levels:
     # -- events -----------------------------------------------------------------------------------
 
     def event(self, kind: EventKind, nid: int, group: int, level: int,
-              token_ids: tuple[int, ...] = (), from_level: int | None = None,
-              flush: bool = True) -> None:
-        """Queue a block event (``flush``: deliver the queue once it is a batch)."""
+              token_ids: tuple[int, ...] = (), from_level: int | None = None) -> None:
+        """Queue a block event. Queued only: the operation that queued it delivers the
+        queue once its bookkeeping is done (:meth:`deliver_due`), so that a sink's
+        interrupt never lands between two steps of it."""
         if not self.sinks:
             return
         tree = self.tree
@@ -1008,7 +1015,11 @@ class Levels:
             kind=kind, block_key=key.hex() if key else f"partial:{nid:x}",
             parent_key=pkey.hex() if pkey else None, group=group, level=level,
             medium=self.medium(level), token_ids=token_ids, from_level=from_level))
-        if flush and len(self._events) >= _EVENT_BATCH:
+
+    def deliver_due(self) -> None:
+        """Deliver the queued events once they are a batch (:data:`_EVENT_BATCH`): called
+        where an operation that queued some has finished its bookkeeping."""
+        if len(self._events) >= _EVENT_BATCH:
             self.flush_events()
 
     def removed_at_shutdown(self) -> None:
@@ -1026,7 +1037,7 @@ class Levels:
         for nid, row in zip(nodes.tolist(), tree.pages[nodes].tolist(), strict=True):
             for g, pid in enumerate(row):
                 if pid >= 0:
-                    self.event(EventKind.REMOVED, nid, g, int(level[pid]), flush=False)
+                    self.event(EventKind.REMOVED, nid, g, int(level[pid]))
 
     def flush_events(self) -> None:
         """Deliver pending events. A sink that raises never disturbs the manager: the
@@ -1054,9 +1065,10 @@ class Levels:
 
     def resize_level(self, level: int, slots: list[int]) -> bool:
         """Give the stores of ``level`` these slot counts (every cache suspended), moving
-        pages out of released slots. False, with nothing changed, when they cannot fit. A
-        page whose move fails (storage read or write) is lost, as a failed read at resume
-        loses it: dropped from the tree, its holders must recompute."""
+        pages out of released slots. False, sizes unchanged, when they cannot fit (room
+        made first stays made). A page whose move fails (storage read or write) is lost,
+        as a failed read at resume loses it: dropped from the tree, its holders must
+        recompute."""
         self.resize_failure = None
         try:
             return self._resize_level(level, slots)

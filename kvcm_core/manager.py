@@ -487,9 +487,10 @@ class KVCacheManager:
     def resize(self, level: int, quota: int | str) -> bool:
         """Grow or shrink a level's quota while every cache is suspended, moving pages out
         of the released space (into free slots of the level, else down a level). Returns
-        False, with nothing changed, when the pages cannot be placed or a pool cannot
-        take its new size (out of memory, a full disk): the reason is then in
-        ``last_refusal``; None after a success.
+        False, sizes unchanged, when the pages cannot be placed or a pool cannot take its
+        new size (out of memory, a full disk): the reason is in ``last_refusal`` (None
+        after a success). Room made before a refusal stays made: cached pages moved down
+        (the last level's dropped), with their events and counters (docs/semantics.md).
 
         Raises:
             InvalidStateError: a cache is active.

@@ -254,7 +254,11 @@ class Mover:
                 be.copy_pages_batch([CopyTask(dr, sr, size, pairs) for dr, sr, size in parts],
                                     stream)
         each = stream is evict  # fence batch by batch (see above)
-        numbers = f.run_batches(stream, nb, waits, copy, each)
+        try:
+            numbers = f.run_batches(stream, nb, waits, copy, each)
+        except BaseException:  # the caller gives the slots back: fence what was queued
+            _fence_queued(f, stream, ((src, s), (dst, d)))
+            raise
         seqs: np.ndarray | int = np.repeat(np.asarray(numbers, dtype=np.int64), per)[:n] \
             if each else numbers[-1]
         src_fence[s] = seqs
@@ -687,3 +691,21 @@ def _unframe_blob(book: FrameBook, slot: int, blob: bytes, size: int) -> bytes |
         except Exception:  # CorruptPageError, or a codec breaking its contract: damaged
             return None
     return payload if payload is not None and len(payload) == size else None
+
+
+def _fence_queued(fences: Fences, stream: Stream, parts: tuple[tuple[Store, np.ndarray], ...]
+                  ) -> None:
+    """A move failed part way (an interrupt, a device error): copies it queued on
+    ``stream`` may still run, into slots its caller is about to give back. Fence the
+    slots behind them (a later user of the slots waits, as for any move), or, if no event
+    can be recorded, wait for the stream on the host. The caller re-raises the first
+    error."""
+    try:
+        fences.record(stream, parts)
+        return
+    except BaseException:  # (recording failed too: wait for the copies instead)
+        pass
+    try:
+        stream.synchronize()
+    except BaseException:  # nothing more can be done for a stream that cannot be waited for
+        pass

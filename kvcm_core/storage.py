@@ -217,10 +217,10 @@ class Store:
 
     def _flush_released(self) -> None:
         batches = self._released
-        self._released = []
-        self._released_n = 0
         pids = batches[0] if len(batches) == 1 else np.concatenate(batches)
         _insert(self._droppable, pids, self.arena.priority[pids])
+        self._released = []  # (after: a policy that refuses the insert keeps them queued)
+        self._released_n = 0
 
     # -- counting ------------------------------------------------------------------------
 

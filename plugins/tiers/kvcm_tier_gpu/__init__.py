@@ -103,13 +103,18 @@ class MemoryPool(DevicePool):
         old = self.buffer
         new = self._allocate(self.slot_bytes * num_slots)
         kept = self.slot_bytes * min(self.num_slots, num_slots)
+        queued = False  # a copy into ``new`` may be queued
         try:
             if kept:
                 self._backend.synchronize()  # writers on any stream finish before the copy
+                queued = True
                 self._backend.copy_pages_batch(list(_contiguous_copy(new, old, kept)))
                 self._backend.default_stream.synchronize()
         except BaseException:
-            new.free()
+            # Freed only once no copy into it can still run: memory a queued copy would
+            # write into is never handed out again (it is leaked instead).
+            if not queued or _drained(self._backend):
+                new.free()
             raise
         old.free()
         self._buffer = new
@@ -120,6 +125,15 @@ class MemoryPool(DevicePool):
         if self._buffer is not None:
             self._buffer.free()
             self._buffer = None
+
+
+def _drained(backend: KernelBackend) -> bool:
+    """Whether the default stream's queued work has run (False: waiting for it failed)."""
+    try:
+        backend.default_stream.synchronize()
+    except BaseException:  # (the caller re-raises the first error)
+        return False
+    return True
 
 
 def _contiguous_copy(dst: Buffer, src: Buffer, nbytes: int) -> Iterator[CopyTask]:
