@@ -30,10 +30,12 @@ slots: the manager's own levels stay as they are, and :class:`RemoteLevel` adds
 
 Keys: ``<layout fingerprint>:<scope>:<cache group>:<block key>`` (hex) under the tier's own
 namespace. The fingerprint covers layers, buffers, sizes, tokens per block, the block-key
-rule (``sha256-prefix``, kvcm_core/radix.py), the codecs and the frame version, so two
-models never read each other's pages, nor pages keyed under an older rule; the scope part
-(and the block key, which hashes the scope's root with the whole prefix) keeps tenants
-apart. The frame's key field holds a digest of the cache group and block key, so a value
+rule (``sha256-prefix``, kvcm_core/radix.py), the codecs and the frame version (so two
+geometries or codecs never read each other's pages, nor pages keyed under an older rule),
+and the level's required ``model`` and ``shard`` options (geometry cannot tell a base model
+from its fine-tune, nor tensor-parallel rank 0 from rank 1: these two options do); the
+scope part (and the block key, which hashes the scope's root with the whole prefix) keeps
+tenants apart. The frame's key field holds a digest of the cache group and block key, so a value
 stored under another key is detected.
 """
 
@@ -90,6 +92,11 @@ class RemoteOptions:
     the tier).
 
     Attributes:
+        model: names the model whose KV the level holds: weights and revision, tokenizer,
+            and how the engine lays out and quantizes KV in its buffers (required).
+        shard: the engine's tensor/pipeline-parallel position, such as ``"tp0of8-pp0of1"``
+            (``"0"`` for a single device; required). Both are folded into the layout
+            fingerprint: two models, or two shards, of the same geometry never share keys.
         io_deadline_s: seconds the lookup of ``create_kv_cache`` may take (one round trip).
         max_blocks: blocks past the local match one lookup asks for.
         write_queue_blocks: pages waiting to be written, at most (more are dropped).
@@ -97,6 +104,8 @@ class RemoteOptions:
         retry_after_s: after a failed or late round trip, seconds the level is skipped.
     """
 
+    model: str
+    shard: str
     io_deadline_s: float = 0.05
     max_blocks: int = 256
     write_queue_blocks: int = 4096
@@ -105,6 +114,12 @@ class RemoteOptions:
 
 
 _OPTION_NAMES = tuple(a.name for a in attrs.fields(RemoteOptions))
+_IDENTITY = {  # the required options that say whose KV a page is
+    "model": "a non-empty string naming the model: weights and revision, tokenizer, and how "
+             "the engine lays out and quantizes KV in its buffers",
+    "shard": "a non-empty string naming the engine's tensor/pipeline-parallel position "
+             "(e.g. 'tp0of8-pp0of1'; '0' for a single device)",
+}
 
 
 def remote_options(index: int, options: Mapping[str, Any]) -> tuple[RemoteOptions, dict[str, Any]]:
@@ -115,8 +130,17 @@ def remote_options(index: int, options: Mapping[str, Any]) -> tuple[RemoteOption
     """
     mine = {k: v for k, v in options.items() if k in _OPTION_NAMES}
     rest = {k: v for k, v in options.items() if k not in _OPTION_NAMES}
+    for name, rule in _IDENTITY.items():  # geometry alone cannot tell two models apart
+        value = mine.get(name)
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"levels[{index}].options.{name}", value,
+                              f"required: {rule}; pages are shared by the managers that "
+                              f"give the same {name} (and geometry), so pages of another "
+                              f"{name} would be served as this one's")
     for name, value in mine.items():
         field = f"levels[{index}].options.{name}"
+        if name in _IDENTITY:
+            continue
         if name in ("max_blocks", "write_queue_blocks"):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(field, value, "must be an int >= 1")
@@ -950,7 +974,8 @@ def build_remote(pm: KvcmPluginManager, level: LevelConfig, index: int,
     fingerprint = layout_fingerprint({
         "layers": config.to_dict()["layers"], "tokens_per_block": config.tokens_per_block,
         "hash": KEY_HASH, "codec": page.name, "blob_codec": level.blob_codec,
-        "frame_version": FRAME_VERSION, "remote": 1})
+        "frame_version": FRAME_VERSION, "remote": 1, "model": opts.model,
+        "shard": opts.shard})
     built: list[KeyedTier] = []
     try:
         for _ in range(2):  # reads and writes on their own connections and threads

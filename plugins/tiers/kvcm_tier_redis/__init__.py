@@ -43,8 +43,10 @@ Options:
     url: ``redis://[user:password@]host:port/db`` or ``rediss://...`` (TLS). Required.
     cluster: the URL names a node of a Redis Cluster (bool, default false).
     namespace: prefix of every key (``"<namespace>:" + key``; default ``"kvcm"``), to keep
-        several deployments apart on one store. The core's keys already separate models
-        (layout fingerprint) and tenants (reuse scope).
+        several deployments apart on one store. The core's keys already separate
+        geometries and codecs (layout fingerprint), models and tensor/pipeline-parallel
+        shards (the level's required ``model`` and ``shard`` options, folded into the
+        fingerprint) and tenants (reuse scope).
     connect_timeout_s: seconds to open a connection (default 1.0).
     pipeline_bytes: value bytes per pipeline (default 8 MiB).
 """

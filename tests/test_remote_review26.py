@@ -1,0 +1,69 @@
+"""The shared remote level's rules found broken by review 26 (each test failed on the code
+as reviewed): whose KV a page is (model and shard), repairs of damaged own keys, store
+refusals that must not disable the level, deadlines, back-off, the sentinel under LRU
+eviction, the own-key count and the write queue's byte bound."""
+
+from __future__ import annotations
+
+import pytest
+from redis_fixtures import fresh_server, need_binaries
+from remote_helpers import TPB, config, serve
+
+from kvcm_core import KVCacheManager
+from kvcm_core.errors import ConfigError
+
+redis = pytest.importorskip("redis", reason="the redis client package is not installed")
+
+
+def _prompt(seed: int, blocks: int = 10) -> list[int]:
+    return [seed * 100_000 + i for i in range(blocks * TPB)]
+
+
+def _block_keys(url: str) -> list[bytes]:
+    return sorted(k for k in redis.Redis.from_url(url).keys("kvcm:*") if b":alive:" not in k)
+
+
+# -- whose KV a page is: model and shard ----------------------------------------------------
+
+
+@pytest.mark.parametrize(("a_opts", "b_opts"), [
+    ({"shard": "tp0of2-pp0of1"}, {"shard": "tp1of2-pp0of1"}),
+    ({"model": "base@r1"}, {"model": "base-finetune@r1"}),
+    ({"model": "m:kv-int8"}, {"model": "m:kv-fp8"}),
+], ids=["tp-ranks", "fine-tune", "kv-dtype"])
+def test_managers_of_one_geometry_but_another_model_or_shard_never_read_each_others_pages(
+        a_opts, b_opts) -> None:
+    """Geometry cannot tell tensor-parallel rank 0 from rank 1, nor a base model from its
+    fine-tune: the required model and shard options go into the layout fingerprint."""
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url, **a_opts)) as a, \
+                KVCacheManager(config(server.url, **b_opts)) as b:
+            serve(a, _prompt(1))
+            assert a.flush_remote(10.0)
+            assert a.remote.fingerprint != b.remote.fingerprint
+            assert serve(b, _prompt(1)) == 0
+            assert b.get_remote_statistics().hits == 0
+
+
+def test_managers_of_the_same_model_and_shard_share_pages() -> None:
+    with fresh_server() as server:
+        cfg = config(server.url, model="m@r1", shard="tp1of2-pp0of1")
+        with KVCacheManager(cfg) as a, KVCacheManager(cfg) as b:
+            serve(a, _prompt(1))
+            assert a.flush_remote(10.0)
+            assert a.remote.fingerprint == b.remote.fingerprint
+            assert serve(b, _prompt(1)) == 9 * TPB
+
+
+@pytest.mark.parametrize("name", ["model", "shard"])
+@pytest.mark.parametrize("value", [None, "", "  ", 3])
+def test_a_remote_level_without_a_model_or_shard_is_refused_naming_the_option(
+        name, value) -> None:
+    need_binaries()
+    with pytest.raises(ConfigError) as info:
+        KVCacheManager(config("redis://127.0.0.1:1/0", **{name: value}))
+    assert info.value.field == f"levels[2].options.{name}"
+    assert "required" in str(info.value)
+    assert "would be served as this one's" in str(info.value)
+
+
