@@ -600,6 +600,11 @@ class RemoteLevel:
             setattr(st, name, getattr(st, name) + 1)
             if verdict == "miss":
                 lost |= self._forget(rkey)
+            else:  # a damaged or foreign value: not stored as far as this level can
+                # tell, so the block computed again is written again (over it); the key
+                # stays counted as own (its bytes are still in the store)
+                with self._lock:
+                    self._known.pop(rkey, None)
         if lost:
             self._lost_own(deadline)
         ok = np.asarray(present[:, self._required].all(axis=1))

@@ -67,3 +67,33 @@ def test_a_remote_level_without_a_model_or_shard_is_refused_naming_the_option(
     assert "would be served as this one's" in str(info.value)
 
 
+
+# -- a damaged value under an own key ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["corrupt", "truncated", "foreign"])
+def test_a_damaged_value_under_an_own_key_is_written_again_when_the_block_is_recomputed(
+        how: str) -> None:
+    """A damaged or foreign value is a miss: the block is recomputed, and so written again
+    (over the damaged value), as after a plain miss, not skipped as 'known stored'."""
+    with fresh_server() as server:
+        adm = redis.Redis.from_url(server.url)
+        cfg = config(server.url, local=("gpu",), size=16384)  # 32 pages fit locally
+        prompt = _prompt(1)
+        with KVCacheManager(cfg) as a:
+            serve(a, prompt)
+            assert a.flush_remote(10.0)
+            keys = _block_keys(server.url)
+            other = adm.get(keys[0])
+            for k in keys:
+                v = adm.get(k)
+                adm.set(k, {"corrupt": v[:80] + bytes([v[80] ^ 1]) + v[81:],
+                            "truncated": v[:-100],
+                            "foreign": other if k != keys[0] else adm.get(keys[1])}[how])
+            for s in range(2, 6):  # push the prompt out of the GPU level
+                serve(a, _prompt(s), rid=s)
+            assert serve(a, prompt, rid="again") == 0  # damaged: recomputed
+            assert a.flush_remote(10.0)
+            for s in range(6, 10):
+                serve(a, _prompt(s), rid=s)
+            assert serve(a, prompt, rid="third") == 9 * TPB, a.get_remote_statistics()
