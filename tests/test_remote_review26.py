@@ -97,3 +97,35 @@ def test_a_damaged_value_under_an_own_key_is_written_again_when_the_block_is_rec
             for s in range(6, 10):
                 serve(a, _prompt(s), rid=s)
             assert serve(a, prompt, rid="third") == 9 * TPB, a.get_remote_statistics()
+
+
+# -- what an ACL or a renamed command refuses ----------------------------------------------
+
+
+def test_a_user_whose_acl_refuses_info_can_still_use_the_level() -> None:
+    """INFO only tells restarts apart: refused, the connection is used all the same."""
+    with fresh_server() as server:
+        adm = redis.Redis.from_url(server.url)
+        adm.execute_command("ACL", "SETUSER", "kv", "on", ">pw", "~*", "+@all", "-info")
+        url = f"redis://kv:pw@127.0.0.1:{server.port}/0"
+        with KVCacheManager(config(url)) as a, KVCacheManager(config(url)) as b:
+            serve(a, _prompt(1))
+            assert a.flush_remote(10.0)
+            assert a.get_remote_statistics().written == 10, a.get_remote_statistics()
+            assert serve(b, _prompt(1)) == 9 * TPB
+            assert a.remote.tier.store_instances() == {}
+
+
+def test_a_user_whose_acl_refuses_unlink_still_deletes_past_the_quota() -> None:
+    with fresh_server() as server:
+        adm = redis.Redis.from_url(server.url)
+        adm.execute_command("ACL", "SETUSER", "kv", "on", ">pw", "~*", "+@all", "-unlink")
+        url = f"redis://kv:pw@127.0.0.1:{server.port}/0"
+        page = 2 * 256 + 72
+        with KVCacheManager(config(url, quota=12 * page)) as m:
+            for s in range(2, 5):
+                serve(m, _prompt(s), rid=s)
+                assert m.flush_remote(10.0)
+            st = m.get_remote_statistics()
+            assert st.deleted == 18 and st.own_keys == 12, st
+            assert len(_block_keys(server.url)) == 12

@@ -37,7 +37,12 @@ Restarts: every connection the tier opens (plain, through the client package, to
 cluster node) asks the server for ``INFO server`` and records its ``run_id`` by address;
 :meth:`RedisTier.store_instances` returns them. A server restarted (empty, or reloaded from
 its persistence) has a new ``run_id``, which tells the core to check the keys it counts as
-its own against the store (docs/remote.md, "Restarts").
+its own against the store (docs/remote.md, "Restarts"). Where ``INFO`` is refused (an ACL
+user without it) the connection is used all the same and the address has no ``run_id``
+(the tier cannot tell a restart there).
+
+Deletes use ``UNLINK``; where the server refuses it (renamed away with ``rename-command``,
+or an ACL without it) the tier uses ``DEL`` from then on.
 
 Options:
     url: ``redis://[user:password@]host:port/db`` or ``rediss://...`` (TLS). Required.
@@ -170,6 +175,16 @@ def _is_key_error(redis: Any, exc: Exception) -> bool:
     return code.encode("ascii", "replace") in _KEY_ERRORS
 
 
+def _refuses(redis: Any, exc: BaseException | None, verb: bytes) -> bool:
+    """Whether ``exc`` is the server refusing the command ``verb`` itself (an unknown
+    command: renamed or disabled; or an ACL's ``-NOPERM``), not failing one call."""
+    if not isinstance(exc, redis.ResponseError):
+        return False
+    text = str(exc).lower()
+    return verb.decode().lower() in text and ("unknown command" in text or "noperm" in text
+                                              or "no permissions" in text)
+
+
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
     out = list(keys)
     for i, k in enumerate(out):
@@ -207,12 +222,15 @@ class _Plain:
     Args:
         url: parsed ``redis://`` URL parts (``redis.connection.parse_url``).
         connect_timeout_s: seconds to connect.
-        error: the exception class for protocol and server errors.
+        error: the exception class for a broken connection or protocol.
+        reply_error: the exception class for an error reply (the server answered;
+            default ``error``).
     """
 
     def __init__(self, url: Mapping[str, Any], connect_timeout_s: float,
-                 error: type[Exception]) -> None:
+                 error: type[Exception], reply_error: type[Exception] | None = None) -> None:
         self._error = error
+        self._reply_error = reply_error = reply_error or error
         _prime_heap()
         self._buf = bytearray(_READ_BUFFER)
         self._have = self._pos = 0
@@ -232,9 +250,13 @@ class _Plain:
                 for _ in hello:
                     if self._reply() is None:
                         raise error("the server refused AUTH or SELECT")
-            # which server process this is (None where INFO is refused, e.g. by an ACL)
+            # which server process this is (None where INFO is refused, e.g. by an ACL:
+            # an error reply is one line, read whole, so the connection stays usable)
             sock.sendall(_pack([[b"INFO", b"server"]]))
-            self.run_id = _run_id(self._reply())
+            try:
+                self.run_id = _run_id(self._reply())
+            except reply_error:
+                self.run_id = None
             sock.settimeout(None)  # from here the caller's deadline is kept by the tier
         except BaseException:
             sock.close()
@@ -313,7 +335,7 @@ class _Plain:
         if kind == b"-":
             if line[1:].split(b" ", 1)[0] not in _KEY_ERRORS:
                 # the connection is dropped by the caller: its unread replies don't matter
-                raise self._error(f"the server answered {bytes(line[:60])!r}")
+                raise self._reply_error(f"the server answered {bytes(line[:100])!r}")
             return None  # about this key only: a miss or a refused write
         raise self._error(f"unexpected reply {line[:40]!r}")
 
@@ -370,6 +392,7 @@ class RedisTier(KeyedTier):
         self._lock = threading.Lock()  # guards _client between the caller and the I/O thread
         self._io = cf.ThreadPoolExecutor(1, thread_name_prefix="kvcm-redis")
         self._closed = False
+        self._delete = b"UNLINK"  # DEL where UNLINK is refused (see delete_many)
         self.timeouts = 0  # calls that ran past their deadline
         self.errors = 0  # calls that could not reach the store
 
@@ -444,7 +467,7 @@ class RedisTier(KeyedTier):
             stale.close()
         url = self._raw_url
         plain = _Plain(url, self._opts["connect_timeout_s"],  # type: ignore[arg-type]
-                       self._redis.ConnectionError)
+                       self._redis.ConnectionError, self._redis.ResponseError)
         self._saw(f"{url.get('host', 'localhost')}:{url.get('port', 6379)}",  # type: ignore[union-attr]
                   plain.run_id)
         with self._lock:
@@ -616,9 +639,22 @@ class RedisTier(KeyedTier):
         full = self._full(keys)
         if not full:
             return 0
-        res = self._call(f"delete of {len(full)} keys",
-                         lambda c: self._run(c, full, lambda i: [b"UNLINK", full[i]]), deadline)
-        return sum(r for r in res if isinstance(r, int))
+        while True:
+            verb = self._delete
+
+            def delete(c: Any, verb: bytes = verb) -> list[Any]:
+                return self._run(c, full, lambda i: [verb, full[i]])
+
+            try:
+                res = self._call(f"delete of {len(full)} keys", delete, deadline)
+            except TierIOError as exc:
+                # UNLINK renamed away (rename-command) or refused by an ACL: DEL does the
+                # same (it frees the value on the server's main thread), from now on
+                if verb == b"DEL" or not _refuses(self._redis, exc.__cause__, verb):
+                    raise
+                self._delete = b"DEL"
+                continue
+            return sum(r for r in res if isinstance(r, int))
 
     def _drop_plain(self) -> None:
         with self._lock:
