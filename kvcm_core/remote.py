@@ -148,6 +148,9 @@ def remote_options(index: int, options: Mapping[str, Any]) -> tuple[RemoteOption
                 value >= 0 if name == "retry_after_s" else value > 0):
             raise ConfigError(field, value, "must be a number >= 0" if name == "retry_after_s"
                               else "must be a number > 0 (seconds)")
+        elif not value <= threading.TIMEOUT_MAX:  # inf, nan: no thread can wait that long
+            raise ConfigError(field, value, f"must be finite seconds, at most "
+                              f"threading.TIMEOUT_MAX ({threading.TIMEOUT_MAX:g})")
     return RemoteOptions(**mine), rest
 
 
@@ -851,6 +854,7 @@ class RemoteLevel:
                     self._write(batch)
             except Exception:  # a writer bug must not kill the thread
                 self.stats.write_failures += len(batch)
+                self._unknow([k for k, _, _ in batch])  # not stored: written again later
             finally:
                 with self._lock:
                     self._busy = False
@@ -929,7 +933,8 @@ class RemoteLevel:
             self._closing = True
             self._lock.notify_all()
         pending = -(-len(self._queue) // _WRITE_BATCH) + 1
-        self._thread.join(timeout=pending * self.options.write_deadline_s + 1.0)
+        self._thread.join(timeout=min(pending * self.options.write_deadline_s + 1.0,
+                                      threading.TIMEOUT_MAX))
         errors = []
         if self._sentinel_set:  # the sentinel is this manager's alone: not left behind
             try:

@@ -129,3 +129,53 @@ def test_a_user_whose_acl_refuses_unlink_still_deletes_past_the_quota() -> None:
             st = m.get_remote_statistics()
             assert st.deleted == 18 and st.own_keys == 12, st
             assert len(_block_keys(server.url)) == 12
+
+
+# -- deadlines -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("io_deadline_s", float("inf")), ("io_deadline_s", 1e300), ("io_deadline_s", float("nan")),
+    ("write_deadline_s", float("inf")), ("retry_after_s", float("inf")),
+    ("retry_after_s", 1e300)])
+def test_an_infinite_or_huge_deadline_is_refused_as_a_config_error(option, value) -> None:
+    """No thread can wait past threading.TIMEOUT_MAX: such a deadline raised a raw
+    OverflowError from the first lookup, or failed every write and the shutdown."""
+    with fresh_server() as server:
+        with pytest.raises(ConfigError) as info:
+            m = KVCacheManager(config(server.url, **{option: value}))
+            try:  # what happened instead: OverflowError from the first call that waits
+                serve(m, _prompt(1))
+                m.flush_remote(5.0)
+            finally:
+                m.shutdown()
+        assert info.value.field == f"levels[2].options.{option}"
+        assert value != value or "TIMEOUT_MAX" in str(info.value)  # nan: not > 0
+
+
+def test_a_writer_failure_of_any_kind_leaves_the_batch_to_be_written_again(
+        monkeypatch) -> None:
+    """A batch the writer could not write (whatever failed) is not believed stored: the
+    block computed again is written again."""
+    with fresh_server() as server:
+        cfg = config(server.url, local=("gpu",), size=16384)
+        with KVCacheManager(cfg) as a:
+            real = a.remote._writers.put_many
+            failing = [True]
+
+            def broken(keys, values, *, deadline):
+                if failing[0]:
+                    raise RuntimeError("a bug in a tier (injected)")
+                return real(keys, values, deadline=deadline)
+
+            monkeypatch.setattr(a.remote._writers, "put_many", broken)
+            serve(a, _prompt(1))
+            assert a.flush_remote(10.0)
+            assert _block_keys(server.url) == []
+            assert a.get_remote_statistics().write_failures == 10
+            failing[0] = False
+            for s in range(2, 6):  # push the prompt out of the GPU level
+                serve(a, _prompt(s), rid=s)
+            assert serve(a, _prompt(1), rid="again") == 0
+            assert a.flush_remote(10.0)
+            assert len(_block_keys(server.url)) == 50
