@@ -17,7 +17,9 @@ slots: the manager's own levels stay as they are, and :class:`RemoteLevel` adds
   decides what is reused. A value that is not an intact frame of this block in this layout
   (foreign, truncated or corrupt) is counted and treated as a miss, never decoded as KV.
 - **faults**: a round trip that fails or runs past its deadline is a miss for the whole
-  lookup (the engine recomputes), and the level is skipped for ``retry_after_s``.
+  lookup (the engine recomputes), and lookups are skipped for ``retry_after_s``; a failed
+  write (or delete, or own-key check) makes the writer skip its calls for as long, on a
+  timer of its own (a store that refuses writes but serves reads is still read).
 - **an own-key quota**: the level's ``quota`` bounds the bytes of the keys *this* manager
   wrote, least recently used first; it deletes only those keys. What the store evicts by
   itself (``maxmemory``) is ordinary loss.
@@ -26,7 +28,7 @@ slots: the manager's own levels stay as they are, and :class:`RemoteLevel` adds
   level forgets which keys it believed stored (so blocks computed again are written again)
   and the writer thread checks every key it counts as its own with ``exists_many``,
   dropping those the store lost from ``own_keys``/``own_bytes`` (retried after
-  ``retry_after_s`` if the store cannot be reached).
+  ``retry_after_s``, at least 50 ms, if the store cannot be reached).
 
 Keys: ``<layout fingerprint>:<scope>:<cache group>:<block key>`` (hex) under the tier's own
 namespace. The fingerprint covers layers, buffers, sizes, tokens per block, the block-key
@@ -82,6 +84,7 @@ _WRITE_BATCH = 64  # pages per put_many of the writer thread
 _KNOWN_KEYS = 1 << 16  # keys remembered as stored remotely (not written again)
 _WARM_UP_S = 2.0  # seconds the first connection may take (at construction)
 _RESYNC_KEYS = 4096  # own keys per exists_many when checking them after a restart
+_RESYNC_BACKOFF_S = 0.05  # the least wait before an own-key check that failed is retried
 _COUNTERS = {"miss": "misses", "foreign": "foreign", "truncated": "truncated",
              "corrupt": "corrupt"}
 
@@ -101,7 +104,8 @@ class RemoteOptions:
         max_blocks: blocks past the local match one lookup asks for.
         write_queue_blocks: pages waiting to be written, at most (more are dropped).
         write_deadline_s: seconds one batch of writes (or deletes) may take.
-        retry_after_s: after a failed or late round trip, seconds the level is skipped.
+        retry_after_s: after a failed or late round trip, seconds the lookups (after a
+            read) or the writer's calls (after a write, delete or check) are skipped.
     """
 
     model: str
@@ -193,7 +197,7 @@ class RemoteStatistics:
 
     Attributes:
         lookups: round trips of ``create_kv_cache``; ``probes``: of ``probe_reuse``.
-        skipped: lookups and probes not made (within ``retry_after_s`` of a failure).
+        skipped: lookups and probes not made (within ``retry_after_s`` of a failed one).
         hits: intact pages found; ``misses``: pages asked for and absent.
         foreign: intact frames of another layout, codec, block or group (misses).
         truncated: values shorter than their frame says (misses).
@@ -330,7 +334,11 @@ class RemoteLevel:
                       for g in self._groups}
         self._prefix = fingerprint.hex().encode() + b":"
         self._seq = itertools.count(1)
-        self._skip_until = 0.0
+        # After a failure, lookups and the writer's calls are skipped until these times:
+        # apart, so a store that refuses writes but serves reads is still read.
+        self._read_skip_until = 0.0
+        self._write_skip_until = 0.0
+        self._resync_attempts = 0  # own-key checks made (each ends a wait of flush)
         self._lock = threading.Condition()
         self._queue: collections.deque[tuple[bytes, bytes, bytes]] = collections.deque()
         self._busy = False
@@ -350,12 +358,12 @@ class RemoteLevel:
         self._thread.start()
         # Open both connections now: the first request's lookup should not pay for it. A
         # store that is down is not an error here (lookups skip it until it answers).
-        for tier in (readers, writers):
+        for tier, writes in ((readers, False), (writers, True)):
             try:
                 tier.exists_many([self._prefix + b"warm-up"],
                                  deadline=time.monotonic() + _WARM_UP_S)
             except TierIOError:
-                self._failed()
+                self._failed(writes=writes)
         self._check_restarts()
 
     # -- keys ------------------------------------------------------------------------------
@@ -439,8 +447,14 @@ class RemoteLevel:
         with self._lock:
             self._sentinel_set = bool(ok[0])
 
-    def _failed(self) -> None:
-        self._skip_until = time.monotonic() + self.options.retry_after_s
+    def _failed(self, *, writes: bool, at_least: float = 0.0) -> None:
+        """A round trip failed: skip lookups (or the writer's calls) for ``retry_after_s``
+        (at least ``at_least``)."""
+        until = time.monotonic() + max(self.options.retry_after_s, at_least)
+        if writes:
+            self._write_skip_until = until
+        else:
+            self._read_skip_until = until
 
     # -- restarts ----------------------------------------------------------------------------
 
@@ -462,10 +476,17 @@ class RemoteLevel:
                 self._store_emptied()
 
     def _resync_due(self) -> bool:
-        return self._resync and time.monotonic() >= self._skip_until
+        return self._resync and time.monotonic() >= self._write_skip_until
 
     def _resync_own(self) -> None:
         """Drop from the own keys those the store no longer holds (writer thread)."""
+        try:
+            self._check_own()
+        finally:
+            with self._lock:
+                self._resync_attempts += 1
+
+    def _check_own(self) -> None:
         with self._lock:
             self._resync = False
             keys = list(self._own)
@@ -475,9 +496,11 @@ class RemoteLevel:
                 held = self._writers.exists_many(
                     chunk, deadline=time.monotonic() + self.options.write_deadline_s)
             except TierIOError:
-                self._failed()
+                # again once the store answers; never sooner than _RESYNC_BACKOFF_S (with
+                # retry_after_s = 0 the writer would spin on a dead store)
+                self._failed(writes=True, at_least=_RESYNC_BACKOFF_S)
                 with self._lock:
-                    self._resync = True  # again once the store answers
+                    self._resync = True
                 return
             finally:
                 self._check_restarts()
@@ -567,7 +590,7 @@ class RemoteLevel:
                     ) -> tuple[int, dict[tuple[int, int], bytes]]:
         """Ask for the plan's pages in one round trip; returns the extent (blocks after
         the local match whose required groups are all there) and the pages read."""
-        if time.monotonic() < self._skip_until:
+        if time.monotonic() < self._read_skip_until:
             self.stats.skipped += 1
             return 0, {}
         groups = self._groups
@@ -580,7 +603,7 @@ class RemoteLevel:
                 values = self.tier.exists_many(rkeys, deadline=deadline).tolist()
         except TierIOError:
             self.stats.read_failures += 1
-            self._failed()
+            self._failed(writes=False)
             return 0, {}
         self._check_restarts()
         present = plan.have.copy()
@@ -836,7 +859,7 @@ class RemoteLevel:
         while True:
             with self._lock:
                 while not self._queue and not self._closing and not self._resync_due():
-                    wait = (max(0.01, self._skip_until - time.monotonic())
+                    wait = (max(0.01, self._write_skip_until - time.monotonic())
                             if self._resync else None)  # a resync waits out a failure
                     self._lock.wait(wait)
                 if not self._queue and self._closing:
@@ -862,7 +885,7 @@ class RemoteLevel:
 
     def _write(self, batch: list[tuple[bytes, bytes, bytes]]) -> None:
         st = self.stats
-        if time.monotonic() < self._skip_until:
+        if time.monotonic() < self._write_skip_until:
             st.write_failures += len(batch)
             self._unknow([k for k, _, _ in batch])
             return
@@ -872,7 +895,7 @@ class RemoteLevel:
         try:
             ok = self._writers.put_many(keys, values, deadline=deadline)
         except TierIOError:
-            self._failed()
+            self._failed(writes=True)
             st.write_failures += len(batch)
             self._unknow(keys)
             return
@@ -900,7 +923,7 @@ class RemoteLevel:
                                           + self.options.write_deadline_s)
                 st.deleted += len(victims)
             except TierIOError:
-                self._failed()
+                self._failed(writes=True)
 
     def _unknow(self, keys: list[bytes]) -> None:
         with self._lock:
@@ -917,12 +940,14 @@ class RemoteLevel:
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued write was made (or failed), and a check of the own
-        keys after a restart too (unless the store is being skipped after a failure);
-        False if ``timeout_s`` passed first."""
+        keys after a restart too (unless the store is being skipped after a failure; one
+        attempt at most: a check that fails is retried later, not waited for); False if
+        ``timeout_s`` passed first."""
         with self._lock:
+            start = self._resync_attempts
             return self._lock.wait_for(
-                lambda: not self._queue and not self._busy and not self._resync_due(),
-                timeout_s)
+                lambda: not self._queue and not self._busy and (
+                    not self._resync_due() or self._resync_attempts > start), timeout_s)
 
     def close(self) -> None:
         """Finish the queued writes (each batch within ``write_deadline_s``), stop the

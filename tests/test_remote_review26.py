@@ -179,3 +179,40 @@ def test_a_writer_failure_of_any_kind_leaves_the_batch_to_be_written_again(
             assert serve(a, _prompt(1), rid="again") == 0
             assert a.flush_remote(10.0)
             assert len(_block_keys(server.url)) == 50
+
+
+# -- skipping after a failure ----------------------------------------------------------------
+
+
+def test_flush_remote_returns_when_the_store_is_down_with_retry_after_zero() -> None:
+    """An own-key check that cannot reach the store is retried no sooner than 50 ms later
+    (the writer spun on a dead store), and flush_remote waits for one attempt of it."""
+    with fresh_server() as server:
+        cfg = config(server.url, local=("gpu",), retry_after_s=0, io_deadline_s=0.5)
+        with KVCacheManager(cfg) as a:
+            serve(a, _prompt(1))
+            assert a.flush_remote(10.0)
+            server.restart()  # empty: the next call sees a new run_id: an own-key check
+            a.probe_reuse(None, [7] * 40, remote=True)
+            server.kill()
+            errors = a.remote._writers.errors
+            assert a.flush_remote(3.0), "flush_remote never returned while the store was down"
+            assert a.remote._writers.errors - errors < 20, "the writer spun on a dead store"
+
+
+def test_a_store_that_refuses_writes_but_serves_reads_is_still_read() -> None:
+    with fresh_server() as server:
+        adm = redis.Redis.from_url(server.url)
+        with KVCacheManager(config(server.url)) as a:
+            for s in range(4):
+                serve(a, _prompt(s), rid=s)
+            assert a.flush_remote(10.0)
+        adm.config_set("min-replicas-to-write", 1)  # SET: -NOREPLICAS; GET served
+        with KVCacheManager(config(server.url)) as b:
+            reused = []
+            for s in range(4):
+                reused.append(serve(b, _prompt(s) + [9] * (2 * TPB), rid=s))
+                b.flush_remote(5.0)
+            st = b.get_remote_statistics()
+            assert all(r >= 9 * TPB for r in reused), (reused, st)
+            assert st.skipped == 0 and st.write_failures > 0, st
