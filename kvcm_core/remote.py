@@ -85,6 +85,8 @@ _KNOWN_KEYS = 1 << 16  # keys remembered as stored remotely (not written again)
 _WARM_UP_S = 2.0  # seconds the first connection may take (at construction)
 _RESYNC_KEYS = 4096  # own keys per exists_many when checking them after a restart
 _RESYNC_BACKOFF_S = 0.05  # the least wait before an own-key check that failed is retried
+_SENTINEL_TTL_S = 600.0  # a sentinel not renewed for this long expires (its manager died)
+_SENTINEL_RENEW_S = 60.0  # an idle writer renews the sentinel this often
 _COUNTERS = {"miss": "misses", "foreign": "foreign", "truncated": "truncated",
              "corrupt": "corrupt"}
 
@@ -353,6 +355,7 @@ class RemoteLevel:
         # store lost keys wholesale (FLUSHALL), there means an ordinary loss (see _lost_own).
         self._sentinel = self._prefix + b"alive:" + os.urandom(8).hex().encode()
         self._sentinel_set = False
+        self._sentinel_renewed = 0.0  # (monotonic) see _keep_sentinel
         self._thread = threading.Thread(target=self._write_loop, daemon=True,
                                         name="kvcm-remote-writer")
         self._thread.start()
@@ -437,15 +440,41 @@ class RemoteLevel:
         self._resync = True
         self._lock.notify_all()
 
-    def _set_sentinel(self) -> None:
-        """Writer thread: write the sentinel key (before the blocks of a batch)."""
-        try:
-            ok = self._writers.put_many([self._sentinel], [b"kvcm"],
-                                        deadline=time.monotonic() + self.options.write_deadline_s)
-        except TierIOError:
-            return  # the batch's own write meets the failure
+    def _keep_sentinel(self) -> None:
+        """Writer thread, before the blocks of each batch (and every
+        ``_SENTINEL_RENEW_S`` while idle): renew the sentinel key (``renew_many``: its
+        expiry pushed back to ``_SENTINEL_TTL_S`` from now, and a use for the store's LRU,
+        so an ordinary eviction takes the manager's oldest pages first, not it), or write
+        it where it is not set. Found gone, the store lost it since the last renewal:
+        acted on as :meth:`_lost_own` does (a store flushed). A manager that died leaves
+        its sentinel for ``_SENTINEL_TTL_S`` at most.
+
+        Raises:
+            TierIOError: the store could not be reached (the batch is not tried).
+        """
+        deadline = time.monotonic() + self.options.write_deadline_s
         with self._lock:
-            self._sentinel_set = bool(ok[0])
+            was_set = self._sentinel_set
+        self._sentinel_renewed = time.monotonic()
+        if was_set:
+            if self._writers.renew_many([self._sentinel], ttl_s=_SENTINEL_TTL_S,
+                                        deadline=deadline)[0]:
+                return
+            with self._lock:
+                if self._sentinel_set:  # (not emptied meanwhile by a lookup's check)
+                    self.stats.own_keys_lost += 1
+                    self._store_emptied()
+        ok = bool(self._writers.put_many([self._sentinel], [b"kvcm"], deadline=deadline)[0])
+        if ok:  # (a manager that dies right here leaves a sentinel without an expiry)
+            ok = bool(self._writers.renew_many([self._sentinel], ttl_s=_SENTINEL_TTL_S,
+                                               deadline=deadline)[0])
+        with self._lock:
+            self._sentinel_set = ok
+
+    def _renewal_due(self) -> bool:
+        return (self._sentinel_set and not self._closing
+                and time.monotonic() >= max(self._sentinel_renewed + _SENTINEL_RENEW_S,
+                                            self._write_skip_until))
 
     def _failed(self, *, writes: bool, at_least: float = 0.0) -> None:
         """A round trip failed: skip lookups (or the writer's calls) for ``retry_after_s``
@@ -858,13 +887,18 @@ class RemoteLevel:
     def _write_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._queue and not self._closing and not self._resync_due():
-                    wait = (max(0.01, self._write_skip_until - time.monotonic())
-                            if self._resync else None)  # a resync waits out a failure
-                    self._lock.wait(wait)
+                while (not self._queue and not self._closing and not self._resync_due()
+                       and not self._renewal_due()):
+                    now = time.monotonic()
+                    wakes = [max(self._write_skip_until, now + 0.01)] if self._resync else []
+                    if self._sentinel_set:  # renewed while idle too
+                        wakes.append(max(self._sentinel_renewed + _SENTINEL_RENEW_S,
+                                         self._write_skip_until, now + 0.01))
+                    self._lock.wait(min(wakes) - now if wakes else None)
                 if not self._queue and self._closing:
                     return
                 resync = self._resync_due()
+                renew = self._renewal_due()
                 batch = [self._queue.popleft()
                          for _ in range(min(_WRITE_BATCH, len(self._queue)))]
                 self._busy = True
@@ -872,9 +906,12 @@ class RemoteLevel:
                 if resync:
                     self._resync_own()
                 if batch:
-                    if not self._sentinel_set:
-                        self._set_sentinel()
                     self._write(batch)
+                elif renew:
+                    try:
+                        self._keep_sentinel()
+                    except TierIOError:
+                        self._failed(writes=True)
             except Exception:  # a writer bug must not kill the thread
                 self.stats.write_failures += len(batch)
                 self._unknow([k for k, _, _ in batch])  # not stored: written again later
@@ -891,9 +928,10 @@ class RemoteLevel:
             return
         keys = [k for k, _, _ in batch]
         values = [self._frame(fkey, payload) for _, fkey, payload in batch]
-        deadline = time.monotonic() + self.options.write_deadline_s
         try:
-            ok = self._writers.put_many(keys, values, deadline=deadline)
+            self._keep_sentinel()
+            ok = self._writers.put_many(keys, values, deadline=time.monotonic()
+                                        + self.options.write_deadline_s)
         except TierIOError:
             self._failed(writes=True)
             st.write_failures += len(batch)

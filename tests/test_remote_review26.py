@@ -5,6 +5,8 @@ eviction, the own-key count and the write queue's byte bound."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from redis_fixtures import fresh_server, need_binaries
 from remote_helpers import TPB, config, serve
@@ -216,3 +218,92 @@ def test_a_store_that_refuses_writes_but_serves_reads_is_still_read() -> None:
             st = b.get_remote_statistics()
             assert all(r >= 9 * TPB for r in reused), (reused, st)
             assert st.skipped == 0 and st.write_failures > 0, st
+
+
+# -- the sentinel ------------------------------------------------------------------------------
+
+
+def _sentinels(url: str) -> list[bytes]:
+    return [k for k in redis.Redis.from_url(url).keys("kvcm:*") if b":alive:" in k]
+
+
+def test_the_sentinel_survives_ordinary_lru_eviction() -> None:
+    """Redis evicting under maxmemory is an ordinary loss: the sentinel, renewed with
+    every write batch (a use for allkeys-lru), is not among the keys evicted first, so a
+    miss of an evicted own key is not taken for a flushed store. (Redis's LRU clock counts
+    seconds: the writes are spread over a few, as a store's turnover is in service.)"""
+    with fresh_server(maxmemory=4 << 20) as server:
+        cfg = config(server.url, size=16384, retry_after_s=0.0)
+        with KVCacheManager(cfg) as a:
+            for s in range(24):  # 240 pages of 32 KiB into a 4 MiB store, 4 prompts a second
+                if s and not s % 4:
+                    time.sleep(1.1)
+                serve(a, _prompt(s), rid=s)
+                assert a.flush_remote(30.0)
+            assert redis.Redis.from_url(server.url).info("stats")["evicted_keys"] > 0
+            assert _sentinels(server.url), "sentinel evicted"
+            for s in range(5):
+                a.probe_reuse(None, _prompt(s) + _prompt(900 + s, 2), remote=True)
+            st = a.get_remote_statistics()
+            assert st.misses > 0 and st.own_keys_lost == 0, st
+
+
+def test_the_sentinel_expires_unless_renewed_so_a_dead_manager_leaves_none_for_good(
+        ) -> None:
+    with fresh_server() as server:
+        adm = redis.Redis.from_url(server.url)
+        with KVCacheManager(config(server.url)) as a:
+            serve(a, _prompt(1))
+            assert a.flush_remote(10.0)
+            (key,) = _sentinels(server.url)
+            ttl = adm.pttl(key)
+            assert 0 < ttl <= 600_000, ttl
+            adm.pexpire(key, 100_000)
+            serve(a, _prompt(2), rid=2)  # a write batch renews it
+            assert a.flush_remote(10.0)
+            assert adm.pttl(key) > 100_000
+            assert a.get_remote_statistics().own_keys_lost == 0
+
+
+def test_a_flush_is_seen_by_the_next_write_batch_through_the_sentinel() -> None:
+    with fresh_server() as server:
+        adm = redis.Redis.from_url(server.url)
+        with KVCacheManager(config(server.url)) as a:
+            serve(a, _prompt(1))
+            assert a.flush_remote(10.0)
+            adm.flushall()
+            serve(a, _prompt(2), rid=2)
+            assert a.flush_remote(10.0)
+            st = a.get_remote_statistics()
+            assert st.own_keys_lost == 1 and st.own_keys == 10, st
+            assert len(_sentinels(server.url)) == 1
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["standalone", "cluster"])
+def test_the_redis_tier_renews_keys_that_exist_and_reports_those_that_do_not(
+        cluster: bool) -> None:
+    from kvcm_tier_redis import RedisTier
+    from redis_fixtures import session_cluster
+
+    ctx = session_cluster() if cluster else fresh_server()
+    url = ctx.url
+    tier = RedisTier(None, {"url": url, "cluster": cluster,
+                            "namespace": f"renew{time.monotonic_ns()}"})
+    try:
+        keys = [b"a{x}", b"b{x}"]
+        tier.put_many(keys[:1], [b"v"], deadline=time.monotonic() + 5)
+        assert tier.renew_many(keys, ttl_s=30.0,
+                               deadline=time.monotonic() + 5).tolist() == [True, False]
+        assert tier.renew_many([], ttl_s=1.0, deadline=time.monotonic() + 5).tolist() == []
+        with pytest.raises(ValueError, match="ttl_s"):
+            tier.renew_many(keys, ttl_s=0, deadline=time.monotonic() + 5)
+        client = (redis.RedisCluster if cluster else redis.Redis).from_url(url)
+        ttl = client.pttl(tier.options.get("namespace").encode() + b":a{x}")
+        assert 0 < ttl <= 30_000, ttl
+        tier.renew_many(keys[:1], ttl_s=0.05, deadline=time.monotonic() + 5)
+        time.sleep(0.2)
+        assert tier.get_many(keys[:1], deadline=time.monotonic() + 5) == [None]
+    finally:
+        tier.close()
+        if not cluster:
+            ctx.stop()

@@ -2,14 +2,14 @@
 of managers in any number of processes and machines.
 
 It stores values (the core's checksummed cold frames) under keys (the core's block keys):
-every batch is one pipeline (``SET``, ``GET``, ``EXISTS``, ``UNLINK``) on the tier's own
-connection, cut into pipelines of at most ``pipeline_bytes`` of values, so a batch costs one
-round trip per pipeline whatever its length. A standalone server over plain TCP is reached
-through the tier's own small RESP connection (values received into one reusable buffer and
-sliced out of it); a cluster and TLS (``rediss://``) go through the ``redis`` client
-package (with ``hiredis`` when installed). A Redis Cluster (``cluster = true``, reached
-through any node's URL) spreads the keys over its primaries. The slot map is read when the client is
-built; the tier does not follow a redirection within a call.
+every batch is one pipeline (``SET``, ``GET``, ``EXISTS``, ``PEXPIRE``, ``UNLINK``) on the
+tier's own connection, cut into pipelines of at most ``pipeline_bytes`` of values, so a
+batch costs one round trip per pipeline whatever its length. A standalone server over plain
+TCP is reached through the tier's own small RESP connection (values received into one
+reusable buffer and sliced out of it); a cluster and TLS (``rediss://``) go through the
+``redis`` client package (with ``hiredis`` when installed). A Redis Cluster (``cluster =
+true``, reached through any node's URL) spreads the keys over its primaries. The slot map
+is read when the client is built; the tier does not follow a redirection within a call.
 
 Error replies: only four are about one key, and make that key a miss (``get_many``,
 ``exists_many``) or a refused write (``put_many``) while the call goes on and the client
@@ -633,6 +633,20 @@ class RedisTier(KeyedTier):
             return np.zeros(0, dtype=bool)
         res = self._call(f"exists of {len(full)} keys",
                          lambda c: self._run(c, full, lambda i: [b"EXISTS", full[i]]), deadline)
+        return np.fromiter((r == 1 for r in res), dtype=bool, count=len(full))
+
+    def renew_many(self, keys: Sequence[bytes], *, ttl_s: float, deadline: float
+                   ) -> np.ndarray:
+        """``PEXPIRE`` each key (which also counts as a use for ``allkeys-lru``)."""
+        full = self._full(keys)
+        if not isinstance(ttl_s, int | float) or isinstance(ttl_s, bool) or not ttl_s > 0:
+            raise ValueError(f"ttl_s={ttl_s!r}: must be seconds > 0")
+        if not full:
+            return np.zeros(0, dtype=bool)
+        ms = b"%d" % max(1, round(ttl_s * 1000))
+        res = self._call(f"renew of {len(full)} keys",
+                         lambda c: self._run(c, full, lambda i: [b"PEXPIRE", full[i], ms]),
+                         deadline)
         return np.fromiter((r == 1 for r in res), dtype=bool, count=len(full))
 
     def delete_many(self, keys: Sequence[bytes], *, deadline: float) -> int:
