@@ -938,7 +938,7 @@ class RemoteLevel:
             self._unknow(keys)
             return
         self._check_restarts()
-        victims: list[bytes] = []
+        victims: list[tuple[bytes, int]] = []
         with self._lock:
             own = self._own
             for key, value, stored in zip(keys, values, ok.tolist(), strict=True):
@@ -954,14 +954,21 @@ class RemoteLevel:
                 key, size = own.popitem(last=False)
                 self._own_bytes -= size
                 self._known.pop(key, None)
-                victims.append(key)
+                victims.append((key, size))
         if victims:
             try:
-                self._writers.delete_many(victims, deadline=time.monotonic()
+                self._writers.delete_many([k for k, _ in victims], deadline=time.monotonic()
                                           + self.options.write_deadline_s)
                 st.deleted += len(victims)
             except TierIOError:
                 self._failed(writes=True)
+                with self._lock:  # still in the store: counted again, the first victims
+                    # of the next batch's deletes (unless written again meanwhile)
+                    for key, size in reversed(victims):
+                        if key not in own:
+                            own[key] = size
+                            own.move_to_end(key, last=False)
+                            self._own_bytes += size
 
     def _unknow(self, keys: list[bytes]) -> None:
         with self._lock:

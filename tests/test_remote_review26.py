@@ -12,7 +12,7 @@ from redis_fixtures import fresh_server, need_binaries
 from remote_helpers import TPB, config, serve
 
 from kvcm_core import KVCacheManager
-from kvcm_core.errors import ConfigError
+from kvcm_core.errors import ConfigError, TierIOError
 
 redis = pytest.importorskip("redis", reason="the redis client package is not installed")
 
@@ -307,3 +307,34 @@ def test_the_redis_tier_renews_keys_that_exist_and_reports_those_that_do_not(
         tier.close()
         if not cluster:
             ctx.stop()
+
+
+# -- the own-key count ---------------------------------------------------------------------------
+
+
+def test_own_keys_whose_quota_delete_failed_stay_counted_and_are_deleted_later(
+        monkeypatch) -> None:
+    """A failed quota delete leaves the keys in the store: they stay counted as own (and
+    are the first victims of the next delete), so the quota still bounds the manager's
+    bytes in the store."""
+    with fresh_server() as server:
+        page = 2 * 256 + 72
+        with KVCacheManager(config(server.url, quota=12 * page, retry_after_s=0.0)) as m:
+            real = m.remote._writers.delete_many
+            calls: list[int] = []
+
+            def flaky(keys, *, deadline):
+                calls.append(len(keys))
+                if len(calls) == 1:
+                    raise TierIOError("redis: delete failed (injected)")
+                return real(keys, deadline=deadline)
+
+            monkeypatch.setattr(m.remote._writers, "delete_many", flaky)
+            for s in range(2, 6):
+                serve(m, _prompt(s), rid=s)
+                assert m.flush_remote(10.0)
+            st = m.get_remote_statistics()
+            stored = len(_block_keys(server.url))
+            assert calls[0] > 0 and len(calls) > 1
+            assert stored == st.own_keys == 12, (stored, st)
+            assert st.own_bytes == 12 * page
