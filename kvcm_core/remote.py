@@ -316,6 +316,8 @@ class RemoteLevel:
         self.quota = level.quota
         self.tier = readers
         self.fingerprint = fingerprint
+        #: The level's page codec (its ``error_bound`` bounds what a pulled page differs by).
+        self.codec = codec
         self.stats = RemoteStatistics()
         self._writers = writers
         self._levels = levels

@@ -338,3 +338,34 @@ def test_own_keys_whose_quota_delete_failed_stay_counted_and_are_deleted_later(
             assert calls[0] > 0 and len(calls) > 1
             assert stored == st.own_keys == 12, (stored, st)
             assert st.own_bytes == 12 * page
+
+
+# -- the fingerprint engine and a lossy shared level -------------------------------------------
+
+
+def _typed_config(url: str, **level: object):
+    """Two layers of bf16 k and v pages (a lossy codec encodes them) and an exact scale."""
+    from remote_helpers import BACKEND
+
+    from kvcm_core import KVCacheManagerConfig
+
+    page = 32 * TPB
+    layers = [{"layer_id": i, "buffers": [
+        {"role": "k", "size": page, "dtype": "bf16", "group_size": 32},
+        {"role": "v", "size": page, "dtype": "bf16", "group_size": 32},
+        {"role": "scale", "size": page, "dtype": "bf16", "exact": True}]} for i in range(2)]
+    return KVCacheManagerConfig.from_dict({
+        "tokens_per_block": TPB, "layers": layers, "kernel_backend": BACKEND,
+        "levels": [{"tier": "gpu", "quota": "1MiB"}, {"tier": "host", "quota": "1MiB"},
+                   {"tier": "redis", "quota": "64MiB", **level,
+                    "options": {"url": url, "model": "typed", "shard": "0",
+                                "io_deadline_s": 5.0}}]})
+
+
+def test_the_fingerprint_engine_allows_for_a_lossy_codec_on_the_shared_level_only() -> None:
+    with fresh_server() as server:
+        cfg = _typed_config(server.url, codec="fp8")
+        with KVCacheManager(cfg) as a, KVCacheManager(cfg) as b:
+            serve(a, _prompt(1))
+            assert a.flush_remote(10.0)
+            assert serve(b, _prompt(1)) == 9 * TPB  # checked within fp8's error bound
