@@ -105,6 +105,8 @@ class RemoteOptions:
         io_deadline_s: seconds the lookup of ``create_kv_cache`` may take (one round trip).
         max_blocks: blocks past the local match one lookup asks for.
         write_queue_blocks: pages waiting to be written, at most (more are dropped).
+        write_queue_bytes: bytes of the pages waiting to be written, at most (more are
+            dropped).
         write_deadline_s: seconds one batch of writes (or deletes) may take.
         retry_after_s: after a failed or late round trip, seconds the lookups (after a
             read) or the writer's calls (after a write, delete or check) are skipped.
@@ -115,6 +117,7 @@ class RemoteOptions:
     io_deadline_s: float = 0.05
     max_blocks: int = 256
     write_queue_blocks: int = 4096
+    write_queue_bytes: int = 1 << 30
     write_deadline_s: float = 2.0
     retry_after_s: float = 1.0
 
@@ -147,7 +150,7 @@ def remote_options(index: int, options: Mapping[str, Any]) -> tuple[RemoteOption
         field = f"levels[{index}].options.{name}"
         if name in _IDENTITY:
             continue
-        if name in ("max_blocks", "write_queue_blocks"):
+        if name in ("max_blocks", "write_queue_blocks", "write_queue_bytes"):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(field, value, "must be an int >= 1")
         elif isinstance(value, bool) or not isinstance(value, int | float) or not (
@@ -345,6 +348,7 @@ class RemoteLevel:
         self._resync_attempts = 0  # own-key checks made (each ends a wait of flush)
         self._lock = threading.Condition()
         self._queue: collections.deque[tuple[bytes, bytes, bytes]] = collections.deque()
+        self._queue_bytes = 0  # of the pages in _queue
         self._busy = False
         self._closing = False
         self._own: collections.OrderedDict[bytes, int] = collections.OrderedDict()
@@ -857,20 +861,20 @@ class RemoteLevel:
                     work.setdefault(int(a.store[pid]), []).append(
                         (pid, rkey, frame_key(g, bkey)))
             room = self.options.write_queue_blocks - len(self._queue)
+            room_bytes = self.options.write_queue_bytes - self._queue_bytes
         total = sum(len(v) for v in work.values())
-        if total > room:
-            self.stats.writes_dropped += total - max(room, 0)
-        if room <= 0:
-            return
         batch: list[tuple[bytes, bytes, bytes]] = []
+        size = 0
         for s, items in work.items():
-            items = items[: room - len(batch)]
-            if not items:
-                break
             store = L.all_stores[s]
             layout = L.layouts[store.pool_group]
-            pids = np.asarray([p for p, _, _ in items], dtype=np.int64)
             cold = self._codec.cold_page_size(layout)
+            # what fits under both bounds of the queue (the rest is dropped, counted)
+            items = items[: max(0, min(room - len(batch), (room_bytes - size) // cold))]
+            if not items:
+                continue
+            size += cold * len(items)
+            pids = np.asarray([p for p, _, _ in items], dtype=np.int64)
             stage = self._stage(cold, len(items))
             slots = a.slot[pids]
             self._after_level_copies(store, slots)
@@ -879,10 +883,14 @@ class RemoteLevel:
             rows = stage.rows(len(items))
             batch += [(rkey, fkey, rows[k].tobytes())
                       for k, (_, rkey, fkey) in enumerate(items)]
+        self.stats.writes_dropped += total - len(batch)
+        if not batch:
+            return
         with self._lock:
             for rkey, _, _ in batch:
                 self._remember(rkey)
             self._queue.extend(batch)
+            self._queue_bytes += size
             self._lock.notify_all()
         self.stats.writes_queued += len(batch)
 
@@ -903,6 +911,7 @@ class RemoteLevel:
                 renew = self._renewal_due()
                 batch = [self._queue.popleft()
                          for _ in range(min(_WRITE_BATCH, len(self._queue)))]
+                self._queue_bytes -= sum(len(page) for _, _, page in batch)
                 self._busy = True
             try:
                 if resync:

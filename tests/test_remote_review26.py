@@ -369,3 +369,39 @@ def test_the_fingerprint_engine_allows_for_a_lossy_codec_on_the_shared_level_onl
             serve(a, _prompt(1))
             assert a.flush_remote(10.0)
             assert serve(b, _prompt(1)) == 9 * TPB  # checked within fp8's error bound
+
+
+# -- the write queue's byte bound ------------------------------------------------------------------
+
+
+def test_the_write_queue_is_bounded_in_bytes_too_and_drops_what_is_past_it() -> None:
+    """write_queue_blocks alone let the queue hold 4096 pages of any size (8 GiB of 2 MiB
+    pages): write_queue_bytes bounds their bytes."""
+    import os
+    import signal
+
+    with fresh_server() as server:
+        cold = 2 * 256  # a page of this configuration's cache group, before its frame
+        cfg = config(server.url, write_queue_bytes=4 * cold, write_deadline_s=2.0,
+                     retry_after_s=0, io_deadline_s=0.05)
+        with KVCacheManager(cfg) as m:
+            pid = server.nodes[0].proc.pid  # type: ignore[union-attr]
+            os.kill(pid, signal.SIGSTOP)  # the writer waits on its first call
+            try:
+                for s in range(3):
+                    serve(m, _prompt(10 + s), rid=s)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert m.flush_remote(10.0)
+            st = m.get_remote_statistics()
+            assert st.writes_queued + st.writes_dropped == 30, st
+            assert 4 <= st.writes_queued <= 8, st  # one batch taken by the writer, one queued
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "1GiB"])
+def test_a_bad_write_queue_bytes_is_refused_naming_the_option(value) -> None:
+    need_binaries()
+    with pytest.raises(ConfigError) as info:
+        KVCacheManager(config("redis://127.0.0.1:1/0", write_queue_bytes=value))
+    assert info.value.field == "levels[2].options.write_queue_bytes"
+    assert "int >= 1" in str(info.value)
