@@ -64,10 +64,11 @@ from kvcm_core.errors import ConfigError, CorruptPageError, OutOfPagesError, Tie
 from kvcm_core.frame import FRAME_MAGIC, FRAME_OVERHEAD, FRAME_VERSION, HEADER, layout_fingerprint
 from kvcm_core.matching import Match
 from kvcm_core.migration import Mover
+from kvcm_core.plugins import make_tier
 from kvcm_core.radix import KEY_HASH, extend_keys, key_cursor
 from kvcm_core.records import CodecKind
 from kvcm_core.tier import DevicePool, KeyedTier
-from kvcm_core.tokens import encode_token_ids
+from kvcm_core.tokens import encode_token_ids, sliceable
 
 if TYPE_CHECKING:
     from kvcm_core.levels import Levels
@@ -676,7 +677,7 @@ class RemoteLevel:
               backoff: int, partial: bool) -> int:
         """Tokens ``create_kv_cache`` would reuse with this level: the same round trip
         (``exists_many``), nothing pulled."""
-        plan = self._plan(root_key, tokens, match)
+        plan = self._plan(root_key, sliceable(tokens), match)
         if plan is None:
             return match.length
         self.stats.probes += 1
@@ -695,6 +696,7 @@ class RemoteLevel:
         """Pull the pages the store has for the blocks after ``match`` into a local level
         and match again. Returns the new match and the pages held meanwhile (give them to
         :meth:`release` once the cache holds its own), or ``(match, None)``."""
+        tokens = sliceable(tokens)  # (a deque)
         plan = self._plan(root_key, tokens, match)
         if plan is None:
             return match, None
@@ -1070,7 +1072,7 @@ def build_remote(pm: KvcmPluginManager, level: LevelConfig, index: int,
     built: list[KeyedTier] = []
     try:
         for _ in range(2):  # reads and writes on their own connections and threads
-            tier = spec.factory(backend, tier_opts)
+            tier = make_tier(spec, backend, tier_opts, index)  # errors: levels[i].options.X
             if not isinstance(tier, KeyedTier):
                 tier.close()
                 raise ConfigError(f"levels[{index}].tier", level.tier,

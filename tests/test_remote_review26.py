@@ -405,3 +405,47 @@ def test_a_bad_write_queue_bytes_is_refused_naming_the_option(value) -> None:
         KVCacheManager(config("redis://127.0.0.1:1/0", write_queue_bytes=value))
     assert info.value.field == "levels[2].options.write_queue_bytes"
     assert "int >= 1" in str(info.value)
+
+
+# -- smaller rules --------------------------------------------------------------------------------
+
+
+def test_a_redis_url_whose_database_is_no_number_is_refused_naming_the_option() -> None:
+    need_binaries()
+    with pytest.raises(ConfigError) as info:
+        KVCacheManager(config("redis://127.0.0.1:1/notanumber"))
+    assert info.value.field == "levels[2].options.url"
+    assert "must be a number" in str(info.value)
+
+
+@pytest.mark.parametrize(("option", "value"), [("namespace", "a b"), ("pipeline_bytes", 0),
+                                               ("colour", "red")])
+def test_a_redis_option_error_names_the_level_it_was_written_in(option, value) -> None:
+    need_binaries()
+    with pytest.raises(ConfigError) as info:
+        KVCacheManager(config("redis://127.0.0.1:1/0", **{option: value}))
+    assert info.value.field == f"levels[2].options.{option}"
+    assert "(tier 'redis')" in str(info.value)
+
+
+def test_create_kv_cache_and_probe_reuse_take_a_deque_of_tokens_like_a_list() -> None:
+    import collections
+
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url)) as a, KVCacheManager(config(server.url)) as b:
+            serve(a, _prompt(1))
+            assert a.flush_remote(10.0)
+            tokens = collections.deque(_prompt(1)[:-1])
+            assert b.probe_reuse(None, tokens, remote=True) == 9 * TPB
+            for m in (b, a):  # pulled from the store, and local
+                cache = m.create_kv_cache(None, tokens)
+                reused = cache.history_length
+                cache.close()
+                cache = m.create_kv_cache(None, list(tokens))
+                assert reused == cache.history_length >= 9 * TPB
+                cache.close()
+        cfg = config(server.url).to_dict()
+        cfg["levels"] = cfg["levels"][:2]  # no remote level
+        from kvcm_core import KVCacheManagerConfig
+        with KVCacheManager(KVCacheManagerConfig.from_dict(cfg)) as m:
+            m.create_kv_cache(None, collections.deque(range(40))).close()

@@ -63,6 +63,7 @@ import select
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -104,6 +105,14 @@ def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(url, str) or not url.startswith(("redis://", "rediss://")):
         raise ConfigError("redis.options.url", url,
                           "required: a redis://host:port/db or rediss://... URL")
+    try:
+        db = urllib.parse.unquote(urllib.parse.urlsplit(url).path).strip("/")
+    except ValueError:  # a broken host: refused when the URL is parsed
+        db = ""
+    if db and not db.isdigit():  # (the client package would silently use database 0)
+        raise ConfigError("redis.options.url", url,
+                          f"the database (the URL's path, {db!r}) must be a number, as in "
+                          "redis://host:6379/0")
     cluster = options.get("cluster", False)
     if not isinstance(cluster, bool):
         raise ConfigError("redis.options.cluster", cluster, "must be true or false")
