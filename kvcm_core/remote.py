@@ -11,13 +11,15 @@ slots: the manager's own levels stay as they are, and :class:`RemoteLevel` adds
   (counted): the engine never waits for the store.
 - **reads at create**: ``create_kv_cache`` extends the local match with one batched
   ``get_many`` for the prompt's next blocks (at most ``max_blocks``, within
-  ``io_deadline_s``). Intact frames of consecutive blocks are pulled into a local level
-  (level 1, or level 0 without cold levels) as committed pages, held while the cache is
-  built, so a remote hit cannot vanish before the cache owns it; the local matcher then
-  decides what is reused. A value that is not an intact frame of this block in this layout
-  (foreign, truncated or corrupt) is counted and treated as a miss, never decoded as KV.
+  ``io_deadline_s``; one per 16 MiB of frames). Intact frames of consecutive blocks are
+  pulled into a local level (level 1, or level 0 without cold levels) as committed pages,
+  held while the cache is built, so a remote hit cannot vanish before the cache owns it;
+  the local matcher then decides what is reused. A value that is not an intact frame of
+  this block in this layout (foreign, truncated or corrupt) is counted and treated as a
+  miss, never decoded as KV.
 - **faults**: a round trip that fails or runs past its deadline is a miss for the whole
-  lookup (the engine recomputes), and lookups are skipped for ``retry_after_s``; a failed
+  lookup (the engine recomputes), and lookups are skipped for ``retry_after_s`` (a lookup
+  read in parts whose first part arrived keeps the parts read, and skips nothing); a failed
   write (or delete, or own-key check) makes the writer skip its calls for as long, on a
   timer of its own (a store that refuses writes but serves reads is still read).
 - **an own-key quota**: the level's ``quota`` bounds the bytes of the keys *this* manager
@@ -86,6 +88,7 @@ _KNOWN_KEYS = 1 << 16  # keys remembered as stored remotely (not written again)
 _WARM_UP_S = 2.0  # seconds the first connection may take (at construction)
 _RESYNC_KEYS = 4096  # own keys per exists_many when checking them after a restart
 _RESYNC_BACKOFF_S = 0.05  # the least wait before an own-key check that failed is retried
+_LOOKUP_PART_BYTES = 16 << 20  # frames per round trip of a lookup (see _get_parts)
 _SENTINEL_TTL_S = 600.0  # a sentinel not renewed for this long expires (its manager died)
 _SENTINEL_RENEW_S = 60.0  # an idle writer renews the sentinel this often
 _COUNTERS = {"miss": "misses", "foreign": "foreign", "truncated": "truncated",
@@ -622,10 +625,40 @@ class RemoteLevel:
         plan = _Plan(b0, keys, nodes, data, have)
         return plan if plan.want else None
 
+    def _get_parts(self, rkeys: list[bytes], plan: _Plan, deadline: float
+                   ) -> list[bytes | None]:
+        """``get_many`` of a lookup's keys (block by block), in parts of about
+        ``_LOOKUP_PART_BYTES`` of frames, one round trip each, all within ``deadline``. A
+        part that fails or runs late after one arrived ends the lookup with the values read
+        so far (a prefix of the blocks: they are used; ``read_failures`` counts it, and
+        lookups are not skipped, since the store answered).
+
+        Raises:
+            TierIOError: the first part failed.
+        """
+        out: list[bytes | None] = []
+        groups, cold, want = self._groups, self._cold, plan.want
+        lo, n = 0, len(rkeys)
+        while lo < n:
+            hi, size = lo, 0
+            while hi < n and (hi == lo or size < _LOOKUP_PART_BYTES):
+                size += cold[groups[want[hi][1]]] + FRAME_OVERHEAD
+                hi += 1
+            try:
+                out += self.tier.get_many(rkeys[lo:hi], deadline=deadline)
+            except TierIOError:
+                if not out:
+                    raise
+                self.stats.read_failures += 1
+                break
+            lo = hi
+        return out
+
     def _round_trip(self, root_key: bytes, plan: _Plan, fetch: bool
                     ) -> tuple[int, dict[tuple[int, int], bytes]]:
-        """Ask for the plan's pages in one round trip; returns the extent (blocks after
-        the local match whose required groups are all there) and the pages read."""
+        """Ask for the plan's pages in one round trip (one per part of a large lookup:
+        :meth:`_get_parts`); returns the extent (blocks after the local match whose
+        required groups are all there) and the pages read."""
         if time.monotonic() < self._read_skip_until:
             self.stats.skipped += 1
             return 0, {}
@@ -634,7 +667,7 @@ class RemoteLevel:
         deadline = time.monotonic() + self.options.io_deadline_s
         try:
             if fetch:
-                values: Sequence[Any] = self.tier.get_many(rkeys, deadline=deadline)
+                values: Sequence[Any] = self._get_parts(rkeys, plan, deadline)
             else:
                 values = self.tier.exists_many(rkeys, deadline=deadline).tolist()
         except TierIOError:
@@ -646,7 +679,8 @@ class RemoteLevel:
         pages: dict[tuple[int, int], bytes] = {}
         st = self.stats
         lost = False  # a miss of a key this manager wrote
-        for (i, j), rkey, value in zip(plan.want, rkeys, values, strict=True):
+        # (values may be a prefix: a lookup cut short by its deadline)
+        for (i, j), rkey, value in zip(plan.want, rkeys, values, strict=False):
             g = groups[j]
             if not fetch:
                 verdict, page = ("hit", b"") if value else ("miss", None)

@@ -449,3 +449,41 @@ def test_create_kv_cache_and_probe_reuse_take_a_deque_of_tokens_like_a_list() ->
         from kvcm_core import KVCacheManagerConfig
         with KVCacheManager(KVCacheManagerConfig.from_dict(cfg)) as m:
             m.create_kv_cache(None, collections.deque(range(40))).close()
+
+
+# -- a lookup larger than one part -----------------------------------------------------------------
+
+
+def test_a_lookup_cut_short_by_its_deadline_uses_the_blocks_that_arrived_and_skips_nothing(
+        monkeypatch) -> None:
+    """A large lookup is read in parts; a part that runs late (or fails) after the first
+    arrived ends it with the blocks read so far, and lookups are not switched off: the
+    store answered (one long prompt made every request skip the level)."""
+    import kvcm_core.remote as remote_module
+
+    monkeypatch.setattr(remote_module, "_LOOKUP_PART_BYTES", 3 * (2 * 256 + 72),
+                        raising=False)  # 3 frames a part
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url)) as a, KVCacheManager(config(server.url)) as b:
+            serve(a, _prompt(1))
+            serve(a, _prompt(2), rid=2)
+            assert a.flush_remote(10.0)
+            real = b.remote.tier.get_many
+            calls: list[int] = []
+
+            def late_second_part(keys, *, deadline):
+                calls.append(len(keys))
+                if len(calls) == 2:
+                    raise TierIOError("redis: get of 3 keys ran past its deadline (injected)")
+                return real(keys, deadline=deadline)
+
+            monkeypatch.setattr(b.remote.tier, "get_many", late_second_part)
+            cache = b.create_kv_cache(None, _prompt(1)[:-1])
+            assert cache.history_length == 3 * TPB
+            cache.close()
+            st = b.get_remote_statistics()
+            assert calls == [3, 3] and st.read_failures == 1 and st.hits == 3, st
+            cache = b.create_kv_cache(None, _prompt(2)[:-1])  # not skipped
+            assert cache.history_length == 9 * TPB
+            cache.close()
+            assert b.get_remote_statistics().skipped == 0
