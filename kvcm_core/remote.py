@@ -91,6 +91,8 @@ _RESYNC_BACKOFF_S = 0.05  # the least wait before an own-key check that failed i
 _LOOKUP_PART_BYTES = 16 << 20  # frames per round trip of a lookup (see _get_parts)
 _SENTINEL_TTL_S = 600.0  # a sentinel not renewed for this long expires (its manager died)
 _SENTINEL_RENEW_S = 60.0  # an idle writer renews the sentinel this often
+_SENTINEL_BATCH_RENEW_S = 0.5  # ... and a busy one at most this often (Redis's LRU clock
+# counts seconds: renewing more often gains nothing and costs a round trip a batch)
 _COUNTERS = {"miss": "misses", "foreign": "foreign", "truncated": "truncated",
              "corrupt": "corrupt"}
 
@@ -451,8 +453,9 @@ class RemoteLevel:
         self._lock.notify_all()
 
     def _keep_sentinel(self) -> None:
-        """Writer thread, before the blocks of each batch (and every
-        ``_SENTINEL_RENEW_S`` while idle): renew the sentinel key (``renew_many``: its
+        """Writer thread, before the blocks of a batch (at most every
+        ``_SENTINEL_BATCH_RENEW_S``; every ``_SENTINEL_RENEW_S`` while idle): renew the
+        sentinel key (``renew_many``: its
         expiry pushed back to ``_SENTINEL_TTL_S`` from now, and a use for the store's LRU,
         so an ordinary eviction takes the manager's oldest pages first, not it), or write
         it where it is not set. Found gone, the store lost it since the last renewal:
@@ -462,10 +465,13 @@ class RemoteLevel:
         Raises:
             TierIOError: the store could not be reached (the batch is not tried).
         """
-        deadline = time.monotonic() + self.options.write_deadline_s
+        now = time.monotonic()
         with self._lock:
             was_set = self._sentinel_set
-        self._sentinel_renewed = time.monotonic()
+        if was_set and now < self._sentinel_renewed + _SENTINEL_BATCH_RENEW_S:
+            return
+        deadline = now + self.options.write_deadline_s
+        self._sentinel_renewed = now
         if was_set:
             if self._writers.renew_many([self._sentinel], ttl_s=_SENTINEL_TTL_S,
                                         deadline=deadline)[0]:

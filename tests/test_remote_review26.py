@@ -259,6 +259,7 @@ def test_the_sentinel_expires_unless_renewed_so_a_dead_manager_leaves_none_for_g
             ttl = adm.pttl(key)
             assert 0 < ttl <= 600_000, ttl
             adm.pexpire(key, 100_000)
+            time.sleep(0.6)  # the sentinel is renewed at most twice a second
             serve(a, _prompt(2), rid=2)  # a write batch renews it
             assert a.flush_remote(10.0)
             assert adm.pttl(key) > 100_000
@@ -272,6 +273,7 @@ def test_a_flush_is_seen_by_the_next_write_batch_through_the_sentinel() -> None:
             serve(a, _prompt(1))
             assert a.flush_remote(10.0)
             adm.flushall()
+            time.sleep(0.6)  # the sentinel is renewed at most twice a second
             serve(a, _prompt(2), rid=2)
             assert a.flush_remote(10.0)
             st = a.get_remote_statistics()
