@@ -39,8 +39,8 @@ geometries or codecs never read each other's pages, nor pages keyed under an old
 and the level's required ``model`` and ``shard`` options (geometry cannot tell a base model
 from its fine-tune, nor tensor-parallel rank 0 from rank 1: these two options do); the
 scope part (and the block key, which hashes the scope's root with the whole prefix) keeps
-tenants apart. The frame's key field holds a digest of the cache group and block key, so a value
-stored under another key is detected.
+tenants apart. The frame's key field holds a digest of the cache group and block key, so a
+value stored under another key is detected.
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ class RemoteOptions:
         shard: the engine's tensor/pipeline-parallel position, such as ``"tp0of8-pp0of1"``
             (``"0"`` for a single device; required). Both are folded into the layout
             fingerprint: two models, or two shards, of the same geometry never share keys.
-        io_deadline_s: seconds the lookup of ``create_kv_cache`` may take (one round trip).
+        io_deadline_s: seconds the lookup of ``create_kv_cache`` may take (one round trip
+            per 16 MiB of frames).
         max_blocks: blocks past the local match one lookup asks for.
         write_queue_blocks: pages waiting to be written, at most (more are dropped).
         write_queue_bytes: bytes of the pages waiting to be written, at most (more are
@@ -455,12 +456,11 @@ class RemoteLevel:
     def _keep_sentinel(self) -> None:
         """Writer thread, before the blocks of a batch (at most every
         ``_SENTINEL_BATCH_RENEW_S``; every ``_SENTINEL_RENEW_S`` while idle): renew the
-        sentinel key (``renew_many``: its
-        expiry pushed back to ``_SENTINEL_TTL_S`` from now, and a use for the store's LRU,
-        so an ordinary eviction takes the manager's oldest pages first, not it), or write
-        it where it is not set. Found gone, the store lost it since the last renewal:
-        acted on as :meth:`_lost_own` does (a store flushed). A manager that died leaves
-        its sentinel for ``_SENTINEL_TTL_S`` at most.
+        sentinel key (``renew_many``: its expiry pushed back to ``_SENTINEL_TTL_S`` from
+        now, and a use for the store's LRU, so an ordinary eviction takes the manager's
+        older pages first, not it), or write it where it is not set. Found gone, the store
+        lost it since the last renewal: acted on as :meth:`_lost_own` does (a store
+        flushed). A manager that died leaves its sentinel for ``_SENTINEL_TTL_S`` at most.
 
         Raises:
             TierIOError: the store could not be reached (the batch is not tried).
