@@ -7,9 +7,10 @@ tier's own connection, cut into pipelines of at most ``pipeline_bytes`` of value
 batch costs one round trip per pipeline whatever its length. A standalone server over plain
 TCP is reached through the tier's own small RESP connection (values received into one
 reusable buffer and sliced out of it); a cluster and TLS (``rediss://``) go through the
-``redis`` client package (with ``hiredis`` when installed). A Redis Cluster (``cluster =
-true``, reached through any node's URL) spreads the keys over its primaries. The slot map
-is read when the client is built; the tier does not follow a redirection within a call.
+``redis`` client package (with ``hiredis`` when installed). A Redis Cluster
+(``cluster = true``, reached through any node's URL) spreads the keys over its primaries.
+The slot map is read when the client is built; the tier does not follow a redirection
+within a call.
 
 Error replies: only four are about one key, and make that key a miss (``get_many``,
 ``exists_many``) or a refused write (``put_many``) while the call goes on and the client
