@@ -41,7 +41,7 @@ from kvcm_core.eviction import check_priority
 from kvcm_core.matching import Match
 from kvcm_core.radix import NO_NODE, check_token_array, encode_tokens, scope_root_key
 from kvcm_core.stats import RequestStats
-from kvcm_core.tokens import TokenLog, encode_token_ids
+from kvcm_core.tokens import TokenLog, encode_token_ids, sliceable
 from kvcm_core.types import ReusePolicy, ReuseScope
 
 __all__ = ["CacheStatus", "KVCache", "ReuseStatus"]
@@ -88,7 +88,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             self._tokens = TokenLog(np.frombuffer(match.data, dtype="<i4", count=end),
                                     len(input_tokens))
         else:
-            self._tokens = TokenLog(input_tokens[:end], len(input_tokens))
+            self._tokens = TokenLog(sliceable(input_tokens)[:end], len(input_tokens))
         self._keys: list[bytes] = list(match.keys)
         self._cursor = match.cursor  # the key cursor after len(self._keys) blocks, or None
         self._nodes: list[int] = match.nodes[: end // tpb].tolist()

@@ -11,13 +11,17 @@ slots: the manager's own levels stay as they are, and :class:`RemoteLevel` adds
   (counted): the engine never waits for the store.
 - **reads at create**: ``create_kv_cache`` extends the local match with one batched
   ``get_many`` for the prompt's next blocks (at most ``max_blocks``, within
-  ``io_deadline_s``). Intact frames of consecutive blocks are pulled into a local level
-  (level 1, or level 0 without cold levels) as committed pages, held while the cache is
-  built, so a remote hit cannot vanish before the cache owns it; the local matcher then
-  decides what is reused. A value that is not an intact frame of this block in this layout
-  (foreign, truncated or corrupt) is counted and treated as a miss, never decoded as KV.
+  ``io_deadline_s``; one per 16 MiB of frames). Intact frames of consecutive blocks are
+  pulled into a local level (level 1, or level 0 without cold levels) as committed pages,
+  held while the cache is built, so a remote hit cannot vanish before the cache owns it;
+  the local matcher then decides what is reused. A value that is not an intact frame of
+  this block in this layout (foreign, truncated or corrupt) is counted and treated as a
+  miss, never decoded as KV.
 - **faults**: a round trip that fails or runs past its deadline is a miss for the whole
-  lookup (the engine recomputes), and the level is skipped for ``retry_after_s``.
+  lookup (the engine recomputes), and lookups are skipped for ``retry_after_s`` (a lookup
+  read in parts whose first part arrived keeps the parts read, and skips nothing); a failed
+  write (or delete, or own-key check) makes the writer skip its calls for as long, on a
+  timer of its own (a store that refuses writes but serves reads is still read).
 - **an own-key quota**: the level's ``quota`` bounds the bytes of the keys *this* manager
   wrote, least recently used first; it deletes only those keys. What the store evicts by
   itself (``maxmemory``) is ordinary loss.
@@ -26,15 +30,17 @@ slots: the manager's own levels stay as they are, and :class:`RemoteLevel` adds
   level forgets which keys it believed stored (so blocks computed again are written again)
   and the writer thread checks every key it counts as its own with ``exists_many``,
   dropping those the store lost from ``own_keys``/``own_bytes`` (retried after
-  ``retry_after_s`` if the store cannot be reached).
+  ``retry_after_s``, at least 50 ms, if the store cannot be reached).
 
 Keys: ``<layout fingerprint>:<scope>:<cache group>:<block key>`` (hex) under the tier's own
 namespace. The fingerprint covers layers, buffers, sizes, tokens per block, the block-key
-rule (``sha256-prefix``, kvcm_core/radix.py), the codecs and the frame version, so two
-models never read each other's pages, nor pages keyed under an older rule; the scope part
-(and the block key, which hashes the scope's root with the whole prefix) keeps tenants
-apart. The frame's key field holds a digest of the cache group and block key, so a value
-stored under another key is detected.
+rule (``sha256-prefix``, kvcm_core/radix.py), the codecs and the frame version (so two
+geometries or codecs never read each other's pages, nor pages keyed under an older rule),
+and the level's required ``model`` and ``shard`` options (geometry cannot tell a base model
+from its fine-tune, nor tensor-parallel rank 0 from rank 1: these two options do); the
+scope part (and the block key, which hashes the scope's root with the whole prefix) keeps
+tenants apart. The frame's key field holds a digest of the cache group and block key, so a
+value stored under another key is detected.
 """
 
 from __future__ import annotations
@@ -60,10 +66,11 @@ from kvcm_core.errors import ConfigError, CorruptPageError, OutOfPagesError, Tie
 from kvcm_core.frame import FRAME_MAGIC, FRAME_OVERHEAD, FRAME_VERSION, HEADER, layout_fingerprint
 from kvcm_core.matching import Match
 from kvcm_core.migration import Mover
+from kvcm_core.plugins import make_tier
 from kvcm_core.radix import KEY_HASH, extend_keys, key_cursor
 from kvcm_core.records import CodecKind
 from kvcm_core.tier import DevicePool, KeyedTier
-from kvcm_core.tokens import encode_token_ids
+from kvcm_core.tokens import encode_token_ids, sliceable
 
 if TYPE_CHECKING:
     from kvcm_core.levels import Levels
@@ -80,6 +87,12 @@ _WRITE_BATCH = 64  # pages per put_many of the writer thread
 _KNOWN_KEYS = 1 << 16  # keys remembered as stored remotely (not written again)
 _WARM_UP_S = 2.0  # seconds the first connection may take (at construction)
 _RESYNC_KEYS = 4096  # own keys per exists_many when checking them after a restart
+_RESYNC_BACKOFF_S = 0.05  # the least wait before an own-key check that failed is retried
+_LOOKUP_PART_BYTES = 16 << 20  # frames per round trip of a lookup (see _get_parts)
+_SENTINEL_TTL_S = 600.0  # a sentinel not renewed for this long expires (its manager died)
+_SENTINEL_RENEW_S = 60.0  # an idle writer renews the sentinel this often
+_SENTINEL_BATCH_RENEW_S = 0.5  # ... and a busy one at most this often (Redis's LRU clock
+# counts seconds: renewing more often gains nothing and costs a round trip a batch)
 _COUNTERS = {"miss": "misses", "foreign": "foreign", "truncated": "truncated",
              "corrupt": "corrupt"}
 
@@ -90,21 +103,39 @@ class RemoteOptions:
     the tier).
 
     Attributes:
-        io_deadline_s: seconds the lookup of ``create_kv_cache`` may take (one round trip).
+        model: names the model whose KV the level holds: weights and revision, tokenizer,
+            and how the engine lays out and quantizes KV in its buffers (required).
+        shard: the engine's tensor/pipeline-parallel position, such as ``"tp0of8-pp0of1"``
+            (``"0"`` for a single device; required). Both are folded into the layout
+            fingerprint: two models, or two shards, of the same geometry never share keys.
+        io_deadline_s: seconds the lookup of ``create_kv_cache`` may take (one round trip
+            per 16 MiB of frames).
         max_blocks: blocks past the local match one lookup asks for.
         write_queue_blocks: pages waiting to be written, at most (more are dropped).
+        write_queue_bytes: bytes of the pages waiting to be written, at most (more are
+            dropped).
         write_deadline_s: seconds one batch of writes (or deletes) may take.
-        retry_after_s: after a failed or late round trip, seconds the level is skipped.
+        retry_after_s: after a failed or late round trip, seconds the lookups (after a
+            read) or the writer's calls (after a write, delete or check) are skipped.
     """
 
+    model: str
+    shard: str
     io_deadline_s: float = 0.05
     max_blocks: int = 256
     write_queue_blocks: int = 4096
+    write_queue_bytes: int = 1 << 30
     write_deadline_s: float = 2.0
     retry_after_s: float = 1.0
 
 
 _OPTION_NAMES = tuple(a.name for a in attrs.fields(RemoteOptions))
+_IDENTITY = {  # the required options that say whose KV a page is
+    "model": "a non-empty string naming the model: weights and revision, tokenizer, and how "
+             "the engine lays out and quantizes KV in its buffers",
+    "shard": "a non-empty string naming the engine's tensor/pipeline-parallel position "
+             "(e.g. 'tp0of8-pp0of1'; '0' for a single device)",
+}
 
 
 def remote_options(index: int, options: Mapping[str, Any]) -> tuple[RemoteOptions, dict[str, Any]]:
@@ -115,15 +146,27 @@ def remote_options(index: int, options: Mapping[str, Any]) -> tuple[RemoteOption
     """
     mine = {k: v for k, v in options.items() if k in _OPTION_NAMES}
     rest = {k: v for k, v in options.items() if k not in _OPTION_NAMES}
+    for name, rule in _IDENTITY.items():  # geometry alone cannot tell two models apart
+        value = mine.get(name)
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"levels[{index}].options.{name}", value,
+                              f"required: {rule}; pages are shared by the managers that "
+                              f"give the same {name} (and geometry), so pages of another "
+                              f"{name} would be served as this one's")
     for name, value in mine.items():
         field = f"levels[{index}].options.{name}"
-        if name in ("max_blocks", "write_queue_blocks"):
+        if name in _IDENTITY:
+            continue
+        if name in ("max_blocks", "write_queue_blocks", "write_queue_bytes"):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(field, value, "must be an int >= 1")
         elif isinstance(value, bool) or not isinstance(value, int | float) or not (
                 value >= 0 if name == "retry_after_s" else value > 0):
             raise ConfigError(field, value, "must be a number >= 0" if name == "retry_after_s"
                               else "must be a number > 0 (seconds)")
+        elif not value <= threading.TIMEOUT_MAX:  # inf, nan: no thread can wait that long
+            raise ConfigError(field, value, f"must be finite seconds, at most "
+                              f"threading.TIMEOUT_MAX ({threading.TIMEOUT_MAX:g})")
     return RemoteOptions(**mine), rest
 
 
@@ -166,7 +209,7 @@ class RemoteStatistics:
 
     Attributes:
         lookups: round trips of ``create_kv_cache``; ``probes``: of ``probe_reuse``.
-        skipped: lookups and probes not made (within ``retry_after_s`` of a failure).
+        skipped: lookups and probes not made (within ``retry_after_s`` of a failed one).
         hits: intact pages found; ``misses``: pages asked for and absent.
         foreign: intact frames of another layout, codec, block or group (misses).
         truncated: values shorter than their frame says (misses).
@@ -283,6 +326,8 @@ class RemoteLevel:
         self.quota = level.quota
         self.tier = readers
         self.fingerprint = fingerprint
+        #: The level's page codec (its ``error_bound`` bounds what a pulled page differs by).
+        self.codec = codec
         self.stats = RemoteStatistics()
         self._writers = writers
         self._levels = levels
@@ -303,9 +348,14 @@ class RemoteLevel:
                       for g in self._groups}
         self._prefix = fingerprint.hex().encode() + b":"
         self._seq = itertools.count(1)
-        self._skip_until = 0.0
+        # After a failure, lookups and the writer's calls are skipped until these times:
+        # apart, so a store that refuses writes but serves reads is still read.
+        self._read_skip_until = 0.0
+        self._write_skip_until = 0.0
+        self._resync_attempts = 0  # own-key checks made (each ends a wait of flush)
         self._lock = threading.Condition()
         self._queue: collections.deque[tuple[bytes, bytes, bytes]] = collections.deque()
+        self._queue_bytes = 0  # of the pages in _queue
         self._busy = False
         self._closing = False
         self._own: collections.OrderedDict[bytes, int] = collections.OrderedDict()
@@ -318,17 +368,18 @@ class RemoteLevel:
         # store lost keys wholesale (FLUSHALL), there means an ordinary loss (see _lost_own).
         self._sentinel = self._prefix + b"alive:" + os.urandom(8).hex().encode()
         self._sentinel_set = False
+        self._sentinel_renewed = 0.0  # (monotonic) see _keep_sentinel
         self._thread = threading.Thread(target=self._write_loop, daemon=True,
                                         name="kvcm-remote-writer")
         self._thread.start()
         # Open both connections now: the first request's lookup should not pay for it. A
         # store that is down is not an error here (lookups skip it until it answers).
-        for tier in (readers, writers):
+        for tier, writes in ((readers, False), (writers, True)):
             try:
                 tier.exists_many([self._prefix + b"warm-up"],
                                  deadline=time.monotonic() + _WARM_UP_S)
             except TierIOError:
-                self._failed()
+                self._failed(writes=writes)
         self._check_restarts()
 
     # -- keys ------------------------------------------------------------------------------
@@ -402,18 +453,53 @@ class RemoteLevel:
         self._resync = True
         self._lock.notify_all()
 
-    def _set_sentinel(self) -> None:
-        """Writer thread: write the sentinel key (before the blocks of a batch)."""
-        try:
-            ok = self._writers.put_many([self._sentinel], [b"kvcm"],
-                                        deadline=time.monotonic() + self.options.write_deadline_s)
-        except TierIOError:
-            return  # the batch's own write meets the failure
-        with self._lock:
-            self._sentinel_set = bool(ok[0])
+    def _keep_sentinel(self) -> None:
+        """Writer thread, before the blocks of a batch (at most every
+        ``_SENTINEL_BATCH_RENEW_S``; every ``_SENTINEL_RENEW_S`` while idle): renew the
+        sentinel key (``renew_many``: its expiry pushed back to ``_SENTINEL_TTL_S`` from
+        now, and a use for the store's LRU, so an ordinary eviction takes the manager's
+        older pages first, not it), or write it where it is not set. Found gone, the store
+        lost it since the last renewal: acted on as :meth:`_lost_own` does (a store
+        flushed). A manager that died leaves its sentinel for ``_SENTINEL_TTL_S`` at most.
 
-    def _failed(self) -> None:
-        self._skip_until = time.monotonic() + self.options.retry_after_s
+        Raises:
+            TierIOError: the store could not be reached (the batch is not tried).
+        """
+        now = time.monotonic()
+        with self._lock:
+            was_set = self._sentinel_set
+        if was_set and now < self._sentinel_renewed + _SENTINEL_BATCH_RENEW_S:
+            return
+        deadline = now + self.options.write_deadline_s
+        self._sentinel_renewed = now
+        if was_set:
+            if self._writers.renew_many([self._sentinel], ttl_s=_SENTINEL_TTL_S,
+                                        deadline=deadline)[0]:
+                return
+            with self._lock:
+                if self._sentinel_set:  # (not emptied meanwhile by a lookup's check)
+                    self.stats.own_keys_lost += 1
+                    self._store_emptied()
+        ok = bool(self._writers.put_many([self._sentinel], [b"kvcm"], deadline=deadline)[0])
+        if ok:  # (a manager that dies right here leaves a sentinel without an expiry)
+            ok = bool(self._writers.renew_many([self._sentinel], ttl_s=_SENTINEL_TTL_S,
+                                               deadline=deadline)[0])
+        with self._lock:
+            self._sentinel_set = ok
+
+    def _renewal_due(self) -> bool:
+        return (self._sentinel_set and not self._closing
+                and time.monotonic() >= max(self._sentinel_renewed + _SENTINEL_RENEW_S,
+                                            self._write_skip_until))
+
+    def _failed(self, *, writes: bool, at_least: float = 0.0) -> None:
+        """A round trip failed: skip lookups (or the writer's calls) for ``retry_after_s``
+        (at least ``at_least``)."""
+        until = time.monotonic() + max(self.options.retry_after_s, at_least)
+        if writes:
+            self._write_skip_until = until
+        else:
+            self._read_skip_until = until
 
     # -- restarts ----------------------------------------------------------------------------
 
@@ -435,10 +521,17 @@ class RemoteLevel:
                 self._store_emptied()
 
     def _resync_due(self) -> bool:
-        return self._resync and time.monotonic() >= self._skip_until
+        return self._resync and time.monotonic() >= self._write_skip_until
 
     def _resync_own(self) -> None:
         """Drop from the own keys those the store no longer holds (writer thread)."""
+        try:
+            self._check_own()
+        finally:
+            with self._lock:
+                self._resync_attempts += 1
+
+    def _check_own(self) -> None:
         with self._lock:
             self._resync = False
             keys = list(self._own)
@@ -448,9 +541,11 @@ class RemoteLevel:
                 held = self._writers.exists_many(
                     chunk, deadline=time.monotonic() + self.options.write_deadline_s)
             except TierIOError:
-                self._failed()
+                # again once the store answers; never sooner than _RESYNC_BACKOFF_S (with
+                # retry_after_s = 0 the writer would spin on a dead store)
+                self._failed(writes=True, at_least=_RESYNC_BACKOFF_S)
                 with self._lock:
-                    self._resync = True  # again once the store answers
+                    self._resync = True
                 return
             finally:
                 self._check_restarts()
@@ -536,11 +631,41 @@ class RemoteLevel:
         plan = _Plan(b0, keys, nodes, data, have)
         return plan if plan.want else None
 
+    def _get_parts(self, rkeys: list[bytes], plan: _Plan, deadline: float
+                   ) -> list[bytes | None]:
+        """``get_many`` of a lookup's keys (block by block), in parts of about
+        ``_LOOKUP_PART_BYTES`` of frames, one round trip each, all within ``deadline``. A
+        part that fails or runs late after one arrived ends the lookup with the values read
+        so far (a prefix of the blocks: they are used; ``read_failures`` counts it, and
+        lookups are not skipped, since the store answered).
+
+        Raises:
+            TierIOError: the first part failed.
+        """
+        out: list[bytes | None] = []
+        groups, cold, want = self._groups, self._cold, plan.want
+        lo, n = 0, len(rkeys)
+        while lo < n:
+            hi, size = lo, 0
+            while hi < n and (hi == lo or size < _LOOKUP_PART_BYTES):
+                size += cold[groups[want[hi][1]]] + FRAME_OVERHEAD
+                hi += 1
+            try:
+                out += self.tier.get_many(rkeys[lo:hi], deadline=deadline)
+            except TierIOError:
+                if not out:
+                    raise
+                self.stats.read_failures += 1
+                break
+            lo = hi
+        return out
+
     def _round_trip(self, root_key: bytes, plan: _Plan, fetch: bool
                     ) -> tuple[int, dict[tuple[int, int], bytes]]:
-        """Ask for the plan's pages in one round trip; returns the extent (blocks after
-        the local match whose required groups are all there) and the pages read."""
-        if time.monotonic() < self._skip_until:
+        """Ask for the plan's pages in one round trip (one per part of a large lookup:
+        :meth:`_get_parts`); returns the extent (blocks after the local match whose
+        required groups are all there) and the pages read."""
+        if time.monotonic() < self._read_skip_until:
             self.stats.skipped += 1
             return 0, {}
         groups = self._groups
@@ -548,19 +673,20 @@ class RemoteLevel:
         deadline = time.monotonic() + self.options.io_deadline_s
         try:
             if fetch:
-                values: Sequence[Any] = self.tier.get_many(rkeys, deadline=deadline)
+                values: Sequence[Any] = self._get_parts(rkeys, plan, deadline)
             else:
                 values = self.tier.exists_many(rkeys, deadline=deadline).tolist()
         except TierIOError:
             self.stats.read_failures += 1
-            self._failed()
+            self._failed(writes=False)
             return 0, {}
         self._check_restarts()
         present = plan.have.copy()
         pages: dict[tuple[int, int], bytes] = {}
         st = self.stats
         lost = False  # a miss of a key this manager wrote
-        for (i, j), rkey, value in zip(plan.want, rkeys, values, strict=True):
+        # (values may be a prefix: a lookup cut short by its deadline)
+        for (i, j), rkey, value in zip(plan.want, rkeys, values, strict=False):
             g = groups[j]
             if not fetch:
                 verdict, page = ("hit", b"") if value else ("miss", None)
@@ -576,6 +702,11 @@ class RemoteLevel:
             setattr(st, name, getattr(st, name) + 1)
             if verdict == "miss":
                 lost |= self._forget(rkey)
+            else:  # a damaged or foreign value: not stored as far as this level can
+                # tell, so the block computed again is written again (over it); the key
+                # stays counted as own (its bytes are still in the store)
+                with self._lock:
+                    self._known.pop(rkey, None)
         if lost:
             self._lost_own(deadline)
         ok = np.asarray(present[:, self._required].all(axis=1))
@@ -586,7 +717,7 @@ class RemoteLevel:
               backoff: int, partial: bool) -> int:
         """Tokens ``create_kv_cache`` would reuse with this level: the same round trip
         (``exists_many``), nothing pulled."""
-        plan = self._plan(root_key, tokens, match)
+        plan = self._plan(root_key, sliceable(tokens), match)
         if plan is None:
             return match.length
         self.stats.probes += 1
@@ -605,6 +736,7 @@ class RemoteLevel:
         """Pull the pages the store has for the blocks after ``match`` into a local level
         and match again. Returns the new match and the pages held meanwhile (give them to
         :meth:`release` once the cache holds its own), or ``(match, None)``."""
+        tokens = sliceable(tokens)  # (a deque)
         plan = self._plan(root_key, tokens, match)
         if plan is None:
             return match, None
@@ -771,20 +903,20 @@ class RemoteLevel:
                     work.setdefault(int(a.store[pid]), []).append(
                         (pid, rkey, frame_key(g, bkey)))
             room = self.options.write_queue_blocks - len(self._queue)
+            room_bytes = self.options.write_queue_bytes - self._queue_bytes
         total = sum(len(v) for v in work.values())
-        if total > room:
-            self.stats.writes_dropped += total - max(room, 0)
-        if room <= 0:
-            return
         batch: list[tuple[bytes, bytes, bytes]] = []
+        size = 0
         for s, items in work.items():
-            items = items[: room - len(batch)]
-            if not items:
-                break
             store = L.all_stores[s]
             layout = L.layouts[store.pool_group]
-            pids = np.asarray([p for p, _, _ in items], dtype=np.int64)
             cold = self._codec.cold_page_size(layout)
+            # what fits under both bounds of the queue (the rest is dropped, counted)
+            items = items[: max(0, min(room - len(batch), (room_bytes - size) // cold))]
+            if not items:
+                continue
+            size += cold * len(items)
+            pids = np.asarray([p for p, _, _ in items], dtype=np.int64)
             stage = self._stage(cold, len(items))
             slots = a.slot[pids]
             self._after_level_copies(store, slots)
@@ -793,35 +925,49 @@ class RemoteLevel:
             rows = stage.rows(len(items))
             batch += [(rkey, fkey, rows[k].tobytes())
                       for k, (_, rkey, fkey) in enumerate(items)]
+        self.stats.writes_dropped += total - len(batch)
+        if not batch:
+            return
         with self._lock:
             for rkey, _, _ in batch:
                 self._remember(rkey)
             self._queue.extend(batch)
+            self._queue_bytes += size
             self._lock.notify_all()
         self.stats.writes_queued += len(batch)
 
     def _write_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._queue and not self._closing and not self._resync_due():
-                    wait = (max(0.01, self._skip_until - time.monotonic())
-                            if self._resync else None)  # a resync waits out a failure
-                    self._lock.wait(wait)
+                while (not self._queue and not self._closing and not self._resync_due()
+                       and not self._renewal_due()):
+                    now = time.monotonic()
+                    wakes = [max(self._write_skip_until, now + 0.01)] if self._resync else []
+                    if self._sentinel_set:  # renewed while idle too
+                        wakes.append(max(self._sentinel_renewed + _SENTINEL_RENEW_S,
+                                         self._write_skip_until, now + 0.01))
+                    self._lock.wait(min(wakes) - now if wakes else None)
                 if not self._queue and self._closing:
                     return
                 resync = self._resync_due()
+                renew = self._renewal_due()
                 batch = [self._queue.popleft()
                          for _ in range(min(_WRITE_BATCH, len(self._queue)))]
+                self._queue_bytes -= sum(len(page) for _, _, page in batch)
                 self._busy = True
             try:
                 if resync:
                     self._resync_own()
                 if batch:
-                    if not self._sentinel_set:
-                        self._set_sentinel()
                     self._write(batch)
+                elif renew:
+                    try:
+                        self._keep_sentinel()
+                    except TierIOError:
+                        self._failed(writes=True)
             except Exception:  # a writer bug must not kill the thread
                 self.stats.write_failures += len(batch)
+                self._unknow([k for k, _, _ in batch])  # not stored: written again later
             finally:
                 with self._lock:
                     self._busy = False
@@ -829,22 +975,23 @@ class RemoteLevel:
 
     def _write(self, batch: list[tuple[bytes, bytes, bytes]]) -> None:
         st = self.stats
-        if time.monotonic() < self._skip_until:
+        if time.monotonic() < self._write_skip_until:
             st.write_failures += len(batch)
             self._unknow([k for k, _, _ in batch])
             return
         keys = [k for k, _, _ in batch]
         values = [self._frame(fkey, payload) for _, fkey, payload in batch]
-        deadline = time.monotonic() + self.options.write_deadline_s
         try:
-            ok = self._writers.put_many(keys, values, deadline=deadline)
+            self._keep_sentinel()
+            ok = self._writers.put_many(keys, values, deadline=time.monotonic()
+                                        + self.options.write_deadline_s)
         except TierIOError:
-            self._failed()
+            self._failed(writes=True)
             st.write_failures += len(batch)
             self._unknow(keys)
             return
         self._check_restarts()
-        victims: list[bytes] = []
+        victims: list[tuple[bytes, int]] = []
         with self._lock:
             own = self._own
             for key, value, stored in zip(keys, values, ok.tolist(), strict=True):
@@ -860,14 +1007,21 @@ class RemoteLevel:
                 key, size = own.popitem(last=False)
                 self._own_bytes -= size
                 self._known.pop(key, None)
-                victims.append(key)
+                victims.append((key, size))
         if victims:
             try:
-                self._writers.delete_many(victims, deadline=time.monotonic()
+                self._writers.delete_many([k for k, _ in victims], deadline=time.monotonic()
                                           + self.options.write_deadline_s)
                 st.deleted += len(victims)
             except TierIOError:
-                self._failed()
+                self._failed(writes=True)
+                with self._lock:  # still in the store: counted again, the first victims
+                    # of the next batch's deletes (unless written again meanwhile)
+                    for key, size in reversed(victims):
+                        if key not in own:
+                            own[key] = size
+                            own.move_to_end(key, last=False)
+                            self._own_bytes += size
 
     def _unknow(self, keys: list[bytes]) -> None:
         with self._lock:
@@ -884,12 +1038,14 @@ class RemoteLevel:
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued write was made (or failed), and a check of the own
-        keys after a restart too (unless the store is being skipped after a failure);
-        False if ``timeout_s`` passed first."""
+        keys after a restart too (unless the store is being skipped after a failure; one
+        attempt at most: a check that fails is retried later, not waited for); False if
+        ``timeout_s`` passed first."""
         with self._lock:
+            start = self._resync_attempts
             return self._lock.wait_for(
-                lambda: not self._queue and not self._busy and not self._resync_due(),
-                timeout_s)
+                lambda: not self._queue and not self._busy and (
+                    not self._resync_due() or self._resync_attempts > start), timeout_s)
 
     def close(self) -> None:
         """Finish the queued writes (each batch within ``write_deadline_s``), stop the
@@ -900,7 +1056,8 @@ class RemoteLevel:
             self._closing = True
             self._lock.notify_all()
         pending = -(-len(self._queue) // _WRITE_BATCH) + 1
-        self._thread.join(timeout=pending * self.options.write_deadline_s + 1.0)
+        self._thread.join(timeout=min(pending * self.options.write_deadline_s + 1.0,
+                                      threading.TIMEOUT_MAX))
         errors = []
         if self._sentinel_set:  # the sentinel is this manager's alone: not left behind
             try:
@@ -950,11 +1107,12 @@ def build_remote(pm: KvcmPluginManager, level: LevelConfig, index: int,
     fingerprint = layout_fingerprint({
         "layers": config.to_dict()["layers"], "tokens_per_block": config.tokens_per_block,
         "hash": KEY_HASH, "codec": page.name, "blob_codec": level.blob_codec,
-        "frame_version": FRAME_VERSION, "remote": 1})
+        "frame_version": FRAME_VERSION, "remote": 1, "model": opts.model,
+        "shard": opts.shard})
     built: list[KeyedTier] = []
     try:
         for _ in range(2):  # reads and writes on their own connections and threads
-            tier = spec.factory(backend, tier_opts)
+            tier = make_tier(spec, backend, tier_opts, index)  # errors: levels[i].options.X
             if not isinstance(tier, KeyedTier):
                 tier.close()
                 raise ConfigError(f"levels[{index}].tier", level.tier,

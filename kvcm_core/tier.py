@@ -304,3 +304,12 @@ class KeyedTier(Tier):
     @abc.abstractmethod
     def delete_many(self, keys: Sequence[bytes], *, deadline: float) -> int:
         """Delete the keys; returns how many held a value."""
+
+    def renew_many(self, keys: Sequence[bytes], *, ttl_s: float, deadline: float
+                   ) -> np.ndarray:
+        """``bool [n]``: which keys hold a value; each that does now expires ``ttl_s``
+        seconds from now (a later renewal pushes it back) and counts as just used for the
+        store's own eviction (LRU). The core keeps its small sentinel key alive this way
+        (docs/remote.md, "Lost keys"). The default is :meth:`exists_many`: for a store
+        that cannot expire keys, nothing expires and nothing is touched."""
+        return self.exists_many(keys, deadline=deadline)

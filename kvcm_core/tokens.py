@@ -4,6 +4,7 @@ append to a short Python list that is moved into the buffer only when a block is
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,6 +66,12 @@ def _first_bool(tokens: Sequence[Any], data: bytes) -> int:
         if type(tokens[i]) is bool:
             return int(i)
     return -1
+
+
+def sliceable(tokens: Any) -> Any:
+    """``tokens`` as a sequence that can be sliced: a :class:`collections.deque` (a
+    sequence that cannot) as a list, anything else as it is (checked where it is used)."""
+    return list(tokens) if isinstance(tokens, collections.deque) else tokens
 
 
 def frozen_items(tokens: Sequence[Any]) -> list[Any]:

@@ -12,6 +12,8 @@ from kvcm_core.testing.engine import EngineLoop, Request
 from kvcm_core.types import ReuseScope
 
 TPB = 16
+#: The ``model`` option of the test configurations' remote level.
+MODEL = "test-model@rev1"
 #: As in conftest: ``KVCM_TEST_BACKEND=cuda`` (or ``cupy``) runs these on a GPU.
 BACKEND = os.environ.get("KVCM_TEST_BACKEND", "numpy")
 
@@ -33,8 +35,14 @@ def config(url: str, *, local: tuple[str, ...] = ("gpu", "host"), size: int = 25
            **options: Any) -> KVCacheManagerConfig:
     """A manager configuration: ``local`` levels (1 MiB each; disk 4 MiB), then a redis
     level at ``url`` with ``options``. ``io_deadline_s`` is 5 s unless given: a lookup on a
-    loaded test machine must not miss for lack of time (tests of deadlines pass theirs)."""
+    loaded test machine must not miss for lack of time (tests of deadlines pass theirs).
+    ``model`` and ``shard`` are ``MODEL`` and ``"0"`` unless given (None leaves one out)."""
     options.setdefault("io_deadline_s", 5.0)
+    options.setdefault("model", MODEL)
+    options.setdefault("shard", "0")
+    for name in ("model", "shard"):
+        if options[name] is None:
+            del options[name]
     levels: list[dict[str, Any]] = [
         {"tier": t, "quota": "4MiB" if t == "disk" else "1MiB"} for t in local]
     opts = {"url": url, **options}

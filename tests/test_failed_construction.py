@@ -63,7 +63,8 @@ def test_a_bad_remote_level_leaves_no_descriptor_or_file_behind(tmp_path: Path) 
         levels=[LevelConfig(tier="gpu", quota="1MiB"),
                 LevelConfig(tier="disk", quota="8MiB", options={"path": str(tmp_path)}),
                 LevelConfig(tier="redis", quota="1MiB",
-                            options={"url": "redis://127.0.0.1:1/0", "bogus": 1})],
+                            options={"url": "redis://127.0.0.1:1/0", "model": "m",
+                                     "shard": "0", "bogus": 1})],
         kernel_backend="numpy")
     for _ in range(3):
         with pytest.raises(ConfigError, match="bogus"):

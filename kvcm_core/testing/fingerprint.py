@@ -14,10 +14,10 @@ first element of every token slot is an outlier of exactly ``+-8``; token slots 
 written hold zeros. A scale group that holds the start of a written token slot thus always
 has the largest magnitude 8, so encoding a page again after more tokens were written to it
 gives back the same codes and errors do not add up. Typed pages are written and checked on
-the host, within ``8 * error_bound`` of the lossiest codec of the manager's cold levels
-(exactly without one), while every other buffer (``exact`` ones included) is checked bit
-for bit. Another block's or stale values differ by about 1 in most elements, far beyond
-that tolerance. Managers with SWA scratch write records into every buffer.
+the host, within ``8 * error_bound`` of the lossiest codec of the manager's cold levels and
+of its shared remote level (exactly without one), while every other buffer (``exact`` ones
+included) is checked bit for bit. Another block's or stale values differ by about 1 in most
+elements, far beyond that tolerance. Managers with SWA scratch write records into every buffer.
 
 The expected layout (which blocks are stale, where the SSM state lives) is computed here
 from the model configuration, independently of the manager's own code. Checks and writes
@@ -157,7 +157,9 @@ class FingerprintEngine:
         self.buffers: tuple[_Buffer, ...] = tuple(buffers)
         self._by_tag = {(b.layer_id, b.ordinal): b for b in buffers}
         self._typed_any = any(b.typed for b in buffers)
-        bounds = [c.error_bound for c in getattr(manager, "codecs", ())
+        remote = getattr(manager, "remote", None)  # a shared level's pages are pulled in
+        codecs = [*getattr(manager, "codecs", ()), remote.codec if remote is not None else None]
+        bounds = [c.error_bound for c in codecs
                   if c is not None and not c.lossless and c.error_bound is not None]
         #: Largest error allowed per element of a typed buffer (0: exact).
         self.typed_tolerance = _OUTLIER * max(bounds, default=0.0)

@@ -2,14 +2,15 @@
 of managers in any number of processes and machines.
 
 It stores values (the core's checksummed cold frames) under keys (the core's block keys):
-every batch is one pipeline (``SET``, ``GET``, ``EXISTS``, ``UNLINK``) on the tier's own
-connection, cut into pipelines of at most ``pipeline_bytes`` of values, so a batch costs one
-round trip per pipeline whatever its length. A standalone server over plain TCP is reached
-through the tier's own small RESP connection (values received into one reusable buffer and
-sliced out of it); a cluster and TLS (``rediss://``) go through the ``redis`` client
-package (with ``hiredis`` when installed). A Redis Cluster (``cluster = true``, reached
-through any node's URL) spreads the keys over its primaries. The slot map is read when the client is
-built; the tier does not follow a redirection within a call.
+every batch is one pipeline (``SET``, ``GET``, ``EXISTS``, ``PEXPIRE``, ``UNLINK``) on the
+tier's own connection, cut into pipelines of at most ``pipeline_bytes`` of values, so a
+batch costs one round trip per pipeline whatever its length. A standalone server over plain
+TCP is reached through the tier's own small RESP connection (values received into one
+reusable buffer and sliced out of it); a cluster and TLS (``rediss://``) go through the
+``redis`` client package (with ``hiredis`` when installed). A Redis Cluster
+(``cluster = true``, reached through any node's URL) spreads the keys over its primaries.
+The slot map is read when the client is built; the tier does not follow a redirection
+within a call.
 
 Error replies: only four are about one key, and make that key a miss (``get_many``,
 ``exists_many``) or a refused write (``put_many``) while the call goes on and the client
@@ -37,14 +38,21 @@ Restarts: every connection the tier opens (plain, through the client package, to
 cluster node) asks the server for ``INFO server`` and records its ``run_id`` by address;
 :meth:`RedisTier.store_instances` returns them. A server restarted (empty, or reloaded from
 its persistence) has a new ``run_id``, which tells the core to check the keys it counts as
-its own against the store (docs/remote.md, "Restarts").
+its own against the store (docs/remote.md, "Restarts"). Where ``INFO`` is refused (an ACL
+user without it) the connection is used all the same and the address has no ``run_id``
+(the tier cannot tell a restart there).
+
+Deletes use ``UNLINK``; where the server refuses it (renamed away with ``rename-command``,
+or an ACL without it) the tier uses ``DEL`` from then on.
 
 Options:
     url: ``redis://[user:password@]host:port/db`` or ``rediss://...`` (TLS). Required.
     cluster: the URL names a node of a Redis Cluster (bool, default false).
     namespace: prefix of every key (``"<namespace>:" + key``; default ``"kvcm"``), to keep
-        several deployments apart on one store. The core's keys already separate models
-        (layout fingerprint) and tenants (reuse scope).
+        several deployments apart on one store. The core's keys already separate
+        geometries and codecs (layout fingerprint), models and tensor/pipeline-parallel
+        shards (the level's required ``model`` and ``shard`` options, folded into the
+        fingerprint) and tenants (reuse scope).
     connect_timeout_s: seconds to open a connection (default 1.0).
     pipeline_bytes: value bytes per pipeline (default 8 MiB).
 """
@@ -56,6 +64,7 @@ import select
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -97,6 +106,14 @@ def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(url, str) or not url.startswith(("redis://", "rediss://")):
         raise ConfigError("redis.options.url", url,
                           "required: a redis://host:port/db or rediss://... URL")
+    try:
+        db = urllib.parse.unquote(urllib.parse.urlsplit(url).path).strip("/")
+    except ValueError:  # a broken host: refused when the URL is parsed
+        db = ""
+    if db and not db.isdigit():  # (the client package would silently use database 0)
+        raise ConfigError("redis.options.url", url,
+                          f"the database (the URL's path, {db!r}) must be a number, as in "
+                          "redis://host:6379/0")
     cluster = options.get("cluster", False)
     if not isinstance(cluster, bool):
         raise ConfigError("redis.options.cluster", cluster, "must be true or false")
@@ -168,6 +185,16 @@ def _is_key_error(redis: Any, exc: Exception) -> bool:
     return code.encode("ascii", "replace") in _KEY_ERRORS
 
 
+def _refuses(redis: Any, exc: BaseException | None, verb: bytes) -> bool:
+    """Whether ``exc`` is the server refusing the command ``verb`` itself (an unknown
+    command: renamed or disabled; or an ACL's ``-NOPERM``), not failing one call."""
+    if not isinstance(exc, redis.ResponseError):
+        return False
+    text = str(exc).lower()
+    return verb.decode().lower() in text and ("unknown command" in text or "noperm" in text
+                                              or "no permissions" in text)
+
+
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
     out = list(keys)
     for i, k in enumerate(out):
@@ -205,12 +232,15 @@ class _Plain:
     Args:
         url: parsed ``redis://`` URL parts (``redis.connection.parse_url``).
         connect_timeout_s: seconds to connect.
-        error: the exception class for protocol and server errors.
+        error: the exception class for a broken connection or protocol.
+        reply_error: the exception class for an error reply (the server answered;
+            default ``error``).
     """
 
     def __init__(self, url: Mapping[str, Any], connect_timeout_s: float,
-                 error: type[Exception]) -> None:
+                 error: type[Exception], reply_error: type[Exception] | None = None) -> None:
         self._error = error
+        self._reply_error = reply_error = reply_error or error
         _prime_heap()
         self._buf = bytearray(_READ_BUFFER)
         self._have = self._pos = 0
@@ -230,9 +260,13 @@ class _Plain:
                 for _ in hello:
                     if self._reply() is None:
                         raise error("the server refused AUTH or SELECT")
-            # which server process this is (None where INFO is refused, e.g. by an ACL)
+            # which server process this is (None where INFO is refused, e.g. by an ACL:
+            # an error reply is one line, read whole, so the connection stays usable)
             sock.sendall(_pack([[b"INFO", b"server"]]))
-            self.run_id = _run_id(self._reply())
+            try:
+                self.run_id = _run_id(self._reply())
+            except reply_error:
+                self.run_id = None
             sock.settimeout(None)  # from here the caller's deadline is kept by the tier
         except BaseException:
             sock.close()
@@ -311,7 +345,7 @@ class _Plain:
         if kind == b"-":
             if line[1:].split(b" ", 1)[0] not in _KEY_ERRORS:
                 # the connection is dropped by the caller: its unread replies don't matter
-                raise self._error(f"the server answered {bytes(line[:60])!r}")
+                raise self._reply_error(f"the server answered {bytes(line[:100])!r}")
             return None  # about this key only: a miss or a refused write
         raise self._error(f"unexpected reply {line[:40]!r}")
 
@@ -368,6 +402,7 @@ class RedisTier(KeyedTier):
         self._lock = threading.Lock()  # guards _client between the caller and the I/O thread
         self._io = cf.ThreadPoolExecutor(1, thread_name_prefix="kvcm-redis")
         self._closed = False
+        self._delete = b"UNLINK"  # DEL where UNLINK is refused (see delete_many)
         self.timeouts = 0  # calls that ran past their deadline
         self.errors = 0  # calls that could not reach the store
 
@@ -442,7 +477,7 @@ class RedisTier(KeyedTier):
             stale.close()
         url = self._raw_url
         plain = _Plain(url, self._opts["connect_timeout_s"],  # type: ignore[arg-type]
-                       self._redis.ConnectionError)
+                       self._redis.ConnectionError, self._redis.ResponseError)
         self._saw(f"{url.get('host', 'localhost')}:{url.get('port', 6379)}",  # type: ignore[union-attr]
                   plain.run_id)
         with self._lock:
@@ -610,13 +645,40 @@ class RedisTier(KeyedTier):
                          lambda c: self._run(c, full, lambda i: [b"EXISTS", full[i]]), deadline)
         return np.fromiter((r == 1 for r in res), dtype=bool, count=len(full))
 
+    def renew_many(self, keys: Sequence[bytes], *, ttl_s: float, deadline: float
+                   ) -> np.ndarray:
+        """``PEXPIRE`` each key (which also counts as a use for ``allkeys-lru``)."""
+        full = self._full(keys)
+        if not isinstance(ttl_s, int | float) or isinstance(ttl_s, bool) or not ttl_s > 0:
+            raise ValueError(f"ttl_s={ttl_s!r}: must be seconds > 0")
+        if not full:
+            return np.zeros(0, dtype=bool)
+        ms = b"%d" % max(1, round(ttl_s * 1000))
+        res = self._call(f"renew of {len(full)} keys",
+                         lambda c: self._run(c, full, lambda i: [b"PEXPIRE", full[i], ms]),
+                         deadline)
+        return np.fromiter((r == 1 for r in res), dtype=bool, count=len(full))
+
     def delete_many(self, keys: Sequence[bytes], *, deadline: float) -> int:
         full = self._full(keys)
         if not full:
             return 0
-        res = self._call(f"delete of {len(full)} keys",
-                         lambda c: self._run(c, full, lambda i: [b"UNLINK", full[i]]), deadline)
-        return sum(r for r in res if isinstance(r, int))
+        while True:
+            verb = self._delete
+
+            def delete(c: Any, verb: bytes = verb) -> list[Any]:
+                return self._run(c, full, lambda i: [verb, full[i]])
+
+            try:
+                res = self._call(f"delete of {len(full)} keys", delete, deadline)
+            except TierIOError as exc:
+                # UNLINK renamed away (rename-command) or refused by an ACL: DEL does the
+                # same (it frees the value on the server's main thread), from now on
+                if verb == b"DEL" or not _refuses(self._redis, exc.__cause__, verb):
+                    raise
+                self._delete = b"DEL"
+                continue
+            return sum(r for r in res if isinstance(r, int))
 
     def _drop_plain(self) -> None:
         with self._lock:
