@@ -57,12 +57,11 @@ thread closes the files once they return) and listed in the ``TierIOError`` that
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -244,6 +243,26 @@ class _Held:
         self.writes = 0  # held writes in buf
 
 
+class _Dropping:
+    """The context of :meth:`LevelIO.dropping`: sets the level's ``droppable`` on entry,
+    puts back the one it found on exit (a class: a generator-based context manager costs
+    several times as much, on every move to a storage level)."""
+
+    __slots__ = ("before", "droppable", "io")
+
+    def __init__(self, io: LevelIO, droppable: bool) -> None:
+        self.io = io
+        self.droppable = droppable
+        self.before = False
+
+    def __enter__(self) -> None:
+        io = self.io
+        self.before, io.droppable = io.droppable, self.droppable
+
+    def __exit__(self, *exc: object) -> None:
+        self.io.droppable = self.before
+
+
 class LevelIO:
     """The I/O thread of storage level ``level`` (see module docstring).
 
@@ -287,16 +306,11 @@ class LevelIO:
         #: The writes being issued are of droppable pages (see :meth:`dropping`).
         self.droppable = False
 
-    @contextlib.contextmanager
-    def dropping(self, droppable: bool) -> Iterator[None]:
+    def dropping(self, droppable: bool) -> _Dropping:
         """Within the block, writes are of droppable pages when ``droppable`` is True:
         only those go to the background queue (a full queue refuses them at once); any
         other write completes, within the deadline, before the call returns."""
-        before, self.droppable = self.droppable, droppable
-        try:
-            yield
-        finally:
-            self.droppable = before
+        return _Dropping(self, droppable)
 
     # -- the thread --------------------------------------------------------------------------
 
