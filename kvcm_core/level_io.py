@@ -231,7 +231,7 @@ class _Held:
     read of held slots is served from ``buf`` and a slot held twice is written once, with
     its last rows. Kept per pool from one write to the next."""
 
-    __slots__ = ("buf", "checked", "n", "pool", "slots", "where", "writes")
+    __slots__ = ("buf", "checked", "n", "pool", "row_ids", "slots", "where", "writes")
 
     def __init__(self, pool: StoragePool, checked: int, rows: int, width: int) -> None:
         self.pool = pool
@@ -239,6 +239,7 @@ class _Held:
         self.buf = np.empty((rows, width), dtype=np.uint8)
         self.slots = np.empty(rows, dtype=np.int64)
         self.where = np.full(checked, -1, dtype=np.int32)
+        self.row_ids = np.arange(rows, dtype=np.int32)  # i at i: slices of it, no arange
         self.n = 0
         self.writes = 0  # held writes in buf
 
@@ -643,7 +644,7 @@ class LevelIO:
         n = held.n
         held.buf[n : n + k] = rows  # the caller reuses its rows
         held.slots[n : n + k] = slots
-        held.where[slots] = np.arange(n, n + k, dtype=np.int32)
+        held.where[slots] = held.row_ids[n : n + k]
         held.n = n + k
         held.writes += 1
         self._held[id(pool)] = held
@@ -669,7 +670,7 @@ class LevelIO:
     def _flush_one(self, held: _Held) -> None:
         n = held.n
         written = held.slots[:n]
-        last = held.where[written] == np.arange(n, dtype=np.int32)  # each slot's last rows
+        last = held.where[written] == held.row_ids[:n]  # each slot's last rows
         rows_at = np.flatnonzero(last)
         order = np.argsort(written[rows_at], kind="stable")
         rows_at = rows_at[order]
