@@ -985,11 +985,28 @@ def _other_slots(job: _Job, pool: object, slots: np.ndarray) -> bool:
     return job.target[0] is not pool or not _overlap(job.target[1], slots)
 
 
+#: Slot arrays of this many slots together and more are compared through a table of the
+#: larger one's range, where that range is small enough (:func:`_overlap`).
+_TABLE_OVERLAP = 512
+_TABLE_SPAN = 8  # the range may span this many times the slots of both
+
+
 def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether slot arrays ``a`` and ``b`` share a slot (a set test: at the sizes a
-    resume reads, NumPy's sorting set operations cost several times more)."""
+    """Whether slot arrays ``a`` and ``b`` share a slot. A set test at the sizes a resume
+    reads (NumPy's per-call costs are larger there). Larger arrays (a held write's flush:
+    thousands of slots, compared with each write still running on the tier's threads)
+    whose slots lie close together are compared through a table of the larger one's
+    range, in a few NumPy calls instead of a Python object and a set entry per slot."""
     if len(a) > len(b):
         a, b = b, a
+    n = len(a) + len(b)
+    if n >= _TABLE_OVERLAP and len(a):
+        lo, hi = int(b.min()), int(b.max())
+        if hi - lo < _TABLE_SPAN * n:
+            table = np.zeros(hi - lo + 1, dtype=bool)
+            table[b - lo] = True
+            inside = a[(a >= lo) & (a <= hi)]
+            return bool(table[inside - lo].any())
     return not set(a.tolist()).isdisjoint(b.tolist())
 
 
