@@ -1000,7 +1000,7 @@ def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
     if len(a) > len(b):
         a, b = b, a
     n = len(a) + len(b)
-    if n >= _TABLE_OVERLAP and len(a):
+    if n >= _TABLE_OVERLAP and len(a) and a.dtype == b.dtype:  # (differences fit it)
         lo, hi = int(b.min()), int(b.max())
         if hi - lo < _TABLE_SPAN * n:
             table = np.zeros(hi - lo + 1, dtype=bool)

@@ -54,3 +54,15 @@ def test_large_arrays_close_together_take_the_table_and_others_the_set_test(monk
     assert _overlap(np.array([5, 6]), np.array([6])) is True  # a few: the set test
     assert _overlap(np.append(big, 10**9), np.array([8])) is True  # spread wide: the set test
     assert calls == [3997, 3997]
+
+
+def test_arrays_of_other_integer_types_compare_as_numbers():
+    """Slots far past int32 beside int32 slots, unsigned beside negative ones."""
+    small = np.arange(600, dtype=np.int32)
+    far = (2**40 + np.arange(1000)).astype(np.int64)
+    assert _overlap(small, far) is False and _overlap(far, small) is False
+    assert _overlap(small, np.append(far, 5)) is True
+    near = np.arange(2**40 - 300, 2**40 + 300, dtype=np.int64)
+    assert _overlap(near, far) is True and _overlap(far, near) is True
+    assert _overlap(np.arange(600, dtype=np.uint32), np.arange(-700, -100)) is False
+    assert _overlap(np.arange(600, dtype=np.uint64), np.arange(-100, 500)) is True
