@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -76,7 +75,6 @@ def _crc(data: Any) -> int:
 
 
 _crc_value = google_crc32c.value
-_LITTLE = sys.byteorder == "little"
 _ITEMS: dict[int, np.dtype] = {}  # bytes -> the void dtype of that many bytes
 
 
@@ -220,6 +218,9 @@ class FrameBook:
         self._next_seq = 1
         self._templates: dict[int, np.ndarray] = {}  # payload size -> shared header bytes
         self._parts: dict[int, tuple[bytes, bytes, bytes]] = {}  # see _template_parts
+        self._framing: dict[int, tuple[np.dtype, np.void]] = {}  # see _frame_fields
+        # keys seen as one 32-byte item per slot (see _key_items), and the array it views
+        self._items: tuple[np.ndarray, np.ndarray] | None = None
 
     # -- slots ---------------------------------------------------------------------------
 
@@ -236,16 +237,32 @@ class FrameBook:
 
     # -- writing -------------------------------------------------------------------------
 
+    def _key_items(self) -> np.ndarray:
+        """``keys`` seen as one 32-byte item per slot (kept while ``keys`` is the same
+        array)."""
+        kept = self._items
+        if kept is None or kept[0] is not self.keys:
+            kept = self._items = (self.keys, self.keys.view(_KEY_ITEM)[:, 0])
+        return kept[1]
+
     def _record(self, slots: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        n = len(slots)
+        if keys.dtype == np.uint8 and keys.flags.c_contiguous and len(keys) == n:
+            return self._record_items(slots, keys.view(_KEY_ITEM)[:, 0])
+        seqs = np.arange(self._next_seq, self._next_seq + n, dtype=np.uint64)
+        self._next_seq += n
+        self.keys[slots] = keys
+        self.seqs[slots] = seqs
+        return seqs
+
+    def _record_items(self, slots: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """:meth:`_record` of keys given as 32-byte items, one per slot."""
         n = len(slots)
         seqs = np.arange(self._next_seq, self._next_seq + n, dtype=np.uint64)
         self._next_seq += n
-        if keys.dtype == np.uint8 and keys.flags.c_contiguous and len(keys) == n:
-            # A key per item, not a byte; put: the fancy assignment (the same index rules,
-            # one key per slot) without its per-item overhead.
-            self.keys.view(_KEY_ITEM)[:, 0].put(slots, keys.view(_KEY_ITEM)[:, 0])
-        else:
-            self.keys[slots] = keys
+        # A key per item, not a byte; put: the fancy assignment (the same index rules,
+        # one key per slot) without its per-item overhead.
+        self._key_items().put(slots, items)
         self.seqs[slots] = seqs
         return seqs
 
@@ -284,6 +301,23 @@ class FrameBook:
                                          head[_SEQ_AT + 8 :])
         return parts
 
+    def _frame_fields(self, size: int) -> tuple[np.dtype, np.void]:
+        """A frame of a ``size``-byte payload as one record whose fields are its parts
+        (little-endian, at their offsets; ``body``: the bytes the CRC covers, header and
+        payload), and the :meth:`_template` header as one item of its ``head``."""
+        kept = self._framing.get(size)
+        if kept is None:
+            hb = HEADER.itemsize
+            fields = np.dtype({
+                "names": ["head", "key", "seq", "body", "payload", "crc"],
+                "formats": [f"V{hb}", f"V{KEY_BYTES}", "<u8", f"V{hb + size}", f"V{size}",
+                            "<u4"],
+                "offsets": [0, _KEY_AT, _SEQ_AT, 0, hb, hb + size],
+                "itemsize": size + FRAME_OVERHEAD})
+            head = self._template(size).view(np.dtype((np.void, hb)))[0]
+            kept = self._framing[size] = (fields, head)
+        return kept
+
     def wrap(self, slots: np.ndarray, payloads: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """Frames ``uint8 [n, payload + FRAME_OVERHEAD]`` of fixed-size ``payloads[i]``
         for ``slots[i]`` (block keys ``keys[i]``, 32 bytes each), recorded as written."""
@@ -291,21 +325,21 @@ class FrameBook:
         if n <= _FEW_WRAPS and payloads.dtype == np.uint8 and keys.dtype == np.uint8 and \
                 keys.shape == (n, KEY_BYTES):
             return self._wrap_few(slots, payloads, keys)
-        out = np.empty((n, size + FRAME_OVERHEAD), dtype=np.uint8)
         hb = HEADER.itemsize
-        # The shared header bytes, then each frame's key and sequence number in place.
-        out[:, :hb] = self._template(size)
-        out[:, _KEY_AT : _KEY_AT + KEY_BYTES] = keys
-        seqs = self._record(slots, keys)
-        body = hb + size
-        if _LITTLE:  # the sequence numbers and CRCs straight into their columns
-            out[:, _SEQ_AT : _SEQ_AT + 8].view(np.uint64)[:, 0] = seqs
-            out[:, hb : body] = payloads
-            out[:, body:].view(np.uint32)[:, 0] = _crcs(out, body)
-            return out
-        out[:, _SEQ_AT : _SEQ_AT + 8] = seqs.astype("<u8").view(np.uint8).reshape(n, 8)
-        out[:, hb : body] = payloads
-        out[:, body:] = _crcs(out, body).astype("<u4").view(np.uint8).reshape(n, _CRC_BYTES)
+        out = np.empty((n, size + FRAME_OVERHEAD), dtype=np.uint8)
+        fields, head = self._frame_fields(size)
+        frames = out.view(fields)[:, 0]  # each row one record (its bytes adjacent)
+        # The shared header bytes, then each frame's key, sequence number, payload, CRC.
+        frames["head"] = head
+        if not (keys.dtype == np.uint8 and keys.flags.c_contiguous and
+                keys.shape == (n, KEY_BYTES)):  # as an assignment of them would take them
+            given, keys = keys, np.empty((n, KEY_BYTES), dtype=np.uint8)
+            keys[...] = given
+        items = keys.view(_KEY_ITEM)[:, 0]
+        frames["key"] = items
+        frames["seq"] = self._record_items(slots, items)
+        out[:, hb : hb + size] = payloads
+        frames["crc"] = np.fromiter(map(_crc_value, frames["body"].tolist()), np.uint32, n)
         return out
 
     def _wrap_few(self, slots: np.ndarray, payloads: np.ndarray, keys: np.ndarray

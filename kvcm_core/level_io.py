@@ -57,12 +57,11 @@ thread closes the files once they return) and listed in the ``TierIOError`` that
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -232,7 +231,7 @@ class _Held:
     read of held slots is served from ``buf`` and a slot held twice is written once, with
     its last rows. Kept per pool from one write to the next."""
 
-    __slots__ = ("buf", "checked", "n", "pool", "slots", "where", "writes")
+    __slots__ = ("buf", "checked", "n", "pool", "row_ids", "slots", "where", "writes")
 
     def __init__(self, pool: StoragePool, checked: int, rows: int, width: int) -> None:
         self.pool = pool
@@ -240,8 +239,29 @@ class _Held:
         self.buf = np.empty((rows, width), dtype=np.uint8)
         self.slots = np.empty(rows, dtype=np.int64)
         self.where = np.full(checked, -1, dtype=np.int32)
+        self.row_ids = np.arange(rows, dtype=np.int32)  # i at i: slices of it, no arange
         self.n = 0
         self.writes = 0  # held writes in buf
+
+
+class _Dropping:
+    """The context of :meth:`LevelIO.dropping`: sets the level's ``droppable`` on entry,
+    puts back the one it found on exit (a class: a generator-based context manager costs
+    several times as much, on every move to a storage level)."""
+
+    __slots__ = ("before", "droppable", "io")
+
+    def __init__(self, io: LevelIO, droppable: bool) -> None:
+        self.io = io
+        self.droppable = droppable
+        self.before = False
+
+    def __enter__(self) -> None:
+        io = self.io
+        self.before, io.droppable = io.droppable, self.droppable
+
+    def __exit__(self, *exc: object) -> None:
+        self.io.droppable = self.before
 
 
 class LevelIO:
@@ -287,16 +307,11 @@ class LevelIO:
         #: The writes being issued are of droppable pages (see :meth:`dropping`).
         self.droppable = False
 
-    @contextlib.contextmanager
-    def dropping(self, droppable: bool) -> Iterator[None]:
+    def dropping(self, droppable: bool) -> _Dropping:
         """Within the block, writes are of droppable pages when ``droppable`` is True:
         only those go to the background queue (a full queue refuses them at once); any
         other write completes, within the deadline, before the call returns."""
-        before, self.droppable = self.droppable, droppable
-        try:
-            yield
-        finally:
-            self.droppable = before
+        return _Dropping(self, droppable)
 
     # -- the thread --------------------------------------------------------------------------
 
@@ -629,7 +644,7 @@ class LevelIO:
         n = held.n
         held.buf[n : n + k] = rows  # the caller reuses its rows
         held.slots[n : n + k] = slots
-        held.where[slots] = np.arange(n, n + k, dtype=np.int32)
+        held.where[slots] = held.row_ids[n : n + k]
         held.n = n + k
         held.writes += 1
         self._held[id(pool)] = held
@@ -655,7 +670,7 @@ class LevelIO:
     def _flush_one(self, held: _Held) -> None:
         n = held.n
         written = held.slots[:n]
-        last = held.where[written] == np.arange(n, dtype=np.int32)  # each slot's last rows
+        last = held.where[written] == held.row_ids[:n]  # each slot's last rows
         rows_at = np.flatnonzero(last)
         order = np.argsort(written[rows_at], kind="stable")
         rows_at = rows_at[order]
@@ -970,11 +985,28 @@ def _other_slots(job: _Job, pool: object, slots: np.ndarray) -> bool:
     return job.target[0] is not pool or not _overlap(job.target[1], slots)
 
 
+#: Slot arrays of this many slots together and more are compared through a table of the
+#: larger one's range, where that range is small enough (:func:`_overlap`).
+_TABLE_OVERLAP = 512
+_TABLE_SPAN = 8  # the range may span this many times the slots of both
+
+
 def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether slot arrays ``a`` and ``b`` share a slot (a set test: at the sizes a
-    resume reads, NumPy's sorting set operations cost several times more)."""
+    """Whether slot arrays ``a`` and ``b`` share a slot. A set test at the sizes a resume
+    reads (NumPy's per-call costs are larger there). Larger arrays (a held write's flush:
+    thousands of slots, compared with each write still running on the tier's threads)
+    whose slots lie close together are compared through a table of the larger one's
+    range, in a few NumPy calls instead of a Python object and a set entry per slot."""
     if len(a) > len(b):
         a, b = b, a
+    n = len(a) + len(b)
+    if n >= _TABLE_OVERLAP and len(a) and a.dtype == b.dtype:  # (differences fit it)
+        lo, hi = int(b.min()), int(b.max())
+        if hi - lo < _TABLE_SPAN * n:
+            table = np.zeros(hi - lo + 1, dtype=bool)
+            table[b - lo] = True
+            inside = a[(a >= lo) & (a <= hi)]
+            return bool(table[inside - lo].any())
     return not set(a.tolist()).isdisjoint(b.tolist())
 
 

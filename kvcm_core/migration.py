@@ -140,8 +140,13 @@ class Mover:
         if direct is not None and not self.fences.events:
             self._copy_direct(direct, src_slots, dst_slots, stream)
             return
-        s = np.asarray(src_slots, dtype=np.int32)
-        d = np.asarray(dst_slots, dtype=np.int32)
+        # Between cold levels of one codec (_copy_cold) the slots stay int64, the type
+        # storage pools check them as and NumPy indexes with (no conversion there, nor
+        # at each use); copies that touch GPU pages or scratch take int32 slots.
+        same = src.level != 0 and dst.level != 0 and \
+            self.codec_of(src.level) is self.codec_of(dst.level)
+        s = np.asarray(src_slots, dtype=np.int64 if same else np.int32)
+        d = np.asarray(dst_slots, dtype=np.int64 if same else np.int32)
         if keys is None and src.frames is not None:
             # A copy (take: keys[s], whole rows at once), taken before any write to a book.
             keys = src.frames.keys.take(s, axis=0)
@@ -151,12 +156,12 @@ class Mover:
             self._copy_direct(direct, s, d, stream)
             return
         ok = np.ones(n, dtype=bool)
-        if src.level == 0 or dst.level == 0:
-            self._copy_gpu(layout, src, s, dst, d, stream, keys, ok)
-        elif self.codec_of(src.level) is not self.codec_of(dst.level):
-            self._transcode(layout, src, s, dst, d, stream, keys, ok)
-        else:
+        if same:
             self._copy_cold(src, s, dst, d, stream, keys, ok)
+        elif src.level == 0 or dst.level == 0:
+            self._copy_gpu(layout, src, s, dst, d, stream, keys, ok)
+        else:
+            self._transcode(layout, src, s, dst, d, stream, keys, ok)
         # The source slot may be reused as soon as we return: finish the copy first.
         (stream or self.backend.default_stream).synchronize()
         if _count(ok) != n:
