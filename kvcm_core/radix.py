@@ -548,7 +548,9 @@ class PrefixTree:
         self.pages[nids] = -1
         self.tokens[nids] = tokens
         nl = nids.tolist()
-        self._keys[nids] = keys
+        # An object array made from an iterator first: a list given to the assignment is
+        # looked into item by item (for nested sequences) at about twice the cost.
+        self._keys[nids] = np.fromiter(keys, dtype=object, count=n)
         self.index.update(zip(keys, nl, strict=True))
         if mm and items is not None:
             for nid, its in zip(nids.tolist(), items, strict=True):
