@@ -581,7 +581,9 @@ class PrefixTree:
         self._rows[nid] = (parent, int(self.ordinal[parent]) + 1, len(tokens), 0, NO_NODE,
                            NO_NODE, NO_NODE, 0)
         self.pages[nid] = -1
-        self.tokens[nid, : len(tokens)] = tokens
+        row = self.tokens[nid]
+        row[: len(tokens)] = tokens
+        row[len(tokens) :] = 0  # a recycled id's row keeps no token of the block it was
         self._keys[nid] = None
         self._link(parent, nid)
         self.num_nodes += 1
