@@ -281,9 +281,10 @@ class PrefixTree:
 
     Node ``n`` has ``parent[n]`` (``-1`` for a scope root), ``ordinal[n]`` (block index,
     ``-1`` for a root), ``ntok[n]`` tokens (``tokens_per_block`` for full blocks, fewer for
-    partial ones) stored in ``tokens[n]``, ``pages[n, g]`` (page id per cache group or
-    ``-1``) and its children in a doubly linked sibling list. Nothing outside this class
-    writes these arrays; callers use its verbs.
+    partial ones) stored in ``tokens[n]`` (a partial block's row is zero past them),
+    ``pages[n, g]`` (page id per cache group or ``-1``) and its children in a doubly
+    linked sibling list. Nothing outside this class writes these arrays; callers use its
+    verbs.
 
     Args:
         num_groups: cache groups (columns of ``pages``).
@@ -583,7 +584,9 @@ class PrefixTree:
         self._rows[nid] = (parent, int(self.ordinal[parent]) + 1, len(tokens), 0, NO_NODE,
                            NO_NODE, NO_NODE, 0)
         self.pages[nid] = -1
-        self.tokens[nid, : len(tokens)] = tokens
+        row = self.tokens[nid]
+        row[: len(tokens)] = tokens
+        row[len(tokens) :] = 0  # a recycled id's row keeps no token of the block it was
         self._keys[nid] = None
         self._link(parent, nid)
         self.num_nodes += 1

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import drop_page, full_layers, tokens, tree_node, tree_page
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvcm_core import ReuseScope
@@ -149,6 +149,16 @@ plain_item = st.integers(0, 3)
        cuts=st.lists(st.integers(0, 12), max_size=6), rebuild=st.lists(st.booleans(),
                                                                        max_size=8),
        as_array=st.booleans())
+# A digest in an early block, a cut after it, then several all-plain blocks keyed in one
+# call from the chained cursor (continued, rebuilt from the last key, rebuilt from the
+# tokens); the strategy below forces this shape.
+@example(tpb=2, toks=[IMG, 0, 1, 2, 3, 1, 2, 0], cuts=[1], rebuild=[], as_array=False)
+@example(tpb=2, toks=[IMG, 0, 1, 2, 3, 1, 2, 0], cuts=[1], rebuild=[False, True],
+         as_array=False)
+@example(tpb=3, toks=[0, 1, 2, 3, IMG2, 1, 2, 2, 0, 1, 1, 1, 3, 0, 0], cuts=[2, 2],
+         rebuild=[False, False, True], as_array=False)
+@example(tpb=4, toks=[1, IMG, 2, 3, *range(4), 3, 3, 2, 2, 0, 1, 0, 1, 2], cuts=[1, 3],
+         rebuild=[], as_array=True)
 def test_keys_in_one_go_equal_keys_in_pieces(tpb, toks, cuts, rebuild, as_array):
     root = scope_root_key(None)
     nfull = len(toks) // tpb
@@ -179,6 +189,49 @@ def test_keys_in_one_go_equal_keys_in_pieces(tpb, toks, cuts, rebuild, as_array)
         else:
             assert again.digest() == cursor.digest()
             assert cursor.digest() == (keys[-1] if end else hashlib.sha256(root).digest())
+
+
+@st.composite
+def _chained_then_plain(draw: Any) -> tuple[int, list[Any], int]:
+    """``(tpb, tokens, cut)``: plain blocks, a block holding a digest, then at least two
+    all-plain blocks; ``cut`` (in blocks) falls after the digest's block and leaves at
+    least two plain blocks after it."""
+    tpb = draw(st.integers(1, 4))
+    head = draw(st.lists(plain_item, min_size=draw(st.integers(0, 3)) * tpb,
+                         max_size=3 * tpb).map(lambda x: x[: len(x) // tpb * tpb]))
+    mm = draw(st.lists(item, min_size=tpb, max_size=tpb).filter(
+        lambda b: any(isinstance(t, bytes) for t in b)))
+    nplain = draw(st.integers(2, 6))
+    tail = draw(st.lists(plain_item, min_size=nplain * tpb, max_size=nplain * tpb + tpb - 1))
+    f = len(head) // tpb
+    cut = draw(st.integers(f + 1, f + 1 + nplain - 2))
+    return tpb, head + mm + tail, cut
+
+
+@settings(max_examples=100, deadline=None)
+@given(shape=_chained_then_plain(), how=st.sampled_from(["continued", "from the last key",
+                                                         "rebuilt"]))
+def test_plain_blocks_after_a_multimodal_block_each_chain_on_the_key_before(shape, how):
+    """After the first block holding a digest, keys chain: an all-plain block's key is
+    SHA-256 of the key before it and its tokens, also when several such blocks are keyed
+    in one call (the commit of a chunk after a multimodal one)."""
+    tpb, toks, cut = shape
+    root = scope_root_key(None)
+    nfull = len(toks) // tpb
+    ref = ref_keys(toks, tpb)
+    keys: list[bytes] = []
+    cursor = extend_keys(keys, root, toks[: cut * tpb], tpb, 0, key_cursor(root, [], tpb, 0))
+    assert isinstance(cursor, bytes) and keys == ref[:cut]
+    if how == "from the last key":
+        cursor = key_cursor(root, toks[: cut * tpb], tpb, cut, keys[-1])
+    elif how == "rebuilt":
+        cursor = key_cursor(root, toks[: cut * tpb], tpb, cut)
+    assert cursor == ref[cut - 1]
+    end = extend_keys(keys, root, toks[cut * tpb : nfull * tpb], tpb, cut, cursor)
+    assert keys == ref
+    assert end == ref[-1]
+    assert len(set(keys)) == len(keys)  # equal plain blocks after the digest: distinct keys
+    assert block_keys(root, toks, tpb, cut, nfull) == ref[cut:]
 
 
 @settings(max_examples=150, deadline=None)
@@ -349,3 +402,37 @@ def test_multimodal_keys_continue_the_chain_a_block_at_a_time(managers):
     assert tree_keys(m) == set(ref_keys(mm))
     assert m.probe_reuse(None, mm) == len(mm)
 
+
+
+@pytest.mark.parametrize("pieces", [None, TPB, 2 * TPB])
+def test_plain_blocks_committed_after_a_multimodal_block_continue_its_chain(managers,
+                                                                           pieces):
+    """An image block committed, then three plain blocks committed in chunks (one chunk,
+    a block at a time, two blocks then one): the tree holds the reference keys, a lookup
+    matches the whole prompt, and a prompt differing only in the middle plain block
+    shares no key from that block on (the next block's tokens are equal, its prefix
+    is not)."""
+    m = managers(full_layers(), slots=32)
+    image: list[Any] = [IMG, *tokens(TPB - 1, seed=101)]
+    plain = tokens(3 * TPB, seed=102)
+    a = image + plain
+    c = m.create_kv_cache(None, [])
+    assert c.resume() and c.resize(TPB)
+    c.commit(image)
+    step = pieces or len(plain)
+    for pos in range(0, len(plain), step):
+        assert c.resize(min(len(a), TPB + pos + step))
+        c.commit(plain[pos : pos + step])
+    c.close()
+    assert tree_keys(m) == set(ref_keys(a))
+    assert m.probe_reuse(None, a) == len(a)
+    b = list(a)
+    b[2 * TPB + 1] += 1  # the middle plain block differs
+    assert m.probe_reuse(None, b) == 2 * TPB + 1  # two blocks, and 1 token of the third
+    run(m, b, pieces=pieces)
+    ka, kb = ref_keys(a), ref_keys(b)
+    assert ka[:2] == kb[:2] and not set(ka[2:]) & set(kb[2:])
+    assert tree_keys(m) == set(ka) | set(kb)
+    assert len(tree_keys(m)) == 4 + 2
+    for toks in (a, b):
+        assert m.probe_reuse(None, toks) == len(toks)

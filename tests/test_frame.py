@@ -100,6 +100,41 @@ def test_a_frame_of_another_codec_or_layout_fails(other):
     assert writer_check.all()
 
 
+def _as_block(frame: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """``frame`` rewritten as a valid frame of the block ``key``: the key put in its header,
+    its sequence number kept, its CRC-32C computed again."""
+    out = frame.copy()
+    at = HEADER.fields["key"][1]
+    out[at : at + 32] = key
+    crc = google_crc32c.value(out[:-4].tobytes())
+    out[-4:] = np.frombuffer(crc.to_bytes(4, "little"), np.uint8)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 9, 16], ids=lambda n: f"{n}_frames")
+def test_a_valid_frame_of_another_block_fails_in_its_slot(n):
+    """A frame whose key is another block's (sequence number kept, CRC recomputed: it is
+    intact, just not what this slot recorded) fails the check, on the frame-by-frame path
+    (up to 8 frames) and the vectorised one."""
+    book = FrameBook(FMT, 2 * n, PAYLOAD)
+    slots = np.arange(n, dtype=np.int64)[::-1].copy()
+    keys = _keys(n)
+    frames = book.wrap(slots, _payloads(n), keys)
+    assert book.check(slots, frames).all()
+    for i in range(n):
+        bad = frames.copy()
+        other = keys[(i + 1) % n] if n > 1 else _keys(1, seed=9)[0]
+        bad[i] = _as_block(frames[i], other)
+        assert (bad[i, HEADER.fields["seq"][1] :] != frames[i, HEADER.fields["seq"][1] :]
+                ).sum() <= 4  # the same sequence number and payload: only the CRC moved
+        want = np.ones(n, dtype=bool)
+        want[i] = False
+        assert book.check(slots, bad).tolist() == want.tolist(), i
+        # Put back under its own key, the same bytes are intact again.
+        assert book.check(slots, np.where(np.arange(n)[:, None] == i,
+                                          _as_block(bad[i], keys[i]), bad)).all()
+
+
 def test_partial_blocks_get_a_key_derived_from_the_page():
     assert page_key(b"k" * 32, 5) == b"k" * 32
     assert page_key(None, 5) != page_key(None, 6)
@@ -114,6 +149,18 @@ def test_blob_frames_check_length_and_checksum():
     assert book.unwrap_blob(0, blobs[1]) is None  # swapped
     assert book.unwrap_blob(1, blobs[1][:-1]) is None  # truncated
     assert book.unwrap_blob(1, None) is None
+
+
+def test_a_valid_blob_frame_of_another_block_fails_in_its_slot():
+    book = FrameBook(FMT, 2, PAYLOAD)
+    keys = _keys(2)
+    blobs = book.wrap_blobs(np.array([0, 1]), [b"abc", b"defgh"], keys)
+    assert book.unwrap_blob(0, blobs[0]) == b"abc"
+    at = HEADER.fields["key"][1]
+    body = bytearray(blobs[0][:-4])
+    body[at : at + 32] = keys[1].tobytes()
+    other = bytes(body) + google_crc32c.value(bytes(body)).to_bytes(4, "little")
+    assert book.unwrap_blob(0, other) is None
 
 
 # -- on the disk tier ------------------------------------------------------------------------

@@ -184,6 +184,52 @@ def test_page_table_read_before_eviction_shows_bad_after_it(tmp_path, cleanup):
     assert not mine & set(int(x) for x in a.get_base_page_indices(0))
 
 
+@pytest.mark.parametrize("layout", ["full", "hybrid"])
+def test_a_created_cache_shows_bad_for_matched_blocks_on_the_host_until_resume(
+        tmp_path, cleanup, layout):
+    """A new cache whose match sits on the host level (created, not resumed): its page
+    tables name no slot for those blocks (a host slot number is no GPU slot); after
+    resume they name level-0 slots holding the blocks' KV."""
+    m = make_manager([("gpu", 8), ("host", 24)], tmp_path, layout=layout)
+    cleanup(m)
+    d = Driver(m)
+    toks = tokens(22, 1)
+    d.write(toks, suspend=False).close()
+    filler = d.write(tokens(32, 2), chunk=32)  # pushes the closed request's blocks down
+    nodes = chain(m, toks)
+    assert len(nodes) == 5
+    full = next(g for g, lc in enumerate(m.life_cycles) if not lc.is_ssm and lc.window is None)
+    assert {page_level(m, node_pages(m, n)[full]) for n in nodes} == {1}
+    c = d.create(toks + tokens(6, 3), match_len=len(toks))
+    assert c.history_length == 22
+    assert c.status.name == "SUSPENDED"
+    attn = [g for g in range(m.num_cache_groups) if not m.life_cycles[g].is_ssm]
+    assert {page_level(m, p) for p in c.pages(full) if p >= 0} == {1}
+    for g in attn:
+        shown = [int(x) for x in c.get_base_page_indices(g)]
+        for b, p in enumerate(c.pages(g)):
+            if p >= 0 and page_level(m, p) == 0:
+                assert shown[b] == int(m.storage_levels.arena.slot[p]), (g, b)
+            else:  # absent, or away from the GPU
+                assert shown[b] == BAD_PAGE_INDEX, (g, b, p)
+    if layout == "full":
+        assert table_is_bad(c, m)
+    assert c.resume()
+    assert set(page_levels(c)) == {0}
+    for g in attn:
+        stale = set(range(*m.life_cycles[g].stale_range(c.history_length, 4)))
+        num_slots = m.stores[0][m.storage_levels.pool_group_of(g)].num_slots
+        for b, x in enumerate(int(x) for x in c.get_base_page_indices(g)):
+            if b in stale:
+                assert x == BAD_PAGE_INDEX, (g, b)
+            else:
+                assert 0 <= x < num_slots, (g, b, x)
+    d.check(c)  # every slot named holds its block's KV
+    d.run_to(c)
+    c.close()
+    filler.close()
+
+
 # -- reuse from colder levels ------------------------------------------------------------------
 
 

@@ -204,6 +204,14 @@ def test_frame_check_of_a_few_frames_matches_the_general_check(monkeypatch, n):
         trials.append((slots, bad))
     trials.append((np.where(slots == slots[0], 31, slots), frames))  # a slot never written
     trials.append((slots[::-1].copy(), frames))  # frames read from each other's slots
+    # A valid frame of another block (its key replaced, sequence number kept, CRC-32C
+    # recomputed) in the first slot.
+    other = frames.copy()
+    at = frame_mod._KEY_AT
+    other[0, at : at + 32] = rng.integers(0, 256, 32, dtype=np.uint8)
+    crc = int(frame_mod._crc(other[0, :-4]))
+    other[0, -4:] = np.frombuffer(crc.to_bytes(4, "little"), np.uint8)
+    trials.append((slots, other))
     for sl, fr in trials:
         few = book.check(sl, fr)
         monkeypatch.setattr(frame_mod, "_FEW_FRAMES", 0)
@@ -212,6 +220,7 @@ def test_frame_check_of_a_few_frames_matches_the_general_check(monkeypatch, n):
         assert few.dtype == general.dtype == np.bool_
         assert few.tolist() == general.tolist()
     assert book.check(slots, frames).all()
+    assert book.check(slots, other).tolist() == [False] + [True] * (n - 1)
 
 
 # -- copies between the GPU level and a device-accessible level ------------------------------

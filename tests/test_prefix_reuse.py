@@ -13,6 +13,7 @@ from conftest import (
     TPB,
     Driver,
     assert_invariants,
+    bytes_per_slot_round,
     drop_page,
     full_layers,
     hybrid_layers,
@@ -801,3 +802,80 @@ def test_a_partial_child_without_pages_does_not_hide_a_sibling_with_them(manager
     c = m.create_kv_cache(None, [0, 1, 2, 3, 4, 5, 6, 7])
     assert c.history_length == 5
     c.close()
+
+
+# -- a partial block serves at most the tokens it holds --------------------------------------
+
+
+@pytest.mark.parametrize("tail", ["the evicted block's tokens", "zeros"])
+def test_a_partial_block_on_a_recycled_node_id_serves_only_its_own_tokens(managers, tail):
+    """A full block is evicted (its node id freed), then a prompt ending 5 tokens into
+    that block publishes a partial block, which takes the freed id (ids are handed out
+    last freed first). A lookup of the whole block must match the parent's end plus 5
+    tokens, never the block's 8: the tokens past the partial block's 5 are not its KV
+    (the tree's token row past them held the evicted block's tokens; with ``zeros``
+    the block's own tokens there are 0, as a cleared row would read)."""
+    tpb = 8
+    m = managers(full_layers(tpb), slots=2, tpb=tpb)
+    d = Driver(m)
+    block = tokens(tpb, seed=92)
+    if tail == "zeros":
+        block[5:] = [0] * (tpb - 5)
+    full = tokens(tpb, seed=91) + block
+    d.run(full, chunk=tpb)
+    gone = tree_node(m, full, 2 * tpb)
+    assert gone is not None and m.tree.is_full(gone)
+    # Two GPU slots: the second request's page for its last 5 tokens evicts the closed
+    # full block (it matches only block 0: a longer match would reuse that block).
+    short = full[: tpb + 5]
+    c = d.create(short, match_len=tpb)
+    assert c.history_length == tpb
+    d.run_to(c, len(short))
+    assert tree_node(m, full, 2 * tpb) is None  # evicted, its node id freed
+    c.close()
+    partial = tree_node(m, full, tpb + 5)
+    assert partial == gone  # the partial block took the freed id
+    assert int(m.tree.ntok[partial]) == 5
+    assert m.probe_reuse(None, full) == tpb + 5
+    # Room for the reused partial block's private copy at resume.
+    unit = bytes_per_slot_round(full_layers(tpb), tpb=tpb)
+    assert m.resize(0, 4 * unit + unit // 2)
+    r = d.create(full, match_len=len(full))
+    assert r.history_length == tpb + 5
+    assert r.resume()
+    d.check(r)  # the KV of every reused token is that token's
+    d.run_to(r, len(full), chunk=1)
+    d.check(r)
+    r.close()
+
+
+def test_best_partial_never_shares_more_tokens_than_the_partial_block_holds():
+    """The tree alone: a full block under ``parent`` is detached, a partial block of 5 of
+    its tokens added under the same parent on the recycled id; ``best_partial`` of the
+    whole block says 5. Likewise for a fresh partial block whose lookup continues with
+    zeros (what an unwritten token row holds)."""
+    import numpy as np
+
+    from kvcm_core.radix import PrefixTree, block_keys, scope_root_key
+
+    tpb = 8
+    tree = PrefixTree(1, tpb)
+    rk = scope_root_key(None)
+    root = tree.root(rk)
+    toks = tokens(2 * tpb, seed=93)
+    keys = block_keys(rk, toks, tpb, 0, 2)
+    nids = tree.add_chain(root, keys, np.asarray(toks, np.int32).reshape(2, tpb), 0)
+    parent, old = int(nids[0]), int(nids[1])
+    tree.detach(old)
+    nid = tree.add_partial(parent, toks[tpb : tpb + 5])
+    assert nid == old  # the id of the detached full block, recycled
+    assert not tree.tokens[nid, 5:].any()  # its row keeps none of the old block's tokens
+    whole = np.asarray(toks[tpb:], dtype=np.int32)
+    assert tree.best_partial(parent, whole) == (nid, 5)
+    assert tree.best_partial(parent, list(toks[tpb:])) == (nid, 5)  # item by item
+    assert tree.best_partial(parent, whole[:3]) == (nid, 3)
+    # A partial block, the only child of its parent; the lookup's tokens past its 5 are
+    # zeros.
+    top = tree.root(scope_root_key(ReuseScope(salt="zeros")))
+    other = tree.add_partial(top, [7, 7, 7, 7, 7])
+    assert tree.best_partial(top, np.asarray([7] * 5 + [0] * 3, np.int32)) == (other, 5)

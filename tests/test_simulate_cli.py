@@ -9,6 +9,7 @@ whose lines can be told apart."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -21,13 +22,14 @@ import pytest
 import kvcm_core.simulate.runner as runner
 from kvcm_core import (
     Availability,
+    ConfigError,
     KernelBackendCapabilities,
     KernelBackendSpec,
     TierIOError,
     hookimpl,
 )
 from kvcm_core.plugins import get_plugin_manager
-from kvcm_core.simulate import main
+from kvcm_core.simulate import load_config, main
 from kvcm_core.simulate.preflight import level_warnings
 from kvcm_core.testing.engine import StepReport
 from kvcm_core.testing.faults import FaultPlan, faulty_tier_spec
@@ -228,6 +230,56 @@ def test_a_stalled_scheduler_exits_3_with_the_likely_cause(tmp_path, capsys, mon
     assert "the scheduler stalled: step " in line and "no request advanced" in line
     assert "likely cause: level 0 cannot hold the pages" in line
     assert (tmp_path / "report.json").exists()
+
+
+def test_a_livelock_giving_tokens_but_no_progress_is_reported_after_stall_steps(
+        tmp_path, capsys, monkeypatch):
+    """Every step reports tokens given, yet no request's history ever gets further (as
+    when requests are recomputed over and over): the watchdog ends the run after
+    ``--stall-steps`` steps, exit 3, naming the stall."""
+    monkeypatch.setattr(runner._SimLoop, "step", lambda self: StepReport(stepped=1, tokens=1))
+    assert main([*QUICK, "--stall-steps", "40", "--out", str(tmp_path)]) == 3
+    line = _one_line(capsys.readouterr().err)
+    assert "the scheduler stalled: step 39: no request advanced" in line
+    assert "for 40 steps (stall_steps = 40;" in line
+    assert "likely cause: level 0 cannot hold the pages" in line
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["meta"]["scheduler"]["stall_steps"] == 40
+
+
+def test_stall_steps_comes_from_the_simulate_table_and_must_be_at_least_1(tmp_path, capsys):
+    assert load_config(None).scheduler.stall_steps == runner.STALL_STEPS
+    sim = load_config(_config(tmp_path, **{"stall_steps = 1000": "stall_steps = 7"}))
+    assert sim.scheduler.stall_steps == 7
+    with pytest.raises(ConfigError, match="stall_steps"):
+        load_config(_config(tmp_path, **{"stall_steps = 1000": "stall_steps = 0"}))
+    with pytest.raises(SystemExit) as exc:
+        main([*QUICK, "--stall-steps", "0", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "--stall-steps: 0: must be an int >= 1" in capsys.readouterr().err
+
+
+def test_progress_is_a_request_getting_further_than_it_ever_had_or_finishing():
+    from types import SimpleNamespace as NS
+
+    def req(rid: str, n: int) -> Any:
+        return NS(id=rid, cache=NS(history_length=n))
+
+    furthest: dict[Any, int] = {}
+    a, b = req("a", 10), req("b", 4)
+    loop = NS(running=[a, b])
+    assert runner._progressed(loop, StepReport(stepped=2), furthest)
+    assert furthest == {"a": 10, "b": 4}
+    a.cache.history_length = 0  # a recomputed from scratch
+    b.cache = None  # b preempted
+    for n in (4, 8, 10):  # tokens a had before: no progress
+        a.cache.history_length = n
+        assert not runner._progressed(loop, StepReport(stepped=1), furthest)
+    a.cache.history_length = 11
+    assert runner._progressed(loop, StepReport(stepped=1), furthest)
+    assert not runner._progressed(NS(running=[]), StepReport(resumed=[b]), furthest)
+    assert runner._progressed(NS(running=[]), StepReport(finished=[a]), furthest)
+    assert furthest == {"b": 4}
 
 
 def test_a_storage_failure_during_the_run_exits_3_naming_it(tmp_path, capsys, register):

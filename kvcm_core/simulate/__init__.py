@@ -92,6 +92,7 @@ from kvcm_core.simulate.preflight import (
 )
 from kvcm_core.simulate.report import build_report, print_report, write_json, write_plots
 from kvcm_core.simulate.runner import (
+    STALL_STEPS,
     STEP_UNITS,
     RunResult,
     SchedulerConfig,
@@ -358,6 +359,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true",
                    help="print the traceback of a failure (default: a one-line message; "
                         "report.json has the traceback either way)")
+    p.add_argument("--stall-steps", type=int_at_least(1), default=None, metavar="N",
+                   help="stall watchdog: the run fails (exit 3, naming the stuck requests "
+                        "and the likely cause) when for N engine steps in a row no request "
+                        "got further than it ever had (tokens recomputed after a preemption "
+                        "are no progress) and none finished (overrides [simulate] "
+                        f"stall_steps; default {STALL_STEPS})")
     p.add_argument("--verify-every", type=int, default=None, metavar="N",
                    help="1: check every page at every step (full; the default for the "
                         "seeded workload); N > 1: sampled verification: every page every "
@@ -560,6 +567,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings: list[str] = []
     try:
         sim = load_config(args.config, args.preset)
+        if args.stall_steps is not None:
+            sim = attrs.evolve(sim, scheduler=attrs.evolve(sim.scheduler,
+                                                           stall_steps=args.stall_steps))
         wl = sim.workload
         if args.requests is not None:
             wl = attrs.evolve(wl, requests=args.requests)

@@ -58,8 +58,10 @@ __all__ = ["STALL_STEPS", "STEP_UNITS", "RunResult", "SchedulerConfig", "Schedul
 STEP_UNITS = ("engine steps that ran, numbered from 0; idle stretches waiting for the "
               "next arrival are skipped and not counted")
 
-#: A run in which no request was given a token or finished for this many steps in a row
-#: has stalled (requests resumed and preempted again, over and over).
+#: The default of ``[simulate] stall_steps`` (``--stall-steps``): a run in which no request
+#: got further than it ever had (a token count it never reached before) and none finished,
+#: for this many engine steps in a row, has stalled: requests resumed and preempted again
+#: over and over, or given tokens and then recomputed from what they had before, for ever.
 STALL_STEPS = 1000
 
 
@@ -82,6 +84,10 @@ class SchedulerConfig:
         invariants_every: run the manager's invariant check every this many steps (0: only
             at the end).
         samples: about how many points the time series keep.
+        stall_steps: the stall watchdog: the run fails (``SchedulerStalled``) when for
+            this many engine steps in a row no request got further than it ever had (its
+            history past the most tokens it ever reached: tokens recomputed after a
+            preemption are not progress) and none finished.
     """
 
     chunk_tokens: int = 256
@@ -89,6 +95,7 @@ class SchedulerConfig:
     token_budget: int = 1024
     invariants_every: int = 100
     samples: int = 200
+    stall_steps: int = STALL_STEPS
 
 
 @attrs.define
@@ -424,7 +431,8 @@ def run_trace(
     window = [0, 0, 0]  # lookup tokens, hit tokens, manager ns since the last sample
     sample_every = max(1, int(trace_span_estimate(trace, sched) / max(1, sched.samples)))
     step = 0  # the trace's clock: arrivals; it jumps over idle gaps (see STEP_UNITS)
-    idle = 0  # steps in a row in which no request advanced
+    idle = 0  # steps in a row in which no request got further than it ever had
+    furthest: dict[Any, int] = {}  # request id -> the most tokens its history ever held
     t_start = time.perf_counter()
     at_end = False
     try:
@@ -471,9 +479,9 @@ def run_trace(
             window[0] += res.lookup_tokens - look0
             window[1] += res.hit_tokens - hit0
             window[2] += timers.step_ns
-            idle = 0 if (report.stepped or report.finished) else idle + 1
-            if idle >= STALL_STEPS or not (report.stepped or report.resumed
-                                           or report.finished):
+            idle = 0 if _progressed(loop, report, furthest) else idle + 1
+            if idle >= sched.stall_steps or not (report.stepped or report.resumed
+                                                 or report.finished):
                 raise _stalled(config, sched, loop, res.steps, idle)
             if on_step is not None:
                 corrupted = on_step(manager, loop, res.steps)
@@ -530,6 +538,25 @@ def run_trace(
     return res
 
 
+def _progressed(loop: EngineLoop, report: StepReport, furthest: dict[Any, int]) -> bool:
+    """Whether a step made progress: a request finished, or a running one's history went
+    past the most tokens it ever held (``furthest``, updated). A request given tokens it
+    had before (recomputed after a preemption) made none."""
+    progressed = bool(report.finished)
+    if report.stepped:
+        for req in loop.running:
+            cache = req.cache
+            if cache is None:
+                continue
+            n = cache.history_length
+            if n > furthest.get(req.id, 0):
+                furthest[req.id] = n
+                progressed = True
+    for req in report.finished:
+        furthest.pop(req.id, None)
+    return progressed
+
+
 def _stalled(config: KVCacheManagerConfig, sched: SchedulerConfig, loop: EngineLoop,
              step: int, idle: int) -> SchedulerStalled:
     stuck = [r.id for r in (*loop.running, *loop.suspended, *loop.waiting)]
@@ -540,7 +567,8 @@ def _stalled(config: KVCacheManagerConfig, sched: SchedulerConfig, loop: EngineL
     else:
         cause = "level 0 cannot hold the pages of the requests that run together"
     return SchedulerStalled(
-        f"step {step}: no request advanced for {max(1, idle)} steps (stuck: "
+        f"step {step}: no request advanced past the most tokens it had reached, and none "
+        f"finished, for {max(1, idle)} steps (stall_steps = {sched.stall_steps}; stuck: "
         f"{', '.join(stuck[:10])}{' ...' if len(stuck) > 10 else ''}); likely cause: "
         f"{cause} (level 0: {level0.tier}, {level0.quota} bytes; max_batch="
         f"{sched.max_batch}, token_budget={sched.token_budget}): raise the quotas or lower "

@@ -45,7 +45,6 @@ from kvcm_core.console import OutputError, atomic_output
 from kvcm_core.errors import ConfigError, PluginError
 from kvcm_core.manager import KVCacheManager
 from kvcm_core.simulate.runner import (
-    STALL_STEPS,
     SchedulerConfig,
     SchedulerStalled,
     infinite_bound,
@@ -178,7 +177,7 @@ def run_engines(config: KVCacheManagerConfig, trace: list[TraceRequest],
                 for lv, n in enumerate(st.reused_blocks_by_level):
                     res.reused_blocks_by_level[lv] += n
             idle = 0 if progressed else idle + 1
-            if idle >= STALL_STEPS:
+            if idle >= sched.stall_steps:
                 raise SchedulerStalled(f"step {res.steps}: no engine advanced for {idle} steps")
             if every and (res.steps + 1) % every == 0:
                 for m in managers:
@@ -238,6 +237,9 @@ def run_two_engine(args: argparse.Namespace, out: Path, console: Any, err: Any) 
                   "(pip install 'kvcm[redis]')", markup=False, highlight=False)
         return 2
     sim = load_config(None, "two-engine")
+    if args.stall_steps is not None:
+        sim = attrs.evolve(sim, scheduler=attrs.evolve(sim.scheduler,
+                                                       stall_steps=args.stall_steps))
     wl = sim.workload
     if args.requests is not None:
         wl = attrs.evolve(wl, requests=args.requests)
