@@ -259,10 +259,18 @@ class Mover:
                 be.copy_pages_batch([CopyTask(dr, sr, size, pairs) for dr, sr, size in parts],
                                     stream)
         each = stream is evict  # fence batch by batch (see above)
+        started = [0]  # batches whose copies were (maybe in part) queued
+
+        def counted(k: int) -> None:
+            started[0] = k + 1
+            copy(k)
+
         try:
-            numbers = f.run_batches(stream, nb, waits, copy, each)
+            numbers = f.run_batches(stream, nb, waits, counted, each)
         except BaseException:  # the caller gives the slots back: fence what was queued
-            _fence_queued(f, stream, ((src, s), (dst, d)))
+            if started[0]:  # (none queued: the slots keep the fences they had)
+                upto = ends[started[0] - 1]
+                _fence_queued(f, stream, ((src, s[:upto]), (dst, d[:upto])))
             raise
         seqs: np.ndarray | int = np.repeat(np.asarray(numbers, dtype=np.int64), per)[:n] \
             if each else numbers[-1]

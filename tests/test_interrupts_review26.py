@@ -246,7 +246,7 @@ def test_an_event_sink_interrupt_at_any_batch_leaves_the_manager_consistent(
     such a point."""
     monkeypatch.setattr(levels_mod, "_EVENT_BATCH", 1)
     points = 0
-    for at in range(1, 400):
+    for at in range(1, 2000):
         pm = KvcmPluginManager()
         sink = _InterruptingSink(at)
         pm.register(SinkPlugin(sink), name="sink")
@@ -269,6 +269,8 @@ def test_an_event_sink_interrupt_at_any_batch_leaves_the_manager_consistent(
         sink.at = 0
         m.shutdown()
         break
+    else:
+        pytest.fail("the workload queued more batches than the test tries")
     assert points > 20
 
 

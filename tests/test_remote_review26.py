@@ -133,6 +133,25 @@ def test_a_user_whose_acl_refuses_unlink_still_deletes_past_the_quota() -> None:
             assert len(_block_keys(server.url)) == 12
 
 
+def test_a_user_whose_acl_refuses_pexpire_still_writes_and_reads_the_level() -> None:
+    """The sentinel is renewed with PEXPIRE before write batches: a store that refuses the
+    command (an ACL, rename-command) keeps the sentinel without expiry, and every write
+    still lands (before, each batch failed)."""
+    with fresh_server() as server:
+        adm = redis.Redis.from_url(server.url)
+        adm.execute_command("ACL", "SETUSER", "kv", "on", ">pw", "~*", "+@all", "-pexpire")
+        url = f"redis://kv:pw@127.0.0.1:{server.port}/0"
+        with KVCacheManager(config(url)) as m:
+            for s in range(2, 5):
+                serve(m, _prompt(s), rid=s)
+                assert m.flush_remote(10.0)
+            st = m.get_remote_statistics()
+            assert st.write_failures == 0 and st.written > 0, st
+            assert len(_block_keys(server.url)) == st.written
+        with KVCacheManager(config(url)) as other:  # and another manager reads them
+            assert serve(other, _prompt(2), rid=9) > 0
+
+
 # -- deadlines -------------------------------------------------------------------------------
 
 

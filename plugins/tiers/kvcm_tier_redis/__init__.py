@@ -43,7 +43,9 @@ user without it) the connection is used all the same and the address has no ``ru
 (the tier cannot tell a restart there).
 
 Deletes use ``UNLINK``; where the server refuses it (renamed away with ``rename-command``,
-or an ACL without it) the tier uses ``DEL`` from then on.
+or an ACL without it) the tier uses ``DEL`` from then on. Likewise ``renew_many`` uses
+``PEXPIRE`` and, where that is refused, answers as ``exists_many`` from then on (nothing
+expires).
 
 Options:
     url: ``redis://[user:password@]host:port/db`` or ``rediss://...`` (TLS). Required.
@@ -403,6 +405,7 @@ class RedisTier(KeyedTier):
         self._io = cf.ThreadPoolExecutor(1, thread_name_prefix="kvcm-redis")
         self._closed = False
         self._delete = b"UNLINK"  # DEL where UNLINK is refused (see delete_many)
+        self._renew = True  # False where PEXPIRE is refused (see renew_many)
         self.timeouts = 0  # calls that ran past their deadline
         self.errors = 0  # calls that could not reach the store
 
@@ -653,10 +656,21 @@ class RedisTier(KeyedTier):
             raise ValueError(f"ttl_s={ttl_s!r}: must be seconds > 0")
         if not full:
             return np.zeros(0, dtype=bool)
+        if not self._renew:  # PEXPIRE refused before: what exists_many can say
+            return self.exists_many(keys, deadline=deadline)
         ms = b"%d" % max(1, round(ttl_s * 1000))
-        res = self._call(f"renew of {len(full)} keys",
-                         lambda c: self._run(c, full, lambda i: [b"PEXPIRE", full[i], ms]),
-                         deadline)
+        try:
+            res = self._call(f"renew of {len(full)} keys",
+                             lambda c: self._run(c, full, lambda i: [b"PEXPIRE", full[i], ms]),
+                             deadline)
+        except TierIOError as exc:
+            # PEXPIRE renamed away or refused by an ACL: keys then neither expire nor are
+            # touched, as with a store that cannot expire keys (KeyedTier's default), and
+            # the writes that renew a sentinel first go on
+            if not _refuses(self._redis, exc.__cause__, b"PEXPIRE"):
+                raise
+            self._renew = False
+            return self.exists_many(keys, deadline=deadline)
         return np.fromiter((r == 1 for r in res), dtype=bool, count=len(full))
 
     def delete_many(self, keys: Sequence[bytes], *, deadline: float) -> int:
