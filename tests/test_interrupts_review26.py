@@ -119,6 +119,15 @@ def _tables_match(b: Batch, caches: list[Any]) -> None:
         assert table[r, 0, : len(slots)].tolist() == slots, r
 
 
+def _close_batch(m: Any, b: Batch, caches: list[Any]) -> None:
+    """Every row out, every cache and the batch closed: then every slot is free."""
+    for c in caches:
+        b.remove_kv_cache(c)
+        c.close()
+    b.close()
+    assert_all_free(m)
+
+
 def test_an_interrupt_while_a_batch_resize_waits_for_the_last_upload_leaves_no_stale_table(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The batched path waits for the last upload before it writes the staging rows: an
@@ -134,11 +143,7 @@ def test_an_interrupt_while_a_batch_resize_waits_for_the_last_upload_leaves_no_s
     _tables_match(b, caches)
     assert b.resize([12, 12])
     _tables_match(b, caches)
-    for c in caches:
-        b.remove_kv_cache(c)
-        c.close()
-    b.close()
-    assert_all_free(m)
+    _close_batch(m, b, caches)
 
 
 def test_a_batch_resize_whose_fence_handover_fails_leaks_no_page(
@@ -160,11 +165,7 @@ def test_a_batch_resize_whose_fence_handover_fails_leaks_no_page(
     monkeypatch.undo()
     assert_invariants(m)
     _tables_match(b, caches)
-    for c in caches:
-        b.remove_kv_cache(c)
-        c.close()
-    b.close()
-    assert_all_free(m)
+    _close_batch(m, b, caches)
 
 
 # -- pools and snapshots ----------------------------------------------------------------------
