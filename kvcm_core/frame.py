@@ -172,11 +172,11 @@ def level_frames(config: KVCacheManagerConfig, pm: KvcmPluginManager,
     out: list[LevelFrames | None] = [None]
     layers = config.to_dict()["layers"]
     for li, level in enumerate(config.levels[1:], start=1):
-        page = pm.codec(level.codec or "raw")
+        page = pm.level_codec(level.codec or "raw", f"levels[{li}].codec")
         blob_spec = None
         if level.blob_codec is not None:
             field = f"levels[{li}].blob_codec"
-            blob_spec = pm.codec(level.blob_codec)
+            blob_spec = pm.level_codec(level.blob_codec, field)
             if blob_spec.capabilities.kind is not CodecKind.BLOB:
                 raise ConfigError(field, level.blob_codec, "must be a blob codec (such as "
                                   "'zstd' or 'lz4'); page codecs go in 'codec'")

@@ -179,7 +179,7 @@ class KVCacheManager:
                     built: dict[str, PageCodec]) -> PageCodec:
         """Cold level ``level``'s page codec (one instance per name, shared by levels)."""
         name = self.config.levels[level].codec or "raw"
-        codec_spec = pm.codec(name)  # unknown names fail here, listing the known ones
+        codec_spec = pm.level_codec(name, f"levels[{level}].codec")  # lists the known
         if codec_spec.capabilities.kind is not CodecKind.PAGE:
             raise ConfigError(f"levels[{level}].codec", codec_spec.name,
                               "must be a page codec (blob codecs are for storage tiers)")

@@ -357,6 +357,15 @@ class KvcmPluginManager:
         """The codec called ``name``."""
         return self._lookup("codec", self.codecs(), name)
 
+    def level_codec(self, name: str, field: str) -> CodecSpec:
+        """The codec a level's configuration names in ``field`` (``levels[2].codec``): a
+        :class:`ConfigError` naming the field, the name and the installed codecs when no
+        codec has that name."""
+        try:
+            return self.codec(name)
+        except PluginError as exc:
+            raise ConfigError(field, name, str(exc)) from exc
+
     def eviction_policy(self, name: str) -> EvictionPolicySpec:
         """The eviction policy called ``name``."""
         return self._lookup("eviction policy", self.eviction_policies(), name)

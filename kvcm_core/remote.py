@@ -1088,7 +1088,7 @@ def build_remote(pm: KvcmPluginManager, level: LevelConfig, index: int,
     """
     opts, tier_opts = remote_options(index, level.options)
     spec = pm.tier(level.tier)
-    page = pm.codec(level.codec or "raw")
+    page = pm.level_codec(level.codec or "raw", f"levels[{index}].codec")
     if page.capabilities.kind is not CodecKind.PAGE:
         raise ConfigError(f"levels[{index}].codec", page.name,
                           "must be a page codec (blob codecs go in 'blob_codec')")
@@ -1099,7 +1099,7 @@ def build_remote(pm: KvcmPluginManager, level: LevelConfig, index: int,
     blob = None
     outer = page
     if level.blob_codec is not None:
-        outer = pm.codec(level.blob_codec)
+        outer = pm.level_codec(level.blob_codec, f"levels[{index}].blob_codec")
         if outer.capabilities.kind is not CodecKind.BLOB:
             raise ConfigError(f"levels[{index}].blob_codec", level.blob_codec,
                               "must be a blob codec (such as 'zstd' or 'lz4')")

@@ -359,3 +359,27 @@ def test_a_bad_tier_option_is_named_under_its_level(tmp_path, options, key, valu
     assert info.value.field == f"levels[2].options.{key}"
     assert info.value.value == value
     assert "(tier 'disk')" in info.value.rule
+
+
+@pytest.mark.parametrize(("where", "level"), [
+    ("levels[1].codec", {"tier": "host", "quota": "1MiB", "codec": "nosuch"}),
+    ("levels[1].blob_codec", {"tier": "disk", "quota": "1MiB", "blob_codec": "nosuch",
+                              "options": {"mode": "blob"}}),
+])
+def test_a_level_naming_no_installed_codec_is_a_config_error_naming_the_field(
+        tmp_path, where, level):
+    """An unknown codec name is a configuration error of that level's field, listing the
+    installed codecs (it was a PluginError that named no field)."""
+    from kvcm_core import KVCacheManagerConfig
+    from kvcm_core.errors import ConfigError
+
+    if level["tier"] == "disk":
+        level["options"]["path"] = str(tmp_path)
+    cfg = KVCacheManagerConfig.from_dict({
+        "tokens_per_block": 16, "kernel_backend": "numpy",
+        "layers": [{"layer_id": 0, "buffers": [{"role": "kv", "size": 64}]}],
+        "levels": [{"tier": "gpu", "quota": "1MiB"}, level]})
+    with pytest.raises(ConfigError) as info:
+        KVCacheManager(cfg)
+    assert info.value.field == where and info.value.value == "nosuch"
+    assert "raw" in str(info.value) and "zstd" in str(info.value)  # the installed ones

@@ -508,3 +508,13 @@ def test_a_lookup_cut_short_by_its_deadline_uses_the_blocks_that_arrived_and_ski
             assert cache.history_length == 9 * TPB
             cache.close()
             assert b.get_remote_statistics().skipped == 0
+
+
+@pytest.mark.parametrize("field", ["codec", "blob_codec"])
+def test_a_shared_level_naming_no_installed_codec_is_a_config_error_naming_the_field(
+        field) -> None:
+    with fresh_server() as server:
+        with pytest.raises(ConfigError) as info:
+            KVCacheManager(config(server.url, level={field: "nosuch"}))
+        assert info.value.field == f"levels[2].{field}" and info.value.value == "nosuch"
+
