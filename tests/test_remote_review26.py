@@ -21,6 +21,22 @@ def _prompt(seed: int, blocks: int = 10) -> list[int]:
     return [seed * 100_000 + i for i in range(blocks * TPB)]
 
 
+def _fail_call(monkeypatch, tier, name: str, nth: int, message: str) -> list[int]:
+    """``tier.name(keys, deadline=...)`` raises ``TierIOError(message)`` on its ``nth``
+    call; returns the list of each call's key count."""
+    real = getattr(tier, name)
+    calls: list[int] = []
+
+    def call(keys, *, deadline):
+        calls.append(len(keys))
+        if len(calls) == nth:
+            raise TierIOError(message)
+        return real(keys, deadline=deadline)
+
+    monkeypatch.setattr(tier, name, call)
+    return calls
+
+
 def _block_keys(url: str) -> list[bytes]:
     return sorted(k for k in redis.Redis.from_url(url).keys("kvcm:*") if b":alive:" not in k)
 
@@ -341,16 +357,8 @@ def test_own_keys_whose_quota_delete_failed_stay_counted_and_are_deleted_later(
     with fresh_server() as server:
         page = 2 * 256 + 72
         with KVCacheManager(config(server.url, quota=12 * page, retry_after_s=0.0)) as m:
-            real = m.remote._writers.delete_many
-            calls: list[int] = []
-
-            def flaky(keys, *, deadline):
-                calls.append(len(keys))
-                if len(calls) == 1:
-                    raise TierIOError("redis: delete failed (injected)")
-                return real(keys, deadline=deadline)
-
-            monkeypatch.setattr(m.remote._writers, "delete_many", flaky)
+            calls = _fail_call(monkeypatch, m.remote._writers, "delete_many", 1,
+                               "redis: delete failed (injected)")
             for s in range(2, 6):
                 serve(m, _prompt(s), rid=s)
                 assert m.flush_remote(10.0)
@@ -489,16 +497,8 @@ def test_a_lookup_cut_short_by_its_deadline_uses_the_blocks_that_arrived_and_ski
             serve(a, _prompt(1))
             serve(a, _prompt(2), rid=2)
             assert a.flush_remote(10.0)
-            real = b.remote.tier.get_many
-            calls: list[int] = []
-
-            def late_second_part(keys, *, deadline):
-                calls.append(len(keys))
-                if len(calls) == 2:
-                    raise TierIOError("redis: get of 3 keys ran past its deadline (injected)")
-                return real(keys, deadline=deadline)
-
-            monkeypatch.setattr(b.remote.tier, "get_many", late_second_part)
+            calls = _fail_call(monkeypatch, b.remote.tier, "get_many", 2,
+                               "redis: get of 3 keys ran past its deadline (injected)")
             cache = b.create_kv_cache(None, _prompt(1)[:-1])
             assert cache.history_length == 3 * TPB
             cache.close()
