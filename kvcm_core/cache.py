@@ -433,12 +433,9 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             if self._published < full:
                 b0 = self._published
                 self._publish_range(b0, full, stream)
-                # The shared level gets the blocks before the first digest: lookups there
-                # read no block from it on (its keys are chained past the digest).
-                hi = self._published if not self._tokens.has_digests else \
-                    min(self._published, self._tokens.first_digest() // tpb)
-                if ctx.remote is not None and hi > b0:
-                    ctx.remote.committed(self._root_key, self._nodes[b0:hi], stream)
+                if ctx.remote is not None and self._published > b0:
+                    ctx.remote.committed(self._root_key, self._nodes[b0 : self._published],
+                                         stream)
             if self._published * tpb > self._committed:
                 self._committed = self._published * tpb
             if (ctx.config.commit_min_snapshot and ctx.ssm_groups and end % tpb == 0

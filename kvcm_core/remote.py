@@ -70,7 +70,7 @@ from kvcm_core.plugins import make_tier
 from kvcm_core.radix import KEY_HASH, extend_keys, key_cursor
 from kvcm_core.records import CodecKind
 from kvcm_core.tier import DevicePool, KeyedTier
-from kvcm_core.tokens import encode_token_ids, sliceable
+from kvcm_core.tokens import TokenLog, encode_token_ids, sliceable
 
 if TYPE_CHECKING:
     from kvcm_core.levels import Levels
@@ -302,11 +302,15 @@ def frame_key(group: int, block_key: bytes) -> bytes:
 
 
 class _Plan:
-    """One lookup: the blocks after the local match, what is local, what to ask for."""
+    """One lookup: the blocks after the local match, what is local, what to ask for.
+    ``rows``: the blocks' tokens as ``[n, tpb]`` int32 (digests by their 32-bit id);
+    ``items``: each block's exact tokens and digests when any block holds a digest, else
+    None."""
 
-    def __init__(self, b0: int, keys: list[bytes], nodes: np.ndarray, data: bytes,
-                 have: np.ndarray) -> None:
-        self.b0, self.keys, self.nodes, self.data, self.have = b0, keys, nodes, data, have
+    def __init__(self, b0: int, keys: list[bytes], nodes: np.ndarray, rows: np.ndarray,
+                 items: list[list[Any]] | None, have: np.ndarray) -> None:
+        self.b0, self.keys, self.nodes, self.have = b0, keys, nodes, have
+        self.rows, self.items = rows, items
         self.want: list[tuple[int, int]] = [
             (int(i), int(j)) for i, j in zip(*np.nonzero(~have), strict=True)]
 
@@ -604,23 +608,23 @@ class RemoteLevel:
         b0 = match.length // tpb
         if b0 >= nfull:
             return None
-        if b0 and self._tree.mm[match.nodes[:b0]].any():  # past a digest: local only
-            return None
         b1 = min(nfull, b0 + self.options.max_blocks)
-        data, mm = encode_token_ids(tokens[b0 * tpb : b1 * tpb], b0 * tpb)
-        if mm:  # the blocks before the first digest are plain: looked up as usual; from
-            # it on, blocks stay local (their keys are chained past a digest)
-            first = _first_digest(tokens, b1 * tpb)
-            b1 = first // tpb
-            if first < b0 * tpb or b1 <= b0:
-                return None
-            data, _ = encode_token_ids(tokens[b0 * tpb : b1 * tpb], b0 * tpb)
+        part = tokens[b0 * tpb : b1 * tpb]
+        data, mm = encode_token_ids(part, b0 * tpb)  # (checked: bad tokens are refused)
+        items = None
+        if mm:  # digests: their blocks' keys chain past them, as the local tree's do
+            log = TokenLog(part)
+            rows, _ = log.rows(0, len(part), tpb)
+            flat = list(log.items(0, len(part)))
+            items = [flat[i : i + tpb] for i in range(0, len(flat), tpb)]
+        else:
+            rows = np.frombuffer(data, dtype="<i4").reshape(-1, tpb)
         # The local match ended before the prompt's last full block, so its walk hashed
         # past it (a miss or a cut) and left no cursor: the key state after b0 blocks is
         # rebuilt from the prompt in one C call.
         keys: list[bytes] = []
-        extend_keys(keys, root_key, tokens[b0 * tpb : b1 * tpb], tpb, b0,
-                    key_cursor(root_key, tokens, tpb, b0))
+        last = self._tree.key(int(match.nodes[b0 - 1])) if b0 else None
+        extend_keys(keys, root_key, part, tpb, b0, key_cursor(root_key, tokens, tpb, b0, last))
         tree = self._tree
         get = tree.index.get
         nodes = np.fromiter((get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
@@ -628,7 +632,7 @@ class RemoteLevel:
         live = nodes >= 0
         if live.any():
             have[live] = tree.pages[nodes[live]][:, self._groups] >= 0
-        plan = _Plan(b0, keys, nodes, data, have)
+        plan = _Plan(b0, keys, nodes, rows, items, have)
         return plan if plan.want else None
 
     def _get_parts(self, rkeys: list[bytes], plan: _Plan, deadline: float
@@ -815,12 +819,12 @@ class RemoteLevel:
                 parent = int(match.nodes[plan.b0 - 1])
             else:
                 parent = tree.root(root_key)
-            tpb = self._tpb
-            rows = np.frombuffer(plan.data, dtype="<i4")[first_new * tpb : last * tpb]
+            rows = plan.rows[first_new:last]
+            items = None if plan.items is None else plan.items[first_new:last]
             nodes = nodes.copy()
             nodes[first_new:last] = tree.add_chain(
-                parent, plan.keys[first_new:last], rows.reshape(-1, tpb).astype(np.int32),
-                plan.b0 + first_new)
+                parent, plan.keys[first_new:last], rows, plan.b0 + first_new,
+                items is not None, items)
         out = []
         blocks_pulled: set[int] = set()
         for g, blocks, pids in placed:
@@ -1130,11 +1134,3 @@ def build_remote(pm: KvcmPluginManager, level: LevelConfig, index: int,
             except Exception:  # the first error is the one to report
                 pass
         raise
-
-
-def _first_digest(tokens: Sequence[Any], end: int) -> int:
-    """The position of the first multimodal digest among ``tokens[:end]`` (``end``: none)."""
-    for i, item in enumerate(tokens[:end]):
-        if isinstance(item, bytes | bytearray):
-            return i
-    return end

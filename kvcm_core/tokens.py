@@ -93,9 +93,6 @@ class TokenLog:
 
     def __init__(self, tokens: Sequence[Any] | np.ndarray, capacity: int = 0) -> None:
         self._list: list[Any] | None = None
-        # The first digest's position: -1 none in the list yet, None not known (a rewind
-        # cut it off: looked for again on demand).
-        self._first: int | None = -1
         self._buf = np.empty(max(64, len(tokens), capacity), dtype=np.int32)
         self._nbuf = 0  # tokens in the buffer
         self._tail: list[int] = []  # validated int tokens after the buffer
@@ -129,8 +126,6 @@ class TokenLog:
         if self._list is not None:
             items = tokens.tolist() if isinstance(tokens, np.ndarray) else \
                 frozen_items(tokens)
-            if self._first == -1:
-                self._first = _first_bytes(items, self.n)
             self._list.extend(items)
             self.n += n
             return
@@ -141,7 +136,6 @@ class TokenLog:
             data, mm = encode_tokens(tokens)
             if mm:  # digests: keep a list from now on
                 items = frozen_items(tokens)
-                self._first = _first_bytes(items, self.n)
                 self._list = [*self._buf[: self._nbuf].tolist(), *items]
                 self.n += n
                 return
@@ -162,8 +156,6 @@ class TokenLog:
     def truncate(self, n: int) -> None:
         if self._list is not None:
             del self._list[n:]
-            if self._first is not None and self._first >= n:
-                self._first = None
         else:
             self._flush()
             self._nbuf = min(self._nbuf, n)
@@ -195,20 +187,3 @@ class TokenLog:
     @property
     def has_digests(self) -> bool:
         return self._list is not None
-
-    def first_digest(self) -> int:
-        """The position of the first multimodal digest (``n``: none)."""
-        if self._list is None:
-            return self.n
-        if self._first is None:  # a rewind cut it off: look again
-            self._first = _first_bytes(self._list, 0)
-        return self.n if self._first < 0 else self._first
-
-
-def _first_bytes(items: list[Any], base: int) -> int:
-    """``base`` plus the index of the first digest among ``items`` (kept as ``bytes``:
-    :func:`frozen_items`), or -1."""
-    for i, item in enumerate(items):
-        if type(item) is bytes:
-            return base + i
-    return -1

@@ -950,57 +950,45 @@ def test_a_blob_codec_raising_a_plain_error_on_read_is_a_miss_not_an_untyped_err
             b.check_invariants()
 
 
-def test_a_prompt_with_an_image_shares_its_blocks_before_the_image_and_writes_no_later_one(
-        ) -> None:
-    """The shared level takes a multimodal prompt's blocks before its first digest (written
-    at commit, pulled at create); the blocks from the image on stay local, unwritten."""
+def _image(name: bytes) -> bytes:  # a multimodal item's digest
     import hashlib
 
-    image = hashlib.sha256(b"an image").digest()
+    return hashlib.sha256(name).digest()
+
+
+@pytest.mark.parametrize("at", [0, 3, 9])
+def test_a_multimodal_prompt_shares_every_full_block_through_the_shared_level(at: int) -> None:
+    """Blocks holding an image's digest, and those after it, are written at commit and
+    pulled at create like plain ones (their keys chain through the digest): another manager
+    reuses all of them, each page fingerprint-checked; another image at the same place
+    shares only the blocks before it."""
     plain = list(range(1000, 1000 + 9 * TPB))
-    image_last = plain + [image] * TPB + [5, 6, 7]  # 9 plain blocks, then the image's block
-    image_first = [image] * TPB + plain + [5, 6, 7]
-
-    def publish(m: KVCacheManager, tokens: list, scope: ReuseScope | None = None) -> None:
-        c = m.create_kv_cache(scope, [])
-        assert c.resume() and c.resize(len(tokens))
-        c.commit(tokens)
-        c.close()
-
+    prompt = plain[: at * TPB] + [_image(b"cat")] * TPB + plain[at * TPB :]  # 10 blocks
+    other = plain[: at * TPB] + [_image(b"dog")] * TPB + plain[at * TPB :]
     with fresh_server() as server:
         with KVCacheManager(config(server.url)) as a, KVCacheManager(config(server.url)) as b:
-            publish(a, [*plain, 5, 6, 7], ReuseScope(salt="plain"))  # 9 blocks: the unit
+            assert serve(a, prompt) == 0
             assert a.flush_remote(10.0)
-            nine = a.get_remote_statistics().writes_queued
-            assert nine > 0
-            publish(a, image_last)  # its 9 plain blocks, not the image's
-            assert a.flush_remote(10.0)
-            assert a.get_remote_statistics().writes_queued == 2 * nine
-            publish(a, image_first, ReuseScope(salt="x"))  # no block before the image
-            assert a.flush_remote(10.0)
-            assert a.get_remote_statistics().writes_queued == 2 * nine
-            assert b.probe_reuse(None, image_last, remote=True) == 9 * TPB
-            c = b.create_kv_cache(None, image_last)
-            assert c.history_length == 9 * TPB
-            c.close()
-            assert b.probe_reuse(ReuseScope(salt="x"), image_first, remote=True) == 0
+            assert a.get_remote_statistics().written == 10  # every full block
+            assert b.probe_reuse(None, prompt[:-1], remote=True) == REUSABLE
+            before = b.get_remote_statistics().hits
+            assert serve(b, prompt, rid="b") == REUSABLE  # 9 blocks, image and past it
+            assert b.get_remote_statistics().hits - before == 9
+            assert serve(b, other, rid="c") == at * TPB  # the other image is not the cat
 
 
-def test_a_prompt_whose_local_match_covers_an_image_makes_no_round_trip() -> None:
-    """Blocks past a digest are never on the shared level: a prompt whose locally matched
-    prefix holds an image looks nothing up there (multi-turn chat with an early image)."""
-    import hashlib
-
-    image = hashlib.sha256(b"an image").digest()
-    prompt = [image] * TPB + list(range(1000, 1000 + 9 * TPB)) + [5, 6, 7]
-    with fresh_server() as server, KVCacheManager(config(server.url)) as m:
-        c = m.create_kv_cache(None, [])
-        assert c.resume() and c.resize(2 * TPB)
-        c.commit(prompt[: 2 * TPB])  # local: the image's block and one plain block
-        c.close()
-        assert m.probe_reuse(None, prompt, remote=True) == 2 * TPB
-        c = m.create_kv_cache(None, prompt)
-        assert c.history_length == 2 * TPB
-        c.close()
-        st = m.get_remote_statistics()
-        assert st.lookups == st.probes == st.misses == 0, st
+def test_a_local_match_holding_an_image_is_extended_from_the_shared_level() -> None:
+    """A prompt whose locally matched prefix holds an image looks the blocks after the
+    match up on the shared level (multi-turn chat with an early image)."""
+    prompt = [_image(b"an image")] * TPB + list(range(1000, 1000 + 9 * TPB))
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url)) as a, KVCacheManager(config(server.url)) as b:
+            assert serve(a, prompt) == 0
+            assert a.flush_remote(10.0)
+            serve(b, prompt[: 2 * TPB + 1], answer=0)  # local: the image's block, one plain
+            assert 2 * TPB <= b.probe_reuse(None, prompt[:-1]) < 3 * TPB  # (a partial block)
+            assert b.probe_reuse(None, prompt[:-1], remote=True) == REUSABLE
+            before = b.get_remote_statistics().hits
+            assert serve(b, prompt, rid="b") == REUSABLE
+            st = b.get_remote_statistics()
+            assert st.lookups >= 1 and st.hits - before == 7, st  # blocks 2..8 pulled
