@@ -140,19 +140,21 @@ def test_a_partial_block_of_plain_tokens_beside_an_image_block_with_a_colliding_
     assert manager.probe_reuse(None, [1, 2, x]) == 3
 
 
-def test_the_log_knows_its_first_digest_across_appends_and_rewinds() -> None:
+def test_the_log_keeps_digests_exactly_across_appends_and_rewinds() -> None:
+    from kvcm_core.radix import token_id32
     from kvcm_core.tokens import TokenLog
 
     a, b = _digest("image A"), _digest("image B")
     log = TokenLog([1, 2, a, 3])
-    assert log.first_digest() == 2
+    assert log.has_digests and list(log.items(0)) == [1, 2, a, 3]
     log.extend([b, 4])
-    assert log.first_digest() == 2
-    log.truncate(2)  # the digest is cut off: none left
-    assert log.first_digest() == log.n == 2
-    log.extend([5, bytearray(b)])
-    assert log.first_digest() == 3
-    log.truncate(3)
-    log.extend([6, 7, b])
-    assert log.first_digest() == 5
-    assert TokenLog([1, 2, 3]).first_digest() == 3
+    log.truncate(2)  # the digests are cut off
+    assert list(log.items(0)) == [1, 2] and log.n == 2
+    log.extend([5, bytearray(b)])  # a caller's bytearray is kept as bytes
+    items = list(log.items(0))
+    assert items == [1, 2, 5, b] and type(items[3]) is bytes
+    rows, mm = log.rows(0, 4, 2)
+    assert mm and rows.tolist() == [[1, 2], [5, int(np.uint32(token_id32(b)).view(np.int32))]]
+    rows, mm = log.rows(0, 2, 2)
+    assert not mm and rows.tolist() == [[1, 2]]
+    assert not TokenLog([1, 2, 3]).has_digests
