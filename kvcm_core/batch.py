@@ -386,6 +386,7 @@ class Batch:
     def record_read(self, stream: Stream | None = None) -> None:
         """Fence the readers queued on ``stream`` so far: the next upload and any release
         of a member's pages through this batch wait for them."""
+        self._thread.check()
         self._check_open()
         event = self.backend.create_event()
         event.record(stream)
@@ -593,6 +594,7 @@ class Batch:
                 the group, or the batch has unpublished changes.
             InvalidArgumentError: not a sparse layer, or a wrong shape.
         """
+        self._thread.check()
         arena = self._arena()
         self._check_published()
         g = arena.resolve(layer_id, selected, stream)
@@ -602,6 +604,7 @@ class Batch:
                              stream: Stream | None = None) -> None:
         """Copy the units of the group's current miss list from the host pages of the
         layer's sparse buffers (``buffers``: roles, default all) into their entries."""
+        self._thread.check()
         arena = self._arena()
         g = arena.group_of(layer_id)
         arena.fetch(layer_id, buffers, self._tables[g.group].device,
@@ -615,6 +618,7 @@ class Batch:
         Raises:
             InvalidStateError: the layer shares its selection with other layers.
         """
+        self._thread.check()
         g = self._arena().group_of(layer_id)
         if len(g.layers) > 1:
             raise InvalidStateError(
@@ -652,6 +656,7 @@ class Batch:
         Raises:
             InvalidArgumentError: more units than the write-back bound (nothing written).
         """
+        self._thread.check()
         arena = self._arena()
         if len(self.dirty_rows()):
             self.publish(stream)
@@ -907,6 +912,7 @@ class Batch:
     def wait_readers(self) -> None:
         """Wait until the kernels fenced by the last :meth:`record_read` are done (a
         seated cache calls it before it releases a page)."""
+        self._thread.check()
         self._wait_readers()
 
     def _wait_readers(self) -> None:

@@ -331,6 +331,7 @@ class ResizeMixin(CacheBase):
         no scratch and no priority callback (nothing is changed: the batch takes the pages
         of many caches at once and hands them over with :meth:`batch_grow`); ``-1`` when it
         must go through :meth:`resize`."""
+        self._ctx.thread.check()
         tpb = self._tpb
         nb_new = (capacity + tpb - 1) // tpb
         if self._status is not _ACTIVE or capacity < self._history or \
@@ -351,6 +352,7 @@ class ResizeMixin(CacheBase):
         """Take ``pids`` (new level-0 pages of the cache's one group, locked once, as many
         as :meth:`batch_growth` asked for) as the blocks after the current ones, and move
         the capacity."""
+        self._ctx.thread.check()
         self._pages[self._ctx.attn_groups[0]].extend(pids)
         self.stats.allocated_blocks += len(pids)  # type: ignore[attr-defined]
         self.stats.newly_allocated_blocks += len(pids)  # type: ignore[attr-defined]

@@ -340,15 +340,19 @@ class LevelIO:
                 self._running = job
                 self._batch = batch
                 self._started = time.monotonic()
-            # Writes already on the tier's threads go first: this job was queued after them.
-            self._await_native(max(j.after for j in batch))
-            if job.rows is not None:  # one write for the batch (of one or more)
-                self._write_merged(batch)
-            else:
-                try:
+            try:
+                # Writes already on the tier's threads go first: this job was queued after
+                # them.
+                self._await_native(max(j.after for j in batch))
+                if job.rows is not None:  # one write for the batch (of one or more)
+                    self._write_merged(batch)
+                else:
                     job.fn()
-                except BaseException as exc:  # handed to the waiter, never lost
-                    job.error = exc
+            except BaseException as exc:  # handed to the waiters, never lost; the thread
+                for j in batch:  # goes on with the next job
+                    j.error = exc
+                    if j.rows is not None:  # not written: its slots read as failed
+                        self._mark_bad(j.target[0], j.target[1], 1)  # type: ignore[index]
             with self._lock:
                 self._running = None
                 self._batch = []
@@ -716,9 +720,11 @@ class LevelIO:
 
     @property
     def background_in_flight(self) -> int:
-        """Background write batches queued or running (at most ``write_queue_depth``)."""
-        self._reap()
-        return len(self._background)
+        """Background write batches queued or running (at most ``write_queue_depth``). It
+        changes nothing, so any thread may read it (the scheduler's own look, ``_reap``,
+        pops the finished ones)."""
+        return sum(not (job.done.is_set() or (job.handle is not None and job.handle.done()))
+                   for job in tuple(self._background))  # (a copy in one C call)
 
     def _reap(self) -> None:
         bg = self._background

@@ -16,7 +16,9 @@ them, skipping a level too small for them), and :meth:`Levels.make_room` then fr
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -1214,8 +1216,9 @@ class Levels:
             raise AssertionError("locks + holds != references of open caches: " + "; ".join(
                 f"{a.describe(int(p))}: {int(want[p])} references" for p in bad[:5]))
 
-    def close(self) -> None:
-        """Close every pool, tier and the mover, each even when an earlier one failed.
+    def close(self, deliver: bool = True) -> None:
+        """Close every pool, tier and the mover, each even when an earlier one failed
+        (``deliver``: queued events go to the sinks first; else they are dropped).
 
         Raises:
             TierIOError: something could not be closed (every failure is listed); what
@@ -1232,7 +1235,8 @@ class Levels:
             except BaseException as exc:  # an interrupt (a sink's KeyboardInterrupt):
                 interrupts.append(exc)  # everything is released first, then it goes on
 
-        attempt("event sinks", self.flush_events)
+        if deliver:
+            attempt("event sinks", self.flush_events)
         attempt("copies in flight", self.mover.fences.synchronize)
         # Storage levels close on their I/O threads, all within one deadline: what is
         # stuck then is abandoned (its thread closes the files once it returns).
@@ -1267,6 +1271,21 @@ class Levels:
             raise interrupts[0] from error
         if error is not None:
             raise error
+
+
+def release_dropped(levels: Levels, remote: Any) -> None:
+    """``weakref.finalize``'s callback for a manager collected without ``shutdown()``:
+    its remote level and levels are closed on a thread of their own (a collection may run
+    on any thread, kvcm's I/O threads included, and must not wait there), queued events
+    undelivered. Failures are ignored: nobody is left to tell."""
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            if remote is not None:
+                remote.close()
+        with contextlib.suppress(Exception):
+            levels.close(deliver=False)
+
+    threading.Thread(target=run, name="kvcm-release", daemon=True).start()
 
 
 def _allocate(make: Callable[[], Any], field: str, quota: int | None) -> Any:

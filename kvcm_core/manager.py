@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ from kvcm_core.errors import (
 from kvcm_core.frame import level_frames
 from kvcm_core.kinds import make_kind
 from kvcm_core.layout import BufferAttr, PageIndexConverter, StorageLayout
-from kvcm_core.levels import Levels
+from kvcm_core.levels import Levels, release_dropped
 from kvcm_core.lifecycle import LifeCycleRegistry
 from kvcm_core.matching import Match, match_prefix
 from kvcm_core.plugins import KvcmPluginManager, get_plugin_manager, make_tier
@@ -153,12 +154,14 @@ class KVCacheManager:
             scratch_scales=scratch_scales, scratch_max_blocks=scratch_max,
             on_close=self._forget_cache, owner=self, thread=self.thread_guard,
             remote=self.remote)
+        # Collected without shutdown(): threads, files and memory released (not at exit).
+        self._finalizer = weakref.finalize(self, release_dropped, self.storage_levels, self.remote)
+        self._finalizer.atexit = False
 
     def _build_tiers(self, pm: KvcmPluginManager, tiers: list[Tier]) -> list[PageCodec | None]:
-        """Build each level's tier into ``tiers`` (so that a failure part way leaves the
-        caller what to close) and return each level's page codec (None on level 0; a cold
-        level without one uses ``raw``). Cold levels may use different codecs: a move
-        between two of them transcodes (:class:`~kvcm_core.migration.Mover`)."""
+        """Build each level's tier into ``tiers`` (a failure part way leaves the caller what
+        to close); return each level's page codec (None on level 0; a cold level without
+        one uses ``raw``; a move between two codecs transcodes: see migration.Mover)."""
         config = self.config
         codecs: list[PageCodec | None] = []
         built: dict[str, PageCodec] = {}
@@ -275,8 +278,7 @@ class KVCacheManager:
         return self.storage_levels.statistics(self.storage_levels.check_level(level))
 
     def get_and_reset_iteration_stats(self) -> IterationStats:
-        """Counters since the last call; also flushes pending events to the sinks.
-        ``InvalidStateError`` after ``shutdown()`` (which sent the last events)."""
+        """Counters since the last call; flushes pending events (see :meth:`flush_events`)."""
         self.thread_guard.check()
         self._check_open()
         self.storage_levels.flush_events()
@@ -288,9 +290,8 @@ class KVCacheManager:
         return self.storage_levels.event_sink_errors
 
     def flush_events(self) -> None:
-        """Deliver pending events to the event sinks (a raising sink is counted in
-        :attr:`event_sink_errors`, never propagated). ``InvalidStateError`` after
-        ``shutdown()`` (which sent the last events)."""
+        """Deliver pending events to the sinks (one that raises is counted in
+        :attr:`event_sink_errors`, not propagated). InvalidStateError after shutdown()."""
         self.thread_guard.check()
         self._check_open()
         self.storage_levels.flush_events()
@@ -428,8 +429,7 @@ class KVCacheManager:
 
     @property
     def scratch_max_blocks(self) -> dict[int, int]:
-        """SWA scratch group -> the most scratch blocks ``max_scratch_slots`` hold (a
-        copy)."""
+        """SWA scratch group -> most scratch blocks ``max_scratch_slots`` hold (a copy)."""
         return dict(self._ctx.scratch_max_blocks)
 
     def clear_reusable_blocks(self) -> None:
@@ -477,6 +477,7 @@ class KVCacheManager:
             raise InvalidStateError(
                 f"shutdown() refused: {len(self._open)} caches are open; close them first")
         self._closed = True  # set first: a failure below never leaves it half shut
+        self._finalizer.detach()
         try:
             self.storage_levels.removed_at_shutdown()  # queued: close's flush delivers them
             if self.remote is not None:

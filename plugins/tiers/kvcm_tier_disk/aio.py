@@ -219,12 +219,30 @@ def data_address(array: np.ndarray) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(array))
 
 
+#: Every NativeWrite glibc may still be using: its control blocks and rows must outlive
+#: the owner that drops it unfinished (a manager collected without ``shutdown()``), or
+#: glibc would write a status into, and read rows from, freed memory. A handle leaves the
+#: set when :meth:`NativeWrite.done` first sees it finished; handles nobody looks at
+#: again are looked at here once the set has doubled.
+_LIVE: set[NativeWrite] = set()
+_prune_at = 64
+
+
+def _keep_alive(handle: NativeWrite) -> None:
+    global _prune_at
+    if len(_LIVE) >= _prune_at:
+        for h in tuple(_LIVE):  # (a copy: another thread's done() may discard meanwhile)
+            h.done()
+        _prune_at = max(64, 2 * len(_LIVE))
+    _LIVE.add(handle)
+
+
 class NativeWrite:
     """Writes handed to glibc's own AIO threads (``lio_listio`` with ``LIO_NOWAIT``):
     ``sizes[i]`` bytes at ``addresses[i]`` to file offset ``offsets[i]``, one request per
     run. The call returns at once, and the writes run on threads that never take Python's
-    interpreter lock. ``keep`` (the rows) is held until the writes are done; a handle
-    still unfinished when dropped must be kept alive by its owner.
+    interpreter lock. ``keep`` (the rows) is held until the writes are done, also when
+    the handle is dropped unfinished (see ``_LIVE``).
 
     :meth:`done` reads each request's status from memory (no system call). A request
     that glibc could not queue counts as failed."""
@@ -262,6 +280,7 @@ class NativeWrite:
         self._refused = 0
         self._settled = False
         assert _posix.lio is not None
+        _keep_alive(self)  # (before glibc has the control blocks)
         if _posix.lio(_LIO_NOWAIT, self._list, n, None) != 0:
             self._refused = ctypes.get_errno() or errno.EAGAIN  # some may still run
 
@@ -276,6 +295,7 @@ class NativeWrite:
             return False
         _posix.suspend(self._list, self._n, _posix.no_wait_at)
         self._settled = True
+        _LIVE.discard(self)
         return True
 
     def error(self) -> str | None:
