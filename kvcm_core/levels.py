@@ -582,7 +582,11 @@ class Levels:
         except FrameCheckFailed as exc:
             good = np.ones(len(pids), dtype=bool)
             good[exc.positions] = False
-            self.discard_corrupt(src, pids[~good], queued)
+            try:
+                self.discard_corrupt(src, pids[~good], queued)
+            except BaseException:  # a sink's interrupt: nothing arrived in dst
+                dst.unreserve_slots(reserved)
+                raise
             # Dropping a corrupt page frees the droppable pages below it: some good ones.
             keep = good & (a.store[pids] == src.index)
             dst.unreserve_slots(slots[~keep])
@@ -639,13 +643,14 @@ class Levels:
         owned = (a.locks[pids] > 0) | (a.holds[pids] > 0)
         if not owned.all():
             self.drop(store, pids[~owned], queued=queued)
-        held = pids[owned]
-        if not queued and len(held):
-            store.requeue(held)  # lose() takes pages out of their queue
-        for pid in held.tolist():
+        # One by one, each marked before lose() delivers its events (a sink's interrupt
+        # there leaves the rest popped, as the caller expects, and resume names the block).
+        for pid in pids[owned].tolist():
             if a.store[pid] == store.index:
-                self.lose(pid)
+                if not queued:
+                    store.requeue(np.array([pid], dtype=np.int64))  # lose() unqueues it
                 self.corrupt_ids.add(pid)
+                self.lose(pid)
 
     def _count_moves(self, pids: np.ndarray, from_level: int, to_level: int) -> None:
         if len(self.life_cycles) == 1:
