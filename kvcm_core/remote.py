@@ -1059,10 +1059,16 @@ class RemoteLevel:
         with self._lock:
             self._closing = True
             self._lock.notify_all()
+        # Each batch: its write and, at worst, the sentinel's renewal and rewrite.
         pending = -(-len(self._queue) // _WRITE_BATCH) + 1
-        self._thread.join(timeout=min(pending * self.options.write_deadline_s + 1.0,
+        self._thread.join(timeout=min(3 * pending * self.options.write_deadline_s + 1.0,
                                       threading.TIMEOUT_MAX))
         errors = []
+        if self._thread.is_alive():  # stuck past every deadline: the rest is abandoned
+            with self._lock:
+                self.stats.writes_dropped += len(self._queue)
+                self._queue.clear()
+                self._queue_bytes = 0
         if self._sentinel_set:  # the sentinel is this manager's alone: not left behind
             try:
                 self._writers.delete_many([self._sentinel], deadline=time.monotonic() + 1.0)

@@ -518,3 +518,38 @@ def test_a_shared_level_naming_no_installed_codec_is_a_config_error_naming_the_f
             KVCacheManager(config(server.url, level={field: "nosuch"}))
         assert info.value.field == f"levels[2].{field}" and info.value.value == "nosuch"
 
+
+
+def test_shutdown_with_a_writer_stuck_past_its_deadlines_abandons_the_queue_and_counts_it(
+        monkeypatch) -> None:
+    """A store call that ignores its deadline: shutdown waits a bounded time (each queued
+    batch's write and sentinel renewal), then gives the queued writes up, counted in
+    ``writes_dropped``, instead of closing the connections under a writer that would
+    drop them unsaid."""
+    import threading
+
+    with fresh_server() as server:
+        m = KVCacheManager(config(server.url, write_deadline_s=0.2))
+        release = threading.Event()
+        stuck = threading.Event()
+
+        def put_many(keys, values, *, deadline):
+            stuck.set()
+            release.wait(30)  # past every deadline
+            return [False] * len(keys)
+
+        monkeypatch.setattr(m.remote._writers, "put_many", put_many)
+        try:
+            serve(m, _prompt(2), rid=2)
+            assert stuck.wait(10)  # the writer holds the first batch
+            for s in range(3, 6):
+                serve(m, _prompt(s), rid=s)
+            dropped = m.get_remote_statistics().writes_dropped
+            t0 = time.monotonic()
+            m.shutdown()
+            took = time.monotonic() - t0
+        finally:
+            release.set()
+        st = m.get_remote_statistics()
+        assert took < 10, took
+        assert st.writes_dropped - dropped >= 3 * 9, st  # the three later prompts' blocks
