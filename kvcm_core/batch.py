@@ -27,6 +27,7 @@ Design choices (see docs/batch.md):
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
 from collections.abc import Sequence
@@ -41,6 +42,7 @@ from kvcm_core.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
     InvalidStateError,
+    KvcmError,
     OutOfPagesError,
 )
 from kvcm_core.manager import KVCacheManager
@@ -398,7 +400,8 @@ class Batch:
         """Resize members by row, then publish once.
 
         ``capacities`` and ``history_lengths`` have ``max_rows`` entries indexed by row;
-        entries of empty rows are ignored, ``-1`` leaves a row unchanged, and
+        entries of empty rows are ignored, ``-1`` leaves a row unchanged (a capacity of
+        ``-1`` with a history keeps the row's capacity and moves its history), and
         ``history_lengths=None`` leaves every history unchanged. Each row succeeds or rolls
         back on its own (``cache.resize``); the result is one bool per row (``True`` for
         rows left unchanged). A row whose ``cache.resize`` raises (its
@@ -425,6 +428,10 @@ class Batch:
         hist = None if history_lengths is None else self._per_row("history_lengths",
                                                                    history_lengths)
         rows = self._rows
+        if hist is not None:  # a history without a capacity keeps the row's capacity
+            for r, c in enumerate(rows):
+                if c is not None and caps[r] == -1 and hist[r] != -1:
+                    caps[r] = c.capacity
         for r, c in enumerate(rows) if max(caps) > self._max_tokens else ():
             if c is not None and caps[r] > self._max_tokens:  # it can never fit: an error
                 raise InvalidArgumentError(
@@ -455,8 +462,11 @@ class Batch:
         except BaseException:
             # A row's resize raised (its priority_callback, an interrupt): that row is
             # unchanged, the rows resized before it stay resized; publish them, so that
-            # the tables match the members, then let the exception go on.
-            self.publish(stream)
+            # the tables match the members, then let the exception go on (never one the
+            # publish raises: a member grown past the batch's bounds behind its back
+            # keeps the batch unpublished, see publish).
+            with contextlib.suppress(KvcmError):
+                self.publish(stream)
             raise
         self.publish(stream)
         return out
@@ -1006,6 +1016,9 @@ class Batch:
             raise InvalidArgumentError(f"{name}: must have max_rows={self.max_rows} entries "
                                        f"indexed by row, got shape {arr.shape}")
         out = arr.astype(np.int64).tolist()
+        if arr.dtype.kind != "b" and not isinstance(values, np.ndarray) and \
+                any(type(v) is bool or isinstance(v, np.bool_) for v in values):
+            raise ArgumentTypeError(f"{name}: must hold ints, got a bool")
         bad = [v for v in out if v < -1]
         if bad:
             raise InvalidArgumentError(f"{name}: entry {bad[0]} must be >= 0 (or -1: "

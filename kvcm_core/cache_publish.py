@@ -146,13 +146,16 @@ class PublishMixin(CacheBase):
             if theirs < 0:
                 L.publish(np.asarray([mine]), np.asarray([nid]), g)
             elif a.level[theirs] == 0 and a.node[mine] < 0:
-                # Rebase onto the identical tree block and free our copy. The engine's
-                # next kernels read it on ``stream``: after a copy still bringing it in.
+                # Rebase onto the identical tree block and free our copy. Kernels fenced
+                # by a Batch's record_read may still read ours: waited for first, so an
+                # interrupt there changes nothing. The engine's next kernels read theirs
+                # on ``stream``: after a copy still bringing it in.
+                self._wait_readers()
                 L.wait_pages(stream, np.asarray([theirs]))
                 L.claim(np.asarray([theirs]), 1, 0)  # shared now: see demote_leaf
                 a.reused[theirs] = True
                 pages_g[b] = theirs
-                self._unlock(np.asarray([mine]))
+                L.change(np.asarray([mine]), -1, 0)
                 L.stats.groups[g].rebased_blocks += 1
                 self._changed()
 
@@ -188,15 +191,17 @@ class PublishMixin(CacheBase):
                 snap = L.take(g, 1)
             except OutOfPagesError:  # a write of held pages below failed: no snapshot
                 continue
+            # (The snapshot page is in no Batch table: its lock goes without waiting for
+            # the Batch's readers.)
             if not self._tree.live(np.asarray([nid]))[0]:
                 # Making room evicted the node's last page and the node went with it.
-                self._unlock(snap)
+                L.change(snap, -1, 0)
                 return
             try:
                 L.copy_blocks(g, snap, np.asarray([live]), stream)
                 L.publish(snap, np.asarray([nid]), g)
             finally:  # (an error in the copy or an event sink: the page is not leaked)
-                self._unlock(snap)
+                L.change(snap, -1, 0)
 
     def _publish_tail(self) -> int:
         """Publish the trailing partial block; returns the node ending at the cache's

@@ -223,15 +223,24 @@ class ResizeMixin(CacheBase):
                 del pages[g][nb_new:]
         if self._beams and history < self._history:
             self._unshare(unshare, history, prios, stream)
-        self._grow_beams(grow, prios)
-        for g, blocks in grow.items():
-            if plan is None:
-                self._pages[g].extend(self._new_pages(g, blocks, prios))
-                continue
-            pages_g = self._pages[g]  # scratch blocks stay -1
-            pages_g.extend([-1] * (nb_new - len(pages_g)))
-            for b, pid in zip(blocks, self._new_pages(g, blocks, prios), strict=True):
-                pages_g[b] = pid
+        views = self._beam_views()
+        lens = [{g: len(pages[g]) for g in grow} for pages, _ in views]
+        try:
+            self._grow_beams(grow, prios)
+            for g, blocks in grow.items():
+                if plan is None:
+                    self._pages[g].extend(self._new_pages(g, blocks, prios))
+                    continue
+                pages_g = self._pages[g]  # scratch blocks stay -1
+                pages_g.extend([-1] * (nb_new - len(pages_g)))
+                for b, pid in zip(blocks, self._new_pages(g, blocks, prios), strict=True):
+                    pages_g[b] = pid
+        except BaseException:  # (an interrupt, a device error) no beam keeps part of the
+            for (pages, _), n in zip(views, lens, strict=True):  # growth: the row is as
+                for g, k in n.items():  # before it (in no table yet: no reader to wait)
+                    self._levels.change(_arr([p for p in pages[g][k:] if p >= 0]), -1, 0)
+                    del pages[g][k:]
+            raise
         if history < self._tokens.n:
             self._tokens.truncate(history)
             if len(self._keys) > history // tpb:
