@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -68,6 +69,10 @@ class IndexMode(enum.Enum):
     PER_LAYER = "per_layer"
 
 
+#: Entries of one page table at most (kernels index a table with int32).
+_MAX_TABLE_ENTRIES = (1 << 31) - 1
+
+
 def _count(name: str, value: Any, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise ArgumentTypeError(f"{name}={value!r}: must be an int")
@@ -91,7 +96,7 @@ class _Table:
     @classmethod
     def make(cls, backend: KernelBackend, shape: tuple[int, ...], fill: int,
              staged: bool = True) -> _Table:
-        nbytes = int(np.prod(shape)) * 4
+        nbytes = math.prod(shape) * 4  # (Python ints: never wraps)
         device = backend.alloc_device(nbytes)
         init = np.full(shape, fill, dtype=np.int32)
         backend.write(device, 0, init.reshape(-1).view(np.uint8))
@@ -151,6 +156,12 @@ class Batch:
         self.max_beam_width = _count("max_beam_width", max_beam_width)
         self.max_total_input_tokens = None if max_total_input_tokens is None else _count(
             "max_total_input_tokens", max_total_input_tokens)
+        entries = self.max_rows * self.max_beam_width * self.max_blocks_per_row
+        if entries > _MAX_TABLE_ENTRIES:
+            raise InvalidArgumentError(
+                f"max_rows={self.max_rows} x max_beam_width={self.max_beam_width} x "
+                f"max_blocks_per_row={self.max_blocks_per_row} = {entries} page table "
+                f"entries: at most {_MAX_TABLE_ENTRIES} (kernels index them with int32)")
         self.manager = manager
         self._thread = manager.thread_guard
         self.backend: KernelBackend = manager.backend

@@ -231,3 +231,20 @@ def test_batch_resize_refuses_a_bool_among_ints() -> None:
     assert c.capacity == 4
     b.close()
     _nothing_leaks(m)
+
+
+@pytest.mark.parametrize(("rows", "beams", "blocks"), [
+    (1 << 16, 1, 1 << 16), (1 << 40, 2, 1 << 40), (3, 1 << 62, 1 << 62)])
+def test_a_batch_whose_tables_cannot_be_indexed_is_refused_naming_the_sizes(
+        rows: int, beams: int, blocks: int) -> None:
+    """Sizes whose table has more entries than an int32 index reaches: an
+    InvalidArgumentError naming them, before anything is allocated (the byte count used
+    to wrap around in int64, then allocations failed with raw errors)."""
+    from kvcm_core import InvalidArgumentError
+
+    m = _manager(beams=1)
+    with pytest.raises(InvalidArgumentError, match=f"max_rows={rows} x max_beam_width="
+                       f"{beams} x max_blocks_per_row={blocks}"):
+        Batch(m, max_rows=rows, max_blocks_per_row=blocks, max_beam_width=beams)
+    Batch(m, max_rows=64, max_blocks_per_row=1024, max_beam_width=2).close()  # fits
+    m.shutdown()
