@@ -398,6 +398,10 @@ class EngineLoop:
                 if self.suspended else None
         return report
 
+    #: The history moves of a speculative step, in order (a test drops "rewind" to show
+    #: that the fingerprint check finds the rejected drafts' KV).
+    REWIND_PHASES: tuple[str, ...] = ("forward", "rewind")
+
     def _want(self, req: Request, hist: int) -> int:
         """Tokens ``req`` asks for this step (before the step's token budget): a prefill
         chunk, or one decode token plus its drafts on a speculative step."""
@@ -436,7 +440,7 @@ class EngineLoop:
         token, then rewind it to the accepted ones (one Batch.resize for each with
         ``batch_ops``, else each cache's ``resize``). Refusals here are bugs (no page is
         needed): they raise."""
-        for phase in ("forward", "rewind"):
+        for phase in self.REWIND_PHASES:
             targets = [(req, cap if phase == "forward" else accepted[id(req)])
                        for req, cap in spec]
             if self.batch_ops and self.batch is not None:
