@@ -155,9 +155,11 @@ def test_a_model_with_ssm_layers_refuses_rewinds_in_the_engine() -> None:
 # -- fault injection: each new path, corrupted, fails the check ------------------------------
 
 
-def _moved_row_corrupter(manager: KVCacheManager, loop: EngineLoop) -> None:
+def _moved_row_corrupter(manager: KVCacheManager, loop: EngineLoop,
+                         index: bool = False) -> None:
     """After each Batch.move, the next publish leaves one wrong slot id in the moved row's
-    device table (block 0 of the first full-attention group)."""
+    device table (block 0 of the first full-attention group), or with ``index`` one wrong
+    page index in its registered index table of layer 0's ``kv`` buffer."""
     batch = loop.batch
     assert batch is not None
     group = manager.get_buffer_group_id(0, "kv")
@@ -174,7 +176,7 @@ def _moved_row_corrupter(manager: KVCacheManager, loop: EngineLoop) -> None:
         while moved:
             row = moved.pop()
             if batch.members[row] is not None and batch.read_num_blocks(group)[row] > 0:
-                table = batch.page_table(group)
+                table = batch.index_table(0, "kv") if index else batch.page_table(group)
                 table[row, 0, 0] = (int(table[row, 0, 0]) + 1) % slots
                 loop.kvcm_corrupted_rows = getattr(loop, "kvcm_corrupted_rows", 0) + 1
         return n
@@ -187,6 +189,14 @@ def test_a_wrong_entry_in_a_moved_rows_device_table_fails_the_batch_check() -> N
     sched, cfg, trace = _setup()
     with pytest.raises(FingerprintMismatch, match="device table differs from the cache's"):
         run_trace(cfg, trace, sched, on_step=_installing(_moved_row_corrupter))
+
+
+def test_a_wrong_entry_in_a_moved_rows_index_table_fails_the_batch_check() -> None:
+    sched, cfg, trace = _setup()
+    with pytest.raises(FingerprintMismatch, match="index table of layer 0/kv beam 0: the "
+                                                  "device table differs"):
+        run_trace(cfg, trace, sched, on_step=_installing(
+            lambda m, loop: _moved_row_corrupter(m, loop, index=True)))
 
 
 def test_the_page_check_reads_through_the_moved_rows_table(monkeypatch) -> None:

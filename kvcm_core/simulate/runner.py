@@ -92,7 +92,8 @@ class SchedulerConfig:
             history past the most tokens it ever reached: tokens recomputed after a
             preemption are not progress) and none finished.
         batch_ops: the engine grows its rows with ``Batch.resize`` and compacts them with
-            ``Batch.move``, checking the batch's tables after every publish
+            ``Batch.move``, registers every attention buffer's index table, and checks the
+            batch's tables (base and index) after every publish
             (:class:`~kvcm_core.testing.engine.EngineLoop`).
         rewind_every, rewind_draft: speculative decoding with rewinds (0: off). A model
             with SSM layers cannot rewind: ``kvcm simulate`` then runs them in a
@@ -468,7 +469,8 @@ def run_trace(
     res.by_kind = {k: [0, 0] for k in kinds_of(trace)}
     loop = _SimLoop(manager, chunk_tokens=sched.chunk_tokens, max_batch=sched.max_batch,
                     token_budget=sched.token_budget, check=check,
-                    batch_ops=sched.batch_ops, rewind_every=sched.rewind_every,
+                    batch_ops=sched.batch_ops, index_tables=sched.batch_ops,
+                    rewind_every=sched.rewind_every,
                     rewind_draft=sched.rewind_draft)
     timers = _Timers()
     sampler = _Sampler(verify_every) if check and verify_every > 1 else None

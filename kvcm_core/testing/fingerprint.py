@@ -311,8 +311,10 @@ class FingerprintEngine:
         every row and cache group, the block count and every beam's row of the device
         table (what a kernel reads) equal the seated cache's ``get_base_page_indices``,
         entries past them are ``BAD_PAGE_INDEX``; an empty row has 0 blocks and ``BAD``
-        everywhere. Call it right after a publish (the tables are read back from the
-        device).
+        everywhere. Every registered index table's row equals the cache's page table
+        converted here (the buffer's page-index converter, SWA scratch included), ``BAD``
+        past it and in empty rows. Call it right after a publish (the tables are read back
+        from the device).
 
         Raises:
             FingerprintMismatch: naming the row, the cache and the group.
@@ -349,6 +351,31 @@ class FingerprintEngine:
                             f"batch row {row} (cache {cache.id!r}) group {g} beam {beam}: "
                             f"the device table differs from the cache's page table at "
                             f"block {at} (device {got[beam, at:at + 4].tolist()}, cache "
+                            f"{want[at:at + 4].tolist()})")
+        for buf in self.buffers:  # the registered index tables: converted here, compared
+            key = (buf.layer_id, buf.role)
+            if buf.is_ssm or not batch.has_index_table(*key):
+                continue
+            index = batch.read_index_table(*key)
+            for row, cache in enumerate(members):
+                got = index[row]
+                width = 0 if cache is None else cache.beam_width
+                for beam in range(got.shape[0]):
+                    want = np.zeros(0, dtype=np.int64) if beam >= width else \
+                        np.asarray(self._conv[key].convert(
+                            np.asarray(cache.get_base_page_indices(buf.group, beam)),
+                            self._scratch_desc(cache, buf.group)))
+                    n = want.size
+                    if not (np.array_equal(got[beam, :n], want)
+                            and np.all(got[beam, n:] == BAD_PAGE_INDEX)):
+                        bad = np.flatnonzero(got[beam, :n] != want)
+                        at = int(bad[0]) if bad.size else n
+                        who = "empty" if cache is None else f"cache {cache.id!r}"
+                        raise FingerprintMismatch(
+                            f"batch row {row} ({who}) index table of layer {buf.layer_id}/"
+                            f"{buf.role} beam {beam}: the device table differs from the "
+                            f"cache's converted page table at entry {at} (device "
+                            f"{got[beam, at:at + 4].tolist()}, expected "
                             f"{want[at:at + 4].tolist()})")
 
     def _index(self, cache: Any, buf: _Buffer, beam: int, nb: int) -> np.ndarray:
