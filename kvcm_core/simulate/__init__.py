@@ -130,8 +130,10 @@ class SimulateConfig:
 
 
 #: Embedded configurations ``--preset`` names: ``default`` (a small hybrid model),
-#: ``sparse`` (sparse-attention layers sharing one selection, beside a dense one) and
-#: ``two-engine`` (two managers sharing a Redis level: :mod:`kvcm_core.simulate.two_engine`).
+#: ``sparse`` (sparse-attention layers sharing one selection, beside a dense one),
+#: ``two-engine`` (two managers sharing a Redis level: :mod:`kvcm_core.simulate.two_engine`)
+#: and ``hybrid`` (SWA and SSM layers, a lossy disk level, multimodal prompts, the engine's
+#: Batch.resize / Batch.move and speculative rewinds: ``hybrid.toml``).
 PRESETS = ("default", "sparse", "two-engine", "hybrid")
 
 
@@ -346,6 +348,9 @@ def _parser() -> argparse.ArgumentParser:
                           "embedded preset)")
     src.add_argument("--preset", choices=PRESETS, default="default",
                      help="an embedded configuration: default (a small hybrid model), "
+                          "hybrid (full attention, SWA with sinks and an SSM layer; an int8 "
+                          "disk level; images in prompts; Batch.resize and Batch.move; "
+                          "speculative rewinds in a companion run without the SSM layer), "
                           "sparse (sparse-attention layers with one shared top-k selection "
                           "that drifts step to step) or two-engine (two managers serving "
                           "alternate turns, sharing a Redis level on a redis-server the run "

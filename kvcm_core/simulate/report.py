@@ -234,6 +234,8 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     for note in report["meta"].get("notes", []):
         console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     ver = {**report.get("verification_mode", {}), **report["verification"]}
+    if report.get("speculative") is not None:
+        cols = [*cols, report["speculative"]]
     if ver["ok"] and ver.get("mode", "full") == "full":
         steps = sum(r["verification"]["steps_checked"] for r in cols)
         console.print(f"[green]verified (full):[/] every page checked at every step "
