@@ -15,6 +15,7 @@ import attrs
 import numpy as np
 import pytest
 
+from kvcm_core.batch import Batch
 from kvcm_core.config import AttentionLayerConfig, KVCacheManagerConfig, SsmLayerConfig
 from kvcm_core.manager import KVCacheManager
 from kvcm_core.simulate import _fit_levels, _manager_config, _speculative, load_config, main
@@ -345,3 +346,34 @@ def test_a_manager_that_ignored_digests_would_fail_the_check() -> None:
             loop.run([b])
         assert b.reused > 32
         loop.close_all()
+
+
+def test_a_one_group_model_takes_the_batch_resize_fast_path_and_verifies() -> None:
+    # One full-attention group: Batch.resize grows the rows together, staging them in
+    # place (docs/batch.md, "The decode step's fast path"), between moves and rewinds.
+    sim = load_config(None, "hybrid")
+    kvcm = {**sim.kvcm, "max_rewind_len": 4, "commit_min_snapshot": False,
+            "layers": [{"layer_id": 0, "buffers": [{"role": "kv", "size": 256}]}],
+            "levels": [{"tier": "gpu", "quota": "4MiB"}, {"tier": "host", "quota": "8MiB"}]}
+    cfg = KVCacheManagerConfig.from_dict(kvcm)
+    trace = generate_trace(attrs.evolve(sim.workload, requests=24), 1)
+    ws = working_set(trace, cfg)
+    quota = 2 * (ws["largest_request_blocks"] + 1) * ws["bytes_per_block"]
+    cfg = attrs.evolve(cfg, levels=type(cfg.levels)([
+        attrs.evolve(cfg.levels[0], quota=quota), cfg.levels[1]]))
+    sched = attrs.evolve(sim.scheduler, rewind_every=2, rewind_draft=4)
+    with KVCacheManager(cfg) as m:
+        assert Batch(m, 1, 1)._one_group  # (the fast path's condition)
+    patched: list[int] = []
+    publish = Batch.publish
+
+    def counting_publish(self: Batch, *args: Any, **kwargs: Any) -> int:
+        patched.append(len(self._patched))
+        return publish(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Batch, "publish", counting_publish)
+        res = run_trace(cfg, trace, sched)
+    assert sum(patched) > 0  # rows staged in place by the fast path, then uploaded
+    f = res.features
+    assert f["batch_moves"] > 0 and f["rewinds"] > 0 and f["multimodal_requests"] > 0
