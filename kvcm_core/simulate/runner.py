@@ -93,7 +93,7 @@ class SchedulerConfig:
             preemption are not progress) and none finished.
         batch_ops: the engine grows its rows with ``Batch.resize`` and compacts them with
             ``Batch.move``, registers every attention buffer's index table, and checks the
-            batch's tables (base and index) after every publish
+            batch's tables (base and index) after every step's publish
             (:class:`~kvcm_core.testing.engine.EngineLoop`).
         rewind_every, rewind_draft: speculative decoding with rewinds (0: off). A model
             with SSM layers cannot rewind: ``kvcm simulate`` then runs them in a
