@@ -71,7 +71,7 @@ import attrs
 from rich.console import Console
 from rich.markup import escape
 
-from kvcm_core.config import KVCacheManagerConfig, read_toml
+from kvcm_core.config import KVCacheManagerConfig, SsmLayerConfig, read_toml
 from kvcm_core.console import OutputError, int_at_least, make_console
 from kvcm_core.errors import (
     ConfigError,
@@ -114,7 +114,7 @@ _SIM_KEYS = ("seed", "level_fractions", "workload", *(a.name for a in attrs.fiel
     SchedulerConfig)))
 #: The least value of a scheduler knob where it is not 1 (``invariants_every = 0``: the
 #: invariant check only at the end).
-_SIM_MIN = {"invariants_every": 0}
+_SIM_MIN = {"invariants_every": 0, "rewind_every": 0, "rewind_draft": 0}
 
 
 @attrs.frozen(kw_only=True)
@@ -130,9 +130,11 @@ class SimulateConfig:
 
 
 #: Embedded configurations ``--preset`` names: ``default`` (a small hybrid model),
-#: ``sparse`` (sparse-attention layers sharing one selection, beside a dense one) and
-#: ``two-engine`` (two managers sharing a Redis level: :mod:`kvcm_core.simulate.two_engine`).
-PRESETS = ("default", "sparse", "two-engine")
+#: ``sparse`` (sparse-attention layers sharing one selection, beside a dense one),
+#: ``two-engine`` (two managers sharing a Redis level: :mod:`kvcm_core.simulate.two_engine`)
+#: and ``hybrid`` (SWA and SSM layers, a lossy disk level, multimodal prompts, the engine's
+#: Batch.resize / Batch.move and speculative rewinds: ``hybrid.toml``).
+PRESETS = ("default", "sparse", "two-engine", "hybrid")
 
 
 def load_config(path: str | Path | None = None, preset: str = "default") -> SimulateConfig:
@@ -177,7 +179,11 @@ def load_config(path: str | Path | None = None, preset: str = "default") -> Simu
         raise ConfigError("simulate.workload", workload,
                           "must be a table ([simulate.workload])")
     workload = WorkloadConfig.from_dict(workload)
+    if not isinstance(sim.get("batch_ops", False), bool):
+        raise ConfigError("simulate.batch_ops", sim["batch_ops"], "must be true or false")
     for key, value in sim.items():
+        if key == "batch_ops":
+            continue
         low = _SIM_MIN.get(key, 1)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(f"simulate.{key}", value, f"must be an int >= {low}")
@@ -268,6 +274,33 @@ def _fit_levels(cfg: KVCacheManagerConfig, fitted: dict[int, tuple[float, int]],
     return cfg
 
 
+def _speculative(cfg: KVCacheManagerConfig, sched: SchedulerConfig
+                 ) -> tuple[SchedulerConfig, KVCacheManagerConfig | None]:
+    """Where the speculative-decoding rewinds (``rewind_every``, ``rewind_draft``) run:
+    the scheduler of the measured and GPU-only runs, and the configuration of a companion
+    run (None: none). A model with SSM layers cannot rewind history: its runs go without
+    rewinds and the companion run takes the model less its SSM layers, with
+    ``max_rewind_len`` at least ``rewind_draft``. Without SSM layers the measured run
+    rewinds itself.
+
+    Raises:
+        ConfigError: rewinds asked of a model without SSM layers whose ``max_rewind_len``
+            is 0.
+    """
+    if not (sched.rewind_every and sched.rewind_draft):
+        return sched, None
+    if not any(isinstance(layer, SsmLayerConfig) for layer in cfg.layers):
+        if cfg.max_rewind_len < 1:
+            raise ConfigError("kvcm.max_rewind_len", cfg.max_rewind_len,
+                              "must be >= 1 for simulate.rewind_every (speculative "
+                              "decoding rewinds history)")
+        return sched, None
+    layers = [layer for layer in cfg.layers if not isinstance(layer, SsmLayerConfig)]
+    spec = attrs.evolve(cfg, layers=type(cfg.layers)(layers), commit_min_snapshot=False,
+                        max_rewind_len=max(cfg.max_rewind_len, sched.rewind_draft))
+    return attrs.evolve(sched, rewind_every=0, rewind_draft=0), spec
+
+
 def corrupt_after(at_step: int) -> StepHook:
     """A step hook that inverts the first byte of a running request's first committed page
     after step ``at_step`` (a self-test: the next check must fail). Its ``corrupted`` list
@@ -315,6 +348,9 @@ def _parser() -> argparse.ArgumentParser:
                           "embedded preset)")
     src.add_argument("--preset", choices=PRESETS, default="default",
                      help="an embedded configuration: default (a small hybrid model), "
+                          "hybrid (full attention, SWA with sinks and an SSM layer; an int8 "
+                          "disk level; images in prompts; Batch.resize and Batch.move; "
+                          "speculative rewinds in a companion run without the SSM layer), "
                           "sparse (sparse-attention layers with one shared top-k selection "
                           "that drifts step to step) or two-engine (two managers serving "
                           "alternate turns, sharing a Redis level on a redis-server the run "
@@ -591,6 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           fitted, ws["bytes_per_block"], warnings)
         check_capacity(cfg, trace, sim.scheduler)
         warnings += level_warnings(cfg, ws["bytes"])
+        sched, spec_cfg = _speculative(cfg, sim.scheduler)
     except TraceError as exc:
         return _usage(str(exc))
     except (ConfigError, PluginError) as exc:
@@ -642,6 +679,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hook = corrupt_after(args.corrupt_at) if args.corrupt_at is not None else None
     main_res: RunResult | None = None
     gpu_res: RunResult | None = None
+    spec_res: RunResult | None = None
     bound: dict[str, Any] | None = None
     error: str | None = None
     code = 0
@@ -651,7 +689,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress.start()
         label = "gpu-only" if len(cfg.levels) == 1 else "all levels"
         cb = _runner(progress, label, len(trace))
-        main_res = run_trace(cfg, trace, sim.scheduler, label=label, on_step=hook,
+        main_res = run_trace(cfg, trace, sched, label=label, on_step=hook,
                              progress=cb, verify_every=args.verify_every)
         runs.append(main_res)
         if cb is not None:
@@ -659,10 +697,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if len(cfg.levels) > 1 and not args.no_compare:
             cb = _runner(progress, "gpu-only", len(trace))
             gpu_cfg = attrs.evolve(cfg, levels=cfg.levels[:1])
-            gpu_res = run_trace(gpu_cfg, trace, sim.scheduler, label="gpu-only", progress=cb,
+            gpu_res = run_trace(gpu_cfg, trace, sched, label="gpu-only", progress=cb,
                                 verify_every=args.verify_every)
             if cb is not None:
                 cb.final(gpu_res)  # type: ignore[attr-defined]
+        if spec_cfg is not None:
+            cb = _runner(progress, "speculative", len(trace))
+            spec_res = run_trace(spec_cfg, trace, sim.scheduler, label="speculative",
+                                 progress=cb, verify_every=args.verify_every)
+            if cb is not None:
+                cb.final(spec_res)  # type: ignore[attr-defined]
+            notes.append(
+                "a model with SSM layers cannot rewind history (docs/semantics.md): the "
+                "speculative-decoding rewinds ran in a companion run of the same trace on the "
+                f"model less its SSM layers, max_rewind_len = {spec_cfg.max_rewind_len} "
+                "(report.json: speculative)")
         elif len(cfg.levels) == 1:
             notes.append("a single level is configured: the measured run is the GPU-only run")
         bound = infinite_bound(cfg, trace, main_res.creation_order, ws["bytes"])
@@ -697,6 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             meta["exit_status"] = code
     meta["wall_s"] = time.perf_counter() - t0
     report = build_report(meta=meta, workload=summary, main=main_res, gpu_only=gpu_res,
+                          speculative=spec_res,
                           bound=bound, error=error)
     report_path = out / "report.json"
     try:

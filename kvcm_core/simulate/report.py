@@ -86,13 +86,17 @@ def _run_dict(res: RunResult) -> dict[str, Any]:
             "invariant_checks": res.invariant_checks,
             **({"sparse": res.sparse} if res.sparse else {}),
         },
+        # What the run exercised (SSM snapshots, lossy codecs, multimodal requests, the
+        # engine's Batch.resize / Batch.move, speculative rewinds); {} when none applies.
+        "features": res.features,
         "series": res.series,
     }
 
 
 def build_report(*, meta: dict[str, Any], workload: dict[str, Any],
                  main: RunResult | None, gpu_only: RunResult | None,
-                 bound: dict[str, Any] | None, error: str | None) -> dict[str, Any]:
+                 bound: dict[str, Any] | None, error: str | None,
+                 speculative: RunResult | None = None) -> dict[str, Any]:
     """The whole report as plain data (what is written as JSON)."""
     mode = meta.get("verification", {"mode": "full", "verify_every": 1,
                                       "description": "every page checked at every step"})
@@ -103,6 +107,8 @@ def build_report(*, meta: dict[str, Any], workload: dict[str, Any],
     out["run"] = run
     out["gpu_only"] = _run_dict(gpu_only) if gpu_only is not None else None
     out["infinite_bound"] = bound
+    # The companion run of a model with SSM layers that asked for rewinds (none else).
+    out["speculative"] = _run_dict(speculative) if speculative is not None else None
     summary: dict[str, Any] = {}
     if main is not None:
         summary["hit_rate"] = main.hit_rate
@@ -220,9 +226,16 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         f"{bound['wall_s']:.1f} s" if bound else "")
     console.print(table)
     console.print(TABLE_LEGEND, highlight=False)
+    for r in (run, gpu, report.get("speculative")):
+        if r is not None and r.get("features"):
+            counts = ", ".join(f"{k} {v:,}" for k, v in r["features"].items())
+            console.print(f"exercised ({escape(r['label'])}): {escape(counts)}",
+                          highlight=False)
     for note in report["meta"].get("notes", []):
         console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     ver = {**report.get("verification_mode", {}), **report["verification"]}
+    if report.get("speculative") is not None:
+        cols = [*cols, report["speculative"]]
     if ver["ok"] and ver.get("mode", "full") == "full":
         steps = sum(r["verification"]["steps_checked"] for r in cols)
         console.print(f"[green]verified (full):[/] every page checked at every step "

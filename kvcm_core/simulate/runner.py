@@ -27,7 +27,10 @@ ever evicted; the run checks that): each request looks up the same tokens (its p
 the last token) and then commits its whole sequence at once. So the bound uses the
 manager's own matching rules (block granularity, partial reuse, sliding-window and sink
 constraints), and since every request created earlier is fully committed when a request
-looks up, it is an upper bound of what any cache size can reuse on that run.
+looks up, it is an upper bound of what any cache size can reuse on that run. With SSM
+layers and ``commit_min_snapshot`` the replay commits block by block, so that an SSM
+snapshot is kept at every block end (the engine's chunked commits keep one at each chunk's
+end that falls on a block boundary: a subset).
 """
 
 from __future__ import annotations
@@ -88,6 +91,14 @@ class SchedulerConfig:
             this many engine steps in a row no request got further than it ever had (its
             history past the most tokens it ever reached: tokens recomputed after a
             preemption are not progress) and none finished.
+        batch_ops: the engine grows its rows with ``Batch.resize`` and compacts them with
+            ``Batch.move``, registers every attention buffer's index table, and checks the
+            batch's tables (base and index) after every step's publish
+            (:class:`~kvcm_core.testing.engine.EngineLoop`).
+        rewind_every, rewind_draft: speculative decoding with rewinds (0: off). A model
+            with SSM layers cannot rewind: ``kvcm simulate`` then runs them in a
+            companion run of the same trace on the model less its SSM layers
+            (``report.json``'s ``speculative``).
     """
 
     chunk_tokens: int = 256
@@ -96,6 +107,9 @@ class SchedulerConfig:
     invariants_every: int = 100
     samples: int = 200
     stall_steps: int = STALL_STEPS
+    batch_ops: bool = False
+    rewind_every: int = 0
+    rewind_draft: int = 0
 
 
 @attrs.define
@@ -146,6 +160,11 @@ class RunResult:
     #: Sparse layers: hits and misses of the resolves (equal to an exact LRU's, checked
     #: every step) and the entries checked after fetches; empty without sparse layers.
     sparse: dict[str, int] = attrs.Factory(dict)
+    #: What the run exercised beyond plain steps: SSM snapshots taken at commit and SSM
+    #: states reused, blocks encoded and decoded by lossy cold codecs, requests carrying
+    #: multimodal digests, the engine's Batch.resize / Batch.move calls, speculative
+    #: steps and rewinds (:attr:`EngineLoop.counters <kvcm_core.testing.engine.EngineLoop>`).
+    features: dict[str, int] = attrs.Factory(dict)
     #: Per storage level with an I/O thread (level index as a string): its
     #: :class:`~kvcm_core.level_io.IOStats` counters at the end of the run.
     storage_io: dict[str, dict[str, int]] = attrs.Factory(dict)
@@ -310,6 +329,7 @@ def _instrument(manager: KVCacheManager, loop: EngineLoop, timers: _Timers,
         return cache
 
     manager.create_kv_cache = create_kv_cache  # type: ignore[method-assign]
+    _count_features(manager, res)
     manager.make_room = timers.wrap(  # type: ignore[method-assign]
         "make_room", manager.make_room, None)
     batch = loop.batch
@@ -343,6 +363,44 @@ def _instrument(manager: KVCacheManager, loop: EngineLoop, timers: _Timers,
 
 
 
+def _count_features(manager: KVCacheManager, res: RunResult) -> None:
+    """Count, by wrapping on the instances, the SSM snapshots (a copy of a live SSM state
+    into a snapshot page: ``Levels.copy_blocks`` of an SSM group) and the blocks encoded
+    and decoded by each lossy cold codec."""
+    f = res.features
+    ssm = {g for g, lc in enumerate(manager.life_cycles) if lc.is_ssm}
+    if ssm:
+        f["ssm_snapshots"] = 0
+        levels = manager.storage_levels
+        copy_blocks = levels.copy_blocks
+
+        def counted_copy(group: int, dst: Any, *args: Any, **kwargs: Any) -> Any:
+            out = copy_blocks(group, dst, *args, **kwargs)
+            if group in ssm:
+                f["ssm_snapshots"] += len(dst)
+            return out
+
+        levels.copy_blocks = counted_copy  # type: ignore[method-assign]
+    seen: set[int] = set()
+    for codec in manager.codecs:
+        if codec is None or codec.lossless or id(codec) in seen:
+            continue
+        seen.add(id(codec))
+        f.setdefault("lossy_encoded_blocks", 0)
+        f.setdefault("lossy_decoded_blocks", 0)
+        for name in ("encode", "decode"):
+            fn = getattr(codec, name)
+
+            def counted(*args: Any, _fn: Any = fn, _key: str = f"lossy_{name}d_blocks",
+                        **kwargs: Any) -> Any:
+                out = _fn(*args, **kwargs)
+                slots = kwargs.get("src_slots", args[3] if len(args) > 3 else ())
+                f[_key] += len(slots)
+                return out
+
+            setattr(codec, name, counted)
+
+
 class _SimLoop(EngineLoop):
     """EngineLoop whose preemption spares requests already given their chunk this step.
 
@@ -355,8 +413,10 @@ class _SimLoop(EngineLoop):
     def _preempt(self, exclude: Request) -> Request | None:
         for req in reversed(self.running):
             cache = req.cache
+            # (a row Batch.resize grew this step and not reached yet has no chunk yet)
             if (req is not exclude and cache.status is CacheStatus.ACTIVE
-                    and cache.capacity == cache.history_length):
+                    and (cache.capacity == cache.history_length
+                         or id(req) in self._planned)):
                 self._preempt_one(req)
                 return req
         return None
@@ -408,7 +468,10 @@ def run_trace(
                     reused_blocks_by_level=[0] * len(config.levels))
     res.by_kind = {k: [0, 0] for k in kinds_of(trace)}
     loop = _SimLoop(manager, chunk_tokens=sched.chunk_tokens, max_batch=sched.max_batch,
-                      token_budget=sched.token_budget, check=check)
+                    token_budget=sched.token_budget, check=check,
+                    batch_ops=sched.batch_ops, index_tables=sched.batch_ops,
+                    rewind_every=sched.rewind_every,
+                    rewind_draft=sched.rewind_draft)
     timers = _Timers()
     sampler = _Sampler(verify_every) if check and verify_every > 1 else None
     _instrument(manager, loop, timers, res, {r.id: r.kind for r in trace}, sampler)
@@ -433,6 +496,8 @@ def run_trace(
     step = 0  # the trace's clock: arrivals; it jumps over idle gaps (see STEP_UNITS)
     idle = 0  # steps in a row in which no request got further than it ever had
     furthest: dict[Any, int] = {}  # request id -> the most tokens its history ever held
+    ssm_groups = {g for g, lc in enumerate(manager.life_cycles) if lc.is_ssm}
+    reused_ssm = 0  # SSM states reused (from snapshots) at lookups
     t_start = time.perf_counter()
     at_end = False
     try:
@@ -440,7 +505,10 @@ def run_trace(
             while ready and ready[0][0] <= step:
                 _, i = heapq.heappop(ready)
                 r = trace[i]
-                loop.submit(Request(r.id, r.tokens, r.prompt_len, scope=r.scope))  # type: ignore[arg-type]
+                loop.submit(Request(r.id, r.items(), r.prompt_len, scope=r.scope))  # type: ignore[arg-type]
+                if r.images:
+                    res.features["multimodal_requests"] = \
+                        res.features.get("multimodal_requests", 0) + 1
             if loop.idle:
                 if not ready:
                     break
@@ -467,7 +535,9 @@ def run_trace(
             res.all_hit_tokens += st.hit_tokens
             for lv, n in enumerate(st.reused_blocks_by_level):
                 res.reused_blocks_by_level[lv] += n
-            for g in st.groups:
+            for gi, g in enumerate(st.groups):
+                if gi in ssm_groups:
+                    reused_ssm += g.reused_full_blocks + g.reused_partial_blocks
                 res.onboard_blocks += g.onboard_blocks
                 res.onboard_bytes += g.onboard_bytes
                 res.offload_blocks += g.offload_blocks
@@ -530,6 +600,15 @@ def run_trace(
             res.sparse = {"hits": loop.sparse.hits, "misses": loop.sparse.misses,
                           "entries_checked": loop.sparse.checked_entries}
         res.series = series
+        for key, n in loop.counters.items():  # those of the behaviours this run had on
+            if (sched.batch_ops and key.startswith("batch_")) or (
+                    sched.rewind_every and sched.rewind_draft and not key.startswith("batch_")):
+                res.features[key] = n
+        if res.features and "multimodal_requests" not in res.features and \
+                any(r.images for r in trace):
+            res.features["multimodal_requests"] = 0
+        if "ssm_snapshots" in res.features:
+            res.features["ssm_states_reused"] = reused_ssm
         res.storage_io = {str(level): io.stats.as_dict()
                           for level, io in enumerate(manager.storage_levels.io)
                           if io is not None}
@@ -595,13 +674,18 @@ def infinite_bound(config: KVCacheManagerConfig, trace: list[TraceRequest],
     ids = [i for i in order if i in by_id] + [r.id for r in trace if r.id not in seen]
     by_kind = {k: [0, 0] for k in kinds_of(trace)}
     lookup = hit = 0
+    tpb = cfg.tokens_per_block
+    snapshots = cfg.commit_min_snapshot and any(
+        not isinstance(layer, AttentionLayerConfig) for layer in cfg.layers)
     t0 = time.perf_counter()
     # (with: an error closes the open cache, so that shutdown does not refuse and hide it)
     with KVCacheManager(cfg) as m:
         for rid in ids:
             r = by_id[rid]
             n = max(0, r.prompt_len - 1)
-            cache = m.create_kv_cache(r.scope, r.tokens[:n].tolist(), id=rid)
+            items = r.items()
+            head = items[:n].tolist() if isinstance(items, np.ndarray) else items[:n]
+            cache = m.create_kv_cache(r.scope, head, id=rid)
             reused = cache.history_length
             lookup += n
             hit += reused
@@ -610,7 +694,14 @@ def infinite_bound(config: KVCacheManagerConfig, trace: list[TraceRequest],
             if not cache.resume() or not cache.resize(len(r.tokens)):
                 raise RuntimeError("the infinite-cache replay ran out of pages (working set "
                                    "underestimated)")
-            cache.commit(r.tokens[cache.history_length:])
+            if snapshots:  # block by block: an SSM snapshot at every block end (the
+                pos = cache.history_length  # most an engine's chunked commits can give)
+                while pos < len(r.tokens):
+                    end = min(len(r.tokens), (pos // tpb + 1) * tpb)
+                    cache.commit(items[pos:end])
+                    pos = end
+            else:
+                cache.commit(items[cache.history_length:])
             cache.close()
         stats = m.get_and_reset_iteration_stats()
         dropped = sum(g.dropped_blocks for g in stats.groups)

@@ -12,6 +12,16 @@ Four kinds of request, mixed by weight:
   by a tool's output, so prompts grow by hundreds of tokens a step.
 - ``oneoff``: a prompt with nothing in common with anything else.
 
+Multimodal prompts (``multimodal`` > 0, off by default): that fraction of the requests
+carries an image segment at the start of its new prompt part (after the system prompt of a
+session's first request): ``image_tokens`` positions that all carry the image's 32-byte
+content digest (docs/semantics.md, "Multimodal inputs"). Images come from a pool of
+``images`` per tenant, each with its own length, so requests of a tenant share images (and
+the blocks holding them) the way repeated uploads of one picture do; later turns of a chat
+or agent session carry their predecessors' images in their history. The images are drawn
+from a random stream of their own (seeded from the seed), so a trace without them is
+exactly the trace of the same seed before this knob existed.
+
 A request that continues a session waits for its predecessor to finish, then for a think
 time (a user typing, a tool running) in steps; other requests arrive on a Poisson process.
 Each tenant is its own reuse scope, so identical tokens of two tenants never match.
@@ -135,6 +145,10 @@ class WorkloadConfig:
         vocab: token ids are drawn from ``[0, vocab)``.
         duration: if set, sessions start only during the first ``duration`` steps (the
             trace may then hold fewer than ``requests`` requests).
+        multimodal: the fraction of requests whose new prompt part opens with an image
+            (0: none; see the module docstring).
+        image_tokens: the positions one image takes (each image of the pool draws its own).
+        images: distinct images per tenant.
     """
 
     requests: int = attrs.field(default=300, validator=_positive_int)
@@ -168,6 +182,10 @@ class WorkloadConfig:
     arrival_rate: float = attrs.field(default=0.5)
     vocab: int = attrs.field(default=32000, validator=_vocab)
     duration: int | None = attrs.field(default=None)
+    multimodal: float = attrs.field(default=0.0)
+    image_tokens: tuple[int, int] = attrs.field(default=(16, 64), converter=_to_range,
+                                                validator=_range)
+    images: int = attrs.field(default=4, validator=_positive_int)
 
     def __attrs_post_init__(self) -> None:
         rate = self.arrival_rate
@@ -179,6 +197,14 @@ class WorkloadConfig:
                 self.duration, int) or self.duration < 1):
             raise ConfigError("simulate.workload.duration", self.duration,
                               "must be an int >= 1")
+        mm = self.multimodal
+        if isinstance(mm, bool) or not isinstance(mm, int | float) or not math.isfinite(mm) \
+                or not 0 <= mm <= 1:
+            raise ConfigError("simulate.workload.multimodal", mm,
+                              "must be a fraction of the requests in [0, 1]")
+        if self.image_tokens[0] < 1:
+            raise ConfigError("simulate.workload.image_tokens", list(self.image_tokens),
+                              "the low end must be at least 1 (an image takes a position)")
         for name in ("chat_turns", "agent_steps"):
             if getattr(self, name)[0] < 1:
                 raise ConfigError(f"simulate.workload.{name}", list(getattr(self, name)),
@@ -217,6 +243,10 @@ class TraceRequest:
         after: the id of the request it continues (it arrives ``delay`` steps after that
             one finishes), or ``None``.
         delay: think or tool time in steps.
+        images: the image segments of the whole sequence, ``(start, length, digest)``:
+            positions ``[start, start + length)`` carry the 32-byte ``digest``; ``tokens``
+            holds the digest's first 4 bytes there (a little-endian int32, the tree's
+            compact form), so that its blocks stay apart from plain ones.
     """
 
     id: str
@@ -229,10 +259,21 @@ class TraceRequest:
     arrival: int | None
     after: str | None
     delay: int
+    images: tuple[tuple[int, int, bytes], ...] = ()
 
     @property
     def output_len(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+    def items(self) -> Any:
+        """What the engine passes the manager: ``tokens`` as they are without images, else
+        a list of int token ids with each image's digest at its positions."""
+        if not self.images:
+            return self.tokens
+        out: list[Any] = self.tokens.tolist()
+        for start, length, digest in self.images:
+            out[start:start + length] = [digest] * length
+        return out
 
 
 def generate_trace(cfg: WorkloadConfig, seed: int) -> list[TraceRequest]:
@@ -254,6 +295,16 @@ def generate_trace(cfg: WorkloadConfig, seed: int) -> list[TraceRequest]:
     scopes = [ReuseScope(salt=f"tenant{t}") for t in range(cfg.tenants)]
     system = [[toks(draw(cfg.system_prompt_tokens)) for _ in range(cfg.system_prompts)]
               for _ in scopes]
+    # Images: a stream of their own, so that the rest of the trace does not depend on them.
+    mm_rng = np.random.default_rng([seed, 0x6D6D]) if cfg.multimodal > 0 else None
+    pool: list[list[tuple[int, bytes]]] = [] if mm_rng is None else [
+        [(int(mm_rng.integers(cfg.image_tokens[0], cfg.image_tokens[1] + 1)),
+          mm_rng.bytes(32)) for _ in range(cfg.images)] for _ in scopes]
+
+    def image(tenant: int) -> tuple[int, bytes] | None:
+        if mm_rng is None or mm_rng.random() >= cfg.multimodal:
+            return None
+        return pool[tenant][int(mm_rng.integers(cfg.images))]
     out: list[TraceRequest] = []
     clock = 0.0
     session = 0
@@ -283,16 +334,26 @@ def generate_trace(cfg: WorkloadConfig, seed: int) -> list[TraceRequest]:
                       if t == 0 else toks(draw(cfg.tool_tokens)),
                       draw(cfg.action_tokens), draw(cfg.tool_steps)) for t in range(n)]
         history = np.zeros(0, dtype=np.int32)
+        images: tuple[tuple[int, int, bytes], ...] = ()
         for t, (new, answer, think) in enumerate(turns):
             if len(out) >= cfg.requests:
                 break
+            img = image(tenant)
+            if img is not None:  # at the start of the new part, after a system prompt
+                at = len(prompt_of_tenant) if t == 0 and kind in ("chat", "system", "agent") \
+                    else 0
+                length, digest = img
+                ids = np.full(length, np.frombuffer(digest[:4], dtype="<i4")[0],
+                              dtype=np.int32)
+                images = (*images, (len(history) + at, length, digest))
+                new = np.concatenate([new[:at], ids, new[at:]])
             prompt = np.concatenate([history, new])
             tokens = np.concatenate([prompt, toks(max(1, answer))])
             rid = f"{kind}{session}.{t}"
             out.append(TraceRequest(
                 id=rid, kind=kind, session=session, turn=t, scope=scope, tokens=tokens,
                 prompt_len=len(prompt), arrival=arrival if t == 0 else None,
-                after=after if t else None, delay=think if t else 0))
+                after=after if t else None, delay=think if t else 0, images=images))
             history = tokens
             after = rid
         session += 1
@@ -316,4 +377,7 @@ def trace_summary(trace: list[TraceRequest]) -> dict[str, Any]:
         "prompt_tokens": int(sum(r.prompt_len for r in trace)),
         "output_tokens": int(sum(r.output_len for r in trace)),
         "last_arrival": max((r.arrival for r in trace if r.arrival is not None), default=0),
+        **({"multimodal_requests": sum(1 for r in trace if r.images),
+            "image_positions": int(sum(n for r in trace for _, n, _ in r.images))}
+           if any(r.images for r in trace) else {}),
     }

@@ -4,11 +4,33 @@ preempt by suspend, finish. Tests and ``kvcm simulate`` share it.
 A :class:`Request` knows all its tokens in advance (prompt then output), so that every
 step's KV can be written and checked; ``prompt_len`` tokens are prefilled in chunks, the
 rest are decoded one per step.
+
+Two optional behaviours of a real engine (off by default):
+
+- ``batch_ops``: the running rows grow for the step with one
+  :meth:`Batch.resize <kvcm_core.batch.Batch.resize>` (a row it cannot grow falls back to
+  its own ``resize`` and preemption), and a request leaving the batch has the last seated
+  row moved into its hole with :meth:`Batch.move <kvcm_core.batch.Batch.move>` (rows stay
+  dense). After each step's publish the batch's tables (every row, every group, block
+  counts) are checked against each seated cache's own page tables
+  (:meth:`FingerprintEngine.check_batch`), and the fingerprint check reads every page
+  through the batch's tables.
+- ``rewind_every`` / ``rewind_draft``: speculative decoding. On some decode steps (every
+  ``rewind_every``-th on average, chosen by a hash of the request and its history) a
+  request drafts ``k <= rewind_draft`` tokens past its next one: capacity grows by
+  ``1 + k``, the step writes the KV of the true next token and of the drafts (draft token
+  ids that differ from the request's true tokens wherever a draft is rejected), history is
+  moved over all of them (``resize(capacity, history_length=capacity)``), then rewound to
+  the accepted ones (``resize(h, history_length=h)``, at most ``max_rewind_len`` back) and
+  the accepted tokens committed. A rejected draft's KV left visible to a later read is
+  wrong KV the fingerprint check finds. Needs ``max_rewind_len >= 1``; refused for models
+  with SSM layers (they cannot rewind: docs/semantics.md).
 """
 
 from __future__ import annotations
 
 import itertools
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -20,6 +42,7 @@ from kvcm_core.batch import Batch
 from kvcm_core.cache import CacheStatus
 from kvcm_core.config import AttentionLayerConfig
 from kvcm_core.errors import CorruptPageError, TierIOError
+from kvcm_core.radix import token_id32
 from kvcm_core.testing.fingerprint import FingerprintEngine, StepWork
 from kvcm_core.testing.sparse_engine import SparseSteps
 from kvcm_core.types import ReuseScope
@@ -91,6 +114,10 @@ class EngineLoop:
             failed its frame check) closes the cache and queues the request again to be
             recomputed from what is still cached, as an engine should; off by default
             (the error propagates).
+        batch_ops: grow rows with ``Batch.resize`` and compact them with ``Batch.move``
+            (see the module docstring); needs ``use_batch``, no sparse layers.
+        rewind_every, rewind_draft: speculative decoding with rewinds (module docstring);
+            0: off.
     """
 
     def __init__(self, manager: Any, *, chunk_tokens: int = 64, max_batch: int = 64,
@@ -98,10 +125,32 @@ class EngineLoop:
                  close_finished: bool = True, preempt_mode: str = "auto",
                  use_batch: bool = True, index_tables: bool = False,
                  recompute_lost: bool = False, sparse_seed: int = 0,
-                 stream: Any = None, room_ahead: bool = True) -> None:
+                 stream: Any = None, room_ahead: bool = True, batch_ops: bool = False,
+                 rewind_every: int = 0, rewind_draft: int = 0) -> None:
         if preempt_mode not in ("auto", "suspend", "recompute"):
             raise ValueError(f"preempt_mode={preempt_mode!r}: must be auto, suspend or "
                              "recompute")
+        if batch_ops and (not use_batch or _has_sparse(manager)):
+            raise ValueError("batch_ops=True needs use_batch=True and a model without "
+                             "sparse layers")
+        self.rewind_every = rewind_every if rewind_draft > 0 else 0
+        self.rewind_draft = rewind_draft
+        if self.rewind_every:
+            if any(not isinstance(layer, AttentionLayerConfig)
+                   for layer in manager.config.layers):
+                raise ValueError("rewinds: a model with SSM layers cannot rewind history "
+                                 "(docs/semantics.md)")
+            if manager.config.max_rewind_len < 1:
+                raise ValueError("rewinds need max_rewind_len >= 1")
+        self.batch_ops = batch_ops
+        #: What the optional behaviours did: Batch.resize calls and the rows they grew,
+        #: Batch.move calls, speculative steps, rewinds (steps that rewound history) and
+        #: the draft tokens rewound, checks of the batch's tables.
+        self.counters = {"batch_resize_calls": 0, "batch_resize_rows": 0,
+                         "batch_resize_refused_rows": 0, "batch_moves": 0,
+                         "speculative_steps": 0, "rewinds": 0, "rewound_tokens": 0,
+                         "batch_table_checks": 0}
+        self._planned: set[int] = set()  # id() of requests Batch.resize grew this step
         self.preempt_mode = preempt_mode
         self.make_room_ahead = room_ahead
         # The oldest suspended request at the last stall: no admission until it steps.
@@ -239,23 +288,23 @@ class EngineLoop:
         work: list[StepWork] = []
         stepped: list[tuple[Request, int]] = []
         started: list[int] = []  # history of each stepped request before this step
+        drafts: dict[int, int] = {}  # id(req) -> tokens accepted (speculative steps)
+        planned = self._grow_rows() if self.batch_ops and self.batch is not None else {}
         i = 0
         while i < len(self.running):
             req = self.running[i]
             cache = req.cache
             hist = cache.history_length
-            want = self.chunk_tokens if hist < req.prompt_len else 1
-            if hist < req.prompt_len:
-                want = min(want, req.prompt_len - hist)
-            if self.sparse is not None:
-                want = min(want, self.sparse.max_chunk)
+            want = self._want(req, hist)
             if budget is not None:
                 want = min(want, budget)
                 if want <= 0:
                     i += 1
                     continue
             cap = min(len(req.tokens), hist + want)
-            while not cache.resize(cap, stream=self.stream):
+            grown = planned.get(id(req)) == cap and cache.capacity == cap
+            self._planned.discard(id(req))
+            while not grown and not cache.resize(cap, stream=self.stream):
                 if self._release_kept_head():
                     continue  # a waiting request's kept claims went first: try again
                 victim = self._preempt(exclude=req)
@@ -273,7 +322,12 @@ class EngineLoop:
                         break
                 i = self.running.index(req)
             else:
-                work.append(StepWork(cache, req.tokens))
+                accepted = self._accepted(req, hist, cap)
+                if accepted < cap:  # drafts past the accepted tokens: their own ids
+                    drafts[id(req)] = accepted
+                    work.append(StepWork(cache, _drafted(req.tokens, accepted, cap)))
+                else:
+                    work.append(StepWork(cache, req.tokens))
                 stepped.append((req, cap))
                 started.append(hist)
                 if budget is not None:
@@ -283,19 +337,25 @@ class EngineLoop:
             # Could not grow even after preempting everyone else: preempt this one too.
             self._preempt_one(req)
             report.preempted.append(req)
+        self._planned.clear()
         if work and self.batch is not None:
             self.batch.publish(self.stream)
             if self.sparse is not None:
                 self.sparse.published()
+            if self.batch_ops and self.check:
+                self.engine.check_batch()
+                self.counters["batch_table_checks"] += 1
         if work:
             if self.check:
                 self.engine.check(work)
             self.engine.write(work)
             if self.sparse is not None:
                 self.sparse.select(work)
-        for req, cap in stepped:
+        if drafts:
+            self._rewind([(req, cap) for req, cap in stepped if id(req) in drafts], drafts)
+        for (req, cap), known in zip(stepped, started, strict=True):
             cache = req.cache
-            known = cache.history_length
+            cap = drafts.get(id(req), cap)
             cache.commit(req.tokens[known:cap], self.stream)
             report.stepped += 1
             report.tokens += cap - known
@@ -338,6 +398,107 @@ class EngineLoop:
                 if self.suspended else None
         return report
 
+    #: The history moves of a speculative step, in order (a test drops "rewind" to show
+    #: that the fingerprint check finds the rejected drafts' KV).
+    REWIND_PHASES: tuple[str, ...] = ("forward", "rewind")
+
+    def _want(self, req: Request, hist: int) -> int:
+        """Tokens ``req`` asks for this step (before the step's token budget): a prefill
+        chunk, or one decode token plus its drafts on a speculative step."""
+        if hist < req.prompt_len:
+            want = min(self.chunk_tokens, req.prompt_len - hist)
+        else:
+            want = 1 + self._draft(req, hist)
+        if self.sparse is not None:
+            want = min(want, self.sparse.max_chunk)
+        return want
+
+    def _spec_hash(self, req: Request, hist: int) -> int:
+        return zlib.crc32(f"{req.id}:{hist}".encode())
+
+    def _draft(self, req: Request, hist: int) -> int:
+        """Draft tokens of ``req``'s decode step at ``hist`` (0: not a speculative step)."""
+        if not self.rewind_every or hist < req.prompt_len:
+            return 0
+        h = self._spec_hash(req, hist)
+        if h % self.rewind_every:
+            return 0
+        return max(0, min(self.rewind_draft, self.manager.config.max_rewind_len,
+                          len(req.tokens) - hist - 1))
+
+    def _accepted(self, req: Request, hist: int, cap: int) -> int:
+        """Where the accepted tokens of a step from ``hist`` to ``cap`` end: ``cap`` but on
+        a speculative step, where the target model accepts a hashed number of drafts."""
+        k = min(self._draft(req, hist), cap - hist - 1)
+        if k <= 0:
+            return cap
+        self.counters["speculative_steps"] += 1
+        return hist + 1 + (self._spec_hash(req, hist) >> 8) % (k + 1)
+
+    def _rewind(self, spec: list[tuple[Request, int]], accepted: dict[int, int]) -> None:
+        """After a speculative step's KV is written: move history over every drafted
+        token, then rewind it to the accepted ones (one Batch.resize for each with
+        ``batch_ops``, else each cache's ``resize``). Refusals here are bugs (no page is
+        needed): they raise."""
+        for phase in self.REWIND_PHASES:
+            targets = [(req, cap if phase == "forward" else accepted[id(req)])
+                       for req, cap in spec]
+            if self.batch_ops and self.batch is not None:
+                caps = [-1] * self.batch.max_rows
+                hists = [-1] * self.batch.max_rows
+                for req, to in targets:
+                    row = self.batch.row_of(req.cache)
+                    assert row is not None
+                    caps[row] = hists[row] = to
+                self.counters["batch_resize_calls"] += 1
+                oks = self.batch.resize(caps, hists, stream=self.stream)
+                ok = all(oks[self.batch.row_of(req.cache)] for req, _ in targets)
+            else:
+                ok = all([req.cache.resize(to, to, stream=self.stream) for req, to in targets])
+            if not ok:
+                raise RuntimeError(f"speculative step: a {phase} history move was refused: "
+                                   f"{[r.cache.last_refusal for r, _ in targets]}")
+        for req, cap in spec:
+            self.counters["rewinds"] += 1
+            self.counters["rewound_tokens"] += cap - accepted[id(req)]
+
+    def _grow_rows(self) -> dict[int, int]:
+        """``batch_ops``: grow every running row for this step with one ``Batch.resize``,
+        as the step loop would one by one (same chunk and budget). Returns id(request) ->
+        capacity of the rows it grew; the others go the one-by-one way (preempting)."""
+        assert self.batch is not None
+        budget = self.token_budget
+        caps = [-1] * self.batch.max_rows
+        want_of: dict[int, tuple[Request, int]] = {}
+        for req in self.running:
+            cache = req.cache
+            hist = cache.history_length
+            want = self._want(req, hist)
+            if budget is not None:
+                want = min(want, budget)
+                if want <= 0:
+                    break
+                budget -= want
+            cap = min(len(req.tokens), hist + want)
+            row = self.batch.row_of(cache)
+            if row is None or cap <= cache.capacity:
+                continue
+            caps[row] = cap
+            want_of[row] = (req, cap)
+        if not want_of:
+            return {}
+        self.counters["batch_resize_calls"] += 1
+        oks = self.batch.resize(caps, stream=self.stream)
+        grown: dict[int, int] = {}
+        for row, (req, cap) in want_of.items():
+            if oks[row] and req.cache.capacity == cap:
+                grown[id(req)] = cap
+                self._planned.add(id(req))
+                self.counters["batch_resize_rows"] += 1
+            else:
+                self.counters["batch_resize_refused_rows"] += 1
+        return grown
+
     def room_ahead(self) -> None:
         """Make room on level 0 once for the pages this step's chunks will take
         (``KVCacheManager.make_room``), so the pages pushed out go down in one batch per
@@ -350,10 +511,7 @@ class EngineLoop:
         for req in self.running:
             cache = req.cache
             hist = cache.history_length
-            want = min(self.chunk_tokens, req.prompt_len - hist) if hist < req.prompt_len \
-                else 1
-            if self.sparse is not None:
-                want = min(want, self.sparse.max_chunk)
+            want = self._want(req, hist)
             if budget is not None:
                 want = min(want, budget)
                 if want <= 0:
@@ -438,6 +596,12 @@ class EngineLoop:
             if self.sparse is not None:
                 self.sparse.left(self.batch.sparse_lease(row))
             self.batch.remove_kv_cache(req.cache, self.stream)
+            if self.batch_ops:  # keep rows dense: the last seated row fills the hole
+                members = self.batch.members
+                last = max((r for r, c in enumerate(members) if c is not None), default=-1)
+                if last > row:
+                    self.batch.move(members[last], row)
+                    self.counters["batch_moves"] += 1
 
     def close(self) -> None:
         """Free the batch (the loop's requests must be finished or unseated)."""
@@ -469,6 +633,18 @@ class EngineLoop:
                     stuck = [r.id for r in (*self.running, *self.suspended, *self.waiting)]
                     raise RuntimeError(f"engine loop made no progress; stuck: {stuck[:10]}")
         raise RuntimeError(f"engine loop did not finish in {max_steps} steps")
+
+
+def _drafted(tokens: Sequence[Any], accepted: int, cap: int) -> Any:
+    """``tokens[:cap]`` with the positions ``[accepted, cap)`` (rejected drafts) replaced by
+    other token ids: what the draft model proposed there."""
+    if isinstance(tokens, np.ndarray):
+        out = np.array(tokens[:cap])
+        out[accepted:cap] ^= 0x2A5A5A5
+        return out
+    head = list(tokens[:cap])
+    head[accepted:cap] = [token_id32(t) ^ 0x2A5A5A5 for t in head[accepted:cap]]
+    return head
 
 
 def _has_sparse(manager: Any) -> bool:

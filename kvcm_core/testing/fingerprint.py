@@ -306,6 +306,78 @@ class FingerprintEngine:
         nb = int(self.batch.read_num_blocks(group)[row])
         return self.batch.read_page_table(group)[row, beam, :nb]
 
+    def check_batch(self) -> None:
+        """Check the batch's published tables against its members' own page tables: for
+        every row and cache group, the block count and every beam's row of the device
+        table (what a kernel reads) equal the seated cache's ``get_base_page_indices``,
+        entries past them are ``BAD_PAGE_INDEX``; an empty row has 0 blocks and ``BAD``
+        everywhere. Every registered index table's row equals the cache's page table
+        converted here (the buffer's page-index converter, SWA scratch included), ``BAD``
+        past it and in empty rows. Call it right after a publish (the tables are read back
+        from the device).
+
+        Raises:
+            FingerprintMismatch: naming the row, the cache and the group.
+        """
+        batch = self.batch
+        if batch is None:
+            return
+        members = batch.members
+        for g in range(self.manager.num_cache_groups):
+            table = batch.read_page_table(g)
+            counts = np.asarray(batch.read_num_blocks(g)).reshape(-1)
+            for row, cache in enumerate(members):
+                got = table[row]
+                if cache is None:
+                    if counts[row] != 0 or np.any(got != BAD_PAGE_INDEX):
+                        raise FingerprintMismatch(
+                            f"batch row {row} is empty but group {g} shows {counts[row]} "
+                            f"blocks / pages {got[got != BAD_PAGE_INDEX][:8].tolist()}")
+                    continue
+                width = cache.beam_width
+                for beam in range(got.shape[0]):
+                    want = np.asarray(cache.get_base_page_indices(g, beam)) \
+                        if beam < width else np.zeros(0, dtype=np.int64)
+                    n = want.size
+                    if beam == 0 and counts[row] != n:
+                        raise FingerprintMismatch(
+                            f"batch row {row} (cache {cache.id!r}) group {g}: block count "
+                            f"{counts[row]}, the cache's page table has {n} blocks")
+                    if not (np.array_equal(got[beam, :n], want)
+                            and np.all(got[beam, n:] == BAD_PAGE_INDEX)):
+                        bad = np.flatnonzero(got[beam, :n] != want)
+                        at = int(bad[0]) if bad.size else n
+                        raise FingerprintMismatch(
+                            f"batch row {row} (cache {cache.id!r}) group {g} beam {beam}: "
+                            f"the device table differs from the cache's page table at "
+                            f"block {at} (device {got[beam, at:at + 4].tolist()}, cache "
+                            f"{want[at:at + 4].tolist()})")
+        for buf in self.buffers:  # the registered index tables: converted here, compared
+            key = (buf.layer_id, buf.role)
+            if buf.is_ssm or not batch.has_index_table(*key):
+                continue
+            index = batch.read_index_table(*key)
+            for row, cache in enumerate(members):
+                got = index[row]
+                width = 0 if cache is None else cache.beam_width
+                for beam in range(got.shape[0]):
+                    want = np.zeros(0, dtype=np.int64) if beam >= width else \
+                        np.asarray(self._conv[key].convert(
+                            np.asarray(cache.get_base_page_indices(buf.group, beam)),
+                            self._scratch_desc(cache, buf.group)))
+                    n = want.size
+                    if not (np.array_equal(got[beam, :n], want)
+                            and np.all(got[beam, n:] == BAD_PAGE_INDEX)):
+                        bad = np.flatnonzero(got[beam, :n] != want)
+                        at = int(bad[0]) if bad.size else n
+                        who = "empty" if cache is None else f"cache {cache.id!r}"
+                        raise FingerprintMismatch(
+                            f"batch row {row} ({who}) index table of layer {buf.layer_id}/"
+                            f"{buf.role} beam {beam}: the device table differs from the "
+                            f"cache's converted page table at entry {at} (device "
+                            f"{got[beam, at:at + 4].tolist()}, expected "
+                            f"{want[at:at + 4].tolist()})")
+
     def _index(self, cache: Any, buf: _Buffer, beam: int, nb: int) -> np.ndarray:
         """A buffer's page indices for a cache: the batch's registered index table when
         the cache is seated and the table registered, else converted here."""
