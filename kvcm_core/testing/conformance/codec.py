@@ -556,7 +556,7 @@ class CodecConformance(ConformanceBase):
 
     @_SETTINGS
     @given(payload=st.binary(max_size=3000), data=st.data())
-    def test_checksummed_blob_with_a_flipped_byte_raises_corrupt_page_error(
+    def test_checksummed_blob_with_a_flipped_byte_raises_or_decodes_the_same_bytes(
         self, codec: Any, kvcm_plugin_spec: Any, payload: bytes, data: st.DataObject
     ) -> None:
         self._blob(kvcm_plugin_spec)
@@ -565,8 +565,14 @@ class CodecConformance(ConformanceBase):
         blob = bytearray(codec.encode(payload))
         where = data.draw(st.integers(0, len(blob) - 1))
         blob[where] ^= data.draw(st.integers(1, 255))
-        with pytest.raises(CorruptPageError):
-            codec.decode(bytes(blob))
+        try:
+            out = codec.decode(bytes(blob))
+        except CorruptPageError:
+            return
+        # Undetected only where harmless: a change that decodes to the very same bytes
+        # (zstd's checksum covers the decoded bytes: a raw block rewritten as an equal
+        # run passes it). Never other bytes.
+        assert out == payload, f"byte {where} flipped: decoded wrong bytes, not detected"
 
     @_SETTINGS
     @given(payload=st.binary(max_size=3000), data=st.data())
