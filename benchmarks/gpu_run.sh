@@ -80,6 +80,12 @@ step() {  # one named step; modes below are lists of steps
       run bench.log 200 "$PY" -m kvcm_core.bench.kernels --quick --out "$OUT" ;;
     simulate)
       run simulate.log 120 "$PY" -m kvcm_core.cli simulate --quiet --out "$OUT/simulate" ;;
+    hybrid_simulate)  # the hybrid preset (SSM, SWA, int8 disk, images, Batch.resize/move,
+      # rewinds) with pages on each device backend, every page verified
+      for b in cuda cupy; do
+        KVCM_KERNEL_BACKEND=$b run "hybrid_simulate_$b.log" 200 "$PY" -m kvcm_core.cli \
+          simulate --preset hybrid --no-plots --quiet --out "$OUT/simulate-hybrid-$b"
+      done ;;
     batch_bench)  # the Batch benchmark's device part (its host part is measured beside vLLM)
       run batch.log 200 "$PY" -m kvcm_core.bench.batch --quick --device-rows 256 \
         --device-blocks 2048 --out "$OUT" ;;

@@ -24,7 +24,7 @@ import attrs
 import numpy as np
 
 from kvcm_core.radix import NO_NODE, PrefixTree, extend_keys
-from kvcm_core.tokens import check_token_range, encode_token_ids
+from kvcm_core.tokens import check_token_range, encode_token_ids, sliceable
 from kvcm_core.types import ReusePolicy
 
 if TYPE_CHECKING:
@@ -90,6 +90,7 @@ def match_prefix(
 ) -> Match:
     """Find the longest reusable prefix of ``tokens`` (see module docstring). A ``probe``
     needs the length only: the keys, nodes and encoded tokens are not kept."""
+    tokens = sliceable(tokens)  # (a deque)
     n = len(tokens)
     if n == 0:
         return Match(0, _EMPTY, [])

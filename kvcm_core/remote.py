@@ -780,63 +780,68 @@ class RemoteLevel:
                 store = L.cold_store(self._target, g) if self._target else L.gpu_store(g)
                 by_store.setdefault(store.index, []).append((i, j))
         placed: list[tuple[int, list[int], np.ndarray]] = []  # (group, blocks, pages)
-        if any(L.all_stores[s].level == 0 for s in by_store):
-            # create_kv_cache takes no stream, and the engine's work still queued on its
-            # own may write the GPU slots a closed cache just freed: the host waits for all
-            # the device's work once, before any pulled page is placed there.
-            self._backend.synchronize()
-        for s, items in by_store.items():
-            store = L.all_stores[s]
-            items.sort()
-            n = L.capacity(store, len(items))
-            if n < len(items):
-                self.stats.unplaced_pages += len(items) - n
-                items = items[:n]
-            if not items:
-                continue
-            try:
-                L.make_room(store, len(items))
-            except OutOfPagesError:
-                self.stats.unplaced_pages += len(items)
-                continue
-            for j in sorted({j for _, j in items}):
-                blocks = [i for i, jj in items if jj == j]
-                pids = self._place(store, groups[j], [pages[(i, j)] for i in blocks],
-                                   [plan.keys[i] for i in blocks])
-                if pids is not None:
-                    placed.append((groups[j], blocks, pids))
-        if not placed:
-            return np.empty(0, dtype=np.int64)
-        # Tree nodes for the blocks that have none (existing nodes are a prefix: a node
-        # exists only under its parent).
-        last = max(max(blocks) for _, blocks, _ in placed) + 1
-        nodes = plan.nodes
-        first_new = int(np.argmin(nodes[:last] >= 0)) if (nodes[:last] < 0).any() else last
-        if first_new < last:
-            if first_new:
-                parent = int(nodes[first_new - 1])
-            elif plan.b0:
-                parent = int(match.nodes[plan.b0 - 1])
-            else:
-                parent = tree.root(root_key)
-            rows = plan.rows[first_new:last]
-            items = None if plan.items is None else plan.items[first_new:last]
-            nodes = nodes.copy()
-            nodes[first_new:last] = tree.add_chain(
-                parent, plan.keys[first_new:last], rows, plan.b0 + first_new,
-                items is not None, items)
-        out = []
-        blocks_pulled: set[int] = set()
-        for g, blocks, pids in placed:
-            L.publish(pids, nodes[blocks], g)
-            out.append(pids)
-            blocks_pulled.update(blocks)
-            for i in blocks:
-                rkey = self.key(root_key, g, plan.keys[i])
-                with self._lock:
-                    self._remember(rkey)
-                    if rkey in self._own:
-                        self._own.move_to_end(rkey)
+        try:
+            if any(L.all_stores[s].level == 0 for s in by_store):
+                # create_kv_cache takes no stream, and the engine's work still queued on its
+                # own may write the GPU slots a closed cache just freed: the host waits for all
+                # the device's work once, before any pulled page is placed there.
+                self._backend.synchronize()
+            for s, items in by_store.items():
+                store = L.all_stores[s]
+                items.sort()
+                n = L.capacity(store, len(items))
+                if n < len(items):
+                    self.stats.unplaced_pages += len(items) - n
+                    items = items[:n]
+                if not items:
+                    continue
+                try:
+                    L.make_room(store, len(items))
+                except OutOfPagesError:
+                    self.stats.unplaced_pages += len(items)
+                    continue
+                for j in sorted({j for _, j in items}):
+                    blocks = [i for i, jj in items if jj == j]
+                    pids = self._place(store, groups[j], [pages[(i, j)] for i in blocks],
+                                       [plan.keys[i] for i in blocks])
+                    if pids is not None:
+                        placed.append((groups[j], blocks, pids))
+            if not placed:
+                return np.empty(0, dtype=np.int64)
+            # Tree nodes for the blocks that have none (existing nodes are a prefix: a node
+            # exists only under its parent).
+            last = max(max(blocks) for _, blocks, _ in placed) + 1
+            nodes = plan.nodes
+            first_new = int(np.argmin(nodes[:last] >= 0)) if (nodes[:last] < 0).any() else last
+            if first_new < last:
+                if first_new:
+                    parent = int(nodes[first_new - 1])
+                elif plan.b0:
+                    parent = int(match.nodes[plan.b0 - 1])
+                else:
+                    parent = tree.root(root_key)
+                rows = plan.rows[first_new:last]
+                items = None if plan.items is None else plan.items[first_new:last]
+                nodes = nodes.copy()
+                nodes[first_new:last] = tree.add_chain(
+                    parent, plan.keys[first_new:last], rows, plan.b0 + first_new,
+                    items is not None, items)
+            out = []
+            blocks_pulled: set[int] = set()
+            for g, blocks, pids in placed:
+                L.publish(pids, nodes[blocks], g)
+                out.append(pids)
+                blocks_pulled.update(blocks)
+                for i in blocks:
+                    rkey = self.key(root_key, g, plan.keys[i])
+                    with self._lock:
+                        self._remember(rkey)
+                        if rkey in self._own:
+                            self._own.move_to_end(rkey)
+        except BaseException:  # (a sink's interrupt at a publish, a failed write): the
+            for _, _, pids in placed:  # pages placed so far let go of (unpublished: freed)
+                L.change(pids, 0, -1)
+            raise
         pulled = np.concatenate(out)
         self.stats.pulled_pages += len(pulled)
         self.stats.pulled_blocks += len(blocks_pulled)

@@ -75,12 +75,13 @@ def sliceable(tokens: Any) -> Any:
 
 
 def frozen_items(tokens: Sequence[Any]) -> list[Any]:
-    """A checked token list (with digests) as the log keeps it: every ``bytearray`` digest
-    copied into ``bytes``, so that what the log and the prefix tree keep does not change
-    when the caller reuses its buffer (a cached block would then match another image's
-    digest), and NumPy integers as ints (a trailing partial block of ints is shared)."""
+    """A checked token list (with digests) as the log keeps it: every ``bytearray`` (or
+    ``bytes`` subclass, as ``numpy.bytes_``) digest copied into ``bytes``, so that what
+    the log and the prefix tree keep does not change when the caller reuses its buffer (a
+    cached block would then match another image's digest), and NumPy integers as ints (a
+    trailing partial block of ints is shared)."""
     return [t if type(t) is int or type(t) is bytes else
-            bytes(t) if type(t) is bytearray else int(t) for t in tokens]
+            bytes(t) if isinstance(t, bytes | bytearray) else int(t) for t in tokens]
 
 
 class TokenLog:

@@ -151,8 +151,10 @@ def run_engines(config: KVCacheManagerConfig, trace: list[TraceRequest],
             while ready and ready[0][0] <= step:
                 _, i = heapq.heappop(ready)
                 r = trace[i]
-                loops[(r.session + r.turn) % engines].submit(
-                    Request(r.id, r.tokens.tolist(), r.prompt_len, scope=r.scope))
+                items = r.items()  # (images as their digests)
+                loops[(r.session + r.turn) % engines].submit(Request(
+                    r.id, items if isinstance(items, list) else items.tolist(), r.prompt_len,
+                    scope=r.scope))
             if all(loop.idle for loop in loops):
                 if not ready:
                     break

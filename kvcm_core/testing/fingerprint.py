@@ -109,8 +109,17 @@ def _ids(tokens: Sequence[Any], n: int) -> np.ndarray:
     if isinstance(tokens, np.ndarray):
         out = tokens[:n].astype(np.int64).astype(np.uint32)
     else:
-        out = np.fromiter((token_id32(t) for t in tokens[:n]), dtype=np.uint32, count=n)
+        out = np.fromiter((_record_id(t) for t in tokens[:n]), dtype=np.uint32, count=n)
     return out
+
+
+def _record_id(item: Any) -> int:
+    """A token's id in records; a digest's from all its bytes (the core's 32-bit id of a
+    digest is its first 4 bytes, which an int token or another digest may share: records
+    by that id could not tell KV shared across them)."""
+    if isinstance(item, bytes | bytearray):
+        return zlib.crc32(item) ^ 0x6D6D0000
+    return token_id32(item)
 
 
 def prefix_crc(tokens: Sequence[Any], n: int) -> int:
