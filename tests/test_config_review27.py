@@ -1,0 +1,109 @@
+"""Configuration and command line (review 27): every bad value is a typed error naming the
+field (its full dotted path), the value and the rule, never a raw exception, and ``kvcm
+simulate`` says it in one line with exit status 2.
+
+- sizes are at most 8 EiB (``2**63 - 1`` bytes) where they are parsed, and a level's quota
+  splits over its pool groups exactly (no float overflow for huge finite ratios);
+- ``io_deadline_s = None`` survives ``to_dict`` and has a TOML spelling (``"none"``);
+- the redis tier's ``connect_timeout_s`` is finite, at most an hour;
+- numbers past Python's 4300-digit limit are typed errors (TOML, sizes, traces);
+- ``[simulate] max_batch``, ``working_set_units`` and the run's batch are bounded before
+  the run;
+- ``kvcm simulate`` names ``[kvcm]`` fields under ``kvcm.``;
+- a ``group_size`` above a buffer's values never makes a lossy cold page larger.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from kvcm_codec_quant.reference import decode_pages, encode_pages, make_plan
+from kvcm_tier_redis import RedisTier
+
+import kvcm_core.simulate.runner as runner
+from kvcm_core import KVCacheManager, KVCacheManagerConfig, LevelConfig
+from kvcm_core.codec import BufferPlace, PageLayout
+from kvcm_core.errors import ConfigError
+from kvcm_core.simulate import load_config, main
+from kvcm_core.simulate.mooncake import TraceError, read_trace
+from kvcm_core.units import parse_size
+
+MAX_SIZE = 2**63 - 1  # (kvcm_core.units.MAX_SIZE)
+
+DEFAULT = (Path(runner.__file__).parent / "default.toml").read_text()
+SPARSE = (Path(runner.__file__).parent / "sparse.toml").read_text()
+QUICK = ["--requests", "4", "--seed", "3", "--quiet", "--no-plots", "--no-compare"]
+LONG = "9" * 5000  # past sys.get_int_max_str_digits() (4300)
+
+
+def _model(**kw: Any) -> dict[str, Any]:
+    return {"tokens_per_block": 16, "kernel_backend": "numpy",
+            "layers": [{"layer_id": 0, "buffers": [{"role": "kv", "size": 256}]}],
+            "levels": [{"tier": "gpu", "quota": "1MiB"}], **kw}
+
+
+def _two_groups(**kw: Any) -> dict[str, Any]:
+    return _model(layers=[
+        {"layer_id": 0, "buffers": [{"role": "kv", "size": 256}]},
+        {"layer_id": 1, "sliding_window_size": 32, "buffers": [{"role": "kv", "size": 512}]},
+    ], **kw)
+
+
+def _sim_file(tmp_path: Path, text: str, **replace: str) -> str:
+    for old, new in replace.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / "sim.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def _one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if not line.startswith("warning:")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# -- 7. group_size larger than a buffer's values -------------------------------------------------
+
+
+def _cold_page_bytes(size: int, group_size: int, codec: str) -> int:
+    d = {"tokens_per_block": 16, "kernel_backend": "numpy",
+         "layers": [{"layer_id": 0, "buffers": [
+             {"role": "kv", "size": size, "dtype": "bf16", "group_size": group_size}]}],
+         "levels": [{"tier": "gpu", "quota": "64KiB"},
+                    {"tier": "host", "quota": "1MiB", "codec": codec}]}
+    with KVCacheManager(KVCacheManagerConfig.from_dict(d)) as m:
+        return (1 << 20) // m.get_storage_statistics(1).total
+
+
+@pytest.mark.parametrize(("size", "group_size"), [(64, 128), (256, 1000), (256, 1 << 30)])
+def test_a_group_size_above_the_buffers_values_never_makes_a_lossy_cold_page_larger(
+        size, group_size) -> None:
+    clamped = _cold_page_bytes(size, size // 2, "fp8")
+    assert _cold_page_bytes(size, group_size, "fp8") == clamped <= size
+
+
+@pytest.mark.parametrize("mode", ["fp8", "int8", "int4"])
+def test_a_group_size_above_the_buffers_values_is_one_group_of_the_buffer(mode) -> None:
+    """Same plan, same codes and same decoded values as ``group_size = values``."""
+    def plan(gs: int) -> Any:
+        return make_plan(PageLayout((64,), (BufferPlace(0, "k", 0, 0, 64, "bf16", gs, False),)),
+                         mode)
+    wide, exact = plan(1000), plan(32)
+    assert wide == exact and wide.segments[0].group_size == 32
+    rng = np.random.default_rng(0)
+    vals = rng.standard_normal((3, 32)).astype(np.float32)
+    pages = (vals.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(3, 64)
+    cold = encode_pages(wide, [pages])
+    np.testing.assert_array_equal(cold, encode_pages(exact, [pages]))
+    out = np.zeros_like(pages)
+    decode_pages(wide, cold, [out])
+    back = np.zeros_like(pages)
+    decode_pages(exact, cold, [back])
+    np.testing.assert_array_equal(out, back)
