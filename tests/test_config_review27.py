@@ -69,6 +69,28 @@ def _one_line(err: str) -> str:
     return lines[0]
 
 
+# -- 3. redis connect_timeout_s ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("timeout", [math.inf, 1e308, 2**63, math.nan, 3600.5])
+def test_redis_connect_timeout_s_must_be_finite_seconds_at_most_an_hour(timeout) -> None:
+    with pytest.raises(ConfigError) as info:
+        RedisTier(None, {"url": "redis://127.0.0.1:1", "connect_timeout_s": timeout})
+    assert info.value.field == "redis.options.connect_timeout_s"
+    assert "(0, 3600]" in info.value.rule
+
+
+def test_redis_connect_timeout_s_inf_is_named_by_its_level_when_the_manager_is_built() -> None:
+    options = {"url": "redis://127.0.0.1:1/0", "model": "m", "shard": "0",
+               "connect_timeout_s": math.inf}
+    cfg = KVCacheManagerConfig.from_dict(_model(levels=[
+        {"tier": "gpu", "quota": "64KiB"},
+        {"tier": "redis", "quota": "64KiB", "options": options}]))
+    with pytest.raises(ConfigError) as info:
+        KVCacheManager(cfg)
+    assert info.value.field == "levels[1].options.connect_timeout_s"
+
+
 # -- 7. group_size larger than a buffer's values -------------------------------------------------
 
 
