@@ -91,6 +91,61 @@ def test_redis_connect_timeout_s_inf_is_named_by_its_level_when_the_manager_is_b
     assert info.value.field == "levels[1].options.connect_timeout_s"
 
 
+# -- 5. simulate bounds its batch ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [4097, 2**62, 2**63 - 1])
+def test_simulate_max_batch_above_4096_is_a_config_error_exit_2(tmp_path, capsys, value):
+    cfg = _sim_file(tmp_path, DEFAULT, **{"max_batch = 16": f"max_batch = {value}"})
+    with pytest.raises(ConfigError) as info:
+        load_config(cfg)
+    assert info.value.field == "simulate.max_batch" and "at most 4096" in info.value.rule
+    assert main(["--config", cfg, *QUICK, "--out", str(tmp_path / "out")]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"configuration error: simulate.max_batch={value}: must be at most 4096" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_simulate_sparse_working_set_units_above_2_to_20_is_a_config_error_exit_2(
+        tmp_path, capsys) -> None:
+    cfg = _sim_file(tmp_path, SPARSE, **{"working_set_units = 32": "working_set_units = "
+                                                                    "1000000000"})
+    assert main(["--config", cfg, *QUICK, "--out", str(tmp_path / "out")]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "kvcm.layers[0].sparse.working_set_units=1000000000: must be at most 1048576" \
+        in line
+
+
+def test_simulate_refuses_a_batch_of_more_than_4_GiB_before_the_run(tmp_path, capsys) -> None:
+    cfg = _sim_file(tmp_path, SPARSE, **{"working_set_units = 32": "working_set_units = "
+                                                                    "1048576",
+                                         "max_batch = 16": "max_batch = 64"})
+    assert main(["--config", cfg, *QUICK, "--out", str(tmp_path / "out")]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "configuration error: simulate.max_batch=64: the run's batch would take about" \
+        in line and "at most 4.0 GiB" in line
+    assert not (tmp_path / "out").exists()
+
+
+# -- 6. simulate names [kvcm] fields under kvcm. ---------------------------------------------
+
+
+@pytest.mark.parametrize(("old", "new", "field"), [
+    ('quota = "16MiB"', 'qouta = "16MiB"', "kvcm.levels[1].qouta"),
+    ('tokens_per_block = 16', 'tokens_per_block = 16\nbogus = 1', "kvcm.bogus"),
+    ('tokens_per_block = 16', 'tokens_per_block = 16\npool_group_ratios = [0]',
+     "kvcm.pool_group_ratios"),
+    ('tokens_per_block = 16', 'tokens_per_block = 16\npool_group_ratios = [1, 1, 1, 1, 1]',
+     "kvcm.pool_group_ratios"),  # (found when the manager is built)
+    ('tokens_per_block = 16', 'tokens_per_block = 3', "kvcm.tokens_per_block"),
+])
+def test_simulate_names_a_kvcm_field_with_its_table(tmp_path, capsys, old, new, field):
+    cfg = _sim_file(tmp_path, DEFAULT, **{old: new})
+    assert main(["--config", cfg, *QUICK, "--out", str(tmp_path / "out")]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"configuration error: {field}=" in line
+
+
 # -- 7. group_size larger than a buffer's values -------------------------------------------------
 
 
