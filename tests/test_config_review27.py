@@ -69,6 +69,49 @@ def _one_line(err: str) -> str:
     return lines[0]
 
 
+# -- 2. io_deadline_s = None round trip and TOML spelling ------------------------------------
+
+
+def test_to_dict_keeps_io_deadline_none_so_from_dict_gives_back_an_equal_config() -> None:
+    cfg = KVCacheManagerConfig.from_dict(_model(levels=[
+        {"tier": "gpu", "quota": "1MiB"},
+        {"tier": "host", "quota": "1MiB", "io_deadline_s": None}]))
+    assert cfg.levels[1].io_deadline_s is None
+    data = cfg.to_dict()
+    assert data["levels"][1]["io_deadline_s"] == "none"
+    assert data["levels"][0]["io_deadline_s"] == 5.0
+    back = KVCacheManagerConfig.from_dict(data)
+    assert back == cfg and back.levels[1].background_write_depth == 0
+
+
+@pytest.mark.parametrize("spelling", ['"none"', '"None"', '" NONE "'])
+def test_toml_io_deadline_s_none_spelling_turns_the_io_thread_off(tmp_path, spelling) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(f"""
+tokens_per_block = 16
+[[layers]]
+layer_id = 0
+buffers = [{{ role = "kv", size = 256 }}]
+[[levels]]
+tier = "gpu"
+quota = "1MiB"
+[[levels]]
+tier = "host"
+quota = "1MiB"
+io_deadline_s = {spelling}
+""")
+    level = KVCacheManagerConfig.from_toml(path).levels[1]
+    assert level.io_deadline_s is None and level.background_write_depth == 0
+
+
+@pytest.mark.parametrize("bad", ["never", "", False, 0, math.inf])
+def test_io_deadline_s_other_strings_and_values_are_refused_naming_the_spelling(bad) -> None:
+    with pytest.raises(ConfigError) as info:
+        LevelConfig(tier="host", quota=1 << 20, io_deadline_s=bad)
+    assert info.value.field == "LevelConfig.io_deadline_s"
+    assert "'none' in TOML" in info.value.rule
+
+
 # -- 3. redis connect_timeout_s ----------------------------------------------------------------
 
 
