@@ -146,8 +146,9 @@ def _size(minimum: int, *, optional: bool = False) -> Callable[..., None]:
     def check(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
         if value is None and optional:
             return
-        if isinstance(value, bool) or not isinstance(value, int):
-            parse_size(value, _where(inst, attr))  # raises with the size rule
+        # Raises with the size rule for a value that is not a size, or is one above
+        # 8 EiB (an int the converter left as given).
+        parse_size(value, _where(inst, attr))
         if value < minimum:
             raise ConfigError(_where(inst, attr), value, f"must be >= {minimum} bytes")
 
@@ -549,8 +550,8 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The tables of a TOML file.
 
     Raises:
-        ConfigError: the file cannot be read, is not UTF-8, is not TOML, or nests too
-            deeply to be read (each named, with the file).
+        ConfigError: the file cannot be read, is not UTF-8, is not TOML, nests too
+            deeply or holds a number too long to be read (each named, with the file).
     """
     try:
         with open(path, "rb") as fh:
@@ -563,6 +564,8 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     except RecursionError:
         raise ConfigError("toml", str(path), "nests arrays or tables too deeply to be "
                                              "read") from None
+    except ValueError as exc:  # a number of more digits than Python converts (4300)
+        raise ConfigError("toml", str(path), f"cannot be read: {exc}") from None
     except OSError as exc:
         raise ConfigError("toml", str(path), f"cannot be read: {exc.strerror or exc}") \
             from exc

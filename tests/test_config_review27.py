@@ -69,6 +69,68 @@ def _one_line(err: str) -> str:
     return lines[0]
 
 
+# -- 1. sizes at most 8 EiB; exact quota split ---------------------------------------------
+
+
+@pytest.mark.parametrize("quota", [1e308, 2.0**63, 2**63, "9" * 40, "9000000 TiB", 10**5000],
+                         ids=["1e308", "2.0**63", "2**63", "40 nines", "9000000 TiB",
+                              "10**5000"])
+def test_a_level_quota_above_8_EiB_is_a_config_error_naming_the_level(quota: Any) -> None:
+    with pytest.raises(ConfigError) as info:
+        KVCacheManagerConfig.from_dict(_model(levels=[{"tier": "gpu", "quota": quota}]))
+    assert info.value.field == "levels[0].quota"
+    assert "at most 8 EiB" in info.value.rule
+    str(info.value)  # printable, also for an int past the digit limit
+
+
+def test_a_size_of_exactly_2_to_63_minus_1_bytes_is_accepted_by_parse_size() -> None:
+    assert parse_size(MAX_SIZE) == MAX_SIZE == 2**63 - 1
+    assert parse_size(str(MAX_SIZE)) == MAX_SIZE
+    with pytest.raises(ConfigError, match="at most 8 EiB"):
+        parse_size(MAX_SIZE + 1, "x")
+
+
+def test_sparse_host_quota_above_8_EiB_is_a_config_error_naming_it() -> None:
+    d = _model(sparse_host_quota=1e308, layers=[
+        {"layer_id": 0, "sparse": {"unit_tokens": 4, "num_selected": 8, "working_set_units": 16},
+         "buffers": [{"role": "kv", "size": 256, "is_sparse": True}]}])
+    with pytest.raises(ConfigError) as info:
+        KVCacheManagerConfig.from_dict(d)
+    assert info.value.field == "sparse_host_quota"
+
+
+def test_manager_resize_to_a_quota_above_8_EiB_is_a_config_error() -> None:
+    with KVCacheManager(KVCacheManagerConfig.from_dict(_model())) as m:
+        for quota in (1e308, 2**63, LONG):
+            with pytest.raises(ConfigError) as info:
+                m.resize(0, quota)
+            assert info.value.field == "quota" and "at most 8 EiB" in info.value.rule
+
+
+def test_huge_finite_pool_group_ratios_split_the_quota_exactly_without_overflow() -> None:
+    # One group takes everything, whatever its ratio.
+    with KVCacheManager(KVCacheManagerConfig.from_dict(_model(pool_group_ratios=[1e308]))) \
+            as m:
+        assert [s.num_slots for s in m.stores[0]] == [4096]
+    # Two equal huge ratios: half each (a float product would be inf).
+    cfg = KVCacheManagerConfig.from_dict(_two_groups(pool_group_ratios=[1e308, 1e308]))
+    with KVCacheManager(cfg) as m:
+        assert [s.num_slots for s in m.stores[0]] == [2048, 1024]
+    # A ratio too small for a slot is the usual refusal, not an OverflowError.
+    cfg = KVCacheManagerConfig.from_dict(_two_groups(pool_group_ratios=[1e308, 1e-308]))
+    with pytest.raises(ConfigError) as info:
+        KVCacheManager(cfg)
+    assert info.value.field == "levels[0].quota" and "gets no slot" in info.value.rule
+
+
+def test_kvcm_simulate_with_a_quota_above_8_EiB_exits_2_in_one_line(tmp_path, capsys) -> None:
+    cfg = _sim_file(tmp_path, DEFAULT, **{"level_fractions = [0.10, 0.5, 4.0]\n": "",
+                                          'quota = "4MiB"': "quota = 1e308"})
+    assert main(["--config", cfg, *QUICK, "--out", str(tmp_path / "out")]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "kvcm.levels[0].quota=1e+308" in line and "at most 8 EiB" in line
+
+
 # -- 2. io_deadline_s = None round trip and TOML spelling ------------------------------------
 
 
@@ -132,6 +194,47 @@ def test_redis_connect_timeout_s_inf_is_named_by_its_level_when_the_manager_is_b
     with pytest.raises(ConfigError) as info:
         KVCacheManager(cfg)
     assert info.value.field == "levels[1].options.connect_timeout_s"
+
+
+# -- 4. numbers past 4300 digits ------------------------------------------------------------
+
+
+def test_toml_with_a_number_past_4300_digits_is_a_config_error_naming_the_file(
+        tmp_path) -> None:
+    path = tmp_path / "long.toml"
+    path.write_text(f"tokens_per_block = {LONG}\n")
+    with pytest.raises(ConfigError) as info:
+        KVCacheManagerConfig.from_toml(path)
+    assert info.value.field == "toml" and info.value.value == str(path)
+
+
+def test_a_size_string_past_4300_digits_is_a_config_error_naming_the_field() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_size(LONG, "levels[0].quota")
+    assert info.value.field == "levels[0].quota" and "at most 8 EiB" in info.value.rule
+    with pytest.raises(ConfigError) as info:
+        parse_size("1." + LONG + " GiB", "q")
+    assert info.value.field == "q"
+
+
+def test_a_trace_line_with_a_number_past_4300_digits_is_a_trace_error_naming_the_line(
+        tmp_path, capsys) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n'
+                    '{"timestamp": 0, "input_length": ' + LONG +
+                    ', "output_length": 1, "hash_ids": [1]}\n')
+    with pytest.raises(TraceError, match=rf"{path}:2: .*number too long"):
+        read_trace(path)
+    assert main(["--trace", str(path), "--quiet", "--no-plots",
+                 "--out", str(tmp_path / "out")]) == 2
+    assert f"{path}:2" in _one_line(capsys.readouterr().err)
+
+
+def test_kvcm_simulate_config_with_a_number_past_4300_digits_exits_2_in_one_line(
+        tmp_path, capsys) -> None:
+    cfg = _sim_file(tmp_path, DEFAULT, **{"seed = 0": f"seed = {LONG}"})
+    assert main(["--config", cfg, *QUICK, "--out", str(tmp_path / "out")]) == 2
+    assert "configuration error: toml=" in _one_line(capsys.readouterr().err)
 
 
 # -- 5. simulate bounds its batch ---------------------------------------------------------------
