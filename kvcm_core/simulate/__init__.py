@@ -40,14 +40,14 @@ a level's quota dwarfs the working set.
 
 Exit status: 0 when every step verified; 1 when verification failed (a fingerprint
 mismatch or a broken manager invariant), or a ``--corrupt-at`` self-test corrupted a page
-that no check detected; 2 on a bad command line or configuration, found
-before running (bad flag, bad TOML, unknown or unavailable plugin, level 0 too small for
-the largest request, a ``max_batch`` whose batch is too large), or a ``--corrupt-at STEP`` that corrupted nothing (the run ended
-before STEP); 3 when the run failed for another reason (the scheduler stalled, a
-storage tier failed, an internal error, the report or a plot could not be written: the
-previous file is then left whole), with the likely cause. Every failure is one line
-on stderr (``--debug`` adds the traceback) and, once the run started, ``report.json`` with
-``verification.ok = false`` and the traceback.
+that no check detected; 2 on a bad command line or configuration, found before running
+(bad flag, bad TOML, unknown or unavailable plugin, level 0 too small for the largest
+request, a ``max_batch`` whose batch is too large), or a ``--corrupt-at STEP`` that
+corrupted nothing (the run ended before STEP); 3 when the run failed for another reason
+(the scheduler stalled, a storage tier failed, an internal error, the report or a plot
+could not be written: the previous file is then left whole), with the likely cause.
+Every failure is one line on stderr (``--debug`` adds the traceback) and, once the run
+started, ``report.json`` with ``verification.ok = false`` and the traceback.
 """
 
 from __future__ import annotations
