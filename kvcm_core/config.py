@@ -26,6 +26,7 @@ __all__ = [
     "DEFAULT_WRITE_QUEUE_DEPTH",
     "DTYPES",
     "DTYPE_SIZES",
+    "NONE_SPELLING",
     "AttentionLayerConfig",
     "BufferConfig",
     "KVCacheManagerConfig",
@@ -145,8 +146,9 @@ def _size(minimum: int, *, optional: bool = False) -> Callable[..., None]:
     def check(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
         if value is None and optional:
             return
-        if isinstance(value, bool) or not isinstance(value, int):
-            parse_size(value, _where(inst, attr))  # raises with the size rule
+        # Raises with the size rule for a value that is not a size, or is one above
+        # 8 EiB (an int the converter left as given).
+        parse_size(value, _where(inst, attr))
         if value < minimum:
             raise ConfigError(_where(inst, attr), value, f"must be >= {minimum} bytes")
 
@@ -384,13 +386,25 @@ def _options(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
         raise ConfigError(_where(inst, attr), value, "must be a mapping with string keys")
 
 
+#: How a ``None`` that is not a field's default is written in TOML (which has no null) and
+#: by ``to_dict``: ``io_deadline_s = "none"``.
+NONE_SPELLING = "none"
+
+
+def _to_deadline(value: Any) -> Any:
+    if isinstance(value, str) and value.strip().lower() == NONE_SPELLING:
+        return None
+    return value  # the validator judges it
+
+
 def _deadline(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int | float) or \
             not 0 < value <= 3600 or value != value:
         raise ConfigError(_where(inst, attr), value,
-                          "must be a number of seconds in (0, 3600], or None (no deadline)")
+                          "must be a number of seconds in (0, 3600], or None (no deadline; "
+                          f"{NONE_SPELLING!r} in TOML)")
 
 
 #: Background write batches a storage level keeps in flight unless told otherwise.
@@ -419,8 +433,9 @@ class LevelConfig:
             I/O runs on one thread of its own; a write past the deadline is dropped (the
             block is not cached on this level), a read past it loses the blocks (they
             leave the prefix tree; a ``resume`` that needed them raises ``TierIOError``).
-            ``None``: no deadline, I/O on the scheduler thread (a frozen file system then
-            stalls every request). Ignored on device-accessible levels (no I/O).
+            ``None`` (``"none"`` in TOML, which has no null; ``to_dict`` writes it so):
+            no deadline, I/O on the scheduler thread (a frozen file system then stalls
+            every request). Ignored on device-accessible levels (no I/O).
         write_queue_depth: storage write batches that may be in flight in the
             background. ``None`` (the default): :data:`DEFAULT_WRITE_QUEUE_DEPTH` on a
             level with an I/O thread, ``0`` without one. With ``N > 0`` a write's rows
@@ -451,7 +466,8 @@ class LevelConfig:
     options: Mapping[str, Any] = attrs.field(
         factory=dict, converter=_to_options, validator=_options
     )
-    io_deadline_s: float | None = attrs.field(default=5.0, validator=_deadline)
+    io_deadline_s: float | None = attrs.field(default=5.0, converter=_to_deadline,
+                                              validator=_deadline)
     write_queue_depth: int | None = attrs.field(default=None,
                                                 validator=_int(0, optional=True))
     write_combine_bytes: int | None = attrs.field(default=None,
@@ -534,8 +550,8 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The tables of a TOML file.
 
     Raises:
-        ConfigError: the file cannot be read, is not UTF-8, is not TOML, or nests too
-            deeply to be read (each named, with the file).
+        ConfigError: the file cannot be read, is not UTF-8, is not TOML, nests too
+            deeply or holds a number too long to be read (each named, with the file).
     """
     try:
         with open(path, "rb") as fh:
@@ -548,6 +564,8 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     except RecursionError:
         raise ConfigError("toml", str(path), "nests arrays or tables too deeply to be "
                                              "read") from None
+    except ValueError as exc:  # a number of more digits than Python converts (4300)
+        raise ConfigError("toml", str(path), f"cannot be read: {exc}") from None
     except OSError as exc:
         raise ConfigError("toml", str(path), f"cannot be read: {exc.strerror or exc}") \
             from exc
@@ -761,7 +779,8 @@ class KVCacheManagerConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (dicts, lists, str, int, float, bool) that :meth:`from_dict` reads
         back to an equal config; fields left at ``None`` are omitted, so it can be written
-        as JSON or TOML."""
+        as JSON or TOML, and a ``None`` that is not the field's default (``io_deadline_s``)
+        is written ``"none"`` (:data:`NONE_SPELLING`)."""
         return _plain(self)
 
 
@@ -775,6 +794,9 @@ def _plain(value: Any) -> Any:
             item = getattr(value, field.name)
             if field.init and item is not None:
                 out[field.name] = _plain(item)
+            elif field.init and field.default is not None:
+                # (omitted, it would read back as the default: TOML has no null)
+                out[field.name] = NONE_SPELLING
         return out
     if isinstance(value, ReusePolicy):
         return value.name.lower()

@@ -37,7 +37,18 @@ class ConfigError(KvcmError, ValueError):
         self.field = field
         self.value = value
         self.rule = rule
-        super().__init__(f"{field}={value!r}: {rule}")
+        super().__init__(f"{field}={_shown(value)}: {rule}")
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, or a description where it cannot be printed (an int of more digits
+    than ``sys.get_int_max_str_digits()``, or a value holding one)."""
+    try:
+        return repr(value)
+    except ValueError:
+        if isinstance(value, int):
+            return f"<an int of {value.bit_length()} bits>"
+        return f"<a {type(value).__name__} that cannot be printed>"
 
 
 class PluginError(KvcmError):

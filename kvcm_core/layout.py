@@ -10,6 +10,7 @@ block in every pool of the group.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
 import attrs
@@ -162,17 +163,19 @@ class StorageLayout:
         level's quota).
         """
         pgs = self.pool_groups if groups is None else [self.pool_groups[g] for g in groups]
-        weights: list[float]
+        # Exact shares (Fractions): a float product of a large quota and a large ratio
+        # would overflow (1e308 is a finite ratio), and rounding would shift slots.
+        weights: list[Fraction]
         if ratios is None:
-            weights = [float(pg.page_bytes * len(pg.life_cycles)) for pg in pgs]
+            weights = [Fraction(pg.page_bytes * len(pg.life_cycles)) for pg in pgs]
         else:
             if len(ratios) != len(pgs):
                 raise ConfigError(
                     "pool_group_ratios", tuple(ratios),
                     f"needs one ratio per pool group ({len(pgs)}: see pool_group_descs)",
                 )
-            weights = [float(r) for r in ratios]
-        total = sum(weights)
+            weights = [Fraction(r) for r in ratios]
+        total = sum(weights, Fraction(0))
         slots = [int(quota * w / total) // pg.page_bytes for w, pg in zip(weights, pgs,
                                                                           strict=True)]
         for pg, n in zip(pgs, slots, strict=True):

@@ -3,7 +3,7 @@
 Decimal units (``k``, ``KB``, ``MB``, ``GB``, ``TB``) are powers of 1000, binary units
 (``KiB``, ``MiB``, ``GiB``, ``TiB``) powers of 1024; units are case-insensitive and may be
 separated from the number by spaces. Fractions are exact (``"1.5 KiB" == 1536``) and must
-come out as a whole number of bytes.
+come out as a whole number of bytes, at most :data:`MAX_SIZE` (8 EiB: an int64).
 """
 
 from __future__ import annotations
@@ -15,7 +15,11 @@ from fractions import Fraction
 
 from kvcm_core.errors import ConfigError
 
-__all__ = ["format_size", "parse_size"]
+__all__ = ["MAX_SIZE", "format_size", "parse_size"]
+
+#: The largest size :func:`parse_size` accepts: ``2**63 - 1`` bytes (8 EiB), what an int64
+#: byte count holds (every quota, offset and allocation size is one).
+MAX_SIZE = (1 << 63) - 1
 
 _UNITS = {
     "": 1,
@@ -38,6 +42,7 @@ _UNITS = {
     "tib": 1024**4,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_TOO_LARGE = "is too large: a size is at most 8 EiB (2**63 - 1 bytes)"
 _RULE = "must be a byte count (int) or a size such as '8GiB', '1.5 GB', '4096'"
 
 
@@ -55,7 +60,8 @@ def parse_size(value: object, field: str = "size") -> int:
         The size in bytes.
 
     Raises:
-        ConfigError: naming ``field`` when the value is not a size.
+        ConfigError: naming ``field`` when the value is not a size, or is larger than
+            :data:`MAX_SIZE`.
     """
     if isinstance(value, bool):
         raise ConfigError(field, value, _RULE)
@@ -70,7 +76,10 @@ def parse_size(value: object, field: str = "size") -> int:
         m = _SIZE_RE.match(value)
         if not m or m.group(2).lower() not in _UNITS:
             raise ConfigError(field, value, _RULE)
-        nbytes = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]
+        try:
+            nbytes = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+            raise ConfigError(field, value, _TOO_LARGE) from None
         if nbytes.denominator != 1:
             raise ConfigError(field, value, "must be a whole number of bytes")
         nbytes = int(nbytes)
@@ -78,6 +87,8 @@ def parse_size(value: object, field: str = "size") -> int:
         raise ConfigError(field, value, _RULE)
     if nbytes < 0:
         raise ConfigError(field, value, "must be >= 0 bytes")
+    if nbytes > MAX_SIZE:
+        raise ConfigError(field, value, _TOO_LARGE)
     return nbytes
 
 

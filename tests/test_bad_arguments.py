@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import full_layers, make_manager, tokens
 
-from kvcm_core import ArgumentTypeError, InvalidArgumentError
+from kvcm_core import ArgumentTypeError, ConfigError, InvalidArgumentError
 
 
 @pytest.mark.parametrize("bad", [np.array([1.0, 2.0, 3.0, 4.0, 5.0]),
@@ -84,7 +84,7 @@ def test_a_manager_resize_of_a_bad_level_gets_the_typed_error_naming_the_level(l
     assert m.get_storage_statistics(0).total == before
 
 
-@pytest.mark.parametrize("quota", [2**62, 10**30])
+@pytest.mark.parametrize("quota", [2**62, 2**63 - 1])
 def test_a_manager_resize_past_32_bit_slot_ids_is_refused_at_once_with_a_reason(quota) -> None:
     m = make_manager(full_layers())
     before = m.get_storage_statistics(0).total
@@ -96,6 +96,18 @@ def test_a_manager_resize_past_32_bit_slot_ids_is_refused_at_once_with_a_reason(
         tracemalloc.stop()
     assert peak < 1 << 20, f"the refusal allocated {peak} bytes (it must not size anything)"
     assert "32-bit" in m.last_refusal and str(quota) in m.last_refusal
+    assert m.get_storage_statistics(0).total == before
+    assert m.resize(0, 1 << 20) and m.last_refusal is None
+
+
+def test_a_manager_resize_past_8_EiB_is_a_config_error_at_once() -> None:
+    """A quota is a size: at most 2**63 - 1 bytes (larger ones were refused as 32-bit slot
+    ids before; 1e308 crashed the split with an OverflowError)."""
+    m = make_manager(full_layers())
+    before = m.get_storage_statistics(0).total
+    for quota in (10**30, 1e308):
+        with pytest.raises(ConfigError, match="at most 8 EiB"):
+            m.resize(0, quota)
     assert m.get_storage_statistics(0).total == before
     assert m.resize(0, 1 << 20) and m.last_refusal is None
 
@@ -275,7 +287,8 @@ def test_a_sparse_host_quota_too_small_for_one_slot_is_blamed_on_that_field() ->
     assert info.value.field == "sparse_host_quota"
 
 
-@pytest.mark.parametrize("quota", ["64TiB", 10**30], ids=["no-memory", "past-any-array"])
+# (A quota past 8 EiB, 10**30, is refused when parsed: tests/test_config_review27.py.)
+@pytest.mark.parametrize("quota", ["64TiB", 2**63 - 1], ids=["no-memory", "past-any-array"])
 def test_a_quota_no_pool_can_have_is_a_config_error_naming_the_level(quota) -> None:
     from kvcm_core import ConfigError, KVCacheManager, LevelConfig
     levels = [LevelConfig(tier="gpu", quota="4MiB"), LevelConfig(tier="host", quota=quota)]

@@ -834,7 +834,10 @@ def valid_configs(draw: st.DrawFn) -> KVCacheManagerConfig:
     options = st.dictionaries(
         names, st.integers(-5, 5) | names | st.lists(st.integers(0, 9), max_size=3), max_size=3
     )
-    levels = [LevelConfig(tier=draw(names), quota=draw(quotas), options=draw(options))]
+    # io_deadline_s: None (no I/O thread) is not its default, so to_dict must keep it.
+    deadlines = st.none() | st.floats(1e-3, 3600) | st.integers(1, 3600)
+    levels = [LevelConfig(tier=draw(names), quota=draw(quotas), options=draw(options),
+                          io_deadline_s=draw(deadlines))]
     for _ in range(draw(st.integers(0, 3))):
         levels.append(
             LevelConfig(
@@ -842,6 +845,7 @@ def valid_configs(draw: st.DrawFn) -> KVCacheManagerConfig:
                 quota=draw(quotas),
                 codec=draw(st.none() | names),
                 options=draw(options),
+                io_deadline_s=draw(deadlines),
             )
         )
     windowed = any(getattr(x, "sliding_window_size", None) for x in layers)

@@ -40,14 +40,14 @@ a level's quota dwarfs the working set.
 
 Exit status: 0 when every step verified; 1 when verification failed (a fingerprint
 mismatch or a broken manager invariant), or a ``--corrupt-at`` self-test corrupted a page
-that no check detected; 2 on a bad command line or configuration, found
-before running (bad flag, bad TOML, unknown or unavailable plugin, level 0 too small for
-the largest request), or a ``--corrupt-at STEP`` that corrupted nothing (the run ended
-before STEP); 3 when the run failed for another reason (the scheduler stalled, a
-storage tier failed, an internal error, the report or a plot could not be written: the
-previous file is then left whole), with the likely cause. Every failure is one line
-on stderr (``--debug`` adds the traceback) and, once the run started, ``report.json`` with
-``verification.ok = false`` and the traceback.
+that no check detected; 2 on a bad command line or configuration, found before running
+(bad flag, bad TOML, unknown or unavailable plugin, level 0 too small for the largest
+request, a ``max_batch`` whose batch is too large), or a ``--corrupt-at STEP`` that
+corrupted nothing (the run ended before STEP); 3 when the run failed for another reason
+(the scheduler stalled, a storage tier failed, an internal error, the report or a plot
+could not be written: the previous file is then left whole), with the likely cause.
+Every failure is one line on stderr (``--debug`` adds the traceback) and, once the run
+started, ``report.json`` with ``verification.ok = false`` and the traceback.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ from kvcm_core.simulate.runner import (
 )
 from kvcm_core.simulate.workload import WorkloadConfig, generate_trace, trace_summary
 
-__all__ = ["SimulateConfig", "load_config", "main"]
+__all__ = ["MAX_BATCH", "MAX_WORKING_SET_UNITS", "SimulateConfig", "load_config", "main"]
 
 #: ``--verify-every`` with ``--trace`` unless given: the full check of a 300-request
 #: Mooncake trace (15k-token prompts) takes several minutes a run on two cores.
@@ -115,6 +115,12 @@ _SIM_KEYS = ("seed", "level_fractions", "workload", *(a.name for a in attrs.fiel
 #: The least value of a scheduler knob where it is not 1 (``invariants_every = 0``: the
 #: invariant check only at the end).
 _SIM_MIN = {"invariants_every": 0, "rewind_every": 0, "rewind_draft": 0}
+#: The most requests ``[simulate] max_batch`` may run at once: the run's batch has a page
+#: table row (and a sparse working set) for each, whatever the workload needs.
+MAX_BATCH = 4096
+#: The most units a sparse layer's ``working_set_units`` may keep per request in a run
+#: (the run's batch holds that many for each of its ``max_batch`` rows).
+MAX_WORKING_SET_UNITS = 1 << 20
 
 
 @attrs.frozen(kw_only=True)
@@ -187,8 +193,22 @@ def load_config(path: str | Path | None = None, preset: str = "default") -> Simu
         low = _SIM_MIN.get(key, 1)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(f"simulate.{key}", value, f"must be an int >= {low}")
+        if key == "max_batch" and value > MAX_BATCH:
+            raise ConfigError("simulate.max_batch", value,
+                              f"must be at most {MAX_BATCH} (the run's batch holds a page "
+                              "table row for each request it may run)")
     sched = SchedulerConfig(**sim)
-    KVCacheManagerConfig.from_dict(data["kvcm"])  # report errors now, by their place
+    try:  # report errors now, by their place in the file ([kvcm])
+        cfg = KVCacheManagerConfig.from_dict(data["kvcm"])
+    except ConfigError as exc:
+        raise ConfigError(f"kvcm.{exc.field}", exc.value, exc.rule) from None
+    for i, layer in enumerate(cfg.layers):
+        sp = getattr(layer, "sparse", None)
+        if sp is not None and sp.working_set_units > MAX_WORKING_SET_UNITS:
+            raise ConfigError(f"kvcm.layers[{i}].sparse.working_set_units",
+                              sp.working_set_units,
+                              f"must be at most {MAX_WORKING_SET_UNITS} in a simulation (the "
+                              "run's batch keeps that many units for every request)")
     return SimulateConfig(seed=seed, workload=workload, scheduler=sched,
                           level_fractions=fractions, kvcm=data["kvcm"])
 

@@ -143,6 +143,9 @@ def read_trace(path: str | Path, limit: int = 0) -> list[TraceRecord]:
                                      f"{exc.colno}") from None
                 except RecursionError:
                     raise TraceError(f"{where}: not valid JSON: nested too deeply") from None
+                except ValueError:  # an int of more digits than Python converts (4300)
+                    raise TraceError(f"{where}: not valid JSON here: a number too long to "
+                                     "read (more than 4300 digits)") from None
                 out.append(_record(obj, where, lineno))
                 if limit and len(out) >= limit:
                     break

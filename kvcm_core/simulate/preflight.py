@@ -5,7 +5,9 @@ A configuration error must be found before the run, not as a failure in the midd
 available here (:func:`check_plugins`), and level 0 must hold the largest request of the
 workload on its own (:func:`check_capacity`: that request alone goes through a manager of
 level 0 only, prefilled in the scheduler's chunks and decoded token by token, the way the
-run will drive it, so the manager's own page accounting decides).
+run will drive it, so the manager's own page accounting decides), and the batch the run
+builds must fit (:func:`batch_bytes`: at most :data:`MAX_BATCH_BYTES`, refused as
+``simulate.max_batch`` rather than found as an allocation failure in the run).
 
 Warnings (:func:`level_warnings`) point at configurations that run but do not do what the
 user probably meant: a level whose quota is far larger than everything the workload could
@@ -27,8 +29,10 @@ from kvcm_core.manager import KVCacheManager
 from kvcm_core.plugins import BACKEND_ENV, KvcmPluginManager, get_plugin_manager
 from kvcm_core.simulate.runner import SchedulerConfig
 from kvcm_core.simulate.workload import TraceRequest
+from kvcm_core.sparse.reference import keys_width
 
-__all__ = ["DWARF_FACTOR", "DWARF_MIN_BYTES", "build_levels", "check_capacity",
+__all__ = ["DWARF_FACTOR", "DWARF_MIN_BYTES", "MAX_BATCH_BYTES", "batch_bytes",
+           "build_levels", "check_capacity",
            "check_plugins", "human_bytes", "level_warnings", "named_error"]
 
 #: A level is said to dwarf the workload when its quota exceeds this many times the
@@ -36,6 +40,9 @@ __all__ = ["DWARF_FACTOR", "DWARF_MIN_BYTES", "build_levels", "check_capacity",
 DWARF_FACTOR = 8
 #: ... and the working set by at least this many bytes (small levels cost nothing).
 DWARF_MIN_BYTES = 64 << 20
+#: The most bytes the run's batch (:func:`batch_bytes`) may take: more is refused before
+#: the run (``simulate.max_batch``), not found as an allocation failure in it.
+MAX_BATCH_BYTES = 4 << 30
 
 
 def human_bytes(n: float) -> str:
@@ -86,10 +93,12 @@ def check_plugins(cfg: KVCacheManagerConfig, pm: KvcmPluginManager | None = None
 
 def check_capacity(cfg: KVCacheManagerConfig, trace: Sequence[TraceRequest],
                    sched: SchedulerConfig) -> None:
-    """Level 0 alone holds the largest request of ``trace`` (see the module docstring).
+    """Level 0 alone holds the largest request of ``trace`` (see the module docstring),
+    and the run's batch fits (:func:`batch_bytes`, at most :data:`MAX_BATCH_BYTES`).
 
     Raises:
-        ConfigError: ``kvcm.levels[0].quota`` is too small, with the manager's reason.
+        ConfigError: ``kvcm.levels[0].quota`` is too small, with the manager's reason;
+            ``simulate.max_batch`` makes a batch too large.
     """
     if not trace:
         return
@@ -104,19 +113,48 @@ def check_capacity(cfg: KVCacheManagerConfig, trace: Sequence[TraceRequest],
         manager = KVCacheManager(gpu_only)
     except ConfigError as exc:  # not a refusal: the level cannot be set up at all
         raise named_error(exc) from None
-    with manager, manager.create_kv_cache(req.scope, ()) as cache:
-        if not cache.resume():
-            raise ConfigError("kvcm.levels[0].quota", quota,
-                              f"{rule}: {cache.last_refusal}")
-        pos = 0
-        while pos < len(tokens):
-            step = min(chunk, req.prompt_len - pos) if pos < req.prompt_len else 1
-            if not cache.resize(pos + step):
-                raise ConfigError(
-                    "kvcm.levels[0].quota", quota,
-                    f"{rule}: at token {pos + step}, {cache.last_refusal}")
-            cache.commit(tokens[pos:pos + step])
-            pos += step
+    with manager:
+        nbytes = batch_bytes(manager, sched.max_batch)
+        if nbytes > MAX_BATCH_BYTES:
+            raise ConfigError(
+                "simulate.max_batch", sched.max_batch,
+                f"the run's batch would take about {human_bytes(nbytes)} (page tables over "
+                "level 0's slots for every request, and the sparse layers' working sets): "
+                f"at most {human_bytes(MAX_BATCH_BYTES)}; lower max_batch, level 0's quota "
+                "or working_set_units")
+        with manager.create_kv_cache(req.scope, ()) as cache:
+            if not cache.resume():
+                raise ConfigError("kvcm.levels[0].quota", quota,
+                                  f"{rule}: {cache.last_refusal}")
+            pos = 0
+            while pos < len(tokens):
+                step = min(chunk, req.prompt_len - pos) if pos < req.prompt_len else 1
+                if not cache.resize(pos + step):
+                    raise ConfigError(
+                        "kvcm.levels[0].quota", quota,
+                        f"{rule}: at token {pos + step}, {cache.last_refusal}")
+                cache.commit(tokens[pos:pos + step])
+                pos += step
+
+
+def batch_bytes(manager: KVCacheManager, max_batch: int) -> int:
+    """About the bytes of the batch a run of ``max_batch`` rows builds on ``manager``
+    (:class:`~kvcm_core.batch.Batch`, as :class:`~kvcm_core.testing.engine.EngineLoop`
+    makes it): a device page table and its host staging per cache group, of a row per beam
+    of every request and a column per level-0 slot, plus each sparse layer's working set
+    (cells and selection state) per request. Python ints: never wraps."""
+    widest = max(1, max(s.num_slots for s in manager.stores[0]))
+    beams = manager.config.max_beam_width
+    total = 2 * 4 * manager.num_cache_groups * max_batch * beams * widest
+    tpb = manager.tokens_per_block
+    for layer in manager.config.layers:
+        sp = getattr(layer, "sparse", None)
+        if sp is None:
+            continue
+        pages = -(-sp.working_set_units // (tpb // sp.unit_tokens))
+        cells = pages * sum(b.size for b in layer.buffers if b.is_sparse)
+        total += max_batch * (cells + 32 * keys_width(sp.working_set_units))
+    return total
 
 
 def build_levels(cfg: KVCacheManagerConfig) -> None:
@@ -150,9 +188,14 @@ def named_error(exc: ConfigError,
         size = f" ({human_bytes(quota)})" if quota is not None else ""
         return ConfigError(f"kvcm.{exc.field}", exc.value, f"{size.strip()} {exc.rule}"
                            if size else exc.rule)
-    if exc.field.startswith("levels["):
+    if _ROOT.match(exc.field).group(0) in _KVCM_FIELDS:
         return ConfigError(f"kvcm.{exc.field}", exc.value, exc.rule)
     return exc
+
+
+#: The top-level fields of ``[kvcm]``, which :func:`named_error` places under ``kvcm.``.
+_KVCM_FIELDS = frozenset(a.alias for a in attrs.fields(KVCacheManagerConfig) if a.init)
+_ROOT = re.compile(r"[^.\[]*")
 
 
 def level_warnings(cfg: KVCacheManagerConfig, ws_bytes: int) -> list[str]:

@@ -11,11 +11,13 @@ must agree on dtype and group size, else the segment is raw). Each segment owns 
 of the cold page starting at a multiple of 16 bytes, in segment order:
 
 - raw segment: its bytes, unchanged;
-- lossy segment of ``n`` elements in groups of ``g`` (``G = ceil(n / g)`` groups, the last
-  one possibly short): ``G`` little-endian fp32 scales, then, from the next multiple of
-  16, group ``i``'s codes at ``i * B`` (``B = g`` bytes for fp8 and int8, ``ceil(g / 2)``
-  for int4; int4 packs element ``2j`` in the low nibble of byte ``j``, ``2j + 1`` in its
-  high nibble, a missing last element as 0).
+- lossy segment of ``n`` elements in groups of ``g = min(group_size, n)`` (a group never
+  spans more than the segment: a ``group_size`` larger than the buffer's values gives one
+  group of ``n``, whose codes take ``n`` bytes, not ``group_size``; ``G = ceil(n / g)``
+  groups, the last one possibly short): ``G`` little-endian fp32 scales, then, from the
+  next multiple of 16, group ``i``'s codes at ``i * B`` (``B = g`` bytes for fp8 and int8,
+  ``ceil(g / 2)`` for int4; int4 packs element ``2j`` in the low nibble of byte ``j``,
+  ``2j + 1`` in its high nibble, a missing last element as 0).
 
 Every byte of a cold page that no segment's data fills (padding between scales and codes,
 after a short last group, between sections, at the end) is 0: cold pages are fully defined.
@@ -191,6 +193,8 @@ def make_plan(layout: PageLayout, mode: str) -> Plan:
                 raise ValueError(f"buffer {(p.layer_id, p.role)} at {p.offset}+{p.size} "
                                  f"outside pool {pool}'s {slot}-byte slot")
         for off, size, dtype, gs in _pool_segments(pool, slot, places):
+            if dtype:  # a group never spans more than the segment's values (one group
+                gs = min(gs, size // LOSSY_DTYPES[dtype][1])  # either way: same codes)
             seg = Segment(pool, off, size, at, dtype, gs)
             segments.append(seg)
             at = _up(at + seg.section_bytes(mode))

@@ -55,7 +55,7 @@ Options:
         geometries and codecs (layout fingerprint), models and tensor/pipeline-parallel
         shards (the level's required ``model`` and ``shard`` options, folded into the
         fingerprint) and tenants (reuse scope).
-    connect_timeout_s: seconds to open a connection (default 1.0).
+    connect_timeout_s: seconds to open a connection, in (0, 3600] (default 1.0).
     pipeline_bytes: value bytes per pipeline (default 8 MiB).
 """
 
@@ -81,6 +81,10 @@ __all__ = ["CAPABILITIES", "RedisTier"]
 
 CAPABILITIES = TierCapabilities(device_accessible=False, medium=Medium.REMOTE,
                                 persistent=True, shared=True, keyed=True)
+
+#: The longest ``connect_timeout_s`` (an hour, as a storage level's ``io_deadline_s``): a
+#: socket cannot wait for ever (``inf`` overflows its clock).
+MAX_CONNECT_TIMEOUT_S = 3600
 
 _OPTIONS = ("url", "cluster", "namespace", "connect_timeout_s", "pipeline_bytes")
 _T = TypeVar("_T")
@@ -124,8 +128,10 @@ def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError("redis.options.namespace", namespace,
                           "must be a non-empty string without spaces")
     timeout = options.get("connect_timeout_s", 1.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-        raise ConfigError("redis.options.connect_timeout_s", timeout, "must be a number > 0")
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or \
+            not 0 < timeout <= MAX_CONNECT_TIMEOUT_S:  # (also refuses nan)
+        raise ConfigError("redis.options.connect_timeout_s", timeout,
+                          f"must be a number of seconds in (0, {MAX_CONNECT_TIMEOUT_S}]")
     chunk = options.get("pipeline_bytes", 8 << 20)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ConfigError("redis.options.pipeline_bytes", chunk, "must be an int >= 1")
