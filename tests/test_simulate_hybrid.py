@@ -377,3 +377,19 @@ def test_a_one_group_model_takes_the_batch_resize_fast_path_and_verifies() -> No
     assert sum(patched) > 0  # rows staged in place by the fast path, then uploaded
     f = res.features
     assert f["batch_moves"] > 0 and f["rewinds"] > 0 and f["multimodal_requests"] > 0
+
+
+def test_the_report_names_the_kernel_backend_the_run_selected(tmp_path) -> None:
+    """``kernel_backend = "auto"`` (or KVCM_KERNEL_BACKEND) picks a backend at run time:
+    the report says which, beside what the configuration asked for."""
+    import json
+
+    from kvcm_core.plugins import get_plugin_manager
+    from kvcm_core.simulate import main
+
+    out = tmp_path / "out"
+    assert main(["--requests", "4", "--no-plots", "--quiet", "--out", str(out)]) == 0
+    meta = json.loads((out / "report.json").read_text())["meta"]
+    assert meta["kernel_backend"] == "auto"
+    assert meta["kernel_backend_selected"] == \
+        get_plugin_manager().select_kernel_backend("auto").name

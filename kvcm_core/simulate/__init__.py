@@ -81,6 +81,7 @@ from kvcm_core.errors import (
     TierIOError,
 )
 from kvcm_core.manager import KVCacheManager
+from kvcm_core.plugins import get_plugin_manager
 from kvcm_core.simulate.mooncake import TraceError, infinite_hits, read_trace, to_requests
 from kvcm_core.simulate.preflight import (
     build_levels,
@@ -681,7 +682,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta: dict[str, Any] = {
         "kvcm_version": version, "seed": seed, "config": args.config or f"{args.preset}.toml",
         "python": platform.python_version(), "machine": platform.machine(),
-        "kernel_backend": cfg.kernel_backend, "argv": list(argv or []),
+        "kernel_backend": cfg.kernel_backend,
+        "kernel_backend_selected": get_plugin_manager().select_kernel_backend(
+            cfg.kernel_backend).name, "argv": list(argv or []),
         "workload": attrs.asdict(wl), "scheduler": attrs.asdict(sim.scheduler),
         "level_fractions": sim.level_fractions, "kvcm": cfg.to_dict(), "notes": notes,
         "warnings": warnings, "verification": _verification_mode(args.verify_every),
