@@ -71,11 +71,19 @@ class SparseArena:
         self._fresh: set[int] = set()  # leases whose state is reset at the next publish
         self._seats_moved = False  # the lease table changed since its last upload
         self._caps = np.full(max_rows, -1, dtype=np.int64)  # capacity last pinned, by lease
+        # Rows moved since the write maps were last written (pin or carry): new row -> the
+        # row whose device write map it takes; ``_staged``: sources copied aside already.
+        self._moved: dict[int, int] = {}
+        self._staged: set[int] = set()
         self.arenas: list[Buffer] = []
         self._place_cells()
         for g in self.groups:
             self._alloc_state(g)
             g.ranges = Mirror(self.backend, (max_rows, 2), np.int32, 0)
+            # Write-map rows set aside by a move's carry (one more row: all -1).
+            g.carry = self.backend.alloc_device((max_rows + 1) * g.working_set_units * 4)
+            self.backend.write(g.carry, 0, np.full((max_rows + 1) * g.working_set_units, -1,
+                                                   dtype=np.int32).view(np.uint8))
 
     # -- layout ----------------------------------------------------------------------------
 
@@ -130,18 +138,22 @@ class SparseArena:
         self.marks.host[lease] = (h, h)
         self._caps[lease] = -1
         self._fresh.add(lease)
+        self._moved.pop(row, None)  # (a fresh lease pins every row)
         return lease
 
     def leave(self, row: int) -> None:
         lease = int(self.lease_of_row.host[row])
         self.lease_of_row.host[row] = -1
         self._seats_moved = True
+        self._moved.pop(row, None)
         heapq.heappush(self._free, lease)
 
     def move(self, old: int, new: int) -> None:
+        """Carry ``old``'s lease to ``new``; its write map follows at the next publish."""
         host = self.lease_of_row.host
         host[new], host[old] = host[old], -1
         self._seats_moved = True
+        self._moved[new] = self._moved.pop(old, old)
 
     def lease(self, row: int) -> int:
         return int(self.lease_of_row.host[row])
@@ -238,6 +250,7 @@ class SparseArena:
         and the pins when :meth:`prepare` saw a change), after the page tables went up."""
         self._upload_seats(stream)
         if not changed:
+            self._carry_write_maps(stream)
             return
         self.marks.upload(stream)
         if self._fresh:
@@ -249,6 +262,35 @@ class SparseArena:
         if self._seats_moved:
             self.lease_of_row.upload(stream)
             self._seats_moved = False
+
+    def _carry_write_maps(self, stream: Stream | None) -> None:
+        """A moved row's write map follows it (the pin that wrote it is not repeated): each
+        group's source rows are set aside, then copied to their new rows; rows left empty
+        get ``-1``. Safe to repeat after an interrupt: rows are set aside once."""
+        if not self._moved:
+            return
+        rows = self.rows
+        new = sorted(set(self._moved.values()) - self._staged)
+        pairs = [(r, self._moved[r]) for r in sorted(self._moved)]
+        pairs += [(r, rows) for r in sorted(set(self._moved.values()) - set(self._moved))
+                  if self.lease_of_row.host[r] < 0]
+        for phase, todo in (("set aside", new), ("carry", pairs)):
+            if not todo:
+                continue
+            tasks = []
+            for g in self.groups:
+                n = g.working_set_units * 4
+                wm, carry = PageRegion(g.state["write_map"], 0, n), PageRegion(g.carry, 0, n)
+                if phase == "set aside":
+                    p = np.repeat(np.asarray(todo, dtype=np.int32)[:, None], 2, axis=1)
+                    tasks.append(CopyTask(carry, wm, n, p))
+                else:
+                    tasks.append(CopyTask(wm, carry, n, np.asarray(todo, dtype=np.int32)))
+            self.backend.copy_pages_batch(tasks, stream)
+            if phase == "set aside":
+                self._staged.update(new)
+        self._moved.clear()
+        self._staged.clear()
 
     def _pin(self, tables: Sequence[tuple[Buffer, int]], stream: Stream | None) -> None:
         """Give every in-flight unit an entry; a unit that got a new one is fetched from its
@@ -264,6 +306,8 @@ class SparseArena:
                 max_units=g.max_units, row_elems=width, buffers=cells, page_table=table,
                 lease_of_row=self.lease_of_row.device, miss_unit=s["pin_unit"],
                 miss_entry=s["pin_entry"], miss_count=s["pin_count"]), stream)
+        self._moved.clear()  # every row's write map is written
+        self._staged.clear()
 
     def check_pinned(self, members: Sequence[Any]) -> None:
         """Raises InvalidStateError when a row's capacity moved since the last publish."""
@@ -534,5 +578,6 @@ class SparseArena:
             a.free()
         for g in self.groups:
             g.ranges.free()
+            g.carry.free()
             for b in (*g.state.values(), *g.templates.values()):
                 b.free()

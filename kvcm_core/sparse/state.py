@@ -101,6 +101,7 @@ class SelectionGroup:
     fetched: list[Any] = attrs.field(factory=list)  # events of those fetches
     resolved: Event | None = None
     ranges: Any = None  # the flush ranges' _Mirror
+    carry: Buffer | None = None  # write-map rows a move sets aside (SparseArena.move)
 
     def in_flight(self, history: int, capacity: int) -> int:
         """Units in flight for these marks."""

@@ -1,0 +1,105 @@
+"""Sparse attention rules a review (27) found broken: a moved row's write map follows it,
+interrupts leave no pin, fetch or write-back owed, write-backs are ordered against
+publishes on other streams, the write-back bound never strands an accepted step, the write
+map is refused between a history move and its flush, and a bad ``buffers`` is named."""
+from __future__ import annotations
+
+import numpy as np
+import sparse_helpers as sh
+
+from kvcm_core import Batch, KVCacheManager
+
+
+class Injected(BaseException):
+    """An interrupt (not KeyboardInterrupt: that stops pytest)."""
+
+
+def _cache(m: KVCacheManager, toks: list[int], h: int):
+    c = m.create_kv_cache(None, toks[:h])
+    assert c.resume() and c.resize(h) and c.resize(h, h)
+    return c
+
+
+def _entry(b: Batch, row: int, layer: int, role: str, e: int) -> np.ndarray:
+    """Row ``row``'s entry ``e`` of a sparse buffer (a live host view: numpy backend)."""
+    cl = b.sparse_cells(layer, role)
+    at = cl.cells.page_start(b.sparse_lease(row) * cl.lease_cells + e // cl.units_per_page) \
+        + (e % cl.units_per_page) * cl.unit_bytes
+    return cl.cells.buffer.host_view()[at: at + cl.unit_bytes]
+
+
+def _host_unit(m: KVCacheManager, c, layer: int, role: str, unit: int) -> np.ndarray:
+    region = m.get_page_region(layer, role)
+    upp = sh.TPB // sh.UT
+    ub = m.buffer_attr(layer, role).size // upp
+    slot = int(c.get_base_page_indices(m.get_buffer_group_id(layer, role))[unit // upp])
+    at = region.page_start(slot) + (unit % upp) * ub
+    return region.buffer.host_view()[at: at + ub]
+
+
+def _toks(seed: int = 0) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(1, 30000, 256)]
+
+
+# -- F1: a moved row's write map ------------------------------------------------------------
+
+def test_a_row_moved_after_the_flush_takes_its_write_map_along():
+    m = KVCacheManager(sh.sparse_config())
+    c = _cache(m, _toks(), 8)
+    b = Batch(m, max_rows=3, max_blocks_per_row=8)
+    b.add_kv_cache(c)
+    b.resize(np.array([12, -1, -1]))  # tokens 8..11 in flight: unit 2 pinned
+    b.flush_sparse_units()
+    before = np.array(b.prepare_sparse_write_indices(0))
+    b.move(c, 2)
+    b.publish()  # seats uploaded, capacity unchanged: no new pin
+    after = np.array(b.prepare_sparse_write_indices(0))
+    assert after[2].tolist() == before[0].tolist()
+    assert (after[0] == -1).all()  # the row left empty names no entry
+
+
+def test_tokens_written_through_a_moved_rows_write_map_reach_the_host_and_spare_other_units():
+    m = KVCacheManager(sh.sparse_config())
+    toks = _toks()
+    b = Batch(m, max_rows=2, max_blocks_per_row=8)
+    a, other = _cache(m, toks, 8), _cache(m, toks, 40)
+    b.add_kv_cache(a, 0)
+    b.add_kv_cache(other, 1)
+    b.publish()
+    sel = np.full((2, 4), -1, np.int32)
+    sel[0, :2] = [0, 1]  # a's units 0, 1 take entries 0, 1
+    b.resolve_sparse_selection(0, sel)
+    b.fetch_resolved_pages(0)
+    b.fetch_resolved_pages(1)
+    unit0 = _entry(b, 0, 0, "k", 0).copy()
+    b.resize(np.array([12, 44]))  # a: unit 2 in flight; other: unit 10
+    b.flush_sparse_units()
+    b.remove_kv_cache(other)
+    b.move(a, 1)  # into the removed row, after the step's flush
+    b.publish()
+    w = np.array(b.prepare_sparse_write_indices(0))
+    new = np.arange(unit0.size, dtype=np.uint8)  # "the model writes unit 2"
+    _entry(b, 1, 0, "k", int(w[1, 0]))[:] = new
+    assert a.resize(12, 12)
+    b.flush_sparse_units()
+    assert np.array_equal(_host_unit(m, a, 0, "k", 2), new)
+    assert np.array_equal(_entry(b, 1, 0, "k", 0), unit0)
+
+
+def test_rows_swapped_through_an_empty_row_swap_their_write_maps():
+    m = KVCacheManager(sh.sparse_config())
+    toks = _toks()
+    b = Batch(m, max_rows=3, max_blocks_per_row=8)
+    a, c = _cache(m, toks, 8), _cache(m, toks, 36)
+    b.add_kv_cache(a, 0)
+    b.add_kv_cache(c, 1)
+    b.resize(np.array([12, 44, -1]))
+    b.flush_sparse_units()
+    w0 = np.array(b.prepare_sparse_write_indices(2))
+    b.move(a, 2)
+    b.move(c, 0)
+    b.move(a, 1)
+    b.publish()
+    w1 = np.array(b.prepare_sparse_write_indices(2))
+    assert w1[1].tolist() == w0[0].tolist() and w1[0].tolist() == w0[1].tolist()
+    assert (w1[2] == -1).all()
