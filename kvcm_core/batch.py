@@ -192,6 +192,7 @@ class Batch:
         self._read_fence: Event | None = None
         self._uploading: Event | None = None  # recorded after the last upload's copies
         self._converted: Event | None = None  # a registration's conversion, not yet awaited
+        self._writeback_unsynced = False  # a removal's write-back the host has not waited for
         self._closed = False
         has_sparse = any(getattr(layer, "sparse", None) is not None
                          for layer in manager.config.layers)
@@ -648,6 +649,8 @@ class Batch:
                 "then fetch_resolved_pages for each layer")
         if buffers is not None:  # checked before the resolve changes anything (as a list:
             buffers = self._arena().check_roles(layer_id, buffers)  # an iterator once)
+        if g.pending:  # only an interrupted call leaves its fetch owed: complete it first
+            self.fetch_resolved_pages(layer_id, None, stream)
         out = self.resolve_sparse_selection(layer_id, selected, stream)
         self.fetch_resolved_pages(layer_id, buffers, stream)
         return out
@@ -679,7 +682,7 @@ class Batch:
         """
         self._thread.check()
         arena = self._arena()
-        if len(self.dirty_rows()):
+        if len(self.dirty_rows()) or arena.owes():  # (owed: an interrupted publish)
             self.publish(stream)
         return arena.flush(self._rows, self._device_tables(), stream)
 
@@ -692,16 +695,22 @@ class Batch:
         after it (the write-back then runs between everything queued before the call and
         everything queued after it, on whatever stream)."""
         assert self._sparse is not None
+        if self._writeback_unsynced:  # an interrupted wait for a write-back: wait again
+            self.backend.synchronize()
+            self._writeback_unsynced = False
         rows = [r for r in rows if self._sparse.unflushed(r, self._rows[r])]
         if not rows:
             return
         if stream is None:
             self.backend.synchronize()
-        if not self._patched.isdisjoint(rows) or not self._dirty.isdisjoint(rows):
+        if not self._patched.isdisjoint(rows) or not self._dirty.isdisjoint(rows) or \
+                self._sparse.owes():
             self.publish(stream)  # units go to the pages the rows hold now
+        self._writeback_unsynced = stream is None  # (the marks move before the wait)
         self._sparse.flush(self._rows, self._device_tables(), stream, only=rows)
         if stream is None:
             self.backend.synchronize()
+            self._writeback_unsynced = False
 
     def _device_tables(self) -> list[tuple[Buffer, int]]:
         """Each cache group's device page table and its int32 elements per row."""

@@ -5,9 +5,12 @@ map is refused between a history move and its flush, and a bad ``buffers`` is na
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import sparse_helpers as sh
+import test_sparse_stream_rules as sr
 
-from kvcm_core import Batch, KVCacheManager
+import kvcm_core.batch as batch_mod
+from kvcm_core import Batch, InvalidStateError, KVCacheManager
 
 
 class Injected(BaseException):
@@ -103,3 +106,147 @@ def test_rows_swapped_through_an_empty_row_swap_their_write_maps():
     w1 = np.array(b.prepare_sparse_write_indices(2))
     assert w1[1].tolist() == w0[0].tolist() and w1[0].tolist() == w0[1].tolist()
     assert (w1[2] == -1).all()
+
+
+# -- F2, F3, F4: interrupts -------------------------------------------------------------------
+
+def _random_host_pages(m: KVCacheManager, seed: int = 7) -> None:
+    rng = np.random.default_rng(seed)
+    for pg, store in zip(m.layout.pool_groups, m.stores[0], strict=True):
+        if pg.sparse:
+            for pool in store.pools:
+                v = pool.buffer.host_view()
+                v[:] = rng.integers(0, 256, v.size, dtype=np.uint8)
+
+
+def _arm(monkeypatch, owner, name: str, when=lambda *a, **k: True, after: bool = False):
+    """Raise ``Injected`` once from ``owner.name`` (before the call, or ``after`` it)."""
+    real = getattr(owner, name)
+    left = [1]
+
+    def hooked(*args, **kw):
+        if not after and left[0] and when(*args, **kw):
+            left[0] = 0
+            raise Injected(name)
+        out = real(*args, **kw)
+        if after and left[0] and when(*args, **kw):
+            left[0] = 0
+            raise Injected(name)
+        return out
+    monkeypatch.setattr(owner, name, hooked)
+    return left
+
+
+def test_a_publish_interrupted_before_its_pin_pins_at_the_next_publish(monkeypatch):
+    m = KVCacheManager(sh.sparse_config())
+    c = _cache(m, _toks(), 12)
+    b = Batch(m, max_rows=1, max_blocks_per_row=8)
+    b.add_kv_cache(c)
+    b.publish()
+    left = _arm(monkeypatch, batch_mod.Batch, "_wait_upload")
+    with pytest.raises(Injected):
+        b.resize([20])  # units 3, 4 in flight (a new block): the upload is interrupted
+    assert not left[0] and c.capacity == 20
+    b.publish()
+    w = np.array(b.prepare_sparse_write_indices(0))[0]
+    assert (w[:2] >= 0).all() and len(set(w[:2].tolist())) == 2
+
+
+def test_a_publish_interrupted_after_the_upload_refuses_the_write_map_until_published(
+        monkeypatch):
+    m = KVCacheManager(sh.sparse_config())
+    c = _cache(m, _toks(), 12)
+    b = Batch(m, max_rows=1, max_blocks_per_row=8)
+    b.add_kv_cache(c)
+    b.publish()
+    arena_cls = type(b._arena())
+    _arm(monkeypatch, arena_cls, "publish")
+    with pytest.raises(Injected):
+        b.resize([16])  # unit 3 in flight, no new block
+    with pytest.raises(InvalidStateError, match="publish first"):
+        b.prepare_sparse_write_indices(0)
+    b.publish()
+    assert int(np.array(b.prepare_sparse_write_indices(0))[0, 0]) >= 0
+
+
+def test_a_pin_interrupted_before_its_fetch_fetches_at_the_next_publish(monkeypatch):
+    m = KVCacheManager(sh.sparse_config())
+    _random_host_pages(m)
+    c = _cache(m, _toks(), 10)
+    b = Batch(m, max_rows=1, max_blocks_per_row=8)
+    b.add_kv_cache(c)
+    b.publish()
+    assert c.resize(12)  # unit 2 in flight; its tokens 8, 9 are history (on the host)
+    _arm(monkeypatch, type(m.backend), "sparse_copy", lambda self, job, *a: not job.flush)
+    with pytest.raises(Injected):
+        b.publish()
+    b.publish()
+    e = int(np.array(b.prepare_sparse_write_indices(0))[0, 0])
+    half = b.sparse_cells(0, "k").unit_bytes // 2  # tokens 8, 9 of the unit's 4
+    assert np.array_equal(_entry(b, 0, 0, "k", e)[:half], _host_unit(m, c, 0, "k", 2)[:half])
+
+
+def test_a_resolve_interrupted_after_its_kernel_still_fetches_its_misses(monkeypatch):
+    m = KVCacheManager(sh.sparse_config())
+    _random_host_pages(m)
+    c = _cache(m, _toks(), 32)
+    b = Batch(m, max_rows=1, max_blocks_per_row=8)
+    b.add_kv_cache(c)
+    b.publish()
+    _arm(monkeypatch, type(m.backend), "sparse_resolve",
+         lambda self, job, *a: job.selected is not None, after=True)
+    sel = np.array([[3, 5, -1]], np.int32)
+    with pytest.raises(Injected):
+        b.fetch_sparse_pages(2, sel)
+    emap = np.array(b.fetch_sparse_pages(2, sel))[0]  # the engine retries the step
+    for unit, e in zip(sel[0][:2], emap[:2], strict=True):
+        assert np.array_equal(_entry(b, 0, 2, "kv", int(e)), _host_unit(m, c, 2, "kv", unit))
+
+
+def test_a_shared_resolve_interrupted_after_its_kernel_awaits_its_fetches(monkeypatch):
+    m = KVCacheManager(sh.sparse_config())
+    _random_host_pages(m)
+    c = _cache(m, _toks(), 32)
+    b = Batch(m, max_rows=1, max_blocks_per_row=8)
+    b.add_kv_cache(c)
+    b.publish()
+    _arm(monkeypatch, type(m.backend), "sparse_resolve",
+         lambda self, job, *a: job.selected is not None, after=True)
+    sel = np.array([[3, 5, -1, -1]], np.int32)
+    with pytest.raises(Injected):
+        b.resolve_sparse_selection(0, sel)
+    with pytest.raises(InvalidStateError, match="fetch"):
+        b.resolve_sparse_selection(0, sel)
+    b.fetch_resolved_pages(0)
+    b.fetch_resolved_pages(1)
+    emap = b.read_sparse_table(0, "entry_map")[0]
+    for unit, e in zip(sel[0][:2], emap[:2], strict=True):
+        assert np.array_equal(_entry(b, 0, 1, "v", int(e)), _host_unit(m, c, 1, "v", unit))
+
+
+def test_a_removal_interrupted_while_waiting_for_its_write_back_waits_when_retried(
+        monkeypatch):
+    m = sr._manager()
+    stream = m.backend.create_stream()
+    toks = [int(x) for x in np.random.default_rng(0).integers(1, 30000, 40)]
+    cache, b, written = sr._one_step(m, stream, toks)
+    joins = Batch(m, max_rows=2, max_blocks_per_row=8)
+    m.backend.synchronize()
+    be = type(m.backend)
+    real = be.synchronize
+    calls = [0]
+
+    def synchronize(self):
+        calls[0] += 1
+        if calls[0] == 2:  # the write-back is queued: the host's wait is interrupted
+            raise Injected("synchronize")
+        return real(self)
+    monkeypatch.setattr(be, "synchronize", synchronize)
+    with pytest.raises(Injected):
+        b.remove_kv_cache(cache)
+    monkeypatch.setattr(be, "synchronize", real)
+    b.remove_kv_cache(cache)
+    assert m.backend.pending() == 0
+    cache.close()
+    fetched = sr._fetch_reused_unit(m, joins, stream, toks, in_place=True)
+    assert [k for k, d in written.items() if not np.array_equal(fetched[k], d)] == []

@@ -75,6 +75,9 @@ class SparseArena:
         # row whose device write map it takes; ``_staged``: sources copied aside already.
         self._moved: dict[int, int] = {}
         self._staged: set[int] = set()
+        # A prepare or flush took new marks whose pin has not run (an interrupt between):
+        # the next publish or flush uploads the marks and pins.
+        self._pin_owed = False
         self.arenas: list[Buffer] = []
         self._place_cells()
         for g in self.groups:
@@ -238,6 +241,7 @@ class SparseArena:
             if cache is not None and cache.capacity != self._caps[self.lease(row)]:
                 changed = True
         if changed:
+            self._pin_owed = True  # until _pin returns (an interrupt before: pinned later)
             for row, cache in enumerate(members):
                 if cache is not None:
                     lease = self.lease(row)
@@ -247,9 +251,11 @@ class SparseArena:
     def publish(self, changed: bool, tables: Sequence[tuple[Buffer, int]],
                 stream: Stream | None) -> None:
         """Upload the lease table when seats changed (and the marks, fresh leases' state
-        and the pins when :meth:`prepare` saw a change), after the page tables went up."""
+        and the pins when :meth:`prepare` saw a change, or an interrupted publish or flush
+        left them owed), after the page tables went up."""
+        self._settle_pin_copies(tables, stream)  # (before the lease table changes)
         self._upload_seats(stream)
-        if not changed:
+        if not (changed or self._pin_owed):
             self._carry_write_maps(stream)
             return
         self.marks.upload(stream)
@@ -297,20 +303,45 @@ class SparseArena:
         host page (its tokens below history are there: a resumed request, or an entry
         evicted since the flush)."""
         for g in self.groups:
+            # Owed from before the kernel marks the entries resident until their fetch is
+            # queued: an interrupt between leaves the copy to the next publish or flush.
+            g.pin_copy_owed = True
             self.backend.sparse_resolve(self._job(g, pin=True), stream)
-            s = g.state
-            table, width = tables[g.group]
-            cells = self._group_cells(g)
-            self.backend.sparse_copy(SparseCopy(
-                flush=False, rows=self.rows, num_selected=g.working_set_units,
-                max_units=g.max_units, row_elems=width, buffers=cells, page_table=table,
-                lease_of_row=self.lease_of_row.device, miss_unit=s["pin_unit"],
-                miss_entry=s["pin_entry"], miss_count=s["pin_count"]), stream)
+            self._pin_copy(g, tables, stream)
         self._moved.clear()  # every row's write map is written
         self._staged.clear()
+        self._pin_owed = False
+
+    def _pin_copy(self, g: SelectionGroup, tables: Sequence[tuple[Buffer, int]],
+                  stream: Stream | None) -> None:
+        """Fetch the units of the group's last pin list (the pin's misses)."""
+        s = g.state
+        table, width = tables[g.group]
+        self.backend.sparse_copy(SparseCopy(
+            flush=False, rows=self.rows, num_selected=g.working_set_units,
+            max_units=g.max_units, row_elems=width, buffers=self._group_cells(g),
+            page_table=table, lease_of_row=self.lease_of_row.device, miss_unit=s["pin_unit"],
+            miss_entry=s["pin_entry"], miss_count=s["pin_count"]), stream)
+        g.pin_copy_owed = False
+
+    def _settle_pin_copies(self, tables: Sequence[tuple[Buffer, int]],
+                           stream: Stream | None) -> None:
+        """Queue the fetch of a pin list an interrupt left unfetched (its entries are
+        marked resident), with the lease table it was resolved with (not uploaded since)."""
+        for g in self.groups:
+            if g.pin_copy_owed:
+                self._pin_copy(g, tables, stream)
+
+    def owes(self) -> bool:
+        """Whether an interrupted publish or flush left a pin or its fetch owed."""
+        return self._pin_owed or any(g.pin_copy_owed for g in self.groups)
 
     def check_pinned(self, members: Sequence[Any]) -> None:
-        """Raises InvalidStateError when a row's capacity moved since the last publish."""
+        """Raises InvalidStateError when a row's capacity moved since the last publish, or
+        an interrupted publish or flush left pins owed."""
+        if self.owes():
+            raise InvalidStateError("a publish or flush was interrupted before its pins: "
+                                    "publish first")
         for row, cache in enumerate(members):
             if cache is not None and cache.capacity != self._caps[self.lease(row)]:
                 raise InvalidStateError(f"row {row}: capacity moved to {cache.capacity} "
@@ -361,10 +392,13 @@ class SparseArena:
         g.fetched = []
         if selected is not None:
             self._stage_selection(g, selected, rows, stream)
+        # The fetches are owed from before the kernel marks the misses resident: an
+        # interrupt after it leaves them owed (fetch_resolved_pages records the event).
+        g.pending, g.resolved, g.resolve_stream = set(g.layers), None, stream
         self.backend.sparse_resolve(self._job(g, pin=False), stream)
-        g.resolved = self.backend.create_event()
-        g.resolved.record(stream)
-        g.pending = set(g.layers)
+        ev = self.backend.create_event()
+        ev.record(stream)
+        g.resolved = ev
         return g
 
     def _check_selection(self, g: SelectionGroup, selected: Any) -> np.ndarray | None:
@@ -417,6 +451,9 @@ class SparseArena:
             InvalidStateError: nothing was resolved for the layer's group.
         """
         g = self.group_of(layer_id)
+        if g.resolved is None and g.pending:  # the resolve was interrupted after its kernel
+            g.resolved = self.backend.create_event()
+            g.resolved.record(g.resolve_stream)
         if g.resolved is None:
             raise InvalidStateError(f"fetch for layer {layer_id} before any "
                                     "resolve_sparse_selection of its group")
@@ -498,6 +535,7 @@ class SparseArena:
             InvalidArgumentError: a group's units exceed its write-back bound (nothing is
                 written; not with ``only``).
         """
+        self._settle_pin_copies(page_tables, stream)
         spans = []  # (row, lease, old history, new history, old capacity)
         for row, cache in enumerate(members):
             if cache is None or (only is not None and row not in only):
@@ -524,6 +562,8 @@ class SparseArena:
             if total:
                 self._flush_group(g, r, page_tables[g.group], stream)
                 written += total
+        if only is None:
+            self._pin_owed = True  # the new marks' pin (until _pin returns)
         for _, lease, _, h1, _ in spans:
             self.marks.host[lease][0] = h1
         self.marks.upload(stream)

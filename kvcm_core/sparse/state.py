@@ -100,6 +100,8 @@ class SelectionGroup:
     pending: set[int] = attrs.field(factory=set)  # layers yet to fetch the miss list
     fetched: list[Any] = attrs.field(factory=list)  # events of those fetches
     resolved: Event | None = None
+    resolve_stream: Any = None  # the stream of the last resolve
+    pin_copy_owed: bool = False  # the pin list's fetch was not queued (an interrupt)
     ranges: Any = None  # the flush ranges' _Mirror
     carry: Buffer | None = None  # write-map rows a move sets aside (SparseArena.move)
 
