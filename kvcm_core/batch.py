@@ -189,7 +189,10 @@ class Batch:
         self._levels = levels
         self._scratch: list[dict[int, ScratchDesc]] = [{} for _ in range(self.max_rows)]
         self._ready: Event | None = None
-        self._read_fence: Event | None = None
+        # Reader fences by stream (id): record_read's, and each sparse write-back's (it
+        # reads the tables the next upload writes in place); the latest of a stream covers
+        # its earlier ones.
+        self._fences: dict[int, Event] = {}
         self._uploading: Event | None = None  # recorded after the last upload's copies
         self._converted: Event | None = None  # a registration's conversion, not yet awaited
         self._writeback_unsynced = False  # a removal's write-back the host has not waited for
@@ -356,6 +359,11 @@ class Batch:
             self._dirty = set()
             self._patched.clear()
         if self._sparse is not None:
+            # Its tables are written in place even with no row dirty (no host wait then):
+            # after the fenced readers and write-backs, on whatever stream they ran.
+            st = stream or self.backend.default_stream
+            for fence in self._fences.values():
+                st.wait_event(fence)
             self._sparse.publish(sparse_moved, self._device_tables(), stream)
         event = self.backend.create_event()
         event.record(stream)
@@ -402,9 +410,12 @@ class Batch:
         of a member's pages through this batch wait for them."""
         self._thread.check()
         self._check_open()
+        self._fence(stream)
+
+    def _fence(self, stream: Stream | None) -> None:
         event = self.backend.create_event()
         event.record(stream)
-        self._read_fence = event
+        self._fences[id(stream or self.backend.default_stream)] = event
 
     def resize(self, capacities: Sequence[int] | np.ndarray,
                history_lengths: Sequence[int] | np.ndarray | None = None,
@@ -684,7 +695,15 @@ class Batch:
         arena = self._arena()
         if len(self.dirty_rows()) or arena.owes():  # (owed: an interrupted publish)
             self.publish(stream)
-        return arena.flush(self._rows, self._device_tables(), stream)
+        self._after_publish(stream)
+        written = arena.flush(self._rows, self._device_tables(), stream)
+        self._fence(stream)  # the next in-place upload waits for the write-back
+        return written
+
+    def _after_publish(self, stream: Stream | None) -> None:
+        """Order ``stream`` after the last publish (a write-back reads its tables)."""
+        if self._ready is not None:
+            (stream or self.backend.default_stream).wait_event(self._ready)
 
     def _flush_rows(self, rows: list[int], stream: Stream | None) -> None:
         """Write back the crossed units of ``rows`` before they leave (remove, close).
@@ -707,7 +726,9 @@ class Batch:
                 self._sparse.owes():
             self.publish(stream)  # units go to the pages the rows hold now
         self._writeback_unsynced = stream is None  # (the marks move before the wait)
+        self._after_publish(stream)
         self._sparse.flush(self._rows, self._device_tables(), stream, only=rows)
+        self._fence(stream)  # the next in-place upload waits for the write-back
         if stream is None:
             self.backend.synchronize()
             self._writeback_unsynced = False
@@ -940,16 +961,17 @@ class Batch:
         return raw.view(np.int32).reshape(t.shape)
 
     def wait_readers(self) -> None:
-        """Wait until the kernels fenced by the last :meth:`record_read` are done (a
-        seated cache calls it before it releases a page)."""
+        """Wait until the kernels fenced by each stream's last :meth:`record_read` (and
+        sparse write-back) are done (a seated cache calls it before it releases a page)."""
         self._thread.check()
         self._wait_readers()
 
     def _wait_readers(self) -> None:
-        """Wait for the last reader fence (see :func:`_poll`)."""
-        if self._read_fence is not None:
-            _poll(self._read_fence)
-            self._read_fence = None
+        """Wait for every stream's last reader fence (see :func:`_poll`)."""
+        while self._fences:
+            key = next(iter(self._fences))
+            _poll(self._fences[key])
+            del self._fences[key]
 
     def _wait_upload(self) -> None:
         """Before the host staging rows are written: wait until the last upload, which

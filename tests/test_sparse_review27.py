@@ -250,3 +250,96 @@ def test_a_removal_interrupted_while_waiting_for_its_write_back_waits_when_retri
     cache.close()
     fetched = sr._fetch_reused_unit(m, joins, stream, toks, in_place=True)
     assert [k for k, d in written.items() if not np.array_equal(fetched[k], d)] == []
+
+
+# -- F5: write-backs and publishes on two streams (deferred backend) -------------------------
+
+def _lost(m: KVCacheManager, tables: dict, written: dict) -> list:
+    return [k for k, d in written.items()
+            if not np.array_equal(sr._host_unit(m, tables, *k, sr.UNIT), d)]
+
+
+def _stepped(seed: int = 0):
+    m = sr._manager()
+    E = m.backend.create_stream()
+    toks = [int(x) for x in np.random.default_rng(seed).integers(1, 30000, 40)]
+    cache, b, written = sr._one_step(m, E, toks)  # unit 7 written on E, committed to 32
+    tables = {g: cache.get_base_page_indices(g).copy() for g in range(m.num_cache_groups)}
+    return m, E, cache, b, written, tables
+
+
+def _other(m: KVCacheManager, b: Batch):
+    other = m.create_kv_cache(None, [7, 8, 9, 10, 11, 12])
+    assert other.resume() and other.resize(6) and other.resize(6, 6)
+    b.add_kv_cache(other)
+    return other
+
+
+def test_a_removal_write_back_on_a_stream_is_fenced_before_the_next_publish():
+    m, E, cache, b, written, tables = _stepped()
+    b.record_read(E)  # docs/batch.md: fence the readers, then remove
+    b.remove_kv_cache(cache, E)  # the write-back is queued on E, after the fence
+    cache.close()
+    _other(m, b)
+    b.resize([8, -1])  # the next step's publish, default stream
+    m.backend.default_stream.run()  # it runs before E, as a GPU may
+    assert _lost(m, tables, written) == []
+
+
+def test_a_step_flush_on_a_stream_is_fenced_before_the_next_publish():
+    m, E, cache, b, written, tables = _stepped()
+    b.record_read(E)
+    assert b.flush_sparse_units(E) > 0  # the end of the step, on E (after the fence)
+    b.remove_kv_cache(cache, E)
+    cache.close()
+    b.resize([-1, -1])  # the next step's publish (default stream), runs first
+    m.backend.default_stream.run()
+    assert _lost(m, tables, written) == []
+
+
+def test_a_freed_lease_is_reset_only_after_its_write_back_on_another_stream():
+    m, E, cache, b, written, tables = _stepped()
+    b.remove_kv_cache(cache, E)  # the write-back is queued on E
+    other = _other(m, b)
+    assert other.resize(8)
+    assert b.sparse_lease(b.row_of(other)) == 0  # the removed row's lease
+    b.resize([-1] * b.max_rows)  # reset and pin of the lease, on the default stream
+    m.backend.default_stream.run()
+    cache.close()
+    assert _lost(m, tables, written) == []
+
+
+def test_a_removal_write_back_on_a_stream_waits_for_the_last_publish():
+    m, E, cache, b, written, tables = _stepped()
+    m.backend.synchronize()
+    b.move(cache, 1)
+    b.publish()  # default stream: the row's new seat in the lease table
+    b.remove_kv_cache(cache, E)  # not dirty: no publish of its own
+    E.run()  # E runs first, as a GPU may
+    assert _lost(m, tables, written) == []
+
+
+def test_marks_uploaded_on_two_streams_land_in_program_order():
+    from deferred_backend import deferred_plugin_manager
+    m = KVCacheManager(sh.sparse_config("deferred"), plugin_manager=deferred_plugin_manager())
+    E = m.backend.create_stream()
+    toks = [int(x) for x in np.random.default_rng(0).integers(1, 30000, 64)]
+    c = m.create_kv_cache(None, toks[:32])
+    assert c.resume() and c.resize(32) and c.resize(32, 32)
+    b = Batch(m, max_rows=1, max_blocks_per_row=8)
+    b.add_kv_cache(c)
+    b.resize([33])  # step N: unit 8 in flight (default stream)
+    b.wait_ready(E)
+    b.record_read(E)
+    assert c.resize(33, 33, stream=E)
+    b.flush_sparse_units(E)  # the end of step N, on E (after the fence)
+    b.resize([37])  # step N+1, same block (no upload to wait for), default stream
+    m.backend.default_stream.run()  # the default stream runs first
+    b.wait_ready(E)
+    E.run()
+    arena = b._arena()
+    dev = m.backend.read(arena.lease_of_row.device, 0, 4).view(np.int32)  # (synchronizes)
+    marks = m.backend.read(arena.marks.device, 0, 8).view(np.int32)
+    assert int(dev[0]) == 0 and tuple(marks.tolist()) == (33, 37)
+    w = b.read_sparse_table(0, "write_map")[0, :3]
+    assert (w[:2] >= 0).all()  # units 8, 9 in flight have entries

@@ -24,7 +24,8 @@ __all__ = ["STATE", "DeviceArray", "Mirror", "SelectionGroup", "resolve_job",
 class Mirror:
     """A small device table written from the host: ``host`` is a plain array; each upload
     stages it in the next of a few pinned buffers (waiting for that buffer's last copy), so
-    a queued copy never reads a later value."""
+    a queued copy never reads a later value; an upload on another stream than the last one
+    waits for it, so uploads land in program order."""
 
     _SLOTS = 4
 
@@ -38,6 +39,7 @@ class Mirror:
         self._staging = [backend.alloc_host(nbytes) for _ in range(self._SLOTS)]
         self._done: list[Event | None] = [None] * self._SLOTS
         self._next = 0
+        self._last: tuple[Any, Event] | None = None  # (stream, event) of the last upload
         self.upload(None)
         # Made once, before any use: the first upload is complete before a later one on
         # another stream can be queued (else the device could run it last).
@@ -49,6 +51,9 @@ class Mirror:
         done = self._done[k]
         if done is not None:
             done.synchronize()
+        st = stream or self.backend.default_stream
+        if self._last is not None and self._last[0] is not st:
+            st.wait_event(self._last[1])
         buf = self._staging[k]
         buf.host_view()[: self.nbytes] = self.host.reshape(-1).view(np.uint8)
         pair = np.zeros((1, 2), dtype=np.int32)
@@ -58,6 +63,7 @@ class Mirror:
         ev = self.backend.create_event()
         ev.record(stream)
         self._done[k] = ev
+        self._last = (st, ev)
 
     def free(self) -> None:
         self.device.free()
