@@ -199,8 +199,8 @@ class Batch:
         self._closed = False
         has_sparse = any(getattr(layer, "sparse", None) is not None
                          for layer in manager.config.layers)
-        self._sparse = SparseArena(manager, self.max_rows, self.max_blocks_per_row,
-                                   self.max_total_input_tokens) if has_sparse else None
+        self._sparse = SparseArena(manager, self.max_rows, self.max_blocks_per_row
+                                   ) if has_sparse else None
 
     # -- membership --------------------------------------------------------------------------
 
@@ -689,7 +689,9 @@ class Batch:
         published first, so that units go to the pages the rows hold now.
 
         Raises:
-            InvalidArgumentError: more units than the write-back bound (nothing written).
+            InvalidArgumentError: more units than the write-back bound (nothing written;
+                only when more units crossed than were ever in flight: not for accepted
+                steps).
         """
         self._thread.check()
         arena = self._arena()

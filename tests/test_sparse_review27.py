@@ -343,3 +343,45 @@ def test_marks_uploaded_on_two_streams_land_in_program_order():
     assert int(dev[0]) == 0 and tuple(marks.tolist()) == (33, 37)
     w = b.read_sparse_table(0, "write_map")[0, :3]
     assert (w[:2] >= 0).all()  # units 8, 9 in flight have entries
+
+
+# -- F6: the write-back bound --------------------------------------------------------------
+
+def _two_layer_manager() -> KVCacheManager:
+    cfg = sh.sparse_config()  # layers 0, 1 only: selection "s", 12 entries, 4 selected
+    return KVCacheManager(cfg.__class__(**{**{f: getattr(cfg, f) for f in (
+        "tokens_per_block", "kernel_backend", "levels", "sparse_host_quota")},
+        "layers": cfg.layers[:2]}))
+
+
+def test_a_prefill_step_of_the_whole_in_flight_limit_is_flushed_without_a_token_bound():
+    m = _two_layer_manager()
+    c = m.create_kv_cache(None, [])
+    assert c.resume()
+    b = Batch(m, max_rows=1, max_blocks_per_row=8)  # max_total_input_tokens=None
+    b.add_kv_cache(c)
+    b.publish()
+    assert b.resize([32]) == [True]  # 8 units in flight: working_set - selected
+    b.flush_sparse_units()
+    assert b.resize([32], [32]) == [True]
+    assert b.flush_sparse_units() == 8  # was refused: "exceeds the write-back bound of 5"
+    assert b.resize([36], [32]) == [True]
+    b.close()
+
+
+def test_steps_whose_histories_move_late_are_flushed_within_the_token_bound():
+    m = _two_layer_manager()
+    b = Batch(m, max_rows=2, max_blocks_per_row=8, max_total_input_tokens=8)
+    for i in range(2):
+        c = m.create_kv_cache(None, [100 * i + j + 1 for j in range(3)])
+        assert c.resume() and c.resize(3) and c.resize(3, 3)
+        b.add_kv_cache(c)
+    b.publish()
+    b.resize([11, -1])  # step 1: row 0 writes 8 tokens
+    b.flush_sparse_units()
+    b.resize([-1, 11])  # step 2: row 1 writes 8 tokens
+    b.flush_sparse_units()
+    b.resize([11, 11], [11, 11])  # step 3: both histories move
+    assert b.flush_sparse_units() == 6  # was refused (bound 5): the rows were stuck
+    assert b.resize([12, 12], [11, 11]) == [True, True]
+    b.close()

@@ -54,16 +54,13 @@ class SparseArena:
         manager: the batch's manager.
         max_rows: the batch's rows (and leases).
         max_blocks: blocks a row holds.
-        max_total_input_tokens: the batch's bound on new tokens (sizes the write-back
-            list; ``None``: every row crossing one block per step).
     """
 
-    def __init__(self, manager: Any, max_rows: int, max_blocks: int,
-                 max_total_input_tokens: int | None) -> None:
+    def __init__(self, manager: Any, max_rows: int, max_blocks: int) -> None:
         self.backend: KernelBackend = manager.backend
         self.manager = manager
         self.rows = self.leases = max_rows
-        self.groups = selection_groups(manager, max_blocks, max_rows, max_total_input_tokens)
+        self.groups = selection_groups(manager, max_blocks, max_rows)
         self.by_layer = {layer: g for g in self.groups for layer in g.layers}
         self.lease_of_row = Mirror(self.backend, (max_rows,), np.int32, -1)
         self.marks = Mirror(self.backend, (max_rows, 2), np.int32, 0)
@@ -554,8 +551,8 @@ class SparseArena:
             if only is None and total > g.write_back_units:
                 raise InvalidArgumentError(
                     f"flush of {total} units for selection {g.key[1]!r} exceeds the write-"
-                    f"back bound of {g.write_back_units} units (from max_total_input_tokens"
-                    "): flush after every step")
+                    f"back bound of {g.write_back_units} units (max_rows x (working_set_"
+                    "units - num_selected)): more units crossed than were ever in flight")
             ranges.append((r, total))
         written = 0
         for g, (r, total) in zip(self.groups, ranges, strict=True):

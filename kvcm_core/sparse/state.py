@@ -157,8 +157,7 @@ def resolve_job(state: Mapping[str, Buffer], lease_of_row: Buffer, marks: Buffer
         keys=s["keys"])
 
 
-def selection_groups(manager: Any, max_blocks: int, max_rows: int,
-                     max_total_input_tokens: int | None) -> list[SelectionGroup]:
+def selection_groups(manager: Any, max_blocks: int, max_rows: int) -> list[SelectionGroup]:
     """One :class:`SelectionGroup` per selection id (a layer without one is alone)."""
     tpb = manager.tokens_per_block
     out: dict[Any, SelectionGroup] = {}
@@ -171,13 +170,10 @@ def selection_groups(manager: Any, max_blocks: int, max_rows: int,
         grp = out.get(key)
         if grp is None:
             upp = tpb // sp.unit_tokens
-            if max_total_input_tokens is None:
-                wb = max_rows * (upp + 1)
-            else:
-                # A row of n tokens from inside a unit spans at most (n + 2u - 2) // u
-                # units (it may start and end mid-unit): summed over the rows.
-                u = sp.unit_tokens
-                wb = (max_total_input_tokens + max_rows * (2 * u - 2)) // u
+            # A row's crossed units are pinned units, at most working_set_units -
+            # num_selected (publish refuses more in flight): every flush of accepted
+            # steps fits, whatever the steps' sizes or how late histories move.
+            wb = max_rows * max(1, sp.working_set_units - sp.num_selected)
             grp = out[key] = SelectionGroup(
                 key, (), int(manager.get_buffer_group_id(layer.layer_id, roles[0])),
                 sp.unit_tokens, sp.num_selected, sp.working_set_units, upp,
