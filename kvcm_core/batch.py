@@ -671,12 +671,15 @@ class Batch:
         working_set_units]``, slot ``s`` the entry of unit ``history // unit_tokens + s``
         of the row (``-1`` past the capacity), as the last publish pinned them. Every
         buffer of the layer (``buffers`` only checks the roles) uses the same entries.
+        Valid once the step's flush ran: ``history`` is the flushed one.
 
         Raises:
-            InvalidStateError: unpublished changes (publish first).
+            InvalidStateError: unpublished changes (publish first), or a row's history
+                moved since the last flush (flush first).
         """
         arena = self._arena()
         self._check_published()
+        arena.check_write_map(self._rows)
         arena.cells(layer_id, buffers)
         return arena.table(arena.group_of(layer_id), "write_map")
 

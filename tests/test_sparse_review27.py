@@ -385,3 +385,27 @@ def test_steps_whose_histories_move_late_are_flushed_within_the_token_bound():
     assert b.flush_sparse_units() == 6  # was refused (bound 5): the rows were stuck
     assert b.resize([12, 12], [11, 11]) == [True, True]
     b.close()
+
+
+# -- F7: the write map is valid after the flush only -----------------------------------------
+
+def test_the_write_map_is_refused_between_a_history_move_and_its_flush():
+    m = KVCacheManager(sh.sparse_config(max_rewind_len=16))
+    c = _cache(m, _toks(), 8)
+    b = Batch(m, max_rows=1, max_blocks_per_row=8)
+    b.add_kv_cache(c)
+    b.publish()
+    b.resize([12])
+    b.flush_sparse_units()
+    w1 = np.array(b.prepare_sparse_write_indices(0))[0, 0]  # unit 2
+    b.resize([16], [12])  # next step: history 12 (unit 3 first in flight), not flushed
+    with pytest.raises(InvalidStateError, match="flush_sparse_units first"):
+        b.prepare_sparse_write_indices(0)
+    b.flush_sparse_units()
+    w2 = np.array(b.prepare_sparse_write_indices(0))[0, :2]
+    assert w2[0] >= 0 and w2[0] != w1  # slot 0 is unit 3 now
+    b.resize([16], [8])  # a rewind below the flushed mark
+    with pytest.raises(InvalidStateError, match="flush_sparse_units first"):
+        b.prepare_sparse_write_indices(0)
+    b.flush_sparse_units()
+    assert np.array(b.prepare_sparse_write_indices(0))[0, 0] >= 0

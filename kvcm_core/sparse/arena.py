@@ -516,6 +516,23 @@ class SparseArena:
                     f"row {row}: history moved from {mark} to {cache.history_length} and "
                     "was not flushed: call flush_sparse_units first")
 
+    def check_write_map(self, members: Sequence[Any]) -> None:
+        """The write map counts slots from each row's flushed history: refuse it while a
+        row's history moved (or rewound) since the last flush.
+
+        Raises:
+            InvalidStateError: a row's history differs from its flushed mark.
+        """
+        for row, cache in enumerate(members):
+            if cache is None:
+                continue
+            mark = int(self.marks.host[self.lease(row)][0])
+            if mark != cache.history_length:
+                raise InvalidStateError(
+                    f"row {row}: history moved from {mark} to {cache.history_length} since "
+                    "the last flush (the write map counts from the flushed history): call "
+                    "flush_sparse_units first")
+
     def unflushed(self, row: int, cache: Any) -> bool:
         """Whether ``row`` has units its history crossed since the last flush."""
         h0, c0 = (int(x) for x in self.marks.host[self.lease(row)])
