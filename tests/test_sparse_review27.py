@@ -10,7 +10,7 @@ import sparse_helpers as sh
 import test_sparse_stream_rules as sr
 
 import kvcm_core.batch as batch_mod
-from kvcm_core import Batch, InvalidStateError, KVCacheManager
+from kvcm_core import ArgumentTypeError, Batch, InvalidStateError, KVCacheManager
 
 
 class Injected(BaseException):
@@ -409,3 +409,23 @@ def test_the_write_map_is_refused_between_a_history_move_and_its_flush():
         b.prepare_sparse_write_indices(0)
     b.flush_sparse_units()
     assert np.array(b.prepare_sparse_write_indices(0))[0, 0] >= 0
+
+
+# -- F8: a bad buffers argument ----------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [lambda: 5, lambda: [["k"]], lambda: [b"k"], lambda: iter([3])],
+                         ids=["int", "nested", "bytes", "iterator"])
+def test_a_buffers_argument_that_is_not_roles_is_a_typed_error_naming_it(make):
+    m = KVCacheManager(sh.sparse_config())
+    c = m.create_kv_cache(None, [])
+    assert c.resume()
+    b = Batch(m, max_rows=1, max_blocks_per_row=8)
+    b.add_kv_cache(c)
+    b.publish()
+    with pytest.raises(ArgumentTypeError, match="buffers="):
+        b.prepare_sparse_write_indices(0, buffers=make())
+    with pytest.raises(ArgumentTypeError, match="buffers="):
+        b.fetch_sparse_pages(2, np.full((1, 3), -1, np.int32), buffers=make())
+    with pytest.raises(ArgumentTypeError, match="buffers="):
+        b.fetch_resolved_pages(0, buffers=make())
+    assert tuple(b.peek_hit_miss_counter()) == (0, 0)  # nothing resolved

@@ -30,7 +30,7 @@ from kvcm_core.backend import (
     SparseCopy,
     SparseResolve,
 )
-from kvcm_core.errors import InvalidArgumentError, InvalidStateError
+from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError, InvalidStateError
 from kvcm_core.sparse.reference import keys_width
 from kvcm_core.sparse.state import (
     STATE,
@@ -448,6 +448,7 @@ class SparseArena:
             InvalidStateError: nothing was resolved for the layer's group.
         """
         g = self.group_of(layer_id)
+        cells = self.cells(layer_id, roles)  # (a bad role changes nothing)
         if g.resolved is None and g.pending:  # the resolve was interrupted after its kernel
             g.resolved = self.backend.create_event()
             g.resolved.record(g.resolve_stream)
@@ -458,7 +459,7 @@ class SparseArena:
         s = g.state
         self.backend.sparse_copy(SparseCopy(
             flush=False, rows=self.rows, num_selected=g.num_selected, max_units=g.max_units,
-            row_elems=row_elems, buffers=self.cells(layer_id, roles),
+            row_elems=row_elems, buffers=cells,
             page_table=page_table, lease_of_row=self.lease_of_row.device,
             miss_unit=s["miss_unit"], miss_entry=s["miss_entry"],
             miss_count=s["miss_count"]), stream)
@@ -475,12 +476,19 @@ class SparseArena:
         """The roles of a layer's sparse buffers that ``roles`` names (None: all).
 
         Raises:
+            ArgumentTypeError: ``roles`` is not a str or an iterable of str.
             InvalidArgumentError: a role that is not one of the layer's sparse buffers.
         """
         own = self.group_of(layer_id).buffers[layer_id]
         if roles is None:
             return list(own)
-        roles = [roles] if isinstance(roles, str) else list(roles)
+        arg = roles
+        try:
+            roles = [roles] if isinstance(roles, str) else list(roles)
+        except TypeError:  # not iterable
+            roles = [arg]
+        if not all(isinstance(r, str) for r in roles):
+            raise ArgumentTypeError(f"buffers={arg!r}: a role or an iterable of roles (str)")
         bad = [r for r in roles if r not in own]
         if bad:
             raise InvalidArgumentError(f"buffers={bad!r}: layer {layer_id}'s sparse buffers "
