@@ -343,6 +343,14 @@ class Batch:
         # Sparse rows are checked before anything changes; they pin after the upload.
         sparse_moved = self._sparse is not None and self._sparse.prepare(self._rows,
                                                                          checked=True)
+        if self._sparse is not None:
+            # Its tables are written in place even with no row dirty (no host wait then):
+            # after the fenced readers and write-backs, on whatever stream they ran.
+            st = stream or self.backend.default_stream
+            for fence in self._fences.values():
+                st.wait_event(fence)
+            # A pin list an interrupt left unfetched, before the tables it names change.
+            self._sparse.settle_pin_copies(self._device_tables(), stream)
         if self._converted is not None:  # a registration's conversion, before this upload
             (stream or self.backend.default_stream).wait_event(self._converted)
             self._converted = None
@@ -359,11 +367,6 @@ class Batch:
             self._dirty = set()
             self._patched.clear()
         if self._sparse is not None:
-            # Its tables are written in place even with no row dirty (no host wait then):
-            # after the fenced readers and write-backs, on whatever stream they ran.
-            st = stream or self.backend.default_stream
-            for fence in self._fences.values():
-                st.wait_event(fence)
             self._sparse.publish(sparse_moved, self._device_tables(), stream)
         event = self.backend.create_event()
         event.record(stream)

@@ -186,6 +186,24 @@ def test_a_pin_interrupted_before_its_fetch_fetches_at_the_next_publish(monkeypa
     assert np.array_equal(_entry(b, 0, 0, "k", e)[:half], _host_unit(m, c, 0, "k", 2)[:half])
 
 
+def test_a_pin_fetch_left_by_an_interrupt_uses_the_tables_it_was_pinned_with(monkeypatch):
+    m = KVCacheManager(sh.sparse_config())
+    _random_host_pages(m)
+    c = _cache(m, _toks(), 10)
+    b = Batch(m, max_rows=2, max_blocks_per_row=8)
+    b.add_kv_cache(c)
+    b.publish()
+    assert c.resize(12)
+    _arm(monkeypatch, type(m.backend), "sparse_copy", lambda self, job, *a: not job.flush)
+    with pytest.raises(Injected):
+        b.publish()
+    b.move(c, 1)  # the next publish uploads the row's tables to row 1
+    b.publish()
+    e = int(np.array(b.prepare_sparse_write_indices(0))[1, 0])
+    half = b.sparse_cells(0, "k").unit_bytes // 2
+    assert np.array_equal(_entry(b, 1, 0, "k", e)[:half], _host_unit(m, c, 0, "k", 2)[:half])
+
+
 def test_a_resolve_interrupted_after_its_kernel_still_fetches_its_misses(monkeypatch):
     m = KVCacheManager(sh.sparse_config())
     _random_host_pages(m)

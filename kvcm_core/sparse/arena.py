@@ -250,7 +250,6 @@ class SparseArena:
         """Upload the lease table when seats changed (and the marks, fresh leases' state
         and the pins when :meth:`prepare` saw a change, or an interrupted publish or flush
         left them owed), after the page tables went up."""
-        self._settle_pin_copies(tables, stream)  # (before the lease table changes)
         self._upload_seats(stream)
         if not (changed or self._pin_owed):
             self._carry_write_maps(stream)
@@ -321,10 +320,11 @@ class SparseArena:
             miss_entry=s["pin_entry"], miss_count=s["pin_count"]), stream)
         g.pin_copy_owed = False
 
-    def _settle_pin_copies(self, tables: Sequence[tuple[Buffer, int]],
-                           stream: Stream | None) -> None:
+    def settle_pin_copies(self, tables: Sequence[tuple[Buffer, int]],
+                          stream: Stream | None) -> None:
         """Queue the fetch of a pin list an interrupt left unfetched (its entries are
-        marked resident), with the lease table it was resolved with (not uploaded since)."""
+        marked resident), with the lease and page tables it was resolved with: before a
+        publish uploads either (Batch.publish), or a flush."""
         for g in self.groups:
             if g.pin_copy_owed:
                 self._pin_copy(g, tables, stream)
@@ -557,7 +557,7 @@ class SparseArena:
             InvalidArgumentError: a group's units exceed its write-back bound (nothing is
                 written; not with ``only``).
         """
-        self._settle_pin_copies(page_tables, stream)
+        self.settle_pin_copies(page_tables, stream)
         spans = []  # (row, lease, old history, new history, old capacity)
         for row, cache in enumerate(members):
             if cache is None or (only is not None and row not in only):
