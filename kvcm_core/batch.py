@@ -189,14 +189,18 @@ class Batch:
         self._levels = levels
         self._scratch: list[dict[int, ScratchDesc]] = [{} for _ in range(self.max_rows)]
         self._ready: Event | None = None
-        self._read_fence: Event | None = None
+        # Reader fences by stream (id): record_read's, and each sparse write-back's (it
+        # reads the tables the next upload writes in place); the latest of a stream covers
+        # its earlier ones.
+        self._fences: dict[int, Event] = {}
         self._uploading: Event | None = None  # recorded after the last upload's copies
         self._converted: Event | None = None  # a registration's conversion, not yet awaited
+        self._writeback_unsynced = False  # a removal's write-back the host has not waited for
         self._closed = False
         has_sparse = any(getattr(layer, "sparse", None) is not None
                          for layer in manager.config.layers)
-        self._sparse = SparseArena(manager, self.max_rows, self.max_blocks_per_row,
-                                   self.max_total_input_tokens) if has_sparse else None
+        self._sparse = SparseArena(manager, self.max_rows, self.max_blocks_per_row
+                                   ) if has_sparse else None
 
     # -- membership --------------------------------------------------------------------------
 
@@ -339,6 +343,14 @@ class Batch:
         # Sparse rows are checked before anything changes; they pin after the upload.
         sparse_moved = self._sparse is not None and self._sparse.prepare(self._rows,
                                                                          checked=True)
+        if self._sparse is not None:
+            # Its tables are written in place even with no row dirty (no host wait then):
+            # after the fenced readers and write-backs, on whatever stream they ran.
+            st = stream or self.backend.default_stream
+            for fence in self._fences.values():
+                st.wait_event(fence)
+            # A pin list an interrupt left unfetched, before the tables it names change.
+            self._sparse.settle_pin_copies(self._device_tables(), stream)
         if self._converted is not None:  # a registration's conversion, before this upload
             (stream or self.backend.default_stream).wait_event(self._converted)
             self._converted = None
@@ -401,9 +413,12 @@ class Batch:
         of a member's pages through this batch wait for them."""
         self._thread.check()
         self._check_open()
+        self._fence(stream)
+
+    def _fence(self, stream: Stream | None) -> None:
         event = self.backend.create_event()
         event.record(stream)
-        self._read_fence = event
+        self._fences[id(stream or self.backend.default_stream)] = event
 
     def resize(self, capacities: Sequence[int] | np.ndarray,
                history_lengths: Sequence[int] | np.ndarray | None = None,
@@ -648,6 +663,8 @@ class Batch:
                 "then fetch_resolved_pages for each layer")
         if buffers is not None:  # checked before the resolve changes anything (as a list:
             buffers = self._arena().check_roles(layer_id, buffers)  # an iterator once)
+        if g.pending:  # only an interrupted call leaves its fetch owed: complete it first
+            self.fetch_resolved_pages(layer_id, None, stream)
         out = self.resolve_sparse_selection(layer_id, selected, stream)
         self.fetch_resolved_pages(layer_id, buffers, stream)
         return out
@@ -657,12 +674,15 @@ class Batch:
         working_set_units]``, slot ``s`` the entry of unit ``history // unit_tokens + s``
         of the row (``-1`` past the capacity), as the last publish pinned them. Every
         buffer of the layer (``buffers`` only checks the roles) uses the same entries.
+        Valid once the step's flush ran: ``history`` is the flushed one.
 
         Raises:
-            InvalidStateError: unpublished changes (publish first).
+            InvalidStateError: unpublished changes (publish first), or a row's history
+                moved since the last flush (flush first).
         """
         arena = self._arena()
         self._check_published()
+        arena.check_write_map(self._rows)
         arena.cells(layer_id, buffers)
         return arena.table(arena.group_of(layer_id), "write_map")
 
@@ -675,13 +695,23 @@ class Batch:
         published first, so that units go to the pages the rows hold now.
 
         Raises:
-            InvalidArgumentError: more units than the write-back bound (nothing written).
+            InvalidArgumentError: more units than the write-back bound (nothing written;
+                only when more units crossed than were ever in flight: not for accepted
+                steps).
         """
         self._thread.check()
         arena = self._arena()
-        if len(self.dirty_rows()):
+        if len(self.dirty_rows()) or arena.owes():  # (owed: an interrupted publish)
             self.publish(stream)
-        return arena.flush(self._rows, self._device_tables(), stream)
+        self._after_publish(stream)
+        written = arena.flush(self._rows, self._device_tables(), stream)
+        self._fence(stream)  # the next in-place upload waits for the write-back
+        return written
+
+    def _after_publish(self, stream: Stream | None) -> None:
+        """Order ``stream`` after the last publish (a write-back reads its tables)."""
+        if self._ready is not None:
+            (stream or self.backend.default_stream).wait_event(self._ready)
 
     def _flush_rows(self, rows: list[int], stream: Stream | None) -> None:
         """Write back the crossed units of ``rows`` before they leave (remove, close).
@@ -692,16 +722,24 @@ class Batch:
         after it (the write-back then runs between everything queued before the call and
         everything queued after it, on whatever stream)."""
         assert self._sparse is not None
+        if self._writeback_unsynced:  # an interrupted wait for a write-back: wait again
+            self.backend.synchronize()
+            self._writeback_unsynced = False
         rows = [r for r in rows if self._sparse.unflushed(r, self._rows[r])]
         if not rows:
             return
         if stream is None:
             self.backend.synchronize()
-        if not self._patched.isdisjoint(rows) or not self._dirty.isdisjoint(rows):
+        if not self._patched.isdisjoint(rows) or not self._dirty.isdisjoint(rows) or \
+                self._sparse.owes():
             self.publish(stream)  # units go to the pages the rows hold now
+        self._writeback_unsynced = stream is None  # (the marks move before the wait)
+        self._after_publish(stream)
         self._sparse.flush(self._rows, self._device_tables(), stream, only=rows)
+        self._fence(stream)  # the next in-place upload waits for the write-back
         if stream is None:
             self.backend.synchronize()
+            self._writeback_unsynced = False
 
     def _device_tables(self) -> list[tuple[Buffer, int]]:
         """Each cache group's device page table and its int32 elements per row."""
@@ -931,16 +969,17 @@ class Batch:
         return raw.view(np.int32).reshape(t.shape)
 
     def wait_readers(self) -> None:
-        """Wait until the kernels fenced by the last :meth:`record_read` are done (a
-        seated cache calls it before it releases a page)."""
+        """Wait until the kernels fenced by each stream's last :meth:`record_read` (and
+        sparse write-back) are done (a seated cache calls it before it releases a page)."""
         self._thread.check()
         self._wait_readers()
 
     def _wait_readers(self) -> None:
-        """Wait for the last reader fence (see :func:`_poll`)."""
-        if self._read_fence is not None:
-            _poll(self._read_fence)
-            self._read_fence = None
+        """Wait for every stream's last reader fence (see :func:`_poll`)."""
+        while self._fences:
+            key = next(iter(self._fences))
+            _poll(self._fences[key])
+            del self._fences[key]
 
     def _wait_upload(self) -> None:
         """Before the host staging rows are written: wait until the last upload, which

@@ -30,7 +30,7 @@ from kvcm_core.backend import (
     SparseCopy,
     SparseResolve,
 )
-from kvcm_core.errors import InvalidArgumentError, InvalidStateError
+from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError, InvalidStateError
 from kvcm_core.sparse.reference import keys_width
 from kvcm_core.sparse.state import (
     STATE,
@@ -54,16 +54,13 @@ class SparseArena:
         manager: the batch's manager.
         max_rows: the batch's rows (and leases).
         max_blocks: blocks a row holds.
-        max_total_input_tokens: the batch's bound on new tokens (sizes the write-back
-            list; ``None``: every row crossing one block per step).
     """
 
-    def __init__(self, manager: Any, max_rows: int, max_blocks: int,
-                 max_total_input_tokens: int | None) -> None:
+    def __init__(self, manager: Any, max_rows: int, max_blocks: int) -> None:
         self.backend: KernelBackend = manager.backend
         self.manager = manager
         self.rows = self.leases = max_rows
-        self.groups = selection_groups(manager, max_blocks, max_rows, max_total_input_tokens)
+        self.groups = selection_groups(manager, max_blocks, max_rows)
         self.by_layer = {layer: g for g in self.groups for layer in g.layers}
         self.lease_of_row = Mirror(self.backend, (max_rows,), np.int32, -1)
         self.marks = Mirror(self.backend, (max_rows, 2), np.int32, 0)
@@ -71,11 +68,22 @@ class SparseArena:
         self._fresh: set[int] = set()  # leases whose state is reset at the next publish
         self._seats_moved = False  # the lease table changed since its last upload
         self._caps = np.full(max_rows, -1, dtype=np.int64)  # capacity last pinned, by lease
+        # Rows moved since the write maps were last written (pin or carry): new row -> the
+        # row whose device write map it takes; ``_staged``: sources copied aside already.
+        self._moved: dict[int, int] = {}
+        self._staged: set[int] = set()
+        # A prepare or flush took new marks whose pin has not run (an interrupt between):
+        # the next publish or flush uploads the marks and pins.
+        self._pin_owed = False
         self.arenas: list[Buffer] = []
         self._place_cells()
         for g in self.groups:
             self._alloc_state(g)
             g.ranges = Mirror(self.backend, (max_rows, 2), np.int32, 0)
+            # Write-map rows set aside by a move's carry (one more row: all -1).
+            g.carry = self.backend.alloc_device((max_rows + 1) * g.working_set_units * 4)
+            self.backend.write(g.carry, 0, np.full((max_rows + 1) * g.working_set_units, -1,
+                                                   dtype=np.int32).view(np.uint8))
 
     # -- layout ----------------------------------------------------------------------------
 
@@ -130,18 +138,22 @@ class SparseArena:
         self.marks.host[lease] = (h, h)
         self._caps[lease] = -1
         self._fresh.add(lease)
+        self._moved.pop(row, None)  # (a fresh lease pins every row)
         return lease
 
     def leave(self, row: int) -> None:
         lease = int(self.lease_of_row.host[row])
         self.lease_of_row.host[row] = -1
         self._seats_moved = True
+        self._moved.pop(row, None)
         heapq.heappush(self._free, lease)
 
     def move(self, old: int, new: int) -> None:
+        """Carry ``old``'s lease to ``new``; its write map follows at the next publish."""
         host = self.lease_of_row.host
         host[new], host[old] = host[old], -1
         self._seats_moved = True
+        self._moved[new] = self._moved.pop(old, old)
 
     def lease(self, row: int) -> int:
         return int(self.lease_of_row.host[row])
@@ -226,6 +238,7 @@ class SparseArena:
             if cache is not None and cache.capacity != self._caps[self.lease(row)]:
                 changed = True
         if changed:
+            self._pin_owed = True  # until _pin returns (an interrupt before: pinned later)
             for row, cache in enumerate(members):
                 if cache is not None:
                     lease = self.lease(row)
@@ -235,9 +248,11 @@ class SparseArena:
     def publish(self, changed: bool, tables: Sequence[tuple[Buffer, int]],
                 stream: Stream | None) -> None:
         """Upload the lease table when seats changed (and the marks, fresh leases' state
-        and the pins when :meth:`prepare` saw a change), after the page tables went up."""
+        and the pins when :meth:`prepare` saw a change, or an interrupted publish or flush
+        left them owed), after the page tables went up."""
         self._upload_seats(stream)
-        if not changed:
+        if not (changed or self._pin_owed):
+            self._carry_write_maps(stream)
             return
         self.marks.upload(stream)
         if self._fresh:
@@ -250,23 +265,80 @@ class SparseArena:
             self.lease_of_row.upload(stream)
             self._seats_moved = False
 
+    def _carry_write_maps(self, stream: Stream | None) -> None:
+        """A moved row's write map follows it (the pin that wrote it is not repeated): each
+        group's source rows are set aside, then copied to their new rows; rows left empty
+        get ``-1``. Safe to repeat after an interrupt: rows are set aside once."""
+        if not self._moved:
+            return
+        rows = self.rows
+        new = sorted(set(self._moved.values()) - self._staged)
+        pairs = [(r, self._moved[r]) for r in sorted(self._moved)]
+        pairs += [(r, rows) for r in sorted(set(self._moved.values()) - set(self._moved))
+                  if self.lease_of_row.host[r] < 0]
+        for phase, todo in (("set aside", new), ("carry", pairs)):
+            if not todo:
+                continue
+            tasks = []
+            for g in self.groups:
+                n = g.working_set_units * 4
+                wm, carry = PageRegion(g.state["write_map"], 0, n), PageRegion(g.carry, 0, n)
+                if phase == "set aside":
+                    p = np.repeat(np.asarray(todo, dtype=np.int32)[:, None], 2, axis=1)
+                    tasks.append(CopyTask(carry, wm, n, p))
+                else:
+                    tasks.append(CopyTask(wm, carry, n, np.asarray(todo, dtype=np.int32)))
+            self.backend.copy_pages_batch(tasks, stream)
+            if phase == "set aside":
+                self._staged.update(new)
+        self._moved.clear()
+        self._staged.clear()
+
     def _pin(self, tables: Sequence[tuple[Buffer, int]], stream: Stream | None) -> None:
         """Give every in-flight unit an entry; a unit that got a new one is fetched from its
         host page (its tokens below history are there: a resumed request, or an entry
         evicted since the flush)."""
         for g in self.groups:
+            # Owed from before the kernel marks the entries resident until their fetch is
+            # queued: an interrupt between leaves the copy to the next publish or flush.
+            g.pin_copy_owed = True
             self.backend.sparse_resolve(self._job(g, pin=True), stream)
-            s = g.state
-            table, width = tables[g.group]
-            cells = self._group_cells(g)
-            self.backend.sparse_copy(SparseCopy(
-                flush=False, rows=self.rows, num_selected=g.working_set_units,
-                max_units=g.max_units, row_elems=width, buffers=cells, page_table=table,
-                lease_of_row=self.lease_of_row.device, miss_unit=s["pin_unit"],
-                miss_entry=s["pin_entry"], miss_count=s["pin_count"]), stream)
+            self._pin_copy(g, tables, stream)
+        self._moved.clear()  # every row's write map is written
+        self._staged.clear()
+        self._pin_owed = False
+
+    def _pin_copy(self, g: SelectionGroup, tables: Sequence[tuple[Buffer, int]],
+                  stream: Stream | None) -> None:
+        """Fetch the units of the group's last pin list (the pin's misses)."""
+        s = g.state
+        table, width = tables[g.group]
+        self.backend.sparse_copy(SparseCopy(
+            flush=False, rows=self.rows, num_selected=g.working_set_units,
+            max_units=g.max_units, row_elems=width, buffers=self._group_cells(g),
+            page_table=table, lease_of_row=self.lease_of_row.device, miss_unit=s["pin_unit"],
+            miss_entry=s["pin_entry"], miss_count=s["pin_count"]), stream)
+        g.pin_copy_owed = False
+
+    def settle_pin_copies(self, tables: Sequence[tuple[Buffer, int]],
+                          stream: Stream | None) -> None:
+        """Queue the fetch of a pin list an interrupt left unfetched (its entries are
+        marked resident), with the lease and page tables it was resolved with: before a
+        publish uploads either (Batch.publish), or a flush."""
+        for g in self.groups:
+            if g.pin_copy_owed:
+                self._pin_copy(g, tables, stream)
+
+    def owes(self) -> bool:
+        """Whether an interrupted publish or flush left a pin or its fetch owed."""
+        return self._pin_owed or any(g.pin_copy_owed for g in self.groups)
 
     def check_pinned(self, members: Sequence[Any]) -> None:
-        """Raises InvalidStateError when a row's capacity moved since the last publish."""
+        """Raises InvalidStateError when a row's capacity moved since the last publish, or
+        an interrupted publish or flush left pins owed."""
+        if self.owes():
+            raise InvalidStateError("a publish or flush was interrupted before its pins: "
+                                    "publish first")
         for row, cache in enumerate(members):
             if cache is not None and cache.capacity != self._caps[self.lease(row)]:
                 raise InvalidStateError(f"row {row}: capacity moved to {cache.capacity} "
@@ -317,10 +389,13 @@ class SparseArena:
         g.fetched = []
         if selected is not None:
             self._stage_selection(g, selected, rows, stream)
+        # The fetches are owed from before the kernel marks the misses resident: an
+        # interrupt after it leaves them owed (fetch_resolved_pages records the event).
+        g.pending, g.resolved, g.resolve_stream = set(g.layers), None, stream
         self.backend.sparse_resolve(self._job(g, pin=False), stream)
-        g.resolved = self.backend.create_event()
-        g.resolved.record(stream)
-        g.pending = set(g.layers)
+        ev = self.backend.create_event()
+        ev.record(stream)
+        g.resolved = ev
         return g
 
     def _check_selection(self, g: SelectionGroup, selected: Any) -> np.ndarray | None:
@@ -373,6 +448,10 @@ class SparseArena:
             InvalidStateError: nothing was resolved for the layer's group.
         """
         g = self.group_of(layer_id)
+        cells = self.cells(layer_id, roles)  # (a bad role changes nothing)
+        if g.resolved is None and g.pending:  # the resolve was interrupted after its kernel
+            g.resolved = self.backend.create_event()
+            g.resolved.record(g.resolve_stream)
         if g.resolved is None:
             raise InvalidStateError(f"fetch for layer {layer_id} before any "
                                     "resolve_sparse_selection of its group")
@@ -380,7 +459,7 @@ class SparseArena:
         s = g.state
         self.backend.sparse_copy(SparseCopy(
             flush=False, rows=self.rows, num_selected=g.num_selected, max_units=g.max_units,
-            row_elems=row_elems, buffers=self.cells(layer_id, roles),
+            row_elems=row_elems, buffers=cells,
             page_table=page_table, lease_of_row=self.lease_of_row.device,
             miss_unit=s["miss_unit"], miss_entry=s["miss_entry"],
             miss_count=s["miss_count"]), stream)
@@ -397,12 +476,19 @@ class SparseArena:
         """The roles of a layer's sparse buffers that ``roles`` names (None: all).
 
         Raises:
+            ArgumentTypeError: ``roles`` is not a str or an iterable of str.
             InvalidArgumentError: a role that is not one of the layer's sparse buffers.
         """
         own = self.group_of(layer_id).buffers[layer_id]
         if roles is None:
             return list(own)
-        roles = [roles] if isinstance(roles, str) else list(roles)
+        arg = roles
+        try:
+            roles = [roles] if isinstance(roles, str) else list(roles)
+        except TypeError:  # not iterable
+            roles = [arg]
+        if not all(isinstance(r, str) for r in roles):
+            raise ArgumentTypeError(f"buffers={arg!r}: a role or an iterable of roles (str)")
         bad = [r for r in roles if r not in own]
         if bad:
             raise InvalidArgumentError(f"buffers={bad!r}: layer {layer_id}'s sparse buffers "
@@ -438,6 +524,23 @@ class SparseArena:
                     f"row {row}: history moved from {mark} to {cache.history_length} and "
                     "was not flushed: call flush_sparse_units first")
 
+    def check_write_map(self, members: Sequence[Any]) -> None:
+        """The write map counts slots from each row's flushed history: refuse it while a
+        row's history moved (or rewound) since the last flush.
+
+        Raises:
+            InvalidStateError: a row's history differs from its flushed mark.
+        """
+        for row, cache in enumerate(members):
+            if cache is None:
+                continue
+            mark = int(self.marks.host[self.lease(row)][0])
+            if mark != cache.history_length:
+                raise InvalidStateError(
+                    f"row {row}: history moved from {mark} to {cache.history_length} since "
+                    "the last flush (the write map counts from the flushed history): call "
+                    "flush_sparse_units first")
+
     def unflushed(self, row: int, cache: Any) -> bool:
         """Whether ``row`` has units its history crossed since the last flush."""
         h0, c0 = (int(x) for x in self.marks.host[self.lease(row)])
@@ -454,6 +557,7 @@ class SparseArena:
             InvalidArgumentError: a group's units exceed its write-back bound (nothing is
                 written; not with ``only``).
         """
+        self.settle_pin_copies(page_tables, stream)
         spans = []  # (row, lease, old history, new history, old capacity)
         for row, cache in enumerate(members):
             if cache is None or (only is not None and row not in only):
@@ -472,14 +576,16 @@ class SparseArena:
             if only is None and total > g.write_back_units:
                 raise InvalidArgumentError(
                     f"flush of {total} units for selection {g.key[1]!r} exceeds the write-"
-                    f"back bound of {g.write_back_units} units (from max_total_input_tokens"
-                    "): flush after every step")
+                    f"back bound of {g.write_back_units} units (max_rows x (working_set_"
+                    "units - num_selected)): more units crossed than were ever in flight")
             ranges.append((r, total))
         written = 0
         for g, (r, total) in zip(self.groups, ranges, strict=True):
             if total:
                 self._flush_group(g, r, page_tables[g.group], stream)
                 written += total
+        if only is None:
+            self._pin_owed = True  # the new marks' pin (until _pin returns)
         for _, lease, _, h1, _ in spans:
             self.marks.host[lease][0] = h1
         self.marks.upload(stream)
@@ -534,5 +640,6 @@ class SparseArena:
             a.free()
         for g in self.groups:
             g.ranges.free()
+            g.carry.free()
             for b in (*g.state.values(), *g.templates.values()):
                 b.free()

@@ -24,7 +24,8 @@ __all__ = ["STATE", "DeviceArray", "Mirror", "SelectionGroup", "resolve_job",
 class Mirror:
     """A small device table written from the host: ``host`` is a plain array; each upload
     stages it in the next of a few pinned buffers (waiting for that buffer's last copy), so
-    a queued copy never reads a later value."""
+    a queued copy never reads a later value; an upload on another stream than the last one
+    waits for it, so uploads land in program order."""
 
     _SLOTS = 4
 
@@ -38,6 +39,7 @@ class Mirror:
         self._staging = [backend.alloc_host(nbytes) for _ in range(self._SLOTS)]
         self._done: list[Event | None] = [None] * self._SLOTS
         self._next = 0
+        self._last: tuple[Any, Event] | None = None  # (stream, event) of the last upload
         self.upload(None)
         # Made once, before any use: the first upload is complete before a later one on
         # another stream can be queued (else the device could run it last).
@@ -49,6 +51,9 @@ class Mirror:
         done = self._done[k]
         if done is not None:
             done.synchronize()
+        st = stream or self.backend.default_stream
+        if self._last is not None and self._last[0] is not st:
+            st.wait_event(self._last[1])
         buf = self._staging[k]
         buf.host_view()[: self.nbytes] = self.host.reshape(-1).view(np.uint8)
         pair = np.zeros((1, 2), dtype=np.int32)
@@ -58,6 +63,7 @@ class Mirror:
         ev = self.backend.create_event()
         ev.record(stream)
         self._done[k] = ev
+        self._last = (st, ev)
 
     def free(self) -> None:
         self.device.free()
@@ -100,7 +106,10 @@ class SelectionGroup:
     pending: set[int] = attrs.field(factory=set)  # layers yet to fetch the miss list
     fetched: list[Any] = attrs.field(factory=list)  # events of those fetches
     resolved: Event | None = None
+    resolve_stream: Any = None  # the stream of the last resolve
+    pin_copy_owed: bool = False  # the pin list's fetch was not queued (an interrupt)
     ranges: Any = None  # the flush ranges' _Mirror
+    carry: Buffer | None = None  # write-map rows a move sets aside (SparseArena.move)
 
     def in_flight(self, history: int, capacity: int) -> int:
         """Units in flight for these marks."""
@@ -148,8 +157,7 @@ def resolve_job(state: Mapping[str, Buffer], lease_of_row: Buffer, marks: Buffer
         keys=s["keys"])
 
 
-def selection_groups(manager: Any, max_blocks: int, max_rows: int,
-                     max_total_input_tokens: int | None) -> list[SelectionGroup]:
+def selection_groups(manager: Any, max_blocks: int, max_rows: int) -> list[SelectionGroup]:
     """One :class:`SelectionGroup` per selection id (a layer without one is alone)."""
     tpb = manager.tokens_per_block
     out: dict[Any, SelectionGroup] = {}
@@ -162,13 +170,10 @@ def selection_groups(manager: Any, max_blocks: int, max_rows: int,
         grp = out.get(key)
         if grp is None:
             upp = tpb // sp.unit_tokens
-            if max_total_input_tokens is None:
-                wb = max_rows * (upp + 1)
-            else:
-                # A row of n tokens from inside a unit spans at most (n + 2u - 2) // u
-                # units (it may start and end mid-unit): summed over the rows.
-                u = sp.unit_tokens
-                wb = (max_total_input_tokens + max_rows * (2 * u - 2)) // u
+            # A row's crossed units are pinned units, at most working_set_units -
+            # num_selected (publish refuses more in flight): every flush of accepted
+            # steps fits, whatever the steps' sizes or how late histories move.
+            wb = max_rows * max(1, sp.working_set_units - sp.num_selected)
             grp = out[key] = SelectionGroup(
                 key, (), int(manager.get_buffer_group_id(layer.layer_id, roles[0])),
                 sp.unit_tokens, sp.num_selected, sp.working_set_units, upp,
