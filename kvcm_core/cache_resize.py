@@ -111,12 +111,18 @@ class ResizeMixin(CacheBase):
         history = self._resize_history(capacity, history_length)  # errors before refusals
         nb_new = -(-capacity // self._tpb)
         for g in ctx.attn_groups:  # O(1): a size no level 0 could ever hold is refused
-            if g not in ctx.windowed_groups and nb_new > L.gpu_store(g).num_slots:
+            slots = L.gpu_store(g).num_slots
+            more = nb_new - len(self._pages[g])
+            if g not in ctx.windowed_groups and nb_new > slots:
                 return self._refuse(
-                    f"resize({capacity}): level 0 cannot provide "
-                    f"{nb_new - len(self._pages[g])} more pages: cache group {g} needs "
-                    f"{nb_new} blocks and level 0 holds {L.gpu_store(g).num_slots} slots in "
-                    "all")
+                    f"resize({capacity}): level 0 cannot provide {more} more pages: cache "
+                    f"group {g} needs {nb_new} blocks and level 0 holds {slots} slots in all")
+            # A window releases pages, but every new block (SWA scratch aside) takes one now.
+            if more - ctx.scratch_max_blocks.get(g, 0) > slots:
+                return self._refuse(
+                    f"resize({capacity}): level 0 cannot provide {more} more pages: cache "
+                    f"group {g} (windowed) gets {more} new blocks and level 0 holds {slots} "
+                    "slots in all")
         keep = max(0, history - ctx.config.max_rewind_len)
         releases: list[tuple[int, int]] = []
         grow: dict[int, list[int]] = {}
