@@ -61,9 +61,10 @@ class ResizeMixin(CacheBase):
         (``capacity`` None: the current one), and first ``resume`` for a suspended cache:
         its pages on colder levels and the blocks it lacks. Groups that need none are
         left out. Window groups count every new block (the pages their window releases
-        are not subtracted, nor the blocks SWA scratch pages stand in for), so the figure
-        is an upper bound there. What an engine sums
-        over a step's caches for :meth:`KVCacheManager.make_room`.
+        are not subtracted), so the figure is an upper bound there. SWA scratch groups
+        count the scratch slots the resize takes instead of its scratch blocks, and the
+        blocks whose spent scratch page it replaces.
+        What an engine sums over a step's caches for :meth:`KVCacheManager.make_room`.
 
         Raises:
             InvalidStateError: the cache is closed.
@@ -75,16 +76,25 @@ class ResizeMixin(CacheBase):
         nb = self.num_blocks if capacity is None else \
             -(-_check_count("capacity", capacity) // self._tpb)
         out: dict[int, int] = {}
+        cap = self._capacity if capacity is None else int(capacity)
+        suspended = self._status is CacheStatus.SUSPENDED
         for g in ctx.attn_groups:
             have = len(self._pages[g])
-            if nb > have:
+            if g in ctx.scratch_scales:  # scratch slots for scratch blocks, spent ones
+                n = self._scratch_pages_needed(g, cap, nb)
+                if n:
+                    out[g] = n
+            elif nb > have:
                 out[g] = (nb - have) * self.beam_width
-        if self._status is CacheStatus.SUSPENDED:
+        if suspended:
             a = self._arena
+            nb_now = self.num_blocks
             for g in ctx.attn_groups:
                 start, stop = ctx.kinds[g].stale_range(self._history)
-                missing = sum(1 for b, p in enumerate(self._pages[g][:self.num_blocks])
-                              if p < 0 and not start <= b < stop)
+                s0, s1 = self._scratch_span(g, self._capacity, self._history, nb_now) \
+                    if g in ctx.scratch_scales else (0, 0)  # no page at resume
+                missing = sum(1 for b, p in enumerate(self._pages[g][:nb_now])
+                              if p < 0 and not start <= b < stop and not s0 <= b < s1)
                 if missing:
                     out[g] = out.get(g, 0) + missing
             for g in ctx.ssm_groups:
