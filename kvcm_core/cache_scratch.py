@@ -22,6 +22,9 @@ class ScratchMixin(CacheBase):
         self._scratch_slots: dict[int, list[int]] = {}
         self._scratch_range: dict[int, tuple[int, int]] = {}
         self._scratch_live = False
+        # Per group, the end of the highest scratch range this cache had: blocks without
+        # a page that history needs (spent or dropped scratch pages) lie below it.
+        self._scratch_hi: dict[int, int] = {}
         # False when resize must always take the full path (SWA scratch bookkeeping).
         self._scratch_free_path = ctx.config.swa_scratch is None
 
@@ -69,10 +72,10 @@ class ScratchMixin(CacheBase):
         then perhaps a rewind into them) or dropped (``suspend``). The resize gives them
         pages; those holding history are listed by ``recompute_blocks``. Only such blocks
         lack a page there (the others were released as stale), so only the window and the
-        blocks after it are looked at."""
+        blocks after it, below the highest scratch range's end, are looked at."""
         pages_g = self._pages[g]
         lo = self._ctx.kinds[g].stale_range(history)[1]
-        hi = min(len(pages_g), nb)
+        hi = min(len(pages_g), nb, self._scratch_hi.get(g, 0))
         if lo >= hi or -1 not in pages_g[lo:hi]:
             return []
         begin, end = span
@@ -168,6 +171,8 @@ class ScratchMixin(CacheBase):
             if self._scratch_range.get(g, (0, 0)) != (begin, end):
                 changed = True
             self._scratch_range[g] = (begin, end)
+            if end > self._scratch_hi.get(g, 0):
+                self._scratch_hi[g] = end
             self._note_recompute(g, fill, history)  # their tokens were lost with the page
         self._scratch_live = True
         if changed or shown != self._scratch_shown():  # scratch() turned on
