@@ -61,9 +61,10 @@ class ResizeMixin(CacheBase):
         (``capacity`` None: the current one), and first ``resume`` for a suspended cache:
         its pages on colder levels and the blocks it lacks. Groups that need none are
         left out. Window groups count every new block (the pages their window releases
-        are not subtracted, nor the blocks SWA scratch pages stand in for), so the figure
-        is an upper bound there. What an engine sums
-        over a step's caches for :meth:`KVCacheManager.make_room`.
+        are not subtracted), so the figure is an upper bound there. SWA scratch groups
+        count the scratch slots the resize takes instead of its scratch blocks, and the
+        blocks whose spent scratch page it replaces.
+        What an engine sums over a step's caches for :meth:`KVCacheManager.make_room`.
 
         Raises:
             InvalidStateError: the cache is closed.
@@ -75,16 +76,25 @@ class ResizeMixin(CacheBase):
         nb = self.num_blocks if capacity is None else \
             -(-_check_count("capacity", capacity) // self._tpb)
         out: dict[int, int] = {}
+        cap = self._capacity if capacity is None else int(capacity)
+        suspended = self._status is CacheStatus.SUSPENDED
         for g in ctx.attn_groups:
             have = len(self._pages[g])
-            if nb > have:
+            if g in ctx.scratch_scales:  # scratch slots for scratch blocks, spent ones
+                n = self._scratch_pages_needed(g, cap, nb)
+                if n:
+                    out[g] = n
+            elif nb > have:
                 out[g] = (nb - have) * self.beam_width
-        if self._status is CacheStatus.SUSPENDED:
+        if suspended:
             a = self._arena
+            nb_now = self.num_blocks
             for g in ctx.attn_groups:
                 start, stop = ctx.kinds[g].stale_range(self._history)
-                missing = sum(1 for b, p in enumerate(self._pages[g][:self.num_blocks])
-                              if p < 0 and not start <= b < stop)
+                s0, s1 = self._scratch_span(g, self._capacity, self._history, nb_now) \
+                    if g in ctx.scratch_scales else (0, 0)  # no page at resume
+                missing = sum(1 for b, p in enumerate(self._pages[g][:nb_now])
+                              if p < 0 and not start <= b < stop and not s0 <= b < s1)
                 if missing:
                     out[g] = out.get(g, 0) + missing
             for g in ctx.ssm_groups:
@@ -111,12 +121,18 @@ class ResizeMixin(CacheBase):
         history = self._resize_history(capacity, history_length)  # errors before refusals
         nb_new = -(-capacity // self._tpb)
         for g in ctx.attn_groups:  # O(1): a size no level 0 could ever hold is refused
-            if g not in ctx.windowed_groups and nb_new > L.gpu_store(g).num_slots:
+            slots = L.gpu_store(g).num_slots
+            more = nb_new - len(self._pages[g])
+            if g not in ctx.windowed_groups and nb_new > slots:
                 return self._refuse(
-                    f"resize({capacity}): level 0 cannot provide "
-                    f"{nb_new - len(self._pages[g])} more pages: cache group {g} needs "
-                    f"{nb_new} blocks and level 0 holds {L.gpu_store(g).num_slots} slots in "
-                    "all")
+                    f"resize({capacity}): level 0 cannot provide {more} more pages: cache "
+                    f"group {g} needs {nb_new} blocks and level 0 holds {slots} slots in all")
+            # A window releases pages, but every new block (SWA scratch aside) takes one now.
+            if more - ctx.scratch_max_blocks.get(g, 0) > slots:
+                return self._refuse(
+                    f"resize({capacity}): level 0 cannot provide {more} more pages: cache "
+                    f"group {g} (windowed) gets {more} new blocks and level 0 holds {slots} "
+                    "slots in all")
         keep = max(0, history - ctx.config.max_rewind_len)
         releases: list[tuple[int, int]] = []
         grow: dict[int, list[int]] = {}

@@ -80,8 +80,12 @@ class ResumeMixin(CacheBase):
         for g in ctx.attn_groups:
             start, stop = ctx.kinds[g].stale_range(self._history)
             drop = g in declined_groups
+            # SWA scratch blocks of the interrupted step stay without a page: the next
+            # resize makes them scratch again (or gives them pages).
+            s0, s1 = self._scratch_span(g, self._capacity, self._history, nb) \
+                if g in ctx.scratch_scales else (0, 0)
             blocks = [b for b, p in enumerate(self._pages[g]) if (p < 0 or drop)
-                      and not start <= b < stop and b < nb]
+                      and not start <= b < stop and b < nb and not s0 <= b < s1]
             if blocks:
                 wanted[g] = blocks
                 pg = L.pool_group_of(g)
@@ -142,8 +146,7 @@ class ResumeMixin(CacheBase):
                 raise
             return self._refuse(room_failed("resume", exc))
         fresh: list[int] = []
-        recompute = None if self._first_resume_done else (
-            {g: list(b) for g, b in self._recompute.items()}, self._unwritten)
+        recompute = ({g: list(b) for g, b in self._recompute.items()}, self._unwritten)
         try:
             self._check_not_lost_while_making_room()
             # Cold pages of ours come back in one batch per source store.
@@ -166,6 +169,8 @@ class ResumeMixin(CacheBase):
                             (b < 0 and self._history > 0) or 0 <= b * tpb < self._history):
                         self._recompute.setdefault(g, []).append(b)
                         self._unwritten = True
+                    elif g in ctx.scratch_scales:  # a scratch page spent short of its chunk
+                        self._note_recompute(g, [b], self._history)
                 L.fill(g, _arr(dst), _arr(src), stream)
                 for b, pid in zip(blocks, pages, strict=True):
                     if ctx.kinds[g].is_ssm:
@@ -180,8 +185,7 @@ class ResumeMixin(CacheBase):
             raise self._name_corrupt_block(exc) from exc
         except BaseException:  # an interrupt: undone, the cache stays SUSPENDED, intact
             self._fail_resume(fresh, lost=False)
-            if recompute is not None:
-                self._recompute, self._unwritten = recompute
+            self._recompute, self._unwritten = recompute
             self._restore_declines(declined, pending)
             raise
         self._count_optional_reuse(claims)
@@ -291,7 +295,8 @@ class ResumeMixin(CacheBase):
         cache needs on level 0 alone would lock more of a pool group than
         ``max_util_for_resume``: a scheduler that retries its preempted requests every
         step pays a few microseconds per refusal. Every block a read needs (each attention
-        group's blocks outside its stale range, one page per SSM group) takes a level-0
+        group's blocks outside its stale range and, for SWA scratch groups, outside the
+        scratch blocks of an interrupted step; one page per SSM group) takes a level-0
         page whatever else the resume decides (where the page is now, a reuse declined, a
         pending copy, other beams only add to it), so the count is a lower bound of what
         the general path counts and a refusal here is one it would make. False: go on."""
@@ -304,6 +309,9 @@ class ResumeMixin(CacheBase):
         for g in ctx.attn_groups:
             start, stop = ctx.kinds[g].stale_range(self._history)
             stale = max(0, min(stop, nb) - max(start, 0))
+            if g in ctx.scratch_scales:  # scratch blocks (after history) take none
+                s0, s1 = self._scratch_span(g, self._capacity, self._history, nb)
+                stale += s1 - s0
             pg = L.pool_group_of(g)
             per_pg[pg] = per_pg.get(pg, 0) + nb - stale
         for g in ctx.ssm_groups:

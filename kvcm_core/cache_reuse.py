@@ -91,16 +91,21 @@ class ReuseMixin(CacheBase):
         return ReuseStatus(lc.policy, complete, end, tuple((a, b) for a, b in ranges))
 
     def recompute_blocks(self, group: int) -> list[int]:
-        """Blocks (``-1``: the SSM state) whose pages were given fresh at the first resume
-        although history covers them: the engine must recompute or reconstruct them
-        (declined OPTIONAL groups, missing SINK_REQUIRED_ONLY window pages, PRIVATE
-        state). The list is kept for the cache's life (a later resume returns it again),
-        less the blocks that have no page any more (gone stale out of a window: they show
-        ``BAD_PAGE_INDEX`` and need nothing)."""
+        """Blocks (``-1``: the SSM state) whose pages were given fresh although history
+        covers them: the engine must recompute or reconstruct them. At the first resume:
+        declined OPTIONAL groups, missing SINK_REQUIRED_ONLY window pages, PRIVATE state.
+        With SWA scratch, at any later resize or resume too: blocks whose scratch page was
+        spent by a commit short of the chunk, given a page again once history (or a
+        rewind) needs them. The list is kept for the cache's life (a later call returns
+        it again), less the blocks that have no page any more (gone stale out of a window:
+        they show ``BAD_PAGE_INDEX`` and need nothing) or that start at or after history
+        (after a rewind: the step writes them)."""
         self._check_group(group)
         pages = self._pages[group]
+        end = self._history
+        tpb = self._tpb
         return [b for b in self._recompute.get(group, ())
-                if b < 0 or (b < len(pages) and pages[b] >= 0)]
+                if b < 0 or (b < len(pages) and pages[b] >= 0 and b * tpb < end)]
 
     def _decide_optional(self, selected: Sequence[int] | None) -> list[tuple[int, int, int]]:
         """Validate the OPTIONAL choice; return the claims to give up ``(group, block,

@@ -233,7 +233,12 @@ class FingerprintEngine:
                 if table is None:
                     table = self._table(cache, buf.group, w.beam)
                     tables[buf.group] = table
-                    self._check_table(cache, buf, table, nb)
+                    # A pass that writes no new token reads or rewrites history only:
+                    # an SWA scratch group's block after it may lack a page (the scratch
+                    # blocks of a step a suspend interrupted, until the next resize).
+                    upto = None if (writing and only_blocks is None) or \
+                        buf.group not in m.scratch_groups else -(-hist // tpb)
+                    self._check_table(cache, buf, table, nb, upto)
                 base, stride = bases[(buf.layer_id, buf.role)]
                 if buf.is_ssm:
                     if only_blocks is not None:
@@ -398,8 +403,10 @@ class FingerprintEngine:
         table = self._table(cache, buf.group, beam)
         return self._conv[key].convert(table, self._scratch_desc(cache, buf.group))
 
-    def _check_table(self, cache: Any, buf: _Buffer, table: np.ndarray, nb: int) -> None:
-        """Stale and unused entries are BAD; needed entries are valid slot ids."""
+    def _check_table(self, cache: Any, buf: _Buffer, table: np.ndarray, nb: int,
+                     upto: int | None = None) -> None:
+        """Stale and unused entries are BAD; needed entries are valid slot ids (``upto``:
+        only blocks below it are needed)."""
         tpb = self.tpb
         hist = cache.history_length
         where = f"cache {cache.id!r} group {buf.group} (layer {buf.layer_id}/{buf.role})"
@@ -426,13 +433,16 @@ class FingerprintEngine:
             raise FingerprintMismatch(f"{where}: stale blocks [{s0}, {s1}) hold {stale}, "
                                       "expected BAD_PAGE_INDEX")
         desc = self._scratch_desc(cache, buf.group)
-        if desc is None:
+        if desc is None and upto is None:
             needed = np.concatenate([table[:s0], table[s1:]])
         else:
-            self._check_scratch(cache, buf, table, nb, desc, num_slots, where)
             keep = np.ones(nb, dtype=bool)
             keep[s0:s1] = False
-            keep[desc.begin : desc.end] = False
+            if desc is not None:
+                self._check_scratch(cache, buf, table, nb, desc, num_slots, where)
+                keep[desc.begin : desc.end] = False
+            if upto is not None:
+                keep[upto:] = False
             needed = table[keep]
         if needed.size and (needed.min() < 0 or needed.max() >= num_slots):
             raise FingerprintMismatch(f"{where}: needed blocks have invalid pages {table}")
