@@ -1,0 +1,11 @@
+#!/bin/bash
+# Session 27's second device call: every GPU test on the final merges (SWA scratch, sparse
+# arena, config), and
+# the hybrid preset of kvcm simulate with pages on each GPU backend; summaries to the tail.
+set -u
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+GPU_TESTS_LIMIT=500 OUT=$OUT bash benchmarks/gpu_run.sh gpu_tests hybrid_simulate > "$OUT/gpu_run.txt" 2>&1
+cat "$OUT/commit.txt"; head -3 "$OUT/env.txt"
+tail -2 "$OUT/tests_gpu.log"; grep -E "FAILED|ERROR" "$OUT"/*.log | head -20
+for b in cuda cupy; do echo "== hybrid $b"; grep -E "verified|exit|Error|error" "$OUT/hybrid_simulate_$b.log" | head -5; done
