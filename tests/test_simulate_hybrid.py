@@ -393,3 +393,18 @@ def test_the_report_names_the_kernel_backend_the_run_selected(tmp_path) -> None:
     assert meta["kernel_backend"] == "auto"
     assert meta["kernel_backend_selected"] == \
         get_plugin_manager().select_kernel_backend("auto").name
+
+
+def test_batch_ops_with_a_sparse_model_is_a_config_error_naming_it(tmp_path) -> None:
+    """The engine's Batch.resize/move path is for dense models: asked of a sparse one,
+    ``kvcm simulate`` says so before the run (exit 2), not as an internal error (exit 3)."""
+    from kvcm_core.simulate import PRESETS, main
+
+    assert "sparse" in PRESETS
+    from importlib import resources
+
+    text = resources.files("kvcm_core.simulate").joinpath("sparse.toml").read_text()
+    cfg = tmp_path / "sparse-batch-ops.toml"
+    cfg.write_text(text.replace("[simulate]\n", "[simulate]\nbatch_ops = true\n", 1))
+    assert main(["--config", str(cfg), "--requests", "4", "--no-plots", "--quiet",
+                 "--out", str(tmp_path / "out")]) == 2

@@ -210,6 +210,10 @@ def load_config(path: str | Path | None = None, preset: str = "default") -> Simu
                               sp.working_set_units,
                               f"must be at most {MAX_WORKING_SET_UNITS} in a simulation (the "
                               "run's batch keeps that many units for every request)")
+        if sp is not None and sched.batch_ops:
+            raise ConfigError("simulate.batch_ops", True,
+                              f"needs a model without sparse layers (kvcm.layers[{i}] is "
+                              "sparse: its engine seats rows with add and remove only)")
     return SimulateConfig(seed=seed, workload=workload, scheduler=sched,
                           level_fractions=fractions, kvcm=data["kvcm"])
 
