@@ -195,3 +195,34 @@ def test_gpu_resolve_refuses_an_unknown_kernel_setting(backend,
             rig.resolve(np.array([[1, 2, 3, 4]]))
     finally:
         rig.close()
+
+
+@pytest.mark.parametrize("name", _gpu_backends())
+def test_gpu_a_row_moved_after_the_flush_takes_its_write_map_along(name: str) -> None:
+    """The publish after a move copies the moved row's write map on the device (the
+    numpy and deferred runs of tests/test_sparse_review27.py check the same by bytes)."""
+    _available(name)
+    from sparse_helpers import sparse_config
+
+    from kvcm_core import Batch, KVCacheManager
+
+    m = KVCacheManager(sparse_config(name))
+    toks = [int(x) for x in np.random.default_rng(0).integers(1, 30000, 64)]
+    c = m.create_kv_cache(None, toks[:8])
+    assert c.resume() and c.resize(8) and c.resize(8, 8)
+    b = Batch(m, max_rows=3, max_blocks_per_row=8)
+    b.add_kv_cache(c)
+    b.resize(np.array([12, -1, -1]))  # tokens 8..11 in flight: unit 2 pinned
+    b.flush_sparse_units()
+    m.backend.synchronize()
+    before = b.read_sparse_table(0, "write_map").copy()
+    b.move(c, 2)
+    b.publish()  # seats uploaded, capacity unchanged: no new pin
+    m.backend.synchronize()
+    after = b.read_sparse_table(0, "write_map")
+    assert after[2].tolist() == before[0].tolist() and (before[0] >= 0).any()
+    assert (after[0] == -1).all()
+    b.remove_kv_cache(c)
+    c.close()
+    b.close()
+    m.shutdown()
