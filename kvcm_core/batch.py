@@ -531,7 +531,7 @@ class Batch:
         for r, (cache, cap) in enumerate(zip(self._rows, caps, strict=True)):
             if cache is None or cap == -1:
                 continue
-            n = cache.batch_growth(cap) if cap <= limit else -1
+            n = cache.batch_growth(cap, thread_checked=True) if cap <= limit else -1
             if n:
                 if n > 0 and one_group:
                     grow.append((r, n))
@@ -567,7 +567,7 @@ class Batch:
                 # done). Waited for before any row gets pages or is marked patched.
                 self._wait_upload()
             for r, n in grow:
-                rows[r].batch_grow(caps[r], pl[at: at + n])  # marks the row dirty
+                rows[r].batch_grow(caps[r], pl[at: at + n], thread_checked=True)  # dirty
                 at += n
         except BaseException:
             if at < total:
@@ -1066,9 +1066,10 @@ class Batch:
             raise InvalidArgumentError(f"{name}: must have max_rows={self.max_rows} entries "
                                        f"indexed by row, got shape {arr.shape}")
         out = arr.astype(np.int64).tolist()
-        if arr.dtype.kind != "b" and not isinstance(values, np.ndarray) and \
-                any(type(v) is bool or isinstance(v, np.bool_) for v in values):
-            raise ArgumentTypeError(f"{name}: must hold ints, got a bool")
+        if not isinstance(values, np.ndarray):  # (one pass at C speed: a decode step's)
+            kinds = set(map(type, values))
+            if bool in kinds or np.bool_ in kinds:
+                raise ArgumentTypeError(f"{name}: must hold ints, got a bool")
         bad = [v for v in out if v < -1]
         if bad:
             raise InvalidArgumentError(f"{name}: entry {bad[0]} must be >= 0 (or -1: "

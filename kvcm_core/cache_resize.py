@@ -349,14 +349,16 @@ class ResizeMixin(CacheBase):
 
     # -- Batch.resize's batched growth (one allocation for many caches) -------------------------
 
-    def batch_growth(self, capacity: int) -> int:
+    def batch_growth(self, capacity: int, thread_checked: bool = False) -> int:
         """For :meth:`Batch.resize <kvcm_core.batch.Batch.resize>`: ``0`` when the resize
         was done here (the same blocks: only the capacity moves); the number of new pages
         it needs when it is plain growth of a one-group full-attention cache with one beam,
         no scratch and no priority callback (nothing is changed: the batch takes the pages
         of many caches at once and hands them over with :meth:`batch_grow`); ``-1`` when it
-        must go through :meth:`resize`."""
-        self._ctx.thread.check()
+        must go through :meth:`resize` (``thread_checked``: the caller checked the thread,
+        as ``Batch.resize`` does once for all its rows)."""
+        if not thread_checked:
+            self._ctx.thread.check()
         tpb = self._tpb
         nb_new = (capacity + tpb - 1) // tpb
         if self._status is not _ACTIVE or capacity < self._history or \
@@ -373,11 +375,13 @@ class ResizeMixin(CacheBase):
         n = nb_new - len(self._pages[ctx.attn_groups[0]])
         return n if n > 0 else -1
 
-    def batch_grow(self, capacity: int, pids: list[int]) -> None:
+    def batch_grow(self, capacity: int, pids: list[int], thread_checked: bool = False
+                   ) -> None:
         """Take ``pids`` (new level-0 pages of the cache's one group, locked once, as many
         as :meth:`batch_growth` asked for) as the blocks after the current ones, and move
-        the capacity."""
-        self._ctx.thread.check()
+        the capacity (``thread_checked``: see :meth:`batch_growth`)."""
+        if not thread_checked:
+            self._ctx.thread.check()
         self._pages[self._ctx.attn_groups[0]].extend(pids)
         self.stats.allocated_blocks += len(pids)  # type: ignore[attr-defined]
         self.stats.newly_allocated_blocks += len(pids)  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import kvcm_tier_disk
 import pytest
+from conftest import open_fds
 
 from kvcm_core import (
     AttentionLayerConfig,
@@ -80,7 +81,7 @@ def _disk_tier(options: dict[str, object]):
 
 
 def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+    return len(open_fds())
 
 
 def test_a_killed_managers_disk_files_are_swept_by_the_next_start(tmp_path, caplog) -> None:

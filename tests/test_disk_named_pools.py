@@ -17,6 +17,7 @@ from pathlib import Path
 import kvcm_tier_disk
 import numpy as np
 import pytest
+from conftest import open_fds
 from kvcm_tier_disk import DiskTier
 
 from kvcm_core.errors import TierIOError
@@ -56,7 +57,7 @@ def _read(pool, slot: int) -> int:
 
 
 def _open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+    return set(open_fds())
 
 
 def _pool_fds(pool) -> list[int]:

@@ -19,6 +19,7 @@ import attrs
 import levels_helpers
 import numpy as np
 import pytest
+from conftest import open_fds
 from kvcm_tier_disk import DiskTier, aio, file_name
 from kvcm_tier_disk.blob import _RECORD, _SEG_MAGIC, _TOMBSTONE, BlobDiskPool
 from levels_helpers import Driver, make_manager, tokens
@@ -158,7 +159,7 @@ def _no_space(*args, **kwargs):
 
 def test_creating_a_blob_pool_on_a_full_disk_raises_no_bare_os_error(tmp_path, monkeypatch):
     tier = _tier(tmp_path / "d")
-    before = len(os.listdir("/proc/self/fd"))
+    before = len(open_fds())
     monkeypatch.setattr(os, "pwrite", _no_space)
     try:  # a blob pool holds nothing yet: it may start, its first write then fails
         pool = tier.create_pool(100, 4)
@@ -169,7 +170,7 @@ def test_creating_a_blob_pool_on_a_full_disk_raises_no_bare_os_error(tmp_path, m
             pool.write_blobs(np.array([0]), [b"x"]).wait()
         pool.close()
     monkeypatch.undo()
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert len(open_fds()) == before
     assert _segments(tier.owner_directory) == []
     tier.close()
 
@@ -182,12 +183,12 @@ def test_reopening_a_blob_pool_with_fewer_slots_on_a_full_disk_raises_tier_io_er
     tier.close()
     files = {f: (path / f).read_bytes() for f in _segments(path)}
     tier = _tier(path)
-    before = len(os.listdir("/proc/self/fd"))
+    before = len(open_fds())
     monkeypatch.setattr(os, "pwrite", _no_space)
     with pytest.raises(TierIOError, match="No space left"):
         tier.create_pool(100, 2, name="p")  # slot 3's tombstone cannot be written
     monkeypatch.undo()
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert len(open_fds()) == before
     assert {f: (path / f).read_bytes() for f in _segments(path)} == files
     assert _read(tier.create_pool(100, 4, name="p"), range(4)) == [b"", b"a", b"", b"b"]
     tier.close()

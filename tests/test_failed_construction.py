@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import open_fds
 
 from kvcm_core import (
     AttentionLayerConfig,
@@ -19,7 +20,7 @@ from kvcm_core import (
 
 
 def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+    return len(open_fds())
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")

@@ -5,12 +5,12 @@ down all the same and a second ``shutdown()`` is a no-op."""
 from __future__ import annotations
 
 import errno
-import gc
 import os
 import shutil
 import threading
 
 import pytest
+from conftest import open_fds
 from levels_helpers import Driver, faulty_disk, faulty_tier, make_manager, tokens
 
 from kvcm_core import InvalidStateError, TierIOError
@@ -22,11 +22,7 @@ def _open_fds() -> int:
     shutdown() are released: they are collected with a cycle, and their levels close on
     a thread of their own, so a collection that falls inside a test would otherwise
     change the count it compares."""
-    gc.collect()
-    for t in threading.enumerate():
-        if t.name == "kvcm-release":
-            t.join(10)
-    return len(os.listdir("/proc/self/fd"))
+    return len(open_fds())
 
 
 def test_shutdown_on_a_read_only_file_system_raises_tier_io_error_and_is_never_half_shut(

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import open_fds
 from disk_helpers import native
 from kvcm_tier_disk import aio
 from sparse_helpers import requests, sparse_config
@@ -151,7 +152,8 @@ def _kvcm_threads() -> set[threading.Thread]:
 def test_a_manager_dropped_without_shutdown_releases_its_threads_files_and_directories(
         tmp_path: Any) -> None:
     d = str(tmp_path / "disk")
-    before_threads, before_fds = _kvcm_threads(), len(os.listdir("/proc/self/fd"))
+    before_fds = len(open_fds())
+    before_threads = _kvcm_threads()
 
     def use_and_drop(i: int) -> weakref.ref[KVCacheManager]:
         m = _disk_manager(d)
@@ -172,7 +174,7 @@ def test_a_manager_dropped_without_shutdown_releases_its_threads_files_and_direc
     while _kvcm_threads() - before_threads:
         assert time.monotonic() < end, f"left running: {_kvcm_threads() - before_threads}"
         time.sleep(0.01)
-    assert len(os.listdir("/proc/self/fd")) == before_fds
+    assert len(open_fds()) == before_fds
     assert os.listdir(d) == []  # every owner directory (and its pool files) removed
 
 
