@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -462,24 +462,29 @@ class EngineLoop:
             self.counters["rewinds"] += 1
             self.counters["rewound_tokens"] += cap - accepted[id(req)]
 
+    def _step_caps(self) -> Iterator[tuple[Request, int]]:
+        """Each running request's capacity for this step as the step loop plans it (its
+        chunk, within what is left of the step's token budget, in running order)."""
+        budget = self.token_budget
+        for req in self.running:
+            hist = req.cache.history_length
+            want = self._want(req, hist)
+            if budget is not None:
+                want = min(want, budget)
+                if want <= 0:
+                    return
+                budget -= want
+            yield req, min(len(req.tokens), hist + want)
+
     def _grow_rows(self) -> dict[int, int]:
         """``batch_ops``: grow every running row for this step with one ``Batch.resize``,
         as the step loop would one by one (same chunk and budget). Returns id(request) ->
         capacity of the rows it grew; the others go the one-by-one way (preempting)."""
         assert self.batch is not None
-        budget = self.token_budget
         caps = [-1] * self.batch.max_rows
         want_of: dict[int, tuple[Request, int]] = {}
-        for req in self.running:
+        for req, cap in self._step_caps():
             cache = req.cache
-            hist = cache.history_length
-            want = self._want(req, hist)
-            if budget is not None:
-                want = min(want, budget)
-                if want <= 0:
-                    break
-                budget -= want
-            cap = min(len(req.tokens), hist + want)
             row = self.batch.row_of(cache)
             if row is None or cap <= cache.capacity:
                 continue
@@ -506,18 +511,9 @@ class EngineLoop:
         if not self.make_room_ahead:
             return
         tpb = self.manager.config.tokens_per_block
-        budget = self.token_budget
         total: dict[int, int] = {}
-        for req in self.running:
+        for req, cap in self._step_caps():
             cache = req.cache
-            hist = cache.history_length
-            want = self._want(req, hist)
-            if budget is not None:
-                want = min(want, budget)
-                if want <= 0:
-                    break
-                budget -= want
-            cap = min(len(req.tokens), hist + want)
             if -(-cap // tpb) > cache.num_blocks:
                 for g, n in cache.pages_needed(cap).items():
                     total[g] = total.get(g, 0) + n
