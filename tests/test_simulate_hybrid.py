@@ -408,3 +408,27 @@ def test_batch_ops_with_a_sparse_model_is_a_config_error_naming_it(tmp_path) -> 
     cfg.write_text(text.replace("[simulate]\n", "[simulate]\nbatch_ops = true\n", 1))
     assert main(["--config", str(cfg), "--requests", "4", "--no-plots", "--quiet",
                  "--out", str(tmp_path / "out")]) == 2
+
+
+def test_sparse_layers_with_speculative_rewinds_verify_against_the_exact_lru(tmp_path
+                                                                             ) -> None:
+    """A rewind resizes rows after the step's publish: the flush publishes them first, and
+    that publish pins. The checker replays that pin, so the entry maps stay the exact
+    LRU's (it pinned the drafted range and failed at step 19 although every entry held its
+    unit's KV)."""
+    from importlib import resources
+
+    from kvcm_core.simulate import main
+
+    text = resources.files("kvcm_core.simulate").joinpath("sparse.toml").read_text()
+    text = text.replace("\n[simulate]\n", "\n[simulate]\nrewind_every = 2\nrewind_draft = 3\n", 1)
+    text = text.replace("\n[kvcm]\n", "\n[kvcm]\nmax_rewind_len = 4\n", 1)
+    cfg = tmp_path / "sparse-rewinds.toml"
+    cfg.write_text(text)
+    out = tmp_path / "out"
+    assert main(["--config", str(cfg), "--requests", "30", "--no-plots", "--quiet",
+                 "--no-compare", "--out", str(out)]) == 0
+    import json
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["verification"]["ok"] and report["run"]["features"]["rewinds"] > 0

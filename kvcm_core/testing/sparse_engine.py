@@ -295,6 +295,11 @@ class SparseSteps:
 
     def flush(self) -> int:
         """Write back what the histories crossed; the oracle's marks follow."""
+        if len(self.batch.dirty_rows()):  # (rows resized since the step's publish, as a
+            # speculative step's rewind does: flush_sparse_units would publish them first,
+            # and that publish pins; replayed here so that the oracle pins the same)
+            self.batch.publish(self.engine.stream)
+            self.published()
         n = self.batch.flush_sparse_units(self.engine.stream)
         for _, lease, cache in self._seated():
             self._marks[lease] = (cache.history_length, self._marks[lease][1])
