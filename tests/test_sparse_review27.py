@@ -4,6 +4,8 @@ publishes on other streams, the write-back bound never strands an accepted step,
 map is refused between a history move and its flush, and a bad ``buffers`` is named."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import sparse_helpers as sh
@@ -119,6 +121,18 @@ def _random_host_pages(m: KVCacheManager, seed: int = 7) -> None:
                 v[:] = rng.integers(0, 256, v.size, dtype=np.uint8)
 
 
+def _seated(history: int, rows: int) -> tuple[KVCacheManager, Any, Batch]:
+    """A manager whose host pages hold random bytes, a cache of ``history`` tokens seated
+    in row 0 of a batch of ``rows`` rows, published."""
+    m = KVCacheManager(sh.sparse_config())
+    _random_host_pages(m)
+    c = _cache(m, _toks(), history)
+    b = Batch(m, max_rows=rows, max_blocks_per_row=8)
+    b.add_kv_cache(c)
+    b.publish()
+    return m, c, b
+
+
 def _arm(monkeypatch, owner, name: str, when=lambda *a, **k: True, after: bool = False):
     """Raise ``Injected`` once from ``owner.name`` (before the call, or ``after`` it)."""
     real = getattr(owner, name)
@@ -170,12 +184,7 @@ def test_a_publish_interrupted_after_the_upload_refuses_the_write_map_until_publ
 
 
 def test_a_pin_interrupted_before_its_fetch_fetches_at_the_next_publish(monkeypatch):
-    m = KVCacheManager(sh.sparse_config())
-    _random_host_pages(m)
-    c = _cache(m, _toks(), 10)
-    b = Batch(m, max_rows=1, max_blocks_per_row=8)
-    b.add_kv_cache(c)
-    b.publish()
+    m, c, b = _seated(10, 1)
     assert c.resize(12)  # unit 2 in flight; its tokens 8, 9 are history (on the host)
     _arm(monkeypatch, type(m.backend), "sparse_copy", lambda self, job, *a: not job.flush)
     with pytest.raises(Injected):
@@ -187,12 +196,7 @@ def test_a_pin_interrupted_before_its_fetch_fetches_at_the_next_publish(monkeypa
 
 
 def test_a_pin_fetch_left_by_an_interrupt_uses_the_tables_it_was_pinned_with(monkeypatch):
-    m = KVCacheManager(sh.sparse_config())
-    _random_host_pages(m)
-    c = _cache(m, _toks(), 10)
-    b = Batch(m, max_rows=2, max_blocks_per_row=8)
-    b.add_kv_cache(c)
-    b.publish()
+    m, c, b = _seated(10, 2)
     assert c.resize(12)
     _arm(monkeypatch, type(m.backend), "sparse_copy", lambda self, job, *a: not job.flush)
     with pytest.raises(Injected):
@@ -205,12 +209,7 @@ def test_a_pin_fetch_left_by_an_interrupt_uses_the_tables_it_was_pinned_with(mon
 
 
 def test_a_resolve_interrupted_after_its_kernel_still_fetches_its_misses(monkeypatch):
-    m = KVCacheManager(sh.sparse_config())
-    _random_host_pages(m)
-    c = _cache(m, _toks(), 32)
-    b = Batch(m, max_rows=1, max_blocks_per_row=8)
-    b.add_kv_cache(c)
-    b.publish()
+    m, c, b = _seated(32, 1)
     _arm(monkeypatch, type(m.backend), "sparse_resolve",
          lambda self, job, *a: job.selected is not None, after=True)
     sel = np.array([[3, 5, -1]], np.int32)
@@ -222,12 +221,7 @@ def test_a_resolve_interrupted_after_its_kernel_still_fetches_its_misses(monkeyp
 
 
 def test_a_shared_resolve_interrupted_after_its_kernel_awaits_its_fetches(monkeypatch):
-    m = KVCacheManager(sh.sparse_config())
-    _random_host_pages(m)
-    c = _cache(m, _toks(), 32)
-    b = Batch(m, max_rows=1, max_blocks_per_row=8)
-    b.add_kv_cache(c)
-    b.publish()
+    m, c, b = _seated(32, 1)
     _arm(monkeypatch, type(m.backend), "sparse_resolve",
          lambda self, job, *a: job.selected is not None, after=True)
     sel = np.array([[3, 5, -1, -1]], np.int32)

@@ -76,15 +76,22 @@ def free_of(m: KVCacheManager, g: int) -> int:
 # -- 1. suspend/resume after a short commit -------------------------------------------
 
 
+def _scratch_cache(managers: Any, seed: int, capacity: int, **create: Any
+                   ) -> tuple[Any, int, Driver, list[int], Any]:
+    """A manager of the windowed model with SWA scratch, its windowed group, a driver, 200
+    tokens and a resumed cache of them resized to ``capacity`` (the step's chunk)."""
+    m = managers(swa_model(), swa_scratch=scratch_cfg())
+    d = Driver(m)
+    toks = tokens(200, seed=seed)
+    cache = d.create(toks, **create)
+    assert cache.resume()
+    assert cache.resize(capacity)
+    return m, windowed_group(m), d, toks, cache
+
+
 def test_resume_after_a_short_commit_lists_the_blocks_whose_scratch_pages_were_spent(
         managers: Any) -> None:
-    m = managers(swa_model(), swa_scratch=scratch_cfg())
-    g = windowed_group(m)
-    d = Driver(m)
-    toks = tokens(200, seed=18)
-    cache = d.create(toks)
-    assert cache.resume()
-    assert cache.resize(80)
+    m, g, d, toks, cache = _scratch_cache(managers, 18, 80)
     desc = cache.scratch(g)
     assert desc is not None and (desc.begin, desc.end) == (1, 13)
     d.engine.step([StepWork(cache, toks)])
@@ -107,13 +114,7 @@ def test_a_short_commit_then_suspend_keeps_close_from_publishing_a_tail_it_lost(
         managers: Any) -> None:
     # The lost blocks hold nothing until the engine's next step: the cache is "unwritten"
     # from the resume that gave them pages until the next commit.
-    m = managers(swa_model(), swa_scratch=scratch_cfg())
-    g = windowed_group(m)
-    d = Driver(m)
-    toks = tokens(200, seed=19)
-    cache = d.create(toks)
-    assert cache.resume()
-    assert cache.resize(80)
+    _m, g, d, toks, cache = _scratch_cache(managers, 19, 80)
     d.engine.step([StepWork(cache, toks)])
     cache.commit(toks[:50])
     cache.suspend()
@@ -221,13 +222,7 @@ def test_resume_after_a_suspend_mid_step_needs_no_page_for_the_steps_scratch_blo
 
 def test_pages_needed_of_a_suspended_cache_counts_what_resume_and_the_resize_take(
         managers: Any) -> None:
-    m = managers(swa_model(), swa_scratch=scratch_cfg())
-    g = windowed_group(m)
-    d = Driver(m)
-    toks = tokens(200, seed=16)
-    c = d.create(toks, match_len=0)
-    assert c.resume()
-    assert c.resize(40)
+    m, g, d, _toks, c = _scratch_cache(managers, 16, 40, match_len=0)
     step(d, c)
     assert c.resize(100)  # scratch [10, 23)
     c.suspend()
@@ -250,13 +245,7 @@ def test_pages_needed_of_a_suspended_cache_counts_what_resume_and_the_resize_tak
 
 def test_pages_needed_counts_spent_scratch_blocks_the_next_resize_gives_pages(
         managers: Any) -> None:
-    m = managers(swa_model(), swa_scratch=scratch_cfg())
-    g = windowed_group(m)
-    d = Driver(m)
-    toks = tokens(200, seed=18)
-    c = d.create(toks, match_len=0)
-    assert c.resume()
-    assert c.resize(64)
+    m, g, d, toks, c = _scratch_cache(managers, 18, 64, match_len=0)
     d.engine.step([StepWork(c, toks)])
     c.commit(toks[:50])
     need = c.pages_needed(c.capacity).get(g, 0)
