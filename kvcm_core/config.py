@@ -457,6 +457,14 @@ class LevelConfig:
             first, so nothing reads stale bytes. The held rows are host memory on top of
             the levels' quotas (a buffer of twice this per pool). ``N > 0`` needs
             background writes.
+        evict_ahead: pages a level that has a level below moves down beyond those it
+            needs whenever it must make room (per pool group), so that the next small
+            allocations find free slots and pages go down in fewer, larger batches (one
+            move's fixed cost, and one write to a storage level, for several requests).
+            It costs at most that many slots of cached blocks. ``None`` (the default):
+            1/256 of the level's slots, at most 32 (none below 256 slots); ``0``: only
+            what is needed. Ignored on the last level, whose victims are dropped, never
+            ahead of need.
     """
 
     tier: str = attrs.field(validator=_plugin_name())
@@ -472,6 +480,7 @@ class LevelConfig:
                                                 validator=_int(0, optional=True))
     write_combine_bytes: int | None = attrs.field(default=None,
                                                   validator=_int(0, optional=True))
+    evict_ahead: int | None = attrs.field(default=None, validator=_int(0, optional=True))
 
     def __attrs_post_init__(self) -> None:
         if self.write_queue_depth and self.io_deadline_s is None:

@@ -204,6 +204,8 @@ class Levels:
             for ci, store in enumerate(self.stores[li]):
                 store.below = self.stores[li + 1][ci]
         self.all_stores = [s for level in self.stores for s in level]
+        for store in self.all_stores:
+            store.evict_ahead = config.levels[store.level].evict_ahead
         # Built after the pools: a pool that fails to build leaves no mover (staging
         # memory, streams) behind; the manager closes the tiers, and so their pools.
         self.mover = Mover(backend, self.codecs)
@@ -482,7 +484,9 @@ class Levels:
         # first), and are dropped only when no colder level can take them. Making room
         # below may invalidate (and free) popped victims: those no longer filed here are
         # skipped (no page ids are handed out meanwhile, so a freed id stays freed).
-        want = min(n - store.num_free, len(store.droppable))
+        # A level with a level below frees a few more (``evict_ahead``): the next small
+        # allocations then find free slots, and pages go down in fewer, larger batches.
+        want = min(n - store.num_free + store.ahead, len(store.droppable))
         # With the victims' priority runs where the policy tells them: the pages that move
         # are filed below at those priorities (their arena priorities) without a reread.
         popped, runs = store.droppable.pop_victim_runs(want) if want > 0 else ((), None)
@@ -616,19 +620,16 @@ class Levels:
                                  dtype=np.uint8).reshape(1, KEY_BYTES)
         keys = self.tree.keys_of(self.arena.node[pids])
         # Partial or uncommitted blocks (None) get a key from the page id. A join refuses
-        # None at once: cheaper than looking for one first (a look at every key). Most
-        # batches that have one have one, near their start (the partial block of a
-        # request); a batch with more is made over in one pass.
+        # None at once: cheaper than looking for one first (a look at every key); then
+        # one comparison over the whole batch finds every None (a batch of victims that
+        # spans several requests has one per request).
         try:
-            data = b"".join(keys)
+            data = b"".join(keys.tolist())
         except TypeError:
-            i = keys.index(None)
-            keys[i] = page_key(None, int(pids[i]))
-            try:
-                data = b"".join(keys)
-            except TypeError:
-                data = b"".join([page_key(key, pid) for key, pid in
-                                 zip(keys, pids.tolist(), strict=True)])
+            missing = np.flatnonzero(keys == None)  # noqa: E711 (elementwise, on objects)
+            for i in missing.tolist():
+                keys[i] = page_key(None, int(pids[i]))
+            data = b"".join(keys.tolist())
         return np.frombuffer(data, dtype=np.uint8).reshape(len(pids), KEY_BYTES)
 
     def discard_corrupt(self, store: Store, pids: np.ndarray, queued: bool = True) -> None:

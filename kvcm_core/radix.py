@@ -393,10 +393,10 @@ class PrefixTree:
         """Block key of a full block (or a scope root key); ``None`` for a partial block."""
         return self._keys[nid]
 
-    def keys_of(self, nids: np.ndarray) -> list[bytes | None]:
-        """:meth:`key` of many nodes (``NO_NODE`` gives ``None``), in one gather (index -1
-        is the last entry of the keys, kept None for it)."""
-        return self._keys[nids].tolist()
+    def keys_of(self, nids: np.ndarray) -> np.ndarray:
+        """:meth:`key` of many nodes as an ``object`` array (``NO_NODE`` gives ``None``),
+        in one gather (index -1 is the last entry of the keys, kept None for it)."""
+        return self._keys[nids]
 
     def keys_at(self, nids: np.ndarray) -> list[bytes]:
         """:meth:`key` of many nodes that are all full blocks or roots (such as a

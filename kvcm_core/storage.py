@@ -167,6 +167,13 @@ class PageArena:
                 f"holds={self.holds[pid]})")
 
 
+#: By default a level with a level below moves down 1/EVICT_AHEAD_SHARE of its slots
+#: more than it needs whenever it makes room, at most EVICT_AHEAD_MAX pages
+#: (``LevelConfig.evict_ahead``).
+EVICT_AHEAD_SHARE = 256
+EVICT_AHEAD_MAX = 32
+
+
 class Store:
     """Slots of one pool group at one level: pools, free slots, pages, eviction order.
 
@@ -192,6 +199,9 @@ class Store:
         self.last_level = last_level
         self.arena = arena
         self.below: Store | None = None  # where evicted pages go (set by the levels room)
+        #: ``LevelConfig.evict_ahead`` (None: :data:`EVICT_AHEAD_SHARE` of the slots, at
+        #: most :data:`EVICT_AHEAD_MAX`); see :attr:`ahead`.
+        self.evict_ahead: int | None = None
         #: Key and write sequence per slot of a framed (persistent) store, else None.
         self.frames: FrameBook | None = None
         # Pop from the end: low slot ids first, which keeps shrinking cheap.
@@ -223,6 +233,18 @@ class Store:
         self._released_n = 0
 
     # -- counting ------------------------------------------------------------------------
+
+    @property
+    def ahead(self) -> int:
+        """Droppable pages a :meth:`Levels.make_room` of this store moves down beyond
+        those it needs: ``evict_ahead``, or 1/:data:`EVICT_AHEAD_SHARE` of the slots up
+        to :data:`EVICT_AHEAD_MAX` by default; 0 on the last level (its victims are
+        dropped, never ahead of need)."""
+        if self.below is None:
+            return 0
+        if self.evict_ahead is not None:
+            return self.evict_ahead
+        return min(self.num_slots // EVICT_AHEAD_SHARE, EVICT_AHEAD_MAX)
 
     @property
     def num_free(self) -> int:

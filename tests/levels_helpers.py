@@ -112,10 +112,11 @@ def quota(layout: str, level: int, slots: int, framed: bool | None = None,
 
 
 def make_levels(layout: str, tiers: Sequence[tuple[str, int]], tmp_path: Path,
-                disk: Mapping[str, Any] | None = None) -> list[LevelConfig]:
+                disk: Mapping[str, Any] | None = None,
+                evict_ahead: int | None = None) -> list[LevelConfig]:
     """Levels of ``tiers[i] = (tier, slots per life cycle)``; ``disk``: more options of
     disk levels, their ``blob_codec`` and ``write_queue_depth`` (e.g. ``{"mode": "blob",
-    "blob_codec": "zstd"}``)."""
+    "blob_codec": "zstd"}``); ``evict_ahead``: every level's."""
     out = []
     extra = dict(disk or {})
     blob_codec = extra.pop("blob_codec", None)
@@ -126,13 +127,14 @@ def make_levels(layout: str, tiers: Sequence[tuple[str, int]], tmp_path: Path,
         size = quota(layout, i, slots, is_disk, is_disk and blob_codec is not None)
         out.append(LevelConfig(tier=tier, quota=size, options=options,
                                blob_codec=blob_codec if is_disk else None,
-                               write_queue_depth=depth if is_disk else None))
+                               write_queue_depth=depth if is_disk else None,
+                               evict_ahead=evict_ahead))
     return out
 
 
 def make_manager(tiers: Sequence[tuple[str, int]], tmp_path: Path, *, layout: str = "full",
                  pm: KvcmPluginManager | None = None, disk: Mapping[str, Any] | None = None,
-                 **kw: Any) -> KVCacheManager:
+                 evict_ahead: int | None = None, **kw: Any) -> KVCacheManager:
     """A manager whose level ``i`` is tier ``tiers[i][0]`` with ``tiers[i][1]`` slots per
     life cycle (GPU pool groups shared by several life cycles get that many per member)."""
     if layout == "hybrid":
@@ -140,7 +142,8 @@ def make_manager(tiers: Sequence[tuple[str, int]], tmp_path: Path, *, layout: st
     # Tiny levels: let a request that fills the whole GPU resume (default gate: 0.97).
     kw.setdefault("max_util_for_resume", 1.0)
     cfg = KVCacheManagerConfig(tokens_per_block=TPB, layers=LAYOUTS[layout](),
-                               levels=make_levels(layout, tiers, tmp_path, disk),
+                               levels=make_levels(layout, tiers, tmp_path, disk,
+                                                  evict_ahead),
                                kernel_backend=os.environ.get("KVCM_TEST_BACKEND", "numpy"),
                                **kw)
     m = KVCacheManager(cfg, plugin_manager=pm)

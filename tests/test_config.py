@@ -624,8 +624,8 @@ def test_toml_unknown_key_is_refused_naming_it(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         KVCacheManagerConfig.from_toml(path)
     assert info.value.field == "levels[1].compress"
-    assert "allowed: blob_codec, codec, io_deadline_s, options, quota, tier, " \
-        "write_combine_bytes, write_queue_depth" in info.value.rule
+    assert "allowed: blob_codec, codec, evict_ahead, io_deadline_s, options, quota, " \
+        "tier, write_combine_bytes, write_queue_depth" in info.value.rule
 
 
 def test_malformed_or_missing_toml_is_a_config_error_naming_the_file(tmp_path: Path) -> None:

@@ -582,13 +582,15 @@ _OPS = st.lists(
 PROP_TOTALS: dict[str, int] = {}
 
 
-@settings(max_examples=30, deadline=None,
+@settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture,
                                  HealthCheck.too_slow])
-@given(ops=_OPS, layout=st.sampled_from(["full", "full", "hybrid"]))
-def test_random_workloads_over_three_levels(tmp_path_factory, ops, layout):
+@given(ops=_OPS, layout=st.sampled_from(["full", "full", "hybrid"]),
+       ahead=st.sampled_from([None, None, 1, 3]))
+def test_random_workloads_over_three_levels(tmp_path_factory, ops, layout, ahead):
     tmp = tmp_path_factory.mktemp("prop")
-    m = make_manager([("gpu", 6), ("host", 5), ("disk", 8)], tmp, layout=layout)
+    m = make_manager([("gpu", 6), ("host", 5), ("disk", 8)], tmp, layout=layout,
+                     evict_ahead=ahead)
     d = Driver(m)
     prompts = [tokens(24, 7000 + i % 4) for i in range(8)]  # shared prefixes repeat
     open_caches = []
