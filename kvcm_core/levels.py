@@ -485,8 +485,16 @@ class Levels:
         # below may invalidate (and free) popped victims: those no longer filed here are
         # skipped (no page ids are handed out meanwhile, so a freed id stays freed).
         # A level with a level below frees a few more (``evict_ahead``): the next small
-        # allocations then find free slots, and pages go down in fewer, larger batches.
-        want = min(n - store.num_free + store.ahead, len(store.droppable))
+        # allocations then find free slots, and pages go down in fewer, larger batches;
+        # only as many as the level below takes without moving its held pages (a
+        # suspended request's) down.
+        need = n - store.num_free
+        ahead = store.ahead
+        if ahead:
+            below = store.below
+            assert below is not None  # (ahead is 0 on the last level)
+            ahead = max(0, min(ahead, below.num_free + below.num_droppable - need))
+        want = min(need + ahead, len(store.droppable))
         # With the victims' priority runs where the policy tells them: the pages that move
         # are filed below at those priorities (their arena priorities) without a reread.
         popped, runs = store.droppable.pop_victim_runs(want) if want > 0 else ((), None)
@@ -522,9 +530,13 @@ class Levels:
         except BaseException:  # an interrupt: the victims still here go back to their queue
             store.requeue(victims[a.store[victims] == here])
             raise
-        # A corrupt page met on the way took the droppable pages below it along.
+        # A corrupt page met on the way took the droppable pages below it along. Victims
+        # taken ahead of need that no level took (a failed or refused write) stay cached.
         if len(victims):
-            self.drop(store, victims[a.store[victims] == here])
+            left = victims[a.store[victims] == here]
+            short = max(0, n - store.num_free)
+            store.requeue(left[short:])
+            self.drop(store, left[:short])
         if store.num_free < n:
             raise OutOfPagesError(
                 f"level {store.level} pool group {store.pool_group}: could not free {k} "

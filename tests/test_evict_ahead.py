@@ -12,12 +12,15 @@ rule; bad values get a ``ConfigError`` naming the field. (The property test of
 
 from __future__ import annotations
 
+import attrs
 import pytest
 from levels_helpers import (
     LAYOUTS,
     TPB,
     Driver,
     assert_invariants,
+    faulty_disk,
+    faulty_tier,
     make_levels,
     make_manager,
     page_levels,
@@ -25,8 +28,9 @@ from levels_helpers import (
     tokens,
 )
 
-from kvcm_core import ConfigError, KVCacheManagerConfig, LevelConfig
+from kvcm_core import ConfigError, KVCacheManager, KVCacheManagerConfig, LevelConfig
 from kvcm_core.storage import EVICT_AHEAD_MAX, EVICT_AHEAD_SHARE
+from kvcm_core.testing.faults import FaultPlan
 
 
 def fill_with_closed_requests(d, n, length, seed):
@@ -154,3 +158,81 @@ def test_evict_ahead_round_trips_through_plain_data(tmp_path):
     back = KVCacheManagerConfig.from_dict(cfg.to_dict())
     assert [lv.evict_ahead for lv in back.levels] == [7, 7]
     assert back == cfg
+
+
+# -- ahead only into room the level below has (review 28) ----------------------------------
+
+
+def _one_slot_after_a_full_gpu(m, d, held_blocks):
+    """A suspended request of ``held_blocks`` pages pushed below by one that took the
+    whole GPU (16 slots) and closed: 16 droppable GPU pages; then a request that needs
+    one GPU slot. Returns (offloaded, dropped, the suspended request's page levels)."""
+    a = d.write(tokens(held_blocks * TPB, 1))
+    b = d.create(tokens(16 * TPB, 2))
+    d.run_to(b)
+    b.close()
+    assert set(page_levels(a)) == {1}
+    m.get_and_reset_iteration_stats()
+    c = d.create(tokens(TPB, 3))
+    assert c.resume() and c.resize(TPB)
+    got = (*moved(m), page_levels(a))
+    c.close()
+    assert a.resume()
+    d.check(a)
+    a.close()
+    assert_invariants(m)
+    return got
+
+
+@pytest.mark.parametrize("ahead", [0, 5])
+def test_evict_ahead_drops_nothing_when_the_level_below_is_full_of_held_pages(
+        tmp_path, cleanup, ahead):
+    m = make_manager([("gpu", 16), ("host", 8)], tmp_path, evict_ahead=ahead)
+    cleanup(m)
+    offloaded, dropped, _ = _one_slot_after_a_full_gpu(m, Driver(m), 8)
+    assert (offloaded, dropped) == (0, 1)  # the one needed; the 5 ahead stay cached
+
+
+@pytest.mark.parametrize("ahead", [0, 5])
+def test_evict_ahead_never_pushes_held_pages_of_the_level_below_further_down(
+        tmp_path, cleanup, ahead):
+    m = make_manager([("gpu", 16), ("host", 8), ("disk", 32)], tmp_path, evict_ahead=ahead)
+    cleanup(m)
+    *_, levels = _one_slot_after_a_full_gpu(m, Driver(m), 8)
+    assert levels.count(2) == 1  # one held page made room for the one page needed
+
+
+@pytest.mark.parametrize("mode", ["failed write", "full write queue"])
+def test_pages_taken_ahead_that_no_level_took_stay_cached(tmp_path, cleanup, mode):
+    plan = FaultPlan()
+    levels = make_levels("full", [("gpu", 16), ("faulty-disk", 64)], tmp_path,
+                         {"write_queue_depth": 0 if mode == "failed write" else 1}, 5)
+    levels[1] = attrs.evolve(levels[1], write_combine_bytes=0)
+    m = KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=TPB, layers=LAYOUTS["full"](), levels=levels,
+        kernel_backend="numpy", max_util_for_resume=1.0), plugin_manager=faulty_disk(plan))
+    cleanup(m)
+    d = Driver(m)
+    written = fill_with_closed_requests(d, 4, 4 * TPB, seed=100)  # a full GPU
+    if mode == "failed write":
+        plan.fail_all_writes = True
+    else:  # one background write held in flight: the next write finds the queue full
+        plan.hold = True
+        d.write(tokens(TPB, 7), suspend=False).close()
+        i = 0
+        while m.stores[0][0].num_free:
+            d.write(tokens(TPB, 20 + i), suspend=False).close()
+            i += 1
+    m.get_and_reset_iteration_stats()
+    try:
+        c = d.create(tokens(TPB, 3))
+        assert c.resume() and c.resize(TPB)
+        assert moved(m) == (0, 1)  # one dropped for the slot needed, none for the 5 ahead
+        c.close()
+    finally:
+        plan.hold = False
+        plan.fail_all_writes = False
+        if mode != "failed write":
+            faulty_tier(m, 1).release()
+    assert_invariants(m)
+    assert sum(m.probe_reuse(None, t[:-1]) > 0 for t in written) >= 3
