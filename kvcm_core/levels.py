@@ -109,6 +109,13 @@ class Levels:
         self.codecs = list(codecs)
         self.tree = tree
         self.sinks = sinks
+        # Each sink's name in event_sink_errors: its class's, "#2", "#3"... on later sinks
+        # of a class of the same name (each counted and warned about on its own).
+        self._sink_names: list[str] = []
+        for sink in sinks:
+            name = type(sink).__name__
+            k = sum(n.split("#")[0] == name for n in self._sink_names)
+            self._sink_names.append(name if not k else f"{name}#{k + 1}")
         self.frames = list(frames) or [None] * len(config.levels)
         self.arena = PageArena()
         self.epoch = 0  # bumped whenever a page moves: page tables read it
@@ -1066,11 +1073,10 @@ class Levels:
             return
         batch, self._events = self._events, []
         interrupt: BaseException | None = None
-        for sink in self.sinks:
+        for sink, name in zip(self.sinks, self._sink_names, strict=True):
             try:
                 sink.on_events(batch)
             except Exception as exc:  # a sink's failure must not break the engine's step
-                name = type(sink).__name__
                 if name not in self.event_sink_errors:
                     warnings.warn(f"kvcm event sink {name} raised {type(exc).__name__}: "
                                   f"{exc}; its events are dropped and counted",

@@ -326,13 +326,21 @@ class KvcmPluginManager:
             try:
                 kwargs = {"config": config} if "config" in impl.argnames else {}
                 batch = cast("Iterable[Any] | None", impl.function(**kwargs))
-                sinks.extend(batch or ())
+                got = list(batch or ())
             except Exception as exc:
                 raise PluginError(
                     f"plugin {impl.plugin_name!r} of distribution {source.distribution} "
                     f"failed in kvcm_event_sinks(): {type(exc).__name__}: {exc}. "
                     f"Disable it with {DISABLE_ENV}={impl.plugin_name}"
                 ) from exc
+            for sink in got:  # an instance with on_events (a class would lose every event)
+                if isinstance(sink, type) or not callable(getattr(sink, "on_events", None)):
+                    raise PluginError(
+                        f"plugin {impl.plugin_name!r} of distribution {source.distribution} "
+                        f"gave kvcm_event_sinks() {sink!r}: each item must be an event sink "
+                        "instance (an EventSink with on_events(events)), not a class or "
+                        f"another object. Disable it with {DISABLE_ENV}={impl.plugin_name}")
+            sinks.extend(got)
         return sinks
 
     # -- lookups -----------------------------------------------------------------------

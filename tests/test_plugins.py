@@ -329,6 +329,14 @@ def test_records_are_collected_once_until_a_plugin_is_registered() -> None:
     assert list(pm.tiers()) == ["a"]
 
 
+class _TaggedSink:
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+    def on_events(self, events: Any) -> None:
+        pass
+
+
 def test_event_sinks_are_gathered_from_every_plugin_with_the_config() -> None:
     seen: list[Any] = []
 
@@ -339,11 +347,26 @@ def test_event_sinks_are_gathered_from_every_plugin_with_the_config() -> None:
         @hookimpl
         def kvcm_event_sinks(self, config: Any) -> Any:
             seen.append(config)
-            yield self.tag
+            yield _TaggedSink(self.tag)
 
     pm = bare(Sinks("first"), Sinks("second"))
-    assert pm.event_sinks(config="cfg") == ["first", "second"]
+    assert [s.tag for s in pm.event_sinks(config="cfg")] == ["first", "second"]
     assert seen == ["cfg", "cfg"]
+
+
+@pytest.mark.parametrize("item", [_TaggedSink, "a sink", None, object()],
+                         ids=["a class", "a str", "None", "no on_events"])
+def test_an_event_sink_that_is_not_a_sink_instance_is_a_plugin_error_naming_the_plugin(
+        item: Any) -> None:
+    class Sinks:
+        @hookimpl
+        def kvcm_event_sinks(self, config: Any) -> Any:
+            yield item
+
+    pm = bare(Sinks())
+    with pytest.raises(PluginError, match="must be an event sink instance") as info:
+        pm.event_sinks(config="cfg")
+    assert "plugin 'hand0' of distribution dist-0" in str(info.value)
 
 
 # -- lookups --------------------------------------------------------------------------------

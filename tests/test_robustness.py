@@ -461,6 +461,26 @@ def test_a_raising_event_sink_is_counted_and_warned_once_and_a_good_sink_still_g
     assert len(loop.finished) == 40 and all(r.done for r in loop.finished)
 
 
+def test_two_raising_sinks_of_one_class_are_counted_and_warned_about_each_on_its_own(
+        tmp_path, cleanup):
+    first, second = RaisingSink(), RaisingSink()
+    pm = KvcmPluginManager()
+    pm.register(TwoSinks(first, second), name="sinks")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = make_manager([("gpu", 10), ("host", 8)], tmp_path, pm=pm)
+        cleanup(m)
+        d = Driver(m)
+        for i in range(3):
+            d.write(tokens(12, 50 + i), suspend=False).close()
+            m.flush_events()
+    assert first.calls == second.calls == 3
+    assert m.event_sink_errors == {"RaisingSink": 3, "RaisingSink#2": 3}
+    named = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)
+             and "RaisingSink" in str(w.message)]
+    assert len(named) == 2 and any("RaisingSink#2" in w for w in named)
+
+
 # -- 5. security ------------------------------------------------------------------------------
 
 
