@@ -4,6 +4,9 @@ reuses prefixes, preempts, and brings pages back from the disk level."""
 
 from __future__ import annotations
 
+import sys
+import types
+
 import numpy as np
 import pytest
 from kvcm_tiny_engine import (
@@ -159,3 +162,42 @@ def test_a_request_larger_than_the_gpu_level_stops_the_engine_naming_it() -> Non
     finally:
         engine.close()
         manager.shutdown()
+
+
+class _FakeTorchDevice:
+    def __init__(self, spec: str, index: int | None = None) -> None:
+        kind, _, idx = spec.partition(":")
+        if kind not in ("cpu", "cuda"):
+            raise RuntimeError(f"Expected one of cpu, cuda device type: {spec}")
+        self.type, self.index = kind, int(idx) if idx else index
+
+
+def _torch_without_cuda() -> types.ModuleType:
+    """A stand-in for a CPU build of torch: ``torch.cuda.current_device()`` fails the way
+    the real one does (``AssertionError: Torch not compiled with CUDA enabled``)."""
+    def current_device() -> int:
+        raise AssertionError("Torch not compiled with CUDA enabled")
+
+    torch = types.ModuleType("torch")
+    torch.device = _FakeTorchDevice  # type: ignore[attr-defined]
+    torch.cuda = types.SimpleNamespace(  # type: ignore[attr-defined]
+        is_available=lambda: False, current_device=current_device)
+    return torch
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "tpu"])
+def test_main_with_a_torch_device_it_cannot_use_exits_2_with_one_line(
+        device: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m kvcm_tiny_engine --torch cuda`` where torch has no CUDA (or a device
+    torch does not know) could not start: exit 2 and one line, not a traceback (exit 1
+    means a check failed)."""
+    from kvcm_tiny_engine.__main__ import main
+
+    monkeypatch.setitem(sys.modules, "torch", _torch_without_cuda())
+    assert main(["--torch", device]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("kvcm_tiny_engine: ConfigError: TorchOps.device=")
+    assert ("CUDA is not available to torch" if device != "tpu" else "not a torch device") \
+        in err[0]
