@@ -69,8 +69,12 @@ class Request:
         arrival_step: engine step at which it arrives.
         scope: kvcm reuse scope (tenant, adapter); None is the default scope.
         output: generated tokens; ``logits[i]`` gave ``output[i]``.
-        reused_tokens: prompt tokens whose KV came from kvcm's prefix tree.
+        reused_tokens: prompt tokens whose KV came from kvcm's prefix tree (at its first
+            admission).
         preemptions: times it was suspended to make room.
+        recomputes: times its cache was closed and the request queued again, to be
+            matched again and to compute what kvcm no longer holds (see
+            :meth:`TinyEngine.step`).
     """
 
     id: str
@@ -82,6 +86,7 @@ class Request:
     logits: list[np.ndarray] = attrs.field(factory=list)
     reused_tokens: int = 0
     preemptions: int = 0
+    recomputes: int = 0
     cache: Any = None
     order: int = -1
 
@@ -107,6 +112,11 @@ class EngineStats:
         preemptions: suspensions to make room; ``resumes`` of suspended requests.
         kept_at_preemption: history tokens the suspended requests kept (a preemption that
             drops the cache would compute them again).
+        recomputes: caches closed to queue their request again (``Request.recomputes``);
+            ``dropped_at_recompute``: the history tokens they had (what kvcm still holds
+            of them is matched again).
+        shortened_matches: admissions whose matched prefix was cut, because its resume
+            was refused with nothing else running (see :meth:`TinyEngine.step`).
         onboarded_by_level: blocks brought up to the GPU level, by the level they left
             (level 2 is the disk level of :func:`~kvcm_tiny_engine.demo.demo_levels`).
     """
@@ -118,6 +128,9 @@ class EngineStats:
     preemptions: int = 0
     resumes: int = 0
     kept_at_preemption: int = 0
+    recomputes: int = 0
+    dropped_at_recompute: int = 0
+    shortened_matches: int = 0
     onboarded_by_level: dict[int, int] = attrs.Factory(dict)
 
     def summary(self) -> str:
@@ -125,8 +138,12 @@ class EngineStats:
         return (f"{self.steps} steps; prompt tokens {self.prompt_tokens}, of which kvcm "
                 f"spared the model {self.reused_prompt_tokens} ({share:.0%}); computed "
                 f"{self.computed_tokens} tokens; {self.preemptions} preemptions "
-                f"({self.kept_at_preemption} tokens kept), {self.resumes} resumes; blocks "
-                f"brought back to the GPU by level they left "
+                f"({self.kept_at_preemption} tokens kept), {self.resumes} resumes; "
+                + (f"{self.recomputes} recomputes ({self.dropped_at_recompute} tokens "
+                   f"dropped); " if self.recomputes else "")
+                + (f"{self.shortened_matches} matches cut to fit; "
+                   if self.shortened_matches else "")
+                + f"blocks brought back to the GPU by level they left "
                 f"{dict(sorted(self.onboarded_by_level.items()))}")
 
 
@@ -194,10 +211,17 @@ class TinyEngine:
             self.stats.resumes += 1
         while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting[0]
-            cache = self.manager.create_kv_cache(req.scope, req.prompt[:-1], id=req.id)
+            # Every known token but the last is matched (its logits give the next token);
+            # a request queued again after a recompute matches its output so far too.
+            cache = self.manager.create_kv_cache(req.scope, req.tokens[:-1], id=req.id)
             if not cache.resume():
-                cache.close()  # give its claims back while it waits; matched again later
-                return
+                if self.running or self.suspended:
+                    cache.close()  # give its claims back while it waits; matched again later
+                    return
+                # Nothing else holds the GPU level, so this refusal would come back at
+                # every retry (last_refusal says why: typically the matched prefix alone
+                # is over max_util_for_resume). Reuse less and compute the rest.
+                cache = self._shorter_match(req, cache)
             for group in range(self.manager.num_cache_groups):
                 blocks = cache.recompute_blocks(group)
                 if blocks:  # only with reuse policies other than REQUIRED
@@ -207,11 +231,47 @@ class TinyEngine:
                         f"group {group}; this engine uses REQUIRED reuse only and does "
                         "not recompute")
             req.cache = cache
-            req.reused_tokens = cache.history_length
-            self.stats.prompt_tokens += len(req.prompt)
-            self.stats.reused_prompt_tokens += req.reused_tokens
+            if not req.recomputes:  # counted at the first admission only
+                req.reused_tokens = cache.history_length
+                self.stats.prompt_tokens += len(req.prompt)
+                self.stats.reused_prompt_tokens += req.reused_tokens
             self.waiting.pop(0)
             self.running.append(req)
+
+    def _shorter_match(self, req: Request, refused: Any) -> Any:
+        """A resumed cache for ``req`` whose matched prefix is cut (halved, in whole blocks,
+        down to none) until its ``resume`` succeeds; ``refused`` (closed here) is the cache
+        whose resume was refused with nothing else running.
+
+        Raises:
+            EngineError: even without reuse the resume is refused (with the refusals'
+                ``last_refusal``).
+        """
+        first = refused.last_refusal
+        length = refused.history_length
+        refused.close()
+        tpb = self.manager.tokens_per_block
+        while True:
+            length = length // 2 // tpb * tpb
+            cache = self.manager.create_kv_cache(req.scope, req.tokens[:length], id=req.id)
+            if cache.resume():
+                self.stats.shortened_matches += 1
+                return cache
+            last = cache.last_refusal
+            cache.close()
+            if not length:
+                raise EngineError(f"request {req.id} cannot be admitted with nothing else "
+                                  f"running: {first}; without reuse: {last}")
+
+    def _recompute(self, req: Request) -> None:
+        """Close ``req``'s cache and queue it first, to be admitted again: its committed
+        blocks stay cached and are matched again; the rest is computed again."""
+        self.stats.recomputes += 1
+        self.stats.dropped_at_recompute += req.cache.history_length
+        req.recomputes += 1
+        req.cache.close()
+        req.cache = None
+        self.waiting.insert(0, req)
 
     def _preempt(self, req: Request) -> None:
         req.cache.suspend()
@@ -300,6 +360,15 @@ class TinyEngine:
         self._arrive()
         self._resume_and_admit()
         plan = self._schedule()
+        if not plan and self.suspended and not self.running:
+            # The oldest suspended request cannot resume with nothing else running, so its
+            # refusal would come back at every step (last_refusal says why: typically it
+            # grew past max_util_for_resume of the GPU level while it ran, which resize
+            # allows). Close it and queue it again: it is matched again (less, if need
+            # be) and computes the rest.
+            req = self.suspended.pop(0)
+            self._recompute(req)
+            return 0
         if not plan:
             if self.running or self.suspended or self.waiting:
                 stuck = [r.id for r in (*self.running, *self.suspended, *self.waiting)]

@@ -201,3 +201,62 @@ def test_main_with_a_torch_device_it_cannot_use_exits_2_with_one_line(
     assert err[0].startswith("kvcm_tiny_engine: ConfigError: TorchOps.device=")
     assert ("CUDA is not available to torch" if device != "tpu" else "not a torch device") \
         in err[0]
+
+
+def _small_gpu_engine(levels: list[LevelConfig], **kw: int) -> TinyEngine:
+    """An engine over a 32-slot GPU level (128 KiB of 4 KiB slots, 8-token blocks)."""
+    config = ModelConfig()
+    manager, moves = make_manager(kvcm_config(config, tokens_per_block=8, levels=levels,
+                                              max_util_for_resume=0.9))
+    return TinyEngine(TinyModel(config), manager, moves, **kw)
+
+
+def _check_and_close(engine: TinyEngine, requests: list[Request]) -> None:
+    """Every request finished with the logits of recomputation; nothing leaked."""
+    manager = engine.manager
+    assert all(r.finished for r in requests)
+    cmp = compare_with_reference(TinyModel(engine.model.config), requests)
+    assert cmp.worst_error <= TOLERANCE and cmp.token_mismatches == [], cmp
+    manager.check_invariants()
+    engine.close()
+    manager.clear_reusable_blocks()
+    for level in range(len(manager.levels)):
+        st = manager.get_storage_statistics(level)
+        assert st.free == st.total, (level, st)
+    manager.shutdown()
+
+
+def test_a_prefix_match_over_max_util_for_resume_with_nothing_else_running_is_cut_to_fit(
+        ) -> None:
+    """A second turn whose cached prefix alone would lock more of the GPU level than
+    max_util_for_resume: its resume is refused at every retry, and with nothing else
+    running nothing will change that. The engine matches less of it and computes the
+    rest (it stopped with 'no request could run')."""
+    levels = [LevelConfig(tier="gpu", quota="128KiB"), LevelConfig(tier="host", quota="1MiB")]
+    engine = _small_gpu_engine(levels, chunk_tokens=8, max_batch=2, token_budget=16)
+    first = Request("turn1", "x" * 180, max_new_tokens=2)
+    engine.run([first])
+    probe = engine.manager.create_kv_cache(None, list(b"x" * 180))
+    assert not probe.resume() and "max_util_for_resume" in probe.last_refusal
+    probe.close()
+    second = Request("turn2", "x" * 180 + "y", max_new_tokens=2)
+    engine.run([second])
+    assert engine.stats.shortened_matches == 1
+    assert 0 < second.reused_tokens < 180
+    _check_and_close(engine, [first, second])
+
+
+def test_a_suspended_request_grown_past_max_util_for_resume_is_recomputed_not_stuck(
+        ) -> None:
+    """B grows (resize has no utilisation cap) to 29 of 32 GPU slots, is suspended for
+    the older A, and once A is done cannot resume: 29 slots are over max_util_for_resume
+    (28), at every retry. The engine closes it and queues it again, matched again (cut to
+    fit) and computed (it stopped with 'no request could run')."""
+    levels = [LevelConfig(tier="gpu", quota="128KiB"), LevelConfig(tier="host", quota="1MiB")]
+    engine = _small_gpu_engine(levels, chunk_tokens=16, max_batch=2, token_budget=32)
+    reqs = [Request("A", "abcdefgh", max_new_tokens=40, arrival_step=10),
+            Request("B", "q" * 174, max_new_tokens=3)]
+    engine.run(reqs)
+    assert reqs[1].preemptions == 1 and reqs[1].recomputes == 1
+    assert engine.stats.recomputes == 1 and engine.stats.shortened_matches == 1
+    _check_and_close(engine, reqs)
