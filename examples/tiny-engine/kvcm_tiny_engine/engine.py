@@ -11,7 +11,8 @@ Each step (:meth:`TinyEngine.step`):
    decode token, within the token budget: ``cache.resize(history + n)`` gives pages for
    them. When the GPU level is full, the newest running request is **preempted** with
    ``cache.suspend()`` (its pages may then move down to host and disk) and the resize is
-   tried again.
+   tried again. With the GPU level alone, suspended pages could not move anywhere: the
+   preempted request's cache is closed instead, and it is queued again (recomputed).
 3. **Run the model** on all scheduled tokens at once: per layer, K/V of the step's tokens
    go into the pages of each request's page table (``cache.get_base_page_indices``), and
    each request's queries attend over the pages its table shows.
@@ -71,7 +72,8 @@ class Request:
         output: generated tokens; ``logits[i]`` gave ``output[i]``.
         reused_tokens: prompt tokens whose KV came from kvcm's prefix tree (at its first
             admission).
-        preemptions: times it was suspended to make room.
+        preemptions: times it was preempted to make room (suspended; closed, with the GPU
+            level alone).
         recomputes: times its cache was closed and the request queued again, to be
             matched again and to compute what kvcm no longer holds (see
             :meth:`TinyEngine.step`).
@@ -109,7 +111,9 @@ class EngineStats:
         prompt_tokens: prompt tokens of the admitted requests.
         reused_prompt_tokens: of those, tokens kvcm held already (spared the model).
         computed_tokens: tokens the model ran (prefill and decode).
-        preemptions: suspensions to make room; ``resumes`` of suspended requests.
+        preemptions: requests preempted to make room: suspended, or, with the GPU level
+            alone (where a suspended cache's pages cannot go anywhere), closed and queued
+            again (also counted in ``recomputes``); ``resumes`` of suspended requests.
         kept_at_preemption: history tokens the suspended requests kept (a preemption that
             drops the cache would compute them again).
         recomputes: caches closed to queue their request again (``Request.recomputes``);
@@ -274,11 +278,17 @@ class TinyEngine:
         self.waiting.insert(0, req)
 
     def _preempt(self, req: Request) -> None:
-        req.cache.suspend()
+        """Suspend ``req``: its pages may then move down to a colder level. With the GPU
+        level alone, a suspended cache's pages could go nowhere and suspending would free
+        nothing: close the cache instead and queue the request again (recompute)."""
         req.preemptions += 1
         self.stats.preemptions += 1
-        self.stats.kept_at_preemption += req.cache.history_length
         self.running.remove(req)
+        if len(self.manager.levels) == 1:
+            self._recompute(req)
+            return
+        req.cache.suspend()
+        self.stats.kept_at_preemption += req.cache.history_length
         self.suspended.append(req)
         self.suspended.sort(key=lambda r: r.order)
 
@@ -305,7 +315,8 @@ class TinyEngine:
                 if len(self.running) == 1 and not plan:
                     raise EngineError(
                         f"request {req.id} needs {start + n} tokens of pages and the GPU "
-                        "level cannot provide them even with every other request suspended")
+                        "level cannot provide them even with every other request "
+                        f"preempted: {cache.last_refusal}")
                 self._preempt(req)
                 break
             else:

@@ -260,3 +260,31 @@ def test_a_suspended_request_grown_past_max_util_for_resume_is_recomputed_not_st
     assert reqs[1].preemptions == 1 and reqs[1].recomputes == 1
     assert engine.stats.recomputes == 1 and engine.stats.shortened_matches == 1
     _check_and_close(engine, reqs)
+
+
+def test_with_the_gpu_level_alone_preemption_closes_and_recomputes_instead_of_suspending(
+        ) -> None:
+    """With no level below the GPU, a suspended cache's pages can go nowhere, so
+    suspending frees nothing: two requests that each fit alone stopped the engine ('cannot
+    provide them even with every other request suspended'). The engine preempts by closing
+    the cache and queueing the request again; both finish with the right logits."""
+    engine = _small_gpu_engine([LevelConfig(tier="gpu", quota="128KiB")], chunk_tokens=16,
+                               max_batch=2, token_budget=32)
+    reqs = [Request("A", "a" * 150, max_new_tokens=4), Request("B", "b" * 150, max_new_tokens=4)]
+    engine.run(reqs)
+    st = engine.stats
+    assert st.preemptions == st.recomputes > 0 and st.resumes == 0
+    assert st.kept_at_preemption == 0 and st.dropped_at_recompute > 0
+    _check_and_close(engine, reqs)
+
+
+def test_a_request_larger_than_a_gpu_only_level_stops_the_engine_with_the_refusal() -> None:
+    engine = _small_gpu_engine([LevelConfig(tier="gpu", quota="64KiB")])
+    try:
+        with pytest.raises(EngineError, match=r"request huge needs \d+ tokens.* every other "
+                                              r"request preempted: resize: level 0 pool "
+                                              r"group 0 cannot provide"):
+            engine.run([Request("huge", "x" * 400, max_new_tokens=2)])
+    finally:
+        engine.close()
+        engine.manager.shutdown()
