@@ -6,7 +6,8 @@ Each step (:meth:`TinyEngine.step`):
    to the GPU level from host or disk), then **admit** waiting ones:
    ``manager.create_kv_cache(scope, prompt[:-1])`` matches the longest cached prefix (the
    last prompt token is always computed: its logits give the first output token), and
-   ``resume()`` locks the pages on the GPU.
+   ``resume()`` locks the pages on the GPU. A refused admission keeps its cache and
+   retries ``resume()`` at the next step (with a level below the GPU).
 2. **Schedule**: every running request asks for its next tokens, a prefill chunk or one
    decode token, within the token budget: ``cache.resize(history + n)`` gives pages for
    them. When the GPU level is full, the newest running request is **preempted** with
@@ -215,13 +216,26 @@ class TinyEngine:
             self.stats.resumes += 1
         while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting[0]
-            # Every known token but the last is matched (its logits give the next token);
-            # a request queued again after a recompute matches its output so far too.
-            cache = self.manager.create_kv_cache(req.scope, req.tokens[:-1], id=req.id)
+            cache = req.cache  # kept from a refused admission (see below), or None
+            if cache is None:
+                # Every known token but the last is matched (its logits give the next
+                # token); a request queued again after a recompute matches its output too.
+                cache = self.manager.create_kv_cache(req.scope, req.tokens[:-1], id=req.id)
             if not cache.resume():
                 if self.running or self.suspended:
-                    cache.close()  # give its claims back while it waits; matched again later
+                    if len(self.manager.levels) == 1:
+                        # Give the claims back while it waits (held pages could fill the
+                        # GPU level, which they cannot leave); matched again later.
+                        cache.close()
+                        req.cache = None
+                    else:
+                        # Keep the cache and retry its resume only: a refused resume is
+                        # decided before any per-page work, while creating and closing a
+                        # cache every step costs far more (docs/semantics.md, "Waiting
+                        # for room, cheaply"); its held pages can still move down.
+                        req.cache = cache
                     return
+                req.cache = None
                 # Nothing else holds the GPU level, so this refusal would come back at
                 # every retry (last_refusal says why: typically the matched prefix alone
                 # is over max_util_for_resume). Reuse less and compute the rest.
@@ -275,7 +289,18 @@ class TinyEngine:
         req.recomputes += 1
         req.cache.close()
         req.cache = None
+        self._release_kept()  # only the head of the queue, retried, may keep a cache
         self.waiting.insert(0, req)
+
+    def _release_kept(self) -> bool:
+        """Close the cache the head of the queue kept after a refused admission, if any
+        (whether one was closed): before anything is preempted for a running request, or
+        before another request is put in front of it. It is matched again when retried."""
+        if self.waiting and self.waiting[0].cache is not None:
+            self.waiting[0].cache.close()
+            self.waiting[0].cache = None
+            return True
+        return False
 
     def _preempt(self, req: Request) -> None:
         """Suspend ``req``: its pages may then move down to a colder level. With the GPU
@@ -308,6 +333,8 @@ class TinyEngine:
                 else known - start
             n = min(n, budget)
             while not cache.resize(start + n):
+                if self._release_kept():
+                    continue  # its held claims may hold the very pages this one needs
                 newer = [r for r in self.running if r.order > req.order]
                 if newer:
                     self._preempt(max(newer, key=lambda r: r.order))
@@ -420,8 +447,10 @@ class TinyEngine:
 
     def close(self) -> None:
         """Close every cache still open (the manager stays up)."""
-        for req in (*self.running, *self.suspended):
+        for req in (*self.running, *self.suspended, *self.waiting):
             if req.cache is not None and req.cache.status is not CacheStatus.CLOSED:
                 req.cache.close()
+        for req in self.waiting:  # a cache kept while waiting: created again if retried
+            req.cache = None
         self.running.clear()
         self.suspended.clear()

@@ -288,3 +288,50 @@ def test_a_request_larger_than_a_gpu_only_level_stops_the_engine_with_the_refusa
     finally:
         engine.close()
         engine.manager.shutdown()
+
+
+def test_a_refused_admission_keeps_its_cache_and_retries_resume_instead_of_recreating_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/semantics.md ("Waiting for room, cheaply"): with a level below the GPU, a
+    scheduler keeps the cache of the request at the head of its queue while its resume is
+    refused and retries ``resume`` only, instead of creating (matching) and closing a
+    cache every step. It gives the kept cache back only when a running request cannot
+    grow (its held pages may be the ones needed). In the demo (GPU, host and disk) a
+    request's cache is created once plus once per such release, though admissions are
+    refused at many steps (each one created a cache and closed it)."""
+    from kvcm_core import KVCacheManager
+
+    created: dict[str, int] = {}
+    released: dict[str, int] = {}
+    kept_waits = 0
+    create = KVCacheManager.create_kv_cache
+    step = TinyEngine.step
+    release = getattr(TinyEngine, "_release_kept", None)
+
+    def counting_release(self: TinyEngine) -> bool:
+        head = self.waiting[0].id if self.waiting else None
+        done = release is not None and release(self)
+        if done:
+            released[str(head)] = released.get(str(head), 0) + 1
+        return done
+
+    def counting_create(self: KVCacheManager, *args: object, **kw: object) -> object:
+        created[str(kw["id"])] = created.get(str(kw["id"]), 0) + 1
+        return create(self, *args, **kw)
+
+    def watching_step(self: TinyEngine) -> int:
+        nonlocal kept_waits
+        done = step(self)
+        kept_waits += bool(self.waiting and self.waiting[0].cache is not None)
+        return done
+
+    monkeypatch.setattr(KVCacheManager, "create_kv_cache", counting_create)
+    monkeypatch.setattr(TinyEngine, "step", watching_step)
+    monkeypatch.setattr(TinyEngine, "_release_kept", counting_release, raising=False)
+    run = run_demo()
+    print(f"\n{kept_waits} steps ended with a kept cache waiting; {sum(created.values())} "
+          f"caches created for {len(run.requests)} requests; released {released}")
+    assert kept_waits > 20  # refused admissions waited with their cache
+    assert sum(released.values()) < kept_waits / 2
+    assert run.stats.recomputes == 0 and run.stats.shortened_matches == 0
+    assert created == {r.id: 1 + released.get(r.id, 0) for r in run.requests}
