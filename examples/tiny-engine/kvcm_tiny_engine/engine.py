@@ -13,7 +13,8 @@ Each step (:meth:`TinyEngine.step`):
    them. When the GPU level is full, the newest running request is **preempted** with
    ``cache.suspend()`` (its pages may then move down to host and disk) and the resize is
    tried again. With the GPU level alone, suspended pages could not move anywhere: the
-   preempted request's cache is closed instead, and it is queued again (recomputed).
+   preempted request's cache is closed instead, and it is queued again (recomputed); so
+   is the youngest suspended request when the colder levels cannot take its pages.
 3. **Run the model** on all scheduled tokens at once: per layer, K/V of the step's tokens
    go into the pages of each request's page table (``cache.get_base_page_indices``), and
    each request's queries attend over the pages its table shows.
@@ -339,6 +340,18 @@ class TinyEngine:
                 if newer:
                     self._preempt(max(newer, key=lambda r: r.order))
                     continue
+                if len(self.running) == 1 and not plan and self.suspended:
+                    # Suspending freed too little: the colder levels cannot take the
+                    # suspended requests' held pages (last_refusal: "no colder level can
+                    # take the held pages"). Recompute the youngest of them and this one.
+                    victim = max((*self.suspended, req), key=lambda r: r.order)
+                    if victim is req:
+                        self.running.remove(req)
+                        self._recompute(req)
+                        break
+                    self.suspended.remove(victim)
+                    self._recompute(victim)
+                    continue
                 if len(self.running) == 1 and not plan:
                     raise EngineError(
                         f"request {req.id} needs {start + n} tokens of pages and the GPU "
@@ -397,15 +410,17 @@ class TinyEngine:
         """One engine step; returns the tokens it computed."""
         self._arrive()
         self._resume_and_admit()
+        recomputes = self.stats.recomputes
         plan = self._schedule()
         if not plan and self.suspended and not self.running:
             # The oldest suspended request cannot resume with nothing else running, so its
             # refusal would come back at every step (last_refusal says why: typically it
             # grew past max_util_for_resume of the GPU level while it ran, which resize
             # allows). Close it and queue it again: it is matched again (less, if need
-            # be) and computes the rest.
-            req = self.suspended.pop(0)
-            self._recompute(req)
+            # be) and computes the rest. Unless the schedule just closed one to make
+            # room: the resume is tried again first.
+            if self.stats.recomputes == recomputes:
+                self._recompute(self.suspended.pop(0))
             return 0
         if not plan:
             if self.running or self.suspended or self.waiting:

@@ -335,3 +335,18 @@ def test_a_refused_admission_keeps_its_cache_and_retries_resume_instead_of_recre
     assert sum(released.values()) < kept_waits / 2
     assert run.stats.recomputes == 0 and run.stats.shortened_matches == 0
     assert created == {r.id: 1 + released.get(r.id, 0) for r in run.requests}
+
+
+def test_when_colder_levels_cannot_take_suspended_pages_the_youngest_is_recomputed() -> None:
+    """The same deadlock as with the GPU level alone, with a host level too small for the
+    suspended request's pages: they stay held on the GPU ('no colder level can take the
+    held pages'), and the older request could not grow although each fits alone. The
+    engine closes the youngest of the suspended requests and the one that cannot grow,
+    and queues it again; both finish with the right logits."""
+    levels = [LevelConfig(tier="gpu", quota="128KiB"), LevelConfig(tier="host", quota="16KiB")]
+    engine = _small_gpu_engine(levels, chunk_tokens=16, max_batch=2, token_budget=32)
+    reqs = [Request("A", "a" * 150, max_new_tokens=4), Request("B", "b" * 100, max_new_tokens=4)]
+    engine.run(reqs)
+    assert reqs[0].recomputes == 0 and reqs[1].recomputes == 1
+    assert engine.stats.preemptions >= 1 and engine.stats.recomputes == 1
+    _check_and_close(engine, reqs)
