@@ -267,3 +267,23 @@ def test_a_kernel_plot_that_fails_to_write_leaves_no_cut_off_png_and_exits_3(
     assert code == 3, err
     assert "Traceback" not in err and "No space left" in err
     assert not list(out.glob("*.png")) and not list(out.glob(".*.tmp"))
+
+
+def test_bench_kernels_refuses_an_existing_plot_beside_its_out_file_before_running(
+        tmp_path: Path, capsys) -> None:
+    """``--out FILE.json`` writes its plot to FILE.png: an existing FILE.png is refused
+    before the benchmark runs (exit 2, nothing written), as an existing FILE.json is; with
+    ``--no-plot`` no plot is written, so the run goes ahead."""
+    png = tmp_path / "k.png"
+    png.write_bytes(b"kept")
+    out = tmp_path / "k.json"
+    args = [a for a in _quick_args("kernels", tmp_path) if a != "--no-plot"]
+    code = cli.main(["bench", "kernels", *args, "--quick", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    assert captured.out == ""  # nothing ran
+    assert f"its plot {png} exists" in captured.err and "Traceback" not in captured.err
+    assert not out.exists() and png.read_bytes() == b"kept"
+    assert cli.main(["bench", "kernels", *args, "--no-plot", "--quick", "--out",
+                     str(out)]) == 0
+    assert out.exists() and png.read_bytes() == b"kept"

@@ -21,7 +21,8 @@ Each module has ``main(argv) -> int`` and ``_parser()``, takes ``--quick`` for a
 JSON (machine, versions, date) to a new file: ``--out DIR`` (default
 ``benchmarks/results``) gets ``NAME-YYYYmmdd-HHMMSS[-TAG].json`` (UTC), ``--out FILE.json``
 that very file. A result file is never overwritten: an existing ``--out FILE.json`` is
-refused before the benchmark runs, as is an ``--out`` that cannot be written (an existing
+refused before the benchmark runs (``kernels``: its ``FILE.png`` too, unless
+``--no-plot``), as is an ``--out`` that cannot be written (an existing
 file that is not ``.json``, a folder where no file can be made), and two runs in the same
 second get ``-2``, ``-3`` ...
 """

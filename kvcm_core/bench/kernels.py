@@ -25,6 +25,7 @@ import argparse
 import functools
 import importlib.metadata
 import json
+import os
 import platform
 import statistics
 import sys
@@ -714,6 +715,13 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if max(args.page_sizes) > args.max_bytes:
         parser.error(f"argument --page-sizes: {max(args.page_sizes)} bytes: larger than the "
                      f"largest copy ({args.max_bytes} bytes: --max-bytes, at most --pool)")
+    png = Path(args.out).with_suffix(".png")
+    if args.out.endswith(".json") and not args.no_plot and os.path.lexists(png):
+        # Its plot goes beside it: refused now, not after the run (a folder --out skips
+        # names whose .json or .png exists).
+        raise ConfigError("--out", args.out, f"its plot {png} exists: a benchmark never "
+                                             "overwrites a result; name a new file, or "
+                                             "give --no-plot")
     return args
 
 

@@ -1,6 +1,7 @@
 """``python -m kvcm_tiny_engine [--torch DEVICE] [--backend NAME]``: serve the demo
 workload through kvcm and check every token against the model without a cache. Exit 0: every
-check held; 1: a check failed; 2: the run could not start (a backend or torch missing)."""
+check held; 1: a check failed; 2: the run could not start (a backend or torch missing, or a
+torch device torch cannot use, such as `--torch cuda` without CUDA)."""
 
 from __future__ import annotations
 

@@ -6,12 +6,15 @@ Each step (:meth:`TinyEngine.step`):
    to the GPU level from host or disk), then **admit** waiting ones:
    ``manager.create_kv_cache(scope, prompt[:-1])`` matches the longest cached prefix (the
    last prompt token is always computed: its logits give the first output token), and
-   ``resume()`` locks the pages on the GPU.
+   ``resume()`` locks the pages on the GPU. A refused admission keeps its cache and
+   retries ``resume()`` at the next step (with a level below the GPU).
 2. **Schedule**: every running request asks for its next tokens, a prefill chunk or one
    decode token, within the token budget: ``cache.resize(history + n)`` gives pages for
    them. When the GPU level is full, the newest running request is **preempted** with
    ``cache.suspend()`` (its pages may then move down to host and disk) and the resize is
-   tried again.
+   tried again. With the GPU level alone, suspended pages could not move anywhere: the
+   preempted request's cache is closed instead, and it is queued again (recomputed); so
+   is the youngest suspended request when the colder levels cannot take its pages.
 3. **Run the model** on all scheduled tokens at once: per layer, K/V of the step's tokens
    go into the pages of each request's page table (``cache.get_base_page_indices``), and
    each request's queries attend over the pages its table shows.
@@ -69,8 +72,13 @@ class Request:
         arrival_step: engine step at which it arrives.
         scope: kvcm reuse scope (tenant, adapter); None is the default scope.
         output: generated tokens; ``logits[i]`` gave ``output[i]``.
-        reused_tokens: prompt tokens whose KV came from kvcm's prefix tree.
-        preemptions: times it was suspended to make room.
+        reused_tokens: prompt tokens whose KV came from kvcm's prefix tree (at its first
+            admission).
+        preemptions: times it was preempted to make room (suspended; closed, with the GPU
+            level alone).
+        recomputes: times its cache was closed and the request queued again, to be
+            matched again and to compute what kvcm no longer holds (see
+            :meth:`TinyEngine.step`).
     """
 
     id: str
@@ -82,6 +90,7 @@ class Request:
     logits: list[np.ndarray] = attrs.field(factory=list)
     reused_tokens: int = 0
     preemptions: int = 0
+    recomputes: int = 0
     cache: Any = None
     order: int = -1
 
@@ -104,9 +113,16 @@ class EngineStats:
         prompt_tokens: prompt tokens of the admitted requests.
         reused_prompt_tokens: of those, tokens kvcm held already (spared the model).
         computed_tokens: tokens the model ran (prefill and decode).
-        preemptions: suspensions to make room; ``resumes`` of suspended requests.
+        preemptions: requests preempted to make room: suspended, or, with the GPU level
+            alone (where a suspended cache's pages cannot go anywhere), closed and queued
+            again (also counted in ``recomputes``); ``resumes`` of suspended requests.
         kept_at_preemption: history tokens the suspended requests kept (a preemption that
             drops the cache would compute them again).
+        recomputes: caches closed to queue their request again (``Request.recomputes``);
+            ``dropped_at_recompute``: the history tokens they had (what kvcm still holds
+            of them is matched again).
+        shortened_matches: admissions whose matched prefix was cut, because its resume
+            was refused with nothing else running (see :meth:`TinyEngine.step`).
         onboarded_by_level: blocks brought up to the GPU level, by the level they left
             (level 2 is the disk level of :func:`~kvcm_tiny_engine.demo.demo_levels`).
     """
@@ -118,6 +134,9 @@ class EngineStats:
     preemptions: int = 0
     resumes: int = 0
     kept_at_preemption: int = 0
+    recomputes: int = 0
+    dropped_at_recompute: int = 0
+    shortened_matches: int = 0
     onboarded_by_level: dict[int, int] = attrs.Factory(dict)
 
     def summary(self) -> str:
@@ -125,8 +144,12 @@ class EngineStats:
         return (f"{self.steps} steps; prompt tokens {self.prompt_tokens}, of which kvcm "
                 f"spared the model {self.reused_prompt_tokens} ({share:.0%}); computed "
                 f"{self.computed_tokens} tokens; {self.preemptions} preemptions "
-                f"({self.kept_at_preemption} tokens kept), {self.resumes} resumes; blocks "
-                f"brought back to the GPU by level they left "
+                f"({self.kept_at_preemption} tokens kept), {self.resumes} resumes; "
+                + (f"{self.recomputes} recomputes ({self.dropped_at_recompute} tokens "
+                   f"dropped); " if self.recomputes else "")
+                + (f"{self.shortened_matches} matches cut to fit; "
+                   if self.shortened_matches else "")
+                + f"blocks brought back to the GPU by level they left "
                 f"{dict(sorted(self.onboarded_by_level.items()))}")
 
 
@@ -194,10 +217,30 @@ class TinyEngine:
             self.stats.resumes += 1
         while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting[0]
-            cache = self.manager.create_kv_cache(req.scope, req.prompt[:-1], id=req.id)
+            cache = req.cache  # kept from a refused admission (see below), or None
+            if cache is None:
+                # Every known token but the last is matched (its logits give the next
+                # token); a request queued again after a recompute matches its output too.
+                cache = self.manager.create_kv_cache(req.scope, req.tokens[:-1], id=req.id)
             if not cache.resume():
-                cache.close()  # give its claims back while it waits; matched again later
-                return
+                if self.running or self.suspended:
+                    if len(self.manager.levels) == 1:
+                        # Give the claims back while it waits (held pages could fill the
+                        # GPU level, which they cannot leave); matched again later.
+                        cache.close()
+                        req.cache = None
+                    else:
+                        # Keep the cache and retry its resume only: a refused resume is
+                        # decided before any per-page work, while creating and closing a
+                        # cache every step costs far more (docs/semantics.md, "Waiting
+                        # for room, cheaply"); its held pages can still move down.
+                        req.cache = cache
+                    return
+                req.cache = None
+                # Nothing else holds the GPU level, so this refusal would come back at
+                # every retry (last_refusal says why: typically the matched prefix alone
+                # is over max_util_for_resume). Reuse less and compute the rest.
+                cache = self._shorter_match(req, cache)
             for group in range(self.manager.num_cache_groups):
                 blocks = cache.recompute_blocks(group)
                 if blocks:  # only with reuse policies other than REQUIRED
@@ -207,18 +250,71 @@ class TinyEngine:
                         f"group {group}; this engine uses REQUIRED reuse only and does "
                         "not recompute")
             req.cache = cache
-            req.reused_tokens = cache.history_length
-            self.stats.prompt_tokens += len(req.prompt)
-            self.stats.reused_prompt_tokens += req.reused_tokens
+            if not req.recomputes:  # counted at the first admission only
+                req.reused_tokens = cache.history_length
+                self.stats.prompt_tokens += len(req.prompt)
+                self.stats.reused_prompt_tokens += req.reused_tokens
             self.waiting.pop(0)
             self.running.append(req)
 
+    def _shorter_match(self, req: Request, refused: Any) -> Any:
+        """A resumed cache for ``req`` whose matched prefix is cut (halved, in whole blocks,
+        down to none) until its ``resume`` succeeds; ``refused`` (closed here) is the cache
+        whose resume was refused with nothing else running.
+
+        Raises:
+            EngineError: even without reuse the resume is refused (with the refusals'
+                ``last_refusal``).
+        """
+        first = refused.last_refusal
+        length = refused.history_length
+        refused.close()
+        tpb = self.manager.tokens_per_block
+        while True:
+            length = length // 2 // tpb * tpb
+            cache = self.manager.create_kv_cache(req.scope, req.tokens[:length], id=req.id)
+            if cache.resume():
+                self.stats.shortened_matches += 1
+                return cache
+            last = cache.last_refusal
+            cache.close()
+            if not length:
+                raise EngineError(f"request {req.id} cannot be admitted with nothing else "
+                                  f"running: {first}; without reuse: {last}")
+
+    def _recompute(self, req: Request) -> None:
+        """Close ``req``'s cache and queue it first, to be admitted again: its committed
+        blocks stay cached and are matched again; the rest is computed again."""
+        self.stats.recomputes += 1
+        self.stats.dropped_at_recompute += req.cache.history_length
+        req.recomputes += 1
+        req.cache.close()
+        req.cache = None
+        self._release_kept()  # only the head of the queue, retried, may keep a cache
+        self.waiting.insert(0, req)
+
+    def _release_kept(self) -> bool:
+        """Close the cache the head of the queue kept after a refused admission, if any
+        (whether one was closed): before anything is preempted for a running request, or
+        before another request is put in front of it. It is matched again when retried."""
+        if self.waiting and self.waiting[0].cache is not None:
+            self.waiting[0].cache.close()
+            self.waiting[0].cache = None
+            return True
+        return False
+
     def _preempt(self, req: Request) -> None:
-        req.cache.suspend()
+        """Suspend ``req``: its pages may then move down to a colder level. With the GPU
+        level alone, a suspended cache's pages could go nowhere and suspending would free
+        nothing: close the cache instead and queue the request again (recompute)."""
         req.preemptions += 1
         self.stats.preemptions += 1
-        self.stats.kept_at_preemption += req.cache.history_length
         self.running.remove(req)
+        if len(self.manager.levels) == 1:
+            self._recompute(req)
+            return
+        req.cache.suspend()
+        self.stats.kept_at_preemption += req.cache.history_length
         self.suspended.append(req)
         self.suspended.sort(key=lambda r: r.order)
 
@@ -238,14 +334,29 @@ class TinyEngine:
                 else known - start
             n = min(n, budget)
             while not cache.resize(start + n):
+                if self._release_kept():
+                    continue  # its held claims may hold the very pages this one needs
                 newer = [r for r in self.running if r.order > req.order]
                 if newer:
                     self._preempt(max(newer, key=lambda r: r.order))
                     continue
+                if len(self.running) == 1 and not plan and self.suspended:
+                    # Suspending freed too little: the colder levels cannot take the
+                    # suspended requests' held pages (last_refusal: "no colder level can
+                    # take the held pages"). Recompute the youngest of them and this one.
+                    victim = max((*self.suspended, req), key=lambda r: r.order)
+                    if victim is req:
+                        self.running.remove(req)
+                        self._recompute(req)
+                        break
+                    self.suspended.remove(victim)
+                    self._recompute(victim)
+                    continue
                 if len(self.running) == 1 and not plan:
                     raise EngineError(
                         f"request {req.id} needs {start + n} tokens of pages and the GPU "
-                        "level cannot provide them even with every other request suspended")
+                        "level cannot provide them even with every other request "
+                        f"preempted: {cache.last_refusal}")
                 self._preempt(req)
                 break
             else:
@@ -299,7 +410,18 @@ class TinyEngine:
         """One engine step; returns the tokens it computed."""
         self._arrive()
         self._resume_and_admit()
+        recomputes = self.stats.recomputes
         plan = self._schedule()
+        if not plan and self.suspended and not self.running:
+            # The oldest suspended request cannot resume with nothing else running, so its
+            # refusal would come back at every step (last_refusal says why: typically it
+            # grew past max_util_for_resume of the GPU level while it ran, which resize
+            # allows). Close it and queue it again: it is matched again (less, if need
+            # be) and computes the rest. Unless the schedule just closed one to make
+            # room: the resume is tried again first.
+            if self.stats.recomputes == recomputes:
+                self._recompute(self.suspended.pop(0))
+            return 0
         if not plan:
             if self.running or self.suspended or self.waiting:
                 stuck = [r.id for r in (*self.running, *self.suspended, *self.waiting)]
@@ -340,8 +462,10 @@ class TinyEngine:
 
     def close(self) -> None:
         """Close every cache still open (the manager stays up)."""
-        for req in (*self.running, *self.suspended):
+        for req in (*self.running, *self.suspended, *self.waiting):
             if req.cache is not None and req.cache.status is not CacheStatus.CLOSED:
                 req.cache.close()
+        for req in self.waiting:  # a cache kept while waiting: created again if retried
+            req.cache = None
         self.running.clear()
         self.suspended.clear()

@@ -143,7 +143,15 @@ class TorchOps(Ops):
         import torch  # optional: only this class needs it
 
         self.torch = torch
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise ConfigError("TorchOps.device", device, f"not a torch device ({exc})") \
+                from None
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            # Checked here: torch.cuda.current_device() would fail with an AssertionError
+            # (a CPU build of torch) or a RuntimeError (no GPU or driver).
+            raise ConfigError("TorchOps.device", device, "CUDA is not available to torch")
         if self.device.type == "cuda" and self.device.index is None:
             # DLPack tensors carry an index ("cuda:0"): compare like with like.
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -183,9 +191,9 @@ class TorchOps(Ops):
         slots = _check_region(region, page_shape)
         memory = torch.from_dlpack(backend.as_array(region.buffer))  # uint8, zero-copy
         if memory.device != self.device:
-            raise ValueError(f"kvcm's pages are on {memory.device}, the model on "
-                             f"{self.device}: give TorchOps the device of the kernel "
-                             f"backend {backend.name!r}")
+            raise ConfigError("TorchOps.device", str(self.device),
+                              f"kvcm's pages are on {memory.device}: give TorchOps the "
+                              f"device of the kernel backend {backend.name!r}")
         floats = memory.view(torch.float32)
         strides = [1] * len(page_shape)
         for i in range(len(page_shape) - 2, -1, -1):
