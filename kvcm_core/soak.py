@@ -31,14 +31,25 @@ Four kinds of fault, each armed per step at its rate:
   ``--write-queue-depth``, the background writes that ran past it (the level's
   ``background_misses``).
 
-None may ever produce wrong KV.
+None may ever produce wrong KV, and every page kvcm loses must answer to a fault the
+soak injected (kvcm ignoring a failed write or read, or losing pages, would otherwise pass
+as "corrupt pages caught" and recomputes). The fault-injecting tier records what each
+fault left in each disk slot; the soak wraps the levels' ``discard_corrupt`` and ``lose``
+and ends the run (exit 1, ``losses no fault explains`` in the summary) when
+
+- a page fails its frame check in a slot that no corrupting fault damaged (a failed read
+  used as data, a page lost for nothing), or in a slot that holds the poison of a failed
+  write (kvcm kept the blocks of a write that failed);
+- a page is lost (a read that failed or missed its deadline) in a step in which the disk
+  level met no I/O fault at all (no fault injected, no failed transfer, miss, refusal or
+  failed background write).
 
 No hypothesis at run time: the workload comes from ``numpy.random.default_rng(seed)``, so
 the command runs from a plain install and a seed replays exactly, except that slow faults
 make what happens while a level is stuck depend on timing.
 
-Exit status: 0 when every step verified; 1 on wrong KV or a broken invariant; 2 on a bad
-command line.
+Exit status: 0 when every step verified; 1 on wrong KV, a broken invariant, a leak or a
+loss no fault explains; 2 on a bad command line.
 """
 
 from __future__ import annotations
@@ -176,6 +187,9 @@ class SoakResult:
     resizes: int = 0
     wrong_kv: int = 0
     invariant_breaches: int = 0
+    #: Pages lost, or failing their frame check, that no injected fault explains (the
+    #: run stops at the first).
+    unexplained_losses: int = 0
     #: The end-of-run leak check: None until it ran, then "" (nothing leaked) or what
     #: leaked (caches left open, slots still allocated).
     leaks: str | None = None
@@ -184,7 +198,8 @@ class SoakResult:
 
     @property
     def ok(self) -> bool:
-        return self.wrong_kv == 0 and self.invariant_breaches == 0 and self.failure is None
+        return (self.wrong_kv == 0 and self.invariant_breaches == 0
+                and self.unexplained_losses == 0 and self.failure is None)
 
     @property
     def steps_per_second(self) -> float:
@@ -209,7 +224,8 @@ class SoakResult:
             f"disk background writes past the deadline {self.background_misses}",
             f"corrupt pages caught {self.corrupt_pages}, recomputes {self.recomputes}, "
             f"probes {self.probes}, quota resizes {self.resizes}",
-            f"wrong KV {self.wrong_kv}, invariant breaches {self.invariant_breaches}",
+            f"wrong KV {self.wrong_kv}, invariant breaches {self.invariant_breaches}, "
+            f"losses no fault explains {self.unexplained_losses}",
             leak,
         ]
 
@@ -344,6 +360,84 @@ def _probe(m: KVCacheManager, work: _Workload) -> None:
         raise AssertionError(f"probe_reuse said {expected} tokens, create_kv_cache reused {got}")
 
 
+class _Unexplained(Exception):
+    """A page lost, or failing its frame check, that no injected fault explains."""
+
+
+def _fault_signal(m: KVCacheManager, tier: FaultyTier) -> tuple[int, ...]:
+    """Counters that grow whenever the disk level met an I/O fault: the faults injected,
+    the core's failed transfers, and the level's misses, refusals and failed background
+    writes."""
+    L = m.storage_levels
+    io = L.io[2]
+    st = () if io is None else (io.stats.read_misses, io.stats.write_misses,
+                                io.stats.fast_fails, io.stats.bad_reads,
+                                io.stats.background_failures, io.stats.background_misses)
+    return (len(tier.injected), L.stats.io_failures, *st)
+
+
+class _LossWatch:
+    """Holds kvcm to the faults the soak injected: every page the frame check rejects
+    must sit in a disk slot that a corrupting fault damaged (not in one a failed write
+    poisoned: kvcm must have dropped those blocks), and every page lost otherwise
+    (``lose``: a read that failed or missed its deadline) must be lost in a step in which
+    the disk level met an I/O fault. Wraps ``discard_corrupt`` and ``lose`` of the
+    manager's levels on the instance; the first violation is kept in ``problem`` (the
+    soak ends the run with it; raising inside kvcm would only test its error paths)."""
+
+    def __init__(self, m: KVCacheManager, tier: FaultyTier) -> None:
+        self.m = m
+        self.tier = tier
+        self.problem: str | None = None
+        self.signal = _fault_signal(m, tier)
+        self._discarding = 0
+        L = m.storage_levels
+        discard, lose = L.discard_corrupt, L.lose
+
+        def discard_corrupt(store: Any, pids: np.ndarray, queued: bool = True) -> None:
+            if self.problem is None:
+                for pid in np.asarray(pids).tolist():
+                    self._check_corrupt(store, int(pid))
+            self._discarding += 1
+            try:
+                discard(store, pids, queued)
+            finally:
+                self._discarding -= 1
+
+        def lost(pid: int) -> None:
+            if not self._discarding and self.problem is None and \
+                    _fault_signal(self.m, self.tier) == self.signal:
+                a = L.arena
+                self.problem = (f"page {pid} (level {int(a.level[pid])}, slot "
+                                f"{int(a.slot[pid])}) was lost, but the disk level met no "
+                                "I/O fault in this step")
+            lose(pid)
+
+        L.discard_corrupt = discard_corrupt  # type: ignore[method-assign]
+        L.lose = lost  # type: ignore[method-assign]
+
+    def _check_corrupt(self, store: Any, pid: int) -> None:
+        slot = int(self.m.storage_levels.arena.slot[pid])
+        where = f"page {pid} (level {store.level}, slot {slot}) failed its frame check"
+        damage = self.tier.damage(store.pools[0], slot) if store.level == 2 else None
+        if damage == "corrupt":
+            return
+        if damage == "failed write":
+            self.problem = (f"{where}: the slot holds the poison of a failed write, whose "
+                            "blocks kvcm should have dropped")
+        else:
+            self.problem = f"{where}, but no injected fault damaged it"
+
+    def start(self) -> None:
+        """A new part of a step: losses from here on need a fault from here on."""
+        self.signal = _fault_signal(self.m, self.tier)
+
+    def check(self) -> None:
+        """Raise :class:`_Unexplained` if kvcm lost a page no fault explains."""
+        if self.problem is not None:
+            raise _Unexplained(self.problem)
+
+
 def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None = None
              ) -> SoakResult:
     """Run ``cfg.steps`` verified steps; never raises for wrong KV or a broken invariant
@@ -360,6 +454,7 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
         loop = EngineLoop(m, chunk_tokens=16, max_batch=6, preempt_mode="suspend",
                           recompute_lost=True)
         _count_refused_resizes(m, result)
+        watch = _LossWatch(m, tier)
         start = time.perf_counter()
         every = max(1, cfg.steps // 20)
 
@@ -388,15 +483,21 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
                         loop.submit(work.request())
                         result.requests += 1
                 _arm_faults(cfg, rng, tier, m)
+                watch.start()
                 t0 = time.perf_counter()
                 report = loop.step()
                 result.slowest_step_s = max(result.slowest_step_s, time.perf_counter() - t0)
+                watch.check()
                 m.check_invariants()
                 if cfg.probe_every and step % cfg.probe_every == 0:
+                    watch.start()
                     _probe(m, work)
+                    watch.check()
                     result.probes += 1
                 if cfg.resize_every and step % cfg.resize_every == cfg.resize_every - 1:
+                    watch.start()
                     result.resizes += _resize_cold_level(m, loop, rng)
+                    watch.check()
                     m.check_invariants()
                 result.steps += 1
                 result.tokens += report.tokens
@@ -412,6 +513,9 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
         except AssertionError as exc:
             result.invariant_breaches += 1
             result.failure = f"step {result.steps}: invariant broken: {exc}"
+        except _Unexplained as exc:
+            result.unexplained_losses += 1
+            result.failure = f"step {result.steps}: {exc}"
         tally(start)
         io = m.storage_levels.io[2]
         loop.close_all()
@@ -471,7 +575,8 @@ def _parser() -> argparse.ArgumentParser:
         description="A seeded random workload over GPU, host and disk levels with injected "
         "disk write and read failures, corrupted disk pages and disk I/O past its deadline; "
         "every step fingerprint-verified and invariant-"
-        "checked. Exit 1 on any wrong KV or broken invariant.")
+        "checked. Exit 1 on any wrong KV, broken invariant, leak, or lost page no injected "
+        "fault explains.")
     p.add_argument("--steps", type=int, default=1000, help="engine steps (default 1000)")
     p.add_argument("--seed", type=int, default=0, help="workload and fault seed, an int >= 0")
     p.add_argument("--write-fault-rate", type=float, default=0.05,

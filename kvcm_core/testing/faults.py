@@ -171,13 +171,16 @@ class FaultyStoragePool(StoragePool):
             poison = np.full((len(arr), self.slot_bytes), POISON, dtype=np.uint8)
             inner = self.inner.write(arr, poison)
             tier.injected.append(f"write {n} failed (slots {arr.tolist()})")
+            tier.mark(self, arr, "failed write")
             error = TierIOError(f"injected fault: write {n} of slots {arr.tolist()} failed")
             return tier.handle(inner, error, keep=poison)
         if n in plan.corrupt_writes:
             bad = np.array(source, dtype=np.uint8, copy=True)
             bad[:, plan.corrupt_offset % self.slot_bytes] ^= 0xFF
             tier.injected.append(f"write {n} corrupted (slots {arr.tolist()})")
+            tier.mark(self, arr, "corrupt")
             return tier.handle(self.inner.write(arr, bad), None, keep=bad)
+        tier.mark(self, arr, None)
         return tier.handle(self.inner.write(arr, source), None)
 
     def read(self, slots: np.ndarray, dest: np.ndarray) -> IOHandle:
@@ -249,11 +252,15 @@ class FaultyBlobPool(FaultyStoragePool, BlobPool):
         if plan.fail_all_writes or n in plan.fail_writes:
             inner = self.inner.write_blobs(arr, [bytes([POISON]) * len(b) for b in blobs])
             tier.injected.append(f"write {n} failed (slots {arr.tolist()})")
+            tier.mark(self, arr, "failed write")
             error = TierIOError(f"injected fault: write {n} of slots {arr.tolist()} failed")
             return tier.handle(inner, error)
         if n in plan.corrupt_writes:
             blobs = [_inverted(bytes(b), plan.corrupt_offset) for b in blobs]
             tier.injected.append(f"write {n} corrupted (slots {arr.tolist()})")
+            tier.mark(self, arr, "corrupt")
+        else:
+            tier.mark(self, arr, None)
         return tier.handle(self.inner.write_blobs(arr, blobs), None)
 
     def read_blobs(self, slots: np.ndarray, out: list[bytes]) -> IOHandle:
@@ -309,6 +316,11 @@ class FaultyTier(Tier):
         writes: storage writes so far (the ordinal of the last one).
         reads: storage reads so far.
         injected: one line per fault injected, in order.
+        damaged: what injected faults left in storage slots, by ``(id(pool), slot)``
+            (``pool`` a storage or device pool of this tier): ``"failed write"`` (poison
+            of a failed write: a correct caller never reads it as data) or ``"corrupt"``
+            (a corrupting write or :meth:`corrupt`: the frame check should catch it). A
+            later write of the slot that is not a fault clears it. See :meth:`damage`.
     """
 
     def __init__(self, inner: Tier, plan: FaultPlan | None = None) -> None:
@@ -319,6 +331,7 @@ class FaultyTier(Tier):
         self.writes = 0
         self.reads = 0
         self.injected: list[str] = []
+        self.damaged: dict[tuple[int, int], str] = {}
         self._gate = threading.Event()
 
     def create_pool(self, slot_bytes: int, num_slots: int, *, name: str = "") -> Pool:
@@ -344,6 +357,24 @@ class FaultyTier(Tier):
         if plan.slow_all or n in (plan.slow_writes if op == "write" else plan.slow_reads):
             self.injected.append(f"{op} {n} slow (slots {slots.tolist()})")
             time.sleep(plan.slow_s)
+
+    def mark(self, pool: Pool, slots: np.ndarray, kind: str | None) -> None:
+        """Record what a write left in ``slots`` of ``pool``: ``kind`` (see
+        ``damaged``), or None for good data (the slots' marks are cleared)."""
+        key = id(pool)
+        if kind is not None:
+            for s in slots.tolist():
+                self.damaged[(key, s)] = kind
+        elif self.damaged:
+            for s in slots.tolist():
+                self.damaged.pop((key, s), None)
+
+    def damage(self, pool: Pool, slot: int) -> str | None:
+        """What injected faults left in ``slot`` of ``pool`` (a pool of this tier, or a
+        level's I/O thread wrapper of one): ``"failed write"``, ``"corrupt"``, or None
+        (the last write there stored what it was given)."""
+        inner = getattr(pool, "inner_pool", pool)
+        return self.damaged.get((id(inner), int(slot)))
 
     def release(self) -> None:
         """Let every held handle complete; handles made later are held again if
@@ -378,6 +409,9 @@ class FaultyTier(Tier):
 
     def _corrupt(self, pool: Any, slot: int) -> None:
         offset = self.plan.corrupt_offset
+        key = (id(pool), int(slot))
+        if self.damaged.get(key) != "failed write":  # (poison stays poison)
+            self.damaged[key] = "corrupt"
         if isinstance(pool, FaultyBlobPool):
             blobs = [b""]
             pool.inner.read_blobs(np.array([slot]), blobs).wait()
