@@ -31,6 +31,12 @@ Four kinds of fault, each armed per step at its rate:
   ``--write-queue-depth``, the background writes that ran past it (the level's
   ``background_misses``).
 
+The fault-injecting tier keeps the disk tier's own I/O paths, as production uses them:
+reads from the page cache on the scheduler's thread (``read_nowait``) and, with
+``--write-queue-depth``, background writes on the tier's own threads (``write_behind``);
+failed and corrupting writes are injected there too, while a read planned to fail or be
+slow, and a write planned slow, go through the level's thread.
+
 None may ever produce wrong KV, and every page kvcm loses must answer to a fault the
 soak injected (kvcm ignoring a failed write or read, or losing pages, would otherwise pass
 as "corrupt pages caught" and recomputes). The fault-injecting tier records what each

@@ -23,6 +23,13 @@ What a fault does, so that code which ignores an error is caught rather than luc
   ``TimeoutError``) until :meth:`FaultyTier.release`; ``pending_polls`` makes each handle
   answer ``done() == False`` that many times first.
 
+A wrapped pool that has its own background writes and memory reads (the disk tier's
+``write_behind`` / ``read_nowait``) keeps them, so that a storage level uses the same I/O
+paths as with the bare tier: a failed or corrupting write is injected on ``write_behind``
+too (the same ordinals; a failed one's ``error()`` says so), while a write planned slow, a
+read planned to fail or be slow, and ``hold`` / ``pending_polls`` make those paths decline
+(the caller then goes through ``write`` / ``read``, where the fault happens).
+
 Blob pools (tiers storing blobs by size, such as the disk tier in blob mode) are wrapped
 as :class:`FaultyBlobPool`, whose ``write_blobs``/``read_blobs`` follow the same plan.
 Device-accessible pools are passed through (kernels reach their memory directly, so there
@@ -46,7 +53,16 @@ from kvcm_core.backend import Buffer
 from kvcm_core.errors import TierIOError
 from kvcm_core.level_io import IODeadlineError
 from kvcm_core.records import TierSpec
-from kvcm_core.tier import BlobPool, DevicePool, IOHandle, Pool, StoragePool, Tier, check_slots
+from kvcm_core.tier import (
+    BlobPool,
+    DevicePool,
+    IOHandle,
+    Pool,
+    StoragePool,
+    Tier,
+    WriteBehind,
+    check_slots,
+)
 
 __all__ = [
     "POISON",
@@ -204,6 +220,84 @@ class FaultyStoragePool(StoragePool):
             return tier.handle(_Done(), error)
         return tier.handle(self.inner.read(arr, dest), None)
 
+    # -- the inner pool's own background writes and memory reads, when it has them ----------
+
+    def write_behind(self, slots: np.ndarray, source: np.ndarray) -> WriteBehind | None:
+        """The inner pool's ``write_behind``, following the plan as :meth:`write` does
+        (same ordinals): a failed write stores poison and its handle's ``error()`` says
+        so, a corrupting write stores the inverted byte and reports success. None
+        (declined: the caller writes through :meth:`write`, no ordinal spent) when the
+        inner pool declines or has no ``write_behind``, when the next write is planned
+        slow (it sleeps in :meth:`write`, on the level's thread, never on the caller's),
+        or while ``hold`` or ``pending_polls`` is set."""
+        return self._behind(slots, source, None, False)
+
+    def _write_behind_checked(self, slots: np.ndarray, source: np.ndarray, bound: int,
+                              owned: bool = False) -> WriteBehind | None:
+        """:meth:`write_behind` for a level that has checked ``slots`` (see
+        ``StoragePool`` implementations such as the disk tier's): passed on to the inner
+        pool's own ``_write_behind_checked`` when it has one."""
+        return self._behind(slots, source, bound, owned)
+
+    def _behind(self, slots: np.ndarray, source: np.ndarray, bound: int | None,
+                owned: bool) -> WriteBehind | None:
+        inner = self.inner
+        if type(inner).write_behind is StoragePool.write_behind:
+            return None
+        tier, plan = self.tier, self.tier.plan
+        n = tier.writes + 1
+        if plan.hold or plan.pending_polls or plan.slow_all or n in plan.slow_writes:
+            return None
+        arr = check_slots(self, slots) if bound is None else slots
+        ok_rows = isinstance(source, np.ndarray) and source.shape == (len(arr),
+                                                                    self.slot_bytes)
+        failing = ok_rows and (plan.fail_all_writes or n in plan.fail_writes)
+        corrupting = ok_rows and not failing and n in plan.corrupt_writes
+        rows = source
+        if failing:
+            rows = np.full((len(arr), self.slot_bytes), POISON, dtype=np.uint8)
+        elif corrupting:
+            rows = np.array(source, dtype=np.uint8, copy=True)
+            rows[:, plan.corrupt_offset % self.slot_bytes] ^= 0xFF
+        checked = getattr(type(inner), "_write_behind_checked", None)
+        if checked is not None and bound is not None:
+            handle = checked(inner, arr, rows, bound, owned and not (failing or corrupting))
+        else:
+            handle = inner.write_behind(arr, rows)
+        if handle is None:
+            return None
+        tier.writes = n
+        if failing:
+            tier.injected.append(f"write {n} failed (slots {arr.tolist()}, behind)")
+            tier.mark(self, arr, "failed write")
+        elif corrupting:
+            tier.injected.append(f"write {n} corrupted (slots {arr.tolist()}, behind)")
+            tier.mark(self, arr, "corrupt")
+        else:
+            tier.mark(self, arr, None)
+        if not failing:
+            return handle
+        return _FailedBehind(handle, f"injected fault: write {n} of slots {arr.tolist()} "
+                                     "failed")
+
+    def read_nowait(self, slots: np.ndarray, dest: np.ndarray) -> bool:
+        """The inner pool's ``read_nowait`` (a read, by ordinal, when it reads): declined
+        (False, no ordinal spent; the caller reads through :meth:`read`, where the fault
+        happens) when the next read is planned to fail or be slow, while ``hold`` or
+        ``pending_polls`` is set, or when the inner pool declines."""
+        inner = self.inner
+        if type(inner).read_nowait is StoragePool.read_nowait:
+            return False
+        tier, plan = self.tier, self.tier.plan
+        n = tier.reads + 1
+        if plan.fail_all_reads or n in plan.fail_reads or plan.slow_all or \
+                n in plan.slow_reads or plan.hold or plan.pending_polls:
+            return False
+        if not inner.read_nowait(slots, dest):
+            return False
+        tier.reads = n
+        return True
+
     def resize(self, num_slots: int) -> None:
         tier = self.tier
         if tier.plan.slow_resizes:
@@ -276,6 +370,20 @@ class FaultyBlobPool(FaultyStoragePool, BlobPool):
             error = TierIOError(f"injected fault: read {n} of slots {arr.tolist()} failed")
             return tier.handle(_Done(), error)
         return tier.handle(self.inner.read_blobs(arr, out), None)
+
+
+class _FailedBehind(WriteBehind):
+    """An inner background write (of poison) reported failed with ``error``."""
+
+    def __init__(self, inner: WriteBehind, error: str) -> None:
+        self._inner = inner
+        self._error = error
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def error(self) -> str | None:
+        return self._error
 
 
 class FaultyDevicePool(DevicePool):
