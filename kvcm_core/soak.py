@@ -25,7 +25,10 @@ Four kinds of fault, each armed per step at its rate:
 - **slow**: a disk read or write sleeps past the level's ``io_deadline_s`` (a frozen file
   system): the operation misses its deadline (a write dropped, a read lost) and the level
   refuses I/O at once until the sleeper returns; no step waits longer than about one
-  deadline (``slowest step`` in the summary). The summary gives the operations that ran
+  deadline (``slowest step`` in the summary). Checked without timing: every slow
+  operation sleeps past the deadline on the level's thread, so each must be a miss; a run
+  with fewer misses (read, write and background) than slow faults fails (a step waited
+  out a sleep). The summary gives the operations that ran
   past the deadline (``deadline misses``) apart from those refused at once while the level
   was stuck (``refused at once while stuck``, the level's ``fast_fails``), and, with
   ``--write-queue-depth``, the background writes that ran past it (the level's
@@ -193,6 +196,9 @@ class SoakResult:
     resizes: int = 0
     wrong_kv: int = 0
     invariant_breaches: int = 0
+    #: 1 when fewer disk operations missed the I/O deadline than slow faults slept past
+    #: it (a step waited out a sleep; checked at the end of the run).
+    deadline_breaches: int = 0
     #: Pages lost, or failing their frame check, that no injected fault explains (the
     #: run stops at the first).
     unexplained_losses: int = 0
@@ -205,7 +211,8 @@ class SoakResult:
     @property
     def ok(self) -> bool:
         return (self.wrong_kv == 0 and self.invariant_breaches == 0
-                and self.unexplained_losses == 0 and self.failure is None)
+                and self.unexplained_losses == 0 and self.deadline_breaches == 0
+                and self.failure is None)
 
     @property
     def steps_per_second(self) -> float:
@@ -532,8 +539,24 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
             result.failure = f"after {result.steps} steps: leaked: {leak}"
         if io is not None:
             io.wait_idle(cfg.slow_s * 4)  # a slow operation still sleeping: let it return
+            tally(start)  # (a background write that returned late is a miss now)
+            _check_deadline(result)
         m.shutdown()
     return result
+
+
+def _check_deadline(result: SoakResult) -> None:
+    """Every slow operation slept past the deadline (``slow_s > io_deadline_s``), on the
+    level's thread: each must have been a miss (a read or write the caller stopped waiting
+    for, or a background write past it). Fewer misses than slow faults means a step waited
+    out a sleep, whatever the timing of the machine."""
+    slow = result.faults_by_kind["slow"]
+    misses = result.deadline_misses + result.background_misses
+    if slow > misses and result.failure is None:
+        result.deadline_breaches += 1
+        result.failure = (f"after {result.steps} steps: {slow} disk operations slept past "
+                          f"the I/O deadline but only {misses} missed it: a step waited "
+                          "for a frozen disk beyond the deadline")
 
 
 def _count_refused_resizes(m: KVCacheManager, result: SoakResult) -> None:

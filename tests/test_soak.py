@@ -289,3 +289,25 @@ def test_corrupt_faults_and_failed_writes_are_told_apart_by_the_faulty_tier(tmp_
     pool.write(np.array([1, 2]), rows).wait()  # good data again
     assert [tier.damage(pool, s) for s in range(4)] == ["failed write", None, None, "corrupt"]
     tier.close()
+
+
+def test_a_step_that_waits_out_a_slow_disk_operation_fails_the_soak(monkeypatch) -> None:
+    """Every slow fault sleeps past the deadline, so each must be a miss; a kvcm that
+    waits for its disk level with no deadline (here: a deadline of a minute) has none,
+    and the soak fails (it passed, with 4 s steps against a 0.1 s deadline)."""
+    import time
+
+    from kvcm_core.level_io import LevelIO
+
+    call = LevelIO.call
+
+    def patient(self, fn, what, kind, until=None, reads=None):  # type: ignore[no-untyped-def]
+        return call(self, fn, what, kind, time.monotonic() + 60, reads)
+
+    monkeypatch.setattr(LevelIO, "call", patient)
+    result = run_soak(SoakConfig(steps=200, seed=6, write_fault_rate=0, read_fault_rate=0,
+                                 corrupt_rate=0, slow_rate=0.05, io_deadline_s=0.05,
+                                 slow_s=0.1))
+    assert result.faults_by_kind["slow"] > 0
+    assert not result.ok and result.deadline_breaches == 1, result.summary()
+    assert "slept past the I/O deadline but only" in result.failure
