@@ -57,8 +57,11 @@ No hypothesis at run time: the workload comes from ``numpy.random.default_rng(se
 the command runs from a plain install and a seed replays exactly, except that slow faults
 make what happens while a level is stuck depend on timing.
 
-Exit status: 0 when every step verified; 1 on wrong KV, a broken invariant, a leak or a
-loss no fault explains; 2 on a bad command line.
+Exit status: 0 when every step verified; 1 on wrong KV, a broken invariant, a leak, a loss
+no fault explains, a deadline breach, or an exception kvcm raised (mid-run, or building the
+manager): the run stops, the caches are closed and the manager shut down, the summary is
+printed and stderr names the seed, the step and the error (``--debug`` adds the
+traceback); 2 on a bad command line.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ import math
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -196,6 +200,11 @@ class SoakResult:
     resizes: int = 0
     wrong_kv: int = 0
     invariant_breaches: int = 0
+    #: Exceptions kvcm raised during the run (not wrong KV or a broken invariant): the
+    #: first ends the steps; the leak check and the shutdown still run.
+    errors: int = 0
+    #: The traceback of the exception that failed the run (``--debug`` prints it).
+    traceback: str | None = None
     #: 1 when fewer disk operations missed the I/O deadline than slow faults slept past
     #: it (a step waited out a sleep; checked at the end of the run).
     deadline_breaches: int = 0
@@ -212,6 +221,7 @@ class SoakResult:
     def ok(self) -> bool:
         return (self.wrong_kv == 0 and self.invariant_breaches == 0
                 and self.unexplained_losses == 0 and self.deadline_breaches == 0
+                and self.errors == 0
                 and self.failure is None)
 
     @property
@@ -238,7 +248,7 @@ class SoakResult:
             f"corrupt pages caught {self.corrupt_pages}, recomputes {self.recomputes}, "
             f"probes {self.probes}, quota resizes {self.resizes}",
             f"wrong KV {self.wrong_kv}, invariant breaches {self.invariant_breaches}, "
-            f"losses no fault explains {self.unexplained_losses}",
+            f"losses no fault explains {self.unexplained_losses}, kvcm errors {self.errors}",
             leak,
         ]
 
@@ -453,8 +463,9 @@ class _LossWatch:
 
 def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None = None
              ) -> SoakResult:
-    """Run ``cfg.steps`` verified steps; never raises for wrong KV or a broken invariant
-    (they end the run and are counted in the result)."""
+    """Run ``cfg.steps`` verified steps; never raises for wrong KV, a broken invariant or
+    an exception kvcm raises once the manager is built (they end the run, are counted in
+    the result and named in ``failure``; the leak check and the shutdown still run)."""
     rng = np.random.default_rng(cfg.seed)
     work = _Workload(rng)
     result = SoakResult()
@@ -529,20 +540,39 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
         except _Unexplained as exc:
             result.unexplained_losses += 1
             result.failure = f"step {result.steps}: {exc}"
-        tally(start)
-        io = m.storage_levels.io[2]
-        loop.close_all()
-        leak = _leaks(m)
-        result.leaks = leak
-        if leak and result.failure is None:
-            result.invariant_breaches += 1
-            result.failure = f"after {result.steps} steps: leaked: {leak}"
-        if io is not None:
-            io.wait_idle(cfg.slow_s * 4)  # a slow operation still sleeping: let it return
-            tally(start)  # (a background write that returned late is a miss now)
-            _check_deadline(result)
-        m.shutdown()
+        except Exception as exc:  # kvcm raised mid-run: reported, and still shut down
+            _raised(result, exc, f"step {result.steps}")
+        try:
+            tally(start)
+            io = m.storage_levels.io[2]
+            loop.close_all()
+            leak = _leaks(m)
+            result.leaks = leak
+            if leak and result.failure is None:
+                result.invariant_breaches += 1
+                result.failure = f"after {result.steps} steps: leaked: {leak}"
+            if io is not None:
+                io.wait_idle(cfg.slow_s * 4)  # a slow operation still sleeping: let it return
+                tally(start)  # (a background write that returned late is a miss now)
+                _check_deadline(result)
+        except Exception as exc:
+            _raised(result, exc, f"after {result.steps} steps, checking the end")
+        finally:
+            try:
+                m.shutdown()
+            except Exception as exc:
+                _raised(result, exc, f"after {result.steps} steps, shutting down")
     return result
+
+
+def _raised(result: SoakResult, exc: Exception, where: str) -> None:
+    """kvcm raised ``exc`` (not a check of the soak): counted, and the run's failure (if
+    it is the first) names where, the type and the message; the traceback is kept for
+    ``--debug``."""
+    result.errors += 1
+    if result.failure is None:
+        result.failure = f"{where}: {type(exc).__name__}: {exc}"
+        result.traceback = traceback.format_exc()
 
 
 def _check_deadline(result: SoakResult) -> None:
@@ -624,6 +654,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--write-queue-depth", type=int, default=0,
                    help="background disk writes in flight (default 0: none)")
     p.add_argument("--quiet", action="store_true", help="only the final line")
+    p.add_argument("--debug", action="store_true",
+                   help="print the traceback of an exception that failed the run")
     return p
 
 
@@ -645,11 +677,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.quiet and (step + 1) % every == 0:
             print(f"  {step + 1}/{cfg.steps}: {result.progress_line()}", flush=True)
 
-    result = run_soak(cfg, progress)
+    try:
+        result = run_soak(cfg, progress)
+    except Exception as exc:  # building the manager failed: nothing ran
+        if args.debug:
+            traceback.print_exc()
+        print(f"kvcm soak (seed {cfg.seed}): FAILED before the first step: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     print(f"kvcm soak (seed {cfg.seed}):")
     for line in result.summary_lines():
         print(f"  {line}")
     if not result.ok:
-        print(f"kvcm soak: FAILED: {result.failure}", file=sys.stderr)
+        if args.debug and result.traceback:
+            print(result.traceback, file=sys.stderr, end="")
+        hint = " (--debug for the traceback)" if result.traceback and not args.debug else ""
+        print(f"kvcm soak (seed {cfg.seed}): FAILED: {result.failure}{hint}", file=sys.stderr)
         return 1
     return 0

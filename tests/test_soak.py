@@ -311,3 +311,34 @@ def test_a_step_that_waits_out_a_slow_disk_operation_fails_the_soak(monkeypatch)
     assert result.faults_by_kind["slow"] > 0
     assert not result.ok and result.deadline_breaches == 1, result.summary()
     assert "slept past the I/O deadline but only" in result.failure
+
+
+@pytest.mark.parametrize("error", ["InvalidStateError", "ConfigError", "KeyError"])
+def test_an_exception_kvcm_raises_mid_run_fails_with_seed_step_and_summary_then_shuts_down(
+        monkeypatch, capsys, error) -> None:
+    """A kvcm error mid-run (here the first quota resize, step 99) is exit 1 with the
+    seed, the step, the error and the summary, no traceback, and the manager is still
+    shut down (it was exit 3, or 2 for a ConfigError, with one line and no shutdown)."""
+    def broken(self, level, quota):  # type: ignore[no-untyped-def]
+        raise {"InvalidStateError": kvcm_core.InvalidStateError("page 17 is owned twice"),
+               "ConfigError": ConfigError(f"levels[{level}].quota", 123, "a core bug"),
+               "KeyError": KeyError(17)}[error]
+
+    shut: list[int] = []
+    shutdown = KVCacheManager.shutdown
+
+    def record(self, *a, **k):  # type: ignore[no-untyped-def]
+        shut.append(1)
+        return shutdown(self, *a, **k)
+
+    monkeypatch.setattr(KVCacheManager, "resize", broken)
+    monkeypatch.setattr(KVCacheManager, "shutdown", record)
+    assert main(["soak", "--steps", "300", "--seed", "7", "--quiet"]) == 1
+    captured = capsys.readouterr()
+    assert shut == [1]
+    assert f"kvcm soak (seed 7): FAILED: step 99: {error}" in captured.err
+    assert "Traceback" not in captured.err and "--debug for the traceback" in captured.err
+    assert "steps 99," in captured.out and "kvcm errors 1" in captured.out
+    assert "leak check passed" in captured.out  # the caches were closed after it
+    assert main(["--debug", "soak", "--steps", "300", "--seed", "7", "--quiet"]) == 1
+    assert "Traceback" in capsys.readouterr().err
