@@ -448,7 +448,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_soak(args: argparse.Namespace) -> int:
-    return _dispatch("kvcm_core.soak", args.rest, "`kvcm soak`")
+    rest = ["--debug", *args.rest] if args.debug and "--debug" not in args.rest else args.rest
+    return _dispatch("kvcm_core.soak", rest, "`kvcm soak`")
 
 
 # -- entry point ----------------------------------------------------------------------------

@@ -25,20 +25,43 @@ Four kinds of fault, each armed per step at its rate:
 - **slow**: a disk read or write sleeps past the level's ``io_deadline_s`` (a frozen file
   system): the operation misses its deadline (a write dropped, a read lost) and the level
   refuses I/O at once until the sleeper returns; no step waits longer than about one
-  deadline (``slowest step`` in the summary). The summary gives the operations that ran
+  deadline (``slowest step`` in the summary). Checked without timing: every slow
+  operation sleeps past the deadline on the level's thread, so each must be a miss; a run
+  with fewer misses (read, write and background) than slow faults fails (a step waited
+  out a sleep). The summary gives the operations that ran
   past the deadline (``deadline misses``) apart from those refused at once while the level
   was stuck (``refused at once while stuck``, the level's ``fast_fails``), and, with
   ``--write-queue-depth``, the background writes that ran past it (the level's
   ``background_misses``).
 
-None may ever produce wrong KV.
+The fault-injecting tier keeps the disk tier's own I/O paths, as production uses them:
+reads from the page cache on the scheduler's thread (``read_nowait``) and, with
+``--write-queue-depth``, background writes on the tier's own threads (``write_behind``);
+failed and corrupting writes are injected there too, while a read planned to fail or be
+slow, and a write planned slow, go through the level's thread.
+
+None may ever produce wrong KV, and every page kvcm loses must answer to a fault the
+soak injected (kvcm ignoring a failed write or read, or losing pages, would otherwise pass
+as "corrupt pages caught" and recomputes). The fault-injecting tier records what each
+fault left in each disk slot; the soak wraps the levels' ``discard_corrupt`` and ``lose``
+and ends the run (exit 1, ``losses no fault explains`` in the summary) when
+
+- a page fails its frame check in a slot that no corrupting fault damaged (a failed read
+  used as data, a page lost for nothing), or in a slot that holds the poison of a failed
+  write (kvcm kept the blocks of a write that failed);
+- a page is lost (a read that failed or missed its deadline) in a step in which the disk
+  level met no I/O fault at all (no fault injected, no failed transfer, miss, refusal or
+  failed background write).
 
 No hypothesis at run time: the workload comes from ``numpy.random.default_rng(seed)``, so
 the command runs from a plain install and a seed replays exactly, except that slow faults
 make what happens while a level is stuck depend on timing.
 
-Exit status: 0 when every step verified; 1 on wrong KV or a broken invariant; 2 on a bad
-command line.
+Exit status: 0 when every step verified; 1 on wrong KV, a broken invariant, a leak, a loss
+no fault explains, a deadline breach, or an exception kvcm raised (mid-run, or building the
+manager): the run stops, the caches are closed and the manager shut down, the summary is
+printed and stderr names the seed, the step and the error (``--debug`` adds the
+traceback); 2 on a bad command line.
 """
 
 from __future__ import annotations
@@ -48,6 +71,7 @@ import math
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -176,6 +200,17 @@ class SoakResult:
     resizes: int = 0
     wrong_kv: int = 0
     invariant_breaches: int = 0
+    #: Exceptions kvcm raised during the run (not wrong KV or a broken invariant): the
+    #: first ends the steps; the leak check and the shutdown still run.
+    errors: int = 0
+    #: The traceback of the exception that failed the run (``--debug`` prints it).
+    traceback: str | None = None
+    #: 1 when fewer disk operations missed the I/O deadline than slow faults slept past
+    #: it (a step waited out a sleep; checked at the end of the run).
+    deadline_breaches: int = 0
+    #: Pages lost, or failing their frame check, that no injected fault explains (the
+    #: run stops at the first).
+    unexplained_losses: int = 0
     #: The end-of-run leak check: None until it ran, then "" (nothing leaked) or what
     #: leaked (caches left open, slots still allocated).
     leaks: str | None = None
@@ -184,7 +219,10 @@ class SoakResult:
 
     @property
     def ok(self) -> bool:
-        return self.wrong_kv == 0 and self.invariant_breaches == 0 and self.failure is None
+        return (self.wrong_kv == 0 and self.invariant_breaches == 0
+                and self.unexplained_losses == 0 and self.deadline_breaches == 0
+                and self.errors == 0
+                and self.failure is None)
 
     @property
     def steps_per_second(self) -> float:
@@ -209,7 +247,8 @@ class SoakResult:
             f"disk background writes past the deadline {self.background_misses}",
             f"corrupt pages caught {self.corrupt_pages}, recomputes {self.recomputes}, "
             f"probes {self.probes}, quota resizes {self.resizes}",
-            f"wrong KV {self.wrong_kv}, invariant breaches {self.invariant_breaches}",
+            f"wrong KV {self.wrong_kv}, invariant breaches {self.invariant_breaches}, "
+            f"losses no fault explains {self.unexplained_losses}, kvcm errors {self.errors}",
             leak,
         ]
 
@@ -344,10 +383,89 @@ def _probe(m: KVCacheManager, work: _Workload) -> None:
         raise AssertionError(f"probe_reuse said {expected} tokens, create_kv_cache reused {got}")
 
 
+class _Unexplained(Exception):
+    """A page lost, or failing its frame check, that no injected fault explains."""
+
+
+def _fault_signal(m: KVCacheManager, tier: FaultyTier) -> tuple[int, ...]:
+    """Counters that grow whenever the disk level met an I/O fault: the faults injected,
+    the core's failed transfers, and the level's misses, refusals and failed background
+    writes."""
+    L = m.storage_levels
+    io = L.io[2]
+    st = () if io is None else (io.stats.read_misses, io.stats.write_misses,
+                                io.stats.fast_fails, io.stats.bad_reads,
+                                io.stats.background_failures, io.stats.background_misses)
+    return (len(tier.injected), L.stats.io_failures, *st)
+
+
+class _LossWatch:
+    """Holds kvcm to the faults the soak injected: every page the frame check rejects
+    must sit in a disk slot that a corrupting fault damaged (not in one a failed write
+    poisoned: kvcm must have dropped those blocks), and every page lost otherwise
+    (``lose``: a read that failed or missed its deadline) must be lost in a step in which
+    the disk level met an I/O fault. Wraps ``discard_corrupt`` and ``lose`` of the
+    manager's levels on the instance; the first violation is kept in ``problem`` (the
+    soak ends the run with it; raising inside kvcm would only test its error paths)."""
+
+    def __init__(self, m: KVCacheManager, tier: FaultyTier) -> None:
+        self.m = m
+        self.tier = tier
+        self.problem: str | None = None
+        self.signal = _fault_signal(m, tier)
+        self._discarding = 0
+        L = m.storage_levels
+        discard, lose = L.discard_corrupt, L.lose
+
+        def discard_corrupt(store: Any, pids: np.ndarray, queued: bool = True) -> None:
+            if self.problem is None:
+                for pid in np.asarray(pids).tolist():
+                    self._check_corrupt(store, int(pid))
+            self._discarding += 1
+            try:
+                discard(store, pids, queued)
+            finally:
+                self._discarding -= 1
+
+        def lost(pid: int) -> None:
+            if not self._discarding and self.problem is None and \
+                    _fault_signal(self.m, self.tier) == self.signal:
+                a = L.arena
+                self.problem = (f"page {pid} (level {int(a.level[pid])}, slot "
+                                f"{int(a.slot[pid])}) was lost, but the disk level met no "
+                                "I/O fault in this step")
+            lose(pid)
+
+        L.discard_corrupt = discard_corrupt  # type: ignore[method-assign]
+        L.lose = lost  # type: ignore[method-assign]
+
+    def _check_corrupt(self, store: Any, pid: int) -> None:
+        slot = int(self.m.storage_levels.arena.slot[pid])
+        where = f"page {pid} (level {store.level}, slot {slot}) failed its frame check"
+        damage = self.tier.damage(store.pools[0], slot) if store.level == 2 else None
+        if damage == "corrupt":
+            return
+        if damage == "failed write":
+            self.problem = (f"{where}: the slot holds the poison of a failed write, whose "
+                            "blocks kvcm should have dropped")
+        else:
+            self.problem = f"{where}, but no injected fault damaged it"
+
+    def start(self) -> None:
+        """A new part of a step: losses from here on need a fault from here on."""
+        self.signal = _fault_signal(self.m, self.tier)
+
+    def check(self) -> None:
+        """Raise :class:`_Unexplained` if kvcm lost a page no fault explains."""
+        if self.problem is not None:
+            raise _Unexplained(self.problem)
+
+
 def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None = None
              ) -> SoakResult:
-    """Run ``cfg.steps`` verified steps; never raises for wrong KV or a broken invariant
-    (they end the run and are counted in the result)."""
+    """Run ``cfg.steps`` verified steps; never raises for wrong KV, a broken invariant or
+    an exception kvcm raises once the manager is built (they end the run, are counted in
+    the result and named in ``failure``; the leak check and the shutdown still run)."""
     rng = np.random.default_rng(cfg.seed)
     work = _Workload(rng)
     result = SoakResult()
@@ -360,6 +478,7 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
         loop = EngineLoop(m, chunk_tokens=16, max_batch=6, preempt_mode="suspend",
                           recompute_lost=True)
         _count_refused_resizes(m, result)
+        watch = _LossWatch(m, tier)
         start = time.perf_counter()
         every = max(1, cfg.steps // 20)
 
@@ -388,15 +507,21 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
                         loop.submit(work.request())
                         result.requests += 1
                 _arm_faults(cfg, rng, tier, m)
+                watch.start()
                 t0 = time.perf_counter()
                 report = loop.step()
                 result.slowest_step_s = max(result.slowest_step_s, time.perf_counter() - t0)
+                watch.check()
                 m.check_invariants()
                 if cfg.probe_every and step % cfg.probe_every == 0:
+                    watch.start()
                     _probe(m, work)
+                    watch.check()
                     result.probes += 1
                 if cfg.resize_every and step % cfg.resize_every == cfg.resize_every - 1:
+                    watch.start()
                     result.resizes += _resize_cold_level(m, loop, rng)
+                    watch.check()
                     m.check_invariants()
                 result.steps += 1
                 result.tokens += report.tokens
@@ -412,18 +537,56 @@ def run_soak(cfg: SoakConfig, on_step: Callable[[int, SoakResult], None] | None 
         except AssertionError as exc:
             result.invariant_breaches += 1
             result.failure = f"step {result.steps}: invariant broken: {exc}"
-        tally(start)
-        io = m.storage_levels.io[2]
-        loop.close_all()
-        leak = _leaks(m)
-        result.leaks = leak
-        if leak and result.failure is None:
-            result.invariant_breaches += 1
-            result.failure = f"after {result.steps} steps: leaked: {leak}"
-        if io is not None:
-            io.wait_idle(cfg.slow_s * 4)  # a slow operation still sleeping: let it return
-        m.shutdown()
+        except _Unexplained as exc:
+            result.unexplained_losses += 1
+            result.failure = f"step {result.steps}: {exc}"
+        except Exception as exc:  # kvcm raised mid-run: reported, and still shut down
+            _raised(result, exc, f"step {result.steps}")
+        try:
+            tally(start)
+            io = m.storage_levels.io[2]
+            loop.close_all()
+            leak = _leaks(m)
+            result.leaks = leak
+            if leak and result.failure is None:
+                result.invariant_breaches += 1
+                result.failure = f"after {result.steps} steps: leaked: {leak}"
+            if io is not None:
+                io.wait_idle(cfg.slow_s * 4)  # a slow operation still sleeping: let it return
+                tally(start)  # (a background write that returned late is a miss now)
+                _check_deadline(result)
+        except Exception as exc:
+            _raised(result, exc, f"after {result.steps} steps, checking the end")
+        finally:
+            try:
+                m.shutdown()
+            except Exception as exc:
+                _raised(result, exc, f"after {result.steps} steps, shutting down")
     return result
+
+
+def _raised(result: SoakResult, exc: Exception, where: str) -> None:
+    """kvcm raised ``exc`` (not a check of the soak): counted, and the run's failure (if
+    it is the first) names where, the type and the message; the traceback is kept for
+    ``--debug``."""
+    result.errors += 1
+    if result.failure is None:
+        result.failure = f"{where}: {type(exc).__name__}: {exc}"
+        result.traceback = traceback.format_exc()
+
+
+def _check_deadline(result: SoakResult) -> None:
+    """Every slow operation slept past the deadline (``slow_s > io_deadline_s``), on the
+    level's thread: each must have been a miss (a read or write the caller stopped waiting
+    for, or a background write past it). Fewer misses than slow faults means a step waited
+    out a sleep, whatever the timing of the machine."""
+    slow = result.faults_by_kind["slow"]
+    misses = result.deadline_misses + result.background_misses
+    if slow > misses and result.failure is None:
+        result.deadline_breaches += 1
+        result.failure = (f"after {result.steps} steps: {slow} disk operations slept past "
+                          f"the I/O deadline but only {misses} missed it: a step waited "
+                          "for a frozen disk beyond the deadline")
 
 
 def _count_refused_resizes(m: KVCacheManager, result: SoakResult) -> None:
@@ -471,7 +634,8 @@ def _parser() -> argparse.ArgumentParser:
         description="A seeded random workload over GPU, host and disk levels with injected "
         "disk write and read failures, corrupted disk pages and disk I/O past its deadline; "
         "every step fingerprint-verified and invariant-"
-        "checked. Exit 1 on any wrong KV or broken invariant.")
+        "checked. Exit 1 on any wrong KV, broken invariant, leak, or lost page no injected "
+        "fault explains.")
     p.add_argument("--steps", type=int, default=1000, help="engine steps (default 1000)")
     p.add_argument("--seed", type=int, default=0, help="workload and fault seed, an int >= 0")
     p.add_argument("--write-fault-rate", type=float, default=0.05,
@@ -490,6 +654,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--write-queue-depth", type=int, default=0,
                    help="background disk writes in flight (default 0: none)")
     p.add_argument("--quiet", action="store_true", help="only the final line")
+    p.add_argument("--debug", action="store_true",
+                   help="print the traceback of an exception that failed the run")
     return p
 
 
@@ -511,11 +677,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.quiet and (step + 1) % every == 0:
             print(f"  {step + 1}/{cfg.steps}: {result.progress_line()}", flush=True)
 
-    result = run_soak(cfg, progress)
+    try:
+        result = run_soak(cfg, progress)
+    except Exception as exc:  # building the manager failed: nothing ran
+        if args.debug:
+            traceback.print_exc()
+        print(f"kvcm soak (seed {cfg.seed}): FAILED before the first step: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     print(f"kvcm soak (seed {cfg.seed}):")
     for line in result.summary_lines():
         print(f"  {line}")
     if not result.ok:
-        print(f"kvcm soak: FAILED: {result.failure}", file=sys.stderr)
+        if args.debug and result.traceback:
+            print(result.traceback, file=sys.stderr, end="")
+        hint = " (--debug for the traceback)" if result.traceback and not args.debug else ""
+        print(f"kvcm soak (seed {cfg.seed}): FAILED: {result.failure}{hint}", file=sys.stderr)
         return 1
     return 0

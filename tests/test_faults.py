@@ -452,3 +452,95 @@ def test_silently_corrupted_disk_writes_are_caught_whatever_byte_they_hit(faulty
     again = d.create(tokens(30, 11))
     assert again.history_length == 0
     d.run_to(again)
+
+
+def _behind_pool(tmp_path, plan):  # type: ignore[no-untyped-def]
+    from kvcm_tier_disk import aio
+
+    from kvcm_core.plugins import KvcmPluginManager
+    from kvcm_core.testing.faults import FaultyTier
+
+    if not aio.native_available():
+        pytest.skip("no native background writes on this platform")
+    disk = KvcmPluginManager().tier("disk")
+    tier = FaultyTier(disk.factory(None, {"path": str(tmp_path)}), plan)
+    return tier, tier.create_pool(64, 8)
+
+
+def _finish(handle):  # type: ignore[no-untyped-def]
+    import time
+
+    end = time.monotonic() + 10
+    while not handle.done():
+        assert time.monotonic() < end, "background write never finished"
+        time.sleep(0.001)
+    return handle.error()
+
+
+def test_the_faulty_tier_passes_the_disk_tiers_write_behind_and_read_nowait_through(tmp_path):
+    """A storage level uses a pool's own background writes and memory reads when it has
+    them; the wrapper must keep them (it hid them: the soak never ran those paths)."""
+    from kvcm_core.tier import StoragePool
+
+    tier, pool = _behind_pool(tmp_path, FaultPlan())
+    assert type(pool).write_behind is not StoragePool.write_behind
+    assert type(pool).read_nowait is not StoragePool.read_nowait
+    rows = np.arange(2 * 64, dtype=np.uint8).reshape(2, 64)
+    handle = pool.write_behind(np.array([3, 4]), rows)
+    assert handle is not None and _finish(handle) is None
+    out = np.zeros_like(rows)
+    if pool.read_nowait(np.array([3, 4]), out):  # (page cache: nearly always)
+        assert (out == rows).all() and tier.reads == 1
+    assert tier.writes == 1
+    tier.close()
+
+
+def test_faults_are_injected_on_write_behind_and_read_nowait_declines_a_planned_fault(
+        tmp_path):
+    """A planned failed write fails on write_behind too (poison stored, error() says so,
+    the slots marked); a corrupting one stores the inverted byte; a slow write, and a read
+    planned to fail or be slow, decline (None / False) without spending an ordinal, so the
+    fault happens on write / read."""
+    from kvcm_core.testing.faults import POISON
+
+    plan = FaultPlan(fail_writes={1}, corrupt_writes={2}, slow_writes={3}, fail_reads={1})
+    tier, pool = _behind_pool(tmp_path, plan)
+    rows = np.full((1, 64), 5, dtype=np.uint8)
+    error = _finish(pool.write_behind(np.array([0]), rows))
+    assert error is not None and "injected fault: write 1" in error
+    assert tier.damage(pool, 0) == "failed write"
+    assert _finish(pool.write_behind(np.array([1]), rows)) is None
+    assert tier.damage(pool, 1) == "corrupt"
+    assert pool.write_behind(np.array([2]), rows) is None and tier.writes == 2
+    out = np.zeros((2, 64), dtype=np.uint8)
+    assert not pool.read_nowait(np.array([0, 1]), out) and tier.reads == 0
+    plan.fail_reads = set()
+    plan.slow_writes = set()
+    got = np.zeros((2, 64), dtype=np.uint8)
+    pool.read(np.array([0, 1]), got).wait()
+    assert (got[0] == POISON).all()
+    assert got[1, 0] == 5 ^ 0xFF and (got[1, 1:] == 5).all()
+    tier.close()
+
+
+def test_the_soak_with_a_write_queue_runs_the_disk_tiers_native_io_paths(monkeypatch):
+    """kvcm soak --write-queue-depth N: background writes on the disk tier's own threads
+    and reads from memory on the scheduler's thread, as with the bare disk tier."""
+    from kvcm_tier_disk import aio
+
+    from kvcm_core import KVCacheManager
+    from kvcm_core.soak import SoakConfig, run_soak
+
+    if not aio.native_available():
+        pytest.skip("no native background writes on this platform")
+    seen: dict[str, int] = {}
+    shutdown = KVCacheManager.shutdown
+
+    def record(self, *a, **k):  # type: ignore[no-untyped-def]
+        seen.update(self.storage_levels.io[2].stats.as_dict())
+        return shutdown(self, *a, **k)
+
+    monkeypatch.setattr(KVCacheManager, "shutdown", record)
+    result = run_soak(SoakConfig(steps=1500, seed=3, write_queue_depth=4))
+    assert result.ok, result.failure
+    assert seen["direct_writes"] > 0 and seen["direct_reads"] > 0, seen

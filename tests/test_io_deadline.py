@@ -45,12 +45,15 @@ SLOW = 0.6
 
 
 def _manager(tmp_path, plan, tiers=(("gpu", 8), ("host", 8), ("faulty-disk", 40)), *,
-             deadline=DEADLINE, depth=0, combine=0):
+             deadline=DEADLINE, depth=0, combine=0, native=True):
     # combine: write_combine_bytes (0 here, so the queue's own behaviour is what a test
-    # sees, unless it asks for held writes).
+    # sees, unless it asks for held writes). native False: the disk tier's own background
+    # writes off (FaultyTier passes them through), so the level's thread runs every write.
     levels = make_levels("full", list(tiers), tmp_path)
     levels = [attrs.evolve(lc, io_deadline_s=deadline, write_queue_depth=depth,
-                           write_combine_bytes=combine)
+                           write_combine_bytes=combine,
+                           options=lc.options if native else {**lc.options,
+                                                              "native_writes": False})
               if "disk" in lc.tier else lc for lc in levels]
     cfg = KVCacheManagerConfig(tokens_per_block=TPB, layers=LAYOUTS["full"](), levels=levels,
                                kernel_backend=os.environ.get("KVCM_TEST_BACKEND", "numpy"),
@@ -393,7 +396,8 @@ def test_queued_background_writes_wake_the_thread_once_and_run_as_one_write(buil
     """Below half the queue, background writes wait for the level's thread without waking
     it; the next wake-up runs the queued writes of the pool as one write, and every block
     reads back intact."""
-    m, _plan, tier = build([("gpu", 8), ("host", 4), ("faulty-disk", 40)], depth=8)
+    m, _plan, tier = build([("gpu", 8), ("host", 4), ("faulty-disk", 40)], depth=8,
+                           native=False)  # (the level's thread's own queue)
     d = Driver(m)
     s, r = _cascade(m, d, n=6)
     io = m.storage_levels.io[2]

@@ -3,8 +3,10 @@ disk write and read failures, every step fingerprint-verified and invariant-chec
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+import kvcm_core
 from kvcm_core import ConfigError, KVCacheManager, soak
 from kvcm_core.cli import main
 from kvcm_core.soak import SoakConfig, SoakResult, run_soak
@@ -194,3 +196,149 @@ def test_a_clean_run_says_the_leak_check_passed_and_wraps_its_summary(capsys) ->
     out = capsys.readouterr().out
     assert "leak check passed" in out
     assert max(len(line) for line in out.splitlines()) <= 80, out
+
+
+def test_a_kvcm_that_ignores_a_failed_disk_write_fails_the_soak(monkeypatch) -> None:
+    """A failed write's poison read back as a page is a page the frame check rejects
+    although no corrupting fault damaged it: the soak must fail, not count it as a corrupt
+    page caught and recompute."""
+    from kvcm_core.errors import TierIOError
+    from kvcm_core.migration import Mover
+
+    put = Mover._put
+
+    def ignoring(*args):  # type: ignore[no-untyped-def]
+        try:
+            put(*args)
+        except TierIOError:
+            pass
+
+    monkeypatch.setattr(Mover, "_put", staticmethod(ignoring))
+    result = run_soak(SoakConfig(steps=1000, seed=1))
+    assert not result.ok and result.unexplained_losses == 1, result.summary()
+    assert "holds the poison of a failed write" in result.failure
+
+
+def test_a_kvcm_that_ignores_a_failed_disk_read_fails_the_soak(monkeypatch) -> None:
+    """A failed read's poison used as frames (its error unseen) fails the frame check of
+    pages no fault damaged: the soak fails."""
+    from kvcm_core.testing import faults
+
+    wait = faults._FaultyHandle.wait
+
+    def ignoring_reads(self, timeout=None):  # type: ignore[no-untyped-def]
+        if self._error is not None and "read" in str(self._error):
+            self._error = None
+        wait(self, timeout)
+
+    monkeypatch.setattr(faults._FaultyHandle, "wait", ignoring_reads)
+    result = run_soak(SoakConfig(steps=1000, seed=1))
+    assert not result.ok and result.unexplained_losses == 1, result.summary()
+    assert "no injected fault damaged it" in result.failure
+
+
+def test_disk_pages_lost_with_no_fault_fail_the_soak(monkeypatch) -> None:
+    """Every disk frame reported damaged (every disk page lost): unexplained, exit 1."""
+    from kvcm_core.frame import FrameBook
+
+    monkeypatch.setattr(FrameBook, "check",
+                        lambda self, slots, frames: np.zeros(len(slots), dtype=bool))
+    assert main(["soak", "--steps", "300", "--seed", "1", "--quiet"]) == 1
+    result = run_soak(SoakConfig(steps=300, seed=1, write_fault_rate=0, read_fault_rate=0,
+                                 corrupt_rate=0, slow_rate=0))
+    assert not result.ok and "no injected fault damaged it" in result.failure
+
+
+def test_a_page_lost_in_a_step_without_an_io_fault_fails_the_soak(monkeypatch) -> None:
+    """kvcm losing a held disk page with no I/O fault behind it (here: the first onboard
+    loses one of its pages) is reported, not recomputed in silence."""
+    from kvcm_core.levels import Levels
+
+    onboard = Levels.onboard
+    done: list[int] = []
+
+    def lossy(self, pids, stream=None, lock=False):  # type: ignore[no-untyped-def]
+        if not done and len(pids) and (self.arena.level[pids] == 2).any():
+            done.append(1)
+            self.lose(int(pids[self.arena.level[pids] == 2][0]))
+            raise kvcm_core.TierIOError("a bug: lost a page")
+        return onboard(self, pids, stream, lock)
+
+    monkeypatch.setattr(Levels, "onboard", lossy)
+    result = run_soak(SoakConfig(steps=1000, seed=1, write_fault_rate=0, read_fault_rate=0,
+                                 corrupt_rate=0, slow_rate=0))
+    assert done and not result.ok and result.unexplained_losses == 1, result.summary()
+    assert "was lost, but the disk level met no I/O fault" in result.failure
+
+
+def test_corrupt_faults_and_failed_writes_are_told_apart_by_the_faulty_tier(tmp_path) -> None:
+    from kvcm_core.plugins import KvcmPluginManager
+    from kvcm_core.testing.faults import FaultPlan, FaultyTier
+
+    disk = KvcmPluginManager().tier("disk")
+    tier = FaultyTier(disk.factory(None, {"path": str(tmp_path)}),
+                      FaultPlan(fail_writes={1}, corrupt_writes={2}))
+    pool = tier.create_pool(64, 8)
+    rows = np.zeros((2, 64), dtype=np.uint8)
+    with pytest.raises(kvcm_core.TierIOError):
+        pool.write(np.array([0, 1]), rows).wait()
+    pool.write(np.array([2]), rows[:1]).wait()
+    tier.corrupt(pool, 3)
+    assert [tier.damage(pool, s) for s in range(5)] == [
+        "failed write", "failed write", "corrupt", "corrupt", None]
+    pool.write(np.array([1, 2]), rows).wait()  # good data again
+    assert [tier.damage(pool, s) for s in range(4)] == ["failed write", None, None, "corrupt"]
+    tier.close()
+
+
+def test_a_step_that_waits_out_a_slow_disk_operation_fails_the_soak(monkeypatch) -> None:
+    """Every slow fault sleeps past the deadline, so each must be a miss; a kvcm that
+    waits for its disk level with no deadline (here: a deadline of a minute) has none,
+    and the soak fails (it passed, with 4 s steps against a 0.1 s deadline)."""
+    import time
+
+    from kvcm_core.level_io import LevelIO
+
+    call = LevelIO.call
+
+    def patient(self, fn, what, kind, until=None, reads=None):  # type: ignore[no-untyped-def]
+        return call(self, fn, what, kind, time.monotonic() + 60, reads)
+
+    monkeypatch.setattr(LevelIO, "call", patient)
+    result = run_soak(SoakConfig(steps=200, seed=6, write_fault_rate=0, read_fault_rate=0,
+                                 corrupt_rate=0, slow_rate=0.05, io_deadline_s=0.05,
+                                 slow_s=0.1))
+    assert result.faults_by_kind["slow"] > 0
+    assert not result.ok and result.deadline_breaches == 1, result.summary()
+    assert "slept past the I/O deadline but only" in result.failure
+
+
+@pytest.mark.parametrize("error", ["InvalidStateError", "ConfigError", "KeyError"])
+def test_an_exception_kvcm_raises_mid_run_fails_with_seed_step_and_summary_then_shuts_down(
+        monkeypatch, capsys, error) -> None:
+    """A kvcm error mid-run (here the first quota resize, step 99) is exit 1 with the
+    seed, the step, the error and the summary, no traceback, and the manager is still
+    shut down (it was exit 3, or 2 for a ConfigError, with one line and no shutdown)."""
+    def broken(self, level, quota):  # type: ignore[no-untyped-def]
+        raise {"InvalidStateError": kvcm_core.InvalidStateError("page 17 is owned twice"),
+               "ConfigError": ConfigError(f"levels[{level}].quota", 123, "a core bug"),
+               "KeyError": KeyError(17)}[error]
+
+    shut: list[int] = []
+    shutdown = KVCacheManager.shutdown
+
+    def record(self, *a, **k):  # type: ignore[no-untyped-def]
+        shut.append(1)
+        return shutdown(self, *a, **k)
+
+    monkeypatch.setattr(KVCacheManager, "resize", broken)
+    monkeypatch.setattr(KVCacheManager, "shutdown", record)
+    assert main(["soak", "--steps", "300", "--seed", "7", "--quiet"]) == 1
+    captured = capsys.readouterr()
+    assert shut == [1]
+    assert f"kvcm soak (seed 7): FAILED: step 99: {error}" in captured.err
+    assert "Traceback" not in captured.err and "--debug for the traceback" in captured.err
+    assert "steps 99," in captured.out and "kvcm errors 1" in captured.out
+    assert "leak check passed" in captured.out  # the caches were closed after it
+    assert main(["--debug", "soak", "--steps", "300", "--seed", "7", "--quiet"]) == 1
+    assert "Traceback" in capsys.readouterr().err

@@ -23,6 +23,13 @@ What a fault does, so that code which ignores an error is caught rather than luc
   ``TimeoutError``) until :meth:`FaultyTier.release`; ``pending_polls`` makes each handle
   answer ``done() == False`` that many times first.
 
+A wrapped pool that has its own background writes and memory reads (the disk tier's
+``write_behind`` / ``read_nowait``) keeps them, so that a storage level uses the same I/O
+paths as with the bare tier: a failed or corrupting write is injected on ``write_behind``
+too (the same ordinals; a failed one's ``error()`` says so), while a write planned slow, a
+read planned to fail or be slow, and ``hold`` / ``pending_polls`` make those paths decline
+(the caller then goes through ``write`` / ``read``, where the fault happens).
+
 Blob pools (tiers storing blobs by size, such as the disk tier in blob mode) are wrapped
 as :class:`FaultyBlobPool`, whose ``write_blobs``/``read_blobs`` follow the same plan.
 Device-accessible pools are passed through (kernels reach their memory directly, so there
@@ -46,7 +53,16 @@ from kvcm_core.backend import Buffer
 from kvcm_core.errors import TierIOError
 from kvcm_core.level_io import IODeadlineError
 from kvcm_core.records import TierSpec
-from kvcm_core.tier import BlobPool, DevicePool, IOHandle, Pool, StoragePool, Tier, check_slots
+from kvcm_core.tier import (
+    BlobPool,
+    DevicePool,
+    IOHandle,
+    Pool,
+    StoragePool,
+    Tier,
+    WriteBehind,
+    check_slots,
+)
 
 __all__ = [
     "POISON",
@@ -171,13 +187,16 @@ class FaultyStoragePool(StoragePool):
             poison = np.full((len(arr), self.slot_bytes), POISON, dtype=np.uint8)
             inner = self.inner.write(arr, poison)
             tier.injected.append(f"write {n} failed (slots {arr.tolist()})")
+            tier.mark(self, arr, "failed write")
             error = TierIOError(f"injected fault: write {n} of slots {arr.tolist()} failed")
             return tier.handle(inner, error, keep=poison)
         if n in plan.corrupt_writes:
             bad = np.array(source, dtype=np.uint8, copy=True)
             bad[:, plan.corrupt_offset % self.slot_bytes] ^= 0xFF
             tier.injected.append(f"write {n} corrupted (slots {arr.tolist()})")
+            tier.mark(self, arr, "corrupt")
             return tier.handle(self.inner.write(arr, bad), None, keep=bad)
+        tier.mark(self, arr, None)
         return tier.handle(self.inner.write(arr, source), None)
 
     def read(self, slots: np.ndarray, dest: np.ndarray) -> IOHandle:
@@ -200,6 +219,84 @@ class FaultyStoragePool(StoragePool):
             error = TierIOError(f"injected fault: read {n} of slots {arr.tolist()} failed")
             return tier.handle(_Done(), error)
         return tier.handle(self.inner.read(arr, dest), None)
+
+    # -- the inner pool's own background writes and memory reads, when it has them ----------
+
+    def write_behind(self, slots: np.ndarray, source: np.ndarray) -> WriteBehind | None:
+        """The inner pool's ``write_behind``, following the plan as :meth:`write` does
+        (same ordinals): a failed write stores poison and its handle's ``error()`` says
+        so, a corrupting write stores the inverted byte and reports success. None
+        (declined: the caller writes through :meth:`write`, no ordinal spent) when the
+        inner pool declines or has no ``write_behind``, when the next write is planned
+        slow (it sleeps in :meth:`write`, on the level's thread, never on the caller's),
+        or while ``hold`` or ``pending_polls`` is set."""
+        return self._behind(slots, source, None, False)
+
+    def _write_behind_checked(self, slots: np.ndarray, source: np.ndarray, bound: int,
+                              owned: bool = False) -> WriteBehind | None:
+        """:meth:`write_behind` for a level that has checked ``slots`` (see
+        ``StoragePool`` implementations such as the disk tier's): passed on to the inner
+        pool's own ``_write_behind_checked`` when it has one."""
+        return self._behind(slots, source, bound, owned)
+
+    def _behind(self, slots: np.ndarray, source: np.ndarray, bound: int | None,
+                owned: bool) -> WriteBehind | None:
+        inner = self.inner
+        if type(inner).write_behind is StoragePool.write_behind:
+            return None
+        tier, plan = self.tier, self.tier.plan
+        n = tier.writes + 1
+        if plan.hold or plan.pending_polls or plan.slow_all or n in plan.slow_writes:
+            return None
+        arr = check_slots(self, slots) if bound is None else slots
+        ok_rows = isinstance(source, np.ndarray) and source.shape == (len(arr),
+                                                                    self.slot_bytes)
+        failing = ok_rows and (plan.fail_all_writes or n in plan.fail_writes)
+        corrupting = ok_rows and not failing and n in plan.corrupt_writes
+        rows = source
+        if failing:
+            rows = np.full((len(arr), self.slot_bytes), POISON, dtype=np.uint8)
+        elif corrupting:
+            rows = np.array(source, dtype=np.uint8, copy=True)
+            rows[:, plan.corrupt_offset % self.slot_bytes] ^= 0xFF
+        checked = getattr(type(inner), "_write_behind_checked", None)
+        if checked is not None and bound is not None:
+            handle = checked(inner, arr, rows, bound, owned and not (failing or corrupting))
+        else:
+            handle = inner.write_behind(arr, rows)
+        if handle is None:
+            return None
+        tier.writes = n
+        if failing:
+            tier.injected.append(f"write {n} failed (slots {arr.tolist()}, behind)")
+            tier.mark(self, arr, "failed write")
+        elif corrupting:
+            tier.injected.append(f"write {n} corrupted (slots {arr.tolist()}, behind)")
+            tier.mark(self, arr, "corrupt")
+        else:
+            tier.mark(self, arr, None)
+        if not failing:
+            return handle
+        return _FailedBehind(handle, f"injected fault: write {n} of slots {arr.tolist()} "
+                                     "failed")
+
+    def read_nowait(self, slots: np.ndarray, dest: np.ndarray) -> bool:
+        """The inner pool's ``read_nowait`` (a read, by ordinal, when it reads): declined
+        (False, no ordinal spent; the caller reads through :meth:`read`, where the fault
+        happens) when the next read is planned to fail or be slow, while ``hold`` or
+        ``pending_polls`` is set, or when the inner pool declines."""
+        inner = self.inner
+        if type(inner).read_nowait is StoragePool.read_nowait:
+            return False
+        tier, plan = self.tier, self.tier.plan
+        n = tier.reads + 1
+        if plan.fail_all_reads or n in plan.fail_reads or plan.slow_all or \
+                n in plan.slow_reads or plan.hold or plan.pending_polls:
+            return False
+        if not inner.read_nowait(slots, dest):
+            return False
+        tier.reads = n
+        return True
 
     def resize(self, num_slots: int) -> None:
         tier = self.tier
@@ -249,11 +346,15 @@ class FaultyBlobPool(FaultyStoragePool, BlobPool):
         if plan.fail_all_writes or n in plan.fail_writes:
             inner = self.inner.write_blobs(arr, [bytes([POISON]) * len(b) for b in blobs])
             tier.injected.append(f"write {n} failed (slots {arr.tolist()})")
+            tier.mark(self, arr, "failed write")
             error = TierIOError(f"injected fault: write {n} of slots {arr.tolist()} failed")
             return tier.handle(inner, error)
         if n in plan.corrupt_writes:
             blobs = [_inverted(bytes(b), plan.corrupt_offset) for b in blobs]
             tier.injected.append(f"write {n} corrupted (slots {arr.tolist()})")
+            tier.mark(self, arr, "corrupt")
+        else:
+            tier.mark(self, arr, None)
         return tier.handle(self.inner.write_blobs(arr, blobs), None)
 
     def read_blobs(self, slots: np.ndarray, out: list[bytes]) -> IOHandle:
@@ -269,6 +370,20 @@ class FaultyBlobPool(FaultyStoragePool, BlobPool):
             error = TierIOError(f"injected fault: read {n} of slots {arr.tolist()} failed")
             return tier.handle(_Done(), error)
         return tier.handle(self.inner.read_blobs(arr, out), None)
+
+
+class _FailedBehind(WriteBehind):
+    """An inner background write (of poison) reported failed with ``error``."""
+
+    def __init__(self, inner: WriteBehind, error: str) -> None:
+        self._inner = inner
+        self._error = error
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def error(self) -> str | None:
+        return self._error
 
 
 class FaultyDevicePool(DevicePool):
@@ -309,6 +424,11 @@ class FaultyTier(Tier):
         writes: storage writes so far (the ordinal of the last one).
         reads: storage reads so far.
         injected: one line per fault injected, in order.
+        damaged: what injected faults left in storage slots, by ``(id(pool), slot)``
+            (``pool`` a storage or device pool of this tier): ``"failed write"`` (poison
+            of a failed write: a correct caller never reads it as data) or ``"corrupt"``
+            (a corrupting write or :meth:`corrupt`: the frame check should catch it). A
+            later write of the slot that is not a fault clears it. See :meth:`damage`.
     """
 
     def __init__(self, inner: Tier, plan: FaultPlan | None = None) -> None:
@@ -319,6 +439,7 @@ class FaultyTier(Tier):
         self.writes = 0
         self.reads = 0
         self.injected: list[str] = []
+        self.damaged: dict[tuple[int, int], str] = {}
         self._gate = threading.Event()
 
     def create_pool(self, slot_bytes: int, num_slots: int, *, name: str = "") -> Pool:
@@ -344,6 +465,24 @@ class FaultyTier(Tier):
         if plan.slow_all or n in (plan.slow_writes if op == "write" else plan.slow_reads):
             self.injected.append(f"{op} {n} slow (slots {slots.tolist()})")
             time.sleep(plan.slow_s)
+
+    def mark(self, pool: Pool, slots: np.ndarray, kind: str | None) -> None:
+        """Record what a write left in ``slots`` of ``pool``: ``kind`` (see
+        ``damaged``), or None for good data (the slots' marks are cleared)."""
+        key = id(pool)
+        if kind is not None:
+            for s in slots.tolist():
+                self.damaged[(key, s)] = kind
+        elif self.damaged:
+            for s in slots.tolist():
+                self.damaged.pop((key, s), None)
+
+    def damage(self, pool: Pool, slot: int) -> str | None:
+        """What injected faults left in ``slot`` of ``pool`` (a pool of this tier, or a
+        level's I/O thread wrapper of one): ``"failed write"``, ``"corrupt"``, or None
+        (the last write there stored what it was given)."""
+        inner = getattr(pool, "inner_pool", pool)
+        return self.damaged.get((id(inner), int(slot)))
 
     def release(self) -> None:
         """Let every held handle complete; handles made later are held again if
@@ -378,6 +517,9 @@ class FaultyTier(Tier):
 
     def _corrupt(self, pool: Any, slot: int) -> None:
         offset = self.plan.corrupt_offset
+        key = (id(pool), int(slot))
+        if self.damaged.get(key) != "failed write":  # (poison stays poison)
+            self.damaged[key] = "corrupt"
         if isinstance(pool, FaultyBlobPool):
             blobs = [b""]
             pool.inner.read_blobs(np.array([slot]), blobs).wait()

@@ -28,7 +28,7 @@ import numpy as np
 
 from kvcm_core import hookimpl
 from kvcm_core.backend import KernelBackend
-from kvcm_core.errors import ConfigError, InvalidStateError
+from kvcm_core.errors import ConfigError, InvalidStateError, TierIOError
 from kvcm_core.records import Medium, TierCapabilities, TierSpec
 from kvcm_core.tier import CompletedIO, IOHandle, StoragePool, Tier, check_slots
 
@@ -52,19 +52,46 @@ class MmapPool(StoragePool):
         self.slot_bytes = _check_size("slot_bytes", slot_bytes, 1)
         self.num_slots = _check_size("num_slots", num_slots, 0)
         self.name = name
-        fd, self.path = tempfile.mkstemp(dir=directory, suffix=".mmap")  # created 0600
+        try:
+            fd, self.path = tempfile.mkstemp(dir=directory, suffix=".mmap")  # created 0600
+        except OSError as exc:
+            raise TierIOError(f"mmap pool {name!r}: cannot create its file: {exc}") from exc
         self._fd: int | None = fd
         self._map: mmap.mmap | None = None
-        self._remap()
+        try:
+            self._remap(self.num_slots)
+        except TierIOError:
+            os.close(fd)
+            self._fd = None
+            os.unlink(self.path)
+            raise
 
-    def _remap(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
+    def _remap(self, num_slots: int) -> None:
+        """Give the file ``num_slots`` slots and map it again. On failure (TierIOError)
+        the old mapping is kept where possible. Nothing may hold a view of the old mapping
+        (this class keeps none across calls)."""
         assert self._fd is not None
-        os.ftruncate(self._fd, self.nbytes)
-        if self.nbytes:  # mmap cannot map zero bytes
-            self._map = mmap.mmap(self._fd, self.nbytes)
+        old_bytes = self.num_slots * self.slot_bytes
+        nbytes = num_slots * self.slot_bytes
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError as exc:  # a view still exported: nothing changed
+                raise TierIOError(f"mmap pool {self.name!r}: cannot remap: {exc}") from None
+            self._map = None
+        try:
+            os.ftruncate(self._fd, nbytes)
+            if nbytes:  # mmap cannot map zero bytes
+                self._map = mmap.mmap(self._fd, nbytes)
+        except OSError as exc:
+            try:  # back to the old size and mapping
+                os.ftruncate(self._fd, old_bytes)
+                if old_bytes:
+                    self._map = mmap.mmap(self._fd, old_bytes)
+            except OSError:
+                pass
+            raise TierIOError(f"mmap pool {self.name!r}: cannot map {nbytes} bytes: "
+                              f"{exc}") from exc
 
     def _slots(self) -> np.ndarray:
         """A ``[num_slots, slot_bytes]`` view of the mapping (drop it before remapping)."""
@@ -83,34 +110,55 @@ class MmapPool(StoragePool):
 
     def write(self, slots: np.ndarray, source: np.ndarray) -> IOHandle:
         """Copy ``source[i]`` into ``slots[i]`` now; returns a completed handle."""
-        view = self._slots()
+        # Arguments checked before a view of the mapping is taken, and the view lives
+        # only in the statement that copies: an error (kept by the caller with its
+        # frames) must not hold a view, or remapping and closing fail with BufferError.
+        self._live()
         arr = check_slots(self, slots)
-        view[arr] = self._rows(source, len(arr), "source")
+        rows = self._rows(source, len(arr), "source")
+        self._slots()[arr] = rows
         return CompletedIO()
 
     def read(self, slots: np.ndarray, dest: np.ndarray) -> IOHandle:
         """Copy ``slots[i]`` into ``dest[i]`` now; returns a completed handle."""
-        view = self._slots()
+        self._live()
         arr = check_slots(self, slots)
-        self._rows(dest, len(arr), "dest")[...] = view[arr]
+        rows = self._rows(dest, len(arr), "dest")
+        rows[...] = self._slots()[arr]  # (the view: as in write)
         return CompletedIO()
 
     def resize(self, num_slots: int) -> None:
-        """Change the file's length and map it again; kept slots keep their bytes."""
-        self._slots()  # refuses a closed pool
-        self.num_slots = _check_size("num_slots", num_slots, 0)
-        self._remap()
+        """Change the file's length and map it again; kept slots keep their bytes. On
+        failure (TierIOError) the pool keeps its size."""
+        self._live()
+        new = _check_size("num_slots", num_slots, 0)
+        self._remap(new)
+        self.num_slots = new
 
     def close(self) -> None:
-        """Unmap, close and delete the file (idempotent)."""
+        """Unmap, close and delete the file (idempotent). Every step is tried; the first
+        failure is raised after them as TierIOError."""
         if self._fd is None:
             return
+        errors: list[BaseException] = []
         if self._map is not None:
-            self._map.close()
+            try:
+                self._map.close()
+            except BufferError as exc:  # a view still exported: unmapped once it goes
+                errors.append(exc)
             self._map = None
-        os.close(self._fd)
+        for step in (lambda: os.close(self._fd), lambda: os.unlink(self.path)):
+            try:
+                step()
+            except OSError as exc:
+                errors.append(exc)
         self._fd = None
-        os.unlink(self.path)
+        if errors:
+            raise TierIOError(f"mmap pool {self.name!r}: closing failed: {errors[0]}")
+
+    def _live(self) -> None:
+        if self._fd is None:
+            raise InvalidStateError(f"mmap pool {self.name!r} was closed")
 
 
 class MmapTier(Tier):
@@ -134,12 +182,21 @@ class MmapTier(Tier):
         return pool
 
     def close(self) -> None:
-        """Close every pool and remove the directory (idempotent)."""
+        """Close every pool and remove the directory (idempotent); a pool that fails to
+        close does not stop the others or the removal (the first failure is raised
+        after them)."""
+        errors: list[Exception] = []
         for pool in self._pools:
-            pool.close()
+            try:
+                pool.close()
+            except Exception as exc:  # (raised after the rest is done)
+                errors.append(exc)
+        self._pools = []
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None
+        if errors:
+            raise errors[0]
 
 
 @hookimpl
