@@ -48,6 +48,8 @@ from __future__ import annotations
 import collections
 import hashlib
 import itertools
+import math
+import numbers
 import os
 import struct
 import threading
@@ -62,7 +64,14 @@ import numpy as np
 from kvcm_core.backend import Buffer, KernelBackend, Stream
 from kvcm_core.codec import BlobCodec, PageCodec
 from kvcm_core.config import KVCacheManagerConfig, LevelConfig
-from kvcm_core.errors import ConfigError, CorruptPageError, OutOfPagesError, TierIOError
+from kvcm_core.errors import (
+    ArgumentTypeError,
+    ConfigError,
+    CorruptPageError,
+    InvalidArgumentError,
+    OutOfPagesError,
+    TierIOError,
+)
 from kvcm_core.frame import FRAME_MAGIC, FRAME_OVERHEAD, FRAME_VERSION, HEADER, layout_fingerprint
 from kvcm_core.matching import Match
 from kvcm_core.migration import Mover
@@ -79,7 +88,7 @@ if TYPE_CHECKING:
     from kvcm_core.storage import Store
 
 __all__ = ["RemoteLevel", "RemoteOptions", "RemoteStatistics", "build_remote",
-           "remote_options", "split_keyed_level"]
+           "remote_options", "split_keyed_level", "wait_seconds"]
 
 _HEAD = struct.Struct("<4sHH16s32sQI")  # the frame header (kvcm_core.frame.HEADER)
 assert _HEAD.size == HEADER.itemsize
@@ -168,6 +177,32 @@ def remote_options(index: int, options: Mapping[str, Any]) -> tuple[RemoteOption
             raise ConfigError(field, value, f"must be finite seconds, at most "
                               f"threading.TIMEOUT_MAX ({threading.TIMEOUT_MAX:g})")
     return RemoteOptions(**mine), rest
+
+
+def wait_seconds(name: str, value: object) -> float | None:
+    """``value``, an API call's time to wait, as ``Condition.wait`` takes it: None (no
+    limit), or a real number of seconds >= 0; ``inf`` or more than
+    ``threading.TIMEOUT_MAX`` (no thread can wait longer) is no limit (None).
+
+    Raises:
+        ArgumentTypeError: not None nor a real number (a ``str``, a ``bool``).
+        InvalidArgumentError: negative or ``nan``.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{name}={value!r}: must be seconds (a real number >= 0) "
+                                f"or None (no limit)")
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int past every float
+        seconds = math.inf if value > 0 else -math.inf
+    if math.isnan(seconds) or seconds < 0:
+        shown = f"<an int of {value.bit_length()} bits>" if isinstance(value, int) and \
+            not math.isfinite(seconds) else repr(value)
+        raise InvalidArgumentError(f"{name}={shown}: must be seconds >= 0, or None or inf "
+                                   f"(no limit)")
+    return None if seconds > threading.TIMEOUT_MAX else seconds
 
 
 def split_keyed_level(config: KVCacheManagerConfig, pm: KvcmPluginManager
@@ -1049,7 +1084,13 @@ class RemoteLevel:
         """Wait until every queued write was made (or failed), and a check of the own
         keys after a restart too (unless the store is being skipped after a failure; one
         attempt at most: a check that fails is retried later, not waited for); False if
-        ``timeout_s`` passed first."""
+        ``timeout_s`` passed first.
+
+        Raises:
+            ArgumentTypeError, InvalidArgumentError: a bad ``timeout_s`` (see
+                :func:`wait_seconds`).
+        """
+        timeout_s = wait_seconds("timeout_s", timeout_s)
         with self._lock:
             start = self._resync_attempts
             return self._lock.wait_for(
