@@ -407,6 +407,7 @@ class RemoteLevel:
         # store lost keys wholesale (FLUSHALL), there means an ordinary loss (see _lost_own).
         self._sentinel = self._prefix + b"alive:" + os.urandom(8).hex().encode()
         self._sentinel_set = False
+        self._sentinel_tried = False  # a write of it was sent (see close)
         self._sentinel_renewed = 0.0  # (monotonic) see _keep_sentinel
         self._thread = threading.Thread(target=self._write_loop, daemon=True,
                                         name="kvcm-remote-writer")
@@ -519,10 +520,11 @@ class RemoteLevel:
                 if self._sentinel_set:  # (not emptied meanwhile by a lookup's check)
                     self.stats.own_keys_lost += 1
                     self._store_emptied()
-        ok = bool(self._writers.put_many([self._sentinel], [b"kvcm"], deadline=deadline)[0])
-        if ok:  # (a manager that dies right here leaves a sentinel without an expiry)
-            ok = bool(self._writers.renew_many([self._sentinel], ttl_s=_SENTINEL_TTL_S,
-                                               deadline=deadline)[0])
+        # written with its expiry in one command: a call that fails or runs late (and
+        # lands all the same) never leaves a sentinel that does not expire
+        self._sentinel_tried = True  # (deleted at close, wherever a write may have landed)
+        ok = bool(self._writers.put_expiring_many([self._sentinel], [b"kvcm"],
+                                                  ttl_s=_SENTINEL_TTL_S, deadline=deadline)[0])
         with self._lock:
             self._sentinel_set = ok
 
@@ -1115,7 +1117,8 @@ class RemoteLevel:
                 self.stats.writes_dropped += len(self._queue)
                 self._queue.clear()
                 self._queue_bytes = 0
-        if self._sentinel_set:  # the sentinel is this manager's alone: not left behind
+        if self._sentinel_tried:  # the sentinel is this manager's alone: not left behind
+            # (where a write of it may have landed, known or not)
             try:
                 self._writers.delete_many([self._sentinel], deadline=time.monotonic() + 1.0)
             except TierIOError:

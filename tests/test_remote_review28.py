@@ -77,3 +77,61 @@ def test_flush_remote_takes_inf_or_more_than_a_thread_can_wait_as_no_limit(value
             finally:
                 os.kill(_pid(server), signal.SIGCONT)
             assert m.get_remote_statistics().written == 10
+
+
+# -- the sentinel's expiry ------------------------------------------------------------------
+
+
+def _sentinels(url: str) -> list[tuple[bytes, int]]:
+    adm = redis.Redis.from_url(url)
+    return [(k, adm.pttl(k)) for k in adm.keys("kvcm:*:alive:*")]
+
+
+def test_the_sentinel_is_never_in_the_store_without_an_expiry_when_a_call_fails(
+        monkeypatch) -> None:
+    """The sentinel was written with SET, then given its expiry by a second call: when
+    that call failed, the key was left without an expiry, believed unset (so not deleted
+    at shutdown): a dead manager's key that never expires."""
+    from kvcm_core.errors import TierIOError
+
+    with fresh_server() as server:
+        m = KVCacheManager(config(server.url))
+        try:
+            writers = m.remote._writers
+            renew = writers.renew_many
+            calls: list[int] = []
+
+            def flaky_renew(keys, *, ttl_s, deadline):
+                calls.append(len(keys))
+                if len(calls) == 1:
+                    raise TierIOError("redis: renew of 1 keys ran past its deadline")
+                return renew(keys, ttl_s=ttl_s, deadline=deadline)
+
+            monkeypatch.setattr(writers, "renew_many", flaky_renew)
+            serve(m, _prompt(1))
+            m.flush_remote(10.0)
+            (key, ttl), = _sentinels(server.url)
+            assert 0 < ttl <= 600_000, (key, ttl)
+        finally:
+            m.shutdown()
+        assert _sentinels(server.url) == []
+
+
+def test_a_sentinel_write_that_ran_past_its_deadline_is_deleted_at_shutdown() -> None:
+    """The write of the sentinel times out on a paused server, which applies it when it
+    resumes: the level does not know it set, and deletes it at shutdown all the same."""
+    with fresh_server() as server:
+        cfg = config(server.url, write_deadline_s=0.2, io_deadline_s=0.05, retry_after_s=0.0)
+        with KVCacheManager(cfg) as m:
+            os.kill(_pid(server), signal.SIGSTOP)
+            try:
+                serve(m, _prompt(1))  # the first batch: the sentinel's write runs late
+                time.sleep(0.5)
+            finally:
+                os.kill(_pid(server), signal.SIGCONT)
+            assert m.flush_remote(10.0)
+            st = m.get_remote_statistics()
+            assert st.write_failures == 10 and st.written == 0, st
+            time.sleep(0.2)
+            assert [ttl > 0 for _, ttl in _sentinels(server.url)] == [True]  # it landed
+        assert _sentinels(server.url) == []

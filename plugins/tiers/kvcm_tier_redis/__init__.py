@@ -629,6 +629,25 @@ class RedisTier(KeyedTier):
                                              sizes), deadline)
         return np.fromiter((r == b"OK" for r in res), dtype=bool, count=len(full))
 
+    def put_expiring_many(self, keys: Sequence[bytes], values: Sequence[bytes | memoryview],
+                          *, ttl_s: float, deadline: float) -> np.ndarray:
+        """``SET key value PX ms``: each value with its expiry in one command (no value
+        without an expiry, whatever happens to the call). Where ``PEXPIRE`` was refused
+        (see :meth:`renew_many`), a plain ``SET``: renewals cannot push an expiry back."""
+        full = self._full(keys)
+        if len(values) != len(full):
+            raise ValueError(f"{len(full)} keys but {len(values)} values: one value per key")
+        if not isinstance(ttl_s, int | float) or isinstance(ttl_s, bool) or not ttl_s > 0:
+            raise ValueError(f"ttl_s={ttl_s!r}: must be seconds > 0")
+        if not full:
+            return np.zeros(0, dtype=bool)
+        px = [b"PX", b"%d" % max(1, round(ttl_s * 1000))] if self._renew else []
+        sizes = [len(v) for v in values]
+        res = self._call(f"put of {len(full)} expiring values",
+                         lambda c: self._run(c, full, lambda i: [b"SET", full[i], values[i], *px],
+                                             sizes), deadline)
+        return np.fromiter((r == b"OK" for r in res), dtype=bool, count=len(full))
+
     def get_many(self, keys: Sequence[bytes], *, deadline: float) -> list[bytes | None]:
         full = self._full(keys)
         if not full:
