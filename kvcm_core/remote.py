@@ -259,9 +259,11 @@ class RemoteStatistics:
         own_keys, own_bytes: keys (and their bytes) this manager wrote and still counts.
         store_restarts: servers of the store found restarted (a new identity at an
             address reached before); each makes the level check its own keys.
-        own_keys_lost: lookups that missed a key this manager wrote and made the level
-            act as after a restart (at most one per ``retry_after_s``): the store lost
-            keys without restarting (``FLUSHALL``, an eviction, a lossy failover).
+        own_keys_lost: losses of keys seen without a restart, each making the level act
+            as after one: a lookup that missed a key this manager wrote and found the
+            sentinel gone (at most one per ``retry_after_s``), or a renewal that found it
+            gone (``FLUSHALL``, an eviction, a lossy failover). A restart the same call
+            found, or one being acted on, is counted in ``store_restarts`` only.
     """
 
     lookups: int = 0
@@ -402,6 +404,7 @@ class RemoteLevel:
         self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._instances: dict[str, set[str]] = {}  # address -> server identities seen
         self._resync = False  # own keys to check against the store (after a restart)
+        self._checking = False  # ... being checked now (by the writer)
         self._next_loss_check = 0.0  # see _lost_own
         # A key of this manager's alone, written before its first blocks: gone means the
         # store lost keys wholesale (FLUSHALL), there means an ordinary loss (see _lost_own).
@@ -464,9 +467,13 @@ class RemoteLevel:
         here, before this request's blocks are committed), the writer drops the own keys
         the store no longer holds and writes the sentinel again (``own_keys_lost``). One
         small round trip, at most once per ``retry_after_s``, within the lookup's
-        deadline (not concluded: the next such miss checks again)."""
+        deadline (not concluded: the next such miss checks again). Nothing is done or
+        counted while an emptied store is being acted on (the sentinel not yet written
+        again, the own keys still to check): it is part of that."""
         now = time.monotonic()
         with self._lock:
+            if not self._sentinel_set and (self._resync or self._checking):
+                return  # the store was found emptied (a restart, a loss): acted on already
             if now < self._next_loss_check:
                 return
             self._next_loss_check = now + self.options.retry_after_s
@@ -516,6 +523,9 @@ class RemoteLevel:
             if self._writers.renew_many([self._sentinel], ttl_s=_SENTINEL_TTL_S,
                                         deadline=deadline)[0]:
                 return
+            # gone: a restart when the renewal's connection found a new server (counted
+            # as one in store_restarts, not as a loss too), else a loss
+            self._check_restarts()
             with self._lock:
                 if self._sentinel_set:  # (not emptied meanwhile by a lookup's check)
                     self.stats.own_keys_lost += 1
@@ -544,10 +554,10 @@ class RemoteLevel:
 
     # -- restarts ----------------------------------------------------------------------------
 
-    def _check_restarts(self) -> None:
+    def _check_restarts(self) -> bool:
         """After a call: if a tier found a server with a new identity where it had found
         another before (a restart), forget which keys are believed stored and have the
-        writer check the own keys against the store. Cheap: no I/O."""
+        writer check the own keys against the store; True then. Cheap: no I/O."""
         seen = [tier.store_instances() for tier in (self.tier, self._writers)]
         with self._lock:
             restarted = False
@@ -560,6 +570,7 @@ class RemoteLevel:
             if restarted:
                 self.stats.store_restarts += 1
                 self._store_emptied()
+            return restarted
 
     def _resync_due(self) -> bool:
         return self._resync and time.monotonic() >= self._write_skip_until
@@ -575,7 +586,15 @@ class RemoteLevel:
     def _check_own(self) -> None:
         with self._lock:
             self._resync = False
+            self._checking = True
             keys = list(self._own)
+        try:
+            self._check_chunks(keys)
+        finally:
+            with self._lock:
+                self._checking = False
+
+    def _check_chunks(self, keys: list[bytes]) -> None:
         for lo in range(0, len(keys), _RESYNC_KEYS):
             chunk = keys[lo:lo + _RESYNC_KEYS]
             try:
@@ -721,7 +740,7 @@ class RemoteLevel:
             self.stats.read_failures += 1
             self._failed(writes=False)
             return 0, {}
-        self._check_restarts()
+        restarted = self._check_restarts()
         present = plan.have.copy()
         pages: dict[tuple[int, int], bytes] = {}
         st = self.stats
@@ -748,7 +767,7 @@ class RemoteLevel:
                 # stays counted as own (its bytes are still in the store)
                 with self._lock:
                     self._known.pop(rkey, None)
-        if lost:
+        if lost and not restarted:  # (a restart is acted on already: not a loss too)
             self._lost_own(deadline)
         ok = np.asarray(present[:, self._required].all(axis=1))
         extent = int(ok.size) if ok.all() else int(ok.argmin())

@@ -135,3 +135,74 @@ def test_a_sentinel_write_that_ran_past_its_deadline_is_deleted_at_shutdown() ->
             time.sleep(0.2)
             assert [ttl > 0 for _, ttl in _sentinels(server.url)] == [True]  # it landed
         assert _sentinels(server.url) == []
+
+
+# -- one restart, counted once ------------------------------------------------------------
+
+
+def _served_then_evicted_locally(url: str) -> KVCacheManager:
+    """A manager with the GPU as its only local level (32 pages) that served prompt 1 and
+    six others (prompt 1's pages evicted locally, every block on the server), its lookups
+    asking for 2 blocks at a time."""
+    from kvcm_core import KVCacheManagerConfig
+
+    d = config(url, local=("gpu",), max_blocks=2, retry_after_s=0.1).to_dict()
+    d["levels"][0]["quota"] = 32 * 512
+    m = KVCacheManager(KVCacheManagerConfig.from_dict(d))
+    serve(m, _prompt(1))
+    for s in range(6):
+        serve(m, _prompt(20 + s), rid=s)
+    assert m.flush_remote(10.0)
+    return m
+
+
+@pytest.mark.parametrize("call", ["probe", "lookup"])
+def test_an_empty_restart_found_by_a_lookup_counts_as_a_restart_not_also_as_a_loss(
+        call: str) -> None:
+    """docs/remote.md: own_keys_lost is a loss *without* a restart. The lookup that first
+    reached the restarted, empty server counted store_restarts, then, missing own keys,
+    own_keys_lost as well."""
+    with fresh_server() as server:
+        with _served_then_evicted_locally(server.url) as m:
+            server.restart()  # empty
+            if call == "probe":
+                m.probe_reuse(None, _prompt(1)[:-1], remote=True)
+            else:
+                m.create_kv_cache(None, _prompt(1)[:-1]).close()
+            assert m.flush_remote(10.0)
+            st = m.get_remote_statistics()
+            assert (st.store_restarts, st.own_keys_lost) == (1, 0), st
+            assert st.own_keys == 0 and st.misses > 0, st
+
+
+def test_an_empty_restart_found_by_the_writer_counts_as_a_restart_not_also_as_a_loss(
+        ) -> None:
+    """A commit that needs no lookup reaches the restarted server first: the renewal found
+    the sentinel gone (own_keys_lost), then the put saw the new run_id (store_restarts)
+    and marked the sentinel just written again as unset."""
+    with fresh_server() as server:
+        with KVCacheManager(config(server.url, retry_after_s=0.1)) as m:
+            p = _prompt(1, 4)
+            serve(m, p, answer=1)
+            assert m.flush_remote(10.0)
+            server.restart()  # empty
+            time.sleep(0.6)  # past the gap between two renewals of a busy writer
+            lookups = m.get_remote_statistics().lookups
+            serve(m, p, rid="decode", answer=2 * TPB + 3)  # local: no lookup; commits
+            assert m.flush_remote(10.0)
+            st = m.get_remote_statistics()
+            assert st.lookups == lookups, st
+            assert (st.store_restarts, st.own_keys_lost) == (1, 0), st
+            assert len(_sentinels(server.url)) == 1
+
+
+def test_a_flushall_is_still_counted_as_a_loss_once() -> None:
+    with fresh_server() as server:
+        with _served_then_evicted_locally(server.url) as m:
+            redis.Redis.from_url(server.url).flushall()
+            m.probe_reuse(None, _prompt(1)[:-1], remote=True)
+            assert m.flush_remote(10.0)
+            time.sleep(0.2)  # past retry_after_s: a second miss checks the sentinel again
+            m.probe_reuse(None, _prompt(1)[:-1], remote=True)
+            st = m.get_remote_statistics()
+            assert (st.store_restarts, st.own_keys_lost) == (0, 1), st
