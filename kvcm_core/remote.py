@@ -457,7 +457,7 @@ class RemoteLevel:
                 self._own_bytes -= size
             return size is not None
 
-    def _lost_own(self, deadline: float) -> None:
+    def _lost_own(self) -> None:
         """A lookup missed a key this manager wrote (it was forgotten already). An
         ordinary loss (Redis evicting under ``maxmemory``, another manager's quota deleting
         a block both wrote) needs nothing more; a store that lost keys wholesale without a
@@ -466,8 +466,11 @@ class RemoteLevel:
         it believed stored (a block computed again is written again, not skipped; done
         here, before this request's blocks are committed), the writer drops the own keys
         the store no longer holds and writes the sentinel again (``own_keys_lost``). One
-        small round trip, at most once per ``retry_after_s``, within the lookup's
-        deadline (not concluded: the next such miss checks again). Nothing is done or
+        small round trip, at most once per ``retry_after_s``, with a deadline of its own
+        (``io_deadline_s`` from its start: the lookup's own may be spent, and a call that
+        runs out of time closes its connection). A check that fails or runs late is a
+        read failure (lookups skipped for ``retry_after_s``) and concludes nothing: the
+        next such miss past ``retry_after_s`` checks again. Nothing is done or
         counted while an emptied store is being acted on (the sentinel not yet written
         again, the own keys still to check): it is part of that."""
         now = time.monotonic()
@@ -480,10 +483,11 @@ class RemoteLevel:
             known_set = self._sentinel_set
         if known_set:
             try:
-                there = bool(self.tier.exists_many([self._sentinel], deadline=deadline)[0])
+                there = bool(self.tier.exists_many(
+                    [self._sentinel], deadline=time.monotonic() + self.options.io_deadline_s)[0])
             except TierIOError:
-                with self._lock:
-                    self._next_loss_check = 0.0
+                self.stats.read_failures += 1
+                self._failed(writes=False)
                 return
             if there:
                 return
@@ -768,7 +772,7 @@ class RemoteLevel:
                 with self._lock:
                     self._known.pop(rkey, None)
         if lost and not restarted:  # (a restart is acted on already: not a loss too)
-            self._lost_own(deadline)
+            self._lost_own()
         ok = np.asarray(present[:, self._required].all(axis=1))
         extent = int(ok.size) if ok.all() else int(ok.argmin())
         return extent, pages

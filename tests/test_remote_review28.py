@@ -16,8 +16,8 @@ import pytest
 from redis_fixtures import fresh_server
 from remote_helpers import TPB, config, serve
 
-from kvcm_core import KVCacheManager
-from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError
+from kvcm_core import KVCacheManager, KVCacheManagerConfig
+from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError, TierIOError
 
 redis = pytest.importorskip("redis", reason="the redis client package is not installed")
 
@@ -92,8 +92,6 @@ def test_the_sentinel_is_never_in_the_store_without_an_expiry_when_a_call_fails(
     """The sentinel was written with SET, then given its expiry by a second call: when
     that call failed, the key was left without an expiry, believed unset (so not deleted
     at shutdown): a dead manager's key that never expires."""
-    from kvcm_core.errors import TierIOError
-
     with fresh_server() as server:
         m = KVCacheManager(config(server.url))
         try:
@@ -144,8 +142,6 @@ def _served_then_evicted_locally(url: str) -> KVCacheManager:
     """A manager with the GPU as its only local level (32 pages) that served prompt 1 and
     six others (prompt 1's pages evicted locally, every block on the server), its lookups
     asking for 2 blocks at a time."""
-    from kvcm_core import KVCacheManagerConfig
-
     d = config(url, local=("gpu",), max_blocks=2, retry_after_s=0.1).to_dict()
     d["levels"][0]["quota"] = 32 * 512
     m = KVCacheManager(KVCacheManagerConfig.from_dict(d))
@@ -206,3 +202,108 @@ def test_a_flushall_is_still_counted_as_a_loss_once() -> None:
             m.probe_reuse(None, _prompt(1)[:-1], remote=True)
             st = m.get_remote_statistics()
             assert (st.store_restarts, st.own_keys_lost) == (0, 1), st
+
+
+# -- the sentinel check of a lookup --------------------------------------------------------
+
+
+def _evicted_but_sentinel(url: str) -> None:
+    """Every block key deleted (as Redis's eviction would), the sentinel kept."""
+    adm = redis.Redis.from_url(url)
+    for k in adm.keys("kvcm:*"):
+        if b":alive:" not in k:
+            adm.delete(k)
+
+
+def test_the_sentinel_check_of_a_lookup_has_its_own_deadline_and_keeps_the_connection(
+        monkeypatch) -> None:
+    """The check of the sentinel after a miss of an own key got what was left of the
+    lookup's deadline: with the lookup's answer arriving just in time (a slow link), the
+    check ran past its deadline, the tier closed the healthy reader connection, and the
+    check, not concluded, was made again by the next lookup: every lookup reconnected."""
+    import kvcm_tier_redis
+
+    opened: list[int] = []
+    init = kvcm_tier_redis._Plain.__init__
+
+    def counting_init(self, *a, **k):
+        opened.append(1)
+        init(self, *a, **k)
+
+    monkeypatch.setattr(kvcm_tier_redis._Plain, "__init__", counting_init)
+    with fresh_server() as server:
+        d = config(server.url, local=("gpu",), max_blocks=2, io_deadline_s=0.05,
+                   retry_after_s=30.0).to_dict()
+        d["levels"][0]["quota"] = 32 * 512
+        with KVCacheManager(KVCacheManagerConfig.from_dict(d)) as m:
+            for s in range(8):
+                serve(m, _prompt(s), rid=s)  # the first prompts evicted locally
+            assert m.flush_remote(10.0)
+            tier = m.remote.tier
+            get, exists = tier.get_many, tier.exists_many
+            checks: list[int] = []
+
+            def slow_link(keys, *, deadline):  # the answer arrives just in time
+                out = get(keys, deadline=deadline)
+                while time.monotonic() < deadline - 2e-5:
+                    pass
+                return out
+
+            def counted_exists(keys, *, deadline):
+                checks.append(len(keys))
+                return exists(keys, deadline=deadline)
+
+            monkeypatch.setattr(tier, "get_many", slow_link)
+            monkeypatch.setattr(tier, "exists_many", counted_exists)
+            _evicted_but_sentinel(server.url)
+            timeouts, connections = tier.timeouts, len(opened)
+            for s in range(4):  # within one retry_after_s
+                m.create_kv_cache(None, _prompt(s)[:-1]).close()
+            st = m.get_remote_statistics()
+            assert (tier.timeouts - timeouts, len(opened) - connections) == (0, 0), st
+            assert checks == [1], checks  # once per retry_after_s: the sentinel is there
+            assert st.read_failures == 0 and st.own_keys_lost == 0 and st.misses >= 8, st
+
+
+def test_a_sentinel_check_that_fails_is_not_made_again_within_retry_after_s(
+        monkeypatch) -> None:
+    """A failed check reset the rate limit: every next lookup that missed an own key
+    checked (and, on a slow store, failed) again."""
+    with fresh_server() as server:
+        d = config(server.url, local=("gpu",), max_blocks=2, retry_after_s=30.0).to_dict()
+        d["levels"][0]["quota"] = 32 * 512
+        with KVCacheManager(KVCacheManagerConfig.from_dict(d)) as m:
+            for s in range(8):
+                serve(m, _prompt(s), rid=s)
+            assert m.flush_remote(10.0)
+            checks: list[int] = []
+
+            def failing_exists(keys, *, deadline):
+                checks.append(len(keys))
+                raise TierIOError("redis: exists of 1 keys ran past its deadline")
+
+            monkeypatch.setattr(m.remote.tier, "exists_many", failing_exists)
+            _evicted_but_sentinel(server.url)
+            for s in range(4):
+                m.create_kv_cache(None, _prompt(s)[:-1]).close()
+            st = m.get_remote_statistics()
+            assert checks == [1], (checks, st)
+            assert st.own_keys_lost == 0 and st.read_failures == 1, st
+
+
+def test_a_redis_call_out_of_time_before_it_is_sent_keeps_the_healthy_connection() -> None:
+    from kvcm_tier_redis import RedisTier
+
+    with fresh_server() as server:
+        tier = RedisTier(None, {"url": server.url})
+        try:
+            assert tier.put_many([b"k"], [b"v"], deadline=time.monotonic() + 5.0).all()
+            conn = tier._plain
+            assert conn is not None
+            with pytest.raises(TierIOError, match="deadline"):
+                tier.get_many([b"k"], deadline=time.monotonic() - 0.001)
+            assert tier._plain is conn and tier.timeouts == 1
+            assert tier.get_many([b"k"], deadline=time.monotonic() + 5.0) == [b"v"]
+            assert tier._plain is conn
+        finally:
+            tier.close()

@@ -28,7 +28,9 @@ take it as "not in the store"). The same holds for a standalone server.
 Deadlines: each call runs on the tier's I/O thread and the caller waits at most until the
 call's deadline. A call that runs past it, or that cannot reach the store, raises
 :class:`~kvcm_core.errors.TierIOError`; a timed-out call's connection is closed (which
-unblocks the I/O thread) and the next call opens a new one. Nothing read back is
+unblocks the I/O thread) and the next call opens a new one. A call whose deadline passed
+before it was sent (or before the I/O thread took it up) raises the same and touches no
+connection: a healthy one is not closed for it. Nothing read back is
 interpreted here (no pickle): values are returned as bytes, and the core verifies them.
 
 Capacity is the store's: run Redis with ``maxmemory`` and an LRU policy (``allkeys-lru``);
@@ -517,13 +519,16 @@ class RedisTier(KeyedTier):
         def run() -> _T:
             return fn(None if self._raw_url is not None else self._connect())
 
+        if deadline <= time.monotonic():  # out of time before it is sent: no connection
+            self.timeouts += 1  # is touched (a healthy one must not be dropped for it)
+            raise TierIOError(f"redis: {what} ran past its deadline (before it was sent)")
         future = self._io.submit(run)
         try:
             return future.result(timeout=max(0.0, deadline - time.monotonic()))
         except cf.TimeoutError:
             self.timeouts += 1
-            future.cancel()
-            self._drop_client()
+            if not future.cancel():  # (one that never started used no connection)
+                self._drop_client()
             raise TierIOError(f"redis: {what} ran past its deadline") from None
         except (self._redis.RedisError, self._redis.exceptions.RedisClusterException,
                 OSError) as exc:
