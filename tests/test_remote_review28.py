@@ -307,3 +307,59 @@ def test_a_redis_call_out_of_time_before_it_is_sent_keeps_the_healthy_connection
             assert tier._plain is conn
         finally:
             tier.close()
+
+
+# -- a redis tier closed, or a call given up, during a connection's hand-shake --------------
+
+
+def _clients(adm) -> int:
+    return int(adm.info("clients")["connected_clients"])
+
+
+def test_a_redis_tier_closed_during_a_hand_shake_keeps_no_connection_and_makes_no_call(
+        ) -> None:
+    """The server paused (its kernel still accepts connections), a put gives up during
+    the connection's hand-shake, and the tier is closed: when the server answered, the I/O
+    thread stored the new connection on the closed tier and sent the abandoned SET."""
+    from kvcm_tier_redis import RedisTier
+
+    with fresh_server() as server:
+        adm = redis.Redis.from_url(server.url)
+        before = _clients(adm)
+        tier = RedisTier(None, {"url": server.url, "connect_timeout_s": 3.0})
+        os.kill(_pid(server), signal.SIGSTOP)
+        try:
+            with pytest.raises(TierIOError, match="deadline"):
+                tier.put_many([b"late"], [b"value"], deadline=time.monotonic() + 0.2)
+            tier.close()
+            time.sleep(0.3)
+        finally:
+            os.kill(_pid(server), signal.SIGCONT)
+        time.sleep(1.0)
+        assert tier._plain is None
+        assert adm.get(b"kvcm:late") is None, "the abandoned SET ran after close()"
+        assert _clients(adm) == before
+
+
+def test_a_redis_call_given_up_during_a_hand_shake_is_not_made_later() -> None:
+    """The caller was told its put failed (deadline): the SET must not run once the
+    paused server answers the hand-shake, and the tier serves the next call."""
+    from kvcm_tier_redis import RedisTier
+
+    with fresh_server() as server:
+        adm = redis.Redis.from_url(server.url)
+        tier = RedisTier(None, {"url": server.url, "connect_timeout_s": 3.0})
+        try:
+            os.kill(_pid(server), signal.SIGSTOP)
+            try:
+                with pytest.raises(TierIOError, match="deadline"):
+                    tier.put_many([b"late"], [b"value"], deadline=time.monotonic() + 0.2)
+                time.sleep(0.3)
+            finally:
+                os.kill(_pid(server), signal.SIGCONT)
+            time.sleep(1.0)
+            assert adm.get(b"kvcm:late") is None, "a SET its caller gave up on ran later"
+            assert tier.put_many([b"next"], [b"v"], deadline=time.monotonic() + 5.0).all()
+            assert adm.get(b"kvcm:next") == b"v"
+        finally:
+            tier.close()

@@ -30,7 +30,10 @@ call's deadline. A call that runs past it, or that cannot reach the store, raise
 :class:`~kvcm_core.errors.TierIOError`; a timed-out call's connection is closed (which
 unblocks the I/O thread) and the next call opens a new one. A call whose deadline passed
 before it was sent (or before the I/O thread took it up) raises the same and touches no
-connection: a healthy one is not closed for it. Nothing read back is
+connection: a healthy one is not closed for it. A call is never sent once its caller gave
+up on it (a slow connect or hand-shake) or once the tier is closed, and a connection still
+in its hand-shake is shut down when its caller gives up or the tier is closed: ``close()``
+leaves no connection behind. Nothing read back is
 interpreted here (no pickle): values are returned as bytes, and the core verifies them.
 
 Capacity is the store's: run Redis with ``maxmemory`` and an LRU policy (``allkeys-lru``);
@@ -94,6 +97,12 @@ _MGET_KEYS = 256  # keys per MGET (standalone servers reached through TLS)
 _READ_BUFFER = 4 << 20  # initial receive buffer of a plain connection
 _IOV_MAX = 512  # buffers per gathering write (Linux allows 1024)
 _HEAP_PRIME = 16 << 20  # see _prime_heap
+
+
+class _Abandoned(Exception):
+    """(I/O thread) The call's caller has given up (its deadline passed) or the tier was
+    closed: nothing more is sent for it, and no connection it opened is kept by a closed
+    tier."""
 
 
 def _availability() -> Availability:
@@ -245,10 +254,13 @@ class _Plain:
         error: the exception class for a broken connection or protocol.
         reply_error: the exception class for an error reply (the server answered;
             default ``error``).
+        opening: called with the socket once it is connected, before the hand-shake (the
+            tier keeps it to shut it down if it is closed meanwhile); may raise.
     """
 
     def __init__(self, url: Mapping[str, Any], connect_timeout_s: float,
-                 error: type[Exception], reply_error: type[Exception] | None = None) -> None:
+                 error: type[Exception], reply_error: type[Exception] | None = None,
+                 opening: Callable[[socket.socket], None] | None = None) -> None:
         self._error = error
         self._reply_error = reply_error = reply_error or error
         _prime_heap()
@@ -257,6 +269,8 @@ class _Plain:
         sock = socket.create_connection((url.get("host", "localhost"), url.get("port", 6379)),
                                         timeout=connect_timeout_s)
         try:
+            if opening is not None:
+                opening(sock)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock  # (the hand-shake below keeps the connect timeout)
             hello: list[list[bytes]] = []
@@ -401,6 +415,8 @@ class RedisTier(KeyedTier):
         self._redis = redis
         self._client: Any = None
         self._plain: _Plain | None = None  # standalone server over plain TCP
+        self._opening: socket.socket | None = None  # a plain connection in its hand-shake
+        self._deadline = 0.0  # (I/O thread) the deadline of the call it runs
         try:
             parsed = redis.connection.parse_url(self._opts["url"])
         except ValueError as exc:  # a port out of range or not a number, a broken host
@@ -449,11 +465,14 @@ class RedisTier(KeyedTier):
             if o["cluster"]:
                 seen = {(n.host, n.port) for n in client.get_nodes()}
                 self._nodes = sorted(seen | set(self._nodes))
-            if self._client is None:
+            closed = self._closed
+            if self._client is None and not closed:
                 self._client = client
                 return client
             other = self._client
         client.close()
+        if closed:  # closed meanwhile: the client is not kept, the call not made
+            raise _Abandoned
         return other
 
     def _on_connect(self, conn: Any) -> None:
@@ -487,23 +506,53 @@ class RedisTier(KeyedTier):
         if stale is not None:
             stale.close()
         url = self._raw_url
-        plain = _Plain(url, self._opts["connect_timeout_s"],  # type: ignore[arg-type]
-                       self._redis.ConnectionError, self._redis.ResponseError)
+        try:
+            plain = _Plain(url, self._opts["connect_timeout_s"],  # type: ignore[arg-type]
+                           self._redis.ConnectionError, self._redis.ResponseError,
+                           self._opening_socket)
+        finally:
+            with self._lock:
+                self._opening = None
         self._saw(f"{url.get('host', 'localhost')}:{url.get('port', 6379)}",  # type: ignore[union-attr]
                   plain.run_id)
         with self._lock:
-            if self._plain is None:
+            closed = self._closed
+            if self._plain is None and not closed:
                 self._plain = plain
                 return plain
             other = self._plain
         plain.close()
+        if closed:  # closed during the hand-shake: the connection is not kept
+            raise _Abandoned
         return other
 
+    def _opening_socket(self, sock: socket.socket) -> None:
+        """A plain connection's socket, connected, before its hand-shake: kept so that
+        :meth:`_drop_client` (a caller's deadline passed, or close) can shut it down."""
+        with self._lock:
+            if self._closed:
+                raise _Abandoned
+            self._opening = sock
+
+    def _go_on(self) -> None:
+        """(I/O thread, before a call's commands are sent) Raise :class:`_Abandoned` if
+        the caller gave up meanwhile (a slow connect or hand-shake) or the tier was
+        closed: the caller was told the call failed, so it must not be made."""
+        if self._closed or time.monotonic() >= self._deadline:
+            raise _Abandoned
+
     def _drop_client(self) -> None:
-        """Close every connection (unblocks an I/O thread stuck on a dead server)."""
+        """Close every connection (unblocks an I/O thread stuck on a dead server, or in a
+        plain connection's hand-shake)."""
         with self._lock:
             client, self._client = self._client, None
             plain, self._plain = self._plain, None
+            opening = self._opening
+        if opening is not None:
+            try:  # (shut down, not closed: the I/O thread closes it as the hand-shake fails)
+                opening.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         if plain is not None:
             plain.close()
         if client is not None:
@@ -517,6 +566,8 @@ class RedisTier(KeyedTier):
             raise InvalidStateError("the redis tier is closed")
 
         def run() -> _T:
+            self._deadline = deadline
+            self._go_on()
             return fn(None if self._raw_url is not None else self._connect())
 
         if deadline <= time.monotonic():  # out of time before it is sent: no connection
@@ -530,6 +581,10 @@ class RedisTier(KeyedTier):
             if not future.cancel():  # (one that never started used no connection)
                 self._drop_client()
             raise TierIOError(f"redis: {what} ran past its deadline") from None
+        except _Abandoned:  # (a caller that waits still: the race at its deadline, a close)
+            self.timeouts += 1
+            raise TierIOError(f"redis: {what} was abandoned: " + (
+                "the tier was closed" if self._closed else "it ran past its deadline")) from None
         except (self._redis.RedisError, self._redis.exceptions.RedisClusterException,
                 OSError) as exc:
             self.errors += 1
@@ -567,6 +622,7 @@ class RedisTier(KeyedTier):
         for pool, idx in self._groups(client, keys):
             conn = pool.get_connection()
             try:
+                self._go_on()
                 lo = 0
                 while lo < len(idx):
                     hi, size = lo, 0
@@ -599,6 +655,7 @@ class RedisTier(KeyedTier):
                    sizes: Sequence[int] | None) -> list[Any]:
         """:meth:`_run` on the plain connection of a standalone server."""
         conn = self._plain_connection()
+        self._go_on()  # (the connection is kept: nothing was sent on it)
         limit = self._opts["pipeline_bytes"]
         out: list[Any] = []
         try:
@@ -731,8 +788,9 @@ class RedisTier(KeyedTier):
             plain.close()
 
     def close(self) -> None:
-        """Close the connection and stop the I/O thread (idempotent; a call stuck on a
-        dead server is abandoned)."""
+        """Close the connections (one in its hand-shake too) and stop the I/O thread
+        (idempotent; a call stuck on a dead server is abandoned, and nothing more is sent
+        for it)."""
         if self._closed:
             return
         self._closed = True
