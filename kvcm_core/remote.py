@@ -256,7 +256,8 @@ class RemoteStatistics:
         written, written_bytes: pages (frames) the store accepted.
         write_failures: pages whose write failed, was refused or was skipped.
         deleted: own keys deleted to stay under the level's quota.
-        own_keys, own_bytes: keys (and their bytes) this manager wrote and still counts.
+        own_keys, own_bytes: keys (and their bytes) this manager wrote and still counts
+            (those of a batch whose write failed or ran late too: it may have landed).
         store_restarts: servers of the store found restarted (a new identity at an
             address reached before); each makes the level check its own keys.
         own_keys_lost: losses of keys seen without a restart, each making the level act
@@ -1052,12 +1053,19 @@ class RemoteLevel:
         values = [self._frame(fkey, payload) for _, fkey, payload in batch]
         try:
             self._keep_sentinel()
+        except TierIOError:  # (the batch is not sent)
+            self._failed(writes=True)
+            st.write_failures += len(batch)
+            self._unknow(keys)
+            return
+        try:
             ok = self._writers.put_many(keys, values, deadline=time.monotonic()
                                         + self.options.write_deadline_s)
         except TierIOError:
             self._failed(writes=True)
             st.write_failures += len(batch)
-            self._unknow(keys)
+            self._unknow(keys)  # (written again if computed again)
+            self._maybe_stored(keys, values)
             return
         self._check_restarts()
         victims: list[tuple[bytes, int]] = []
@@ -1091,6 +1099,19 @@ class RemoteLevel:
                             own[key] = size
                             own.move_to_end(key, last=False)
                             self._own_bytes += size
+
+    def _maybe_stored(self, keys: list[bytes], values: list[bytes]) -> None:
+        """A batch whose write failed or ran past its deadline may have been stored all
+        the same (a paused server applies the commands it received when it resumes; a
+        slow link delivers them late): its keys are counted as own, as the least recently
+        used, so the quota deletes them first (one no-op delete for a key that never
+        landed; a check of the own keys after a restart, or a lookup's miss, drops it)."""
+        with self._lock:
+            own = self._own
+            for key, value in zip(reversed(keys), reversed(values), strict=True):
+                self._own_bytes += len(value) - own.pop(key, 0)
+                own[key] = len(value)
+                own.move_to_end(key, last=False)
 
     def _unknow(self, keys: list[bytes]) -> None:
         with self._lock:

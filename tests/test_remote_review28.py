@@ -363,3 +363,41 @@ def test_a_redis_call_given_up_during_a_hand_shake_is_not_made_later() -> None:
             assert adm.get(b"kvcm:next") == b"v"
         finally:
             tier.close()
+
+
+# -- a write batch applied after its deadline -------------------------------------------------
+
+
+def _block_bytes(url: str) -> int:
+    adm = redis.Redis.from_url(url)
+    return sum(adm.strlen(k) for k in adm.keys("kvcm:*") if b":alive:" not in k)
+
+
+def test_a_write_batch_applied_after_its_deadline_stays_under_the_own_key_quota() -> None:
+    """A batch that ran past write_deadline_s on a paused server was counted as failed
+    and its keys not as own, but the server applied it when it resumed: those keys stayed
+    in the store outside the quota, which never deleted them."""
+    with fresh_server() as server:
+        quota = 4 * 700  # 4 pages (2 layers x 256 B, framed)
+        cfg = config(server.url, quota=quota, write_deadline_s=0.2, retry_after_s=0.0,
+                     io_deadline_s=0.05)
+        with KVCacheManager(cfg) as m:
+            serve(m, _prompt(1))
+            assert m.flush_remote(10.0)
+            os.kill(_pid(server), signal.SIGSTOP)
+            try:
+                serve(m, _prompt(2))  # its batches go out and run past their deadline
+                assert m.flush_remote(10.0)
+                time.sleep(0.3)
+            finally:
+                os.kill(_pid(server), signal.SIGCONT)
+            time.sleep(0.3)  # the server applies what it received
+            failed = m.get_remote_statistics().write_failures
+            assert failed > 0
+            for s in range(3, 8):  # more writes: the quota deletes what it counts
+                serve(m, _prompt(s), rid=s)
+                assert m.flush_remote(10.0)
+            st = m.get_remote_statistics()
+            stored = _block_bytes(server.url)
+            assert stored <= quota, (stored, st)
+            assert st.own_bytes <= quota and st.own_bytes >= stored, (stored, st)
