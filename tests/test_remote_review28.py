@@ -401,3 +401,22 @@ def test_a_write_batch_applied_after_its_deadline_stays_under_the_own_key_quota(
             stored = _block_bytes(server.url)
             assert stored <= quota, (stored, st)
             assert st.own_bytes <= quota and st.own_bytes >= stored, (stored, st)
+
+
+def test_where_pexpire_is_refused_the_sentinel_written_with_an_expiry_keeps_none() -> None:
+    """The sentinel is written with its expiry (SET ... PX) before the level knows that
+    the server refuses PEXPIRE; renewals then cannot push the expiry back, so the key
+    must keep none (docs/remote.md), or it expires under a live manager (a false loss)."""
+    with fresh_server() as server:
+        adm = redis.Redis.from_url(server.url)
+        adm.execute_command("ACL", "SETUSER", "kv", "on", ">pw", "~*", "+@all", "-pexpire")
+        url = f"redis://kv:pw@127.0.0.1:{server.port}/0"
+        with KVCacheManager(config(url)) as m:
+            serve(m, _prompt(1))
+            assert m.flush_remote(10.0)
+            time.sleep(0.6)  # past the gap between two renewals of a busy writer
+            serve(m, _prompt(2), rid=2)  # its batch renews the sentinel: PEXPIRE refused
+            assert m.flush_remote(10.0)
+            assert [ttl for _, ttl in _sentinels(server.url)] == [-1]
+            st = m.get_remote_statistics()
+            assert st.write_failures == 0 and st.own_keys_lost == 0, st

@@ -50,7 +50,8 @@ user without it) the connection is used all the same and the address has no ``ru
 Deletes use ``UNLINK``; where the server refuses it (renamed away with ``rename-command``,
 or an ACL without it) the tier uses ``DEL`` from then on. Likewise ``renew_many`` uses
 ``PEXPIRE`` and, where that is refused, answers as ``exists_many`` from then on (nothing
-expires).
+expires: ``put_expiring_many`` then writes no expiry, and the keys renewed when the refusal
+is found lose theirs, by ``PERSIST``).
 
 Options:
     url: ``redis://[user:password@]host:port/db`` or ``rediss://...`` (TLS). Required.
@@ -757,6 +758,13 @@ class RedisTier(KeyedTier):
             if not _refuses(self._redis, exc.__cause__, b"PEXPIRE"):
                 raise
             self._renew = False
+            try:  # a key written with an expiry (put_expiring_many, before this was known)
+                # would expire for want of renewals: it keeps none, as those written later
+                self._call(f"persist of {len(full)} keys",
+                           lambda c: self._run(c, full, lambda i: [b"PERSIST", full[i]]),
+                           deadline)
+            except TierIOError:  # (refused too: it expires as written)
+                pass
             return self.exists_many(keys, deadline=deadline)
         return np.fromiter((r == 1 for r in res), dtype=bool, count=len(full))
 
