@@ -118,7 +118,8 @@ class RemoteOptions:
             (``"0"`` for a single device; required). Both are folded into the layout
             fingerprint: two models, or two shards, of the same geometry never share keys.
         io_deadline_s: seconds the lookup of ``create_kv_cache`` may take (one round trip
-            per 16 MiB of frames).
+            per 16 MiB of frames); as much again for the sentinel check of a lookup that
+            missed an own key (at most once per ``retry_after_s``).
         max_blocks: blocks past the local match one lookup asks for.
         write_queue_blocks: pages waiting to be written, at most (more are dropped).
         write_queue_bytes: bytes of the pages waiting to be written, at most (more are
