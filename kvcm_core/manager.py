@@ -368,10 +368,10 @@ class KVCacheManager:
 
     def flush_remote(self, timeout_s: float | None = None) -> bool:
         """Wait until the remote level's queued writes were made (or failed); False when
-        ``timeout_s`` passed first.
+        ``timeout_s`` (seconds >= 0; None or inf: no limit) passed first.
 
         Raises:
-            InvalidStateError: the configuration has no keyed level.
+            InvalidStateError: no keyed level (a bad timeout_s: see RemoteLevel.flush).
         """
         return self._need_remote().flush(timeout_s)
 

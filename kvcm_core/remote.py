@@ -48,6 +48,8 @@ from __future__ import annotations
 import collections
 import hashlib
 import itertools
+import math
+import numbers
 import os
 import struct
 import threading
@@ -62,7 +64,14 @@ import numpy as np
 from kvcm_core.backend import Buffer, KernelBackend, Stream
 from kvcm_core.codec import BlobCodec, PageCodec
 from kvcm_core.config import KVCacheManagerConfig, LevelConfig
-from kvcm_core.errors import ConfigError, CorruptPageError, OutOfPagesError, TierIOError
+from kvcm_core.errors import (
+    ArgumentTypeError,
+    ConfigError,
+    CorruptPageError,
+    InvalidArgumentError,
+    OutOfPagesError,
+    TierIOError,
+)
 from kvcm_core.frame import FRAME_MAGIC, FRAME_OVERHEAD, FRAME_VERSION, HEADER, layout_fingerprint
 from kvcm_core.matching import Match
 from kvcm_core.migration import Mover
@@ -79,7 +88,7 @@ if TYPE_CHECKING:
     from kvcm_core.storage import Store
 
 __all__ = ["RemoteLevel", "RemoteOptions", "RemoteStatistics", "build_remote",
-           "remote_options", "split_keyed_level"]
+           "remote_options", "split_keyed_level", "wait_seconds"]
 
 _HEAD = struct.Struct("<4sHH16s32sQI")  # the frame header (kvcm_core.frame.HEADER)
 assert _HEAD.size == HEADER.itemsize
@@ -109,7 +118,8 @@ class RemoteOptions:
             (``"0"`` for a single device; required). Both are folded into the layout
             fingerprint: two models, or two shards, of the same geometry never share keys.
         io_deadline_s: seconds the lookup of ``create_kv_cache`` may take (one round trip
-            per 16 MiB of frames).
+            per 16 MiB of frames); as much again for the sentinel check of a lookup that
+            missed an own key (at most once per ``retry_after_s``).
         max_blocks: blocks past the local match one lookup asks for.
         write_queue_blocks: pages waiting to be written, at most (more are dropped).
         write_queue_bytes: bytes of the pages waiting to be written, at most (more are
@@ -170,6 +180,32 @@ def remote_options(index: int, options: Mapping[str, Any]) -> tuple[RemoteOption
     return RemoteOptions(**mine), rest
 
 
+def wait_seconds(name: str, value: object) -> float | None:
+    """``value``, an API call's time to wait, as ``Condition.wait`` takes it: None (no
+    limit), or a real number of seconds >= 0; ``inf`` or more than
+    ``threading.TIMEOUT_MAX`` (no thread can wait longer) is no limit (None).
+
+    Raises:
+        ArgumentTypeError: not None nor a real number (a ``str``, a ``bool``).
+        InvalidArgumentError: negative or ``nan``.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{name}={value!r}: must be seconds (a real number >= 0) "
+                                f"or None (no limit)")
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int past every float
+        seconds = math.inf if value > 0 else -math.inf
+    if math.isnan(seconds) or seconds < 0:
+        shown = f"<an int of {value.bit_length()} bits>" if isinstance(value, int) and \
+            not math.isfinite(seconds) else repr(value)
+        raise InvalidArgumentError(f"{name}={shown}: must be seconds >= 0, or None or inf "
+                                   f"(no limit)")
+    return None if seconds > threading.TIMEOUT_MAX else seconds
+
+
 def split_keyed_level(config: KVCacheManagerConfig, pm: KvcmPluginManager
                       ) -> tuple[KVCacheManagerConfig, LevelConfig | None]:
     """The configuration of the manager's own levels, and its keyed level (or None).
@@ -221,12 +257,15 @@ class RemoteStatistics:
         written, written_bytes: pages (frames) the store accepted.
         write_failures: pages whose write failed, was refused or was skipped.
         deleted: own keys deleted to stay under the level's quota.
-        own_keys, own_bytes: keys (and their bytes) this manager wrote and still counts.
+        own_keys, own_bytes: keys (and their bytes) this manager wrote and still counts
+            (those of a batch whose write failed or ran late too: it may have landed).
         store_restarts: servers of the store found restarted (a new identity at an
             address reached before); each makes the level check its own keys.
-        own_keys_lost: lookups that missed a key this manager wrote and made the level
-            act as after a restart (at most one per ``retry_after_s``): the store lost
-            keys without restarting (``FLUSHALL``, an eviction, a lossy failover).
+        own_keys_lost: losses of keys seen without a restart, each making the level act
+            as after one: a lookup that missed a key this manager wrote and found the
+            sentinel gone (at most one per ``retry_after_s``), or a renewal that found it
+            gone (``FLUSHALL``, an eviction, a lossy failover). A restart the same call
+            found, or one being acted on, is counted in ``store_restarts`` only.
     """
 
     lookups: int = 0
@@ -367,11 +406,13 @@ class RemoteLevel:
         self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._instances: dict[str, set[str]] = {}  # address -> server identities seen
         self._resync = False  # own keys to check against the store (after a restart)
+        self._checking = False  # ... being checked now (by the writer)
         self._next_loss_check = 0.0  # see _lost_own
         # A key of this manager's alone, written before its first blocks: gone means the
         # store lost keys wholesale (FLUSHALL), there means an ordinary loss (see _lost_own).
         self._sentinel = self._prefix + b"alive:" + os.urandom(8).hex().encode()
         self._sentinel_set = False
+        self._sentinel_tried = False  # a write of it was sent (see close)
         self._sentinel_renewed = 0.0  # (monotonic) see _keep_sentinel
         self._thread = threading.Thread(target=self._write_loop, daemon=True,
                                         name="kvcm-remote-writer")
@@ -418,7 +459,7 @@ class RemoteLevel:
                 self._own_bytes -= size
             return size is not None
 
-    def _lost_own(self, deadline: float) -> None:
+    def _lost_own(self) -> None:
         """A lookup missed a key this manager wrote (it was forgotten already). An
         ordinary loss (Redis evicting under ``maxmemory``, another manager's quota deleting
         a block both wrote) needs nothing more; a store that lost keys wholesale without a
@@ -427,20 +468,28 @@ class RemoteLevel:
         it believed stored (a block computed again is written again, not skipped; done
         here, before this request's blocks are committed), the writer drops the own keys
         the store no longer holds and writes the sentinel again (``own_keys_lost``). One
-        small round trip, at most once per ``retry_after_s``, within the lookup's
-        deadline (not concluded: the next such miss checks again)."""
+        small round trip, at most once per ``retry_after_s``, with a deadline of its own
+        (``io_deadline_s`` from its start: the lookup's own may be spent, and a call that
+        runs out of time closes its connection). A check that fails or runs late is a
+        read failure (lookups skipped for ``retry_after_s``) and concludes nothing: the
+        next such miss past ``retry_after_s`` checks again. Nothing is done or
+        counted while an emptied store is being acted on (the sentinel not yet written
+        again, the own keys still to check): it is part of that."""
         now = time.monotonic()
         with self._lock:
+            if not self._sentinel_set and (self._resync or self._checking):
+                return  # the store was found emptied (a restart, a loss): acted on already
             if now < self._next_loss_check:
                 return
             self._next_loss_check = now + self.options.retry_after_s
             known_set = self._sentinel_set
         if known_set:
             try:
-                there = bool(self.tier.exists_many([self._sentinel], deadline=deadline)[0])
+                there = bool(self.tier.exists_many(
+                    [self._sentinel], deadline=time.monotonic() + self.options.io_deadline_s)[0])
             except TierIOError:
-                with self._lock:
-                    self._next_loss_check = 0.0
+                self.stats.read_failures += 1
+                self._failed(writes=False)
                 return
             if there:
                 return
@@ -480,14 +529,18 @@ class RemoteLevel:
             if self._writers.renew_many([self._sentinel], ttl_s=_SENTINEL_TTL_S,
                                         deadline=deadline)[0]:
                 return
+            # gone: a restart when the renewal's connection found a new server (counted
+            # as one in store_restarts, not as a loss too), else a loss
+            self._check_restarts()
             with self._lock:
                 if self._sentinel_set:  # (not emptied meanwhile by a lookup's check)
                     self.stats.own_keys_lost += 1
                     self._store_emptied()
-        ok = bool(self._writers.put_many([self._sentinel], [b"kvcm"], deadline=deadline)[0])
-        if ok:  # (a manager that dies right here leaves a sentinel without an expiry)
-            ok = bool(self._writers.renew_many([self._sentinel], ttl_s=_SENTINEL_TTL_S,
-                                               deadline=deadline)[0])
+        # written with its expiry in one command: a call that fails or runs late (and
+        # lands all the same) never leaves a sentinel that does not expire
+        self._sentinel_tried = True  # (deleted at close, wherever a write may have landed)
+        ok = bool(self._writers.put_expiring_many([self._sentinel], [b"kvcm"],
+                                                  ttl_s=_SENTINEL_TTL_S, deadline=deadline)[0])
         with self._lock:
             self._sentinel_set = ok
 
@@ -507,10 +560,10 @@ class RemoteLevel:
 
     # -- restarts ----------------------------------------------------------------------------
 
-    def _check_restarts(self) -> None:
+    def _check_restarts(self) -> bool:
         """After a call: if a tier found a server with a new identity where it had found
         another before (a restart), forget which keys are believed stored and have the
-        writer check the own keys against the store. Cheap: no I/O."""
+        writer check the own keys against the store; True then. Cheap: no I/O."""
         seen = [tier.store_instances() for tier in (self.tier, self._writers)]
         with self._lock:
             restarted = False
@@ -523,6 +576,7 @@ class RemoteLevel:
             if restarted:
                 self.stats.store_restarts += 1
                 self._store_emptied()
+            return restarted
 
     def _resync_due(self) -> bool:
         return self._resync and time.monotonic() >= self._write_skip_until
@@ -538,7 +592,15 @@ class RemoteLevel:
     def _check_own(self) -> None:
         with self._lock:
             self._resync = False
+            self._checking = True
             keys = list(self._own)
+        try:
+            self._check_chunks(keys)
+        finally:
+            with self._lock:
+                self._checking = False
+
+    def _check_chunks(self, keys: list[bytes]) -> None:
         for lo in range(0, len(keys), _RESYNC_KEYS):
             chunk = keys[lo:lo + _RESYNC_KEYS]
             try:
@@ -684,7 +746,7 @@ class RemoteLevel:
             self.stats.read_failures += 1
             self._failed(writes=False)
             return 0, {}
-        self._check_restarts()
+        restarted = self._check_restarts()
         present = plan.have.copy()
         pages: dict[tuple[int, int], bytes] = {}
         st = self.stats
@@ -711,8 +773,8 @@ class RemoteLevel:
                 # stays counted as own (its bytes are still in the store)
                 with self._lock:
                     self._known.pop(rkey, None)
-        if lost:
-            self._lost_own(deadline)
+        if lost and not restarted:  # (a restart is acted on already: not a loss too)
+            self._lost_own()
         ok = np.asarray(present[:, self._required].all(axis=1))
         extent = int(ok.size) if ok.all() else int(ok.argmin())
         return extent, pages
@@ -992,12 +1054,19 @@ class RemoteLevel:
         values = [self._frame(fkey, payload) for _, fkey, payload in batch]
         try:
             self._keep_sentinel()
+        except TierIOError:  # (the batch is not sent)
+            self._failed(writes=True)
+            st.write_failures += len(batch)
+            self._unknow(keys)
+            return
+        try:
             ok = self._writers.put_many(keys, values, deadline=time.monotonic()
                                         + self.options.write_deadline_s)
         except TierIOError:
             self._failed(writes=True)
             st.write_failures += len(batch)
-            self._unknow(keys)
+            self._unknow(keys)  # (written again if computed again)
+            self._maybe_stored(keys, values)
             return
         self._check_restarts()
         victims: list[tuple[bytes, int]] = []
@@ -1032,6 +1101,19 @@ class RemoteLevel:
                             own.move_to_end(key, last=False)
                             self._own_bytes += size
 
+    def _maybe_stored(self, keys: list[bytes], values: list[bytes]) -> None:
+        """A batch whose write failed or ran past its deadline may have been stored all
+        the same (a paused server applies the commands it received when it resumes; a
+        slow link delivers them late): its keys are counted as own, as the least recently
+        used, so the quota deletes them first (one no-op delete for a key that never
+        landed; a check of the own keys after a restart, or a lookup's miss, drops it)."""
+        with self._lock:
+            own = self._own
+            for key, value in zip(reversed(keys), reversed(values), strict=True):
+                self._own_bytes += len(value) - own.pop(key, 0)
+                own[key] = len(value)
+                own.move_to_end(key, last=False)
+
     def _unknow(self, keys: list[bytes]) -> None:
         with self._lock:
             for key in keys:
@@ -1049,7 +1131,13 @@ class RemoteLevel:
         """Wait until every queued write was made (or failed), and a check of the own
         keys after a restart too (unless the store is being skipped after a failure; one
         attempt at most: a check that fails is retried later, not waited for); False if
-        ``timeout_s`` passed first."""
+        ``timeout_s`` passed first.
+
+        Raises:
+            ArgumentTypeError, InvalidArgumentError: a bad ``timeout_s`` (see
+                :func:`wait_seconds`).
+        """
+        timeout_s = wait_seconds("timeout_s", timeout_s)
         with self._lock:
             start = self._resync_attempts
             return self._lock.wait_for(
@@ -1074,7 +1162,8 @@ class RemoteLevel:
                 self.stats.writes_dropped += len(self._queue)
                 self._queue.clear()
                 self._queue_bytes = 0
-        if self._sentinel_set:  # the sentinel is this manager's alone: not left behind
+        if self._sentinel_tried:  # the sentinel is this manager's alone: not left behind
+            # (where a write of it may have landed, known or not)
             try:
                 self._writers.delete_many([self._sentinel], deadline=time.monotonic() + 1.0)
             except TierIOError:

@@ -313,3 +313,17 @@ class KeyedTier(Tier):
         (docs/remote.md, "Lost keys"). The default is :meth:`exists_many`: for a store
         that cannot expire keys, nothing expires and nothing is touched."""
         return self.exists_many(keys, deadline=deadline)
+
+    def put_expiring_many(self, keys: Sequence[bytes], values: Sequence[bytes | memoryview],
+                          *, ttl_s: float, deadline: float) -> np.ndarray:
+        """As :meth:`put_many`, each value stored to expire ``ttl_s`` seconds from now (a
+        later :meth:`renew_many` pushes it back). A store that can expire keys writes the
+        value with its expiry in one command, so that a call that fails or runs late never
+        leaves a value without one (the core writes its sentinel key this way). The default
+        (for stores that cannot) is :meth:`put_many`, then :meth:`renew_many` of the
+        values stored: ``bool [n]``, which were stored and renewed."""
+        ok = np.asarray(self.put_many(keys, values, deadline=deadline), dtype=bool)
+        if ok.any():
+            stored = [k for k, s in zip(keys, ok.tolist(), strict=True) if s]
+            ok[ok] = self.renew_many(stored, ttl_s=ttl_s, deadline=deadline)
+        return ok

@@ -182,6 +182,13 @@ class KeyedTierConformance(ConformanceBase):
             pytest.fail("the tier still holds a view of the values after put_many returned")
         assert tier.get_many(keys, deadline=_deadline()) == want
 
+    def test_put_expiring_stores_values_as_put_does(self, tier: KeyedTier) -> None:
+        keys = self._keys(2)
+        stored = tier.put_expiring_many(keys, [b"a", memoryview(b"xbx")[1:2]], ttl_s=60.0,
+                                        deadline=_deadline())
+        assert stored.dtype == bool and stored.tolist() == [True, True]
+        assert tier.get_many(keys, deadline=_deadline()) == [b"a", b"b"]
+
     def test_delete_counts_only_keys_that_held_a_value(self, tier: KeyedTier) -> None:
         keys = self._keys(3)
         tier.put_many(keys[:2], [b"a", b"b"], deadline=_deadline())

@@ -28,7 +28,12 @@ take it as "not in the store"). The same holds for a standalone server.
 Deadlines: each call runs on the tier's I/O thread and the caller waits at most until the
 call's deadline. A call that runs past it, or that cannot reach the store, raises
 :class:`~kvcm_core.errors.TierIOError`; a timed-out call's connection is closed (which
-unblocks the I/O thread) and the next call opens a new one. Nothing read back is
+unblocks the I/O thread) and the next call opens a new one. A call whose deadline passed
+before it was sent (or before the I/O thread took it up) raises the same and touches no
+connection: a healthy one is not closed for it. A call is never sent once its caller gave
+up on it (a slow connect or hand-shake) or once the tier is closed, and a connection still
+in its hand-shake is shut down when its caller gives up or the tier is closed: ``close()``
+leaves no connection behind. Nothing read back is
 interpreted here (no pickle): values are returned as bytes, and the core verifies them.
 
 Capacity is the store's: run Redis with ``maxmemory`` and an LRU policy (``allkeys-lru``);
@@ -45,7 +50,8 @@ user without it) the connection is used all the same and the address has no ``ru
 Deletes use ``UNLINK``; where the server refuses it (renamed away with ``rename-command``,
 or an ACL without it) the tier uses ``DEL`` from then on. Likewise ``renew_many`` uses
 ``PEXPIRE`` and, where that is refused, answers as ``exists_many`` from then on (nothing
-expires).
+expires: ``put_expiring_many`` then writes no expiry, and the keys renewed when the refusal
+is found lose theirs, by ``PERSIST``).
 
 Options:
     url: ``redis://[user:password@]host:port/db`` or ``rediss://...`` (TLS). Required.
@@ -92,6 +98,12 @@ _MGET_KEYS = 256  # keys per MGET (standalone servers reached through TLS)
 _READ_BUFFER = 4 << 20  # initial receive buffer of a plain connection
 _IOV_MAX = 512  # buffers per gathering write (Linux allows 1024)
 _HEAP_PRIME = 16 << 20  # see _prime_heap
+
+
+class _Abandoned(Exception):
+    """(I/O thread) The call's caller has given up (its deadline passed) or the tier was
+    closed: nothing more is sent for it, and no connection it opened is kept by a closed
+    tier."""
 
 
 def _availability() -> Availability:
@@ -243,10 +255,13 @@ class _Plain:
         error: the exception class for a broken connection or protocol.
         reply_error: the exception class for an error reply (the server answered;
             default ``error``).
+        opening: called with the socket once it is connected, before the hand-shake (the
+            tier keeps it to shut it down if it is closed meanwhile); may raise.
     """
 
     def __init__(self, url: Mapping[str, Any], connect_timeout_s: float,
-                 error: type[Exception], reply_error: type[Exception] | None = None) -> None:
+                 error: type[Exception], reply_error: type[Exception] | None = None,
+                 opening: Callable[[socket.socket], None] | None = None) -> None:
         self._error = error
         self._reply_error = reply_error = reply_error or error
         _prime_heap()
@@ -255,6 +270,8 @@ class _Plain:
         sock = socket.create_connection((url.get("host", "localhost"), url.get("port", 6379)),
                                         timeout=connect_timeout_s)
         try:
+            if opening is not None:
+                opening(sock)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock  # (the hand-shake below keeps the connect timeout)
             hello: list[list[bytes]] = []
@@ -399,6 +416,8 @@ class RedisTier(KeyedTier):
         self._redis = redis
         self._client: Any = None
         self._plain: _Plain | None = None  # standalone server over plain TCP
+        self._opening: socket.socket | None = None  # a plain connection in its hand-shake
+        self._deadline = 0.0  # (I/O thread) the deadline of the call it runs
         try:
             parsed = redis.connection.parse_url(self._opts["url"])
         except ValueError as exc:  # a port out of range or not a number, a broken host
@@ -447,11 +466,14 @@ class RedisTier(KeyedTier):
             if o["cluster"]:
                 seen = {(n.host, n.port) for n in client.get_nodes()}
                 self._nodes = sorted(seen | set(self._nodes))
-            if self._client is None:
+            closed = self._closed
+            if self._client is None and not closed:
                 self._client = client
                 return client
             other = self._client
         client.close()
+        if closed:  # closed meanwhile: the client is not kept, the call not made
+            raise _Abandoned
         return other
 
     def _on_connect(self, conn: Any) -> None:
@@ -485,23 +507,53 @@ class RedisTier(KeyedTier):
         if stale is not None:
             stale.close()
         url = self._raw_url
-        plain = _Plain(url, self._opts["connect_timeout_s"],  # type: ignore[arg-type]
-                       self._redis.ConnectionError, self._redis.ResponseError)
+        try:
+            plain = _Plain(url, self._opts["connect_timeout_s"],  # type: ignore[arg-type]
+                           self._redis.ConnectionError, self._redis.ResponseError,
+                           self._opening_socket)
+        finally:
+            with self._lock:
+                self._opening = None
         self._saw(f"{url.get('host', 'localhost')}:{url.get('port', 6379)}",  # type: ignore[union-attr]
                   plain.run_id)
         with self._lock:
-            if self._plain is None:
+            closed = self._closed
+            if self._plain is None and not closed:
                 self._plain = plain
                 return plain
             other = self._plain
         plain.close()
+        if closed:  # closed during the hand-shake: the connection is not kept
+            raise _Abandoned
         return other
 
+    def _opening_socket(self, sock: socket.socket) -> None:
+        """A plain connection's socket, connected, before its hand-shake: kept so that
+        :meth:`_drop_client` (a caller's deadline passed, or close) can shut it down."""
+        with self._lock:
+            if self._closed:
+                raise _Abandoned
+            self._opening = sock
+
+    def _go_on(self) -> None:
+        """(I/O thread, before a call's commands are sent) Raise :class:`_Abandoned` if
+        the caller gave up meanwhile (a slow connect or hand-shake) or the tier was
+        closed: the caller was told the call failed, so it must not be made."""
+        if self._closed or time.monotonic() >= self._deadline:
+            raise _Abandoned
+
     def _drop_client(self) -> None:
-        """Close every connection (unblocks an I/O thread stuck on a dead server)."""
+        """Close every connection (unblocks an I/O thread stuck on a dead server, or in a
+        plain connection's hand-shake)."""
         with self._lock:
             client, self._client = self._client, None
             plain, self._plain = self._plain, None
+            opening = self._opening
+        if opening is not None:
+            try:  # (shut down, not closed: the I/O thread closes it as the hand-shake fails)
+                opening.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         if plain is not None:
             plain.close()
         if client is not None:
@@ -515,16 +567,25 @@ class RedisTier(KeyedTier):
             raise InvalidStateError("the redis tier is closed")
 
         def run() -> _T:
+            self._deadline = deadline
+            self._go_on()
             return fn(None if self._raw_url is not None else self._connect())
 
+        if deadline <= time.monotonic():  # out of time before it is sent: no connection
+            self.timeouts += 1  # is touched (a healthy one must not be dropped for it)
+            raise TierIOError(f"redis: {what} ran past its deadline (before it was sent)")
         future = self._io.submit(run)
         try:
             return future.result(timeout=max(0.0, deadline - time.monotonic()))
         except cf.TimeoutError:
             self.timeouts += 1
-            future.cancel()
-            self._drop_client()
+            if not future.cancel():  # (one that never started used no connection)
+                self._drop_client()
             raise TierIOError(f"redis: {what} ran past its deadline") from None
+        except _Abandoned:  # (a caller that waits still: the race at its deadline, a close)
+            self.timeouts += 1
+            raise TierIOError(f"redis: {what} was abandoned: " + (
+                "the tier was closed" if self._closed else "it ran past its deadline")) from None
         except (self._redis.RedisError, self._redis.exceptions.RedisClusterException,
                 OSError) as exc:
             self.errors += 1
@@ -562,6 +623,7 @@ class RedisTier(KeyedTier):
         for pool, idx in self._groups(client, keys):
             conn = pool.get_connection()
             try:
+                self._go_on()
                 lo = 0
                 while lo < len(idx):
                     hi, size = lo, 0
@@ -594,6 +656,7 @@ class RedisTier(KeyedTier):
                    sizes: Sequence[int] | None) -> list[Any]:
         """:meth:`_run` on the plain connection of a standalone server."""
         conn = self._plain_connection()
+        self._go_on()  # (the connection is kept: nothing was sent on it)
         limit = self._opts["pipeline_bytes"]
         out: list[Any] = []
         try:
@@ -626,6 +689,25 @@ class RedisTier(KeyedTier):
         sizes = [len(v) for v in values]
         res = self._call(f"put of {len(full)} values",
                          lambda c: self._run(c, full, lambda i: [b"SET", full[i], values[i]],
+                                             sizes), deadline)
+        return np.fromiter((r == b"OK" for r in res), dtype=bool, count=len(full))
+
+    def put_expiring_many(self, keys: Sequence[bytes], values: Sequence[bytes | memoryview],
+                          *, ttl_s: float, deadline: float) -> np.ndarray:
+        """``SET key value PX ms``: each value with its expiry in one command (no value
+        without an expiry, whatever happens to the call). Where ``PEXPIRE`` was refused
+        (see :meth:`renew_many`), a plain ``SET``: renewals cannot push an expiry back."""
+        full = self._full(keys)
+        if len(values) != len(full):
+            raise ValueError(f"{len(full)} keys but {len(values)} values: one value per key")
+        if not isinstance(ttl_s, int | float) or isinstance(ttl_s, bool) or not ttl_s > 0:
+            raise ValueError(f"ttl_s={ttl_s!r}: must be seconds > 0")
+        if not full:
+            return np.zeros(0, dtype=bool)
+        px = [b"PX", b"%d" % max(1, round(ttl_s * 1000))] if self._renew else []
+        sizes = [len(v) for v in values]
+        res = self._call(f"put of {len(full)} expiring values",
+                         lambda c: self._run(c, full, lambda i: [b"SET", full[i], values[i], *px],
                                              sizes), deadline)
         return np.fromiter((r == b"OK" for r in res), dtype=bool, count=len(full))
 
@@ -676,6 +758,13 @@ class RedisTier(KeyedTier):
             if not _refuses(self._redis, exc.__cause__, b"PEXPIRE"):
                 raise
             self._renew = False
+            try:  # a key written with an expiry (put_expiring_many, before this was known)
+                # would expire for want of renewals: it keeps none, as those written later
+                self._call(f"persist of {len(full)} keys",
+                           lambda c: self._run(c, full, lambda i: [b"PERSIST", full[i]]),
+                           deadline)
+            except TierIOError:  # (refused too: it expires as written)
+                pass
             return self.exists_many(keys, deadline=deadline)
         return np.fromiter((r == 1 for r in res), dtype=bool, count=len(full))
 
@@ -707,8 +796,9 @@ class RedisTier(KeyedTier):
             plain.close()
 
     def close(self) -> None:
-        """Close the connection and stop the I/O thread (idempotent; a call stuck on a
-        dead server is abandoned)."""
+        """Close the connections (one in its hand-shake too) and stop the I/O thread
+        (idempotent; a call stuck on a dead server is abandoned, and nothing more is sent
+        for it)."""
         if self._closed:
             return
         self._closed = True
