@@ -131,6 +131,9 @@ def _seconds(instance: Any, attribute: attrs.Attribute[float], value: float) -> 
         raise ConfigError(f"soak.{attribute.name}", value, "must be seconds in (0, 60]")
 
 
+#: The least ``slow_s - io_deadline_s`` a soak accepts (see :func:`_check_deadline`).
+SLOW_MARGIN_S = 0.05
+
 @attrs.frozen(kw_only=True)
 class SoakConfig:
     """One soak run.
@@ -168,9 +171,15 @@ class SoakConfig:
     resize_every: int = attrs.field(default=100, validator=_count)
 
     def __attrs_post_init__(self) -> None:
-        if self.slow_s <= self.io_deadline_s:
-            raise ConfigError("soak.slow_s", self.slow_s,
-                              f"must exceed io_deadline_s ({self.io_deadline_s})")
+        need = max(2 * self.io_deadline_s, self.io_deadline_s + SLOW_MARGIN_S)
+        if self.slow_s < need:
+            raise ConfigError(
+                "soak.slow_s", self.slow_s,
+                f"must exceed io_deadline_s ({self.io_deadline_s}) by a margin: at least "
+                f"{need:g} (twice it, and {SLOW_MARGIN_S} s past it), so that a step whose "
+                "wait for the disk is woken late by a busy machine still stops waiting "
+                "before the slow operation ends (the run's deadline check counts each slow "
+                "operation as a miss)")
 
 
 @attrs.define
@@ -576,10 +585,13 @@ def _raised(result: SoakResult, exc: Exception, where: str) -> None:
 
 
 def _check_deadline(result: SoakResult) -> None:
-    """Every slow operation slept past the deadline (``slow_s > io_deadline_s``), on the
-    level's thread: each must have been a miss (a read or write the caller stopped waiting
-    for, or a background write past it). Fewer misses than slow faults means a step waited
-    out a sleep, whatever the timing of the machine."""
+    """Every slow operation slept past the deadline, on the level's thread: each must have
+    been a miss (a read or write the caller stopped waiting for, or a background write
+    past it). Fewer misses than slow faults means a step waited out a sleep. This leans on
+    the margin ``SoakConfig`` demands between ``slow_s`` and ``io_deadline_s`` (at least
+    as much again, and :data:`SLOW_MARGIN_S`): a waiter the machine wakes later than that
+    past its deadline finds the slow operation done, uses its result, and counts no miss
+    (only a machine far too busy to run the soak does that)."""
     slow = result.faults_by_kind["slow"]
     misses = result.deadline_misses + result.background_misses
     if slow > misses and result.failure is None:
@@ -650,7 +662,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--io-deadline", type=float, default=0.1,
                    help="the disk level's io_deadline_s (default 0.1)")
     p.add_argument("--slow-s", type=float, default=0.25,
-                   help="seconds a slow operation sleeps (default 0.25)")
+                   help="seconds a slow operation sleeps (default 0.25; at least twice "
+                   "--io-deadline and 0.05 s past it)")
     p.add_argument("--write-queue-depth", type=int, default=0,
                    help="background disk writes in flight (default 0: none)")
     p.add_argument("--quiet", action="store_true", help="only the final line")

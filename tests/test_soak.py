@@ -79,7 +79,8 @@ def test_the_summary_counts_every_fault_kind(capsys) -> None:
 
 @pytest.mark.parametrize(("field", "value", "rule"), [
     ("corrupt_rate", 1.5, "must be a number in"), ("slow_rate", -0.1, "must be a number in"),
-    ("io_deadline_s", 0, "must be seconds in"), ("slow_s", 0.05, "must exceed io_deadline_s")])
+    ("io_deadline_s", 0, "must be seconds in"), ("slow_s", 0.05, "must exceed io_deadline_s"),
+    ("slow_s", 0.13, "must exceed io_deadline_s \\(0.1\\) by a margin: at least 0.2")])
 def test_bad_soak_rates_and_times_are_refused_naming_the_field(field, value, rule) -> None:
     with pytest.raises(ConfigError, match=f"soak.{field}={value}: {rule}"):
         SoakConfig(**{field: value})

@@ -98,7 +98,16 @@ class MmapPool(StoragePool):
         if self._fd is None:
             raise InvalidStateError(f"mmap pool {self.name!r} was closed")
         if self._map is None:
-            return np.empty((0, self.slot_bytes), dtype=np.uint8)
+            if not self.num_slots:
+                return np.empty((0, self.slot_bytes), dtype=np.uint8)
+            # A failed resize could not map the old size again either: try once more.
+            nbytes = self.num_slots * self.slot_bytes
+            try:
+                os.ftruncate(self._fd, nbytes)
+                self._map = mmap.mmap(self._fd, nbytes)
+            except OSError as exc:
+                raise TierIOError(f"mmap pool {self.name!r}: not mapped since a failed "
+                                  f"resize, and mapping {nbytes} bytes failed: {exc}") from exc
         return np.frombuffer(self._map, dtype=np.uint8).reshape(self.num_slots, self.slot_bytes)
 
     def _rows(self, array: object, n: int, what: str) -> np.ndarray:

@@ -56,3 +56,37 @@ def test_a_resize_that_cannot_remap_keeps_the_pool_as_it_was() -> None:
         tier.close()
     assert not os.path.exists(directory) and tier.directory is None
     del view
+
+
+def test_a_pool_whose_failed_resize_could_not_map_again_maps_on_next_use_keeping_bytes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resize whose new mapping fails (no memory) and whose old mapping cannot be made
+    again either raises TierIOError and keeps its size; the next write or read maps the
+    file again (the bytes are still in it), or raises TierIOError if it cannot (it raised
+    a raw IndexError: no mapping behind a pool of 8 slots)."""
+    import errno
+
+    import kvcm_tier_example as ex
+
+    from kvcm_core.errors import TierIOError
+
+    tier = MmapTier(None, {})
+    pool = tier.create_pool(16, 8, name="p")
+    pool.write(np.arange(2), np.full((2, 16), 5, np.uint8)).wait()
+    real = ex.mmap.mmap
+
+    def no_memory(*a: object, **k: object) -> object:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(ex.mmap, "mmap", no_memory)
+    with pytest.raises(TierIOError, match="cannot map"):
+        pool.resize(16)
+    assert pool.num_slots == 8
+    with pytest.raises(TierIOError, match="not mapped since a failed resize"):
+        pool.write(np.array([3]), np.zeros((1, 16), np.uint8))
+    monkeypatch.setattr(ex.mmap, "mmap", real)
+    pool.write(np.array([3]), np.full((1, 16), 9, np.uint8)).wait()
+    out = np.zeros((4, 16), np.uint8)
+    pool.read(np.arange(4), out).wait()
+    assert (out[:2] == 5).all() and (out[3] == 9).all()
+    tier.close()
