@@ -584,8 +584,11 @@ class Levels:
                 ordered = sort_in_batches(slots, per)
                 slots = np.empty_like(ordered)
                 slots[o] = ordered
-            else:
+            elif keys is None or src.level == 0 or self.codecs[src.level] is not \
+                    self.codecs[dst.level]:
                 slots = _in_runs(slots, old, per)
+            # (Between framed cold levels of one codec the copy writes in slot order
+            # whatever the pairing: _in_runs would sort for nothing.)
             if issue:
                 # Issued, not waited for (kvcm_core.fences): slots freed here are fenced.
                 mover.issue(layout, src, old[o], dst, ordered, per)
