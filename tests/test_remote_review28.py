@@ -365,6 +365,31 @@ def test_a_redis_call_given_up_during_a_hand_shake_is_not_made_later() -> None:
             tier.close()
 
 
+def test_a_hand_shake_a_caller_gave_up_on_is_finished_and_serves_the_next_call() -> None:
+    """On a link where the hand-shake alone takes longer than a call's deadline, each call
+    that gave up shut the hand-shake down: no call ever found a connection made. Only
+    close() may shut a hand-shake down."""
+    from kvcm_tier_redis import RedisTier
+
+    with fresh_server() as server:
+        tier = RedisTier(None, {"url": server.url, "connect_timeout_s": 3.0})
+        opening = tier._opening_socket
+
+        def slow(sock) -> None:  # a slow link: the hand-shake takes 0.3 s
+            opening(sock)
+            time.sleep(0.3)
+
+        tier._opening_socket = slow  # type: ignore[method-assign]
+        try:
+            with pytest.raises(TierIOError, match="deadline"):
+                tier.get_many([b"k"], deadline=time.monotonic() + 0.1)
+            time.sleep(0.6)  # the hand-shake ends
+            assert tier._plain is not None
+            assert tier.get_many([b"k"], deadline=time.monotonic() + 0.1) == [None]
+        finally:
+            tier.close()
+
+
 # -- a write batch applied after its deadline -------------------------------------------------
 
 

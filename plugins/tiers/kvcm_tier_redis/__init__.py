@@ -529,7 +529,7 @@ class RedisTier(KeyedTier):
 
     def _opening_socket(self, sock: socket.socket) -> None:
         """A plain connection's socket, connected, before its hand-shake: kept so that
-        :meth:`_drop_client` (a caller's deadline passed, or close) can shut it down."""
+        :meth:`close` can shut it down."""
         with self._lock:
             if self._closed:
                 raise _Abandoned
@@ -543,12 +543,15 @@ class RedisTier(KeyedTier):
             raise _Abandoned
 
     def _drop_client(self) -> None:
-        """Close every connection (unblocks an I/O thread stuck on a dead server, or in a
-        plain connection's hand-shake)."""
+        """Close every connection (unblocks an I/O thread stuck on a dead server). A plain
+        connection still in its hand-shake is shut down only at :meth:`close`: a caller
+        that gave up leaves it to finish (:meth:`_go_on` stops the abandoned call), so
+        the next call finds it made, on a link where the hand-shake alone takes longer
+        than one call's deadline."""
         with self._lock:
             client, self._client = self._client, None
             plain, self._plain = self._plain, None
-            opening = self._opening
+            opening = self._opening if self._closed else None
         if opening is not None:
             try:  # (shut down, not closed: the I/O thread closes it as the hand-shake fails)
                 opening.shutdown(socket.SHUT_RDWR)
