@@ -1062,11 +1062,12 @@ class RemoteLevel:
         try:
             ok = self._writers.put_many(keys, values, deadline=time.monotonic()
                                         + self.options.write_deadline_s)
-        except TierIOError:
+        except TierIOError as exc:
             self._failed(writes=True)
             st.write_failures += len(batch)
             self._unknow(keys)  # (written again if computed again)
-            self._maybe_stored(keys, values)
+            if exc.maybe_applied:  # (not if unsent, or refused: another's copy)
+                self._maybe_stored(keys, values)
             return
         self._check_restarts()
         victims: list[tuple[bytes, int]] = []
@@ -1102,11 +1103,12 @@ class RemoteLevel:
                             self._own_bytes += size
 
     def _maybe_stored(self, keys: list[bytes], values: list[bytes]) -> None:
-        """A batch whose write failed or ran past its deadline may have been stored all
-        the same (a paused server applies the commands it received when it resumes; a
-        slow link delivers them late): its keys are counted as own, as the least recently
-        used, so the quota deletes them first (one no-op delete for a key that never
-        landed; a check of the own keys after a restart, or a lookup's miss, drops it)."""
+        """A batch whose write failed or ran past its deadline once sent
+        (``TierIOError.maybe_applied``) may have been stored all the same (a paused server
+        applies the commands it received when it resumes; a slow link delivers them late):
+        its keys are counted as own, as the least recently used, so the quota deletes them
+        first (one no-op delete for a key that never landed; a check of the own keys after
+        a restart, or a lookup's miss, drops it)."""
         with self._lock:
             own = self._own
             for key, value in zip(reversed(keys), reversed(values), strict=True):

@@ -428,6 +428,49 @@ def test_a_write_batch_applied_after_its_deadline_stays_under_the_own_key_quota(
             assert st.own_bytes <= quota and st.own_bytes >= stored, (stored, st)
 
 
+@pytest.mark.parametrize("how", ["hand-shake", "refused"])
+def test_a_failed_write_batch_unsent_or_refused_is_not_counted_as_own(how) -> None:
+    """A batch that never reached the store (its connection's hand-shake ran past the
+    deadline) or that the server refused whole (-NOREPLICAS to every SET) was counted as
+    own ("maybe stored"), first to go: the quota then deleted the same keys written by
+    another manager, which this one never wrote."""
+    with fresh_server() as server:
+        adm = redis.Redis.from_url(server.url)
+
+        def blocks() -> set[bytes]:
+            return {k for k in adm.keys("kvcm:*") if b":alive:" not in k}
+
+        cfg = config(server.url, quota=14 * 700, write_deadline_s=0.2, retry_after_s=0.0,
+                     io_deadline_s=0.05)
+        with KVCacheManager(cfg) as a, KVCacheManager(config(server.url)) as b:
+            serve(a, _prompt(1))
+            assert a.flush_remote(10.0)
+            if how == "hand-shake":
+                os.kill(_pid(server), signal.SIGSTOP)
+                a.remote._writers._drop_plain()  # (an idle timeout): a new connection
+                try:
+                    serve(a, _prompt(2, 4), rid=2)
+                    assert a.flush_remote(10.0)
+                finally:
+                    os.kill(_pid(server), signal.SIGCONT)
+            else:
+                adm.config_set("min-replicas-to-write", 1)
+                serve(a, _prompt(2, 4), rid=2)
+                assert a.flush_remote(10.0)
+                adm.config_set("min-replicas-to-write", 0)
+            time.sleep(0.3)
+            assert a.get_remote_statistics().write_failures > 0
+            before = blocks()
+            serve(b, _prompt(2, 4), rid="b")  # b writes the same blocks
+            assert b.flush_remote(10.0)
+            theirs = blocks() - before
+            assert len(theirs) == 4
+            serve(a, _prompt(3), rid=3)  # a's quota deletes its own keys
+            assert a.flush_remote(10.0)
+            assert a.get_remote_statistics().deleted > 0
+            assert theirs <= blocks(), "a's quota deleted keys only b wrote"
+
+
 def test_where_pexpire_is_refused_the_sentinel_written_with_an_expiry_keeps_none() -> None:
     """The sentinel is written with its expiry (SET ... PX) before the level knows that
     the server refuses PEXPIRE; renewals then cannot push the expiry back, so the key

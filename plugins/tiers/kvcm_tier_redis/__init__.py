@@ -264,6 +264,7 @@ class _Plain:
                  opening: Callable[[socket.socket], None] | None = None) -> None:
         self._error = error
         self._reply_error = reply_error = reply_error or error
+        self.error_replies = 0  # error replies read (key errors too)
         _prime_heap()
         self._buf = bytearray(_READ_BUFFER)
         self._have = self._pos = 0
@@ -368,6 +369,7 @@ class _Plain:
         if kind == b"+":
             return bytes(line[1:])
         if kind == b"-":
+            self.error_replies += 1
             if line[1:].split(b" ", 1)[0] not in _KEY_ERRORS:
                 # the connection is dropped by the caller: its unread replies don't matter
                 raise self._reply_error(f"the server answered {bytes(line[:100])!r}")
@@ -389,7 +391,17 @@ class _Plain:
                 else:
                     views[0] = first[sent:]
                     sent = 0
-        return [self._reply() for _ in range(n)]
+        out: list[bytes | int | None] = []
+        failed: Exception | None = None
+        for _ in range(n):  # every reply read: the caller can tell if all were refused
+            try:
+                out.append(self._reply())
+            except self._reply_error as exc:
+                failed = failed or exc
+                out.append(None)
+        if failed is not None:
+            raise failed
+        return out
 
 
 class RedisTier(KeyedTier):
@@ -418,6 +430,7 @@ class RedisTier(KeyedTier):
         self._plain: _Plain | None = None  # standalone server over plain TCP
         self._opening: socket.socket | None = None  # a plain connection in its hand-shake
         self._deadline = 0.0  # (I/O thread) the deadline of the call it runs
+        self._state: dict[str, bool] = {"sent": False, "gave_up": False}  # (its state)
         try:
             parsed = redis.connection.parse_url(self._opts["url"])
         except ValueError as exc:  # a port out of range or not a number, a broken host
@@ -535,12 +548,16 @@ class RedisTier(KeyedTier):
                 raise _Abandoned
             self._opening = sock
 
-    def _go_on(self) -> None:
+    def _go_on(self, send: bool = True) -> None:
         """(I/O thread, before a call's commands are sent) Raise :class:`_Abandoned` if
         the caller gave up meanwhile (a slow connect or hand-shake) or the tier was
-        closed: the caller was told the call failed, so it must not be made."""
-        if self._closed or time.monotonic() >= self._deadline:
-            raise _Abandoned
+        closed: the caller was told the call failed, so it must not be made. Else, with
+        ``send``, mark the call sent (see :meth:`_call`)."""
+        with self._lock:
+            state = self._state
+            if self._closed or state["gave_up"] or time.monotonic() >= self._deadline:
+                raise _Abandoned
+            state["sent"] = state["sent"] or send
 
     def _drop_client(self) -> None:
         """Close every connection (unblocks an I/O thread stuck on a dead server). A plain
@@ -569,31 +586,46 @@ class RedisTier(KeyedTier):
         if self._closed:
             raise InvalidStateError("the redis tier is closed")
 
+        # sent: the commands may have reached the server (a failed write may have been
+        # applied: TierIOError.maybe_applied); gave_up: the caller's deadline passed
+        state = {"sent": False, "gave_up": False}
+
         def run() -> _T:
-            self._deadline = deadline
-            self._go_on()
+            with self._lock:
+                self._deadline, self._state = deadline, state
+            self._go_on(send=False)
             return fn(None if self._raw_url is not None else self._connect())
+
+        def failed(msg: str, applied: bool) -> TierIOError:
+            err = TierIOError(f"redis: {what} {msg}")
+            err.maybe_applied = applied
+            return err
 
         if deadline <= time.monotonic():  # out of time before it is sent: no connection
             self.timeouts += 1  # is touched (a healthy one must not be dropped for it)
-            raise TierIOError(f"redis: {what} ran past its deadline (before it was sent)")
+            raise failed("ran past its deadline (before it was sent)", False)
         future = self._io.submit(run)
         try:
             return future.result(timeout=max(0.0, deadline - time.monotonic()))
         except cf.TimeoutError:
             self.timeouts += 1
+            with self._lock:  # (nothing is sent for it from now on: _go_on)
+                state["gave_up"] = True
             if not future.cancel():  # (one that never started used no connection)
                 self._drop_client()
-            raise TierIOError(f"redis: {what} ran past its deadline") from None
+            raise failed("ran past its deadline", state["sent"]) from None
         except _Abandoned:  # (a caller that waits still: the race at its deadline, a close)
             self.timeouts += 1
-            raise TierIOError(f"redis: {what} was abandoned: " + (
-                "the tier was closed" if self._closed else "it ran past its deadline")) from None
+            raise failed("was abandoned: " + (
+                "the tier was closed" if self._closed else "it ran past its deadline"),
+                False) from None
         except (self._redis.RedisError, self._redis.exceptions.RedisClusterException,
                 OSError) as exc:
             self.errors += 1
             self._drop_client()
-            raise TierIOError(f"redis: {what} failed: {exc}") from exc
+            # every reply an error (-NOREPLICAS, -READONLY...): nothing was stored
+            refused = getattr(exc, "kvcm_all_refused", False)
+            raise failed(f"failed: {exc}", state["sent"] and not refused) from exc
 
     def _groups(self, client: Any, keys: list[bytes]) -> list[tuple[Any, list[int]]]:
         """Key indices by the connection pool that serves them: one pool standalone, the
@@ -623,6 +655,7 @@ class RedisTier(KeyedTier):
         limit = self._opts["pipeline_bytes"]
         if self._raw_url is not None:
             return self._run_plain(keys, command, sizes)
+        answered = refused = 0  # replies read, error replies among them
         for pool, idx in self._groups(client, keys):
             conn = pool.get_connection()
             try:
@@ -641,12 +674,15 @@ class RedisTier(KeyedTier):
                         try:
                             replies[i] = conn.read_response()
                         except self._redis.ResponseError as exc:
+                            refused += 1
                             if _is_key_error(self._redis, exc):
                                 replies[i] = exc
                             else:
                                 failed = failed or exc
+                        answered += 1
                     if failed is not None:
-                        raise failed
+                        failed.kvcm_all_refused = refused == answered  # type: ignore[attr-defined]
+                        raise failed  # (the rest is not sent)
                     lo = hi
             except BaseException:
                 conn.disconnect()
@@ -662,6 +698,7 @@ class RedisTier(KeyedTier):
         self._go_on()  # (the connection is kept: nothing was sent on it)
         limit = self._opts["pipeline_bytes"]
         out: list[Any] = []
+        base = conn.error_replies
         try:
             lo = 0
             while lo < len(keys):
@@ -669,7 +706,11 @@ class RedisTier(KeyedTier):
                 while hi < len(keys) and (hi == lo or size < limit):
                     size += sizes[hi] if sizes is not None else 0
                     hi += 1
-                out += conn.call(_parts([command(i) for i in range(lo, hi)]), hi - lo)
+                try:
+                    out += conn.call(_parts([command(i) for i in range(lo, hi)]), hi - lo)
+                except self._redis.ResponseError as exc:  # (the rest is not sent)
+                    exc.kvcm_all_refused = conn.error_replies - base == hi  # type: ignore[attr-defined]
+                    raise
                 lo = hi
         except BaseException:
             self._drop_plain()  # its stream may be mid-reply: never reuse it
