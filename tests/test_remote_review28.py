@@ -488,3 +488,31 @@ def test_where_pexpire_is_refused_the_sentinel_written_with_an_expiry_keeps_none
             assert [ttl for _, ttl in _sentinels(server.url)] == [-1]
             st = m.get_remote_statistics()
             assert st.write_failures == 0 and st.own_keys_lost == 0, st
+
+
+def test_where_pexpire_and_persist_are_refused_the_live_sentinel_never_expires(
+        monkeypatch) -> None:
+    """The sentinel, written with SET ... PX before the refusal of PEXPIRE was known, kept
+    its expiry where PERSIST was refused too (an allow-list ACL), or the one PERSIST call
+    failed: it expired under the live manager, which took that for a flush."""
+    import kvcm_core.remote as remote
+
+    monkeypatch.setattr(remote, "_SENTINEL_TTL_S", 2.0)
+    with fresh_server() as server:
+        adm = redis.Redis.from_url(server.url)
+        adm.execute_command("ACL", "SETUSER", "kv", "on", ">pw", "~*", "+@all", "-pexpire",
+                            "-persist")
+        url = f"redis://kv:pw@127.0.0.1:{server.port}/0"
+        with KVCacheManager(config(url, retry_after_s=0.0)) as m:
+            serve(m, _prompt(1))
+            assert m.flush_remote(10.0)
+            time.sleep(0.6)  # past the gap between two renewals of a busy writer
+            serve(m, _prompt(2), rid=2)  # its batch renews the sentinel: PEXPIRE refused
+            assert m.flush_remote(10.0)
+            assert [ttl for _, ttl in _sentinels(server.url)] == [-1]
+            time.sleep(2.5)  # past the expiry it was written with
+            serve(m, _prompt(3), rid=3)
+            assert m.flush_remote(10.0)
+            assert len(_sentinels(server.url)) == 1
+            st = m.get_remote_statistics()
+            assert st.own_keys_lost == 0 and st.write_failures == 0, st

@@ -736,6 +736,11 @@ class RedisTier(KeyedTier):
                                              sizes), deadline)
         return np.fromiter((r == b"OK" for r in res), dtype=bool, count=len(full))
 
+    @property
+    def expires(self) -> bool:
+        """False once the server refused ``PEXPIRE`` (see :meth:`renew_many`)."""
+        return self._renew
+
     def put_expiring_many(self, keys: Sequence[bytes], values: Sequence[bytes | memoryview],
                           *, ttl_s: float, deadline: float) -> np.ndarray:
         """``SET key value PX ms``: each value with its expiry in one command (no value
@@ -801,14 +806,9 @@ class RedisTier(KeyedTier):
             # the writes that renew a sentinel first go on
             if not _refuses(self._redis, exc.__cause__, b"PEXPIRE"):
                 raise
+            # a key written with an expiry (put_expiring_many, before this was known) would
+            # expire for want of renewals: its writer writes it again (expires is False)
             self._renew = False
-            try:  # a key written with an expiry (put_expiring_many, before this was known)
-                # would expire for want of renewals: it keeps none, as those written later
-                self._call(f"persist of {len(full)} keys",
-                           lambda c: self._run(c, full, lambda i: [b"PERSIST", full[i]]),
-                           deadline)
-            except TierIOError:  # (refused too: it expires as written)
-                pass
             return self.exists_many(keys, deadline=deadline)
         return np.fromiter((r == 1 for r in res), dtype=bool, count=len(full))
 
