@@ -516,3 +516,27 @@ def test_where_pexpire_and_persist_are_refused_the_live_sentinel_never_expires(
             assert len(_sentinels(server.url)) == 1
             st = m.get_remote_statistics()
             assert st.own_keys_lost == 0 and st.write_failures == 0, st
+
+
+@pytest.mark.parametrize("ttl", [math.inf, 1e300, 10 ** 400, math.nan, 0.0],
+                         ids=["inf", "1e300", "huge-int", "nan", "zero"])
+def test_a_redis_put_expiring_or_renewal_refuses_a_non_finite_or_huge_ttl_with_a_typed_error(
+        ttl) -> None:
+    """``ttl_s=inf`` raised a raw OverflowError, and 1e300 reached the server as PX 10^303,
+    whose error reply failed the call and dropped the healthy connection."""
+    from kvcm_tier_redis import RedisTier
+
+    with fresh_server() as server:
+        tier = RedisTier(None, {"url": server.url})
+        try:
+            assert tier.put_many([b"k"], [b"v"], deadline=time.monotonic() + 5.0).all()
+            conn = tier._plain
+            for call in (lambda: tier.put_expiring_many([b"k"], [b"v"], ttl_s=ttl,
+                                                        deadline=time.monotonic() + 5.0),
+                         lambda: tier.renew_many([b"k"], ttl_s=ttl,
+                                                 deadline=time.monotonic() + 5.0)):
+                with pytest.raises(InvalidArgumentError, match=r"^ttl_s="):
+                    call()
+            assert tier._plain is conn and tier.errors == 0
+        finally:
+            tier.close()

@@ -79,7 +79,12 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvcm_core import hookimpl
-from kvcm_core.errors import ConfigError, InvalidStateError, TierIOError
+from kvcm_core.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    InvalidStateError,
+    TierIOError,
+)
 from kvcm_core.records import Availability, Medium, TierCapabilities, TierSpec
 from kvcm_core.tier import KeyedTier
 
@@ -98,6 +103,22 @@ _MGET_KEYS = 256  # keys per MGET (standalone servers reached through TLS)
 _READ_BUFFER = 4 << 20  # initial receive buffer of a plain connection
 _IOV_MAX = 512  # buffers per gathering write (Linux allows 1024)
 _HEAP_PRIME = 16 << 20  # see _prime_heap
+
+
+_MAX_TTL_S = 10 ** 15  # (ms past the server's clock must stay under 2^63)
+
+
+def _check_ttl(ttl_s: Any) -> None:
+    """Raise :class:`InvalidArgumentError` (naming ``ttl_s``) unless it is seconds > 0, at
+    most :data:`_MAX_TTL_S` (not NaN, not infinite, not past what ``PX`` takes)."""
+    if (not isinstance(ttl_s, int | float) or isinstance(ttl_s, bool)
+            or not 0 < ttl_s <= _MAX_TTL_S):
+        raise InvalidArgumentError(
+            f"ttl_s={ttl_s!r}: must be seconds > 0 and at most {_MAX_TTL_S}")
+
+
+def _ms(ttl_s: float) -> bytes:
+    return b"%d" % max(1, round(ttl_s * 1000))
 
 
 class _Abandoned(Exception):
@@ -749,11 +770,10 @@ class RedisTier(KeyedTier):
         full = self._full(keys)
         if len(values) != len(full):
             raise ValueError(f"{len(full)} keys but {len(values)} values: one value per key")
-        if not isinstance(ttl_s, int | float) or isinstance(ttl_s, bool) or not ttl_s > 0:
-            raise ValueError(f"ttl_s={ttl_s!r}: must be seconds > 0")
+        _check_ttl(ttl_s)
         if not full:
             return np.zeros(0, dtype=bool)
-        px = [b"PX", b"%d" % max(1, round(ttl_s * 1000))] if self._renew else []
+        px = [b"PX", _ms(ttl_s)] if self._renew else []
         sizes = [len(v) for v in values]
         res = self._call(f"put of {len(full)} expiring values",
                          lambda c: self._run(c, full, lambda i: [b"SET", full[i], values[i], *px],
@@ -789,13 +809,12 @@ class RedisTier(KeyedTier):
                    ) -> np.ndarray:
         """``PEXPIRE`` each key (which also counts as a use for ``allkeys-lru``)."""
         full = self._full(keys)
-        if not isinstance(ttl_s, int | float) or isinstance(ttl_s, bool) or not ttl_s > 0:
-            raise ValueError(f"ttl_s={ttl_s!r}: must be seconds > 0")
+        _check_ttl(ttl_s)
         if not full:
             return np.zeros(0, dtype=bool)
         if not self._renew:  # PEXPIRE refused before: what exists_many can say
             return self.exists_many(keys, deadline=deadline)
-        ms = b"%d" % max(1, round(ttl_s * 1000))
+        ms = _ms(ttl_s)
         try:
             res = self._call(f"renew of {len(full)} keys",
                              lambda c: self._run(c, full, lambda i: [b"PEXPIRE", full[i], ms]),
