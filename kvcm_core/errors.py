@@ -82,7 +82,14 @@ class CorruptPageError(KvcmError):
 
 
 class TierIOError(KvcmError, OSError):
-    """A storage tier's read or write failed."""
+    """A storage tier's read or write failed.
+
+    ``maybe_applied`` (True unless the tier knows better) says whether a failed write may
+    have been applied all the same; a tier sets it False where nothing reached the store
+    (the call was given up before it was sent, its connection failed to open) or the
+    store refused every command with an error reply."""
+
+    maybe_applied: bool = True
 
 
 class InvalidArgumentError(KvcmError, ValueError):

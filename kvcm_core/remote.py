@@ -413,6 +413,7 @@ class RemoteLevel:
         self._sentinel = self._prefix + b"alive:" + os.urandom(8).hex().encode()
         self._sentinel_set = False
         self._sentinel_tried = False  # a write of it was sent (see close)
+        self._sentinel_expiring = False  # written with an expiry the store now refuses
         self._sentinel_renewed = 0.0  # (monotonic) see _keep_sentinel
         self._thread = threading.Thread(target=self._write_loop, daemon=True,
                                         name="kvcm-remote-writer")
@@ -526,21 +527,31 @@ class RemoteLevel:
         deadline = now + self.options.write_deadline_s
         self._sentinel_renewed = now
         if was_set:
-            if self._writers.renew_many([self._sentinel], ttl_s=_SENTINEL_TTL_S,
-                                        deadline=deadline)[0]:
+            expiring = self._writers.expires
+            held = bool(self._writers.renew_many([self._sentinel], ttl_s=_SENTINEL_TTL_S,
+                                                 deadline=deadline)[0])
+            # the store refuses expiries: the sentinel, written with one, would expire under
+            # this live manager (taken for a flush): written again, without (until it is)
+            self._sentinel_expiring |= expiring and not self._writers.expires
+            if held and not self._sentinel_expiring:
                 return
-            # gone: a restart when the renewal's connection found a new server (counted
-            # as one in store_restarts, not as a loss too), else a loss
-            self._check_restarts()
-            with self._lock:
-                if self._sentinel_set:  # (not emptied meanwhile by a lookup's check)
-                    self.stats.own_keys_lost += 1
-                    self._store_emptied()
+            if not held:
+                # gone: a restart when the renewal's connection found a new server
+                # (counted as one in store_restarts, not as a loss too), else a loss
+                self._check_restarts()
+                with self._lock:
+                    if self._sentinel_set:  # (not emptied meanwhile by a lookup's check)
+                        self.stats.own_keys_lost += 1
+                        self._store_emptied()
         # written with its expiry in one command: a call that fails or runs late (and
-        # lands all the same) never leaves a sentinel that does not expire
+        # lands all the same) never leaves a sentinel that does not expire (where the store
+        # refuses expiries, a plain write: a failed one leaves _sentinel_expiring, so the
+        # next renewal writes it again)
         self._sentinel_tried = True  # (deleted at close, wherever a write may have landed)
+        expiring = self._writers.expires
         ok = bool(self._writers.put_expiring_many([self._sentinel], [b"kvcm"],
                                                   ttl_s=_SENTINEL_TTL_S, deadline=deadline)[0])
+        self._sentinel_expiring = expiring and not self._writers.expires  # (found meanwhile)
         with self._lock:
             self._sentinel_set = ok
 
@@ -1062,11 +1073,12 @@ class RemoteLevel:
         try:
             ok = self._writers.put_many(keys, values, deadline=time.monotonic()
                                         + self.options.write_deadline_s)
-        except TierIOError:
+        except TierIOError as exc:
             self._failed(writes=True)
             st.write_failures += len(batch)
             self._unknow(keys)  # (written again if computed again)
-            self._maybe_stored(keys, values)
+            if exc.maybe_applied:  # (not if unsent, or refused: another's copy)
+                self._maybe_stored(keys, values)
             return
         self._check_restarts()
         victims: list[tuple[bytes, int]] = []
@@ -1102,11 +1114,12 @@ class RemoteLevel:
                             self._own_bytes += size
 
     def _maybe_stored(self, keys: list[bytes], values: list[bytes]) -> None:
-        """A batch whose write failed or ran past its deadline may have been stored all
-        the same (a paused server applies the commands it received when it resumes; a
-        slow link delivers them late): its keys are counted as own, as the least recently
-        used, so the quota deletes them first (one no-op delete for a key that never
-        landed; a check of the own keys after a restart, or a lookup's miss, drops it)."""
+        """A batch whose write failed or ran past its deadline once sent
+        (``TierIOError.maybe_applied``) may have been stored all the same (a paused server
+        applies the commands it received when it resumes; a slow link delivers them late):
+        its keys are counted as own, as the least recently used, so the quota deletes them
+        first (one no-op delete for a key that never landed; a check of the own keys after
+        a restart, or a lookup's miss, drops it)."""
         with self._lock:
             own = self._own
             for key, value in zip(reversed(keys), reversed(values), strict=True):

@@ -314,6 +314,14 @@ class KeyedTier(Tier):
         that cannot expire keys, nothing expires and nothing is touched."""
         return self.exists_many(keys, deadline=deadline)
 
+    @property
+    def expires(self) -> bool:
+        """Whether :meth:`put_expiring_many` and :meth:`renew_many` give keys an expiry.
+        A tier that finds it cannot (its store refuses the expiry command) turns False:
+        a key written with an expiry before then would expire for want of renewals, so
+        the core writes its sentinel again (:meth:`put_expiring_many`, now without one)."""
+        return True
+
     def put_expiring_many(self, keys: Sequence[bytes], values: Sequence[bytes | memoryview],
                           *, ttl_s: float, deadline: float) -> np.ndarray:
         """As :meth:`put_many`, each value stored to expire ``ttl_s`` seconds from now (a

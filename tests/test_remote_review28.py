@@ -365,6 +365,31 @@ def test_a_redis_call_given_up_during_a_hand_shake_is_not_made_later() -> None:
             tier.close()
 
 
+def test_a_hand_shake_a_caller_gave_up_on_is_finished_and_serves_the_next_call() -> None:
+    """On a link where the hand-shake alone takes longer than a call's deadline, each call
+    that gave up shut the hand-shake down: no call ever found a connection made. Only
+    close() may shut a hand-shake down."""
+    from kvcm_tier_redis import RedisTier
+
+    with fresh_server() as server:
+        tier = RedisTier(None, {"url": server.url, "connect_timeout_s": 3.0})
+        opening = tier._opening_socket
+
+        def slow(sock) -> None:  # a slow link: the hand-shake takes 0.3 s
+            opening(sock)
+            time.sleep(0.3)
+
+        tier._opening_socket = slow  # type: ignore[method-assign]
+        try:
+            with pytest.raises(TierIOError, match="deadline"):
+                tier.get_many([b"k"], deadline=time.monotonic() + 0.1)
+            time.sleep(0.6)  # the hand-shake ends
+            assert tier._plain is not None
+            assert tier.get_many([b"k"], deadline=time.monotonic() + 0.1) == [None]
+        finally:
+            tier.close()
+
+
 # -- a write batch applied after its deadline -------------------------------------------------
 
 
@@ -403,6 +428,49 @@ def test_a_write_batch_applied_after_its_deadline_stays_under_the_own_key_quota(
             assert st.own_bytes <= quota and st.own_bytes >= stored, (stored, st)
 
 
+@pytest.mark.parametrize("how", ["hand-shake", "refused"])
+def test_a_failed_write_batch_unsent_or_refused_is_not_counted_as_own(how) -> None:
+    """A batch that never reached the store (its connection's hand-shake ran past the
+    deadline) or that the server refused whole (-NOREPLICAS to every SET) was counted as
+    own ("maybe stored"), first to go: the quota then deleted the same keys written by
+    another manager, which this one never wrote."""
+    with fresh_server() as server:
+        adm = redis.Redis.from_url(server.url)
+
+        def blocks() -> set[bytes]:
+            return {k for k in adm.keys("kvcm:*") if b":alive:" not in k}
+
+        cfg = config(server.url, quota=14 * 700, write_deadline_s=0.2, retry_after_s=0.0,
+                     io_deadline_s=0.05)
+        with KVCacheManager(cfg) as a, KVCacheManager(config(server.url)) as b:
+            serve(a, _prompt(1))
+            assert a.flush_remote(10.0)
+            if how == "hand-shake":
+                os.kill(_pid(server), signal.SIGSTOP)
+                a.remote._writers._drop_plain()  # (an idle timeout): a new connection
+                try:
+                    serve(a, _prompt(2, 4), rid=2)
+                    assert a.flush_remote(10.0)
+                finally:
+                    os.kill(_pid(server), signal.SIGCONT)
+            else:
+                adm.config_set("min-replicas-to-write", 1)
+                serve(a, _prompt(2, 4), rid=2)
+                assert a.flush_remote(10.0)
+                adm.config_set("min-replicas-to-write", 0)
+            time.sleep(0.3)
+            assert a.get_remote_statistics().write_failures > 0
+            before = blocks()
+            serve(b, _prompt(2, 4), rid="b")  # b writes the same blocks
+            assert b.flush_remote(10.0)
+            theirs = blocks() - before
+            assert len(theirs) == 4
+            serve(a, _prompt(3), rid=3)  # a's quota deletes its own keys
+            assert a.flush_remote(10.0)
+            assert a.get_remote_statistics().deleted > 0
+            assert theirs <= blocks(), "a's quota deleted keys only b wrote"
+
+
 def test_where_pexpire_is_refused_the_sentinel_written_with_an_expiry_keeps_none() -> None:
     """The sentinel is written with its expiry (SET ... PX) before the level knows that
     the server refuses PEXPIRE; renewals then cannot push the expiry back, so the key
@@ -420,3 +488,55 @@ def test_where_pexpire_is_refused_the_sentinel_written_with_an_expiry_keeps_none
             assert [ttl for _, ttl in _sentinels(server.url)] == [-1]
             st = m.get_remote_statistics()
             assert st.write_failures == 0 and st.own_keys_lost == 0, st
+
+
+def test_where_pexpire_and_persist_are_refused_the_live_sentinel_never_expires(
+        monkeypatch) -> None:
+    """The sentinel, written with SET ... PX before the refusal of PEXPIRE was known, kept
+    its expiry where PERSIST was refused too (an allow-list ACL), or the one PERSIST call
+    failed: it expired under the live manager, which took that for a flush."""
+    import kvcm_core.remote as remote
+
+    monkeypatch.setattr(remote, "_SENTINEL_TTL_S", 2.0)
+    with fresh_server() as server:
+        adm = redis.Redis.from_url(server.url)
+        adm.execute_command("ACL", "SETUSER", "kv", "on", ">pw", "~*", "+@all", "-pexpire",
+                            "-persist")
+        url = f"redis://kv:pw@127.0.0.1:{server.port}/0"
+        with KVCacheManager(config(url, retry_after_s=0.0)) as m:
+            serve(m, _prompt(1))
+            assert m.flush_remote(10.0)
+            time.sleep(0.6)  # past the gap between two renewals of a busy writer
+            serve(m, _prompt(2), rid=2)  # its batch renews the sentinel: PEXPIRE refused
+            assert m.flush_remote(10.0)
+            assert [ttl for _, ttl in _sentinels(server.url)] == [-1]
+            time.sleep(2.5)  # past the expiry it was written with
+            serve(m, _prompt(3), rid=3)
+            assert m.flush_remote(10.0)
+            assert len(_sentinels(server.url)) == 1
+            st = m.get_remote_statistics()
+            assert st.own_keys_lost == 0 and st.write_failures == 0, st
+
+
+@pytest.mark.parametrize("ttl", [math.inf, 1e300, 10 ** 400, math.nan, 0.0],
+                         ids=["inf", "1e300", "huge-int", "nan", "zero"])
+def test_a_redis_put_expiring_or_renewal_refuses_a_non_finite_or_huge_ttl_with_a_typed_error(
+        ttl) -> None:
+    """``ttl_s=inf`` raised a raw OverflowError, and 1e300 reached the server as PX 10^303,
+    whose error reply failed the call and dropped the healthy connection."""
+    from kvcm_tier_redis import RedisTier
+
+    with fresh_server() as server:
+        tier = RedisTier(None, {"url": server.url})
+        try:
+            assert tier.put_many([b"k"], [b"v"], deadline=time.monotonic() + 5.0).all()
+            conn = tier._plain
+            for call in (lambda: tier.put_expiring_many([b"k"], [b"v"], ttl_s=ttl,
+                                                        deadline=time.monotonic() + 5.0),
+                         lambda: tier.renew_many([b"k"], ttl_s=ttl,
+                                                 deadline=time.monotonic() + 5.0)):
+                with pytest.raises(InvalidArgumentError, match=r"^ttl_s="):
+                    call()
+            assert tier._plain is conn and tier.errors == 0
+        finally:
+            tier.close()

@@ -79,7 +79,12 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvcm_core import hookimpl
-from kvcm_core.errors import ConfigError, InvalidStateError, TierIOError
+from kvcm_core.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    InvalidStateError,
+    TierIOError,
+)
 from kvcm_core.records import Availability, Medium, TierCapabilities, TierSpec
 from kvcm_core.tier import KeyedTier
 
@@ -98,6 +103,22 @@ _MGET_KEYS = 256  # keys per MGET (standalone servers reached through TLS)
 _READ_BUFFER = 4 << 20  # initial receive buffer of a plain connection
 _IOV_MAX = 512  # buffers per gathering write (Linux allows 1024)
 _HEAP_PRIME = 16 << 20  # see _prime_heap
+
+
+_MAX_TTL_S = 10 ** 15  # (ms past the server's clock must stay under 2^63)
+
+
+def _check_ttl(ttl_s: Any) -> None:
+    """Raise :class:`InvalidArgumentError` (naming ``ttl_s``) unless it is seconds > 0, at
+    most :data:`_MAX_TTL_S` (not NaN, not infinite, not past what ``PX`` takes)."""
+    if (not isinstance(ttl_s, int | float) or isinstance(ttl_s, bool)
+            or not 0 < ttl_s <= _MAX_TTL_S):
+        raise InvalidArgumentError(
+            f"ttl_s={ttl_s!r}: must be seconds > 0 and at most {_MAX_TTL_S}")
+
+
+def _ms(ttl_s: float) -> bytes:
+    return b"%d" % max(1, round(ttl_s * 1000))
 
 
 class _Abandoned(Exception):
@@ -264,6 +285,7 @@ class _Plain:
                  opening: Callable[[socket.socket], None] | None = None) -> None:
         self._error = error
         self._reply_error = reply_error = reply_error or error
+        self.error_replies = 0  # error replies read (key errors too)
         _prime_heap()
         self._buf = bytearray(_READ_BUFFER)
         self._have = self._pos = 0
@@ -368,6 +390,7 @@ class _Plain:
         if kind == b"+":
             return bytes(line[1:])
         if kind == b"-":
+            self.error_replies += 1
             if line[1:].split(b" ", 1)[0] not in _KEY_ERRORS:
                 # the connection is dropped by the caller: its unread replies don't matter
                 raise self._reply_error(f"the server answered {bytes(line[:100])!r}")
@@ -389,7 +412,17 @@ class _Plain:
                 else:
                     views[0] = first[sent:]
                     sent = 0
-        return [self._reply() for _ in range(n)]
+        out: list[bytes | int | None] = []
+        failed: Exception | None = None
+        for _ in range(n):  # every reply read: the caller can tell if all were refused
+            try:
+                out.append(self._reply())
+            except self._reply_error as exc:
+                failed = failed or exc
+                out.append(None)
+        if failed is not None:
+            raise failed
+        return out
 
 
 class RedisTier(KeyedTier):
@@ -418,6 +451,7 @@ class RedisTier(KeyedTier):
         self._plain: _Plain | None = None  # standalone server over plain TCP
         self._opening: socket.socket | None = None  # a plain connection in its hand-shake
         self._deadline = 0.0  # (I/O thread) the deadline of the call it runs
+        self._state: dict[str, bool] = {"sent": False, "gave_up": False}  # (its state)
         try:
             parsed = redis.connection.parse_url(self._opts["url"])
         except ValueError as exc:  # a port out of range or not a number, a broken host
@@ -529,26 +563,33 @@ class RedisTier(KeyedTier):
 
     def _opening_socket(self, sock: socket.socket) -> None:
         """A plain connection's socket, connected, before its hand-shake: kept so that
-        :meth:`_drop_client` (a caller's deadline passed, or close) can shut it down."""
+        :meth:`close` can shut it down."""
         with self._lock:
             if self._closed:
                 raise _Abandoned
             self._opening = sock
 
-    def _go_on(self) -> None:
+    def _go_on(self, send: bool = True) -> None:
         """(I/O thread, before a call's commands are sent) Raise :class:`_Abandoned` if
         the caller gave up meanwhile (a slow connect or hand-shake) or the tier was
-        closed: the caller was told the call failed, so it must not be made."""
-        if self._closed or time.monotonic() >= self._deadline:
-            raise _Abandoned
+        closed: the caller was told the call failed, so it must not be made. Else, with
+        ``send``, mark the call sent (see :meth:`_call`)."""
+        with self._lock:
+            state = self._state
+            if self._closed or state["gave_up"] or time.monotonic() >= self._deadline:
+                raise _Abandoned
+            state["sent"] = state["sent"] or send
 
     def _drop_client(self) -> None:
-        """Close every connection (unblocks an I/O thread stuck on a dead server, or in a
-        plain connection's hand-shake)."""
+        """Close every connection (unblocks an I/O thread stuck on a dead server). A plain
+        connection still in its hand-shake is shut down only at :meth:`close`: a caller
+        that gave up leaves it to finish (:meth:`_go_on` stops the abandoned call), so
+        the next call finds it made, on a link where the hand-shake alone takes longer
+        than one call's deadline."""
         with self._lock:
             client, self._client = self._client, None
             plain, self._plain = self._plain, None
-            opening = self._opening
+            opening = self._opening if self._closed else None
         if opening is not None:
             try:  # (shut down, not closed: the I/O thread closes it as the hand-shake fails)
                 opening.shutdown(socket.SHUT_RDWR)
@@ -566,31 +607,46 @@ class RedisTier(KeyedTier):
         if self._closed:
             raise InvalidStateError("the redis tier is closed")
 
+        # sent: the commands may have reached the server (a failed write may have been
+        # applied: TierIOError.maybe_applied); gave_up: the caller's deadline passed
+        state = {"sent": False, "gave_up": False}
+
         def run() -> _T:
-            self._deadline = deadline
-            self._go_on()
+            with self._lock:
+                self._deadline, self._state = deadline, state
+            self._go_on(send=False)
             return fn(None if self._raw_url is not None else self._connect())
+
+        def failed(msg: str, applied: bool) -> TierIOError:
+            err = TierIOError(f"redis: {what} {msg}")
+            err.maybe_applied = applied
+            return err
 
         if deadline <= time.monotonic():  # out of time before it is sent: no connection
             self.timeouts += 1  # is touched (a healthy one must not be dropped for it)
-            raise TierIOError(f"redis: {what} ran past its deadline (before it was sent)")
+            raise failed("ran past its deadline (before it was sent)", False)
         future = self._io.submit(run)
         try:
             return future.result(timeout=max(0.0, deadline - time.monotonic()))
         except cf.TimeoutError:
             self.timeouts += 1
+            with self._lock:  # (nothing is sent for it from now on: _go_on)
+                state["gave_up"] = True
             if not future.cancel():  # (one that never started used no connection)
                 self._drop_client()
-            raise TierIOError(f"redis: {what} ran past its deadline") from None
+            raise failed("ran past its deadline", state["sent"]) from None
         except _Abandoned:  # (a caller that waits still: the race at its deadline, a close)
             self.timeouts += 1
-            raise TierIOError(f"redis: {what} was abandoned: " + (
-                "the tier was closed" if self._closed else "it ran past its deadline")) from None
+            raise failed("was abandoned: " + (
+                "the tier was closed" if self._closed else "it ran past its deadline"),
+                False) from None
         except (self._redis.RedisError, self._redis.exceptions.RedisClusterException,
                 OSError) as exc:
             self.errors += 1
             self._drop_client()
-            raise TierIOError(f"redis: {what} failed: {exc}") from exc
+            # every reply an error (-NOREPLICAS, -READONLY...): nothing was stored
+            refused = getattr(exc, "kvcm_all_refused", False)
+            raise failed(f"failed: {exc}", state["sent"] and not refused) from exc
 
     def _groups(self, client: Any, keys: list[bytes]) -> list[tuple[Any, list[int]]]:
         """Key indices by the connection pool that serves them: one pool standalone, the
@@ -620,6 +676,7 @@ class RedisTier(KeyedTier):
         limit = self._opts["pipeline_bytes"]
         if self._raw_url is not None:
             return self._run_plain(keys, command, sizes)
+        answered = refused = 0  # replies read, error replies among them
         for pool, idx in self._groups(client, keys):
             conn = pool.get_connection()
             try:
@@ -638,12 +695,15 @@ class RedisTier(KeyedTier):
                         try:
                             replies[i] = conn.read_response()
                         except self._redis.ResponseError as exc:
+                            refused += 1
                             if _is_key_error(self._redis, exc):
                                 replies[i] = exc
                             else:
                                 failed = failed or exc
+                        answered += 1
                     if failed is not None:
-                        raise failed
+                        failed.kvcm_all_refused = refused == answered  # type: ignore[attr-defined]
+                        raise failed  # (the rest is not sent)
                     lo = hi
             except BaseException:
                 conn.disconnect()
@@ -659,6 +719,7 @@ class RedisTier(KeyedTier):
         self._go_on()  # (the connection is kept: nothing was sent on it)
         limit = self._opts["pipeline_bytes"]
         out: list[Any] = []
+        base = conn.error_replies
         try:
             lo = 0
             while lo < len(keys):
@@ -666,7 +727,11 @@ class RedisTier(KeyedTier):
                 while hi < len(keys) and (hi == lo or size < limit):
                     size += sizes[hi] if sizes is not None else 0
                     hi += 1
-                out += conn.call(_parts([command(i) for i in range(lo, hi)]), hi - lo)
+                try:
+                    out += conn.call(_parts([command(i) for i in range(lo, hi)]), hi - lo)
+                except self._redis.ResponseError as exc:  # (the rest is not sent)
+                    exc.kvcm_all_refused = conn.error_replies - base == hi  # type: ignore[attr-defined]
+                    raise
                 lo = hi
         except BaseException:
             self._drop_plain()  # its stream may be mid-reply: never reuse it
@@ -692,6 +757,11 @@ class RedisTier(KeyedTier):
                                              sizes), deadline)
         return np.fromiter((r == b"OK" for r in res), dtype=bool, count=len(full))
 
+    @property
+    def expires(self) -> bool:
+        """False once the server refused ``PEXPIRE`` (see :meth:`renew_many`)."""
+        return self._renew
+
     def put_expiring_many(self, keys: Sequence[bytes], values: Sequence[bytes | memoryview],
                           *, ttl_s: float, deadline: float) -> np.ndarray:
         """``SET key value PX ms``: each value with its expiry in one command (no value
@@ -700,11 +770,10 @@ class RedisTier(KeyedTier):
         full = self._full(keys)
         if len(values) != len(full):
             raise ValueError(f"{len(full)} keys but {len(values)} values: one value per key")
-        if not isinstance(ttl_s, int | float) or isinstance(ttl_s, bool) or not ttl_s > 0:
-            raise ValueError(f"ttl_s={ttl_s!r}: must be seconds > 0")
+        _check_ttl(ttl_s)
         if not full:
             return np.zeros(0, dtype=bool)
-        px = [b"PX", b"%d" % max(1, round(ttl_s * 1000))] if self._renew else []
+        px = [b"PX", _ms(ttl_s)] if self._renew else []
         sizes = [len(v) for v in values]
         res = self._call(f"put of {len(full)} expiring values",
                          lambda c: self._run(c, full, lambda i: [b"SET", full[i], values[i], *px],
@@ -740,13 +809,12 @@ class RedisTier(KeyedTier):
                    ) -> np.ndarray:
         """``PEXPIRE`` each key (which also counts as a use for ``allkeys-lru``)."""
         full = self._full(keys)
-        if not isinstance(ttl_s, int | float) or isinstance(ttl_s, bool) or not ttl_s > 0:
-            raise ValueError(f"ttl_s={ttl_s!r}: must be seconds > 0")
+        _check_ttl(ttl_s)
         if not full:
             return np.zeros(0, dtype=bool)
         if not self._renew:  # PEXPIRE refused before: what exists_many can say
             return self.exists_many(keys, deadline=deadline)
-        ms = b"%d" % max(1, round(ttl_s * 1000))
+        ms = _ms(ttl_s)
         try:
             res = self._call(f"renew of {len(full)} keys",
                              lambda c: self._run(c, full, lambda i: [b"PEXPIRE", full[i], ms]),
@@ -757,14 +825,9 @@ class RedisTier(KeyedTier):
             # the writes that renew a sentinel first go on
             if not _refuses(self._redis, exc.__cause__, b"PEXPIRE"):
                 raise
+            # a key written with an expiry (put_expiring_many, before this was known) would
+            # expire for want of renewals: its writer writes it again (expires is False)
             self._renew = False
-            try:  # a key written with an expiry (put_expiring_many, before this was known)
-                # would expire for want of renewals: it keeps none, as those written later
-                self._call(f"persist of {len(full)} keys",
-                           lambda c: self._run(c, full, lambda i: [b"PERSIST", full[i]]),
-                           deadline)
-            except TierIOError:  # (refused too: it expires as written)
-                pass
             return self.exists_many(keys, deadline=deadline)
         return np.fromiter((r == 1 for r in res), dtype=bool, count=len(full))
 
