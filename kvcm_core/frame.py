@@ -106,10 +106,16 @@ def layout_fingerprint(description: Any) -> bytes:
 def page_key(tree_key: bytes | None, pid: int) -> bytes:
     """The 32-byte block key a frame carries: the prefix-tree key of a full block, or (a
     partial or uncommitted block has none) a key derived from the page id. Either way the
-    core checks a read against the key it recorded when writing."""
+    core checks a read against the key it recorded when writing, so the derived key need
+    only be distinct per page: ``kvcm-page-id`` padded with zeros to 24 bytes, then the
+    page id (u64, little-endian), no hash (a SHA-256 tree key equal to it is as unlikely
+    as any collision of the hash)."""
     if tree_key is not None:
         return tree_key
-    return hashlib.sha256(b"kvcm-page:" + int(pid).to_bytes(8, "little")).digest()
+    return _PAGE_KEY_PREFIX + int(pid).to_bytes(8, "little")
+
+
+_PAGE_KEY_PREFIX = b"kvcm-page-id".ljust(24, b"\0")
 
 
 class FrameCheckFailed(CorruptPageError):
@@ -318,15 +324,23 @@ class FrameBook:
             kept = self._framing[size] = (fields, head)
         return kept
 
-    def wrap(self, slots: np.ndarray, payloads: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    def wrap(self, slots: np.ndarray, payloads: np.ndarray, keys: np.ndarray,
+             out: np.ndarray | None = None) -> np.ndarray:
         """Frames ``uint8 [n, payload + FRAME_OVERHEAD]`` of fixed-size ``payloads[i]``
-        for ``slots[i]`` (block keys ``keys[i]``, 32 bytes each), recorded as written."""
+        for ``slots[i]`` (block keys ``keys[i]``, 32 bytes each), recorded as written;
+        built in ``out`` (returned) when given: C-contiguous rows of that shape (a storage
+        level's held rows, see :meth:`~kvcm_core.tier.StoragePool.write_into`)."""
         n, size = payloads.shape
-        if n <= _FEW_WRAPS and payloads.dtype == np.uint8 and keys.dtype == np.uint8 and \
-                keys.shape == (n, KEY_BYTES):
+        if out is None and n <= _FEW_WRAPS and payloads.dtype == np.uint8 and \
+                keys.dtype == np.uint8 and keys.shape == (n, KEY_BYTES):
             return self._wrap_few(slots, payloads, keys)
         hb = HEADER.itemsize
-        out = np.empty((n, size + FRAME_OVERHEAD), dtype=np.uint8)
+        if out is None:
+            out = np.empty((n, size + FRAME_OVERHEAD), dtype=np.uint8)
+        elif out.dtype != np.uint8 or out.shape != (n, size + FRAME_OVERHEAD) or \
+                not out.flags.c_contiguous:
+            raise ValueError(f"out: {out.dtype} {out.shape} array; frames take C-contiguous "
+                             f"uint8 {(n, size + FRAME_OVERHEAD)}")
         fields, head = self._frame_fields(size)
         frames = out.view(fields)[:, 0]  # each row one record (its bytes adjacent)
         # The shared header bytes, then each frame's key, sequence number, payload, CRC.

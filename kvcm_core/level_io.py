@@ -563,18 +563,32 @@ class LevelIO:
         slots (see :meth:`_write_behind`). A droppable write of such rows, smaller than
         ``combine_bytes``, is held back (:meth:`flush_held`); any other write first
         writes what is held (it must land after it)."""
-        if self._stopped:
-            raise TierIOError(f"level {self.level}: I/O after shutdown ({what})")
-        self._fast_fail(what, "write")
         hold = self.droppable and fn is None and checked is not None and len(slots) > 0 and \
             isinstance(rows, np.ndarray) and \
             rows.nbytes < self.combine_bytes and rows.dtype == np.uint8 and \
             rows.shape == (len(slots), getattr(pool, "slot_bytes", -1))
+        self._admit(what, pool if hold else None)
+        if hold:
+            assert isinstance(rows, np.ndarray) and checked is not None
+            self._hold(pool, slots, rows, checked)  # type: ignore[arg-type]
+            return
+        self._queue_write(fn, what, pool, slots, rows, checked)
+
+    def _admit(self, what: str, held_pool: Pool | None) -> None:
+        """Room in the queue for a background write (``held_pool``: a droppable write of
+        that pool to be held back), as :meth:`background` describes: raises at once when
+        the level is stopped or stuck, or when a droppable write finds the queue full;
+        waits for the oldest write otherwise. A write that is not held first writes what
+        is held."""
+        if self._stopped:
+            raise TierIOError(f"level {self.level}: I/O after shutdown ({what})")
+        self._fast_fail(what, "write")
+        hold = held_pool is not None
         if self._held and not hold:
             self.flush_held()
         # The batches this write adds: one, or (held) one per pool holding writes once it
         # is held; they count against the queue as if in flight.
-        adds = len(self._held) + (id(pool) not in self._held) if hold else 1
+        adds = len(self._held) + (id(held_pool) not in self._held) if hold else 1
         depth = self.write_queue_depth
         if not hold or len(self._background) + adds > depth:
             self._reap()  # (a held write needs the count only when it may be full)
@@ -596,11 +610,23 @@ class LevelIO:
                             self._late.append(oldest)
                 self._fast_fail(what, "write")
             self._reap()
-        if hold:
-            assert isinstance(rows, np.ndarray) and checked is not None
-            self._hold(pool, slots, rows, checked)  # type: ignore[arg-type]
-            return
-        self._queue_write(fn, what, pool, slots, rows, checked)
+
+    def hold_into(self, pool: StoragePool, slots: np.ndarray, checked: int, what: str
+                  ) -> tuple[_Held, np.ndarray] | None:
+        """The held rows a droppable background write of ``slots`` (``check_slots``'
+        result for a pool of ``checked`` slots) would be copied into, lent so that the
+        caller writes its rows there itself (a frame built in place: no copy, no rows of
+        its own). The caller fills them, then calls :meth:`held_written` before anything
+        else of this level runs; a caller that fails before that leaves nothing held.
+        None when such a write would not be held (not droppable, or not under
+        ``combine_bytes``): the caller writes as usual. Raises as :meth:`background`
+        does (:class:`WriteQueueFull` when the queue is full)."""
+        k, width = len(slots), pool.slot_bytes
+        if not (self.droppable and k and k * width < self.combine_bytes):
+            return None
+        self._admit(what, pool)
+        held = self._holder(pool, checked, k, width)
+        return held, held.buf[held.n : held.n + k]
 
     def _queue_write(self, fn: Callable[[], None] | None, what: str, pool: Pool,
                      slots: np.ndarray, rows: np.ndarray | None, checked: int | None,
@@ -636,6 +662,13 @@ class LevelIO:
         """Hold a background write back (its rows copied); write what is held once
         ``combine_bytes``, or :data:`_HOLD_WRITES` writes of a pool, are."""
         k, width = rows.shape  # (width: the pool's slot_bytes, as background checked)
+        held = self._holder(pool, checked, k, width)
+        held.buf[held.n : held.n + k] = rows  # the caller reuses its rows
+        self.held_written(held, slots)
+
+    def _holder(self, pool: StoragePool, checked: int, k: int, width: int) -> _Held:
+        """The held writes of ``pool`` with room for ``k`` more rows (written first when
+        they have none left, or when the pool changed size)."""
         held = self._holders.get(id(pool))
         if held is None or held.checked != checked:
             if held is not None and held.n:  # the pool changed size: write the old first
@@ -645,14 +678,19 @@ class LevelIO:
             held = self._holders[id(pool)] = _Held(pool, checked, cap, width)
         if held.n + k > len(held.buf):
             self._flush_one(held)
-        n = held.n
-        held.buf[n : n + k] = rows  # the caller reuses its rows
+        return held
+
+    def held_written(self, held: _Held, slots: np.ndarray) -> None:
+        """The rows after ``held``'s last held ones (as many as ``slots``) now hold a
+        write of ``slots`` (see :meth:`hold_into`): held, and all that is held written
+        once ``combine_bytes``, or :data:`_HOLD_WRITES` writes of a pool, are."""
+        k, n = len(slots), held.n
         held.slots[n : n + k] = slots
         held.where[slots] = held.row_ids[n : n + k]
         held.n = n + k
         held.writes += 1
-        self._held[id(pool)] = held
-        self._held_bytes += rows.nbytes
+        self._held[id(held.pool)] = held
+        self._held_bytes += k * held.buf.shape[1]
         self.stats.held_writes += 1
         if self._held_bytes >= self.combine_bytes or held.writes >= _HOLD_WRITES:
             self.flush_held()
@@ -1073,6 +1111,25 @@ class DeadlinePool(StoragePool):
         rows = np.array(source, dtype=np.uint8, copy=True)  # the caller reuses its rows
         inner = self.inner_pool
         return self._write(arr, lambda: _wait(inner.write(arr, rows)), rows)
+
+    def write_into(self, slots: np.ndarray, fill: Callable[[np.ndarray], None]) -> IOHandle:
+        """:meth:`StoragePool.write_into`: a droppable background write that would be
+        held back is filled straight into the level's held rows (:meth:`LevelIO.hold_into`),
+        any other as :meth:`write`."""
+        arr = check_slots(self, slots)
+        io = self.io
+        if io.write_queue_depth and io.droppable:
+            try:
+                lent = io.hold_into(self.inner_pool, arr, self.num_slots,
+                                    self._what("write", arr))
+            except TierIOError as exc:
+                return CompletedIO(exc)
+            if lent is not None:
+                held, rows = lent
+                fill(rows)
+                io.held_written(held, arr)
+                return CompletedIO()
+        return super().write_into(arr, fill)
 
     def _write(self, arr: np.ndarray, fn: Callable[[], None] | None,
                rows: np.ndarray | None = None, checked: int | None = None) -> IOHandle:

@@ -640,18 +640,16 @@ class Levels:
             key = self.tree.key(nid) if nid >= 0 else None
             return np.frombuffer(key if key is not None else page_key(None, pid),
                                  dtype=np.uint8).reshape(1, KEY_BYTES)
-        keys = self.tree.keys_of(self.arena.node[pids])
+        keys = self.tree.keys_of(self.arena.node[pids]).tolist()
         # Partial or uncommitted blocks (None) get a key from the page id. A join refuses
         # None at once: cheaper than looking for one first (a look at every key); then
-        # one comparison over the whole batch finds every None (a batch of victims that
-        # spans several requests has one per request).
+        # one pass over the list replaces every None (a batch of victims that spans
+        # several requests has one per request).
         try:
-            data = b"".join(keys.tolist())
+            data = b"".join(keys)
         except TypeError:
-            missing = np.flatnonzero(keys == None)  # noqa: E711 (elementwise, on objects)
-            for i in missing.tolist():
-                keys[i] = page_key(None, int(pids[i]))
-            data = b"".join(keys.tolist())
+            data = b"".join([k if k is not None else page_key(None, p)
+                             for k, p in zip(keys, pids.tolist(), strict=True)])
         return np.frombuffer(data, dtype=np.uint8).reshape(len(pids), KEY_BYTES)
 
     def discard_corrupt(self, store: Store, pids: np.ndarray, queued: bool = True) -> None:

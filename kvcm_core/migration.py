@@ -364,7 +364,9 @@ class Mover:
                                       f"the {pool.slot_bytes}-byte slot")
                 pool.write_blobs(slots, blobs).wait()
                 return
-            rows = book.wrap(slots, rows, keys)
+            # Framed where the pool keeps them (a storage level's held rows): no copy.
+            pool.write_into(slots, lambda out: book.wrap(slots, rows, keys, out)).wait()
+            return
         pool.write(slots, rows).wait()
 
     @staticmethod

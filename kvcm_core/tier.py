@@ -10,7 +10,7 @@ arrays, returning :class:`IOHandle` completion handles.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -148,6 +148,16 @@ class StoragePool(Pool):
     @abc.abstractmethod
     def read(self, slots: np.ndarray, dest: np.ndarray) -> IOHandle:
         """Load ``slots[i]`` into ``dest[i]`` (``uint8 [n, slot_bytes]``, host memory)."""
+
+    def write_into(self, slots: np.ndarray, fill: Callable[[np.ndarray], None]) -> IOHandle:
+        """:meth:`write` of rows that ``fill(rows)`` writes into ``rows`` (``uint8 [n,
+        slot_bytes]``, ``n = len(slots)``), lent by the pool: the core frames cold pages
+        this way, so that a pool that keeps rows for later (a storage level's held
+        writes) lends its own and saves a copy. The default fills a new array and hands
+        it to :meth:`write`; tiers need not override it."""
+        rows = np.empty((len(np.asarray(slots).reshape(-1)), self.slot_bytes), dtype=np.uint8)
+        fill(rows)
+        return self.write(slots, rows)
 
     def write_behind(self, slots: np.ndarray, source: np.ndarray) -> WriteBehind | None:
         """Start writing ``source[i]`` into ``slots[i]`` on threads that never take

@@ -139,6 +139,30 @@ def test_partial_blocks_get_a_key_derived_from_the_page():
     assert page_key(b"k" * 32, 5) == b"k" * 32
     assert page_key(None, 5) != page_key(None, 6)
     assert len(page_key(None, 5)) == 32
+    assert page_key(None, 2**40 + 3) == b"kvcm-page-id".ljust(24, b"\0") + \
+        (2**40 + 3).to_bytes(8, "little")
+
+
+@pytest.mark.parametrize("n", [1, 3, 9], ids=lambda n: f"{n}_frames")
+def test_frames_built_in_given_rows_are_the_frames_wrap_returns(n):
+    """``wrap(..., out)`` (a storage level's held rows) writes the very frames a plain
+    ``wrap`` returns, records the same sequence numbers, and refuses rows of another
+    shape, type or layout before writing or recording anything."""
+    slots = np.arange(n, dtype=np.int64)[::-1].copy()
+    a, b = FrameBook(FMT, n, PAYLOAD), FrameBook(FMT, n, PAYLOAD)
+    want = a.wrap(slots, _payloads(n), _keys(n))
+    rows = np.full((n + 2, FRAME), 0xEE, dtype=np.uint8)
+    got = b.wrap(slots, _payloads(n), _keys(n), rows[1 : n + 1])
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(rows[1 : n + 1], want)
+    assert (rows[[0, n + 1]] == 0xEE).all()  # nothing outside the rows given
+    np.testing.assert_array_equal(b.seqs, a.seqs)
+    for bad in (np.zeros((n, FRAME + 1), np.uint8), np.zeros((n, FRAME), np.int8),
+                np.zeros((n, 2 * FRAME), np.uint8)[:, ::2]):
+        seqs = b.seqs.copy()
+        with pytest.raises(ValueError, match="out"):
+            b.wrap(slots, _payloads(n), _keys(n), bad)
+        np.testing.assert_array_equal(b.seqs, seqs)
 
 
 def test_blob_frames_check_length_and_checksum():

@@ -358,11 +358,63 @@ def test_a_write_after_the_level_is_closed_fails_instead_of_being_held():
 
 
 _SLOTS = 8
+
+
+class _FillFailed(Exception):
+    pass
+
+
+def _copier(rows: np.ndarray):
+    def fill(out: np.ndarray) -> None:
+        out[...] = rows
+    return fill
+
+
+def _half_then_fail(out: np.ndarray) -> None:
+    out[: max(1, len(out) // 2)] = 0xEE  # garbage where the rows were lent
+    raise _FillFailed
+
+
+def test_a_write_filled_in_place_is_held_and_a_fill_that_fails_holds_nothing():
+    """``write_into`` of a droppable write that would be held lends the held rows: what
+    the fill writes there is held (read back from them, then written as one); a fill
+    that raises leaves nothing held, and the slots read as before. A write that would
+    not be held (not droppable) is filled into rows of its own and written at once."""
+    tier, io, seen = _level(combine=1 << 20)
+    pool = _pool(tier, io, seen)
+    pool.write_into(np.array([0]), _copier(_rows(7))).wait()  # not droppable: written now
+    assert tier.writes == 1 and io.stats.held_writes == 0
+    with io.dropping(True):
+        pool.write_into(np.array([4, 5]), _copier(_rows(1, 2))).wait()
+        assert tier.writes == 1 and io.stats.held_writes == 1
+        with pytest.raises(_FillFailed):
+            pool.write_into(np.array([5, 6]), _half_then_fail)
+        assert io.stats.held_writes == 1
+        pool.write_into(np.array([6]), _copier(_rows(3))).wait()
+    assert _read(pool, [4, 5, 6]) == [1, 1, 3] and io.stats.held_reads == 1
+    assert io.wait_idle(1.0) and tier.writes == 2
+    assert _read(pool, [0, 4, 5, 6]) == [7, 1, 1, 3]
+    _close(io, pool)
+
+
+def test_a_write_filled_in_place_is_refused_before_its_fill_when_the_queue_is_full():
+    plan = FaultPlan(slow_s=0.3)
+    tier, io, seen = _level(combine=4 * ROW, depth=1, plan=plan)
+    pool = _pool(tier, io, seen)
+    plan.slow_writes = {tier.writes + 1}
+    with io.dropping(True):
+        pool.write(np.array([0, 1, 2, 3]), _rows(1, 4)).wait()  # at the limit: in flight
+        with pytest.raises(WriteQueueFull):
+            pool.write_into(np.array([5]), _half_then_fail).wait()  # never called
+    assert io.stats.queue_full_drops == 1 and io.stats.held_writes == 0
+    assert io.wait_idle(2.0) and _read(pool, [0]) == [1]
+    _close(io, pool)
 # Mostly droppable writes and reads of a few slots, so that writes are held, slots are
 # held twice, and reads meet held, written and refused slots; now and then a write that
 # is not held, or wait_idle (which writes what is held).
 _OPS = st.lists(st.tuples(
-    st.sampled_from(["held"] * 4 + ["read"] * 4 + ["sync"] + ["idle"] * 2),
+    st.sampled_from(["held"] * 3 + ["into"] * 2 + ["badfill"] + ["read"] * 4 + ["sync"] +
+                    ["idle"] * 2),
     st.integers(0, 1),
     st.lists(st.integers(0, _SLOTS - 1), min_size=1, max_size=4, unique=True)),
     min_size=1, max_size=60)
@@ -386,7 +438,9 @@ _OPS = st.lists(st.tuples(
          combine_rows=1 << 14, depth=2, disk=True)
 def test_every_read_returns_the_last_rows_written_to_each_slot(ops, combine_rows, depth,
                                                                 disk):
-    """Random mixes of droppable (held) writes, writes that are not held, reads and
+    """Random mixes of droppable (held) writes, some filled in place (``write_into``, one
+    kind failing half way, which must leave every slot as it was), writes that are not
+    held, reads and
     ``wait_idle`` over two pools of one level, on the reference tier (the level's thread)
     or the disk tier (glibc's AIO and page-cache reads where available): every read
     returns each slot's last written rows. A droppable write refused by a full queue
@@ -416,9 +470,18 @@ def test_every_read_returns_the_last_rows_written_to_each_slot(ops, combine_rows
                     vals = np.arange(value + 1, value + 1 + len(arr), dtype=np.uint64)
                     value += len(arr)
                     rows[:, :8] = vals.view(np.uint8).reshape(len(arr), 8)
-                    with io.dropping(kind == "held"):
+                    with io.dropping(kind != "sync"):
                         try:
-                            pools[k].write(arr, rows).wait()
+                            if kind == "held":
+                                pools[k].write(arr, rows).wait()
+                            elif kind == "into":  # framed in place, as the core's moves do
+                                pools[k].write_into(arr, _copier(rows)).wait()
+                            elif kind == "badfill":  # fails half way: nothing is written
+                                with pytest.raises(_FillFailed):
+                                    pools[k].write_into(arr, _half_then_fail).wait()
+                                continue
+                            else:
+                                pools[k].write(arr, rows).wait()
                         except WriteQueueFull:
                             for slot in slots:
                                 last[k].pop(slot, None)
