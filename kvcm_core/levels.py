@@ -216,6 +216,8 @@ class Levels:
         # Built after the pools: a pool that fails to build leaves no mover (staging
         # memory, streams) behind; the manager closes the tiers, and so their pools.
         self.mover = Mover(backend, self.codecs)
+        # Whether a move pairs its slots into runs first (see _in_runs).
+        self._pair_runs = backend.capabilities.run_copies
         # Every slot holds at most one page and every committed page one node: size the
         # arrays once (up to a bound) rather than grow them under load.
         total = sum(s.num_slots for s in self.all_stores)
@@ -584,11 +586,12 @@ class Levels:
                 ordered = sort_in_batches(slots, per)
                 slots = np.empty_like(ordered)
                 slots[o] = ordered
-            elif keys is None or src.level == 0 or self.codecs[src.level] is not \
-                    self.codecs[dst.level]:
+            elif self._pair_runs and (keys is None or src.level == 0 or
+                                      self.codecs[src.level] is not self.codecs[dst.level]):
                 slots = _in_runs(slots, old, per)
             # (Between framed cold levels of one codec the copy writes in slot order
-            # whatever the pairing: _in_runs would sort for nothing.)
+            # whatever the pairing, and a backend whose copies cost the same in any order
+            # says so, run_copies False: _in_runs would sort for nothing.)
             if issue:
                 # Issued, not waited for (kvcm_core.fences): slots freed here are fenced.
                 mover.issue(layout, src, old[o], dst, ordered, per)

@@ -106,12 +106,17 @@ class KernelBackendCapabilities:
         host_mapped: can allocate pinned host memory that its kernels read and write.
         copy_engine: has a copy-engine path for ``copy_pages`` besides its gather kernel.
         compiles_sources: can compile and launch CUDA C source.
+        run_copies: ``copy_pages`` costs per run of adjacent pages (a descriptor or a
+            call each), so the core pairs a move's slots into runs first (two sorts per
+            batch); False where a copy costs the same whatever the order (the numpy
+            backend's host gather), and the core skips that pairing.
     """
 
     has_device: bool
     host_mapped: bool = True
     copy_engine: bool = False
     compiles_sources: bool = False
+    run_copies: bool = True
 
 
 class CodecKind(enum.Enum):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import attrs
 import kvcm_kernels_numpy
 import numpy as np
 import pytest
@@ -20,10 +21,12 @@ from levels_helpers import (
     SinkPlugin,
     close_all,
     make_manager,
+    page_levels,
     snapshot,
     tokens,
 )
 
+import kvcm_core
 import kvcm_core.backend as backend_mod
 import kvcm_core.frame as frame_mod
 import kvcm_core.migration as migration_mod
@@ -371,3 +374,44 @@ def test_settling_locked_pages_without_the_queue_rules_leaves_what_the_rules_lea
                     a.slot[pids].tolist(), [dst.page_at(s) for s in range(8)]))
     assert out[0] == out[1]
     assert out[0][0] == out[0][1] == 0
+
+
+class _RunsPlugin:
+    """The numpy backend declaring that its copies cost per run (as a device's do)."""
+
+    @kvcm_core.hookimpl
+    def kvcm_kernel_backends(self):
+        caps = attrs.evolve(kvcm_kernels_numpy.CAPABILITIES, run_copies=True)
+
+        class RunsBackend(kvcm_kernels_numpy.NumpyBackend):
+            name = "numpy-runs"
+            capabilities = caps
+
+        yield kvcm_core.KernelBackendSpec(name="numpy-runs", factory=RunsBackend,
+                                          description="numpy, run_copies (tests)",
+                                          capabilities=caps, priority=-10)
+
+
+@pytest.mark.parametrize("runs", [False, True], ids=["numpy", "run_copies"])
+def test_moves_pair_slots_into_runs_only_for_backends_whose_copies_cost_per_run(
+        runs, tmp_path, cleanup, monkeypatch):
+    """Moves between levels (to the host level and back, through the disk level) pair
+    their slots into runs where the backend says a copy costs per run, and skip that
+    sorting on the numpy backend, whose copy is one gather in any order; every byte
+    read back is right either way."""
+    import kvcm_core.levels as levels_mod
+
+    pm = KvcmPluginManager()
+    pm.register(_RunsPlugin(), name="numpy-runs")
+    monkeypatch.setenv("KVCM_TEST_BACKEND", "numpy-runs" if runs else "numpy")
+    calls: list[int] = []
+    real = levels_mod._in_runs
+    monkeypatch.setattr(levels_mod, "_in_runs", lambda *a: calls.append(1) or real(*a))
+    m = make_manager([("gpu", 8), ("host", 6), ("disk", 20)], tmp_path, pm=pm)
+    cleanup(m)
+    assert m.storage_levels.mover.backend.capabilities.run_copies is runs
+    d = Driver(m)
+    caches = [d.write(tokens(24, 200 + i)) for i in range(4)]  # the first ones move down
+    assert max(max(page_levels(c)) for c in caches) == 2
+    d.resume_and_verify(*caches)  # back to the GPU, every byte checked
+    assert bool(calls) is runs

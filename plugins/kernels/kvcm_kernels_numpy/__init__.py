@@ -37,7 +37,10 @@ __all__ = ["NumpyBackend", "NumpyBuffer", "fingerprint_image"]
 _ALIGN = 256
 _FEW_PAIRS = 8  # copies of up to this many pages run page by page (see NumpyBackend._copy)
 _KEPT_VIEWS = 256  # whole-buffer page views kept at most (see NumpyBackend._page_items)
-CAPABILITIES = KernelBackendCapabilities(has_device=False, host_mapped=True)
+# run_copies False: a move's copy here is one gather and one scatter of whole pages
+# (copy_pages_checked_by_caller), as cheap in any order; pairing its slots into runs
+# would only sort them.
+CAPABILITIES = KernelBackendCapabilities(has_device=False, host_mapped=True, run_copies=False)
 
 
 class NumpyBuffer(Buffer):
