@@ -49,6 +49,7 @@ __all__ = [
     "layout_fingerprint",
     "level_frames",
     "page_key",
+    "page_key_rows",
 ]
 
 FRAME_MAGIC = b"KVCM"
@@ -116,6 +117,16 @@ def page_key(tree_key: bytes | None, pid: int) -> bytes:
 
 
 _PAGE_KEY_PREFIX = b"kvcm-page-id".ljust(24, b"\0")
+_PAGE_KEY_PREFIX_ROW = np.frombuffer(_PAGE_KEY_PREFIX, dtype=np.uint8)
+
+
+def page_key_rows(pids: np.ndarray) -> np.ndarray:
+    """:func:`page_key` of pages that have no tree key, as rows (``uint8 [n, 32]``)."""
+    rows = np.empty((len(pids), KEY_BYTES), dtype=np.uint8)
+    rows[:, : len(_PAGE_KEY_PREFIX)] = _PAGE_KEY_PREFIX_ROW
+    rows[:, len(_PAGE_KEY_PREFIX) :] = np.asarray(pids, dtype="<u8").view(np.uint8
+                                                                          ).reshape(-1, 8)
+    return rows
 
 
 class FrameCheckFailed(CorruptPageError):

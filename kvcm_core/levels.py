@@ -39,7 +39,14 @@ from kvcm_core.errors import (
 )
 from kvcm_core.events import BlockEvent, EventKind
 from kvcm_core.eviction import DEFAULT_PRIORITY, EvictionPolicy
-from kvcm_core.frame import KEY_BYTES, FrameBook, FrameCheckFailed, LevelFrames, page_key
+from kvcm_core.frame import (
+    KEY_BYTES,
+    FrameBook,
+    FrameCheckFailed,
+    LevelFrames,
+    page_key,
+    page_key_rows,
+)
 from kvcm_core.layout import StorageLayout
 from kvcm_core.level_io import LevelIO, WriteQueueFull
 from kvcm_core.lifecycle import LifeCycle
@@ -117,6 +124,8 @@ class Levels:
             k = sum(n.split("#")[0] == name for n in self._sink_names)
             self._sink_names.append(name if not k else f"{name}#{k + 1}")
         self.frames = list(frames) or [None] * len(config.levels)
+        if any(f is not None for f in self.frames):
+            tree.keep_key_rows()  # (frame_keys reads them)
         self.arena = PageArena()
         self.epoch = 0  # bumped whenever a page moves: page tables read it
         #: Ids of pages lost to a failed frame check that owners still reference (so a
@@ -643,17 +652,13 @@ class Levels:
             key = self.tree.key(nid) if nid >= 0 else None
             return np.frombuffer(key if key is not None else page_key(None, pid),
                                  dtype=np.uint8).reshape(1, KEY_BYTES)
-        keys = self.tree.keys_of(self.arena.node[pids]).tolist()
-        # Partial or uncommitted blocks (None) get a key from the page id. A join refuses
-        # None at once: cheaper than looking for one first (a look at every key); then
-        # one pass over the list replaces every None (a batch of victims that spans
-        # several requests has one per request).
-        try:
-            data = b"".join(keys)
-        except TypeError:
-            data = b"".join([k if k is not None else page_key(None, p)
-                             for k, p in zip(keys, pids.tolist(), strict=True)])
-        return np.frombuffer(data, dtype=np.uint8).reshape(len(pids), KEY_BYTES)
+        # One gather of key rows (the tree keeps them for a manager with a framed level);
+        # partial or uncommitted blocks (a row of zeros) get a key from the page id.
+        rows = self.tree.key_rows_of(self.arena.node[pids])
+        missing = np.flatnonzero(~rows.view(np.uint64).any(axis=1))
+        if len(missing):
+            rows[missing] = page_key_rows(pids[missing])
+        return rows
 
     def discard_corrupt(self, store: Store, pids: np.ndarray, queued: bool = True) -> None:
         """Pages of ``store`` whose frame failed its check: counted, and out of the tree

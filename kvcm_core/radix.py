@@ -51,6 +51,7 @@ __all__ = ["KEY_HASH", "NO_NODE", "PrefixTree", "TokenSeq", "block_keys", "encod
 #: The block-key rule's name where stored data depends on it (the layout fingerprint of
 #: framed levels and of the remote level): data keyed under another rule is never read.
 KEY_HASH = "sha256-prefix"
+_KEY_BYTES = 32  # a block key (and a scope root key): one SHA-256 digest
 
 TokenSeq = Sequence[Any] | np.ndarray
 _MM_MARK = b"\xffkvcm-mm\x00"
@@ -305,6 +306,9 @@ class PrefixTree:
         # Full blocks holding multimodal digests -> their exact items (``tokens`` keeps
         # only 32-bit ids, so partial matching compares these instead).
         self._mm_items: dict[int, tuple[Any, ...]] = {}
+        # Each node's key as a row of bytes too, once keep_key_rows is called (framed
+        # levels); None until then.
+        self._key_rows: np.ndarray | None = None
         self._alloc_arrays(max(16, capacity))
 
     # One int32 row per node (parent, ordinal, ntok, mm, first_child, next_sib, prev_sib,
@@ -329,7 +333,7 @@ class PrefixTree:
         self._flag = np.zeros(cap, dtype=np.bool_)  # scratch marks (always all False)
         self._aux = np.zeros(cap, dtype=np.bool_)  # node has an entry in a side table
         # Block key per node (None: partial), and one more entry, always None, that
-        # NO_NODE (-1) indexes: keys_of gathers keys of nodes and NO_NODE alike.
+        # NO_NODE (-1) indexes (a gather of keys may name NO_NODE).
         self._keys = np.full(cap + 1, None, dtype=object)
         self._free = IdStack(cap)
 
@@ -351,6 +355,10 @@ class PrefixTree:
         keys = np.full(new + 1, None, dtype=object)  # (+1: NO_NODE's None, see above)
         keys[:old] = self._keys[:old]
         self._keys = keys
+        if self._key_rows is not None:
+            rows = np.zeros((new + 1, _KEY_BYTES), dtype=np.uint8)
+            rows[:old] = self._key_rows[:old]
+            self._key_rows = rows
         self._free.grow(old, new)
 
     def reserve(self, n: int) -> None:
@@ -385,6 +393,8 @@ class PrefixTree:
             self.ordinal[nid] = -1
             self.ntok[nid] = 0
             self._keys[nid] = root_key
+            if self._key_rows is not None:
+                self._key_rows[nid] = np.frombuffer(root_key, dtype=np.uint8)
             self._roots[root_key] = nid
             self.index[root_key] = nid
         return nid
@@ -393,15 +403,32 @@ class PrefixTree:
         """Block key of a full block (or a scope root key); ``None`` for a partial block."""
         return self._keys[nid]
 
-    def keys_of(self, nids: np.ndarray) -> np.ndarray:
-        """:meth:`key` of many nodes as an ``object`` array (``NO_NODE`` gives ``None``),
-        in one gather (index -1 is the last entry of the keys, kept None for it)."""
-        return self._keys[nids]
-
     def keys_at(self, nids: np.ndarray) -> list[bytes]:
         """:meth:`key` of many nodes that are all full blocks or roots (such as a
-        :meth:`path_to`), in one gather; :meth:`keys_of` also takes ``NO_NODE``."""
+        :meth:`path_to`), in one gather."""
         return self._keys[nids].tolist()
+
+    def keep_key_rows(self) -> None:
+        """Keep every node's key also as a row of one ``uint8 [capacity, 32]`` array, read
+        by :meth:`key_rows_of`: a framed level reads the keys of a batch of pages from
+        it in one gather of rows, where a gather of keys touches each key's object (the
+        pages moved down are the least recently used: a cache miss or two per key).
+        32 bytes a node, and a row written per node added; called once, by a manager
+        with a framed level."""
+        if self._key_rows is not None:
+            return
+        rows = np.zeros((self.capacity + 1, _KEY_BYTES), dtype=np.uint8)
+        for nid, key in enumerate(self._keys[:-1].tolist()):  # (none yet, at a build)
+            if key is not None:
+                rows[nid] = np.frombuffer(key, dtype=np.uint8)
+        self._key_rows = rows
+
+    def key_rows_of(self, nids: np.ndarray) -> np.ndarray:
+        """The keys of nodes as rows (``uint8 [n, 32]``, a new array), all zeros for a
+        partial block or ``NO_NODE`` (no key is: a SHA-256 of all zeros is as likely as
+        any collision). Only after :meth:`keep_key_rows`."""
+        assert self._key_rows is not None, "keep_key_rows first"
+        return self._key_rows.take(nids, axis=0)
 
     def path_to(self, nid: int, k: int) -> np.ndarray:
         """The nodes of blocks ``0..k-1`` of the path ending at ``nid`` (block ``k - 1``:
@@ -552,6 +579,9 @@ class PrefixTree:
         # An object array made from an iterator first: a list given to the assignment is
         # looked into item by item (for nested sequences) at about twice the cost.
         self._keys[nids] = np.fromiter(keys, dtype=object, count=n)
+        if self._key_rows is not None:
+            self._key_rows[nids] = np.frombuffer(b"".join(keys), dtype=np.uint8
+                                                 ).reshape(n, _KEY_BYTES)
         self.index.update(zip(keys, nl, strict=True))
         if mm and items is not None:
             for nid, its in zip(nids.tolist(), items, strict=True):
@@ -571,6 +601,8 @@ class PrefixTree:
         self.pages[nid] = -1
         self.tokens[nid] = tokens
         self._keys[nid] = key
+        if self._key_rows is not None:
+            self._key_rows[nid] = np.frombuffer(key, dtype=np.uint8)
         self.index[key] = nid
         self._link(parent, nid)
         self.num_nodes += 1
@@ -588,6 +620,8 @@ class PrefixTree:
         row[: len(tokens)] = tokens
         row[len(tokens) :] = 0  # a recycled id's row keeps no token of the block it was
         self._keys[nid] = None
+        if self._key_rows is not None:
+            self._key_rows[nid] = 0  # (nor its key)
         self._link(parent, nid)
         self.num_nodes += 1
         return nid

@@ -342,6 +342,46 @@ def test_frame_key_of_one_page_is_its_key_in_a_batch(tmp_path, cleanup):
         assert one.shape == (1, 32) and one.tobytes() == both[:1].tobytes()
 
 
+def test_frame_keys_of_a_batch_are_each_pages_key_after_node_ids_are_recycled(
+        tmp_path, cleanup):
+    """The key rows the tree keeps for framed levels follow its nodes: after many
+    requests (shared prefixes, partial tails, drops that free node ids for reuse by
+    full and partial blocks alike), a batch's frame keys are each page's tree key, or
+    its page-derived key where it has none."""
+    m = make_manager([("gpu", 8), ("host", 6), ("disk", 20)], tmp_path)
+    cleanup(m)
+    d = Driver(m)
+    for i in range(40):
+        toks = tokens(4 * (i % 3), 7) + tokens(3 + (5 * i) % 9, 100 + i)
+        d.write(toks, suspend=False).close()
+    lv = m.storage_levels
+    assert sum(g.dropped_blocks for g in lv.stats.groups) > 20  # ids were recycled
+    pids = np.array([p for level in m.stores for s in level for p in s.pages().tolist()],
+                    dtype=np.int64)
+    nodes = lv.arena.node[pids].tolist()
+    keys = [lv.tree.key(n) if n >= 0 else None for n in nodes]
+    assert any(k is None for k in keys) and any(k is not None for k in keys)
+    want = [k if k is not None else frame_mod.page_key(None, p)
+            for k, p in zip(keys, pids.tolist(), strict=True)]
+    assert [bytes(r) for r in lv.frame_keys(pids)] == want
+
+
+def test_tree_key_rows_survive_growth_and_are_zero_for_partial_blocks_and_no_node():
+    from kvcm_core.radix import NO_NODE, PrefixTree
+
+    tree = PrefixTree(1, 2, capacity=16)
+    root = tree.root(b"r" * 32)  # before keep_key_rows: copied in
+    tree.keep_key_rows()
+    keys = [bytes([i]) * 32 for i in range(1, 41)]
+    nids = tree.add_chain(root, keys, np.ones((40, 2), dtype=np.int32), 0)  # grows
+    part = tree.add_partial(int(nids[-1]), [5])
+    one = tree.add_one(int(nids[-1]), b"z" * 32, np.ones(2, dtype=np.int32), 40)
+    assert tree.capacity > 16
+    got = tree.key_rows_of(np.array([root, *nids.tolist(), part, one, NO_NODE]))
+    want = [b"r" * 32, *keys, bytes(32), b"z" * 32, bytes(32)]
+    assert [bytes(r) for r in got] == want
+
+
 @pytest.mark.parametrize("n", [2, 3, 10, 64])
 def test_move_slots_of_one_batch_pair_ascending_sources_with_ascending_slots(n):
     from kvcm_core.levels import _in_runs
