@@ -379,20 +379,28 @@ class SegmentLruPolicy(EvictionPolicy):
     def _append_runs(self, arr: np.ndarray, runs: Iterable[tuple[int, int]]) -> None:
         """:meth:`_append` of distinct absent pages by runs ``(priority, count)``: a
         segment per run, the disjoint views of one copy (which no one else holds), with
-        a scatter per run and array."""
+        a scatter per run and array (a run of one page, as a close's leaf and partial
+        blocks make them: a scalar write)."""
         seg = arr.copy()
         stamp, prios, queues, live = self._stamp, self._prio, self._queues, self._live
+        serial, mask = self._serial, self._mask
         a = 0
         for p, c in runs:
-            b = a + c
-            self._serial += 1
-            part = seg[a:b]
-            stamp[part] = self._serial
-            prios[part] = p
-            queues[p].append((self._serial, part))
+            serial += 1
+            if c == 1:
+                page = seg.item(a)
+                stamp[page] = serial
+                prios[page] = p
+                part = seg[a:a + 1]
+            else:
+                part = seg[a:a + c]
+                stamp[part] = serial
+                prios[part] = p
+            queues[p].append((serial, part))
             live[p] += c
-            self._mask |= 1 << p
-            a = b
+            mask |= 1 << p
+            a += c
+        self._serial, self._mask = serial, mask
         self._entries += len(arr)
         self._count += len(arr)
 
