@@ -4,6 +4,15 @@ partial blocks each enter one) are popped in exact LRU order, dead entries skipp
 import random
 
 import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+from kvcm_eviction_lru import segments
 from kvcm_eviction_lru.segments import SegmentLruPolicy
 
 
@@ -127,3 +136,146 @@ def test_big_page_ids_grow_the_arrays_with_their_number_not_by_quadrupling():
     policy.insert_many(np.arange(1 << 23, (1 << 23) + 1000, dtype=np.int64))
     assert len(policy._stamp) <= first + 2 * 1002
     assert sorted(policy.pop_victims(2000))[:2] == [5, 1 << 22 | 5]
+
+
+def _check_internals(policy: SegmentLruPolicy) -> None:
+    """The bookkeeping a pop trusts instead of reading stamps: per queue, its live and
+    dead entries counted; a segment is in ``_dirty`` exactly when it holds a dead entry
+    (one that is not, taken as it is, would hand out an absent page); the mask names
+    the priorities with live pages; ``_entries`` counts every entry."""
+    stamp = policy._stamp
+    entries = 0
+    serials = set()
+    for p, queue in enumerate(policy._queues):
+        live = 0
+        for serial, seg in queue:
+            alive = int(np.count_nonzero(stamp[seg] == serial))
+            assert (alive < len(seg)) == (serial in policy._dirty), (p, serial)
+            live += alive
+            entries += len(seg)
+            serials.add(serial)
+        assert live == policy._live[p]
+        assert sum(len(s) for _, s in queue) - live == policy._dead[p]
+        assert bool(policy._mask >> p & 1) == (live > 0)
+        assert live or not queue
+    assert policy._dirty <= serials
+    assert entries == policy._entries
+
+
+class _SegmentMachine(RuleBasedStateMachine):
+    """Random inserts (every entry point: checked, by the caller, by runs), removals and
+    touches of runs of pages or scattered ones, priority moves, and pops of any size
+    (a priority in part or whole, segments split): the victims are exactly the
+    reference's (lowest priority first, least recently used first inside one), the runs
+    of ``pop_victim_runs`` name their priorities, and the internals stay consistent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = SegmentLruPolicy()
+        self.order: dict[int, list[int]] = {}
+        self.next_id = 0
+
+    def _present(self) -> list[int]:
+        return [pg for p in sorted(self.order) for pg in self.order[p]]
+
+    def _forget(self, pages: list[int]) -> None:
+        gone = set(pages)
+        for q in self.order.values():
+            q[:] = [pg for pg in q if pg not in gone]
+
+    def _new(self, n: int, big: bool) -> list[int]:
+        base = (1 << 22) + 7 if big else 0
+        pages = list(range(base + self.next_id, base + self.next_id + n))
+        self.next_id += n
+        return pages
+
+    @rule(data=st.data(), n=st.integers(1, 40),
+          how=st.sampled_from(["many", "checked", "runs"]), big=st.booleans())
+    def insert(self, data: st.DataObject, n: int, how: str, big: bool) -> None:
+        pages = self._new(n, big and how == "many")
+        runs = []
+        left = n
+        while left:
+            c = data.draw(st.integers(1, left))
+            runs.append((data.draw(st.sampled_from([0, 1, 35, 35, 100])), c))
+            left -= c
+        prios = [p for p, c in runs for _ in range(c)]
+        arr = np.asarray(pages, dtype=np.int64)
+        if how == "many":
+            self.policy.insert_many(arr, np.asarray(prios, dtype=np.int64))
+        elif how == "checked":
+            self.policy.insert_many_checked_by_caller(
+                arr, prios[0] if len(runs) == 1 else np.asarray(prios, dtype=np.int64))
+        else:
+            self.policy.insert_runs_checked_by_caller(arr, runs)
+        for pg, p in zip(pages, prios, strict=True):
+            self.order.setdefault(p, []).append(pg)
+
+    @rule(data=st.data(), checked=st.booleans(), touch=st.booleans())
+    def remove_or_touch(self, data: st.DataObject, checked: bool, touch: bool) -> None:
+        present = self._present()
+        if not present:
+            return
+        if data.draw(st.booleans()):  # a run of neighbours (pages leave as they entered)
+            a = data.draw(st.integers(0, len(present) - 1))
+            chosen = present[a:a + data.draw(st.integers(1, 50))]
+        else:
+            chosen = data.draw(st.lists(st.sampled_from(present), min_size=1, max_size=60,
+                                        unique=True))
+        arr = np.asarray(chosen, dtype=np.int64)
+        if touch:
+            self.policy.touch_many(arr)
+            moved = {pg: p for p, q in self.order.items() for pg in q if pg in set(chosen)}
+            self._forget(chosen)
+            for pg in chosen:
+                self.order[moved[pg]].append(pg)
+        else:
+            if checked and max(chosen) < 1 << 22:
+                self.policy.remove_many_checked_by_caller(arr)
+            else:
+                self.policy.remove_many(arr)
+            self._forget(chosen)
+
+    @rule(data=st.data())
+    def set_priority(self, data: st.DataObject) -> None:
+        present = self._present()
+        if not present:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(present), min_size=1, max_size=5,
+                                    unique=True))
+        p = data.draw(st.sampled_from([0, 1, 35, 100]))
+        self.policy.set_priority_many(chosen, p)
+        self._forget(chosen)
+        self.order.setdefault(p, []).extend(chosen)
+
+    @rule(k=st.integers(0, 120), with_runs=st.booleans())
+    def pop(self, k: int, with_runs: bool) -> None:
+        expected = _reference_pop(self.order, k)
+        if with_runs:
+            got, runs = self.policy.pop_victim_runs(k)
+            assert runs is not None and sum(c for _, c in runs) == len(expected)
+            assert all(c >= 1 for _, c in runs)
+            prios = [p for p, c in runs for _ in range(c)]
+            assert len(set(prios)) == len(runs) and prios == sorted(prios)
+        else:
+            got = self.policy.pop_victims(k)
+        assert got.tolist() == expected
+
+    @invariant()
+    def consistent(self) -> None:
+        assert len(self.policy) == sum(len(q) for q in self.order.values())
+        _check_internals(self.policy)
+
+
+_MACHINE_SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_pops_follow_the_reference_and_the_bookkeeping_holds_under_random_calls():
+    run_state_machine_as_test(_SegmentMachine, settings=_MACHINE_SETTINGS)
+
+
+def test_the_same_when_the_queues_are_rebuilt_often(monkeypatch):
+    # (Rebuilds drop every dead entry and start new segments: the bookkeeping restarts.)
+    monkeypatch.setattr(segments, "_COMPACT_SLACK", 8)
+    run_state_machine_as_test(_SegmentMachine, settings=_MACHINE_SETTINGS)
