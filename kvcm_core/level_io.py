@@ -1190,6 +1190,8 @@ class DeadlineBlobPool(DeadlinePool, BlobPool):
     """:class:`DeadlinePool` for blob pools (``write_blobs``/``read_blobs`` too)."""
 
     inner_pool: BlobPool
+    # Rows filled in place are written as write writes them (as blobs), never held.
+    write_into = StoragePool.write_into
 
     def write(self, slots: np.ndarray, source: np.ndarray) -> IOHandle:
         return BlobPool.write(self, slots, source)

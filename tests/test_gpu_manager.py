@@ -69,8 +69,11 @@ def _run(backend: str, disk: Path, pm: Any = None) -> tuple[KVCacheManager, Engi
     return m, loop, m.get_and_reset_iteration_stats()
 
 
-def _live_pages(m: KVCacheManager) -> dict[tuple[int, int, int], bytes]:
-    """Bytes of every live page of the device-accessible levels, by (level, store, slot)."""
+def _live_pages(m: KVCacheManager) -> dict[tuple[int, int, int, int], bytes]:
+    """Bytes of every live page of the device-accessible levels, by (level, store, page
+    id, pool): the same decisions give the same page ids, while the slots a move puts
+    pages in may differ between backends (a backend whose copies cost per run pairs
+    them into runs, the numpy backend does not: ``run_copies``)."""
     out = {}
     for level, stores in enumerate(m.stores):
         for si, store in enumerate(stores):
@@ -82,7 +85,7 @@ def _live_pages(m: KVCacheManager) -> dict[tuple[int, int, int], bytes]:
                         continue
                     data = m.backend.read(pool.buffer, slot * pool.slot_bytes,
                                           pool.slot_bytes)
-                    out[(level, si, slot, k)] = data.tobytes()
+                    out[(level, si, pid, k)] = data.tobytes()
     return out
 
 
