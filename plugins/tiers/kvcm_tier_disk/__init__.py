@@ -432,21 +432,36 @@ class DiskPool(StoragePool):
                 return False
             status = aio.read_nowait(fd, (self.data_offset + first * sb,),
                                      (dest.ctypes.data,), (n * sb,))
+        elif first - last == n - 1 and bool((np.diff(arr) == -1).all()):
+            # One run in reverse (a level hands its slots out from the top down, so an
+            # onboard usually names them so): read it whole, then reverse its rows.
+            if last < 0 or first >= self.num_slots:
+                return False
+            into = np.empty_like(dest)
+            status = aio.read_nowait(fd, (self.data_offset + last * sb,),
+                                     (aio.data_address(into),), (n * sb,))
+            if status == 0:
+                dest[...] = into[::-1]
         else:
-            if int(arr.min()) < 0 or int(arr.max()) >= self.num_slots:
+            # One reduction for both bounds (as check_slots: a negative slot read as
+            # uint64 is larger than any pool).
+            if int(arr.view(np.uint64).max()) >= self.num_slots:
                 return False
             order = None
             if np.count_nonzero(arr[1:] <= arr[:-1]):  # not in slot order: sort them
                 order = arr.argsort(kind="stable")
                 arr = arr.take(order)
-            cuts = (arr[1:] != arr[:-1] + 1).nonzero()[0] + 1
+            cuts = (arr[1:] != arr[:-1] + 1).nonzero()[0]
             if len(cuts) >= _NOWAIT_RUNS:
                 return False
             into = dest if order is None else np.empty_like(dest)
-            starts = np.concatenate(([0], cuts))
-            status = aio.read_nowait(fd, (self.data_offset + arr[starts] * sb).tolist(),
-                                     (aio.data_address(into) + starts * sb).tolist(),
-                                     ((np.append(cuts, n) - starts) * sb).tolist())
+            # Run k is rows starts[k]:starts[k + 1] of ``into``, from slot arr[starts[k]].
+            starts = [0, *(cuts + 1).tolist()]
+            ends = [*starts[1:], n]
+            at = aio.data_address(into)
+            status = aio.read_nowait(fd, (arr.take(starts) * sb + self.data_offset).tolist(),
+                                     [at + i * sb for i in starts],
+                                     [(j - i) * sb for i, j in zip(starts, ends, strict=True)])
             if status == 0 and order is not None:  # row i of the copy is dest[order[i]]
                 item = np.dtype((np.void, sb))
                 dest.view(item)[:, 0].put(order, into.view(item)[:, 0])
