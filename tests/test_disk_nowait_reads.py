@@ -68,7 +68,8 @@ def test_a_page_cache_read_of_slots_in_any_order_gives_their_rows(cached, runs):
 
 
 @pytest.mark.parametrize("slots", [
-    np.arange(100, 140), np.arange(139, 99, -1), np.array([200, 201, 202, 90, 91, 5])])
+    np.arange(100, 140), np.arange(139, 99, -1), np.array([200, 201, 202, 90, 91, 5]),
+    np.array([105, 104, 103, 100, 99, 101, 105])])
 def test_a_page_cache_read_gives_the_rows_for_every_slot_type(cached, slots):
     pool, rows = cached
     for dtype in (np.int32, np.int64, np.uint32, np.uint64):
@@ -84,6 +85,30 @@ def test_a_page_cache_read_of_a_slot_out_of_range_is_declined(cached, bad):
     pool, _ = cached
     slots = np.array(bad)
     assert not pool.read_nowait(slots, np.zeros((len(slots), SB), dtype=np.uint8))
+
+
+@pytest.mark.parametrize(("slots", "calls"), [
+    (np.array([60, 59, 58, 50, 49, 48, 47]), 1),  # runs downwards, close: one span
+    (np.array([60, 61, 55, 56, 57, 54]), 1),  # close, not in order: one span
+    (np.array([300, 299, 10, 9]), 2),  # far apart: a call per run
+    (np.array([9, 10, 30, 31]), 2)])  # in slot order: a call per run, no copy
+def test_slots_close_together_not_in_order_are_read_in_one_call(cached, monkeypatch, slots,
+                                                                calls):
+    """Slots not in slot order whose span holds at most twice as many slots are one call
+    (the rows between them read and left); others a call per run."""
+    pool, rows = cached
+    seen = []
+    real = aio.read_nowait
+
+    def spy(fd, offsets, addresses, sizes):
+        seen.append(len(offsets))
+        return real(fd, offsets, addresses, sizes)
+
+    monkeypatch.setattr(aio, "read_nowait", spy)
+    out = np.zeros((len(slots), SB), dtype=np.uint8)
+    assert pool.read_nowait(slots, out)
+    np.testing.assert_array_equal(out, rows[slots])
+    assert seen == [calls]
 
 
 # -- data not in the page cache ---------------------------------------------------------------
@@ -137,6 +162,29 @@ def test_a_read_of_data_not_in_the_page_cache_is_declined_and_goes_to_the_thread
     np.testing.assert_array_equal(out, rows[slots])
     assert io.stats.direct_reads == 0 and io.stats.operations == 1
     io.close([], time.monotonic() + 1.0)
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="Linux preadv2 flags only")
+def test_a_span_read_is_declined_when_a_slot_between_is_not_in_the_page_cache(uncached):
+    """Slots close together are read as one span: the slots between them count as the
+    rest do, so a page between them that is not in the page cache declines the read (it
+    never waits for the device)."""
+    _, pool, rows = uncached
+    fd = pool._fd
+    _drop_cache(pool)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: only what is read
+    try:
+        for slot in (12, 10):  # (a look at slot 11 would start reading it in)
+            assert len(os.pread(fd, PAGE_SB, pool.data_offset + slot * PAGE_SB)) == PAGE_SB
+        out = np.zeros((2, PAGE_SB), dtype=np.uint8)
+        assert pool.read_nowait(np.array([10]), out[:1])  # cached
+        assert pool.read_nowait(np.array([12]), out[:1])
+        assert not pool.read_nowait(np.array([12, 10]), out)
+        os.pread(fd, PAGE_SB, pool.data_offset + 11 * PAGE_SB)
+        assert pool.read_nowait(np.array([12, 10]), out)  # all of the span cached now
+        np.testing.assert_array_equal(out, rows[[12, 10]])
+    finally:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_NORMAL)
 
 
 def test_without_the_call_the_pool_declines_stops_trying_and_the_level_reads_on_its_thread(
