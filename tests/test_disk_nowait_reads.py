@@ -171,6 +171,8 @@ def test_a_span_read_is_declined_when_a_slot_between_is_not_in_the_page_cache(un
     never waits for the device)."""
     _, pool, rows = uncached
     fd = pool._fd
+    if pool.data_offset % PAGE_SB:
+        pytest.skip("slots are not whole file pages here")
     _drop_cache(pool)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: only what is read
     try:
