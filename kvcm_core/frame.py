@@ -66,6 +66,13 @@ KEY_BYTES = 32
 _KEY_AT = HEADER.fields["key"][1]
 _KEY_ITEM = np.dtype((np.void, KEY_BYTES))
 _SEQ_AT = HEADER.fields["seq"][1]
+# FrameBook.check reads the header up to the sequence number's end as 8-byte words
+# (before the key, the key, the sequence number), then the length, its last field.
+assert _KEY_AT % 8 == 0 and _SEQ_AT == _KEY_AT + KEY_BYTES and \
+    HEADER.fields["length"][1] == _SEQ_AT + 8 == HEADER.itemsize - 4
+_KEY_WORD, _SEQ_WORD, _HEAD_WORDS = _KEY_AT // 8, _SEQ_AT // 8, _SEQ_AT // 8 + 1
+assert _HEAD_WORDS == 8  # (a row of its equalities is read as one u64)
+_ALL_EQUAL = np.uint64(0x0101010101010101)  # eight True bytes read as one u64
 _FEW_FRAMES = 8  # reads of up to this many frames are checked frame by frame
 _FEW_WRAPS = 4  # writes of up to this many pages are framed page by page
 
@@ -236,6 +243,7 @@ class FrameBook:
         self._templates: dict[int, np.ndarray] = {}  # payload size -> shared header bytes
         self._parts: dict[int, tuple[bytes, bytes, bytes]] = {}  # see _template_parts
         self._framing: dict[int, tuple[np.dtype, np.void]] = {}  # see _frame_fields
+        self._checking: dict[int, tuple[np.dtype, np.ndarray, int]] = {}  # _check_fields
         # keys seen as one 32-byte item per slot (see _key_items), and the array it views
         self._items: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -413,21 +421,47 @@ class FrameBook:
         """Which fixed-size ``frames[i]`` (read from ``slots[i]``) are intact: a bool
         mask. The payload of frame ``i`` is ``frames[i, HEADER.itemsize:-4]``."""
         n, width = frames.shape
-        hb = HEADER.itemsize
         size = width - FRAME_OVERHEAD
         if n <= _FEW_FRAMES and size >= 0 and frames.dtype == np.uint8:
             return self._check_few(slots, frames, size)
-        # The header each frame must have (as wrap wrote it), compared byte for byte.
-        seqs = self.seqs[slots]
-        want = np.empty((n, hb), dtype=np.uint8)
-        want[:] = self._template(size)
-        want[:, _KEY_AT : _KEY_AT + KEY_BYTES] = self.keys.take(slots, axis=0)  # keys[slots]
-        want[:, _SEQ_AT : _SEQ_AT + 8] = seqs.astype("<u8").view(np.uint8).reshape(n, 8)
-        ok = (frames[:, :hb] == want).all(axis=1) & (seqs != 0)
-        stored = np.ascontiguousarray(frames[:, hb + size :]).view("<u4").reshape(n)
+        if frames.strides[1] != 1:  # a record view needs each row's bytes adjacent
+            frames = np.ascontiguousarray(frames)
+        fields, pre, tail = self._check_fields(size)
+        rec = frames.view(fields)[:, 0]
+        # The header each frame must have (as wrap wrote it) up to its length, as
+        # little-endian 8-byte words: the part before the key, the key, the sequence
+        # number. A row's eight equalities, read as one u64 of eight bools, are all true
+        # when it is _ALL_EQUAL (a reduction over rows of eight costs several times more).
+        seqs = self.seqs.take(slots)
+        want = np.empty((n, _HEAD_WORDS), dtype=np.uint64)
+        want[:, :_KEY_WORD] = pre
+        want[:, _KEY_WORD:_SEQ_WORD] = self.keys.view("<u8").take(slots, axis=0)
+        want[:, _SEQ_WORD] = seqs
+        ok = (rec["words"] == want).view(np.uint64)[:, 0] == _ALL_EQUAL
+        ok &= (seqs != 0) & (rec["tail"] == tail)  # never written; the length
         if np.count_nonzero(ok):
-            ok &= _crcs(frames, hb + size) == stored
+            ok &= np.fromiter(map(_crc_value, rec["body"].tolist()), np.uint32, n) \
+                == rec["crc"]
         return ok
+
+    def _check_fields(self, size: int) -> tuple[np.dtype, np.ndarray, int]:
+        """A frame of a ``size``-byte payload as the record :meth:`check` reads: the
+        header up to its length as little-endian 8-byte words (``words``), the rest of
+        it (``tail``: the length), the bytes the CRC covers (``body``) and the CRC; with
+        the words before the key and the tail value that :meth:`_template` holds."""
+        kept = self._checking.get(size)
+        if kept is None:
+            hb = HEADER.itemsize
+            fields = np.dtype({
+                "names": ["words", "tail", "body", "crc"],
+                "formats": [("<u8", (_HEAD_WORDS,)), "<u4", f"V{hb + size}", "<u4"],
+                "offsets": [0, _SEQ_AT + 8, 0, hb + size],
+                "itemsize": size + FRAME_OVERHEAD})
+            head = self._template(size)
+            kept = self._checking[size] = (
+                fields, head[:_KEY_AT].view("<u8").copy(),
+                int(head[_SEQ_AT + 8 :].view("<u4")[0]))
+        return kept
 
     def _check_few(self, slots: np.ndarray, frames: np.ndarray, size: int) -> np.ndarray:
         """:meth:`check` of a few frames, one by one as bytes (NumPy's per-call costs

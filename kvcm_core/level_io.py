@@ -882,16 +882,40 @@ class LevelIO:
 
         return run
 
-    def read_now(self, pool: StoragePool, slots: np.ndarray, dest: np.ndarray) -> bool:
+    def read_direct(self, pool: StoragePool, slots: np.ndarray, dest: np.ndarray) -> bool:
+        """:meth:`read_held`, else :meth:`read_now`, with one look at the held rows: the
+        slots' places in them tell both whether every slot is held and whether any is
+        (then what is held is written first, as :meth:`read_now` would)."""
+        held = self._held.get(id(pool))
+        some = False
+        if held is not None and len(slots):
+            if int(slots.max()) < len(held.where):
+                at = held.where[slots]
+                if int(at.min()) >= 0:
+                    dest[...] = held.buf[at]
+                    self.stats.held_reads += 1
+                    return True
+                some = int(at.max()) >= 0
+            else:  # (as _flush_for: a slot past the table, everything written first)
+                some = True
+        return self.read_now(pool, slots, dest, held=some)
+
+    def read_now(self, pool: StoragePool, slots: np.ndarray, dest: np.ndarray,
+                 held: bool | None = None) -> bool:
         """Try a read on the caller's thread (:meth:`StoragePool.read_nowait`: only what
         cannot block): True when ``dest`` holds the rows. Declined (False) while the level
         is stuck, while anything but background writes of other slots is queued or
         running (so the read sees every write it must), or for a slot whose background
-        write failed (the thread's read refuses it)."""
+        write failed (the thread's read refuses it). ``held``: whether a held write
+        writes one of ``slots`` (then what is held is written first), as the caller
+        found it; None: looked up here."""
         if type(pool).read_nowait is StoragePool.read_nowait:
             return False
-        if self._held:
-            self._flush_for((pool, slots))
+        if held is None:
+            if self._held:
+                self._flush_for((pool, slots))
+        elif held:
+            self.flush_held()
         key = id(pool)
         with self._lock:
             if self._stopped or self.stuck() is not None:
@@ -1153,7 +1177,7 @@ class DeadlinePool(StoragePool):
                 dest.shape != (len(arr), self.slot_bytes):
             return self.inner_pool.read(arr, dest)  # let the inner pool refuse it
         inner, io = self.inner_pool, self.io
-        if io.read_held(inner, arr, dest) or io.read_now(inner, arr, dest):
+        if io.read_direct(inner, arr, dest):
             return CompletedIO()
         private = np.empty_like(dest)  # a late read must not land in the caller's rows
 

@@ -147,8 +147,9 @@ class Mover:
             self.codec_of(src.level) is self.codec_of(dst.level)
         s = np.asarray(src_slots, dtype=np.int64 if same else np.int32)
         d = np.asarray(dst_slots, dtype=np.int64 if same else np.int32)
-        if keys is None and src.frames is not None:
-            # A copy (take: keys[s], whole rows at once), taken before any write to a book.
+        if keys is None and src.frames is not None and dst.frames is not None:
+            # A copy (take: keys[s], whole rows at once), taken before any write to a book;
+            # only a framed destination uses them (_put), not an onboard to the GPU.
             keys = src.frames.keys.take(s, axis=0)
         if self.fences.events:  # asynchronous copies may still touch these slots
             self.fences.wait_host(((src, s), (dst, d)))

@@ -73,3 +73,55 @@ def test_wrap_takes_keys_as_an_assignment_would():
     one = FrameBook(fmt, SLOTS, 6).wrap(slots, payloads, keys[:1])
     np.testing.assert_array_equal(one, FrameBook(fmt, SLOTS, 6).wrap(
         slots, payloads, np.repeat(keys[:1], 8, axis=0)))
+
+
+def _intact(fmt: FrameFormat, book: FrameBook, slots: list[int], frames: np.ndarray
+            ) -> list[bool]:
+    """Which frames hold, byte for byte, the frame the format gives the book's record of
+    their slot (key, sequence number; never written: none), with the CRC-32C of the header
+    and payload they carry."""
+    out = []
+    for i, slot in enumerate(slots):
+        seq = int(book.seqs[slot])
+        if not seq:
+            out.append(False)
+            continue
+        payload = frames[i : i + 1, HEADER.itemsize : -4]
+        want = _expected(fmt, [slot], payload, book.keys[slot : slot + 1], seq)[0]
+        out.append(bool((frames[i] == want).all()))
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(9, 40), size=st.integers(1, 80), seed=st.integers(0, 2**32 - 1),
+       flips=st.lists(st.tuples(st.integers(0, 39), st.integers(0, 8 * 200 - 1)), max_size=6),
+       stale=st.lists(st.integers(0, 39), max_size=3), strided=st.booleans())
+def test_check_of_many_frames_passes_exactly_the_intact_frames(n, size, seed, flips, stale,
+                                                                strided):
+    """``check`` of a batch (more frames than the frame-by-frame path takes) passes a frame
+    iff every byte of it is what the book's record of its slot and its payload give:
+    bit flips anywhere (header, payload, CRC), frames of an older write, slots never
+    written, in frames given as a strided view too."""
+    rng = np.random.default_rng(seed)
+    fmt = FrameFormat(int(rng.integers(0, 2**16)), rng.bytes(16))
+    book = FrameBook(fmt, SLOTS, size)
+    slots = rng.permutation(SLOTS)[:n].tolist()
+    written = slots[: n - 2] if n % 2 else slots  # some batches name unwritten slots
+    payloads = rng.integers(0, 256, (len(written), size), dtype=np.uint8)
+    keys = rng.integers(0, 256, (len(written), 32), dtype=np.uint8)
+    old = book.wrap(np.array(written), payloads, keys)
+    frames = np.zeros((n, size + FRAME_OVERHEAD), dtype=np.uint8)
+    frames[: len(written)] = book.wrap(np.array(written), payloads, keys)  # a newer write
+    for i in stale:  # the older write's frame put back
+        if i < len(written):
+            frames[i] = old[i]
+    for i, bit in flips:
+        if i < n:
+            bit %= 8 * frames.shape[1]
+            frames[i, bit // 8] ^= 1 << (bit % 8)
+    if strided:
+        wide = np.zeros((n, 2 * frames.shape[1]), dtype=np.uint8)
+        wide[:, ::2] = frames
+        frames = wide[:, ::2]
+    got = book.check(np.array(slots), frames)
+    assert got.tolist() == _intact(fmt, book, slots, np.ascontiguousarray(frames))

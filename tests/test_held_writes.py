@@ -326,6 +326,37 @@ def test_a_disk_levels_read_from_the_page_cache_sees_its_held_writes(tmp_path):
     tier.close()
 
 
+@native
+def test_a_direct_read_of_unheld_slots_of_a_pool_with_held_writes_leaves_them_held(tmp_path):
+    """One look at the held rows (``LevelIO.read_direct``) tells a read of slots that no
+    held write writes from one that needs them written first: the first reads on the
+    caller's thread and leaves the held writes held; the second writes them first."""
+    tier = DiskTier(None, {"path": str(tmp_path / "d")})
+    inner = tier.create_pool(SB, 64)
+    io = LevelIO(2, deadline_s=1.0, write_queue_depth=8, combine_bytes=1 << 20)
+    pool = DeadlinePool(io, inner)
+    old = seeded_rows(64, 3)
+    pool.write(np.arange(64), old).wait()
+    if not inner.read_nowait(np.array([0]), np.empty((1, SB), dtype=np.uint8)):
+        _close(io, pool)
+        tier.close()
+        pytest.skip("this file system has no page-cache-only reads (RWF_NOWAIT)")
+    new = seeded_rows(2, 4)
+    with io.dropping(True):
+        pool.write(np.array([20, 21]), new).wait()
+    assert io.stats.held_writes == 1
+    out = np.zeros((3, SB), dtype=np.uint8)
+    pool.read(np.array([7, 6, 30]), out).wait()  # none held: direct, still held after
+    np.testing.assert_array_equal(out, old[[7, 6, 30]])
+    assert io.stats.direct_reads == 1 and io._held
+    pool.read(np.array([21, 6, 5]), out).wait()  # one held: written first
+    np.testing.assert_array_equal(out, np.stack([new[1], old[6], old[5]]))
+    assert not io._held
+    assert io.wait_idle(2.0)
+    _close(io, pool)
+    tier.close()
+
+
 def test_held_writes_of_several_pools_count_against_the_write_queue():
     """Each pool holding writes is a batch to come: with ``write_queue_depth`` of them in
     flight or held, a droppable write for yet another pool is refused, so no flush ever

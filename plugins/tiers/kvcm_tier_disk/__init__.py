@@ -140,6 +140,10 @@ _TASK_BYTES = 8 << 20
 _INLINE_BYTES = 256 << 10  # batches up to this size run on the caller's thread
 _NOWAIT_RUNS = 64  # read_nowait declines a read of more runs than this
 _NOWAIT_BYTES = 1 << 20  # ... or of more bytes than this
+# read_nowait reads slots not in slot order as one span, lowest to highest, when the span
+# holds at most this many times as many slots as the read names (and at most
+# _NOWAIT_BYTES): the extra bytes copied cost less than a call per run
+_NOWAIT_SPAN = 2
 _HASHED = re.compile(r"-[0-9a-f]{16}$")  # how file_name ends a name it had to change
 _FORKED = ("belongs to the process that forked this one; a forked child cannot use its "
            "parent's disk tier (make a new one)")
@@ -247,6 +251,7 @@ class DiskPool(StoragePool):
         self._pending: set[cf.Future[None]] = set()
         self._lock = threading.Lock()
         self._nowait = True  # read_nowait is worth trying (until the file system says no)
+        self._row_item = np.dtype((np.void, slot_bytes))  # a slot's bytes as one item
         self._natives: list[aio.NativeWrite] = []  # write_behind writes maybe in flight
         self._gone = "was closed"  # why the pool is unusable once _fd is None
 
@@ -408,7 +413,9 @@ class DiskPool(StoragePool):
     def read_nowait(self, slots: np.ndarray, dest: np.ndarray) -> bool:
         """Read from the page cache only (:func:`kvcm_tier_disk.aio.read_nowait`, one
         call per run of consecutive slots, in slot order as :meth:`read` does; slots not
-        in order are read into a copy in slot order, then moved to their rows): True when
+        in order are read into a copy in slot order, then moved to their rows, or, when
+        they lie close together (:data:`_NOWAIT_SPAN`), as one call from the lowest slot
+        to the highest, the rows then taken from it): True when
         every byte came back; False when any of it would need the device, when the file
         system does not support it (this pool then stops trying), for a read of more than
         :data:`_NOWAIT_RUNS` runs or :data:`_NOWAIT_BYTES` bytes (the thread's read
@@ -433,23 +440,50 @@ class DiskPool(StoragePool):
             status = aio.read_nowait(fd, (self.data_offset + first * sb,),
                                      (dest.ctypes.data,), (n * sb,))
         else:
-            if int(arr.min()) < 0 or int(arr.max()) >= self.num_slots:
+            # One reduction for both bounds (as check_slots: a negative slot read as
+            # uint64 is larger than any pool).
+            hi = int(arr.view(np.uint64).max())  # (the largest slot, all in range)
+            if hi >= self.num_slots:
                 return False
+            lo = int(arr.min())
+            span = hi - lo + 1
+            unordered = bool(np.count_nonzero(arr[1:] <= arr[:-1]))
+            if unordered and span <= _NOWAIT_SPAN * n and span * sb <= _NOWAIT_BYTES:
+                # Slots not in slot order (a copy is made anyway) close together (a
+                # level hands its slots out from the top down, so an onboard usually
+                # names a few runs of them downwards): one read of the slots from the
+                # lowest to the highest, then their rows taken from it. The slots in
+                # between are read too, from the page cache only as the rest: the read
+                # is declined where any of it would need the device.
+                into = np.empty((span, sb), dtype=np.uint8)
+                status = aio.read_nowait(fd, (self.data_offset + lo * sb,),
+                                         (aio.data_address(into),), (span * sb,))
+                if status == 0:
+                    item = self._row_item
+                    into.view(item)[:, 0].take(arr - lo, out=dest.view(item)[:, 0])
+                return self._nowait_result(status)
             order = None
-            if np.count_nonzero(arr[1:] <= arr[:-1]):  # not in slot order: sort them
+            if unordered:  # not in slot order: sort them
                 order = arr.argsort(kind="stable")
                 arr = arr.take(order)
-            cuts = (arr[1:] != arr[:-1] + 1).nonzero()[0] + 1
+            cuts = (arr[1:] != arr[:-1] + 1).nonzero()[0]
             if len(cuts) >= _NOWAIT_RUNS:
                 return False
             into = dest if order is None else np.empty_like(dest)
-            starts = np.concatenate(([0], cuts))
-            status = aio.read_nowait(fd, (self.data_offset + arr[starts] * sb).tolist(),
-                                     (aio.data_address(into) + starts * sb).tolist(),
-                                     ((np.append(cuts, n) - starts) * sb).tolist())
+            # Run k is rows starts[k]:starts[k + 1] of ``into``, from slot arr[starts[k]].
+            starts = [0, *(cuts + 1).tolist()]
+            ends = [*starts[1:], n]
+            at = aio.data_address(into)
+            status = aio.read_nowait(fd, (arr.take(starts) * sb + self.data_offset).tolist(),
+                                     [at + i * sb for i in starts],
+                                     [(j - i) * sb for i, j in zip(starts, ends, strict=True)])
             if status == 0 and order is not None:  # row i of the copy is dest[order[i]]
-                item = np.dtype((np.void, sb))
+                item = self._row_item
                 dest.view(item)[:, 0].put(order, into.view(item)[:, 0])
+        return self._nowait_result(status)
+
+    def _nowait_result(self, status: int | None) -> bool:
+        """:meth:`read_nowait`'s result for ``aio.read_nowait``'s ``status``."""
         if status is None or status in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS,
                                         errno.EPERM):  # never here: stop trying
             self._nowait = False
