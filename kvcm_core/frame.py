@@ -68,10 +68,13 @@ _KEY_ITEM = np.dtype((np.void, KEY_BYTES))
 _SEQ_AT = HEADER.fields["seq"][1]
 # FrameBook.check reads the header up to the sequence number's end as 8-byte words
 # (before the key, the key, the sequence number), then the length, its last field.
-assert _KEY_AT % 8 == 0 and _SEQ_AT == _KEY_AT + KEY_BYTES and \
-    HEADER.fields["length"][1] == _SEQ_AT + 8 == HEADER.itemsize - 4
 _KEY_WORD, _SEQ_WORD, _HEAD_WORDS = _KEY_AT // 8, _SEQ_AT // 8, _SEQ_AT // 8 + 1
-assert _HEAD_WORDS == 8  # (a row of its equalities is read as one u64)
+# (A check, not an assert: it must hold under ``python -O`` too. _HEAD_WORDS == 8: a
+# row of its equalities is read as one u64.)
+if not (_KEY_AT % 8 == 0 and _SEQ_AT == _KEY_AT + KEY_BYTES and _HEAD_WORDS == 8 and
+        HEADER.fields["length"][1] == _SEQ_AT + 8 == HEADER.itemsize - 4):
+    raise ImportError("kvcm_core.frame: FrameBook.check assumes the header's key at an "
+                      "8-byte offset, the sequence number right after it, then the length")
 _ALL_EQUAL = np.uint64(0x0101010101010101)  # eight True bytes read as one u64
 _FEW_FRAMES = 8  # reads of up to this many frames are checked frame by frame
 _FEW_WRAPS = 4  # writes of up to this many pages are framed page by page
