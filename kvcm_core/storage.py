@@ -475,37 +475,34 @@ class Store:
         still lock lose one lock; of the rest, committed ones become droppable (in the
         given order: least recent first) and the others are freed."""
         a = self.arena
-        held = a.locks[pids]
-        locks = held - 1
+        locks = a.locks[pids]
         # Integer counts only (comparisons cost as much again): a close costs a few array
         # operations whatever its length.
-        if not _count(a.holds[pids]):
-            nz = _count(locks)
-            if not nz:  # the usual close: this owner held the only locks
-                a.locks[pids] = 0
-            elif _count(held) != len(held):  # a page it did not lock
-                self.change(pids, -1, 0)
-                return
-            else:  # others keep some locked: those stay
-                a.locks[pids] = locks
-                z = len(locks) - nz
-                if not z:
-                    return
-                # Others lock a prefix of the chain, which comes last here (deepest block
-                # first): the pages to release are then the first z.
-                pids = pids[:z] if not _count(locks[:z]) else pids[locks == 0]
-            committed = a.node[pids] >= 0
-            if _count(committed) == len(committed):
-                self._released.append(pids)  # see droppable
-                self._released_n += len(pids)
-                return
-            d = pids[committed]
-            if len(d):
-                self._released.append(d)
-                self._released_n += len(d)
-            self.free_pages(pids[~committed])
+        if _count(locks) != len(locks) or _count(a.holds[pids]):
+            self.change(pids, -1, 0)  # a page it did not lock, or suspended owners too
             return
-        self.change(pids, -1, 0)
+        locks -= 1  # (in place: the gather's copy)
+        nz = _count(locks)
+        if not nz:  # the usual close: this owner held the only locks
+            a.locks[pids] = 0
+        else:  # others keep some locked: those stay
+            a.locks[pids] = locks
+            z = len(locks) - nz
+            if not z:
+                return
+            # Others lock a prefix of the chain, which comes last here (deepest block
+            # first): the pages to release are then the first z.
+            pids = pids[:z] if not _count(locks[:z]) else pids[locks == 0]
+        committed = a.node[pids] >= 0
+        if _count(committed) == len(committed):
+            self._released.append(pids)  # see droppable
+            self._released_n += len(pids)
+            return
+        d = pids[committed]
+        if len(d):
+            self._released.append(d)
+            self._released_n += len(d)
+        self.free_pages(pids[~committed])
 
     def unpublish(self, pids: np.ndarray) -> np.ndarray:
         """Detach pages from the tree; unreferenced ones are freed. Returns those freed."""

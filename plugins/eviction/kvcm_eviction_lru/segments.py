@@ -342,10 +342,12 @@ class SegmentLruPolicy(EvictionPolicy):
             self._append_mixed(pages, priorities)
 
     def _append_mixed(self, arr: np.ndarray, pr: np.ndarray) -> None:
-        """:meth:`_append` of distinct absent pages with a priority each (int64): the
-        same segments (one per run of equal priority, in order), built with one copy
-        and one scatter per array whatever the number of runs; the segments are
-        disjoint views of that copy, which no one else holds."""
+        """:meth:`_append` of distinct absent pages with a priority each (int64): a few
+        runs of equal priority enter as a segment each, in order; many (the closes of
+        many requests, each with a demoted leaf) as one segment per priority, its pages
+        in batch order, built with a few array operations per priority. A queue is its
+        pages' order, so the segments one batch adds to one queue may as well be one
+        (a Python step per run would cost one per request)."""
         n = len(arr)
         # The last index of each run but the final one (the method: np.flatnonzero adds
         # a ravel and a dispatch).
@@ -353,24 +355,21 @@ class SegmentLruPolicy(EvictionPolicy):
         if not len(ends):
             self._append(arr, int(pr[0]))
             return
-        cuts = [e + 1 for e in ends.tolist()]
-        values = [*pr.take(ends).tolist(), pr.item(-1)]  # at each run's last index
-        starts = [0, *cuts]
-        stops = [*cuts, n]
-        if len(cuts) < _FEW_RUNS:  # (victims moved down: a run per priority) a scatter each
-            counts = [b - a for a, b in zip(starts, stops, strict=True)]
+        if len(ends) < _FEW_RUNS:  # (victims moved down: a run per priority) a scatter each
+            cuts = [e + 1 for e in ends.tolist()]
+            values = [*pr.take(ends).tolist(), pr.item(-1)]  # at each run's last index
+            counts = [b - a for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
             self._append_runs(arr, zip(values, counts, strict=True))
             return
-        queues, live = self._queues, self._live
-        first = self._serial + 1
-        self._serial += len(starts)
-        seg = arr.copy()
-        self._stamp[seg] = np.repeat(np.arange(first, self._serial + 1, dtype=np.int64),
-                                     np.subtract(stops, starts))
-        self._prio[seg] = pr
-        for i, (p, a, b) in enumerate(zip(values, starts, stops, strict=True)):
-            queues[p].append((first + i, seg[a:b]))
-            live[p] += b - a
+        prios = np.bincount(pr, minlength=_NPRIO).nonzero()[0].tolist()
+        queues, live, stamp, prio = self._queues, self._live, self._stamp, self._prio
+        for p in prios:
+            seg = arr[pr == p]  # (a copy: no one else holds it)
+            self._serial += 1
+            stamp[seg] = self._serial
+            prio[seg] = p
+            queues[p].append((self._serial, seg))
+            live[p] += len(seg)
             self._mask |= 1 << p
         self._entries += n
         self._count += n
