@@ -490,7 +490,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             pages_g = self._pages[g]
             if pages_g:
                 pids = np.fromiter(reversed(pages_g), np.int64, len(pages_g))
-                if -1 in pages_g:
+                if pids[pids.argmin()] < 0:  # a hole (-1): cheaper than a scan of the list
                     pids = pids[pids >= 0]
                 if len(pids) and active:  # locked pages are on the GPU: one store
                     L.gpu_store(g).unlock_all(pids)

@@ -325,6 +325,13 @@ class EvictionPolicy(abc.ABC):
         self.insert_many_checked_by_caller(pages, np.repeat(
             np.asarray([p for p, _ in runs], dtype=np.int64), [c for _, c in runs]))
 
+    def reserve(self, num_pages: int) -> None:
+        """A hint, given once when the manager is built: page ids will mostly be below
+        ``num_pages`` (the page arena's size). A policy that keeps arrays indexed by
+        page id may size them now rather than grow them under load; it must behave the
+        same either way. The default ignores it."""
+        return None
+
     @abc.abstractmethod
     def __len__(self) -> int: ...
 

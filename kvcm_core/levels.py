@@ -232,6 +232,8 @@ class Levels:
         total = sum(s.num_slots for s in self.all_stores)
         self.arena.reserve(min(total + 64, _RESERVE_LIMIT))
         tree.reserve(min(total + 64, _RESERVE_LIMIT))
+        for store in self.all_stores:  # (the droppable queues take every page in turn)
+            store.droppable.reserve(self.arena.capacity)
 
     def _add_store(self, level: int, pg: int, pools: list[Any],
                    make_policy: Callable[[], EvictionPolicy], last: bool) -> None:

@@ -279,3 +279,39 @@ def test_the_same_when_the_queues_are_rebuilt_often(monkeypatch):
     # (Rebuilds drop every dead entry and start new segments: the bookkeeping restarts.)
     monkeypatch.setattr(segments, "_COMPACT_SLACK", 8)
     run_state_machine_as_test(_SegmentMachine, settings=_MACHINE_SETTINGS)
+
+
+def test_reserve_sizes_the_arrays_once_and_changes_no_order():
+    """``reserve`` (the manager's hint: the page arena's size) sizes the arrays up front,
+    so that the batches that follow never grow them, and the policy answers exactly as
+    one that grew them on the way."""
+    rng = random.Random(5)
+    a, b = SegmentLruPolicy(), SegmentLruPolicy()
+    a.reserve(6000)
+    grown = a._stamp
+    assert len(grown) >= 6000
+    pages = np.array(rng.sample(range(6000), 3000), dtype=np.int64)
+    prios = np.array([rng.choice([10, 50, 50, 50]) for _ in pages], dtype=np.int64)
+    for p in (a, b):
+        p.insert_many_checked_by_caller(pages, prios)
+        p.remove_many(pages[::7])
+        p.touch_many(np.delete(pages, np.arange(0, len(pages), 7))[::5][:100])
+    assert a._stamp is grown  # never grown again
+    for k in (1, 40, 500, 5000):
+        assert a.pop_victims(k).tolist() == b.pop_victims(k).tolist()
+    a.reserve(100)  # smaller than it is: nothing changes
+    assert a._stamp is grown
+
+
+def test_a_manager_reserves_each_levels_droppable_queue_for_its_page_arena(monkeypatch):
+    from kvcm_core.bench.manager import make_manager
+
+    seen: list[int] = []
+    real = SegmentLruPolicy.reserve
+    monkeypatch.setattr(SegmentLruPolicy, "reserve",
+                        lambda self, n: seen.append(n) or real(self, n))
+    m = make_manager(16, 5000)
+    try:
+        assert seen == [m.storage_levels.arena.capacity] and seen[0] >= 5000
+    finally:
+        m.shutdown()

@@ -129,6 +129,18 @@ class SegmentLruPolicy(EvictionPolicy):
             out = [self._to_outer.get(p, p) for p in out]
         return out
 
+    def reserve(self, num_pages: int) -> None:
+        """Size the arrays for page ids below ``num_pages`` now (up to the mapped range),
+        so that the first batches of a new manager do not grow them."""
+        n = min(int(num_pages), _BIG)
+        if n > len(self._stamp):
+            self._grow(n)
+
+    def _grow(self, n: int) -> None:
+        """The arrays indexed by internal id, ``n`` long (longer than they are)."""
+        self._stamp = np.concatenate([self._stamp, np.zeros(n - len(self._stamp), np.int64)])
+        self._prio = np.concatenate([self._prio, np.zeros(n - len(self._prio), np.int8)])
+
     def _fit(self, arr: np.ndarray) -> bool:
         """Check page ids and grow the arrays for the internal ids they will use; True
         when every id is small (its own internal id)."""
@@ -145,9 +157,7 @@ class SegmentLruPolicy(EvictionPolicy):
             hi = _BIG + len(known) + len({p for p in big if p not in known}) - 1
         if hi >= len(self._stamp):  # doubling (the mapped part alone past _BIG)
             n = max(hi + 1, _BIG + 2 * (hi + 1 - _BIG) if hi >= _BIG else 2 * len(self._stamp))
-            self._stamp = np.concatenate([self._stamp, np.zeros(n - len(self._stamp),
-                                                                np.int64)])
-            self._prio = np.concatenate([self._prio, np.zeros(n - len(self._prio), np.int8)])
+            self._grow(n)
         return small
 
     def _present(self, arr: np.ndarray) -> np.ndarray:
@@ -361,7 +371,10 @@ class SegmentLruPolicy(EvictionPolicy):
             counts = [b - a for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
             self._append_runs(arr, zip(values, counts, strict=True))
             return
-        prios = np.bincount(pr, minlength=_NPRIO).nonzero()[0].tolist()
+        # The priorities present: those at each run's end (a run per request: fewer
+        # values than pages, and cheaper than a count of every page's).
+        prios = set(pr.take(ends).tolist())
+        prios.add(pr.item(-1))
         queues, live, stamp, prio = self._queues, self._live, self._stamp, self._prio
         for p in prios:
             seg = arr[pr == p]  # (a copy: no one else holds it)
