@@ -86,24 +86,6 @@ def _crc(data: Any) -> int:
 
 
 _crc_value = google_crc32c.value
-_ITEMS: dict[int, np.dtype] = {}  # bytes -> the void dtype of that many bytes
-
-
-def _crcs(rows: np.ndarray, body: int | None = None) -> np.ndarray:
-    """CRC-32C of the first ``body`` bytes (all: None) of each row of a 2-D ``uint8``
-    array (``uint32 [n]``): NumPy makes the ``bytes`` of every row in one C loop (the rows
-    seen as ``void`` items of ``body`` bytes, listed), then one C call per row on them (no
-    NumPy view, slice or Python frame per row). A ``void`` item lists as all of its bytes,
-    trailing zeros included, so every CRC covers exactly ``body`` bytes."""
-    n, width = rows.shape
-    size = width if body is None else body
-    item = _ITEMS.get(size)
-    if item is None:
-        item = _ITEMS[size] = np.dtype((np.void, size))
-    part = rows[:, :size]
-    if part.strides[1] != 1:  # a void view needs each row's bytes adjacent
-        part = np.ascontiguousarray(part)
-    return np.fromiter(map(_crc_value, part.view(item)[:, 0].tolist()), np.uint32, n)
 
 
 def layout_fingerprint(description: Any) -> bytes:

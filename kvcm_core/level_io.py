@@ -702,7 +702,7 @@ class LevelIO:
         small writes (a hand-over each, to the tier's threads or the level's) into one.
 
         Everything else the level does sees held writes as written: a read of held slots
-        only is served from the held rows (:meth:`read_held`); an operation that must run
+        only is served from the held rows (:meth:`read_direct`); an operation that must run
         after them writes them first (a read of held and other slots, any write that is
         not held, a resize, a close, :meth:`wait_idle`). A held write that cannot be
         started marks its slots bad, as a failed background write does."""
@@ -741,20 +741,6 @@ class LevelIO:
             if int(slots.max()) < len(held.where) and not (held.where[slots] >= 0).any():
                 return
         self.flush_held()
-
-    def read_held(self, pool: Pool, slots: np.ndarray, dest: np.ndarray) -> bool:
-        """A read of ``slots`` (``check_slots``' result) of ``pool`` served from the held
-        rows when every slot is held (True: ``dest`` holds their last held rows); False
-        otherwise (the level's read then writes what is held first if it must)."""
-        held = self._held.get(id(pool))
-        if held is None or not len(slots) or int(slots.max()) >= len(held.where):
-            return False
-        at = held.where[slots]
-        if int(at.min()) < 0:
-            return False
-        dest[...] = held.buf[at]
-        self.stats.held_reads += 1
-        return True
 
     @property
     def background_in_flight(self) -> int:
@@ -883,9 +869,11 @@ class LevelIO:
         return run
 
     def read_direct(self, pool: StoragePool, slots: np.ndarray, dest: np.ndarray) -> bool:
-        """:meth:`read_held`, else :meth:`read_now`, with one look at the held rows: the
-        slots' places in them tell both whether every slot is held and whether any is
-        (then what is held is written first, as :meth:`read_now` would)."""
+        """A read of ``slots`` (``check_slots``' result) of ``pool`` served on the caller's
+        thread (True: ``dest`` holds the rows): from the held rows when every slot is
+        held (their last held rows), else by :meth:`read_now`. One look at the slots'
+        places in the held rows tells both whether every slot is held and whether any is
+        (what is held is then written first); False: the level's thread must read."""
         held = self._held.get(id(pool))
         some = False
         if held is not None and len(slots):
@@ -901,20 +889,17 @@ class LevelIO:
         return self.read_now(pool, slots, dest, held=some)
 
     def read_now(self, pool: StoragePool, slots: np.ndarray, dest: np.ndarray,
-                 held: bool | None = None) -> bool:
+                 held: bool) -> bool:
         """Try a read on the caller's thread (:meth:`StoragePool.read_nowait`: only what
         cannot block): True when ``dest`` holds the rows. Declined (False) while the level
         is stuck, while anything but background writes of other slots is queued or
         running (so the read sees every write it must), or for a slot whose background
         write failed (the thread's read refuses it). ``held``: whether a held write
-        writes one of ``slots`` (then what is held is written first), as the caller
-        found it; None: looked up here."""
+        writes one of ``slots`` (then what is held is written first), as
+        :meth:`read_direct` found it."""
         if type(pool).read_nowait is StoragePool.read_nowait:
             return False
-        if held is None:
-            if self._held:
-                self._flush_for((pool, slots))
-        elif held:
+        if held:
             self.flush_held()
         key = id(pool)
         with self._lock:

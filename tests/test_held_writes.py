@@ -276,9 +276,11 @@ def test_close_reports_held_writes_that_cannot_be_started_and_still_closes_every
     assert tier.writes == 1  # the other pool's held write went out before the closers
 
 
-def test_a_full_write_queue_still_refuses_a_write_that_would_be_held():
+@pytest.mark.parametrize("into", [False, True], ids=["write", "write_into"])
+def test_a_full_write_queue_still_refuses_a_write_that_would_be_held(into):
     """The queue's bound holds for held writes too: with ``write_queue_depth`` writes in
-    flight, a droppable write is refused at once (its victims are dropped), not held."""
+    flight, a droppable write is refused at once (its victims are dropped), not held; one
+    to be filled in place is refused before its fill is called."""
     plan = FaultPlan(slow_s=0.3)
     tier, io, seen = _level(combine=4 * ROW, depth=1, plan=plan)
     pool = _pool(tier, io, seen)
@@ -286,7 +288,10 @@ def test_a_full_write_queue_still_refuses_a_write_that_would_be_held():
     with io.dropping(True):
         pool.write(np.array([0, 1, 2, 3]), _rows(1, 4)).wait()  # at the limit: in flight
         with pytest.raises(WriteQueueFull):
-            pool.write(np.array([5]), _rows(2)).wait()
+            if into:
+                pool.write_into(np.array([5]), _half_then_fail).wait()  # never called
+            else:
+                pool.write(np.array([5]), _rows(2)).wait()
     assert io.stats.queue_full_drops == 1 and io.stats.held_writes == 0
     assert io.wait_idle(2.0) and _read(pool, [0]) == [1]
     _close(io, pool)
@@ -428,18 +433,6 @@ def test_a_write_filled_in_place_is_held_and_a_fill_that_fails_holds_nothing():
     _close(io, pool)
 
 
-def test_a_write_filled_in_place_is_refused_before_its_fill_when_the_queue_is_full():
-    plan = FaultPlan(slow_s=0.3)
-    tier, io, seen = _level(combine=4 * ROW, depth=1, plan=plan)
-    pool = _pool(tier, io, seen)
-    plan.slow_writes = {tier.writes + 1}
-    with io.dropping(True):
-        pool.write(np.array([0, 1, 2, 3]), _rows(1, 4)).wait()  # at the limit: in flight
-        with pytest.raises(WriteQueueFull):
-            pool.write_into(np.array([5]), _half_then_fail).wait()  # never called
-    assert io.stats.queue_full_drops == 1 and io.stats.held_writes == 0
-    assert io.wait_idle(2.0) and _read(pool, [0]) == [1]
-    _close(io, pool)
 # Mostly droppable writes and reads of a few slots, so that writes are held, slots are
 # held twice, and reads meet held, written and refused slots; now and then a write that
 # is not held, or wait_idle (which writes what is held).

@@ -18,7 +18,6 @@ import errno
 import os
 import time
 
-import google_crc32c
 import kvcm_tier_disk
 import numpy as np
 import pytest
@@ -27,7 +26,7 @@ from kvcm_tier_disk import DiskPool, DiskTier
 from levels_helpers import Driver, make_manager, tokens
 
 from kvcm_core import InvalidArgumentError, InvalidStateError, TierIOError
-from kvcm_core.frame import FrameBook, FrameFormat, _crcs
+from kvcm_core.frame import FrameBook, FrameFormat
 from kvcm_core.level_io import DeadlinePool, LevelIO
 from kvcm_core.tier import DevicePool, check_slots
 
@@ -214,21 +213,6 @@ def test_a_levels_read_of_unordered_slots_runs_on_the_callers_thread(cached):
 
 
 # -- frames and the mover ---------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("n", "width", "body"), [(0, 200, 196), (1, 72, 68), (5, 136, 132),
-                                                  (300, 200, None), (9, 100, 100)])
-def test_crcs_of_many_rows_are_one_crc_per_row(n, width, body):
-    rows = seeded_rows(n, 14, width)
-    if n:
-        rows[:, -12:] = 0  # trailing zeros count
-    size = width if body is None else body
-    want = [google_crc32c.value(r[:size].tobytes()) for r in rows]
-    assert _crcs(rows, body).tolist() == want
-    strided = np.zeros((n, 2 * width), dtype=np.uint8)
-    strided[:, ::2] = rows
-    assert _crcs(strided[:, ::2], body).tolist() == want  # rows whose bytes are apart
-    assert _crcs(np.asfortranarray(rows), body).tolist() == want
 
 
 def test_frame_records_of_a_wrap_are_its_keys_and_sequence_numbers():
