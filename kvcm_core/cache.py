@@ -458,12 +458,13 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
 
     def close(self) -> None:
         """Release every page; committed ones stay reusable until evicted. Idempotent."""
-        self._ctx.thread.check()
-        if self._status is CacheStatus.CLOSED:
+        ctx = self._ctx
+        ctx.thread.check()
+        status = self._status
+        if status is CacheStatus.CLOSED:
             return
         if self.batch_seat is not None:
             self._require_unseated("close()")
-        ctx = self._ctx
         L = self._levels
         # (Each step below is skipped when it has nothing to do: a close is on every
         # request's path, and its fixed cost weighs as much as its per-block one.)
@@ -472,18 +473,11 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
                 self._publish_at_close()
             else:
                 self._demote_leaf()
-        active = self._status is CacheStatus.ACTIVE
-        if self._scratch_slots or self._scratch_live:
-            self._drop_scratch()
-        if self._beams:
-            self._release_beams()
+        active = status is CacheStatus.ACTIVE
+        if self._scratch_slots or self._scratch_live or self._beams or self._pending:
+            self._close_extras()
         # Deepest block first, every group of a block together: the LRU order then evicts
         # a chain from its tail, and no group's pages of a block age apart from the others.
-        # A pending partial block's copy source (a close before the first resume) lies
-        # below every block held, so it goes first.
-        if self._pending:
-            L.change(_arr([src for _, _, src in self._pending]), 0, -1)
-            self._pending.clear()
         groups = ctx.attn_groups
         if len(groups) == 1 and not ctx.ssm_groups:  # one attention group: the usual model
             g = groups[0]
@@ -518,7 +512,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
                 self._pages[g] = []
             self._ssm = [-1] * len(self._ssm)
         self._status = CacheStatus.CLOSED
-        self._changed()
+        self._version += 1  # (_changed for a cache in no batch, which it is: see above)
         if not ctx.publish_groups:
             left = ctx.open_roots[self._root_key] - 1
             if left:
@@ -526,6 +520,19 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             else:
                 del ctx.open_roots[self._root_key]
         ctx.on_close(self)
+
+    def _close_extras(self) -> None:
+        """What a close releases besides the blocks' pages: scratch slots, extra beams,
+        and a pending partial block's copy source (a close before the first resume). The
+        source lies below every block held, so it goes first (before the blocks, deepest
+        first: see close)."""
+        if self._scratch_slots or self._scratch_live:
+            self._drop_scratch()
+        if self._beams:
+            self._release_beams()
+        if self._pending:
+            self._levels.change(_arr([src for _, _, src in self._pending]), 0, -1)
+            self._pending.clear()
 
     # -- page tables ---------------------------------------------------------------------------
 

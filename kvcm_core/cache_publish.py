@@ -272,16 +272,18 @@ class PublishMixin(CacheBase):
     def _demote_leaf(self) -> None:
         """Give the leaf block's pages :data:`LEAF_BLOCK_PRIORITY` (see there)."""
         b = self._published - 1
-        if b < 0 or self._priority_cb is not None or len(self._nodes) <= b:
+        nodes = self._nodes
+        if b < 0 or len(nodes) <= b or self._priority_cb is not None:
             return
-        nid = self._nodes[b]
+        nid = nodes[b]
         a = self._arena
         for g in self._ctx.publish_groups:
             pages_g = self._pages[g]
-            pid = pages_g[b] if b < len(pages_g) else -1
-            # Ours (published into this node by this cache) and never claimed by another.
-            if pid >= 0 and a.node[pid] == nid and not a.reused[pid]:
-                self._levels.demote_leaf(pid, LEAF_BLOCK_PRIORITY)
+            if b < len(pages_g):
+                pid = pages_g[b]
+                # Ours (published into this node by this cache) and never claimed by another.
+                if pid >= 0 and a.node[pid] == nid and not a.reused[pid]:
+                    self._levels.demote_leaf(pid, LEAF_BLOCK_PRIORITY)
 
     def _publish_at_close(self) -> None:
         """The leaf block's priority, the trailing partial block, and the live SSM state

@@ -43,6 +43,12 @@ except ImportError:  # pragma: no cover - NumPy 1.x
     _count = np.count_nonzero
 
 NO_PAGE = -1
+#: The bytes of a column of ones as long as the longest chain a close compares in one go
+#: (``Store.unlock_all``: a byte compare costs a fraction of a ufunc call).
+_ONE_LOCK = np.ones(8192, dtype=np.int32).tobytes()
+#: The bytes of a node column's ``-1`` (no node). Found anywhere in a column's bytes (even
+#: across two values), it sends a close to the exact test; absent, no value is ``-1``.
+_NO_NODE = np.array([-1], dtype=np.int32).tobytes()
 #: Calls on one page take scalar paths (the same rules without array operations; a test
 #: turns them off to compare).
 _ONE_BY_ONE = True
@@ -474,30 +480,36 @@ class Store:
         """A close: one owner lets go of its locked pages (ids unique). Pages other owners
         still lock lose one lock; of the rest, committed ones become droppable (in the
         given order: least recent first) and the others are freed."""
-        a = self.arena
-        locks = a.locks[pids]
-        # Integer counts only (comparisons cost as much again): a close costs a few array
-        # operations whatever its length.
-        if _count(locks) != len(locks) or _count(a.holds[pids]):
-            self.change(pids, -1, 0)  # a page it did not lock, or suspended owners too
+        n = len(pids)
+        if not n:
             return
-        locks -= 1  # (in place: the gather's copy)
-        nz = _count(locks)
-        if not nz:  # the usual close: this owner held the only locks
+        a = self.arena
+        # A close costs a few array operations whatever its length, and each ufunc call
+        # costs as much as a gather: the tests below are byte compares, counts and argmins.
+        if _count(a.holds[pids]):
+            self.change(pids, -1, 0)  # suspended owners too
+            return
+        locks = a.locks[pids]
+        if locks.tobytes() == _ONE_LOCK[:4 * n]:  # the usual close: the only lock of each
             a.locks[pids] = 0
-        else:  # others keep some locked: those stay
-            a.locks[pids] = locks
-            z = len(locks) - nz
+        else:
+            if _count(locks) != n:
+                self.change(pids, -1, 0)  # a page it did not lock: the general rule
+                return
+            locks -= 1  # others lock some (a shared prefix): each loses one lock
+            a.locks[pids] = locks  # (in place: the gather's copy)
+            z = n - _count(locks)
             if not z:
                 return
             # Others lock a prefix of the chain, which comes last here (deepest block
             # first): the pages to release are then the first z.
             pids = pids[:z] if not _count(locks[:z]) else pids[locks == 0]
-        committed = a.node[pids] >= 0
-        if _count(committed) == len(committed):
+        node = a.node[pids]
+        if _NO_NODE not in node.tobytes():  # all committed (a byte search: no ufunc)
             self._released.append(pids)  # see droppable
             self._released_n += len(pids)
             return
+        committed = node >= 0
         d = pids[committed]
         if len(d):
             self._released.append(d)

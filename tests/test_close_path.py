@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from conftest import full_layers, tokens
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcm_core.storage import PageArena, Store
 
 TPB = 4
 
@@ -106,3 +111,51 @@ def test_close_of_a_request_whose_every_page_another_locks_releases_none(manager
     assert counts(m) == (28, 0, 4)  # still a's
     a.close()
     assert counts(m) == (28, 4, 0)
+
+
+# -- Store.unlock_all against the general rule ------------------------------------------------
+
+class _Pool:
+    slot_bytes = 8
+    num_slots = 64
+
+
+def _store_with(rows: list[tuple[int, int, int, int]]) -> tuple[Any, np.ndarray]:
+    """A store whose pages have these ``(locks, holds, node, priority)``: none is in a
+    queue (each is locked, or a test's subject with its counts as given)."""
+    from kvcm_eviction_lru.segments import SegmentLruPolicy
+
+    store = Store(0, 1, 0, [_Pool()], SegmentLruPolicy, False, PageArena())
+    pids = store.take(0, len(rows))
+    a = store.arena
+    for pid, (locks, holds, node, prio) in zip(pids.tolist(), rows, strict=True):
+        a.locks[pid], a.holds[pid], a.node[pid], a.priority[pid] = locks, holds, node, prio
+    return store, pids
+
+
+def _state(store: Any, pids: np.ndarray) -> tuple:
+    a = store.arena
+    return (a.locks[pids].tolist(), a.holds[pids].tolist(), a.store[pids].tolist(),
+            store.num_free, store.held.pop_victims(99).tolist(),
+            store.droppable.pop_victims(99).tolist())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 1),
+                          st.sampled_from([-1, 3, 255, 256, 65535, 2**24 - 1]),
+                          st.sampled_from([0, 35, 100])), min_size=1, max_size=40),
+       st.booleans())
+def test_a_close_unlocks_each_page_as_the_general_rule_does(rows, no_holds):
+    """Whatever the counts (the only lock, others' locks on any subset, suspended
+    owners, uncommitted pages, node ids whose bytes hold 0xff), unlock_all leaves the
+    counts, the freed slots and both queues, in order, exactly as ``change(pids, -1, 0)``
+    (the rule for one owner's release) does."""
+    if no_holds:  # the usual close: no suspended owner
+        rows = [(locks, 0, node, prio) for locks, _, node, prio in rows]
+    general, pids = _store_with(rows)
+    fast, same = _store_with(rows)
+    assert pids.tolist() == same.tolist()
+    order = pids[::-1].copy()  # a close's order: deepest block first
+    general.change(order, -1, 0)
+    fast.unlock_all(order)
+    assert _state(fast, pids) == _state(general, pids)
