@@ -152,7 +152,7 @@ class PublishMixin(CacheBase):
                 # on ``stream``: after a copy still bringing it in.
                 self._wait_readers()
                 L.wait_pages(stream, np.asarray([theirs]))
-                L.claim(np.asarray([theirs]), 1, 0)  # shared now: see demote_leaf
+                L.claim(np.asarray([theirs]), 1, 0)  # shared now: see _demote_leaf
                 a.reused[theirs] = True
                 pages_g[b] = theirs
                 L.change(np.asarray([mine]), -1, 0)
@@ -270,7 +270,9 @@ class PublishMixin(CacheBase):
                 self._tree.collect(np.asarray([nid]))
 
     def _demote_leaf(self) -> None:
-        """Give the leaf block's pages :data:`LEAF_BLOCK_PRIORITY` (see there)."""
+        """Give the leaf block's pages :data:`LEAF_BLOCK_PRIORITY` (see there) and mark
+        them ``demoted`` (a column of the page's row: it goes when the page id is handed
+        out again, and ``Levels.claim`` undoes it when another request shares the page)."""
         b = self._published - 1
         nodes = self._nodes
         if b < 0 or len(nodes) <= b or self._priority_cb is not None:
@@ -283,7 +285,8 @@ class PublishMixin(CacheBase):
                 pid = pages_g[b]
                 # Ours (published into this node by this cache) and never claimed by another.
                 if pid >= 0 and a.node[pid] == nid and not a.reused[pid]:
-                    self._levels.demote_leaf(pid, LEAF_BLOCK_PRIORITY)
+                    a.priority[pid] = LEAF_BLOCK_PRIORITY
+                    a.demoted[pid] = 1
 
     def _publish_at_close(self) -> None:
         """The leaf block's priority, the trailing partial block, and the live SSM state

@@ -340,8 +340,8 @@ class Levels:
     def claim(self, pids: np.ndarray, dlocks: int = 0, dholds: int = 1) -> None:
         """A request shares committed pages it did not write (ids unique): a match at
         create (one hold each), a rebase at commit (one lock). A leaf block demoted at
-        its writer's close (:meth:`demote_leaf`) is shared now and gets the default
-        priority back, for good."""
+        its writer's close (the ``demoted`` column: see ``PageArena``) is shared now and
+        gets the default priority back, for good."""
         a = self.arena
         demoted = a.demoted[pids]
         if demoted.any():  # before the hold, so that a held queue gets the new priority
@@ -349,14 +349,6 @@ class Levels:
             a.priority[back] = DEFAULT_PRIORITY
             a.demoted[back] = 0
         self.change(pids, dlocks, dholds)
-
-    def demote_leaf(self, pid: int, priority: int) -> None:
-        """Give a closing cache's leaf page (committed, used by no other request)
-        ``priority`` until another request shares it (:meth:`claim`). The mark is a
-        column of the page's row: it goes when the page id is handed out again."""
-        a = self.arena
-        a.priority[pid] = priority
-        a.demoted[pid] = 1
 
     def release_locked(self, pids: np.ndarray) -> None:
         """Owners let go of pages they locked once (a close): see :meth:`Store.unlock_all`."""

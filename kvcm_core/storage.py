@@ -43,9 +43,16 @@ except ImportError:  # pragma: no cover - NumPy 1.x
     _count = np.count_nonzero
 
 NO_PAGE = -1
-#: The bytes of a column of ones as long as the longest chain a close compares in one go
-#: (``Store.unlock_all``: a byte compare costs a fraction of a ufunc call).
-_ONE_LOCK = np.ones(8192, dtype=np.int32).tobytes()
+#: Pages that closes may queue for the droppable policy before the next close inserts
+#: them (see ``Store.droppable``): a bound on the deferred work, which also keeps a flush's
+#: temporary arrays small enough for the allocator to reuse (one flush of the closes of
+#: hundreds of requests pays a page fault per 4 KiB of each of its temporaries).
+FLUSH_RELEASED_AT = 4096
+#: A lock column of ones as long as the longest chain a close handles in one go, and its
+#: bytes (``Store.unlock_all``: a byte compare costs a fraction of a ufunc call).
+_ONES = np.ones(8192, dtype=np.int32)
+_ONE_LOCK = _ONES.tobytes()
+_subtract = np.subtract
 #: The bytes of a node column's ``-1`` (no node). Found anywhere in a column's bytes (even
 #: across two values), it sends a close to the exact test; absent, no value is ``-1``.
 _NO_NODE = np.array([-1], dtype=np.int32).tobytes()
@@ -91,7 +98,7 @@ class PageArena:
         priority: eviction priority (0..100).
         reused: claimed by a request other than its writer.
         demoted: its priority was lowered at its writer's close (a leaf block,
-            ``Levels.demote_leaf``) until another request shares it. Like every column,
+            ``KVCache._demote_leaf``) until another request shares it. Like every column,
             reset when the id is handed out again.
     """
 
@@ -216,7 +223,8 @@ class Store:
         self._droppable = make_policy()
         self.held = make_policy()
         # Pages released by closes, not yet in the droppable policy: they enter it in one
-        # batch, in release order, when anything next reads or changes the queue.
+        # batch, in release order, when anything next reads or changes the queue (or a
+        # close finds FLUSH_RELEASED_AT of them queued).
         self._released: list[np.ndarray] = []
         self._released_n = 0  # pages in _released
         #: Pages that left this store other than by moving (freed or lost): a caller
@@ -483,6 +491,8 @@ class Store:
         n = len(pids)
         if not n:
             return
+        if self._released_n >= FLUSH_RELEASED_AT:  # before this close changes anything
+            self._flush_released()
         a = self.arena
         # A close costs a few array operations whatever its length, and each ufunc call
         # costs as much as a gather: the tests below are byte compares, counts and argmins.
@@ -496,8 +506,14 @@ class Store:
             if _count(locks) != n:
                 self.change(pids, -1, 0)  # a page it did not lock: the general rule
                 return
-            locks -= 1  # others lock some (a shared prefix): each loses one lock
-            a.locks[pids] = locks  # (in place: the gather's copy)
+            # Others lock some (a shared prefix): each loses one lock (in place: the
+            # gather's copy; an array of ones, not the scalar 1, spares the ufunc the
+            # promotion of a Python int).
+            if n <= len(_ONES):
+                _subtract(locks, _ONES[:n], out=locks)
+            else:
+                locks -= 1
+            a.locks[pids] = locks
             z = n - _count(locks)
             if not z:
                 return

@@ -159,3 +159,31 @@ def test_a_close_unlocks_each_page_as_the_general_rule_does(rows, no_holds):
     general.change(order, -1, 0)
     fast.unlock_all(order)
     assert _state(fast, pids) == _state(general, pids)
+
+
+@settings(max_examples=100, deadline=None)
+@given(closes=st.lists(st.tuples(st.integers(1, 6), st.sampled_from([0, 35, 100])),
+                       min_size=1, max_size=12),
+       bound=st.integers(1, 8))
+def test_closes_flush_their_queued_pages_at_the_bound_in_release_order(closes, bound):
+    """However often closes insert what earlier ones queued (every ``FLUSH_RELEASED_AT``
+    pages), the droppable policy ends with the same pages in the same order as with one
+    insert at the end, and no close leaves more than the bound plus its own pages queued."""
+    import kvcm_core.storage as storage
+
+    rows = [(1, 0, 5 + i, prio) for i, (size, prio) in enumerate(closes) for _ in range(size)]
+    orders = []
+    default = storage.FLUSH_RELEASED_AT
+    try:
+        for at in (10**9, bound):
+            storage.FLUSH_RELEASED_AT = at
+            store, pids = _store_with(rows)
+            start = 0
+            for size, _ in closes:
+                store.unlock_all(pids[start:start + size][::-1].copy())
+                start += size
+                assert store._released_n < at + size
+            orders.append(_state(store, pids))
+    finally:
+        storage.FLUSH_RELEASED_AT = default
+    assert orders[0] == orders[1]
