@@ -144,12 +144,15 @@ def _state(store: Any, pids: np.ndarray) -> tuple:
 @given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 1),
                           st.sampled_from([-1, 3, 255, 256, 65535, 2**24 - 1]),
                           st.sampled_from([0, 35, 100])), min_size=1, max_size=40),
-       st.booleans())
-def test_a_close_unlocks_each_page_as_the_general_rule_does(rows, no_holds):
+       st.booleans(), st.booleans())
+def test_a_close_unlocks_each_page_as_the_general_rule_does(rows, no_holds, long_chain):
     """Whatever the counts (the only lock, others' locks on any subset, suspended
     owners, uncommitted pages, node ids whose bytes hold 0xff), unlock_all leaves the
     counts, the freed slots and both queues, in order, exactly as ``change(pids, -1, 0)``
-    (the rule for one owner's release) does."""
+    (the rule for one owner's release) does; also for chains longer than its column of
+    ones (``long_chain``: one of three pages stands in for 8192)."""
+    import kvcm_core.storage as storage
+
     if no_holds:  # the usual close: no suspended owner
         rows = [(locks, 0, node, prio) for locks, _, node, prio in rows]
     general, pids = _store_with(rows)
@@ -157,7 +160,14 @@ def test_a_close_unlocks_each_page_as_the_general_rule_does(rows, no_holds):
     assert pids.tolist() == same.tolist()
     order = pids[::-1].copy()  # a close's order: deepest block first
     general.change(order, -1, 0)
-    fast.unlock_all(order)
+    ones = storage._ONES
+    try:
+        if long_chain:
+            storage._ONES = ones[:3]
+            storage._ONE_LOCK = storage._ONES.tobytes()
+        fast.unlock_all(order)
+    finally:
+        storage._ONES, storage._ONE_LOCK = ones, ones.tobytes()
     assert _state(fast, pids) == _state(general, pids)
 
 
