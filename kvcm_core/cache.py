@@ -466,6 +466,9 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         if self.batch_seat is not None:
             self._require_unseated("close()")
         L = self._levels
+        # Earlier closes' releases into the eviction policy when enough wait: first, so
+        # that a policy refusing the insert leaves this close undone (and safe to retry).
+        L.flush_due_releases()
         # (Each step below is skipped when it has nothing to do: a close is on every
         # request's path, and its fixed cost weighs as much as its per-block one.)
         if self._commit_on and self._tokens.n <= self._history and not self._unwritten:

@@ -350,6 +350,12 @@ class Levels:
             a.demoted[back] = 0
         self.change(pids, dlocks, dholds)
 
+    def flush_due_releases(self) -> None:
+        """The closes' queued releases of each GPU store (where locked pages are) into its
+        droppable policy once ``FLUSH_RELEASED_AT`` wait: see :meth:`Store.flush_if_due`."""
+        for s in self.stores[0]:
+            s.flush_if_due()
+
     def release_locked(self, pids: np.ndarray) -> None:
         """Owners let go of pages they locked once (a close): see :meth:`Store.unlock_all`."""
         for s, batch in group_by_store(self.arena, pids):

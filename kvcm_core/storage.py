@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - NumPy 1.x
 
 NO_PAGE = -1
 #: Pages that closes may queue for the droppable policy before the next close inserts
-#: them (see ``Store.droppable``): a bound on the deferred work, which also keeps a flush's
+#: them (``Store.flush_if_due``): a bound on the deferred work, which also keeps a flush's
 #: temporary arrays small enough for the allocator to reuse (one flush of the closes of
 #: hundreds of requests pays a page fault per 4 KiB of each of its temporaries).
 FLUSH_RELEASED_AT = 4096
@@ -238,6 +238,14 @@ class Store:
         if self._released:
             self._flush_released()
         return self._droppable
+
+    def flush_if_due(self) -> None:
+        """Insert the queued releases once :data:`FLUSH_RELEASED_AT` pages wait. A close
+        calls it (through ``Levels.flush_due_releases``) before it changes anything, so a
+        policy that refuses the insert leaves the close undone and safe to retry; never
+        from ``unlock_all``, which may run after another store's pages were released."""
+        if self._released_n >= FLUSH_RELEASED_AT:
+            self._flush_released()
 
     def _flush_released(self) -> None:
         batches = self._released
@@ -491,8 +499,6 @@ class Store:
         n = len(pids)
         if not n:
             return
-        if self._released_n >= FLUSH_RELEASED_AT:  # before this close changes anything
-            self._flush_released()
         a = self.arena
         # A close costs a few array operations whatever its length, and each ufunc call
         # costs as much as a gather: the tests below are byte compares, counts and argmins.

@@ -11,7 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from conftest import full_layers, tokens
+import pytest
+from conftest import TPB as _TPB
+from conftest import assert_invariants, full_layers, hybrid_layers, make_manager, tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -176,8 +178,8 @@ def test_a_close_unlocks_each_page_as_the_general_rule_does(rows, no_holds, long
                        min_size=1, max_size=12),
        bound=st.integers(1, 8))
 def test_closes_flush_their_queued_pages_at_the_bound_in_release_order(closes, bound):
-    """However often closes insert what earlier ones queued (every ``FLUSH_RELEASED_AT``
-    pages), the droppable policy ends with the same pages in the same order as with one
+    """However often closes insert what earlier ones queued (once ``FLUSH_RELEASED_AT``
+    pages wait), the droppable policy ends with the same pages in the same order as with one
     insert at the end, and no close leaves more than the bound plus its own pages queued."""
     import kvcm_core.storage as storage
 
@@ -190,6 +192,7 @@ def test_closes_flush_their_queued_pages_at_the_bound_in_release_order(closes, b
             store, pids = _store_with(rows)
             start = 0
             for size, _ in closes:
+                store.flush_if_due()  # as a close does, before it changes anything
                 store.unlock_all(pids[start:start + size][::-1].copy())
                 start += size
                 assert store._released_n < at + size
@@ -197,3 +200,102 @@ def test_closes_flush_their_queued_pages_at_the_bound_in_release_order(closes, b
     finally:
         storage.FLUSH_RELEASED_AT = default
     assert orders[0] == orders[1]
+
+
+class _Refused(Exception):
+    """A policy's insert that fails (a bug, or an interrupt landing inside it)."""
+
+
+@pytest.mark.parametrize("layers", ["full", "hybrid"])
+def test_a_close_whose_due_flush_is_refused_changes_nothing_and_can_be_retried(layers):
+    """A close inserts earlier closes' queued releases first, once the bound is reached;
+    when a store's policy refuses that insert, the close raises having changed nothing
+    (the request still ACTIVE, every page still locked by it, the invariants intact), and
+    a retry closes it. With several stores (hybrid: attention, window and SSM groups) the
+    flush must not run between two stores' releases, or the pages of the stores released
+    before it would be released twice."""
+    import kvcm_core.storage as storage
+
+    make = full_layers if layers == "full" else hybrid_layers
+    tried = 0
+    for refusing in range(len(make_manager(make(), slots=64).storage_levels.stores[0])):
+        m = make_manager(make(), slots=64)
+
+        def run(toks: list[int], m: Any = m) -> Any:
+            c = m.create_kv_cache(None, toks)
+            assert c.resume() and c.resize(len(toks))
+            c.commit(toks[c.history_length:])
+            return c
+
+        run(tokens(4 * _TPB, seed=1)).close()  # queues releases on every GPU store
+        b = run(tokens(4 * _TPB, seed=2))
+        stores = m.storage_levels.stores[0]
+        if not stores[refusing]._released_n:  # (b's allocations inserted this one's)
+            continue
+        tried += 1
+        held = [list(p) for p in b._pages]
+        policy = stores[refusing]._droppable
+        default, real = storage.FLUSH_RELEASED_AT, policy.insert_many_checked_by_caller
+
+        def refuse(*args: Any, **kw: Any) -> None:
+            raise _Refused("the policy refused the insert")
+
+        try:
+            storage.FLUSH_RELEASED_AT = 1
+            policy.insert_many_checked_by_caller = refuse
+            with pytest.raises(_Refused):
+                b.close()
+        finally:
+            storage.FLUSH_RELEASED_AT = default
+            policy.insert_many_checked_by_caller = real
+        assert b.status.name == "ACTIVE"
+        assert [list(p) for p in b._pages] == held
+        assert_invariants(m)
+        b.close()
+        assert b.status.name == "CLOSED"
+        assert_invariants(m)
+    assert tried == (1 if layers == "full" else 2)  # (hybrid: one store had none queued)
+
+
+def test_a_batch_resize_that_fails_gives_back_its_fresh_pages_without_the_policy(
+        monkeypatch):
+    """Batch.resize's error path hands back the pages no row got (Levels.release_locked):
+    uncommitted, they are freed there and then, with no call into the eviction policy, so
+    a policy that would refuse an insert at that moment (earlier closes' releases queued
+    past the bound) leaks nothing and does not replace the original error."""
+    import kvcm_core.storage as storage
+    from kvcm_core import Batch
+
+    m = make_manager(full_layers(), slots=64)
+
+    def run(toks: list[int]) -> Any:
+        c = m.create_kv_cache(None, toks)
+        assert c.resume() and c.resize(len(toks))
+        c.commit(toks[c.history_length:])
+        return c
+
+    run(tokens(4 * _TPB, seed=1)).close()  # releases queued on the GPU store
+    batch = Batch(m, max_rows=4, max_blocks_per_row=32)
+    x, y = run(tokens(2 * _TPB, seed=2)), run(tokens(2 * _TPB, seed=3))
+    batch.add_kv_cache(x)
+    batch.add_kv_cache(y)
+    batch.publish()
+    store = m.storage_levels.stores[0][0]
+    assert store._released_n
+    real_grow = type(y).batch_grow
+
+    def grow(self: Any, *args: Any, **kw: Any) -> Any:
+        if self is y:
+            raise _Refused("row 1's growth failed")
+        return real_grow(self, *args, **kw)
+
+    def refuse(*args: Any, **kw: Any) -> None:
+        raise AssertionError("the policy was called on an error path")
+
+    monkeypatch.setattr(type(y), "batch_grow", grow)
+    monkeypatch.setattr(store._droppable, "insert_many_checked_by_caller", refuse)
+    monkeypatch.setattr(storage, "FLUSH_RELEASED_AT", 1)
+    with pytest.raises(_Refused, match="row 1"):
+        batch.resize([6 * _TPB, 6 * _TPB, -1, -1])
+    monkeypatch.undo()
+    assert_invariants(m)
