@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import TPB as _TPB
 from conftest import assert_invariants, full_layers, hybrid_layers, make_manager, tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -207,7 +206,8 @@ class _Refused(Exception):
 
 
 @pytest.mark.parametrize("layers", ["full", "hybrid"])
-def test_a_close_whose_due_flush_is_refused_changes_nothing_and_can_be_retried(layers):
+def test_a_close_whose_due_flush_is_refused_changes_nothing_and_can_be_retried(
+        layers, monkeypatch):
     """A close inserts earlier closes' queued releases first, once the bound is reached;
     when a store's policy refuses that insert, the close raises having changed nothing
     (the request still ACTIVE, every page still locked by it, the invariants intact), and
@@ -220,34 +220,23 @@ def test_a_close_whose_due_flush_is_refused_changes_nothing_and_can_be_retried(l
     tried = 0
     for refusing in range(len(make_manager(make(), slots=64).storage_levels.stores[0])):
         m = make_manager(make(), slots=64)
-
-        def run(toks: list[int], m: Any = m) -> Any:
-            c = m.create_kv_cache(None, toks)
-            assert c.resume() and c.resize(len(toks))
-            c.commit(toks[c.history_length:])
-            return c
-
-        run(tokens(4 * _TPB, seed=1)).close()  # queues releases on every GPU store
-        b = run(tokens(4 * _TPB, seed=2))
+        run(m, tokens(4 * TPB, seed=1)).close()  # queues releases on every GPU store
+        b = run(m, tokens(4 * TPB, seed=2))
         stores = m.storage_levels.stores[0]
         if not stores[refusing]._released_n:  # (b's allocations inserted this one's)
             continue
         tried += 1
         held = [list(p) for p in b._pages]
-        policy = stores[refusing]._droppable
-        default, real = storage.FLUSH_RELEASED_AT, policy.insert_many_checked_by_caller
 
         def refuse(*args: Any, **kw: Any) -> None:
             raise _Refused("the policy refused the insert")
 
-        try:
-            storage.FLUSH_RELEASED_AT = 1
-            policy.insert_many_checked_by_caller = refuse
-            with pytest.raises(_Refused):
-                b.close()
-        finally:
-            storage.FLUSH_RELEASED_AT = default
-            policy.insert_many_checked_by_caller = real
+        monkeypatch.setattr(storage, "FLUSH_RELEASED_AT", 1)
+        monkeypatch.setattr(stores[refusing]._droppable, "insert_many_checked_by_caller",
+                            refuse)
+        with pytest.raises(_Refused):
+            b.close()
+        monkeypatch.undo()
         assert b.status.name == "ACTIVE"
         assert [list(p) for p in b._pages] == held
         assert_invariants(m)
@@ -267,16 +256,9 @@ def test_a_batch_resize_that_fails_gives_back_its_fresh_pages_without_the_policy
     from kvcm_core import Batch
 
     m = make_manager(full_layers(), slots=64)
-
-    def run(toks: list[int]) -> Any:
-        c = m.create_kv_cache(None, toks)
-        assert c.resume() and c.resize(len(toks))
-        c.commit(toks[c.history_length:])
-        return c
-
-    run(tokens(4 * _TPB, seed=1)).close()  # releases queued on the GPU store
+    run(m, tokens(4 * TPB, seed=1)).close()  # releases queued on the GPU store
     batch = Batch(m, max_rows=4, max_blocks_per_row=32)
-    x, y = run(tokens(2 * _TPB, seed=2)), run(tokens(2 * _TPB, seed=3))
+    x, y = run(m, tokens(2 * TPB, seed=2)), run(m, tokens(2 * TPB, seed=3))
     batch.add_kv_cache(x)
     batch.add_kv_cache(y)
     batch.publish()
@@ -296,6 +278,6 @@ def test_a_batch_resize_that_fails_gives_back_its_fresh_pages_without_the_policy
     monkeypatch.setattr(store._droppable, "insert_many_checked_by_caller", refuse)
     monkeypatch.setattr(storage, "FLUSH_RELEASED_AT", 1)
     with pytest.raises(_Refused, match="row 1"):
-        batch.resize([6 * _TPB, 6 * _TPB, -1, -1])
+        batch.resize([6 * TPB, 6 * TPB, -1, -1])
     monkeypatch.undo()
     assert_invariants(m)
