@@ -500,8 +500,8 @@ class Store:
         if not n:
             return
         a = self.arena
-        # A close costs a few array operations whatever its length, and each ufunc call
-        # costs as much as a gather: the tests below are byte compares, counts and argmins.
+        # A close costs a few array operations whatever its length, and a ufunc call on a
+        # small array costs several gathers: the tests below are byte compares and counts.
         if _count(a.holds[pids]):
             self.change(pids, -1, 0)  # suspended owners too
             return
