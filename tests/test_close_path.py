@@ -118,7 +118,7 @@ def test_close_of_a_request_whose_every_page_another_locks_releases_none(manager
 
 class _Pool:
     slot_bytes = 8
-    num_slots = 64
+    num_slots = 128  # (more than any example takes: 12 closes of up to 6 pages, 40 rows)
 
 
 def _store_with(rows: list[tuple[int, int, int, int]]) -> tuple[Any, np.ndarray]:
