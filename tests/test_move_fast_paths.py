@@ -366,6 +366,24 @@ def test_frame_keys_of_a_batch_are_each_pages_key_after_node_ids_are_recycled(
     assert [bytes(r) for r in lv.frame_keys(pids)] == want
 
 
+@pytest.mark.parametrize("word", [1, 2, 3])
+def test_frame_keys_keep_a_tree_key_whose_first_word_is_zero(tmp_path, cleanup,
+                                                             monkeypatch, word):
+    """Only an all-zero key row means "no tree key": a key whose first eight bytes are
+    zero (the batch path tests that word first) is still the block's key."""
+    m = make_manager([("gpu", 8), ("host", 6), ("disk", 20)], tmp_path)
+    cleanup(m)
+    lv = m.storage_levels
+    pids = np.arange(6, dtype=np.int64)
+    crafted = np.zeros((6, 32), dtype=np.uint8)
+    crafted[[0, 2, 5], 8 * word] = [7, 255, 1]  # first word zero, one later byte set
+    crafted[4, :8] = 9                        # an ordinary key
+    monkeypatch.setattr(lv.tree, "key_rows_of", lambda nodes: crafted.copy())
+    want = [crafted[i].tobytes() if crafted[i].any() else frame_mod.page_key(None, i)
+            for i in range(6)]
+    assert [bytes(r) for r in lv.frame_keys(pids)] == want
+
+
 def test_tree_key_rows_survive_growth_and_are_zero_for_partial_blocks_and_no_node():
     from kvcm_core.radix import NO_NODE, PrefixTree
 
