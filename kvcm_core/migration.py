@@ -504,7 +504,6 @@ class Mover:
                 row = region.buffer.host_view()[at : at + cold].reshape(1, cold).copy()
                 self._put(dst, d.copy(), row, keys)
                 return
-            order = d.argsort(kind="stable")
             top = int(s.max())
             items = self._host_items(region, cold)
             # The first top + 1 pages: _host_pages(region, cold, top + 1, whole=True), which
@@ -512,10 +511,12 @@ class Mover:
             items = items[: top + 1] if 0 <= top < len(items) else \
                 _host_pages(region, cold, top + 1, whole=True)
             # take: fancy indexing's result (the same index rules and errors), by whole
-            # rows; NumPy's fancy indexing copies a narrow row (a key) item by item.
-            rows = items.take(s.take(order)).view(np.uint8).reshape(len(s), cold)
-            self._put(dst, d.take(order), rows,
-                      None if keys is None else keys.take(order, axis=0))
+            # rows; NumPy's fancy indexing copies a narrow row (a key) item by item. In
+            # the caller's order: a storage pool orders a write itself (the disk tier
+            # writes in slot order, a level's held writes are put in slot order when
+            # they are flushed), so a sort here would only be done twice.
+            rows = items.take(s).view(np.uint8).reshape(len(s), cold)
+            self._put(dst, d, rows, keys)
             return
         if isinstance(dp, DevicePool) and dp.region.buffer.host_ptr is not None:
             rows = np.empty((len(s), cold), dtype=np.uint8)
