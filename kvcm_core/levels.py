@@ -72,6 +72,9 @@ _EVENT_BATCH = 256
 _MOVE_BATCHES = 8
 _MOVE_BATCH_BYTES = 16 << 20
 _RESERVE_LIMIT = 1 << 20  # pages / nodes allocated up front at most
+#: frame_keys fills up to this many keyless rows one by one (more: as arrays).
+_FEW_KEYLESS = 8
+_ZERO_KEY = bytes(KEY_BYTES)
 
 
 
@@ -655,19 +658,30 @@ class Levels:
         # One gather of key rows (the tree keeps them for a manager with a framed level);
         # partial or uncommitted blocks (a row of zeros) get a key from the page id.
         rows = self.tree.key_rows_of(self.arena.node[pids])
-        # A row of zeros starts with a zero word, which a SHA-256 key seldom does: the
-        # rows that do are then tested whole (a reduction over each row of every batch
-        # cost several times more).
-        words = rows.view(np.uint64)
-        maybe = np.flatnonzero(words[:, 0] == 0)
-        if len(maybe):
-            w = words[maybe]
-            rest = w[:, 1] | w[:, 2]
-            rest |= w[:, 3]
-            missing = maybe[rest == 0]
-            if len(missing):
-                rows[missing] = page_key_rows(pids[missing])
-        return rows
+        # The rows of zeros, found by a byte search for 32 zero bytes (a batch has a few,
+        # its partial tails; array operations, a reduction over every row above all, cost
+        # several times more). The first match is where the first zero row starts, or
+        # earlier: only the row starting at or after it can be the first zero row, and
+        # the search goes on past that row. Past _FEW_KEYLESS of them, every row is
+        # tested at once.
+        blob = bytearray(rows)  # (a copy; the keys are filled in there, bytes each)
+        at = blob.find(_ZERO_KEY)
+        keyless: Any = []
+        while at >= 0:
+            i = -(-at // KEY_BYTES)  # the first row starting at or after the match
+            start = i * KEY_BYTES
+            if blob.startswith(_ZERO_KEY, start):
+                keyless.append(i)
+                if len(keyless) > _FEW_KEYLESS:
+                    keyless = np.flatnonzero(~rows.view(np.uint64).any(axis=1))
+                    rows[keyless] = page_key_rows(pids[keyless])
+                    return rows
+            at = blob.find(_ZERO_KEY, start + KEY_BYTES)
+        if not keyless:
+            return rows
+        for i in keyless:
+            blob[i * KEY_BYTES : (i + 1) * KEY_BYTES] = page_key(None, int(pids[i]))
+        return np.frombuffer(blob, dtype=np.uint8).reshape(len(pids), KEY_BYTES)
 
     def discard_corrupt(self, store: Store, pids: np.ndarray, queued: bool = True) -> None:
         """Pages of ``store`` whose frame failed its check: counted, and out of the tree

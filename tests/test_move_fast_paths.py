@@ -14,6 +14,8 @@ import attrs
 import kvcm_kernels_numpy
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvcm_codec_raw import RawCodec
 from levels_helpers import (
     Driver,
@@ -29,6 +31,7 @@ from levels_helpers import (
 import kvcm_core
 import kvcm_core.backend as backend_mod
 import kvcm_core.frame as frame_mod
+import kvcm_core.levels as levels_mod
 import kvcm_core.migration as migration_mod
 import kvcm_core.storage as storage_mod
 from kvcm_core import KvcmPluginManager
@@ -366,13 +369,15 @@ def test_frame_keys_of_a_batch_are_each_pages_key_after_node_ids_are_recycled(
     assert [bytes(r) for r in lv.frame_keys(pids)] == want
 
 
+@pytest.mark.parametrize("few", [8, 0])  # rows tested one by one, or as arrays
 @pytest.mark.parametrize("word", [1, 2, 3])
 def test_frame_keys_keep_a_tree_key_whose_first_word_is_zero(tmp_path, cleanup,
-                                                             monkeypatch, word):
+                                                             monkeypatch, word, few):
     """Only an all-zero key row means "no tree key": a key whose first eight bytes are
     zero (the batch path tests that word first) is still the block's key."""
     m = make_manager([("gpu", 8), ("host", 6), ("disk", 20)], tmp_path)
     cleanup(m)
+    monkeypatch.setattr(levels_mod, "_FEW_KEYLESS", few)
     lv = m.storage_levels
     pids = np.arange(6, dtype=np.int64)
     crafted = np.zeros((6, 32), dtype=np.uint8)
@@ -382,6 +387,48 @@ def test_frame_keys_keep_a_tree_key_whose_first_word_is_zero(tmp_path, cleanup,
     want = [crafted[i].tobytes() if crafted[i].any() else frame_mod.page_key(None, i)
             for i in range(6)]
     assert [bytes(r) for r in lv.frame_keys(pids)] == want
+
+
+def _row(kind: int, zeros: int, seed: int) -> bytes:
+    """A key row: all zero (kind 0), or random bytes with ``zeros`` zero bytes at its
+    start (1), its end (2) or both (3): runs of zeros that cross row boundaries."""
+    if kind == 0:
+        return bytes(32)
+    body = bytearray(np.random.default_rng(seed).integers(1, 256, 32, dtype=np.uint8))
+    zeros = min(zeros, 31)
+    if kind & 1:
+        body[:zeros] = bytes(zeros)
+    if kind & 2:
+        body[32 - zeros:] = bytes(zeros)
+    return bytes(body)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 31), st.integers(0, 99)),
+                min_size=2, max_size=40),
+       st.sampled_from([8, 0, 2]))
+def test_frame_keys_give_page_keys_exactly_to_all_zero_rows(tmp_path_factory, rows, few):
+    """frame_keys' byte search finds the all-zero key rows (no tree key: a page key) and
+    no other, however the zero runs of the rows around them fall."""
+    tmp = tmp_path_factory.mktemp("fk")
+    m = make_manager([("gpu", 8), ("host", 6), ("disk", 20)], tmp)
+    try:
+        lv = m.storage_levels
+        crafted = np.frombuffer(b"".join(_row(*r) for r in rows), dtype=np.uint8
+                                ).reshape(len(rows), 32)
+        pids = np.arange(100, 100 + len(rows), dtype=np.int64)
+        lv.tree.key_rows_of = lambda nodes: crafted.copy()
+        old = levels_mod._FEW_KEYLESS
+        levels_mod._FEW_KEYLESS = few
+        try:
+            got = [bytes(r) for r in lv.frame_keys(pids)]
+        finally:
+            levels_mod._FEW_KEYLESS = old
+        want = [bytes(r) if r.any() else frame_mod.page_key(None, int(p))
+                for r, p in zip(crafted, pids, strict=True)]
+        assert got == want
+    finally:
+        m.shutdown()
 
 
 def test_tree_key_rows_survive_growth_and_are_zero_for_partial_blocks_and_no_node():
