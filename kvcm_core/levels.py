@@ -601,9 +601,11 @@ class Levels:
             elif self._pair_runs and (keys is None or src.level == 0 or
                                       self.codecs[src.level] is not self.codecs[dst.level]):
                 slots = _in_runs(slots, old, per)
-            # (Between framed cold levels of one codec the copy writes in slot order
-            # whatever the pairing, and a backend whose copies cost the same in any order
-            # says so, run_copies False: _in_runs would sort for nothing.)
+            # (Between framed cold levels of one codec the copy is one gather whatever the
+            # pairing, and its write is put in slot order by the storage pool (the disk
+            # tier, or the level's held writes when flushed); a backend whose copies cost
+            # the same in any order says so, run_copies False: _in_runs would sort for
+            # nothing.)
             if issue:
                 # Issued, not waited for (kvcm_core.fences): slots freed here are fenced.
                 mover.issue(layout, src, old[o], dst, ordered, per)

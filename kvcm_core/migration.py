@@ -496,7 +496,8 @@ class Mover:
             return
         region = sp.region if isinstance(sp, DevicePool) else None
         if region is not None and region.buffer.host_ptr is not None:
-            # Host-visible pages (pinned host) to storage: one gather, in storage order.
+            # Host-visible pages (pinned host) to storage: one gather, in the caller's
+            # order (the storage pool puts the write in slot order, see below).
             if len(s) == 1 and _ONE_BY_ONE:  # one page: its bytes, sliced
                 at = region.offset + int(s[0]) * region.stride
                 if at + cold > region.buffer.nbytes:
