@@ -369,12 +369,13 @@ def test_frame_keys_of_a_batch_are_each_pages_key_after_node_ids_are_recycled(
     assert [bytes(r) for r in lv.frame_keys(pids)] == want
 
 
-@pytest.mark.parametrize("few", [8, 0])  # rows tested one by one, or as arrays
+@pytest.mark.parametrize("few", [8, 0])  # keyless rows found by the byte search, or all at once
 @pytest.mark.parametrize("word", [1, 2, 3])
 def test_frame_keys_keep_a_tree_key_whose_first_word_is_zero(tmp_path, cleanup,
                                                              monkeypatch, word, few):
-    """Only an all-zero key row means "no tree key": a key whose first eight bytes are
-    zero (the batch path tests that word first) is still the block's key."""
+    """Only an all-zero key row means "no tree key": a key whose first eight bytes or more
+    are zero (a run of zeros that, with the zero rows around it, spans a row boundary) is
+    still the block's key."""
     m = make_manager([("gpu", 8), ("host", 6), ("disk", 20)], tmp_path)
     cleanup(m)
     monkeypatch.setattr(levels_mod, "_FEW_KEYLESS", few)
