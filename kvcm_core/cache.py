@@ -38,6 +38,7 @@ from kvcm_core.cache_scratch import ScratchMixin
 from kvcm_core.context import CacheContext
 from kvcm_core.errors import InvalidArgumentError, InvalidStateError
 from kvcm_core.eviction import check_priority
+from kvcm_core.kinds import PageList, page_list
 from kvcm_core.matching import Match
 from kvcm_core.radix import NO_NODE, check_token_array, encode_tokens, scope_root_key
 from kvcm_core.stats import RequestStats
@@ -55,7 +56,9 @@ def _token_list(tokens: Any) -> list[Any]:
 
 
 def _arr(pages: Sequence[int]) -> np.ndarray:
-    return np.asarray(pages, dtype=np.int64)
+    # A copy, always: a view of a PageList would pin its buffer (no append while it lives)
+    # and change with it.
+    return np.array(pages, dtype=np.int64)
 
 
 class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, ScratchMixin):
@@ -100,7 +103,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         self._tables: list[np.ndarray | None] = [None] * ngroups
         self.stats = RequestStats()
         nb = -(-end // tpb)
-        self._pages: list[list[int]] = [[] for _ in range(ngroups)]
+        self._pages: list[PageList] = [page_list() for _ in range(ngroups)]
         self._ssm: list[int] = [-1] * ngroups
         self._pending: list[tuple[int, int, int]] = []  # (group, block, source page)
         self._init_beams()
@@ -486,14 +489,14 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             g = groups[0]
             pages_g = self._pages[g]
             if pages_g:
-                pids = np.fromiter(reversed(pages_g), np.int64, len(pages_g))
+                pids = np.array(pages_g, dtype=np.int64)[::-1]  # (a copy: see _arr)
                 if pids[pids.argmin()] < 0:  # a hole (-1): cheaper than a scan of the list
                     pids = pids[pids >= 0]
                 if len(pids) and active:  # locked pages are on the GPU: one store
                     L.gpu_store(g).unlock_all(pids)
                 elif len(pids):
                     L.change(pids, 0, -1)
-                self._pages[g] = []
+                self._pages[g] = page_list()
         else:
             if len(groups) == 1:
                 order = self._pages[groups[0]][::-1]
@@ -512,7 +515,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
                 else:
                     L.change(pids, 0, -1)
             for g in groups:
-                self._pages[g] = []
+                self._pages[g] = page_list()
             self._ssm = [-1] * len(self._ssm)
         self._status = CacheStatus.CLOSED
         self._version += 1  # (_changed for a cache in no batch, which it is: see above)

@@ -14,6 +14,7 @@ from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError
 
 if TYPE_CHECKING:
     from kvcm_core.context import CacheContext
+    from kvcm_core.kinds import PageList
     from kvcm_core.levels import Levels
     from kvcm_core.radix import PrefixTree
     from kvcm_core.storage import PageArena
@@ -52,7 +53,7 @@ class CacheBase:
     _commit_on: bool
     _root_key: bytes
     _priority_cb: Any
-    _pages: list[list[int]]
+    _pages: list[PageList]  # per group (kvcm_core.kinds.PageList)
     _ssm: list[int]
     _pending: list[tuple[int, int, int]]
     _released_to: list[int]

@@ -15,6 +15,7 @@ from kvcm_core.errors import (
     InvalidStateError,
     OutOfPagesError,
 )
+from kvcm_core.kinds import page_list
 from kvcm_core.refusals import level_shortage, room_failed
 
 __all__ = ["BeamsMixin"]
@@ -149,7 +150,7 @@ class BeamsMixin(CacheBase):
                 self._beams.append(beam)  # filled in place: an error releases what it has
                 for g in range(ngroups):
                     base = self._pages[g]
-                    pages_g = [p if b < shared_below else -1 for b, p in enumerate(base)]
+                    pages_g = page_list(p if b < shared_below else -1 for b, p in enumerate(base))
                     shared = np.asarray([p for p in pages_g if p >= 0], dtype=np.int64)
                     L.change(shared, 1, 0)
                     beam.pages.append(pages_g)

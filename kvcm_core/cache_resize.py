@@ -26,7 +26,7 @@ def _check_count(name: str, value: Any) -> int:
 
 
 def _arr(pages: list[int]) -> np.ndarray:
-    return np.asarray(pages, dtype=np.int64)
+    return np.array(pages, dtype=np.int64)  # (a copy: see kvcm_core.cache._arr)
 
 
 class ResizeMixin(CacheBase):

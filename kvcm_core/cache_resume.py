@@ -11,13 +11,14 @@ import numpy as np
 from kvcm_core.backend import Stream
 from kvcm_core.cache_base import CacheBase, CacheStatus
 from kvcm_core.errors import CorruptPageError, OutOfPagesError, TierIOError
+from kvcm_core.kinds import page_list
 from kvcm_core.refusals import level_shortage, over_resume_limit, room_failed
 
 __all__ = ["ResumeMixin"]
 
 
 def _arr(pages: Sequence[int]) -> np.ndarray:
-    return np.asarray(pages, dtype=np.int64)
+    return np.array(pages, dtype=np.int64)  # (a copy: see kvcm_core.cache._arr)
 
 
 class ResumeMixin(CacheBase):
@@ -375,7 +376,7 @@ class ResumeMixin(CacheBase):
         False: an interrupt, the data is intact (the cache can resume again)."""
         gone = set(fresh)
         for g in range(len(self._pages)):
-            self._pages[g] = [-1 if p in gone else p for p in self._pages[g]]
+            self._pages[g] = page_list(-1 if p in gone else p for p in self._pages[g])
         self._ssm = [-1 if p in gone else p for p in self._ssm]
         L = self._levels
         a = self._arena

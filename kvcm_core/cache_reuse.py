@@ -12,6 +12,7 @@ import numpy as np
 
 from kvcm_core.cache_base import CacheBase, CacheStatus
 from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError
+from kvcm_core.kinds import PageList
 from kvcm_core.types import ReusePolicy
 
 __all__ = ["CacheStatus", "ReuseMixin", "ReuseStatus"]
@@ -41,7 +42,7 @@ class ReuseMixin(CacheBase):
     _levels: Any
     _arena: Any
     _tpb: int
-    _pages: list[list[int]]
+    _pages: list[PageList]
     _pending: list[tuple[int, int, int]]
     _reuse_status: dict[int, ReuseStatus]
     _optional_decided: bool

@@ -9,6 +9,9 @@ windows and SSM state.
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterable, Sequence
+
 import numpy as np
 
 from kvcm_core.backend import BAD_PAGE_INDEX
@@ -16,7 +19,29 @@ from kvcm_core.lifecycle import LifeCycle
 from kvcm_core.radix import PrefixTree
 from kvcm_core.storage import PageArena
 
-__all__ = ["FullAttention", "LifeCycleKind", "SlidingWindow", "SsmState", "make_kind"]
+__all__ = ["FullAttention", "LifeCycleKind", "PageList", "SlidingWindow", "SsmState", "make_kind",
+           "page_list", "pages_of"]
+
+#: A cache's page ids of one group, per block (``-1``: none): a typed array of int64, not a
+#: list. A close turns it into a NumPy array with one copy of contiguous memory; a list's
+#: items are int objects spread over the heap, and reading them cost a cache miss each
+#: (about 40% of a decode request's close, measured on 2026-12-06).
+PageList = array
+
+
+def page_list(items: Iterable[int] = ()) -> PageList:
+    """A new :data:`PageList` of ``items``."""
+    return array("q", items)
+
+
+def pages_of(ids: np.ndarray) -> PageList:
+    """A new :data:`PageList` of the page ids in ``ids`` (any integer dtype)."""
+    out = array("q")
+    out.frombytes(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
+    return out
+
+
+_MINUS_ONE = array("q", [-1])
 
 _NO_STALE = (0, 0)
 
@@ -46,20 +71,20 @@ class LifeCycleKind:
         """The part of the page table that depends on history (cache key)."""
         return self.stale_range(history)
 
-    def claim(self, tree: PrefixTree, nodes: np.ndarray, end: int) -> list[int]:
+    def claim(self, tree: PrefixTree, nodes: np.ndarray, end: int) -> PageList:
         """Page ids a match ending at ``end`` offers, per block (``-1``: none or stale)."""
         nb = -(-end // self.tpb)
-        pages = tree.pages[nodes[:nb], self.group].tolist()
+        pages = pages_of(tree.pages[nodes[:nb], self.group])
         start, stop = self.stale_range(end)
         if stop > start:
-            pages[start:stop] = [-1] * (stop - start)
+            pages[start:stop] = _MINUS_ONE * (stop - start)
         return pages
 
-    def releasable(self, pages: list[int], keep: int, released_to: int) -> range:
+    def releasable(self, pages: Sequence[int], keep: int, released_to: int) -> range:
         """Blocks whose pages may go once history reaches ``keep`` (none by default)."""
         return range(0)
 
-    def table(self, pages: list[int], history: int, nb: int, arena: PageArena) -> np.ndarray:
+    def table(self, pages: Sequence[int], history: int, nb: int, arena: PageArena) -> np.ndarray:
         """Slot ids of the blocks ``[0, nb)`` on level 0 (``BAD_PAGE_INDEX`` elsewhere)."""
         p = np.asarray(pages[:nb], dtype=np.int64)
         table = np.full(nb, BAD_PAGE_INDEX, dtype=np.int32)
@@ -82,9 +107,9 @@ class FullAttention(LifeCycleKind):
     def table_key(self, history: int) -> tuple[int, int]:
         return _NO_STALE
 
-    def claim(self, tree: PrefixTree, nodes: np.ndarray, end: int) -> list[int]:
+    def claim(self, tree: PrefixTree, nodes: np.ndarray, end: int) -> PageList:
         nb = -(-end // self.tpb)
-        return tree.pages[nodes[:nb], self.group].tolist()
+        return pages_of(tree.pages[nodes[:nb], self.group])
 
 
 class SlidingWindow(LifeCycleKind):
@@ -93,7 +118,7 @@ class SlidingWindow(LifeCycleKind):
 
     windowed = True
 
-    def releasable(self, pages: list[int], keep: int, released_to: int) -> range:
+    def releasable(self, pages: Sequence[int], keep: int, released_to: int) -> range:
         start, stop = self.stale_range(keep)
         return range(max(start, released_to), min(stop, len(pages)))
 

@@ -238,9 +238,10 @@ def run_lookup_scaling(args: argparse.Namespace, tpb: int, seed: int) -> dict[st
         blocks = np.frombuffer(probe_arr.tobytes(), dtype=f"V{4 * tpb}").tolist()
         # Tokens as a list; as an int32 array (what engines usually hold: no per-token
         # conversion from Python ints); the floor.
-        reps = _timed(args.lookup_reps, functools.partial(m.probe_reuse, None, probe))
-        reps_arr = _timed(args.lookup_reps, functools.partial(m.probe_reuse, None, probe_arr))
-        reps_bare = _timed(args.lookup_reps, functools.partial(_bare_walk, index, blocks))
+        reps, reps_arr, reps_bare = _timed(
+            args.lookup_reps, (functools.partial(m.probe_reuse, None, probe),
+                               functools.partial(m.probe_reuse, None, probe_arr),
+                               functools.partial(_bare_walk, index, blocks)))
         got = m.probe_reuse(None, probe)
         got_arr = m.probe_reuse(None, probe_arr)
         found = _bare_walk(index, blocks)
@@ -278,18 +279,23 @@ def run_lookup_scaling(args: argparse.Namespace, tpb: int, seed: int) -> dict[st
     return out
 
 
-def _timed(reps: int, call: Any, inner: int = 20) -> list[float]:
-    """Nanoseconds per ``call()``, the mean of ``inner`` calls, ``reps`` times, after the
-    same number of calls untimed (the first size was otherwise timed cold: about twice
-    as slow, the bare floor too, in the 2026-12-04 sitting)."""
+def _timed(reps: int, calls: tuple[Any, ...], inner: int = 20) -> list[list[float]]:
+    """Nanoseconds per call of each of ``calls``, the mean of ``inner`` calls, ``reps``
+    times, after the same number of calls untimed (the first size was otherwise timed
+    cold: about twice as slow, the bare floor too, in the 2026-12-04 sitting). The calls
+    take turns, one timed mean each per repetition, so that a burst of load on the
+    machine (a few milliseconds, here) lands on every variant alike and on a few of the
+    repetitions only: their medians stay comparable."""
     for _ in range(reps * inner):
-        call()
-    out = []
-    for _ in range(reps):
-        t0 = ns()
-        for _ in range(inner):
+        for call in calls:
             call()
-        out.append((ns() - t0) / inner)
+    out: list[list[float]] = [[] for _ in calls]
+    for _ in range(reps):
+        for call, times in zip(calls, out, strict=True):
+            t0 = ns()
+            for _ in range(inner):
+                call()
+            times.append((ns() - t0) / inner)
     return out
 
 
@@ -346,7 +352,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="other blocks cached while timing probe_reuse (one run per size)")
     ap.add_argument("--lookup-match", type=int_at_least(1), default=64,
                     help="blocks the probed prompt matches")
-    ap.add_argument("--lookup-reps", type=int_at_least(1), default=7,
+    ap.add_argument("--lookup-reps", type=int_at_least(1), default=25,
                     help="repetitions of each lookup")
     ap.add_argument("--reps", type=int_at_least(1), default=5,
                     help="timed repetitions of decode+prefill")
