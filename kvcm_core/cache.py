@@ -38,7 +38,7 @@ from kvcm_core.cache_scratch import ScratchMixin
 from kvcm_core.context import CacheContext
 from kvcm_core.errors import InvalidArgumentError, InvalidStateError
 from kvcm_core.eviction import check_priority
-from kvcm_core.kinds import PageList, page_list
+from kvcm_core.kinds import PageList, page_list, pages_of
 from kvcm_core.matching import Match
 from kvcm_core.radix import NO_NODE, check_token_array, encode_tokens, scope_root_key
 from kvcm_core.stats import RequestStats
@@ -286,7 +286,9 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         return {b: check_priority(self._priority_cb(max(b, 0))) for b in set(blocks)}
 
     def _new_pages(self, group: int, blocks: Sequence[int],
-                   prios: dict[int, int] | None = None) -> list[int]:
+                   prios: dict[int, int] | None = None) -> Sequence[int]:
+        """New level-0 pages of ``group`` for ``blocks``, locked once: a PageList (a
+        PageList extends by another with one copy; from a list, an item at a time)."""
         if prios is None:
             prios = self._priorities(blocks)
         if len(blocks) == 1 and not prios:  # the decode step's new block: an int id
@@ -298,7 +300,7 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
         n = len(pids)
         self.stats.allocated_blocks += n
         self.stats.newly_allocated_blocks += n
-        return pids.tolist()
+        return pages_of(pids)
 
     def _all_pages(self) -> list[int]:
         """Every live page reference (a page shared by beams appears once per beam: each

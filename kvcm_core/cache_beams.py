@@ -15,7 +15,7 @@ from kvcm_core.errors import (
     InvalidStateError,
     OutOfPagesError,
 )
-from kvcm_core.kinds import page_list
+from kvcm_core.kinds import PageList, page_list
 from kvcm_core.refusals import level_shortage, room_failed
 
 __all__ = ["BeamsMixin"]
@@ -54,7 +54,7 @@ class BeamsMixin(CacheBase):
             raise InvalidArgumentError(f"beam={beam!r}: must be in 0..{self.beam_width - 1} "
                                        f"(beam width {self.beam_width})")
 
-    def _beam_views(self) -> list[tuple[list[list[int]], list[int]]]:
+    def _beam_views(self) -> list[tuple[list[PageList], list[int]]]:
         """Per beam (beam 0 first), its per-group page lists and SSM states."""
         return [(self._pages, self._ssm), *((bm.pages, bm.ssm) for bm in self._beams)]
 

@@ -1,0 +1,63 @@
+"""Issue 9's acceptance figures from one sit.sh sitting: python summary.py OUTDIR."""
+import json
+import statistics
+import sys
+from pathlib import Path
+
+O = Path(sys.argv[1])
+load = lambda p: json.loads(p.read_text())  # noqa: E731
+med = statistics.median
+
+print("== race: kvcm bench trace beside vllm_trace_replay.py (GPU 3M tokens, medians of 3)")
+for r in (1, 2, 3):
+    try:
+        v, k = load(O / f"race/vllm{r}.json"), load(O / f"race/kvcm{r}.json")["results"]
+    except FileNotFoundError:
+        continue
+    print(f"  round {r}: vLLM {v['us_per_request_median']:.1f} us/req, hit {v['hit_rate']:.5f} | "
+          f"kvcm {k['us_per_request_median']:.1f} us/req, hit {k['hit_rate']:.5f} | kvcm faster "
+          f"{v['us_per_request_median'] / k['us_per_request_median']:.2f}x | hit rate within "
+          f"{abs(k['hit_rate'] - v['hit_rate']) / v['hit_rate'] * 100:.2f}%")
+
+print("== manager: kvcm bench manager beside vllm_host_overhead.py")
+for r in (1, 2, 3):
+    try:
+        v, k = load(O / f"manager/vllm{r}.json"), load(O / f"manager/kvcm{r}.json")
+    except FileNotFoundError:
+        continue
+    for bs in ("16", "32"):
+        kb, vb = k["results"][f"block_size_{bs}"], v["results"][f"block_size_{bs}"]
+        kd, vd = kb["decode"]["median"], vb["decode"]["median"]
+        kp, vp = kb["prefill_prefix_reuse"]["median"], vb["prefill_prefix_reuse"]["median"]
+        dk, dv = kd["resize_commit_us_per_req_step"], vd["alloc_plus_append_us_per_req_step"]
+        print(f"  round {r} tpb {bs}: decode {dk:.2f} / {dv:.2f} us ({dv / dk:.2f}x) | close "
+              f"per block, decode {kd['close_us_per_block']:.3f} / {vd['free_us_per_block']:.3f}"
+              f", prefill {kp['close_us_per_block']:.3f} / {vp['free_us_per_block']:.3f}")
+    ls = k["results"]["lookup_scaling"]
+    sizes = [s for s in ls if s.isdigit()]
+    cell = lambda f: ", ".join(f"{ls[s][f]:.3f}" for s in sizes)  # noqa: E731
+    print(f"  round {r} probe_reuse us/matched block at {'/'.join(sizes)} cached: list "
+          f"{cell('us_per_matched_block_median')} (flat {ls['ratio_largest_to_smallest_median']:.2f}"
+          f"); int32 array {cell('int32_array_us_per_matched_block_median')} (flat "
+          f"{ls['int32_array_ratio_largest_to_smallest_median']:.2f}); floor "
+          f"{cell('bare_us_per_matched_block_median')}")
+
+print("== levels: GPU 0.5M + host 1M + disk 3M against GPU-only 4.5M")
+lv = [load(p)["results"] for p in sorted(O.glob("levels/levels_r*.json"))]
+gp = [load(p)["results"] for p in sorted(O.glob("levels/gpu_r*.json"))]
+if lv and gp:
+    ml = med([x["us_per_request_median"] for x in lv])
+    mg = med([x["us_per_request_median"] for x in gp])
+    mb = med([x["us_per_block_median"] for x in lv]) / med([x["us_per_block_median"] for x in gp])
+    mins = min(x["us_per_request_min"] for x in lv) / min(x["us_per_request_min"] for x in gp)
+    rr = sorted(a["us_per_request_median"] / b["us_per_request_median"] for a, b in zip(lv, gp))
+    print(f"  {len(lv)} rounds: levels {ml:.1f} us/req, GPU-only {mg:.1f} us/req: ratio {ml / mg:.3f}"
+          f" (per block {mb:.3f}; min-of-mins {mins:.3f}; rounds' own ratios {rr[0]:.2f}-"
+          f"{rr[-1]:.2f}, under 1.5 in {sum(x <= 1.5 for x in rr)} of {len(rr)})")
+    x = lv[0]
+    print(f"  hit rate {x['hit_rate']:.5f}; exact LRU over 512-token blocks, 4.5M tokens: "
+          f"{x['lru512_hit_rate']:.5f} ({x['hit_rate'] / x['lru512_hit_rate']:.4f}x)")
+sim = O / "simulate-trace/sim.log"
+if sim.exists():
+    tail = sim.read_text().strip().splitlines()
+    print("== simulate --trace (300 requests):", " | ".join(t for t in tail[-6:] if t.strip()))
