@@ -47,3 +47,24 @@ def test_prefill_cycle_is_create_resume_resize_and_commit_of_warm_requests():
     commit = res["commit_us_per_new_block"] * blocks
     assert abs(res["cycle_us_per_request"] - res["total_us_per_request"] - commit) < \
         1e-6 * res["cycle_us_per_request"] + 1e-9
+
+
+def test_lookup_timing_gives_every_call_its_turn_in_each_repetition():
+    """A slow stretch of the machine must land on every size and variant alike: the calls
+    alternate within each repetition (warm-up included), never all of one call first."""
+    order: list[str] = []
+    calls = (lambda: order.append("a"), lambda: order.append("b"), lambda: order.append("c"))
+    times = bench._timed(2, calls, inner=1)
+    assert order == ["a", "b", "c"] * 4  # two warm-up rounds, then two timed ones
+    assert [len(t) for t in times] == [2, 2, 2]
+
+
+def test_lookup_scaling_reports_every_size_from_managers_built_before_timing():
+    args = bench._parser().parse_args(["--lookup-sizes", "300", "2000", "--lookup-reps", "2",
+                                    "--lookup-match", "8"])
+    out = bench.run_lookup_scaling(args, 16, 0)
+    for size in (300, 2000):
+        row = out[str(size)]
+        assert row["cached_blocks"] >= size + 8  # the fillers and the probed prompt
+        assert 0 < row["us_per_matched_block_min"] <= row["us_per_matched_block_median"]
+    assert out["ratio_largest_to_smallest_median"] >= 1.0

@@ -17,9 +17,10 @@ machine:
   100k and 1M other blocks cached, microseconds per matched block (tokens as a list and
   as an int32 array), beside the floor measured in the same run: the block-key rule alone
   (one running SHA-256 updated by each block, its digest, one dict lookup, on the same
-  index, the blocks cut beforehand). Each variant runs as many times untimed as timed at
-  each size first (the first size is otherwise measured cold); the flatness figures are
-  the largest median over the sizes divided by the smallest (1 is flat).
+  index, the blocks cut beforehand). Every size's manager is built first; the sizes and
+  variants then take turns, one timed mean of 20 calls each per repetition (25 by
+  default), after as many calls untimed; the flatness figures are the largest median over
+  the sizes divided by the smallest (1 is flat).
 
 The numpy backend is used (no device work is timed): this measures host overhead only.
 Results are written as JSON with the machine, versions and date, to a new file
@@ -202,11 +203,16 @@ def run_prefill(args: argparse.Namespace, tpb: int, seed: int) -> dict[str, floa
 
 
 def run_lookup_scaling(args: argparse.Namespace, tpb: int, seed: int) -> dict[str, Any]:
-    """probe_reuse cost per matched block with N other blocks cached."""
+    """probe_reuse cost per matched block with N other blocks cached. Every size's manager
+    is built first; then the sizes and the variants take turns, one timed mean each per
+    repetition (see :func:`_timed`), so that a slow stretch of the machine lands on every
+    size alike rather than on whichever size was being timed then (the flatness figure
+    compares the sizes)."""
     rng = random.Random(seed + 7)
     out: dict[str, Any] = {}
     match_blocks = args.lookup_match
     per_prompt = 256  # blocks per filler prompt
+    built = []
     for cached in args.lookup_sizes:
         m = make_manager(tpb, cached + 4 * match_blocks + per_prompt, page_bytes=4)
         filled = 0
@@ -228,29 +234,33 @@ def run_lookup_scaling(args: argparse.Namespace, tpb: int, seed: int) -> dict[st
         c.commit(target[c.history_length:])
         c.close()
         probe = target + rand_tokens(rng, tpb)
-        gc.collect()
-        gc.freeze()
         probe_arr = np.asarray(probe, dtype=np.int32)
         # The floor of any lookup by this key rule in CPython: one running SHA-256 updated
         # by each block, its digest and one dict lookup per block, on the same index,
         # nothing else (the blocks are cut beforehand).
-        index = m.tree.index
         blocks = np.frombuffer(probe_arr.tobytes(), dtype=f"V{4 * tpb}").tolist()
         # Tokens as a list; as an int32 array (what engines usually hold: no per-token
         # conversion from Python ints); the floor.
-        reps, reps_arr, reps_bare = _timed(
-            args.lookup_reps, (functools.partial(m.probe_reuse, None, probe),
-                               functools.partial(m.probe_reuse, None, probe_arr),
-                               functools.partial(_bare_walk, index, blocks)))
+        built.append((cached, m, probe, probe_arr, blocks))
+    gc.collect()
+    gc.freeze()
+    calls = []
+    for _, m, probe, probe_arr, blocks in built:
+        calls += [functools.partial(m.probe_reuse, None, probe),
+                  functools.partial(m.probe_reuse, None, probe_arr),
+                  functools.partial(_bare_walk, m.tree.index, blocks)]
+    times = _timed(args.lookup_reps, tuple(calls))
+    gc.unfreeze()
+    for k, (cached, m, probe, probe_arr, blocks) in enumerate(built):
+        reps, reps_arr, reps_bare = times[3 * k : 3 * k + 3]
         got = m.probe_reuse(None, probe)
         got_arr = m.probe_reuse(None, probe_arr)
-        found = _bare_walk(index, blocks)
-        gc.unfreeze()
+        found = _bare_walk(m.tree.index, blocks)
         if found != match_blocks:
             raise RuntimeError(f"bare walk matched {found} blocks, expected {match_blocks}")
         if got != match_blocks * tpb or got_arr != got:
             raise RuntimeError(f"probe matched {got}/{got_arr}, expected {match_blocks * tpb}")
-        out[str(cached)] = {
+        row = out[str(cached)] = {
             "cached_blocks": m.tree.num_nodes,
             "us_per_matched_block_min": min(reps) / match_blocks / 1e3,
             "us_per_matched_block_median": statistics.median(reps) / match_blocks / 1e3,
@@ -259,12 +269,11 @@ def run_lookup_scaling(args: argparse.Namespace, tpb: int, seed: int) -> dict[st
             "bare_us_per_matched_block_median":
                 statistics.median(reps_bare) / match_blocks / 1e3,
         }
-        out[str(cached)]["int32_array_ratio_to_bare"] = (
-            out[str(cached)]["int32_array_us_per_matched_block_median"]
-            / out[str(cached)]["bare_us_per_matched_block_median"])
+        row["int32_array_ratio_to_bare"] = (row["int32_array_us_per_matched_block_median"]
+                                            / row["bare_us_per_matched_block_median"])
         m.shutdown()
-        del m
-        gc.collect()
+    del built, calls
+    gc.collect()
     sizes = [str(s) for s in args.lookup_sizes]
     if len(sizes) > 1:
         # Flatness: the largest median over the sizes divided by the smallest (>= 1; 1 is
@@ -284,8 +293,8 @@ def _timed(reps: int, calls: tuple[Any, ...], inner: int = 20) -> list[list[floa
     times, after the same number of calls untimed (the first size was otherwise timed
     cold: about twice as slow, the bare floor too, in the 2026-12-04 sitting). The calls
     take turns, one timed mean each per repetition, so that a burst of load on the
-    machine (a few milliseconds, here) lands on every variant alike and on a few of the
-    repetitions only: their medians stay comparable."""
+    machine (a few milliseconds to a few seconds, here) lands on every call alike and on
+    a part of the repetitions only."""
     for _ in range(reps * inner):
         for call in calls:
             call()

@@ -33,6 +33,10 @@ for r in (1, 2, 3):
         print(f"  round {r} tpb {bs}: decode {dk:.2f} / {dv:.2f} us ({dv / dk:.2f}x) | close "
               f"per block, decode {kd['close_us_per_block']:.3f} / {vd['free_us_per_block']:.3f}"
               f", prefill {kp['close_us_per_block']:.3f} / {vp['free_us_per_block']:.3f}")
+    vp = v["results"]["block_size_16"]["prefill_prefix_reuse"]["median"]
+    print(f"  round {r} vLLM at 16 tokens a block (its prefill): lookup "
+          f"{vp['get_computed_blocks_us_per_matched_block']:.3f} us per matched block, hashing "
+          f"{vp['request_init_block_hash_us_per_request'] / (4096 // 16):.3f} us per block")
     ls = k["results"]["lookup_scaling"]
     sizes = [s for s in ls if s.isdigit()]
     cell = lambda f: ", ".join(f"{ls[s][f]:.3f}" for s in sizes)  # noqa: E731
