@@ -129,16 +129,19 @@ class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, Sc
             kind = ctx.kinds[g]
             self._released_to[g] = kind.stale_range(end)[1]
             pages_g = kind.claim(self._tree, match.nodes, end)
-            nfull = len(pages_g) - pages_g.count(-1)
+            # The pages offered, in block order, holes (-1: stale or absent) left out: one
+            # copy and one argmin (a PageList's items are read one object at a time).
+            claimed = _arr(pages_g)
+            if len(claimed) and claimed[claimed.argmin()] < 0:
+                claimed = claimed[claimed >= 0]
+            nfull = len(claimed)
             if partial_block >= 0 and pages_g[partial_block] >= 0:
-                # A partial block is never shared writable: copied at the first resume.
+                # A partial block is never shared writable: copied at the first resume. It
+                # is the last block of the match, so its page is claimed last, as the
+                # copy source.
                 self._pending.append((g, partial_block, pages_g[partial_block]))
                 pages_g[partial_block] = -1
                 nfull -= 1
-                claimed = _arr([p for p in pages_g if p >= 0] + [self._pending[-1][2]])
-            else:
-                claimed = _arr([p for p in pages_g if p >= 0]) if nfull < len(pages_g) \
-                    else _arr(pages_g)
             if len(claimed):
                 claims.append(claimed)
             if kind.lc.policy is not ReusePolicy.OPTIONAL:  # OPTIONAL: counted once chosen

@@ -213,15 +213,17 @@ class ResumeMixin(CacheBase):
                 ctx.windowed_groups or (self._reuse_status and not self._optional_decided):
             return None
         nb = self.num_blocks
-        refs: list[int] = []
-        for g in ctx.attn_groups:
-            pages_g = self._pages[g]
-            if len(pages_g) != nb or -1 in pages_g:
-                return None
-            refs += pages_g
+        groups = ctx.attn_groups
+        if any(len(self._pages[g]) != nb for g in groups):
+            return None
+        # Every group's pages, one copy each (a PageList's items are read one object at a
+        # time); a hole (-1) sends the resume to the general path.
+        pids = _arr(self._pages[groups[0]]) if len(groups) == 1 else \
+            np.concatenate([_arr(self._pages[g]) for g in groups] or [_arr(())])
+        if len(pids) and pids[pids.argmin()] < 0:
+            return None
         a = self._arena
         L = self._levels
-        pids = _arr(refs)
         limit = ctx.config.max_util_for_resume
         if len(pids):
             level = a.level[pids]

@@ -167,6 +167,20 @@ def _drop_cache(pool, slots=(128,)) -> None:
     pytest.skip("the file's pages stayed in the page cache (POSIX_FADV_DONTNEED)")
 
 
+def _declined_once_uncached(pool, slots, tries: int = 10) -> bool:
+    """Whether a page-cache-only read of ``slots`` is declined right after they were
+    dropped from the page cache. A readahead still in flight (the fixture's read started
+    one) can bring a slot back between the drop and the read under load (seen once in a
+    run beside other work, 2026-12-06): the read then succeeds, rightly, so drop and try
+    again, a few times; a pool that never declines still fails."""
+    for _ in range(tries):
+        _drop_cache(pool, slots)
+        out = np.zeros((len(slots), PAGE_SB), dtype=np.uint8)
+        if not pool.read_nowait(slots, out):
+            return True
+    return False
+
+
 @pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="Linux preadv2 flags only")
 @pytest.mark.parametrize("slots", [
     np.array([40]), np.arange(40, 48), np.arange(47, 39, -1), np.array([60, 10, 11, 200]),
@@ -176,17 +190,30 @@ def test_a_read_of_data_not_in_the_page_cache_is_declined_and_goes_to_the_thread
     """The page-cache-only read never waits for the device: it says no (False), and the
     level then reads through its I/O thread and still gives the right rows."""
     _, inner, rows = uncached
-    _drop_cache(inner, slots)
-    assert not inner.read_nowait(slots, np.zeros((len(slots), PAGE_SB), dtype=np.uint8))
+    assert _declined_once_uncached(inner, slots)
     assert inner._nowait  # declined for now, not given up
-    _drop_cache(inner, slots)
     io = LevelIO(2, deadline_s=5.0, write_queue_depth=8)
     pool = DeadlinePool(io, inner)
-    out = np.zeros((len(slots), PAGE_SB), dtype=np.uint8)
-    pool.read(slots, out).wait()
-    np.testing.assert_array_equal(out, rows[slots])
-    assert io.stats.direct_reads == 0 and io.stats.operations == 1
-    io.close([], time.monotonic() + 1.0)
+    try:
+        # Every read gives the right rows. One whose slots were still out of the page cache
+        # goes through the thread; on a fast disk (this VM's virtual one) the readahead a
+        # declined read starts can land between the drop and the read, which is then
+        # served on the caller's thread: drop and read again, a few times.
+        through_thread = False
+        for _ in range(10):
+            _drop_cache(inner, slots)
+            direct, ops = io.stats.direct_reads, io.stats.operations
+            out = np.zeros((len(slots), PAGE_SB), dtype=np.uint8)
+            pool.read(slots, out).wait()
+            np.testing.assert_array_equal(out, rows[slots])
+            direct, ops = io.stats.direct_reads - direct, io.stats.operations - ops
+            assert (direct, ops) in ((0, 1), (1, 0))  # one read, served once
+            if ops:
+                through_thread = True
+                break
+        assert through_thread
+    finally:
+        io.close([], time.monotonic() + 1.0)
 
 
 @pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="Linux preadv2 flags only")

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Session 32's sitting: every figure of issue 9's acceptance in one sitting on this 2-core
-# VM, each kvcm run beside its vLLM peer run, alternating: the race (3 rounds, each side a
+# VM, each kvcm run beside its vLLM peer run, alternating: the race (5 rounds, each side a
 # median of 3 replays), the manager's host overhead (3 rounds), the levels replay against
 # GPU-only (ROUNDS alternating rounds of --reps 3), and simulate on the trace.
 # Each timed run, kvcm's and vLLM's alike, starts once the VM reads calm: floor.py's bare
@@ -21,7 +21,7 @@ FLOOR=""
 gate() { FLOOR=$(python "$HERE/floor.py" --wait "$GATE" | tail -1); }
 log() { echo "$(date -u +%H:%M:%S) $* load=$(cut -d' ' -f1 /proc/loadavg) before: $FLOOR" | tee -a "$O/sitting.log"; }
 R="--limit 1000 --block-size 64 --reps 3"
-for r in 1 2 3; do
+for r in 1 2 3 4 5; do
   gate
   $VP benchmarks/peer/vllm_trace_replay.py $T $R --gpu-tokens 3000000 --out $O/race/vllm$r.json > $O/race/vllm$r.log 2>&1; log race vllm$r
   gate

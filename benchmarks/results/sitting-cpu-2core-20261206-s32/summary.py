@@ -9,7 +9,7 @@ load = lambda p: json.loads(p.read_text())  # noqa: E731
 med = statistics.median
 
 print("== race: kvcm bench trace beside vllm_trace_replay.py (GPU 3M tokens, medians of 3)")
-for r in (1, 2, 3):
+for r in range(1, 6):
     try:
         v, k = load(O / f"race/vllm{r}.json"), load(O / f"race/kvcm{r}.json")["results"]
     except FileNotFoundError:
@@ -18,6 +18,12 @@ for r in (1, 2, 3):
           f"kvcm {k['us_per_request_median']:.1f} us/req, hit {k['hit_rate']:.5f} | kvcm faster "
           f"{v['us_per_request_median'] / k['us_per_request_median']:.2f}x | hit rate within "
           f"{abs(k['hit_rate'] - v['hit_rate']) / v['hit_rate'] * 100:.2f}%")
+
+rv = [load(p)["us_per_request_median"] for p in sorted(O.glob("race/vllm*.json"))]
+rk = [load(p)["results"]["us_per_request_median"] for p in sorted(O.glob("race/kvcm*.json"))]
+if rv and rk:
+    print(f"  all rounds: vLLM median {med(rv):.1f} us/req, kvcm median {med(rk):.1f}: "
+          f"{med(rv) / med(rk):.2f}x")
 
 print("== manager: kvcm bench manager beside vllm_host_overhead.py")
 for r in (1, 2, 3):
