@@ -69,5 +69,6 @@ if lv and gp:
           f"{x['lru512_hit_rate']:.5f} ({x['hit_rate'] / x['lru512_hit_rate']:.4f}x)")
 sim = O / "simulate-trace/sim.log"
 if sim.exists():
-    tail = sim.read_text().strip().splitlines()
-    print("== simulate --trace (300 requests):", " | ".join(t for t in tail[-6:] if t.strip()))
+    lines = sim.read_text().strip().splitlines()
+    keep = [t[:110] for t in lines if t.startswith(("verified", "real", "rc="))]
+    print("== simulate --trace (300 requests):", " | ".join(keep))
