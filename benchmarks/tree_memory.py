@@ -18,6 +18,7 @@ import tracemalloc
 
 import numpy as np
 
+from kvcm_core.bench.manager import fill_cache
 from kvcm_core.config import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig, LevelConfig
 from kvcm_core.manager import KVCacheManager
 
@@ -32,19 +33,8 @@ m = KVCacheManager(KVCacheManagerConfig(
     layers=[AttentionLayerConfig(layer_id=0, buffers=[BufferConfig(role="kv", size=4)])],
     levels=[LevelConfig(tier="gpu", quota=(args.blocks + PER) * 4)], kernel_backend="numpy"))
 t1 = tracemalloc.get_traced_memory()[0]
-rng = random.Random(0)
 start = time.time()
-filled = i = 0
-while filled < args.blocks:
-    n = min(PER, args.blocks - filled)
-    p = [rng.randrange(128_000) for _ in range(n * TPB)]
-    c = m.create_kv_cache(None, p, id=i)
-    c.resume()
-    c.resize(len(p))
-    c.commit(p[c.history_length:])
-    c.close()
-    filled += n
-    i += 1
+i = fill_cache(m, random.Random(0), args.blocks, TPB, PER)
 gc.collect()
 t2 = tracemalloc.get_traced_memory()[0]
 tree = m.tree

@@ -202,6 +202,24 @@ def run_prefill(args: argparse.Namespace, tpb: int, seed: int) -> dict[str, floa
     return res
 
 
+def fill_cache(m: KVCacheManager, rng: random.Random, blocks: int, tpb: int,
+               per_prompt: int = 256) -> int:
+    """Cache ``blocks`` distinct full blocks in ``m``: random prompts of ``per_prompt``
+    blocks, each created, resumed, grown, committed and closed. Returns the prompts made."""
+    filled = i = 0
+    while filled < blocks:
+        nblk = min(per_prompt, blocks - filled)
+        p = rand_tokens(rng, nblk * tpb)
+        c = m.create_kv_cache(None, p, id=("f", i))
+        c.resume()
+        c.resize(len(p))
+        c.commit(p[c.history_length:])
+        c.close()
+        filled += nblk
+        i += 1
+    return i
+
+
 def run_lookup_scaling(args: argparse.Namespace, tpb: int, seed: int) -> dict[str, Any]:
     """probe_reuse cost per matched block with N other blocks cached. Every size's manager
     is built first; then the sizes and the variants take turns, one timed mean each per
@@ -215,18 +233,7 @@ def run_lookup_scaling(args: argparse.Namespace, tpb: int, seed: int) -> dict[st
     built = []
     for cached in args.lookup_sizes:
         m = make_manager(tpb, cached + 4 * match_blocks + per_prompt, page_bytes=4)
-        filled = 0
-        i = 0
-        while filled < cached:
-            nblk = min(per_prompt, cached - filled)
-            p = rand_tokens(rng, nblk * tpb)
-            c = m.create_kv_cache(None, p, id=("f", i))
-            c.resume()
-            c.resize(len(p))
-            c.commit(p[c.history_length:])
-            c.close()
-            filled += nblk
-            i += 1
+        fill_cache(m, rng, cached, tpb, per_prompt)
         target = rand_tokens(rng, match_blocks * tpb)
         c = m.create_kv_cache(None, target, id="t")
         c.resume()
