@@ -39,6 +39,7 @@ from kvcm_core.context import CacheContext
 from kvcm_core.errors import InvalidArgumentError, InvalidStateError
 from kvcm_core.eviction import check_priority
 from kvcm_core.kinds import PageList, page_list, pages_of
+from kvcm_core.kinds import page_ids as _arr
 from kvcm_core.matching import Match
 from kvcm_core.radix import NO_NODE, check_token_array, encode_tokens, scope_root_key
 from kvcm_core.stats import RequestStats
@@ -53,12 +54,6 @@ _I32 = 1 << 31
 def _token_list(tokens: Any) -> list[Any]:
     check_token_array(tokens)
     return list(tokens)
-
-
-def _arr(pages: Sequence[int]) -> np.ndarray:
-    # A copy, always: a view of a PageList would pin its buffer (no append while it lives)
-    # and change with it.
-    return np.array(pages, dtype=np.int64)
 
 
 class KVCache(ResumeMixin, ResizeMixin, BeamsMixin, ReuseMixin, PublishMixin, ScratchMixin):

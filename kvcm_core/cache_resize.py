@@ -10,6 +10,7 @@ import numpy as np
 from kvcm_core.backend import Stream
 from kvcm_core.cache_base import CacheBase, CacheStatus
 from kvcm_core.errors import ArgumentTypeError, InvalidArgumentError, OutOfPagesError
+from kvcm_core.kinds import page_ids as _arr
 from kvcm_core.refusals import level_shortage, room_failed
 
 _ACTIVE = CacheStatus.ACTIVE
@@ -23,10 +24,6 @@ def _check_count(name: str, value: Any) -> int:
     if value < 0:
         raise InvalidArgumentError(f"{name}={value!r}: must be an int >= 0")
     return int(value)
-
-
-def _arr(pages: list[int]) -> np.ndarray:
-    return np.array(pages, dtype=np.int64)  # (a copy: see kvcm_core.cache._arr)
 
 
 class ResizeMixin(CacheBase):

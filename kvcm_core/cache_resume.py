@@ -11,14 +11,11 @@ import numpy as np
 from kvcm_core.backend import Stream
 from kvcm_core.cache_base import CacheBase, CacheStatus
 from kvcm_core.errors import CorruptPageError, OutOfPagesError, TierIOError
+from kvcm_core.kinds import page_ids as _arr
 from kvcm_core.kinds import page_list
 from kvcm_core.refusals import level_shortage, over_resume_limit, room_failed
 
 __all__ = ["ResumeMixin"]
-
-
-def _arr(pages: Sequence[int]) -> np.ndarray:
-    return np.array(pages, dtype=np.int64)  # (a copy: see kvcm_core.cache._arr)
 
 
 class ResumeMixin(CacheBase):

@@ -20,7 +20,7 @@ from kvcm_core.radix import PrefixTree
 from kvcm_core.storage import PageArena
 
 __all__ = ["FullAttention", "LifeCycleKind", "PageList", "SlidingWindow", "SsmState", "make_kind",
-           "page_list", "pages_of"]
+           "page_ids", "page_list", "pages_of"]
 
 #: A cache's page ids of one group, per block (``-1``: none): a typed array of int64, not a
 #: list. A close turns it into a NumPy array with one copy of contiguous memory; a list's
@@ -39,6 +39,13 @@ def pages_of(ids: np.ndarray) -> PageList:
     out = array("q")
     out.frombytes(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
     return out
+
+
+def page_ids(pages: Sequence[int]) -> np.ndarray:
+    """Page ids (a PageList, a list, a tuple) as a new int64 NumPy array. Always a copy: a
+    view of a PageList would pin its buffer (no append while the view lives) and change
+    with it."""
+    return np.array(pages, dtype=np.int64)
 
 
 _MINUS_ONE = array("q", [-1])
