@@ -16,10 +16,9 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import attrs
 import numpy as np
 
-from kvcm_core.backend import KernelBackend, PageRegion, Stream
+from kvcm_core.backend import KernelBackend, Stream
 from kvcm_core.cache import CacheStatus, KVCache
 from kvcm_core.codec import PageCodec
 from kvcm_core.config import KVCacheManagerConfig
@@ -33,9 +32,10 @@ from kvcm_core.errors import (
 )
 from kvcm_core.frame import level_frames
 from kvcm_core.kinds import make_kind
-from kvcm_core.layout import BufferAttr, PageIndexConverter, StorageLayout
+from kvcm_core.layout import StorageLayout
 from kvcm_core.levels import Levels, release_dropped
 from kvcm_core.lifecycle import LifeCycleRegistry
+from kvcm_core.manager_layout import LayoutQueries
 from kvcm_core.matching import Match, match_prefix
 from kvcm_core.plugins import KvcmPluginManager, get_plugin_manager, make_tier
 from kvcm_core.radix import PrefixTree, check_token_array, scope_root_key
@@ -46,8 +46,8 @@ from kvcm_core.sparse.storage import check_sparse_backend, level0_slots
 from kvcm_core.stats import IterationStats
 from kvcm_core.storage import StorageStatistics
 from kvcm_core.threads import ThreadGuard
-from kvcm_core.tier import DevicePool, Tier
-from kvcm_core.types import CacheGroupId, ReuseScope
+from kvcm_core.tier import Tier
+from kvcm_core.types import ReuseScope
 from kvcm_core.units import parse_size
 
 __all__ = ["MAX_SLOTS", "KVCacheManager"]
@@ -60,7 +60,7 @@ _DEFAULT_SCOPE = ReuseScope()  # frozen: one instance serves every scope=None ca
 _DEFAULT_ROOT = scope_root_key(_DEFAULT_SCOPE)
 
 
-class KVCacheManager:
+class KVCacheManager(LayoutQueries):
     """Manages the paged KV cache of every running request.
 
     Args:
@@ -202,76 +202,6 @@ class KVCacheManager:
     def stores(self) -> list[list[Any]]:
         """Per level, its stores (one per pool group; cold groups below level 0)."""
         return self.storage_levels.stores
-
-    @property
-    def num_cache_groups(self) -> int:
-        return len(self.life_cycles)
-
-    def get_layer_group_id(self, layer_id: int) -> CacheGroupId:
-        """The cache group of a layer whose buffers all share one (ConfigError if split)."""
-        return self.registry.get_layer_group_id(layer_id)
-
-    @property
-    def layer_grouping(self) -> Mapping[int, CacheGroupId]:
-        return self.registry.layer_grouping
-
-    def get_buffer_group_id(self, layer_id: int, role: str) -> CacheGroupId:
-        return self.registry.get_buffer_group_id(layer_id, role)
-
-    @property
-    def buffer_grouping(self) -> Mapping[tuple[int, str], CacheGroupId]:
-        return self.registry.buffer_grouping
-
-    def buffer_attr(self, layer_id: int, role: str) -> BufferAttr:
-        """Where a buffer lives (:class:`~kvcm_core.layout.BufferAttr`)."""
-        self.registry.get_buffer_group_id(layer_id, role)
-        return self.layout.buffer_attrs[(layer_id, role)]
-
-    def _pool(self, layer_id: int, role: str) -> tuple[DevicePool, BufferAttr]:
-        attr = self.buffer_attr(layer_id, role)
-        pool = self.storage_levels.stores[0][attr.pool_group].pools[attr.pool]
-        assert isinstance(pool, DevicePool)
-        return pool, attr
-
-    def get_mem_pool_base_address(self, layer_id: int, role: str) -> int:
-        """Address of this buffer's page for slot 0: the page of slot ``s`` is at
-        ``base + s * get_page_stride(layer_id, role)``."""
-        pool, attr = self._pool(layer_id, role)
-        return pool.base_address + attr.offset
-
-    def get_page_stride(self, layer_id: int, role: str) -> int:
-        """Bytes between the pages of consecutive slots (the pool's slot size)."""
-        pool, _ = self._pool(layer_id, role)
-        return pool.slot_bytes
-
-    def get_page_region(self, layer_id: int, role: str) -> PageRegion:
-        """The buffer's pages as a region of the pool's buffer (page ``s`` = slot ``s``)."""
-        pool, attr = self._pool(layer_id, role)
-        return PageRegion(pool.buffer, attr.offset, pool.slot_bytes)
-
-    def get_page_index_converter(self, layer_id: int, role: str) -> PageIndexConverter:
-        """``(scale, offset, expansion)`` of a buffer's page indices, and, for buffers of an
-        SWA scratch group, ``scratch_pages_per_block`` (``convert`` maps scratch blocks)."""
-        group = self.registry.get_buffer_group_id(layer_id, role)
-        conv = self.layout.converter((layer_id, role))
-        if group in self._ctx.scratch_scales:
-            assert self.config.swa_scratch is not None
-            conv = attrs.evolve(conv, scratch_pages_per_block=(
-                self.config.swa_scratch.scratch_pages_per_block))
-        return conv
-
-    @property
-    def pool_group_descs(self) -> list[dict[str, Any]]:
-        """One description per GPU pool group: policy, slot sizes, slots, life cycles."""
-        out = []
-        for pg, store in zip(self.layout.pool_groups, self.storage_levels.stores[0], strict=True):
-            out.append({
-                "id": pg.id, "policy": pg.policy.name, "slot_sizes": list(pg.slot_sizes),
-                "sparse": pg.sparse, "num_slots": store.num_slots,
-                "cache_groups": list(pg.life_cycles),
-                "life_cycles": [self.life_cycles[g].describe() for g in pg.life_cycles],
-            })
-        return out
 
     def get_storage_statistics(self, level: int = 0) -> StorageStatistics:
         """Slots of a level: ``free + evictable + unavailable == total``."""
