@@ -16,7 +16,7 @@ from kvcm_core.config import KVCacheManagerConfig
 from kvcm_core.context import CacheContext
 from kvcm_core.layout import BufferAttr, PageIndexConverter, StorageLayout
 from kvcm_core.levels import Levels
-from kvcm_core.lifecycle import LifeCycleRegistry
+from kvcm_core.lifecycle import LifeCycle, LifeCycleRegistry
 from kvcm_core.tier import DevicePool
 from kvcm_core.types import CacheGroupId
 
@@ -30,7 +30,7 @@ class LayoutQueries:
     registry: LifeCycleRegistry
     layout: StorageLayout
     storage_levels: Levels
-    life_cycles: Any
+    life_cycles: tuple[LifeCycle, ...]
     _ctx: CacheContext
 
     @property
