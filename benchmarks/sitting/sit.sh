@@ -1,21 +1,25 @@
 #!/bin/bash
-# Session 32's sitting: every figure of issue 9's acceptance in one sitting on this 2-core
-# VM, each kvcm run beside its vLLM peer run, alternating: the race (5 rounds, each side a
+# Every figure of issue 9's acceptance in one sitting (first used in session 32 on the
+# project's 2-core VM), each kvcm run beside its vLLM peer run, alternating: the race (5 rounds, each side a
 # median of 3 replays), the manager's host overhead (3 rounds), the levels replay against
 # GPU-only (ROUNDS alternating rounds of --reps 3), and simulate on the trace.
 # Each timed run, kvcm's and vLLM's alike, starts once the VM reads calm: floor.py's bare
 # lookup floor at most GATE us per block (default 0.38; about 0.33 when nothing else runs
 # on the host, up to 0.7 in the slow stretches of 2026-12-06), or after 120 s of waiting;
 # the reading before each run is logged beside it in sitting.log.
-# Usage: sit.sh OUTDIR [ROUNDS] [GATE]  (from the checkout, its .venv and /tmp/vllm-venv set up)
+# Usage: bash benchmarks/sitting/sit.sh OUTDIR [ROUNDS] [GATE], from the checkout, kvcm
+# installed (a .venv there is activated); VLLM_PY: the python of a venv with vLLM 0.33 and
+# benchmarks/peer/venv_requirements.txt (default /tmp/vllm-venv/bin/python); TRACE: the
+# Mooncake trace (default .whl/mooncake_synthetic.jsonl). Then: python3
+# benchmarks/sitting/summary.py OUTDIR.
 O=$(realpath -m "$1"); ROUNDS=${2:-15}; GATE=${3:-0.38}
 mkdir -p "$O"/race "$O"/manager "$O"/levels "$O"/simulate-trace
 cd "$(git rev-parse --show-toplevel)" || exit 1
-. .venv/bin/activate
+if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
 export PYTHONPATH=$PWD:$PWD/plugins/tiers:$PWD/plugins/kernels:$PWD/plugins/eviction:$PWD/plugins/codecs
 git rev-parse --short HEAD > "$O"/commit.txt; git status --short | head -5 >> "$O"/commit.txt
-VP=/tmp/vllm-venv/bin/python
-T=.whl/mooncake_synthetic.jsonl
+VP=${VLLM_PY:-/tmp/vllm-venv/bin/python}
+T=${TRACE:-.whl/mooncake_synthetic.jsonl}
 HERE=$(dirname "$(realpath "$0")")
 FLOOR=""
 gate() { FLOOR=$(python "$HERE/floor.py" --wait "$GATE" | tail -1); }
