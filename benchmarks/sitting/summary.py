@@ -63,7 +63,7 @@ if lv and gp:
     rr = sorted(a["us_per_request_median"] / b["us_per_request_median"] for a, b in zip(lv, gp))
     print(f"  {len(lv)} rounds: levels {ml:.1f} us/req, GPU-only {mg:.1f} us/req: ratio {ml / mg:.3f}"
           f" (per block {mb:.3f}; min-of-mins {mins:.3f}; rounds' own ratios {rr[0]:.2f}-"
-          f"{rr[-1]:.2f}, under 1.5 in {sum(x <= 1.5 for x in rr)} of {len(rr)})")
+          f"{rr[-1]:.2f}, their median {med(rr):.3f}, under 1.5 in {sum(x <= 1.5 for x in rr)} of {len(rr)})")
     x = lv[0]
     print(f"  hit rate {x['hit_rate']:.5f}; exact LRU over 512-token blocks, 4.5M tokens: "
           f"{x['lru512_hit_rate']:.5f} ({x['hit_rate'] / x['lru512_hit_rate']:.4f}x)")
