@@ -42,4 +42,5 @@ if len(sys.argv) == 3 and sys.argv[1] == "--wait":
             break
         time.sleep(2)
 else:
-    print("floor us/block: min %.3f median %.3f max %.3f" % reading())
+    lo, mid, hi = reading()
+    print(f"floor us/block: min {lo:.3f} median {mid:.3f} max {hi:.3f}")
