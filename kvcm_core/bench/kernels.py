@@ -191,14 +191,6 @@ class _Pools:
             buf.free()
 
 
-def _measured_threshold(backend: Any, direction: str) -> int | None:
-    """The page size from which a measured backend copies ``direction`` ("h2d", "d2h")
-    on the copy engine (None: never)."""
-    key = {"h2d": (MemoryKind.HOST, MemoryKind.DEVICE),
-           "d2h": (MemoryKind.DEVICE, MemoryKind.HOST)}[direction]
-    return backend.auto_ce_min_page_bytes.get(key)
-
-
 def _bytes_moved(direction: str, nbytes: int) -> int:
     """Bytes a copy moves through memory: device-to-device counts read plus write."""
     return 2 * nbytes if direction == "d2d" else nbytes
@@ -368,25 +360,6 @@ def _bench_backend(
                 for variant in variants.values():
                     variant.close()
         result["sweep"] = sweep
-
-        # copy_path="measure": what a backend that measures both paths here would choose.
-        if caps.copy_engine:
-            t0 = time.perf_counter()
-            measured = spec.factory({**args.options, "copy_path": "measure"})
-            took = time.perf_counter() - t0
-            try:
-                times = getattr(measured, "copy_path_times", {})
-                thresholds = {d: _measured_threshold(measured, d) for d in times}
-                result["measured_copy_path"] = {
-                    "construction_s": took,
-                    "ce_from_page_bytes": thresholds,
-                    "seconds_sm_ce": {d: {str(p): list(t) for p, t in rows.items()}
-                                      for d, rows in times.items()},
-                }
-                log(f"[{name}] copy_path=measure: copy engine from {thresholds} "
-                    f"(built in {took:.2f} s)")
-            finally:
-                measured.close()
 
         # Bare launch cost: an empty kernel, and a launch followed by a synchronize.
         launch: dict[str, float] = {}

@@ -76,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls first")
     parser.add_argument("--limit-mib", type=int, default=1024,
                         help="MiB of each plain copy that measures the limits")
-    parser.add_argument("--copy-path", default="", choices=["", "auto", "sm", "ce", "measure"],
+    parser.add_argument("--copy-path", default="", choices=["", "auto", "sm", "ce"],
                         help="the GPU backends' copy path for this run (sets KVCM_COPY_PATH; "
                              "empty: each backend's default)")
     parser.add_argument("--profile", action="store_true",

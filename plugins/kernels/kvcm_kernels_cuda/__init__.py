@@ -135,7 +135,7 @@ class CudaDriverBackend(CudaKernelBackend):
     """kvcm's kernels on the CUDA driver API (see the module docstring).
 
     Args:
-        options: ``device``, ``copy_path`` (``"auto"``, ``"sm"``, ``"ce"``, ``"measure"``),
+        options: ``device``, ``copy_path`` (``"auto"``, ``"sm"``, ``"ce"``),
             ``block_threads``, ``memcpy_batch`` (``"auto"``, ``"entry_point"``,
             ``"bindings"``).
 
@@ -182,7 +182,6 @@ class CudaDriverBackend(CudaKernelBackend):
         self._batch_attrs.view(np.int32)[0] = _SRC_ACCESS_ORDER_STREAM
         self._batch_idx = np.zeros(1, dtype=np.uint64)
         self._batch_fail = np.zeros(1, dtype=np.uint64)
-        self._measure_if_asked()
 
     # -- runtime primitives ----------------------------------------------------------------
 

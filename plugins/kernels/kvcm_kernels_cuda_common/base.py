@@ -11,9 +11,7 @@ from __future__ import annotations
 import abc
 import ctypes
 import os
-import statistics
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,12 +33,6 @@ from kvcm_core.backend import (
 )
 from kvcm_core.scratch import ScratchDesc, scratch_kernel_args
 from kvcm_core.sparse.reference import keys_width
-from kvcm_kernels_cuda_common.copy_choice import (
-    MEASURE_BYTES,
-    MEASURE_PAGE_BYTES,
-    MEASURE_REPS,
-    ce_threshold,
-)
 from kvcm_kernels_cuda_common.source import (
     CONV_JOB_WORDS,
     COPY_CHUNK_BYTES_PER_THREAD,
@@ -82,9 +74,7 @@ __all__ = [
     "parse_options",
 ]
 
-#: ``"measure"``: time both paths on this machine once, then choose as ``"auto"`` does with
-#: thresholds from what won (:mod:`kvcm_kernels_cuda_common.copy_choice`).
-COPY_PATHS = ("auto", "sm", "ce", "measure")
+COPY_PATHS = ("auto", "sm", "ce")
 
 #: ``copy_path="auto"``: smallest page size, per (source kind, destination kind), from which
 #: the copy engine is used instead of the SM gather kernel (``None``: never). This default
@@ -113,10 +103,9 @@ _MAX_GRID_X = (1 << 31) - 1
 def parse_options(
     options: dict[str, Any] | None, extra: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Validate backend options: ``device`` (int), ``copy_path`` (``"auto"``, ``"sm"``,
-    ``"ce"`` or ``"measure"``), ``block_threads`` (a multiple of 32 from 64 to 1024), and a
-    backend's own ``extra`` keys (given with their defaults; the backend checks their
-    values).
+    """Validate backend options: ``device`` (int), ``copy_path`` (``"auto"``, ``"sm"`` or
+    ``"ce"``), ``block_threads`` (a multiple of 32 from 64 to 1024), and a backend's own
+    ``extra`` keys (given with their defaults; the backend checks their values).
 
     Raises:
         ValueError: an unknown key or a bad value, naming both.
@@ -457,19 +446,6 @@ class CudaKernelBackend(KernelBackend):
         self._module: CompiledModule | None = None
         self._shared_allowed: dict[str, int] = {}
         self._closed = False
-        #: ``copy_path="measure"``'s timings: direction (``"h2d"``, ``"d2h"``) -> page size
-        #: -> (gather kernel seconds, copy engine seconds); empty until measured.
-        self.copy_path_times: dict[str, dict[int, tuple[float, float]]] = {}
-
-    def _measure_if_asked(self) -> None:
-        """The last step of a subclass's ``__init__`` (its copy primitives are set up by
-        then): ``copy_path="measure"`` measures now, and a failure closes the backend."""
-        if self.copy_path == "measure":
-            try:
-                self.measure_copy_paths()
-            except BaseException:
-                self.close()
-                raise
 
     # -- primitives a subclass supplies --------------------------------------------------
 
@@ -693,66 +669,9 @@ class CudaKernelBackend(KernelBackend):
 
     # -- copy_pages ----------------------------------------------------------------------
 
-    def measure_copy_paths(self, page_sizes: Sequence[int] = MEASURE_PAGE_BYTES,
-                           nbytes: int = MEASURE_BYTES, reps: int = MEASURE_REPS
-                           ) -> dict[str, int | None]:
-        """Time the gather kernel against the copy engines on this machine, host to device
-        and device to host, one copy of ``nbytes`` in pages of each size (random order on
-        both sides, wall time with the host's work and a synchronise, median of ``reps``
-        after one untimed copy), and make ``copy_path="auto"`` take the copy engines from
-        the page size where they won (:func:`~kvcm_kernels_cuda_common.copy_choice.
-        ce_threshold`). Device-to-device copies keep the gather kernel. Returns the
-        thresholds by direction (``None``: the gather kernel at every size); the timings
-        are in :attr:`copy_path_times`."""
-        host, dev = self.alloc_host(nbytes), self.alloc_device(nbytes)
-        stream = self._default
-        try:
-            noise = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-            self.write(host, 0, noise)  # not zeros: a link may compress them
-            self.write(dev, 0, noise)
-            thresholds = dict(self.auto_ce_min_page_bytes)
-            found: dict[str, int | None] = {}
-            times: dict[str, dict[int, tuple[float, float]]] = {}
-            for direction, src, dst, key in (
-                ("h2d", host, dev, (MemoryKind.HOST, MemoryKind.DEVICE)),
-                ("d2h", dev, host, (MemoryKind.DEVICE, MemoryKind.HOST)),
-            ):
-                times[direction] = {}
-                for page in page_sizes:
-                    n = nbytes // page
-                    if n < 1:
-                        continue
-                    rng = np.random.default_rng(page)
-                    pairs = np.stack([rng.permutation(n), rng.permutation(n)],
-                                     axis=1).astype(np.int32)
-                    task = CopyTask(PageRegion(dst, 0, page), PageRegion(src, 0, page), page,
-                                    pairs)
-                    times[direction][page] = (self._time_copy(task, "sm", stream, reps),
-                                              self._time_copy(task, "ce", stream, reps))
-                found[direction] = thresholds[key] = ce_threshold(times[direction])
-        finally:
-            host.free()
-            dev.free()
-        self.copy_path_times = times
-        self.auto_ce_min_page_bytes = thresholds
-        self.copy_path = "auto"
-        return found
-
-    def _time_copy(self, task: CopyTask, path: str, stream: CudaStream, reps: int) -> float:
-        """Median wall seconds of ``task`` through ``path``, waited for (see
-        :meth:`measure_copy_paths`)."""
-        out = []
-        for i in range(reps + 1):
-            t0 = time.perf_counter()
-            self._run_copies([task], path, stream)
-            stream.synchronize()
-            if i:  # the first: untimed (compiles the kernels, warms the mappings)
-                out.append(time.perf_counter() - t0)
-        return statistics.median(out)
-
     def choose_copy_path(self, dst_kind: str, src_kind: str, page_bytes: int) -> str:
         """``"sm"`` (gather kernel) or ``"ce"`` (copy engine) for one copy's shape."""
-        if self.copy_path in ("sm", "ce"):
+        if self.copy_path != "auto":
             return self.copy_path
         threshold = self.auto_ce_min_page_bytes.get((src_kind, dst_kind))
         return "ce" if threshold is not None and page_bytes >= threshold else "sm"

@@ -60,7 +60,7 @@ class CupyBackend(CudaKernelBackend):
     """kvcm's kernels through CuPy (see the module docstring).
 
     Args:
-        options: ``device``, ``copy_path`` (``"auto"``, ``"sm"``, ``"ce"``, ``"measure"``),
+        options: ``device``, ``copy_path`` (``"auto"``, ``"sm"``, ``"ce"``),
             ``block_threads``; see :func:`kvcm_kernels_cuda_common.parse_options`.
 
     Raises:
@@ -93,7 +93,6 @@ class CupyBackend(CudaKernelBackend):
         self._tls = threading.local()
         self._stream_kwarg: bool | None = None
         super().__init__(options)
-        self._measure_if_asked()
 
     # -- runtime primitives ----------------------------------------------------------------
 
