@@ -58,8 +58,9 @@ for r in (1, 2, 3):
 
 print("== levels: GPU 0.5M + host 1M + disk 3M against GPU-only 4.5M")
 # Round r's levels run and the GPU-only run right after it, paired by round number.
-rounds = sorted(int(p.stem.removeprefix("levels_r")) for p in OUT.glob("levels/levels_r*.json")
-                if (OUT / f"levels/gpu_r{p.stem.removeprefix('levels_r')}.json").exists())
+rounds = sorted(r for r in (int(p.stem.removeprefix("levels_r"))
+                            for p in OUT.glob("levels/levels_r*.json"))
+                if (OUT / f"levels/gpu_r{r}.json").exists())
 lv = [load(OUT / f"levels/levels_r{r}.json")["results"] for r in rounds]
 gp = [load(OUT / f"levels/gpu_r{r}.json")["results"] for r in rounds]
 if lv and gp:
